@@ -1,0 +1,161 @@
+"""Assembling a core: contract, manifest, resources, signature.
+
+Owns the step from a recipe's declaration (shape, weights, tokenizer, chat
+template, frontend and sampling metadata) to a signed core file written by
+Helios' container writer. Every core it writes is validated with Helios'
+own contract checks before it is signed, so a recipe error fails here rather
+than at an operator's startup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from helios_core.container.writer import ResourceInput, write_core
+from helios_core.contract import EXPORTED_CONTRACT_VERSION, prepare_contract
+from helios_core.wire import container_pb2 as cb
+from helios_core.wire import contract_pb2 as ct
+from ignition import __version__ as toolkit_version
+from ignition.preparation import contract as decl
+from ignition.preparation.program import ManifestBuilder
+from ignition.recipes.llama import Capacities, LlamaProgramWriter, LlamaShape, Weights
+
+Layout = Literal["payload", "logical-v6", "logical-v4"]
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class TextModelDeclaration:
+    """Everything a recipe declares about a text model."""
+
+    served_name: str
+    shape: LlamaShape
+    weights: Weights
+    tokenizer_json: str
+    chat_template: str
+    sampled_size: int
+    eos_token_ids: Sequence[int]
+    sampling: ct.SamplingDefaults = field(default_factory=ct.SamplingDefaults)
+    frontend: ct.FrontendContract | None = None
+    max_output_tokens: int = 512
+    description: str = ""
+    rebuild: cb.RebuildManifest | None = None
+
+
+def default_frontend() -> ct.FrontendContract:
+    """A frontend with no tool or reasoning syntax and no image inputs."""
+    return ct.FrontendContract(
+        tool_parser=ct.TOOL_PARSER_NONE,
+        reasoning_parser=ct.REASONING_PARSER_NONE,
+        image_preparation=ct.IMAGE_PREPARATION_NONE,
+        image_layout=ct.IMAGE_LAYOUT_NONE,
+    )
+
+
+def assemble(
+    model: TextModelDeclaration, caps: Capacities, *, bf16: bool = False
+) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
+    """Build the serving contract, execution manifest and resources of a text model."""
+    builder = ManifestBuilder()
+    writer = LlamaProgramWriter(builder, model.shape, caps, model.weights, bf16=bf16)
+    graphs = writer.write()
+
+    resources = [
+        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
+        for rid, res in sorted(builder.weight_resources.items())
+    ]
+    resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=model.tokenizer_json.encode()))
+    resources.append(
+        ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=model.chat_template.encode())
+    )
+
+    identity = hashlib.sha256()
+    for resource in resources:
+        identity.update(resource.id.encode())
+        identity.update(hashlib.sha256(resource.data).digest())
+    identity.update(b"bf16" if bf16 else b"f32")
+    identity.update(f"page_tokens={caps.page_tokens}".encode())
+
+    shape = model.shape
+    contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
+    contract_model.vocabulary.sampled_size = model.sampled_size
+    contract_model.vocabulary.logits_width = shape.vocab
+    contract_model.vocabulary.histogram_width = shape.vocab
+    contract_model.vocabulary.mask_words = -(-shape.vocab // 32)
+    contract_model.input_vocabulary.size = model.sampled_size
+    contract_model.cache.page_tokens = caps.page_tokens
+    region = contract_model.cache.regions.add(name="kv", kind=ct.HISTORY_KIND_PAGED_KV, tokens_per_record=1)
+    region.planes.extend(v.buffer for v in writer.k_planes + writer.v_planes)
+    contract_model.cache.page_table_views.add(
+        buffer="page_table", page_offset=0, region="kv", pages_per_row=caps.pages_per_row
+    )
+    contract_model.graphs.extend(graphs)
+    contract_model.frontend.CopyFrom(model.frontend or default_frontend())
+    contract_model.state_views.extend(decl.state_views(writer.text_caps))
+
+    serving = ct.ServingContract(
+        served_name=model.served_name,
+        cache_identity=identity.hexdigest()[:32],
+        context_tokens=caps.context,
+        prefill_tokens=max(caps.prefill_tokens),
+        page_capacity=caps.cache_pages,
+        snapshot_capacity=0,
+        max_concurrency=caps.max_rows,
+    )
+    serving.defaults.sampling.CopyFrom(model.sampling)
+    serving.defaults.max_output_tokens = model.max_output_tokens
+    serving.defaults.eos_token_ids.extend(model.eos_token_ids)
+    serving.model.CopyFrom(contract_model)
+    return serving, builder, resources
+
+
+def build_core(
+    model: TextModelDeclaration,
+    out: Path,
+    *,
+    caps: Capacities,
+    signing_key: Ed25519PrivateKey,
+    namespace: str,
+    layout: Layout = "payload",
+    core_key: bytes | None = None,
+    bf16: bool = False,
+    targets: Sequence[str] = ("reference",),
+    progress: Progress | None = None,
+) -> ct.ServingContract:
+    """Assemble, validate, sign and write a core; returns its serving contract."""
+    unknown = [t for t in targets if t != "reference"]
+    if unknown:
+        raise ValueError(
+            f"targets {unknown} need prepared GPU kernels, which this toolkit version does not build; "
+            "use --targets reference"
+        )
+    serving, builder, resources = assemble(model, caps, bf16=bf16)
+    # Validate with the serving runtime's own rules before signing anything.
+    prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
+    rebuild = model.rebuild or cb.RebuildManifest()
+    rebuild.toolkit_version = toolkit_version
+    write_core(
+        out,
+        namespace=namespace,
+        contract=serving,
+        execution=builder.manifest,
+        resources=resources,
+        signing_key=signing_key,
+        layout=layout,
+        core_key=core_key,
+        description=model.description,
+        rebuild=rebuild,
+        progress=progress,
+    )
+    return serving
+
+
+def _as_resource_message(resource: ResourceInput) -> cb.ExecutableResource:
+    """The signed resource description a reader will see (lengths only; hashes do not matter here)."""
+    return cb.ExecutableResource(id=resource.id, kind=resource.kind, decoded_nbytes=len(resource.data))  # type: ignore[arg-type]

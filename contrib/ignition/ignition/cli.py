@@ -1,0 +1,159 @@
+"""The ``ignition`` command line: build cores from recipes.
+
+Owns argument parsing, key handling for signing and the progress display.
+Errors print one line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from helios_core.errors import HeliosError
+from ignition.recipes.llama import Capacities
+
+RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
+
+
+class ProgressBar:
+    """A one-line progress display on stderr for long steps."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._last = 0.0
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 30
+        filled = width * done // max(total, 1)
+        bar = "#" * filled + "-" * (width - filled)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{step:<28} [{bar}] {done * 100 // max(total, 1):3d}%{end}")
+        sys.stderr.flush()
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ignition", description="Build signed Helios cores from recipes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="build a core from a recipe")
+    build.add_argument("recipe", choices=RECIPES)
+    build.add_argument("--out", type=Path, required=True, help="core file to write")
+    build.add_argument("--shape", default="tiny", help="synthetic shape name (llama-synthetic)")
+    build.add_argument("--seed", type=int, default=0, help="weight seed (llama-synthetic)")
+    build.add_argument("--sign-key", type=Path, help="Ed25519 private key PEM; a new key is made if omitted")
+    build.add_argument("--namespace", default="local/unreviewed", help="publisher namespace to sign")
+    build.add_argument("--format", dest="layout", choices=("payload", "logical-v6", "logical-v4"), default="payload")
+    build.add_argument("--core-key", type=Path, help="AES-256 core key file (logical-v4)")
+    build.add_argument("--targets", default="reference", help="comma-separated targets (reference, sm_90a)")
+    build.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="weight storage type")
+    build.add_argument("--max-rows", type=int, default=8, help="captured concurrency (decode rows)")
+    build.add_argument("--decode-rows", type=_int_tuple, help="decode variants (default: powers of two)")
+    build.add_argument("--prefill-tokens", type=_int_tuple, default=(16, 64), help="prefill variants (packed tokens)")
+    build.add_argument("--page-tokens", type=int, default=16)
+    build.add_argument("--cache-pages", type=int, default=256, help="working-set cache pages")
+    build.add_argument("--context", type=int, default=512, help="context tokens per request")
+    build.add_argument("--extra-special", default="", help="comma-separated extra special tokens (llama-synthetic)")
+    build.add_argument("--quiet", action="store_true", help="no progress display")
+    return parser
+
+
+def _decode_variants(max_rows: int) -> tuple[int, ...]:
+    rows = [1]
+    while rows[-1] * 2 < max_rows:
+        rows.append(rows[-1] * 2)
+    if rows[-1] != max_rows:
+        rows.append(max_rows)
+    return tuple(rows)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from helios_core.container.keys import generate_keys, load_core_key, load_private_key
+
+    progress = ProgressBar(enabled=not args.quiet and sys.stderr.isatty())
+    caps = Capacities(
+        max_rows=args.max_rows,
+        prefill_tokens=tuple(sorted(args.prefill_tokens)),
+        decode_rows=args.decode_rows or _decode_variants(args.max_rows),
+        page_tokens=args.page_tokens,
+        cache_pages=args.cache_pages,
+        context=args.context,
+    )
+    if max(caps.decode_rows) != caps.max_rows:
+        raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
+    if args.sign_key is None:
+        key_dir = args.out.with_name(args.out.name + ".keys")
+        paths = generate_keys(key_dir)
+        signing_key = load_private_key(paths["signing"])
+        print(f"signed with a new key; public key: {paths['public']}", file=sys.stderr)
+    else:
+        signing_key = load_private_key(args.sign_key)
+    core_key = load_core_key(args.core_key) if args.core_key else None
+    if args.layout == "logical-v4" and core_key is None:
+        raise HeliosError("--format logical-v4 needs --core-key (make one with `helios keys generate`)")
+
+    if args.recipe == "llama-synthetic":
+        from ignition.recipes.synthetic import synthetic_declaration
+
+        extra = tuple(t for t in args.extra_special.split(",") if t)
+        model = synthetic_declaration(args.shape, seed=args.seed, extra_special=extra)
+    else:
+        from ignition.recipes.smollm2 import smollm2_declaration
+
+        model = smollm2_declaration(progress=progress)
+
+    from ignition.build import build_core
+
+    targets = tuple(t for t in args.targets.split(",") if t)
+    started = time.monotonic()
+    serving = build_core(
+        model,
+        args.out,
+        caps=caps,
+        signing_key=signing_key,
+        namespace=args.namespace,
+        layout=args.layout,
+        core_key=core_key,
+        bf16=args.dtype == "bf16",
+        targets=targets,
+        progress=progress,
+    )
+    size = args.out.stat().st_size
+    print(
+        f"wrote {args.out} ({size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
+        f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            return run_build(args)
+    except (HeliosError, ValueError, OSError) as exc:
+        print(f"ignition: error: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

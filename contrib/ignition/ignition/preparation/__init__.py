@@ -1,0 +1,1 @@
+"""Reusable preparation pieces: manifest building and contract declarations."""

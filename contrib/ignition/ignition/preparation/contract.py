@@ -1,0 +1,217 @@
+"""Reusable contract declarations: admission, sampling, state transfer and paged text.
+
+Owns the transport entries, persistent state and completion buffers that every
+paged text model shares, and the value bindings that feed them. A recipe binds
+its programs to these declarations by name; it cannot install scheduling or
+state-update code: everything here is data (bindings, views, buffers) that
+Helios' shared packing and scheduler interpret.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helios_core.wire import contract_pb2 as ct
+from helios_core.wire import manifest_pb2 as mf
+from ignition.preparation.program import ManifestBuilder, View, binding
+
+SUB = ct.INDEXING_SUBMISSION_ROW
+ACTIVE = ct.INDEXING_ACTIVE_ROW
+PACKED = ct.INDEXING_PACKED_TOKEN
+SCALAR = ct.INDEXING_SCALAR
+
+PENDING_TOKEN_VIEW = "pending_token"
+PROMPT_PRESENCE_VIEW = "prompt_presence"
+OUTPUT_COUNTS_VIEW = "output_counts"
+
+
+@dataclass(frozen=True)
+class TextCapacities:
+    """Capacities shared by every program of a paged text core."""
+
+    max_rows: int
+    """B_max: the most request rows any program holds."""
+    max_packed_tokens: int
+    """P_max: the most packed tokens any program holds."""
+    pages_per_row: int
+    vocab_width: int
+    top_logprobs: int = 5
+
+
+@dataclass(frozen=True)
+class SharedViews:
+    """Views of the shared declarations, for recipes to wire nodes to."""
+
+    input_ids: View
+    positions: View
+    token_rows: View
+    cache_slots: View
+    query_length: View
+    page_table: View
+    state_rows: View
+    sample_active: View
+    generation: View
+    temperature: View
+    top_p: View
+    top_k: View
+    min_p: View
+    repetition_penalty: View
+    frequency_penalty: View
+    presence_penalty: View
+    seed: View
+    sampling_step: View
+    grammar_mask: View
+    constrained: View
+    prompt_histogram: View
+    score_targets: View
+    submission_sequence: View
+    pending_tokens: View
+    prompt_presence: View
+    output_counts: View
+    out_sampled_ids: View
+    out_logprobs: View
+    out_top_ids: View
+    out_top_logprobs: View
+    out_generation: View
+    out_emitted: View
+    out_consumed: View
+    out_draft_cursor: View
+    out_reserved: View
+    out_sequence: View
+    out_prompt_scores: View
+
+
+def declare_paged_text(builder: ManifestBuilder, caps: TextCapacities) -> SharedViews:
+    """Declare the transport, persistent state and completion buffers of a paged text core."""
+    b, p, v = caps.max_rows, caps.max_packed_tokens, caps.vocab_width
+    words = -(-v // 32)
+    t = builder.transport_entry
+    views = {
+        "input_ids": t("input_ids", mf.DTYPE_I32, [p]),
+        "positions": t("positions", mf.DTYPE_I32, [p]),
+        "token_rows": t("token_rows", mf.DTYPE_I32, [p]),
+        "cache_slots": t("cache_slots", mf.DTYPE_I64, [p]),
+        "score_targets": t("score_targets", mf.DTYPE_I32, [p]),
+        "query_length": t("query_length", mf.DTYPE_I32, [b]),
+        "page_table": t("page_table", mf.DTYPE_I32, [b, caps.pages_per_row]),
+        "state_rows": t("state_rows", mf.DTYPE_I32, [b]),
+        "sample_active": t("sample_active", mf.DTYPE_U8, [b]),
+        "generation": t("generation", mf.DTYPE_I32, [b]),
+        "temperature": t("temperature", mf.DTYPE_F32, [b]),
+        "top_p": t("top_p", mf.DTYPE_F32, [b]),
+        "top_k": t("top_k", mf.DTYPE_I32, [b]),
+        "min_p": t("min_p", mf.DTYPE_F32, [b]),
+        "repetition_penalty": t("repetition_penalty", mf.DTYPE_F32, [b]),
+        "frequency_penalty": t("frequency_penalty", mf.DTYPE_F32, [b]),
+        "presence_penalty": t("presence_penalty", mf.DTYPE_F32, [b]),
+        "seed": t("seed", mf.DTYPE_U64, [b]),
+        "sampling_step": t("sampling_step", mf.DTYPE_I64, [b]),
+        "grammar_mask": t("grammar_mask", mf.DTYPE_I32, [b, words]),
+        "constrained": t("constrained", mf.DTYPE_U8, [b]),
+        "prompt_histogram": t("prompt_histogram", mf.DTYPE_U8, [b, v]),
+        "submission_sequence": t("submission_sequence", mf.DTYPE_I64, [1]),
+    }
+    t("frame_index", mf.DTYPE_I32, [1])
+    builder.manifest.transport.frame_index_entry = "frame_index"
+    builder.manifest.transport.submission_sequence_entry = "submission_sequence"
+
+    state = mf.BUFFER_ROLE_PERSISTENT_STATE
+    rows_symbol = mf.DIM_SYMBOL_STATE_ROWS
+    views["pending_tokens"] = builder.buffer("pending_tokens", state, mf.DTYPE_I32, [b, 1], leading_symbol=rows_symbol)
+    views["prompt_presence"] = builder.buffer("prompt_presence", state, mf.DTYPE_U8, [b, v], leading_symbol=rows_symbol)
+    views["output_counts"] = builder.buffer("output_counts", state, mf.DTYPE_I32, [b, v], leading_symbol=rows_symbol)
+
+    done = mf.BUFFER_ROLE_COMPLETION
+    n = max(caps.top_logprobs, 1)
+    completion = {
+        "out_sampled_ids": ("out_sampled_ids", mf.DTYPE_I32, [b, 1], mf.COMPLETION_FIELD_SAMPLED_IDS),
+        "out_logprobs": ("out_logprobs", mf.DTYPE_F32, [b, 1], mf.COMPLETION_FIELD_SAMPLED_LOGPROBS),
+        "out_top_ids": ("out_top_ids", mf.DTYPE_I32, [b, n], mf.COMPLETION_FIELD_TOP_IDS),
+        "out_top_logprobs": ("out_top_logprobs", mf.DTYPE_F32, [b, n], mf.COMPLETION_FIELD_TOP_LOGPROBS),
+        "out_generation": ("out_generation", mf.DTYPE_I32, [b], mf.COMPLETION_FIELD_GENERATION),
+        "out_emitted": ("out_emitted", mf.DTYPE_I32, [b], mf.COMPLETION_FIELD_EMITTED_TOKENS),
+        "out_consumed": ("out_consumed", mf.DTYPE_I32, [b], mf.COMPLETION_FIELD_CONSUMED_TOKENS),
+        "out_draft_cursor": ("out_draft_cursor", mf.DTYPE_I32, [b], mf.COMPLETION_FIELD_DRAFT_CURSOR),
+        "out_reserved": ("out_reserved", mf.DTYPE_I32, [b], mf.COMPLETION_FIELD_RESERVED),
+        "out_sequence": ("out_sequence", mf.DTYPE_I64, [1], mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE),
+        "out_prompt_scores": ("out_prompt_scores", mf.DTYPE_F32, [p], mf.COMPLETION_FIELD_PROMPT_SCORES),
+    }
+    for key, (name, dtype, shape, field_id) in completion.items():
+        views[key] = builder.buffer(name, done, dtype, shape)
+        builder.completion(field_id, name)
+    return SharedViews(**views)
+
+
+def state_views(caps: TextCapacities) -> list[ct.StateView]:
+    """Named views of the persistent state rows."""
+    v = caps.vocab_width
+    return [
+        ct.StateView(name=PENDING_TOKEN_VIEW, buffer="pending_tokens", byte_offset=0, row_stride=4, byte_extent=4),
+        ct.StateView(name=PROMPT_PRESENCE_VIEW, buffer="prompt_presence", byte_offset=0, row_stride=v, byte_extent=v),
+        ct.StateView(
+            name=OUTPUT_COUNTS_VIEW, buffer="output_counts", byte_offset=0, row_stride=4 * v, byte_extent=4 * v
+        ),
+    ]
+
+
+def lane_bindings() -> list[ct.ValueBinding]:
+    """Request identity and lane geometry of a submission."""
+    return [
+        binding("state_rows", ct.VALUE_SOURCE_LIVE_STATE_ROWS, SUB, padding=-1),
+        binding("generation", ct.VALUE_SOURCE_GENERATION, SUB, padding=-1),
+        binding("query_length", ct.VALUE_SOURCE_QUERY_LENGTH, SUB, padding=0),
+    ]
+
+
+def packed_token_bindings(*, host_tokens: bool) -> list[ct.ValueBinding]:
+    """Positions, lane membership and cache slots of packed tokens (and host tokens when fed)."""
+    found = [
+        binding("positions", ct.VALUE_SOURCE_PROMPT_POSITIONS, PACKED, padding=0),
+        binding("token_rows", ct.VALUE_SOURCE_TOKEN_ROW, PACKED, padding=-1),
+        binding("cache_slots", ct.VALUE_SOURCE_CACHE_SLOT, PACKED, padding=-1),
+        binding("page_table", ct.VALUE_SOURCE_PAGE_TABLE, SUB, padding=0),
+    ]
+    if host_tokens:
+        found.insert(0, binding("input_ids", ct.VALUE_SOURCE_PROMPT_TOKENS, PACKED, padding=0))
+    return found
+
+
+def sampling_bindings() -> list[ct.ValueBinding]:
+    """Admission sampling parameters, seeds, steps and the grammar mask."""
+    return [
+        binding("sample_active", ct.VALUE_SOURCE_SAMPLING_DECISION, SUB, padding=0),
+        binding("temperature", ct.VALUE_SOURCE_TEMPERATURE, SUB),
+        binding("top_p", ct.VALUE_SOURCE_TOP_P, SUB, padding=1),
+        binding("top_k", ct.VALUE_SOURCE_TOP_K, SUB),
+        binding("min_p", ct.VALUE_SOURCE_MIN_P, SUB),
+        binding("repetition_penalty", ct.VALUE_SOURCE_REPETITION_PENALTY, SUB, padding=1),
+        binding("frequency_penalty", ct.VALUE_SOURCE_FREQUENCY_PENALTY, SUB),
+        binding("presence_penalty", ct.VALUE_SOURCE_PRESENCE_PENALTY, SUB),
+        binding("seed", ct.VALUE_SOURCE_SEED_BITS, SUB),
+        binding("sampling_step", ct.VALUE_SOURCE_SAMPLING_STEP, SUB),
+        binding("grammar_mask", ct.VALUE_SOURCE_GRAMMAR_MASK, SUB, padding=-1),
+        binding("constrained", ct.VALUE_SOURCE_CONSTRAINED, SUB, padding=0),
+    ]
+
+
+def admission_bindings() -> list[ct.ValueBinding]:
+    """What initialization of newly admitted requests needs: rows and prompt histograms."""
+    return [
+        binding("state_rows", ct.VALUE_SOURCE_LIVE_STATE_ROWS, SUB, padding=-1),
+        binding("generation", ct.VALUE_SOURCE_GENERATION, SUB, padding=-1),
+        binding("prompt_histogram", ct.VALUE_SOURCE_PROMPT_HISTOGRAM, ACTIVE),
+    ]
+
+
+def sampling_state_accesses() -> list[ct.StateAccess]:
+    """Generating programs read and update the sampling state and write the pending token."""
+    return [
+        ct.StateAccess(view=PROMPT_PRESENCE_VIEW, mode=ct.ACCESS_MODE_READ),
+        ct.StateAccess(view=OUTPUT_COUNTS_VIEW, mode=ct.ACCESS_MODE_READ_WRITE),
+        ct.StateAccess(view=PENDING_TOKEN_VIEW, mode=ct.ACCESS_MODE_READ_WRITE),
+    ]
+
+
+def target_rng() -> list[ct.RngReservation]:
+    """One target draw per sampled row per round."""
+    return [ct.RngReservation(stream="target", draws_per_row=1)]

@@ -1,0 +1,214 @@
+"""Building execution manifests: buffers, weight resources, transport and programs.
+
+Owns the bookkeeping a recipe would otherwise repeat: registering buffers
+once, packing weight arrays into resources at recorded offsets, declaring
+transport entries, and writing program nodes that name op-catalogue
+operators over buffer views. Recipes say *what* the model computes; this
+module turns it into ``ExecutionManifest`` messages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.wire import contract_pb2 as ct
+from helios_core.wire import manifest_pb2 as mf
+
+WEIGHT_ALIGNMENT = 64
+"""Byte alignment of each weight buffer inside its resource."""
+
+_NUMPY_TO_WIRE: dict[np.dtype[np.generic], int] = {
+    np.dtype(np.float32): mf.DTYPE_F32,
+    np.dtype(np.float16): mf.DTYPE_F16,
+    np.dtype(np.int32): mf.DTYPE_I32,
+    np.dtype(np.int64): mf.DTYPE_I64,
+    np.dtype(np.uint8): mf.DTYPE_U8,
+    np.dtype(np.uint32): mf.DTYPE_U32,
+    np.dtype(np.uint64): mf.DTYPE_U64,
+}
+
+
+@dataclass(frozen=True)
+class View:
+    """A contiguous view of a buffer or transport entry."""
+
+    buffer: str
+    shape: tuple[int, ...]
+    element_offset: int = 0
+
+    def to_wire(self) -> mf.BufferView:
+        return mf.BufferView(buffer=self.buffer, element_offset=self.element_offset, shape=list(self.shape))
+
+
+@dataclass
+class WeightResource:
+    """Weight arrays packed into one resource's decoded bytes."""
+
+    id: str
+    parts: list[bytes] = field(default_factory=list)
+    nbytes: int = 0
+
+    def append(self, data: bytes) -> int:
+        pad = (-self.nbytes) % WEIGHT_ALIGNMENT
+        if pad:
+            self.parts.append(b"\0" * pad)
+            self.nbytes += pad
+        offset = self.nbytes
+        self.parts.append(data)
+        self.nbytes += len(data)
+        return offset
+
+    def payload(self) -> bytes:
+        return b"".join(self.parts)
+
+
+AttributeValue = int | float | str | Sequence[int] | Sequence[float]
+
+
+class ProgramBuilder:
+    """Nodes of one program, in execution order."""
+
+    def __init__(self, name: str, operation: int) -> None:
+        self.program = mf.ProgramDecl(name=name, operation=operation)  # type: ignore[arg-type]
+        self._names: set[str] = set()
+
+    def node(
+        self,
+        op: str,
+        args: Mapping[str, View],
+        attributes: Mapping[str, AttributeValue] | None = None,
+        *,
+        name: str | None = None,
+        version: int = 1,
+    ) -> None:
+        """Append a node naming ``op`` at ``version`` over ``args``."""
+        base = name or op
+        unique = base
+        counter = 1
+        while unique in self._names:
+            counter += 1
+            unique = f"{base}.{counter}"
+        self._names.add(unique)
+        node = self.program.nodes.add(name=unique)
+        node.op.name = op
+        node.op.version = version
+        for arg_name, view in args.items():
+            node.args.add(name=arg_name, view=view.to_wire())
+        for attr_name, value in (attributes or {}).items():
+            attr = node.attributes.add(name=attr_name)
+            if isinstance(value, bool | int):
+                attr.int_value = int(value)
+            elif isinstance(value, float):
+                attr.float_value = value
+            elif isinstance(value, str):
+                attr.string_value = value
+            elif all(isinstance(v, int) for v in value):
+                attr.ints.values.extend(int(v) for v in value)
+            else:
+                attr.floats.values.extend(float(v) for v in value)
+
+
+class ManifestBuilder:
+    """Accumulates buffers, transport entries, programs and weight resources."""
+
+    def __init__(self, *, frames: int = 2, abi_label: str = "helios-exec-1") -> None:
+        self.manifest = mf.ExecutionManifest(abi_label=abi_label, ranks=1, op_catalogue=1)
+        self.manifest.transport.frames = frames
+        self._buffers: dict[str, mf.BufferDecl] = {}
+        self._transport: dict[str, mf.TransportEntry] = {}
+        self.weight_resources: dict[str, WeightResource] = {}
+
+    # -- buffers ---------------------------------------------------------
+    def buffer(
+        self,
+        name: str,
+        role: int,
+        dtype: int,
+        shape: Sequence[int],
+        *,
+        leading_symbol: int = mf.DIM_SYMBOL_UNSPECIFIED,
+    ) -> View:
+        """Declare a device buffer; returns a view of the whole buffer."""
+        if name in self._buffers or name in self._transport:
+            raise ValueError(f"buffer {name!r} declared twice")
+        decl = self.manifest.buffers.add(name=name, role=role, dtype=dtype)  # type: ignore[arg-type]
+        for index, size in enumerate(shape):
+            symbol = leading_symbol if index == 0 else mf.DIM_SYMBOL_UNSPECIFIED
+            decl.shape.add(size=int(size), symbol=symbol)  # type: ignore[arg-type]
+        self._buffers[name] = decl
+        return View(name, tuple(int(s) for s in shape))
+
+    def weight(self, name: str, array: npt.NDArray[np.generic], resource_id: str, *, bf16: bool = False) -> View:
+        """Declare a weights buffer holding ``array`` (stored as bf16 bit patterns when asked)."""
+        resource = self.weight_resources.setdefault(resource_id, WeightResource(resource_id))
+        if bf16:
+            data = _to_bf16_bits(np.ascontiguousarray(array, dtype=np.float32))
+            dtype = mf.DTYPE_BF16
+        else:
+            contiguous = np.ascontiguousarray(array)
+            data = contiguous.tobytes()
+            dtype = _NUMPY_TO_WIRE[contiguous.dtype]
+        offset = resource.append(data)
+        view = self.buffer(name, mf.BUFFER_ROLE_WEIGHTS, dtype, array.shape)
+        decl = self._buffers[name]
+        decl.resource_id = resource_id
+        decl.resource_offset = offset
+        return view
+
+    def transport_entry(self, name: str, dtype: int, shape: Sequence[int]) -> View:
+        """Declare a host-fed transport destination (replicated per frame by the runtime)."""
+        if name in self._buffers or name in self._transport:
+            raise ValueError(f"transport entry {name!r} declared twice")
+        entry = self.manifest.transport.entries.add(name=name, dtype=dtype, shape=list(shape))  # type: ignore[arg-type]
+        self._transport[name] = entry
+        return View(name, tuple(int(s) for s in shape))
+
+    def entry(self, name: str) -> mf.TransportEntry:
+        return self._transport[name]
+
+    def completion(self, field_id: int, buffer: str) -> None:
+        """Register a completion record field held by ``buffer``."""
+        self.manifest.completion.add(field=field_id, buffer=buffer)  # type: ignore[arg-type]
+
+    def add_program(self, program: ProgramBuilder) -> None:
+        self.manifest.programs.append(program.program)
+
+
+def _to_bf16_bits(values: npt.NDArray[np.float32]) -> bytes:
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns."""
+    bits = values.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16).tobytes()
+
+
+def prefix(view: View, *leading: int) -> View:
+    """The view restricted to its first ``leading`` extents (contiguous prefix)."""
+    shape = (*leading, *view.shape[len(leading) :])
+    if math.prod(shape) > math.prod(view.shape):
+        raise ValueError(f"prefix {shape} exceeds {view.shape} of {view.buffer}")
+    return View(view.buffer, shape, view.element_offset)
+
+
+def binding(
+    destination: str,
+    source: int,
+    indexing: int,
+    *,
+    padding: int = 0,
+    offset: int = 0,
+    constant: int = 0,
+) -> ct.ValueBinding:
+    """A ValueBinding message."""
+    return ct.ValueBinding(
+        destination=destination,
+        source=source,  # type: ignore[arg-type]
+        indexing=indexing,  # type: ignore[arg-type]
+        padding=padding,
+        offset=offset,
+        constant=constant,
+    )

@@ -1,0 +1,1 @@
+"""Recipes: each declares one model family's semantic metadata and programs."""

@@ -1,0 +1,463 @@
+"""The Llama-family text recipe: weights, paged KV cache and every program variant.
+
+Owns the dataflow of a Llama decoder (embedding, per-layer attention over a
+paged KV cache and a SiLU-gated MLP, final norm, LM head, sampling) written as
+op-catalogue nodes, and the graph contracts that bind each program to the
+shared declarations of :mod:`ignition.preparation.contract`. Weight sources
+(a GGUF file or seeded random shapes) live in other recipes; this module only
+needs arrays named as below.
+
+Programs: ``initialize`` (admission state), ``prefill_p{P}`` (chunked prompt
+processing; also serves mixed rounds), ``mixed_p{P}``, ``scored_prefill_p{P}``
+(prompt scores), ``resume_p{P}`` (continuing after a restore) and
+``decode_b{B}`` (one token per row, device-owned pending token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.wire import contract_pb2 as ct
+from helios_core.wire import manifest_pb2 as mf
+from ignition.preparation import contract as decl
+from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, prefix
+
+Weights = Mapping[str, npt.NDArray[np.float32]]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """Hyperparameters of a Llama-family decoder."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    rope_theta: float
+    rms_eps: float
+    rope_style: str = "half"
+    """"half" (pairs i, i + d/2) or "interleaved" (adjacent pairs, as GGUF stores Llama Q/K)."""
+    frequency_band_scaling: tuple[float, float, float, int] | None = None
+    """(factor, low_freq_factor, high_freq_factor, original_max_position) or None."""
+    context: int = 2048
+
+    def parameter_count(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.ffn
+        return self.vocab * self.hidden * 2 + self.layers * (attn + mlp + 2 * self.hidden) + self.hidden
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Captured extents of the programs."""
+
+    max_rows: int = 8
+    prefill_tokens: tuple[int, ...] = (16, 64)
+    decode_rows: tuple[int, ...] = (1, 2, 4, 8)
+    page_tokens: int = 16
+    cache_pages: int = 256
+    context: int = 512
+    top_logprobs: int = 5
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.context // self.page_tokens)
+
+    @property
+    def max_packed(self) -> int:
+        return max(max(self.prefill_tokens), max(self.decode_rows))
+
+
+@dataclass
+class _Scratch:
+    h: View
+    xn: View
+    q: View
+    k: View
+    v: View
+    attn: View
+    o: View
+    gate: View
+    up: View
+    act: View
+    last_index: View
+    last_h: View
+    logits: View
+    all_logits: View
+    ids: View
+
+
+def tensor_names(layer: int) -> dict[str, str]:
+    """Array names the recipe expects for one layer."""
+    return {
+        "attn_norm": f"blk.{layer}.attn_norm.weight",
+        "wq": f"blk.{layer}.attn_q.weight",
+        "wk": f"blk.{layer}.attn_k.weight",
+        "wv": f"blk.{layer}.attn_v.weight",
+        "wo": f"blk.{layer}.attn_output.weight",
+        "ffn_norm": f"blk.{layer}.ffn_norm.weight",
+        "w_gate": f"blk.{layer}.ffn_gate.weight",
+        "w_up": f"blk.{layer}.ffn_up.weight",
+        "w_down": f"blk.{layer}.ffn_down.weight",
+    }
+
+
+class LlamaProgramWriter:
+    """Writes the Llama programs into a ManifestBuilder."""
+
+    def __init__(
+        self, builder: ManifestBuilder, shape: LlamaShape, caps: Capacities, weights: Weights, *, bf16: bool
+    ) -> None:
+        self.builder = builder
+        self.shape = shape
+        self.caps = caps
+        self.text_caps = decl.TextCapacities(
+            max_rows=caps.max_rows,
+            max_packed_tokens=caps.max_packed,
+            pages_per_row=caps.pages_per_row,
+            vocab_width=shape.vocab,
+            top_logprobs=caps.top_logprobs,
+        )
+        self.shared = decl.declare_paged_text(builder, self.text_caps)
+        self._declare_weights(weights, bf16)
+        self._declare_cache()
+        self.scratch = self._declare_scratch()
+
+    # -- declarations --------------------------------------------------------
+    def _declare_weights(self, weights: Weights, bf16: bool) -> None:
+        w = self.builder.weight
+        s = self.shape
+        self.tok_embd = w("tok_embd", weights["token_embd.weight"], "weights.embed", bf16=bf16)
+        self.layer_weights: list[dict[str, View]] = []
+        for layer in range(s.layers):
+            names = tensor_names(layer)
+            rid = f"weights.layer{layer}"
+            views = {}
+            for key, name in names.items():
+                views[key] = w(name, weights[name], rid, bf16=bf16 and key not in ("attn_norm", "ffn_norm"))
+            self.layer_weights.append(views)
+        self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
+        head = weights.get("output.weight")
+        self.lm_head = w("output.weight", head, "weights.head", bf16=bf16) if head is not None else self.tok_embd
+
+    def _declare_cache(self) -> None:
+        s, c = self.shape, self.caps
+        plane_shape = [c.cache_pages, c.page_tokens, s.kv_heads, s.head_dim]
+        self.k_planes: list[View] = []
+        self.v_planes: list[View] = []
+        for layer in range(s.layers):
+            for kind, planes in (("k", self.k_planes), ("v", self.v_planes)):
+                planes.append(
+                    self.builder.buffer(
+                        f"cache.{kind}{layer}",
+                        mf.BUFFER_ROLE_CACHE_PLANE,
+                        mf.DTYPE_F32,
+                        plane_shape,
+                        leading_symbol=mf.DIM_SYMBOL_CACHE_PAGES,
+                    )
+                )
+
+    def _declare_scratch(self) -> _Scratch:
+        s, c = self.shape, self.caps
+        p, b = c.max_packed, c.max_rows
+        scratch = mf.BUFFER_ROLE_SCRATCH
+        f32 = mf.DTYPE_F32
+
+        def buf(name: str, shape: Sequence[int], dtype: int = f32) -> View:
+            return self.builder.buffer(f"scratch.{name}", scratch, dtype, shape)
+
+        return _Scratch(
+            h=buf("h", [p, s.hidden]),
+            xn=buf("xn", [p, s.hidden]),
+            q=buf("q", [p, s.heads, s.head_dim]),
+            k=buf("k", [p, s.kv_heads, s.head_dim]),
+            v=buf("v", [p, s.kv_heads, s.head_dim]),
+            attn=buf("attn", [p, s.heads, s.head_dim]),
+            o=buf("o", [p, s.hidden]),
+            gate=buf("gate", [p, s.ffn]),
+            up=buf("up", [p, s.ffn]),
+            act=buf("act", [p, s.ffn]),
+            last_index=buf("last_index", [b], mf.DTYPE_I32),
+            last_h=buf("last_h", [b, s.hidden]),
+            logits=buf("logits", [b, s.vocab]),
+            all_logits=buf("all_logits", [max(c.prefill_tokens), s.vocab]),
+            ids=buf("ids", [b, 1], mf.DTYPE_I32),
+        )
+
+    # -- dataflow --------------------------------------------------------------
+    def _decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
+        """Embedding and every layer over ``tokens`` packed tokens of ``rows`` lanes."""
+        s, sh, sc = self.shape, self.shared, self.scratch
+        p = tokens
+        h = prefix(sc.h, p)
+        xn = prefix(sc.xn, p)
+        q = prefix(sc.q, p)
+        k = prefix(sc.k, p)
+        v = prefix(sc.v, p)
+        attn = prefix(sc.attn, p)
+        o = prefix(sc.o, p)
+        gate, up, act = prefix(sc.gate, p), prefix(sc.up, p), prefix(sc.act, p)
+        q2 = View(q.buffer, (p, s.heads * s.head_dim))
+        k2 = View(k.buffer, (p, s.kv_heads * s.head_dim))
+        v2 = View(v.buffer, (p, s.kv_heads * s.head_dim))
+        attn2 = View(attn.buffer, (p, s.heads * s.head_dim))
+        positions = prefix(sh.positions, p)
+        rope_attrs: dict[str, float | str | list[float]] = {"theta": s.rope_theta, "style": s.rope_style}
+        if s.frequency_band_scaling is not None:
+            rope_attrs["frequency_band_scaling"] = [float(x) for x in s.frequency_band_scaling]
+        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h})
+        for layer, lw in enumerate(self.layer_weights):
+            prog.node(
+                "rmsnorm",
+                {"x": h, "weight": lw["attn_norm"], "out": xn},
+                {"eps": s.rms_eps},
+                name=f"l{layer}.attn_norm",
+            )
+            prog.node("linear", {"x": xn, "weight": lw["wq"], "out": q2}, name=f"l{layer}.q")
+            prog.node("linear", {"x": xn, "weight": lw["wk"], "out": k2}, name=f"l{layer}.k")
+            prog.node("linear", {"x": xn, "weight": lw["wv"], "out": v2}, name=f"l{layer}.v")
+            prog.node("rope", {"x": q, "positions": positions, "out": q}, rope_attrs, name=f"l{layer}.rope_q")
+            prog.node("rope", {"x": k, "positions": positions, "out": k}, rope_attrs, name=f"l{layer}.rope_k")
+            prog.node(
+                "kv_cache_write",
+                {
+                    "k": k,
+                    "v": v,
+                    "slots": prefix(sh.cache_slots, p),
+                    "k_plane": self.k_planes[layer],
+                    "v_plane": self.v_planes[layer],
+                },
+                name=f"l{layer}.cache_write",
+            )
+            prog.node(
+                "paged_attention",
+                {
+                    "q": q,
+                    "k_plane": self.k_planes[layer],
+                    "v_plane": self.v_planes[layer],
+                    "page_table": prefix(sh.page_table, rows),
+                    "token_row": prefix(sh.token_rows, p),
+                    "token_position": positions,
+                    "out": attn,
+                },
+                {"scale": float(s.head_dim) ** -0.5},
+                name=f"l{layer}.attention",
+            )
+            prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"l{layer}.o")
+            prog.node("add", {"a": h, "b": o, "out": h}, name=f"l{layer}.attn_residual")
+            prog.node(
+                "rmsnorm", {"x": h, "weight": lw["ffn_norm"], "out": xn}, {"eps": s.rms_eps}, name=f"l{layer}.ffn_norm"
+            )
+            prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"l{layer}.gate")
+            prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"l{layer}.up")
+            prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"l{layer}.silu_mul")
+            prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"l{layer}.down")
+            prog.node("add", {"a": h, "b": o, "out": h}, name=f"l{layer}.ffn_residual")
+
+    def _sample_and_complete(self, prog: ProgramBuilder, rows: int, tokens: int) -> None:
+        """Final norm and LM head on each lane's last token, sampling, pending token, completion."""
+        s, sh, sc = self.shape, self.shared, self.scratch
+        r = rows
+        last_index = prefix(sc.last_index, r)
+        last_h = prefix(sc.last_h, r)
+        logits = prefix(sc.logits, r)
+        ids = prefix(sh.out_sampled_ids, r)
+        prog.node("lane_last_index", {"query_length": prefix(sh.query_length, r), "out": last_index})
+        prog.node("gather_rows", {"x": prefix(sc.h, tokens), "index": last_index, "out": last_h})
+        prog.node(
+            "rmsnorm", {"x": last_h, "weight": self.out_norm, "out": last_h}, {"eps": s.rms_eps}, name="final_norm"
+        )
+        prog.node("linear", {"x": last_h, "weight": self.lm_head, "out": logits}, name="lm_head")
+        prog.node(
+            "sample",
+            {
+                "logits": logits,
+                "temperature": prefix(sh.temperature, r),
+                "top_k": prefix(sh.top_k, r),
+                "top_p": prefix(sh.top_p, r),
+                "min_p": prefix(sh.min_p, r),
+                "repetition_penalty": prefix(sh.repetition_penalty, r),
+                "frequency_penalty": prefix(sh.frequency_penalty, r),
+                "presence_penalty": prefix(sh.presence_penalty, r),
+                "prompt_presence": sh.prompt_presence,
+                "output_counts": sh.output_counts,
+                "rows": prefix(sh.state_rows, r),
+                "seed": prefix(sh.seed, r),
+                "step": prefix(sh.sampling_step, r),
+                "active": prefix(sh.sample_active, r),
+                "allowed_mask": prefix(sh.grammar_mask, r),
+                "constrained": prefix(sh.constrained, r),
+                "ids": ids,
+                "logprob": prefix(sh.out_logprobs, r),
+                "top_ids": prefix(sh.out_top_ids, r),
+                "top_logprobs": prefix(sh.out_top_logprobs, r),
+            },
+            {"vocab_limit": s.vocab, "top_n": self.caps.top_logprobs},
+        )
+        prog.node(
+            "copy_rows",
+            {"src": ids, "dst_rows": prefix(sh.state_rows, r), "dst": sh.pending_tokens},
+            name="store_pending_token",
+        )
+        prog.node(
+            "completion_lanes",
+            {
+                "generation": prefix(sh.generation, r),
+                "sample_active": prefix(sh.sample_active, r),
+                "last_index": last_index,
+                "positions": prefix(sh.positions, tokens),
+                "submission_sequence": sh.submission_sequence,
+                "out_generation": prefix(sh.out_generation, r),
+                "out_emitted": prefix(sh.out_emitted, r),
+                "out_consumed": prefix(sh.out_consumed, r),
+                "out_draft_cursor": prefix(sh.out_draft_cursor, r),
+                "out_reserved": prefix(sh.out_reserved, r),
+                "out_sequence": sh.out_sequence,
+            },
+        )
+
+    # -- programs --------------------------------------------------------------
+    def _graph(
+        self,
+        name: str,
+        operation: int,
+        rows: int,
+        tokens: int,
+        bindings: list[ct.ValueBinding],
+        accesses: list[ct.StateAccess],
+        *,
+        pending: ct.PendingTokenSource | None = None,
+        generating: bool = True,
+    ) -> ct.GraphContract:
+        graph = ct.GraphContract(name=name, operation=operation)  # type: ignore[arg-type]
+        graph.bindings.extend(bindings)
+        graph.state_accesses.extend(accesses)
+        graph.extents.batch_capacity = rows
+        graph.extents.token_capacity = 1 if operation == ct.OPERATION_DECODE else tokens
+        graph.extents.packed_token_capacity = tokens
+        graph.state_rows_per_request = 1
+        graph.resource_dependencies.extend(sorted(self.builder.weight_resources))
+        if generating:
+            graph.rng_reservations.extend(decl.target_rng())
+            graph.logprobs.sampled = True
+            graph.logprobs.top_n = self.caps.top_logprobs
+        if pending is not None:
+            graph.pending_token.CopyFrom(pending)
+        return graph
+
+    def write(self) -> list[ct.GraphContract]:
+        """Write every program; returns their graph contracts."""
+        graphs: list[ct.GraphContract] = []
+        caps, sh = self.caps, self.shared
+        b = caps.max_rows
+
+        init = ProgramBuilder("initialize", ct.OPERATION_INITIALIZE)
+        init.node(
+            "init_sampling_state",
+            {
+                "prompt_histogram": prefix(sh.prompt_histogram, b),
+                "rows": prefix(sh.state_rows, b),
+                "prompt_presence": sh.prompt_presence,
+                "output_counts": sh.output_counts,
+            },
+        )
+        self.builder.add_program(init)
+        graphs.append(
+            self._graph(
+                "initialize",
+                ct.OPERATION_INITIALIZE,
+                b,
+                b,
+                decl.admission_bindings(),
+                [
+                    ct.StateAccess(view=decl.PROMPT_PRESENCE_VIEW, mode=ct.ACCESS_MODE_WRITE),
+                    ct.StateAccess(view=decl.OUTPUT_COUNTS_VIEW, mode=ct.ACCESS_MODE_WRITE),
+                ],
+                generating=False,
+            )
+        )
+
+        host_token_bindings = (
+            decl.lane_bindings() + decl.packed_token_bindings(host_tokens=True) + decl.sampling_bindings()
+        )
+        for tokens in caps.prefill_tokens:
+            for operation, label in (
+                (ct.OPERATION_PREFILL, "prefill"),
+                (ct.OPERATION_MIXED, "mixed"),
+                (ct.OPERATION_RESUME, "resume"),
+                (ct.OPERATION_SCORED_PREFILL, "scored_prefill"),
+            ):
+                name = f"{label}_p{tokens}"
+                prog = ProgramBuilder(name, operation)
+                self._decoder(prog, b, tokens, prefix(sh.input_ids, tokens))
+                bindings = list(host_token_bindings)
+                if operation == ct.OPERATION_SCORED_PREFILL:
+                    self._prompt_scores(prog, tokens)
+                    bindings.append(
+                        decl.binding("score_targets", ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS, decl.PACKED, padding=-1)
+                    )
+                self._sample_and_complete(prog, b, tokens)
+                self.builder.add_program(prog)
+                graphs.append(
+                    self._graph(
+                        name,
+                        operation,
+                        b,
+                        tokens,
+                        bindings,
+                        decl.sampling_state_accesses(),
+                    )
+                )
+
+        for rows in caps.decode_rows:
+            name = f"decode_b{rows}"
+            prog = ProgramBuilder(name, ct.OPERATION_DECODE)
+            ids = prefix(self.scratch.ids, rows)
+            prog.node(
+                "gather_rows",
+                {"x": sh.pending_tokens, "index": prefix(sh.state_rows, rows), "out": ids},
+                name="load_pending_token",
+            )
+            self._decoder(prog, rows, rows, View(ids.buffer, (rows,)))
+            self._sample_and_complete(prog, rows, rows)
+            self.builder.add_program(prog)
+            graphs.append(
+                self._graph(
+                    name,
+                    ct.OPERATION_DECODE,
+                    rows,
+                    rows,
+                    decl.lane_bindings() + decl.packed_token_bindings(host_tokens=False) + decl.sampling_bindings(),
+                    decl.sampling_state_accesses(),
+                    pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
+                )
+            )
+        return graphs
+
+    def _prompt_scores(self, prog: ProgramBuilder, tokens: int) -> None:
+        s, sh, sc = self.shape, self.shared, self.scratch
+        all_logits = prefix(sc.all_logits, tokens)
+        normed = prefix(sc.xn, tokens)
+        prog.node(
+            "rmsnorm",
+            {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed},
+            {"eps": s.rms_eps},
+            name="score_norm",
+        )
+        prog.node("linear", {"x": normed, "weight": self.lm_head, "out": all_logits}, name="score_head")
+        prog.node(
+            "log_softmax_gather",
+            {
+                "logits": all_logits,
+                "targets": prefix(sh.score_targets, tokens),
+                "out": prefix(sh.out_prompt_scores, tokens),
+            },
+            {"vocab_limit": s.vocab},
+        )

@@ -1,0 +1,173 @@
+"""The ``llama-synthetic`` recipe: named Llama shapes with seeded random weights.
+
+Owns the shape table (tiny shapes for tests, 135M/1B/8B-class shapes for GPU
+benchmarks), the seeded weight generator and a small byte-level tokenizer
+with a ChatML template, so synthetic cores exercise the whole serving path
+without any downloaded artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ignition.recipes.llama import LlamaShape, tensor_names
+
+if TYPE_CHECKING:
+    from ignition.build import TextModelDeclaration
+
+SHAPES: dict[str, LlamaShape] = {
+    "tiny": LlamaShape(
+        vocab=320, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, ffn=64, rope_theta=10000.0, rms_eps=1e-5
+    ),
+    "tiny-llama3": LlamaShape(
+        vocab=320,
+        hidden=32,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        ffn=64,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        frequency_band_scaling=(8.0, 1.0, 4.0, 64),
+    ),
+    "small": LlamaShape(
+        vocab=512, hidden=128, layers=4, heads=8, kv_heads=4, head_dim=16, ffn=384, rope_theta=10000.0, rms_eps=1e-5
+    ),
+    "135m": LlamaShape(
+        vocab=49152,
+        hidden=576,
+        layers=30,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        ffn=1536,
+        rope_theta=100000.0,
+        rms_eps=1e-5,
+    ),
+    "1b": LlamaShape(
+        vocab=128256,
+        hidden=2048,
+        layers=16,
+        heads=32,
+        kv_heads=8,
+        head_dim=64,
+        ffn=8192,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        frequency_band_scaling=(32.0, 1.0, 4.0, 8192),
+    ),
+    "8b": LlamaShape(
+        vocab=128256,
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        ffn=14336,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        frequency_band_scaling=(8.0, 1.0, 4.0, 8192),
+    ),
+}
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class SyntheticTokenizer:
+    """A tokenizer.json and the ids of its special tokens."""
+
+    json: str
+    vocab_size: int
+    special_ids: dict[str, int]
+
+
+def byte_level_tokenizer(extra_special: tuple[str, ...] = ()) -> SyntheticTokenizer:
+    """A byte-level BPE tokenizer with no merges: 256 byte tokens, then special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = (*SPECIAL_TOKENS, *extra_special)
+    tokenizer.add_special_tokens(list(specials))
+    ids = {token: tokenizer.token_to_id(token) for token in specials}
+    return SyntheticTokenizer(json=tokenizer.to_str(), vocab_size=tokenizer.get_vocab_size(), special_ids=ids)
+
+
+def _byte_of(symbol: str) -> int:
+    """The byte a ByteLevel alphabet symbol stands for (GPT-2 byte-to-unicode table)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = 256 + extra
+            extra += 1
+    inverse = {chr(code): b for b, code in table.items()}
+    return inverse[symbol]
+
+
+def random_weights(shape: LlamaShape, seed: int) -> dict[str, npt.NDArray[np.float32]]:
+    """Seeded random weights with scales that keep activations well conditioned."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+    h, hd = shape.hidden, shape.head_dim
+    weights: dict[str, npt.NDArray[np.float32]] = {
+        "token_embd.weight": normal(shape.vocab, h, scale=1.0),
+        "output_norm.weight": (1.0 + normal(h, scale=0.05)).astype(np.float32),
+        "output.weight": normal(shape.vocab, h, scale=h**-0.5),
+    }
+    for layer in range(shape.layers):
+        names = tensor_names(layer)
+        weights[names["attn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["ffn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["wq"]] = normal(shape.heads * hd, h, scale=h**-0.5)
+        weights[names["wk"]] = normal(shape.kv_heads * hd, h, scale=h**-0.5)
+        weights[names["wv"]] = normal(shape.kv_heads * hd, h, scale=h**-0.5)
+        weights[names["wo"]] = normal(h, shape.heads * hd, scale=(shape.heads * hd) ** -0.5)
+        weights[names["w_gate"]] = normal(shape.ffn, h, scale=h**-0.5)
+        weights[names["w_up"]] = normal(shape.ffn, h, scale=h**-0.5)
+        weights[names["w_down"]] = normal(h, shape.ffn, scale=shape.ffn**-0.5)
+    return weights
+
+
+def synthetic_declaration(
+    shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = ()
+) -> TextModelDeclaration:
+    """The declaration of a synthetic core of a named shape."""
+    from ignition.build import TextModelDeclaration
+
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown synthetic shape {shape_name!r}; known shapes: {', '.join(SHAPES)}")
+    shape = SHAPES[shape_name]
+    tokenizer = byte_level_tokenizer(extra_special)
+    if tokenizer.vocab_size > shape.vocab:
+        raise ValueError(f"shape {shape_name!r} has {shape.vocab} logits, the tokenizer needs {tokenizer.vocab_size}")
+    return TextModelDeclaration(
+        served_name=f"llama-synthetic-{shape_name}",
+        shape=shape,
+        weights=random_weights(shape, seed),
+        tokenizer_json=tokenizer.json,
+        chat_template=CHATML_TEMPLATE,
+        sampled_size=tokenizer.vocab_size,
+        eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
+        description=f"Synthetic Llama shape {shape_name!r} with seeded random weights (seed {seed})",
+    )

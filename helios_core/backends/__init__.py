@@ -1,0 +1,1 @@
+"""Execution backends: implementations of the op catalogue (the numpy reference backend first)."""

@@ -1,0 +1,1080 @@
+"""Numpy reference implementations of the Helios operator catalogue.
+
+These functions are the semantic definition of every operator, the CPU backend, and the oracle
+that accelerator kernels are tested against.
+
+Conventions
+-----------
+* Pure functions over numpy arrays, no global state. The in-place operators
+  (:func:`kv_cache_write`, :func:`copy_rows` and its wrappers, :func:`update_output_counts`) mutate
+  only the buffers they are given.
+* Arithmetic is float32 unless a docstring says otherwise; float outputs are float32, id outputs int32.
+* Bad shapes, dtypes or out-of-range indices raise ``ValueError`` naming the argument.
+* Row independence: every per-token operator computes a token's output from that token's own inputs
+  (and, for attention, its request's cache) along an arithmetic path that does not depend on how
+  many other tokens share the batch or what they hold, so a request's greedy tokens do not depend
+  on its batch. :func:`linear` documents why this needs care with BLAS.
+
+Shape letters: T packed tokens, H hidden size, K/N linear in/out features, F feed-forward size,
+V vocabulary, R request rows (lanes), h/kvh query/KV heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, NoReturn
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = [
+    "FrequencyBandScaling",
+    "RopeStyle",
+    "SampleResult",
+    "add",
+    "apply_grammar_mask",
+    "apply_penalties",
+    "argmax_rows",
+    "bf16_bits_to_float32",
+    "copy_pages",
+    "copy_rows",
+    "copy_state_rows",
+    "counter_uniform",
+    "embedding",
+    "gather_rows",
+    "kv_cache_write",
+    "linear",
+    "log_softmax",
+    "log_softmax_gather",
+    "paged_attention",
+    "rmsnorm",
+    "rope",
+    "rope_inv_freq",
+    "sample",
+    "silu_mul",
+    "splitmix64",
+    "unpack_allowed_mask",
+    "update_output_counts",
+]
+
+F32 = NDArray[np.float32]
+F64 = NDArray[np.float64]
+I32 = NDArray[np.int32]
+I64 = NDArray[np.int64]
+U64 = NDArray[np.uint64]
+Bool = NDArray[np.bool_]
+AnyArray = NDArray[Any]
+
+RopeStyle = Literal["interleaved", "half"]
+
+
+# ----------------------------------------------------------------------------------------------
+# validation helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _fail(message: str) -> NoReturn:
+    raise ValueError(message)
+
+
+def _float_array(name: str, value: AnyArray, ndim: int | None = None) -> F32:
+    """``value`` as a C-contiguous float32 array (no copy when it already is one)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind != "f":
+        _fail(f"{name}: expected a floating-point array, got dtype {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        _fail(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _int_array(name: str, value: AnyArray, ndim: int) -> I64:
+    """``value`` (any integer dtype) as int64."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu":
+        _fail(f"{name}: expected an integer array, got dtype {arr.dtype}")
+    if arr.ndim != ndim:
+        _fail(f"{name}: expected {ndim} dimensions, got shape {arr.shape}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        _fail(f"{name}: values exceed the int64 range")
+    return arr.astype(np.int64, copy=False)
+
+
+def _flag_array(name: str, value: AnyArray, shape: tuple[int, ...]) -> Bool:
+    """An integer or boolean flag array as bool (nonzero = set)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biu":
+        _fail(f"{name}: expected a boolean or integer array, got dtype {arr.dtype}")
+    if arr.shape != shape:
+        _fail(f"{name}: expected shape {shape}, got {arr.shape}")
+    flags: Bool = np.not_equal(arr, 0)
+    return flags
+
+
+def _per_row(name: str, value: AnyArray, rows: int, kind: str) -> AnyArray:
+    arr = np.asarray(value)
+    if arr.dtype.kind not in kind:
+        _fail(f"{name}: unexpected dtype {arr.dtype}")
+    if arr.shape != (rows,):
+        _fail(f"{name}: expected shape ({rows},), got {arr.shape}")
+    return arr
+
+
+def _in_place_target(name: str, value: AnyArray) -> AnyArray:
+    if not isinstance(value, np.ndarray):
+        _fail(f"{name}: expected a numpy array (it is updated in place), got {type(value).__name__}")
+    if not value.flags.writeable:
+        _fail(f"{name}: the array is read-only")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# embedding, normalisation, elementwise
+# ----------------------------------------------------------------------------------------------
+
+
+def bf16_bits_to_float32(bits: AnyArray) -> F32:
+    """Widen bfloat16 values stored as uint16 bit patterns to float32 (exact).
+
+    Args:
+        bits: uint16 array of any shape holding bfloat16 bit patterns.
+    Returns:
+        float32 array of the same shape.
+    """
+    arr = np.asarray(bits)
+    if arr.dtype != np.uint16:
+        _fail(f"bits: expected uint16 bfloat16 bit patterns, got dtype {arr.dtype}")
+    return (arr.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def embedding(table: AnyArray, ids: AnyArray) -> F32:
+    """Gather rows of an embedding table.
+
+    Args:
+        table: ``[V, H]`` float32, float16, or bfloat16 stored as uint16 bit patterns.
+        ids: ``[T]`` integer token ids (int32 on the wire), each in ``[0, V)``.
+    Returns:
+        ``[T, H]`` float32: ``table[ids]`` widened exactly to float32.
+    """
+    tab = np.asarray(table)
+    if tab.ndim != 2:
+        _fail(f"table: expected [V, H], got shape {tab.shape}")
+    if tab.dtype not in (np.float32, np.float16, np.uint16):
+        _fail(f"table: expected float32, float16 or bfloat16-as-uint16, got dtype {tab.dtype}")
+    idx = _int_array("ids", ids, 1)
+    vocab = tab.shape[0]
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
+        _fail(f"ids: every id must lie in [0, {vocab}); got range [{int(idx.min())}, {int(idx.max())}]")
+    rows = tab[idx]  # [T, H]
+    if rows.dtype == np.uint16:
+        return bf16_bits_to_float32(rows)
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+def rmsnorm(x: AnyArray, weight: AnyArray, eps: float) -> F32:
+    """Root-mean-square normalisation, with a float64 row sum.
+
+    Args:
+        x: ``[T, H]`` float.
+        weight: ``[H]`` float gain.
+        eps: added to the mean square, > 0.
+    Returns:
+        ``[T, H]`` float32 ``x * (1 / sqrt(mean(x**2) + eps)) * weight``.
+
+    Exactly: squares in float32, summed per row in float64 (a float64 accumulator), the
+    mean rounded to float32, ``scale = 1.0f / sqrtf(mean + eps)`` in float32, then
+    ``(x * scale) * weight`` in float32. Each row is reduced on its own (row independent).
+    """
+    x32 = _float_array("x", x, 2)
+    w32 = _float_array("weight", weight, 1)
+    hidden = x32.shape[1]
+    if w32.shape != (hidden,):
+        _fail(f"weight: expected shape ({hidden},) to match x {x32.shape}, got {w32.shape}")
+    if not eps > 0.0:
+        _fail(f"eps: must be > 0, got {eps}")
+    squares = (x32 * x32).astype(np.float64)  # [T, H]
+    mean = (np.sum(squares, axis=1) / hidden).astype(np.float32)  # [T]
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))  # [T] float32
+    out: F32 = (x32 * scale[:, None]) * w32[None, :]
+    return out
+
+
+def silu_mul(gate: AnyArray, up: AnyArray) -> F32:
+    """SwiGLU activation: ``silu(gate) * up`` with ``silu(g) = g / (1 + exp(-g))`` in float32.
+
+    Args:
+        gate, up: ``[T, F]`` float, same shape.
+    Returns:
+        ``[T, F]`` float32. Very negative gates give ``-0.0`` (``exp`` overflows to inf, silently).
+    """
+    g = _float_array("gate", gate, 2)
+    u = _float_array("up", up, 2)
+    if g.shape != u.shape:
+        _fail(f"gate and up must have the same shape, got {g.shape} and {u.shape}")
+    with np.errstate(over="ignore"):
+        silu = (g / (np.float32(1.0) + np.exp(-g))).astype(np.float32, copy=False)
+    out: F32 = silu * u
+    return out
+
+
+def add(a: AnyArray, b: AnyArray) -> F32:
+    """Elementwise float32 sum (residual add, bias add).
+
+    Args:
+        a: float array of any shape.
+        b: float array broadcastable to ``a.shape`` (the result always has ``a``'s shape).
+    Returns:
+        float32 array shaped like ``a``.
+    """
+    a32 = _float_array("a", a)
+    b32 = _float_array("b", b)
+    try:
+        shape = np.broadcast_shapes(a32.shape, b32.shape)
+    except ValueError:
+        _fail(f"b: shape {b32.shape} does not broadcast to a's shape {a32.shape}")
+    if shape != a32.shape:
+        _fail(f"b: shape {b32.shape} would change a's shape {a32.shape}")
+    out: F32 = a32 + b32
+    return out
+
+
+def gather_rows(x: AnyArray, index: AnyArray) -> F32:
+    """Select rows of ``x`` (e.g. the last token of each lane); a negative index gives a zero row.
+
+    Args:
+        x: ``[T, ...]`` float.
+        index: ``[n]`` integer, each ``< T``.
+    Returns:
+        ``[n, ...]`` float32.
+    """
+    x32 = _float_array("x", x)
+    if x32.ndim < 1:
+        _fail("x: expected at least one dimension")
+    idx = _int_array("index", index, 1)
+    if idx.size and int(idx.max()) >= x32.shape[0]:
+        _fail(f"index: {int(idx.max())} is out of range for {x32.shape[0]} rows")
+    out = np.zeros((idx.size, *x32.shape[1:]), dtype=np.float32)
+    keep = idx >= 0
+    out[keep] = x32[idx[keep]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# linear
+# ----------------------------------------------------------------------------------------------
+
+_LINEAR_TILE_BYTES = 8 * 1024 * 1024
+"""Weight bytes per sgemv call in :func:`linear` (a tile stays in the L3 cache across tokens)."""
+
+
+def _linear_tile_rows(k: int) -> int:
+    rows = _LINEAR_TILE_BYTES // (4 * max(k, 1))
+    return max(64, rows - rows % 64)
+
+
+def linear(x: AnyArray, weight: AnyArray) -> F32:
+    """``x @ weight.T`` with weights stored ``[out, in]``, row independent bit for bit.
+
+    Args:
+        x: ``[T, K]`` float (computed in float32).
+        weight: ``[N, K]`` float32 (other float dtypes are converted on every call: slow).
+    Returns:
+        ``[T, N]`` float32. Row ``t`` is exactly ``weight @ x[t]`` as one BLAS ``sgemv`` computes
+        it, whatever the other rows are and whatever ``T`` is.
+
+    Why not ``x @ weight.T``: numpy hands ``T == 1`` to ``sgemv`` and ``T >= 2`` to ``sgemm``, and
+    the two accumulate the K products in different orders. Measured with numpy 2.4 / OpenBLAS
+    0.3.31 (Zen, AVX-512) at K=576/N=576, 576/1536, 1536/576 and 576/49152, T in
+    {1, 2, 3, 7, 16, 64, 256}: the T=1 row differs from the same row inside any T>=2 batch by up to
+    ~2e-6 at every shape, and at 576x576 T=2 also differs from T>=3 (OpenBLAS's small-matrix sgemm
+    path), so "pad to a minimum row count" is not safe either. Bit-identical alternatives measured
+    for the 49152x576 LM head (2 cores, best of several runs):
+
+    * fixed 8-row blocks through sgemm (zero padding): identical across T but 12-15 ms at T=1
+      (sgemm repacks the whole weight on every call) and ~115 ms at T=64;
+    * float64 accumulation: the weight must be widened on every call (~320 ms at T=1);
+    * ``np.vecdot`` (one ``sdot`` per output element): identical across T, 3.7 ms at T=1, but single
+      threaded: ~120 ms at T=64 even with cache tiling;
+    * **one sgemv per token and weight tile** (chosen): ``np.matmul(weight[tile], x[:, :, None])``
+      is a stack of matrix-vector products, which numpy's matmul loop runs as one ``sgemv`` each.
+      ~4.4 ms at T=1 (same as plain numpy: memory bound, two OpenBLAS threads) and ~56 ms at T=64
+      (plain sgemm: ~29 ms). The weight is walked in tiles of ``_LINEAR_TILE_BYTES`` so a tile is
+      reused from cache by every token (without tiling T=64 takes ~900 ms). The sgemv results do
+      not depend on the tile size, the memory alignment of x, or the OpenBLAS thread count (1, 2
+      and 8 checked), and equal plain ``weight @ x[t]``.
+
+    Prefill is therefore ~2-3x slower than sgemm on the larger matrices; decode is unaffected.
+    """
+    x32 = _float_array("x", x, 2)
+    w32 = _float_array("weight", weight, 2)
+    tokens, k = x32.shape
+    n, k_w = w32.shape
+    if k_w != k:
+        _fail(f"weight: expected [N, {k}] to match x {x32.shape}, got {w32.shape}")
+    out = np.empty((tokens, n, 1), dtype=np.float32)  # [T, N, 1]: one column per token
+    if tokens == 0 or n == 0:
+        return out[:, :, 0]
+    columns = x32[:, :, None]  # [T, K, 1]
+    tile = _linear_tile_rows(k)
+    for start in range(0, n, tile):
+        # [tile, K] @ [T, K, 1] -> [T, tile, 1]: T independent sgemv calls
+        np.matmul(w32[start : start + tile], columns, out=out[:, start : start + tile])
+    return out[:, :, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# rotary position embedding
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrequencyBandScaling:
+    """Frequency-band RoPE scaling: long wavelengths divided by ``factor``, short ones kept, a smooth band between."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: FrequencyBandScaling | None = None) -> F64:
+    """The per-pair inverse frequencies of RoPE, in float64.
+
+    Args:
+        rotary_dim: rotated dims per head (even).
+        theta: the base (``rope_theta`` / ``rope.freq_base``), > 0.
+        scaling: optional frequency-band scaling.
+    Returns:
+        ``[rotary_dim // 2]`` float64 ``inv_freq[i] = theta ** (-2i / rotary_dim)``, then with
+        Frequency-band scaling as published with its reference ``apply_scaling``: with
+        ``wavelen = 2*pi / f``, ``low_wl = original_max_position / low_freq_factor`` and
+        ``high_wl = original_max_position / high_freq_factor``: ``f`` if ``wavelen < high_wl``;
+        ``f / factor`` if ``wavelen > low_wl``; otherwise ``(1 - s) * f / factor + s * f`` with
+        ``s = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor -
+        low_freq_factor)``. (Meta and Hugging Face compute this in float32; float64 here.)
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        _fail(f"rotary_dim: must be a positive even number, got {rotary_dim}")
+    if not theta > 0.0:
+        _fail(f"theta: must be > 0, got {theta}")
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq: F64 = 1.0 / np.power(np.float64(theta), exponents)
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling.factor)
+    low = float(scaling.low_freq_factor)
+    high = float(scaling.high_freq_factor)
+    old = float(scaling.original_max_position)
+    if not (factor > 0.0 and old > 0.0 and high > low > 0.0):
+        _fail(f"scaling: need factor > 0, original_max_position > 0, high > low > 0; got {scaling}")
+    low_wavelen = old / low
+    high_wavelen = old / high
+    wavelen = 2.0 * math.pi / inv_freq
+    smooth = (old / wavelen - low) / (high - low)
+    medium = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled: F64 = np.where(
+        wavelen < high_wavelen, inv_freq, np.where(wavelen > low_wavelen, inv_freq / factor, medium)
+    )
+    return scaled
+
+
+def rope(
+    x: AnyArray,
+    positions: AnyArray,
+    theta: float,
+    style: RopeStyle = "interleaved",
+    scaling: FrequencyBandScaling | None = None,
+    *,
+    rotary_dim: int | None = None,
+) -> F32:
+    """Rotary position embedding.
+
+    Args:
+        x: ``[T, heads, hd]`` float (queries or keys of packed tokens).
+        positions: ``[T]`` integer position of each token in its sequence.
+        theta: the RoPE base.
+        style: ``"interleaved"`` rotates adjacent pairs ``(x[2i], x[2i+1])`` (the layout of
+            GGUF-converted weights, whose converter permutes Q/K rows);
+            ``"half"`` rotates ``(x[i], x[i + rotary_dim/2])`` (GPT-NeoX / Hugging Face
+            ``rotate_half``).
+        scaling: optional frequency-band scaling (see :func:`rope_inv_freq`).
+        rotary_dim: rotate only the first ``rotary_dim`` dims (default ``hd``); the rest pass
+            through.
+    Returns:
+        ``[T, heads, hd]`` float32. Pair ``i`` of token ``t`` rotates by
+        ``angle = positions[t] * inv_freq[i]``: the angle, its cos and its sin are computed in
+        float64 and cos/sin rounded to float32; then in float32
+        ``(a, b) -> (a*cos - b*sin, a*sin + b*cos)``.
+    """
+    x32 = _float_array("x", x, 3)
+    tokens, _heads, head_dim = x32.shape
+    pos = _int_array("positions", positions, 1)
+    if pos.shape != (tokens,):
+        _fail(f"positions: expected shape ({tokens},) to match x {x32.shape}, got {pos.shape}")
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if rot <= 0 or rot % 2 or rot > head_dim:
+        _fail(f"rotary_dim: must be even and in (0, {head_dim}], got {rot}")
+    if style not in ("interleaved", "half"):
+        _fail(f"style: expected 'interleaved' or 'half', got {style!r}")
+    inv_freq = rope_inv_freq(rot, theta, scaling)  # [rot/2] float64
+    angles = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, rot/2]
+    cos = np.cos(angles).astype(np.float32)[:, None, :]  # [T, 1, rot/2]
+    sin = np.sin(angles).astype(np.float32)[:, None, :]
+    out = x32.copy()
+    if style == "interleaved":
+        first, second = x32[..., 0:rot:2], x32[..., 1:rot:2]  # [T, heads, rot/2] each
+        out[..., 0:rot:2] = first * cos - second * sin
+        out[..., 1:rot:2] = first * sin + second * cos
+    else:
+        half = rot // 2
+        first, second = x32[..., :half], x32[..., half:rot]
+        out[..., :half] = first * cos - second * sin
+        out[..., half:rot] = first * sin + second * cos
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# paged KV cache and attention
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_planes(k_plane: AnyArray, v_plane: AnyArray) -> tuple[int, int, int, int]:
+    if k_plane.ndim != 4:
+        _fail(f"k_plane: expected [num_pages, page_tokens, kvh, hd], got shape {k_plane.shape}")
+    if v_plane.shape != k_plane.shape:
+        _fail(f"v_plane: shape {v_plane.shape} differs from k_plane {k_plane.shape}")
+    if k_plane.dtype.kind != "f" or v_plane.dtype.kind != "f":
+        _fail(f"k_plane/v_plane: expected floating dtypes, got {k_plane.dtype} and {v_plane.dtype}")
+    pages, page_tokens, kv_heads, head_dim = k_plane.shape
+    return int(pages), int(page_tokens), int(kv_heads), int(head_dim)
+
+
+def kv_cache_write(k_plane: AnyArray, v_plane: AnyArray, k: AnyArray, v: AnyArray, slot: AnyArray) -> None:
+    """Write the keys and values of packed tokens into paged cache planes, in place.
+
+    Args:
+        k_plane, v_plane: ``[num_pages, page_tokens, kvh, hd]`` float, C-contiguous, writable.
+        k, v: ``[T, kvh, hd]`` float (cast to the plane dtype).
+        slot: ``[T]`` integer (int64 on the wire): ``page_id * page_tokens + offset``, or < 0 to
+            skip the token (padding). Two tokens may not share a slot.
+    """
+    k_plane = _in_place_target("k_plane", k_plane)
+    v_plane = _in_place_target("v_plane", v_plane)
+    pages, page_tokens, kv_heads, head_dim = _check_planes(k_plane, v_plane)
+    if not (k_plane.flags.c_contiguous and v_plane.flags.c_contiguous):
+        _fail("k_plane/v_plane: must be C-contiguous")
+    k32 = _float_array("k", k, 3)
+    v32 = _float_array("v", v, 3)
+    tokens = k32.shape[0]
+    if k32.shape != (tokens, kv_heads, head_dim) or v32.shape != k32.shape:
+        _fail(f"k/v: expected [T, {kv_heads}, {head_dim}], got {k32.shape} and {v32.shape}")
+    slots = _int_array("slot", slot, 1)
+    if slots.shape != (tokens,):
+        _fail(f"slot: expected shape ({tokens},), got {slots.shape}")
+    keep = slots >= 0
+    targets = slots[keep]
+    capacity = pages * page_tokens
+    if targets.size and int(targets.max()) >= capacity:
+        _fail(f"slot: {int(targets.max())} is out of range for {pages} pages of {page_tokens} tokens")
+    if np.unique(targets).size != targets.size:
+        _fail("slot: two tokens write the same slot")
+    k_plane.reshape(capacity, kv_heads, head_dim)[targets] = k32[keep]
+    v_plane.reshape(capacity, kv_heads, head_dim)[targets] = v32[keep]
+
+
+def _heads_major(plane: AnyArray, pages: I64, length: int) -> F32:
+    """Positions ``0..length-1`` of a paged sequence as float32 ``[kvh, length, hd]``.
+
+    One gather pass; each head's ``[length, hd]`` block is a contiguous row-major matrix.
+    """
+    _, page_tokens, kv_heads, head_dim = plane.shape
+    by_head = np.take(plane.transpose(2, 0, 1, 3), pages, axis=1)  # [kvh, n_pages, page_tokens, hd]
+    seq = by_head.reshape(kv_heads, pages.size * page_tokens, head_dim)[:, :length]
+    out: F32 = seq.astype(np.float32, copy=False)
+    return out
+
+
+def _attend_one(query: F32, keys: F32, values: F32, scale: np.float32) -> F32:
+    """One token: ``query [kvh, g, hd]``, ``keys/values [kvh, n, hd]`` -> ``[kvh, g, hd]``."""
+    scores = np.matmul(query, keys.transpose(0, 2, 1)) * scale  # [kvh, g, n]
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    probs = weights / weights.sum(axis=-1, keepdims=True)
+    out: F32 = np.matmul(probs, values)  # [kvh, g, hd]
+    return out
+
+
+def paged_attention(
+    q: AnyArray,
+    k_plane: AnyArray,
+    v_plane: AnyArray,
+    page_table: AnyArray,
+    token_row: AnyArray,
+    token_position: AnyArray,
+    scale: float,
+) -> F32:
+    """Causal grouped-query attention over paged KV cache planes (prefill, decode or mixed).
+
+    Args:
+        q: ``[T, h, hd]`` float queries of the packed tokens (RoPE already applied).
+        k_plane, v_plane: ``[num_pages, page_tokens, kvh, hd]`` float; ``h`` must be a multiple of
+            ``kvh``; query head ``j`` reads KV head ``j // (h // kvh)``.
+        page_table: ``[R, max_pages]`` integer: position ``p`` of request row ``r`` lives at page
+            ``page_table[r, p // page_tokens]``, offset ``p % page_tokens``. Only the entries a
+            token needs are read (and must be valid page ids).
+        token_row: ``[T]`` integer request row of each token; < 0 marks padding (output zeros).
+        token_position: ``[T]`` integer position of each token; it attends to positions
+            ``0..token_position[t]`` of its row (its own K/V must already be written).
+        scale: multiplies ``q . k`` (usually ``1/sqrt(hd)``).
+    Returns:
+        ``[T, h, hd]`` float32.
+
+    Per token, in float32: ``s = (q @ K^T) * scale``; ``p = exp(s - max s) / sum``; ``out = p @ V``
+    (softmax with max subtraction). Every token is computed on its own from contiguous copies of
+    its row's first ``position + 1`` keys and values, so its result depends only on its query, its
+    row's cache and its position: a mixed prefill/decode batch equals separate runs bit for bit,
+    and the physical page layout does not matter.
+    """
+    q32 = _float_array("q", q, 3)
+    tokens, heads, head_dim = q32.shape
+    _pages, page_tokens, kv_heads, plane_head_dim = _check_planes(np.asarray(k_plane), np.asarray(v_plane))
+    if plane_head_dim != head_dim:
+        _fail(f"q: head dim {head_dim} differs from the planes' {plane_head_dim}")
+    if heads % kv_heads:
+        _fail(f"q: {heads} query heads is not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    table = _int_array("page_table", page_table, 2)
+    rows, max_pages = table.shape
+    row_of = _int_array("token_row", token_row, 1)
+    pos_of = _int_array("token_position", token_position, 1)
+    if row_of.shape != (tokens,) or pos_of.shape != (tokens,):
+        _fail(f"token_row/token_position: expected shape ({tokens},), got {row_of.shape}, {pos_of.shape}")
+    active = row_of >= 0
+    if active.any():
+        if int(row_of[active].max()) >= rows:
+            _fail(f"token_row: {int(row_of[active].max())} is out of range for {rows} page-table rows")
+        if int(pos_of[active].min()) < 0:
+            _fail("token_position: an active token has a negative position")
+        if int(pos_of[active].max()) >= max_pages * page_tokens:
+            _fail(
+                f"token_position: {int(pos_of[active].max())} exceeds the page table's "
+                f"{max_pages} pages of {page_tokens} tokens"
+            )
+    k_arr, v_arr = np.asarray(k_plane), np.asarray(v_plane)
+    num_pages = k_arr.shape[0]
+    scale32 = np.float32(scale)
+    out = np.zeros((tokens, heads, head_dim), dtype=np.float32)
+    queries = q32.reshape(tokens, kv_heads, group, head_dim)  # head j = kv * group + (j % group)
+    for row in np.unique(row_of[active]):
+        members = np.flatnonzero(row_of == row)
+        length = int(pos_of[members].max()) + 1
+        pages = table[row, : -(-length // page_tokens)]
+        if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
+            _fail(f"page_table: row {int(row)} names a page outside [0, {num_pages})")
+        keys = _heads_major(k_arr, pages, length)  # [kvh, length, hd]
+        values = _heads_major(v_arr, pages, length)
+        for t in members:
+            n = int(pos_of[t]) + 1
+            # each [n, hd] slice is a contiguous matrix whatever `length` is
+            out[t] = _attend_one(queries[t], keys[:, :n], values[:, :n], scale32).reshape(heads, head_dim)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# row copies (page copies, state snapshots and restores)
+# ----------------------------------------------------------------------------------------------
+
+
+def copy_rows(
+    dst: AnyArray, dst_rows: AnyArray, *, src: AnyArray | None = None, src_rows: AnyArray | None = None
+) -> None:
+    """``dst[dst_rows[i]] = source[src_rows[i]]`` along the leading axis, in place.
+
+    Args:
+        dst: ``[rows, ...]`` writable array.
+        dst_rows: ``[n]`` integer destination rows.
+        src: ``[m, ...]`` source array (same trailing shape); default ``dst`` itself.
+        src_rows: ``[n]`` integer source rows; default ``0..n-1``.
+
+    A pair with a negative source or destination index is skipped. All sources are read before
+    any destination is written (so overlapping copies behave like copies from a snapshot).
+    Duplicate destinations raise.
+    """
+    target = _in_place_target("dst", dst)
+    if target.ndim < 1:
+        _fail("dst: expected at least one dimension")
+    source: AnyArray = target if src is None else np.asarray(src)
+    if source.shape[1:] != target.shape[1:]:
+        _fail(f"src: trailing shape {source.shape[1:]} differs from dst's {target.shape[1:]}")
+    d_idx = _int_array("dst_rows", dst_rows, 1)
+    s_idx = np.arange(d_idx.size, dtype=np.int64) if src_rows is None else _int_array("src_rows", src_rows, 1)
+    if s_idx.shape != d_idx.shape:
+        _fail(f"src_rows/dst_rows: lengths differ ({s_idx.size} and {d_idx.size})")
+    keep = (s_idx >= 0) & (d_idx >= 0)
+    s_keep, d_keep = s_idx[keep], d_idx[keep]
+    if s_keep.size and int(s_keep.max()) >= source.shape[0]:
+        _fail(f"src_rows: {int(s_keep.max())} is out of range for {source.shape[0]} rows")
+    if d_keep.size and int(d_keep.max()) >= target.shape[0]:
+        _fail(f"dst_rows: {int(d_keep.max())} is out of range for {target.shape[0]} rows")
+    if np.unique(d_keep).size != d_keep.size:
+        _fail("dst_rows: a destination row appears twice")
+    target[d_keep] = source[s_keep]  # fancy indexing reads every source before writing
+
+
+def copy_pages(plane: AnyArray, src_pages: AnyArray, dst_pages: AnyArray) -> None:
+    """Copy whole KV pages inside one plane: ``plane[dst_pages[i]] = plane[src_pages[i]]``.
+
+    Args:
+        plane: ``[num_pages, page_tokens, kvh, hd]``, updated in place.
+        src_pages, dst_pages: ``[n]`` integer page ids (negative skips the pair).
+    See :func:`copy_rows` for the read-before-write and duplicate rules.
+    """
+    copy_rows(plane, dst_pages, src_rows=src_pages)
+
+
+def copy_state_rows(buffer: AnyArray, src_rows: AnyArray, dst_rows: AnyArray) -> None:
+    """Snapshot/restore per-request state rows: ``buffer[dst_rows[i]] = buffer[src_rows[i]]``.
+
+    Args:
+        buffer: ``[rows, ...]``, updated in place.
+        src_rows, dst_rows: ``[n]`` integer rows (negative skips the pair).
+    See :func:`copy_rows` for the read-before-write and duplicate rules.
+    """
+    copy_rows(buffer, dst_rows, src_rows=src_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+# ----------------------------------------------------------------------------------------------
+
+_GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_2 = np.uint64(0x94D049BB133111EB)
+
+_SAMPLE_PREFIX = 64
+"""Tokens first sorted per sampled row; the prefix grows 16x while it cannot decide (speed only)."""
+
+
+def splitmix64(seed: AnyArray, step: AnyArray) -> U64:
+    """Counter-based 64-bit hash of ``(seed, step)``: output number ``step`` of SplitMix64.
+
+    Args:
+        seed: integer array (uint64 on the wire; other integer dtypes are reinterpreted mod 2**64).
+        step: integer array broadcastable with ``seed``, ``>= 0``.
+    Returns:
+        uint64 ``mix(seed + (step + 1) * 0x9E3779B97F4A7C15 mod 2**64)`` where ``mix`` is Vigna's
+        SplitMix64 finaliser ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27;
+        z *= 0x94D049BB133111EB; z ^= z >> 31``. This is exactly the ``step``-th (0-based) output
+        of the SplitMix64 generator whose state starts at ``seed``, but computable directly.
+    """
+    seeds = np.asarray(seed)
+    steps = np.asarray(step)
+    if seeds.dtype.kind not in "iu" or steps.dtype.kind not in "iu":
+        _fail(f"seed/step: expected integer arrays, got {seeds.dtype} and {steps.dtype}")
+    if steps.size and int(steps.min()) < 0:
+        _fail("step: must be >= 0")
+    with np.errstate(over="ignore"):  # arithmetic is mod 2**64 by design
+        z = seeds.astype(np.uint64) + (steps.astype(np.uint64) + np.uint64(1)) * _GOLDEN_GAMMA
+        z = (z ^ (z >> np.uint64(30))) * _MIX_1
+        z = (z ^ (z >> np.uint64(27))) * _MIX_2
+    mixed: U64 = np.asarray(z ^ (z >> np.uint64(31)), dtype=np.uint64)
+    return mixed
+
+
+def counter_uniform(seed: AnyArray, step: AnyArray) -> F64:
+    """The per-request uniform of ``(seed, step)``: ``(splitmix64(seed, step) >> 11) * 2**-53``.
+
+    Returns float64 in ``[0, 1)`` with 53 random bits. It depends on nothing but ``(seed, step)``:
+    not on other rows, row order or call order.
+    """
+    bits = splitmix64(seed, step) >> np.uint64(11)
+    uniform: F64 = bits.astype(np.float64) * (2.0**-53)
+    return uniform
+
+
+class SampleResult(NamedTuple):
+    """What :func:`sample` returns."""
+
+    ids: I32
+    """``[R]`` sampled token ids."""
+    logprobs: F32
+    """``[R]`` log-probability of each sampled id under the raw distribution (see :func:`sample`)."""
+    top_ids: I32
+    """``[R, N]`` the N most likely ids of the raw distribution (desc, ties by id asc)."""
+    top_logprobs: F32
+    """``[R, N]`` their log-probabilities."""
+
+
+def unpack_allowed_mask(allowed_mask: AnyArray, vocab: int) -> Bool:
+    """Unpack a grammar bitmask: ``[R, W]`` int32 words -> ``[R, vocab]`` bool.
+
+    Bit ``b`` (LSB first) of word ``w`` allows id ``32*w + b``; ``W >= ceil(vocab / 32)``.
+    """
+    words = np.asarray(allowed_mask)
+    if words.dtype not in (np.int32, np.uint32):
+        _fail(f"allowed_mask: expected int32 words, got dtype {words.dtype}")
+    if words.ndim != 2 or words.shape[1] * 32 < vocab:
+        _fail(f"allowed_mask: expected [R, >= {-(-vocab // 32)}] words for {vocab} ids, got {words.shape}")
+    as_bytes = np.ascontiguousarray(words.astype("<u4", copy=False)).view(np.uint8)  # [R, 4W]
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little")  # [R, 32W]
+    allowed: Bool = bits[:, :vocab].astype(np.bool_)
+    return allowed
+
+
+def apply_grammar_mask(logits: AnyArray, allowed_mask: AnyArray, constrained: AnyArray) -> F32:
+    """Set the logits of disallowed ids to ``-inf`` on constrained rows.
+
+    Args:
+        logits: ``[R, V]`` float.
+        allowed_mask: ``[R, ceil(V/32)]`` int32 bitmask (bit ``b`` of word ``w`` allows id
+            ``32*w + b``, LSB first).
+        constrained: ``[R]`` uint8/bool; the mask applies only where set.
+    Returns:
+        ``[R, V]`` float32 copy.
+    """
+    out = np.array(_float_array("logits", logits, 2), dtype=np.float32, copy=True)
+    rows, vocab = out.shape
+    flags = _flag_array("constrained", constrained, (rows,))
+    allowed = unpack_allowed_mask(allowed_mask, vocab)
+    if allowed.shape[0] != rows:
+        _fail(f"allowed_mask: expected {rows} rows, got {allowed.shape[0]}")
+    out[flags[:, None] & ~allowed] = -np.inf
+    return out
+
+
+def apply_penalties(
+    logits: AnyArray,
+    repetition_penalty: AnyArray,
+    frequency_penalty: AnyArray,
+    presence_penalty: AnyArray,
+    prompt_presence: AnyArray,
+    output_counts: AnyArray,
+) -> F32:
+    """Repetition, frequency and presence penalties, in that order, in float32.
+
+    Args:
+        logits: ``[R, V]`` float.
+        repetition_penalty: ``[R]`` float > 0 (1 = off). Hugging Face semantics on every id present
+            in the prompt or the output: a positive logit is divided by it, others multiplied.
+        frequency_penalty, presence_penalty: ``[R]`` float (0 = off). OpenAI semantics on output
+            counts only: ``logit -= frequency * count``, then ``logit -= presence * (count > 0)``.
+        prompt_presence: ``[R, V]`` uint8/bool, nonzero where the id occurs in the prompt.
+        output_counts: ``[R, V]`` integer occurrences of each id in the output so far.
+    Returns:
+        ``[R, V]`` float32 penalised logits (a copy).
+    """
+    out = np.array(_float_array("logits", logits, 2), dtype=np.float32, copy=True)
+    rows, vocab = out.shape
+    rep = _per_row("repetition_penalty", repetition_penalty, rows, "fiu").astype(np.float32)
+    freq = _per_row("frequency_penalty", frequency_penalty, rows, "fiu").astype(np.float32)
+    pres = _per_row("presence_penalty", presence_penalty, rows, "fiu").astype(np.float32)
+    if not (np.all(np.isfinite(rep)) and np.all(rep > 0)):
+        _fail("repetition_penalty: must be finite and > 0")
+    if not (np.all(np.isfinite(freq)) and np.all(np.isfinite(pres))):
+        _fail("frequency_penalty/presence_penalty: must be finite")
+    presence_arr = np.asarray(prompt_presence)
+    if presence_arr.dtype.kind not in "biu" or presence_arr.shape != (rows, vocab):
+        _fail(f"prompt_presence: expected [{rows}, {vocab}], got {presence_arr.dtype} {presence_arr.shape}")
+    counts_arr = np.asarray(output_counts)
+    if counts_arr.dtype.kind not in "iu" or counts_arr.shape != (rows, vocab):
+        _fail(f"output_counts: expected integer [{rows}, {vocab}], got {counts_arr.dtype} {counts_arr.shape}")
+    # neutral rows (1, 0, 0) are left untouched: exactly what the formulas give them
+    touched = np.flatnonzero((rep != np.float32(1.0)) | (freq != 0) | (pres != 0))
+    if touched.size == 0:
+        return out
+    sub = out[touched]  # [n, V]
+    counts_sub = counts_arr[touched]
+    in_output = counts_sub > 0
+    rep_col = rep[touched, None]
+    penalised = np.where(sub > 0, sub / rep_col, sub * rep_col)
+    sub = np.where(((presence_arr[touched] != 0) | in_output) & (rep_col != np.float32(1.0)), penalised, sub)
+    sub = sub - freq[touched, None] * counts_sub.astype(np.float32)
+    sub = sub - pres[touched, None] * in_output.astype(np.float32)
+    out[touched] = sub
+    return out
+
+
+def log_softmax(logits: AnyArray, vocab_limit: int | None = None) -> F32:
+    """Row-wise log-softmax over ids ``< vocab_limit`` (others get ``-inf``).
+
+    Args:
+        logits: ``[R, V]`` float; every row needs a finite logit below ``vocab_limit``.
+        vocab_limit: default ``V``.
+    Returns:
+        ``[R, V]`` float32, computed in float64: ``z = l - max(l)``, ``z - log(sum(exp(z)))``.
+    """
+    l32 = _float_array("logits", logits, 2)
+    vocab = l32.shape[1]
+    limit = vocab if vocab_limit is None else vocab_limit
+    if not 1 <= limit <= vocab:
+        _fail(f"vocab_limit: must be in [1, {vocab}], got {limit}")
+    l64 = l32.astype(np.float64)
+    l64[:, limit:] = -np.inf
+    peak = l64.max(axis=1, keepdims=True)  # [R, 1]
+    if np.isnan(l64).any() or not np.all(np.isfinite(peak)):
+        _fail("logits: every row needs a finite maximum and no NaN")
+    z = l64 - peak
+    out: F32 = (z - np.log(np.sum(np.exp(z), axis=1, keepdims=True))).astype(np.float32)
+    return out
+
+
+def log_softmax_gather(logits: AnyArray, targets: AnyArray, vocab_limit: int) -> F32:
+    """Log-probability of ``targets[r]`` under ``log_softmax(logits[r])`` (prompt scoring).
+
+    Args:
+        logits: ``[R, V]`` float.
+        targets: ``[R]`` integer ids in ``[0, vocab_limit)``.
+        vocab_limit: ids at or above it are excluded from the distribution.
+    Returns:
+        ``[R]`` float32 (same arithmetic as :func:`log_softmax`).
+    """
+    lp = log_softmax(logits, vocab_limit)
+    ids = _int_array("targets", targets, 1)
+    if ids.shape != (lp.shape[0],):
+        _fail(f"targets: expected shape ({lp.shape[0]},), got {ids.shape}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_limit):
+        _fail(f"targets: ids must lie in [0, {vocab_limit})")
+    out: F32 = lp[np.arange(ids.size), ids]
+    return out
+
+
+def argmax_rows(x: AnyArray) -> I32:
+    """``[R, V]`` float -> ``[R]`` int32 index of each row's maximum (lowest index on ties)."""
+    x32 = _float_array("x", x, 2)
+    if x32.shape[1] == 0:
+        _fail("x: rows are empty")
+    if np.isnan(x32).any():
+        _fail("x: contains NaN")
+    best: I32 = np.argmax(x32, axis=1).astype(np.int32)
+    return best
+
+
+def _weights_prefix(weights: F64, count: int, positive: int) -> NDArray[np.intp]:
+    """Ids of the ``count`` largest weights and all ties with the last, sorted by (weight desc, id asc).
+
+    Always an exact prefix of that order over all positive weights (``positive`` of them).
+    """
+    if count >= positive:
+        candidates = np.flatnonzero(weights > 0.0)
+    else:
+        kth = weights.size - count
+        threshold = np.partition(weights, kth)[kth]  # the count-th largest, > 0
+        candidates = np.flatnonzero(weights >= threshold)
+    ordered: NDArray[np.intp] = candidates[np.argsort(-weights[candidates], kind="stable")]
+    return ordered
+
+
+def _top_n(values: F32, n: int) -> NDArray[np.intp]:
+    """Ids of the ``n`` largest values sorted by (value desc, id asc)."""
+    size = values.size
+    if n >= size:
+        candidates = np.arange(size)
+    else:
+        kth = size - n
+        candidates = np.flatnonzero(values >= np.partition(values, kth)[kth])
+    ordered: NDArray[np.intp] = candidates[np.argsort(-values[candidates], kind="stable")][:n]
+    return ordered
+
+
+def _sample_row(logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """Draw one id from one row of processed logits (temperature > 0); see :func:`sample`."""
+    l64 = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # a tiny temperature may push (l - max) / t to -inf
+        weights: F64 = np.exp((l64 - l64.max()) / temperature)  # the top id weighs exactly 1.0
+    positive = int(np.count_nonzero(weights))
+    k_on = 0 < top_k < positive
+    p_on = top_p < 1.0
+    m_on = min_p > 0.0
+    if k_on:
+        kept_k = np.zeros_like(weights)
+        top = _weights_prefix(weights, top_k, positive)[:top_k]
+        kept_k[top] = weights[top]
+        mass_k = float(kept_k.sum())  # top-k mass, summed in id order
+    else:
+        mass_k = float(weights.sum())
+    count = min(positive, max(_SAMPLE_PREFIX, top_k if k_on else 0))
+    while True:
+        order = _weights_prefix(weights, count, positive)
+        size = order.size
+        complete = size >= positive
+        ordered = weights[order]
+        cumulative = np.cumsum(ordered)  # sequential, so every prefix is path independent
+        cuts: list[int] = []  # cut points that this prefix decides
+        if k_on:
+            cuts.append(top_k)
+        if p_on:
+            j = int(np.searchsorted(cumulative, top_p * mass_k, side="left"))
+            if j < size:
+                cuts.append(j + 1)
+            elif complete:
+                cuts.append(size)
+        if m_on:
+            above = int(np.count_nonzero(ordered >= min_p))
+            if above < size or complete:
+                cuts.append(above)
+        if not (k_on or p_on or m_on):
+            keep = positive
+        elif cuts:
+            keep = min(cuts)
+        else:
+            count = min(positive, count * 16)
+            continue
+        if keep == positive:
+            total = float(weights.sum())
+        else:
+            kept = np.zeros_like(weights)
+            kept[order[:keep]] = ordered[:keep]
+            total = float(kept.sum())  # kept mass, summed in id order
+        within = min(keep, size)
+        index = int(np.searchsorted(cumulative[:within], u * total, side="right"))
+        if index < within:
+            return int(order[index])
+        if keep <= size or complete:
+            return int(order[within - 1])  # rounding left the target past the last kept id
+        count = min(positive, count * 16)
+
+
+def sample(
+    logits: AnyArray,
+    *,
+    temperature: AnyArray,
+    top_k: AnyArray,
+    top_p: AnyArray,
+    min_p: AnyArray,
+    repetition_penalty: AnyArray,
+    frequency_penalty: AnyArray,
+    presence_penalty: AnyArray,
+    prompt_presence: AnyArray,
+    output_counts: AnyArray,
+    seed: AnyArray,
+    step: AnyArray,
+    vocab_limit: int,
+    allowed_mask: AnyArray | None = None,
+    constrained: AnyArray | None = None,
+    top_n: int = 0,
+) -> SampleResult:
+    """Per-request seeded sampling: one token id per row of logits.
+
+    Args:
+        logits: ``[R, V]`` float32 (NaN or +inf raises; -inf marks an impossible id).
+        temperature: ``[R]`` float >= 0; 0 = greedy.
+        top_k: ``[R]`` integer >= 0; 0 = off.
+        top_p: ``[R]`` float in ``(0, 1]``; 1 = off.
+        min_p: ``[R]`` float in ``[0, 1]``; 0 = off.
+        repetition_penalty, frequency_penalty, presence_penalty: ``[R]`` float; see
+            :func:`apply_penalties`.
+        prompt_presence: ``[R, V]`` uint8 (nonzero: id occurs in the prompt).
+        output_counts: ``[R, V]`` int32 counts of each id in the output so far.
+        seed: ``[R]`` uint64; step: ``[R]`` int64 >= 0 (the index of the token being sampled).
+        vocab_limit: ids ``>= vocab_limit`` (padding of the logits) are never sampled nor counted.
+        allowed_mask: ``[R, ceil(V/32)]`` int32 grammar bitmask (see :func:`apply_grammar_mask`).
+        constrained: ``[R]`` uint8; the mask applies only where set (both or neither given).
+        top_n: how many top alternatives to report per row (0 = none).
+    Returns:
+        :class:`SampleResult` with ``ids [R]`` int32, ``logprobs [R]`` float32,
+        ``top_ids [R, top_n]`` int32 and ``top_logprobs [R, top_n]`` float32.
+
+    Exact order per row:
+
+    0. ids ``>= vocab_limit`` get ``-inf``;
+    1. penalties (repetition, then frequency, then presence; float32);
+    2. grammar mask (``-inf`` where disallowed on constrained rows). A row left without a finite
+       logit raises ``ValueError``.
+    3. Reported log-probabilities: ``log_softmax`` of these penalised, masked logits *before*
+       temperature and truncation (what OpenAI-compatible servers report as the model's
+       distribution), float64 then rounded to float32. ``logprobs`` is the entry of the sampled
+       id; ``top_ids``/``top_logprobs`` the ``top_n`` largest (desc, ties by id asc).
+    4. ``temperature == 0``: the id of the largest processed logit (lowest id on ties); the
+       filters below cannot change it.
+    5. Otherwise weights ``w = exp((l - max l) / temperature)`` in float64 (the top id weighs 1)
+       and the candidates are sorted by (w desc, id asc). Then, as prefixes of that order:
+       top_k keeps the first ``top_k``; top_p keeps the shortest prefix whose cumulative weight
+       (sequential float64 sums) reaches ``top_p`` times the top-k mass (the sum in id order of
+       the weights top_k kept); min_p keeps ids with ``w >= min_p`` (probability at least
+       ``min_p`` times the top probability; renormalising after top_k/top_p does not change
+       that ratio, so its place in the order is immaterial). The most restrictive cut wins, and
+       at least one id always survives.
+    6. Draw: ``u = counter_uniform(seed, step)``; ``target = u * W`` with ``W`` the kept weights
+       summed in id order; the sampled id is the first kept id (in the sorted order) whose
+       running sequential sum of weights exceeds ``target``, or the last kept id if rounding
+       leaves none. The same ``(seed, step)`` and row inputs give the same id whatever else
+       shares the batch.
+    """
+    l32 = _float_array("logits", logits, 2)
+    rows, vocab = l32.shape
+    if not np.all(l32 < np.inf):
+        _fail("logits: contains NaN or +inf")
+    if not 1 <= vocab_limit <= vocab:
+        _fail(f"vocab_limit: must be in [1, {vocab}], got {vocab_limit}")
+    if not 0 <= top_n <= vocab:
+        _fail(f"top_n: must be in [0, {vocab}], got {top_n}")
+    temps = _per_row("temperature", temperature, rows, "fiu").astype(np.float64)
+    ks = _per_row("top_k", top_k, rows, "iu").astype(np.int64)
+    ps = _per_row("top_p", top_p, rows, "fiu").astype(np.float64)
+    mins = _per_row("min_p", min_p, rows, "fiu").astype(np.float64)
+    if not (np.all(np.isfinite(temps)) and np.all(temps >= 0)):
+        _fail("temperature: must be finite and >= 0")
+    if np.any(ks < 0):
+        _fail("top_k: must be >= 0")
+    if not (np.all(ps > 0) and np.all(ps <= 1)):
+        _fail("top_p: must lie in (0, 1]")
+    if not (np.all(mins >= 0) and np.all(mins <= 1)):
+        _fail("min_p: must lie in [0, 1]")
+    seeds = _per_row("seed", seed, rows, "iu")
+    steps = _per_row("step", step, rows, "iu")
+    uniforms = counter_uniform(seeds, steps)  # [R]
+
+    limited = l32.copy()
+    limited[:, vocab_limit:] = -np.inf
+    processed = apply_penalties(
+        limited, repetition_penalty, frequency_penalty, presence_penalty, prompt_presence, output_counts
+    )
+    if (allowed_mask is None) != (constrained is None):
+        _fail("allowed_mask and constrained must be given together")
+    if allowed_mask is not None and constrained is not None:
+        processed = apply_grammar_mask(processed, allowed_mask, constrained)
+    finite = np.isfinite(processed.max(axis=1))
+    if not finite.all():
+        _fail(f"sample: row {int(np.flatnonzero(~finite)[0])} has no sampleable id after masking")
+    raw_logprobs = log_softmax(processed)  # [R, V]
+
+    ids = np.empty(rows, dtype=np.int32)
+    top_ids = np.empty((rows, top_n), dtype=np.int32)
+    top_logprobs = np.empty((rows, top_n), dtype=np.float32)
+    for r in range(rows):
+        row = processed[r]
+        if temps[r] == 0.0:
+            ids[r] = int(np.argmax(row))
+        else:
+            ids[r] = _sample_row(
+                row, float(temps[r]), int(ks[r]), float(ps[r]), float(mins[r]), float(uniforms[r])
+            )
+        if top_n:
+            best = _top_n(raw_logprobs[r], top_n)
+            top_ids[r] = best
+            top_logprobs[r] = raw_logprobs[r, best]
+    logprobs = raw_logprobs[np.arange(rows), ids].astype(np.float32)
+    return SampleResult(ids=ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def update_output_counts(output_counts: AnyArray, ids: AnyArray, active_rows: AnyArray) -> None:
+    """``output_counts[r, ids[r]] += 1`` for every active row, in place.
+
+    Args:
+        output_counts: ``[R, V]`` integer, writable.
+        ids: ``[R]`` integer sampled ids (ignored on inactive rows; in ``[0, V)`` on active ones).
+        active_rows: ``[R]`` uint8/bool.
+    """
+    counts = _in_place_target("output_counts", output_counts)
+    if counts.ndim != 2 or counts.dtype.kind not in "iu":
+        _fail(f"output_counts: expected an integer [R, V] array, got {counts.dtype} {counts.shape}")
+    rows, vocab = counts.shape
+    sampled = _int_array("ids", ids, 1)
+    if sampled.shape != (rows,):
+        _fail(f"ids: expected shape ({rows},), got {sampled.shape}")
+    active = _flag_array("active_rows", active_rows, (rows,))
+    which = np.flatnonzero(active)
+    chosen = sampled[which]
+    if chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= vocab):
+        _fail(f"ids: active rows must hold ids in [0, {vocab})")
+    counts[which, chosen] += 1

@@ -1,0 +1,263 @@
+"""The ``helios`` command line.
+
+Owns argument parsing and what the operator reads: one-line results, one-line
+errors (never a traceback) and exit codes (0 success, 1 a Helios error, 2 a
+usage error, 3 an unexpected internal error). Subcommands live in functions
+named ``cmd_*``; the work itself belongs to the library modules they call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from helios_core.errors import HeliosError
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+
+
+def _fail(command: str, message: str, code: int = EXIT_ERROR) -> int:
+    text = " ".join(str(message).split())
+    print(f"helios {command}: error: {text}", file=sys.stderr)
+    return code
+
+
+def _trust_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--trust-key",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="trusted publisher public key (repeatable; default: $HELIOS_TRUST_KEYS)",
+    )
+    parser.add_argument("--accept", metavar="NAMESPACE", help="acceptance string (default: $HELIOS_ACCEPT)")
+    parser.add_argument("--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores")
+
+
+def _fmt_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{count} B"
+        value /= 1024
+    return f"{count} B"
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from helios_core.loading import TrustSettings, open_core
+
+    settings = TrustSettings.resolve(args.trust_key, args.accept, args.core_key)
+    verified = open_core(args.core, settings)
+    try:
+        core, contract = verified.core, verified.contract
+        decoded = sum(r.decoded_nbytes for r in core.resources.values())
+        print(
+            f"OK {args.core}: namespace {core.publisher_namespace!r}, {core.layout} (format "
+            f"{core.format_version}), contract v{contract.version}, {len(contract.graphs)} programs, "
+            f"{len(core.resources)} resources ({_fmt_bytes(decoded)} decoded), signed by "
+            f"{', '.join(k[:16] for k in core.signer_key_ids)}"
+        )
+    finally:
+        verified.close()
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def describe_core(path: Path, trust_keys: Sequence[Path]) -> dict[str, Any]:
+    """A JSON-ready description of a core (signature checked when keys are given)."""
+    from helios_core.container.description import describe_verified, read_unverified
+    from helios_core.container.keys import TrustStore
+    from helios_core.container.reader import CoreFile
+    from helios_core.contract.prepared import operation_name
+
+    if trust_keys:
+        with CoreFile.open(path, TrustStore.from_paths(trust_keys)) as core:
+            description = describe_verified(core)
+        signature = "verified"
+    else:
+        description = read_unverified(path)
+        signature = "not checked (pass --trust-key to verify)"
+    serving = description.contract
+    model = serving.model
+    graphs = []
+    for graph in model.graphs:
+        ext = graph.extents
+        graphs.append(
+            {
+                "name": graph.name,
+                "operation": operation_name(graph.operation),
+                "batch_capacity": ext.batch_capacity,
+                "token_capacity": ext.token_capacity,
+                "packed_token_capacity": ext.packed_token_capacity,
+                "draft_tokens": ext.draft_tokens,
+                "nodes": next((len(p.nodes) for p in description.execution.programs if p.name == graph.name), 0),
+            }
+        )
+    frontend = json_format.MessageToDict(model.frontend, preserving_proto_field_name=True)
+    return {
+        "path": str(path),
+        "signature": signature,
+        "publisher_namespace": description.publisher_namespace,
+        "signer_key_ids": list(description.signer_key_ids),
+        "description": description.description,
+        "versions": {
+            "payload_format": description.format_version,
+            "layout": description.layout,
+            "contract": model.version,
+            "execution_abi": description.execution.abi_label,
+        },
+        "served_name": serving.served_name,
+        "aliases": list(serving.aliases),
+        "vocabulary": {
+            "sampled_size": model.vocabulary.sampled_size,
+            "logits_width": model.vocabulary.logits_width,
+            "input_size": model.input_vocabulary.size,
+        },
+        "capacities": {
+            "context_tokens": serving.context_tokens,
+            "prefill_tokens": serving.prefill_tokens,
+            "max_concurrency": serving.max_concurrency,
+            "page_tokens": model.cache.page_tokens,
+            "page_capacity": serving.page_capacity,
+            "snapshot_capacity": serving.snapshot_capacity,
+            "speculative_widths": list(serving.speculative_widths),
+        },
+        "eos_token_ids": list(serving.defaults.eos_token_ids),
+        "frontend": frontend,
+        "graphs": graphs,
+        "targets": list(description.execution.targets) or ["reference"],
+        "resources": [
+            {
+                "id": r.id,
+                "kind": _resource_kind(r.kind),
+                "stored_nbytes": r.stored_nbytes,
+                "decoded_nbytes": r.decoded_nbytes,
+                "rank": r.rank,
+            }
+            for r in description.resources
+        ],
+    }
+
+
+def _resource_kind(kind: int) -> str:
+    from helios_core.wire import container_pb2 as cb
+
+    try:
+        return cb.ResourceKind.Name(kind).removeprefix("RESOURCE_KIND_").lower()  # type: ignore[arg-type]
+    except ValueError:
+        return str(kind)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = describe_core(args.core, args.trust_key)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=False))
+        return EXIT_OK
+    versions = info["versions"]
+    caps = info["capacities"]
+    lines = [
+        f"core            {info['path']}",
+        f"signature       {info['signature']}",
+        f"publisher       {info['publisher_namespace']!r} (keys {', '.join(k[:16] for k in info['signer_key_ids'])})",
+        f"versions        payload format {versions['payload_format']} ({versions['layout']}), "
+        f"contract v{versions['contract']}, execution ABI {versions['execution_abi']!r}",
+        f"served name     {info['served_name']}"
+        + (f" (aliases {', '.join(info['aliases'])})" if info["aliases"] else ""),
+        f"vocabulary      {info['vocabulary']['sampled_size']} sampled, {info['vocabulary']['logits_width']} logits, "
+        f"{info['vocabulary']['input_size']} input",
+        f"capacities      context {caps['context_tokens']}, prefill {caps['prefill_tokens']}, concurrency "
+        f"{caps['max_concurrency']}, pages {caps['page_capacity']} x {caps['page_tokens']} tokens, snapshots "
+        f"{caps['snapshot_capacity']}, speculative widths {caps['speculative_widths'] or 'none'}",
+        f"eos ids         {info['eos_token_ids']}",
+        "frontend        " + ", ".join(f"{k}={v}" for k, v in info["frontend"].items() if isinstance(v, str)),
+        f"targets         {', '.join(info['targets'])}",
+        "graphs",
+    ]
+    for graph in info["graphs"]:
+        lines.append(
+            f"  {graph['name']:<22} {graph['operation']:<15} B={graph['batch_capacity']:<4} "
+            f"W={graph['token_capacity']:<4} P={graph['packed_token_capacity']:<5} D={graph['draft_tokens']:<3} "
+            f"{graph['nodes']} nodes"
+        )
+    lines.append("resources")
+    for resource in info["resources"]:
+        lines.append(
+            f"  {resource['id']:<22} {resource['kind']:<14} stored {_fmt_bytes(resource['stored_nbytes']):>10}  "
+            f"decoded {_fmt_bytes(resource['decoded_nbytes']):>10}"
+        )
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    from helios_core.container.keys import generate_keys, key_id, load_public_key
+
+    paths = generate_keys(args.out)
+    public = load_public_key(paths["public"])
+    for role, path in paths.items():
+        print(f"{role:<8} {path}")
+    print(f"key id   {key_id(public)}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="helios", description="Serve prepared LLM cores.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    verify = sub.add_parser("verify", help="verify a core's signature, acceptance, resources and contract")
+    verify.add_argument("core", type=Path)
+    _trust_arguments(verify, required=True)
+    verify.set_defaults(handler=cmd_verify)
+
+    inspect = sub.add_parser("inspect", help="describe a core")
+    inspect.add_argument("core", type=Path)
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.add_argument("--trust-key", type=Path, action="append", default=[], metavar="PEM")
+    inspect.set_defaults(handler=cmd_inspect)
+
+    keys = sub.add_parser("keys", help="key management")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    generate = keys_sub.add_parser("generate", help="generate a signing key pair and a core key")
+    generate.add_argument("--out", type=Path, required=True, help="directory to write the keys into")
+    generate.set_defaults(handler=cmd_keys_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    command = args.command
+    try:
+        return handler(args)
+    except HeliosError as exc:
+        return _fail(command, str(exc))
+    except KeyboardInterrupt:
+        return _fail(command, "interrupted", EXIT_ERROR)
+    except Exception as exc:  # the operator never sees a traceback
+        return _fail(command, f"internal error ({type(exc).__name__}: {exc}); please report it", EXIT_INTERNAL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,960 @@
+"""PreparedContract: the decoded, validated serving contract and execution manifest.
+
+Owns the rules that make a core's declaration consistent: versions, enum
+identifiers, vocabulary geometry, cache and state views, value bindings
+against the transport, speculative extents, tuned bindings, the agreement of
+graph contracts with the execution catalog, and operator versions. Nothing
+here knows a model family: every check is about geometry or dataflow.
+
+Two levels of checking:
+
+* :func:`prepare_contract` checks that the declaration is consistent. An
+  inconsistent core raises :class:`~helios_core.errors.ContractError`.
+* :func:`check_runtime_support` checks that this runtime implements what the
+  core declares (history kinds, operations, operators, rank count); the first
+  unimplemented feature raises
+  :class:`~helios_core.errors.UnsupportedFeatureError` naming it. Startup runs
+  both; ``helios verify`` runs the first.
+
+Contract versions (see ``docs/contract.md``): version 1 has no speculative
+programs, tuned bindings or prefix-boundary rules, and may leave the
+histogram and mask geometry and every packed-token capacity implicit; version
+2 adds speculative generation, confidence and tuned bindings; version 3 adds
+prefix-boundary rules and completion-cursor lag and requires every
+packed-token capacity to be explicit. Implicit values default as documented
+on :func:`_effective_extents` and :func:`_vocabulary_geometry`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+from helios_core.dtypes import FLOAT_DTYPES, INTEGER_DTYPES, NUMPY_DTYPES, dtype_name
+from helios_core.errors import ContractError, UnsupportedFeatureError
+from helios_core.ops.catalogue import CATALOGUE, known_versions
+from helios_core.wire import container_pb2 as cb
+from helios_core.wire import contract_pb2 as ct
+from helios_core.wire import manifest_pb2 as mf
+
+SUPPORTED_CONTRACT_VERSIONS: Final = (1, 2, 3)
+"""Semantic contract versions this runtime loads."""
+
+EXPORTED_CONTRACT_VERSION: Final = 3
+"""The version exporters write."""
+
+THIRD_PARTY_IDENTIFIERS: Final = range(100_000, 200_000)
+"""Frontend identifier numbers reserved for third-party plugins."""
+
+GENERATING_OPERATIONS: Final = frozenset(
+    {
+        ct.OPERATION_PREFILL,
+        ct.OPERATION_SCORED_PREFILL,
+        ct.OPERATION_RESUME,
+        ct.OPERATION_DECODE,
+        ct.OPERATION_SPECULATIVE,
+        ct.OPERATION_MIXED,
+    }
+)
+"""Operations that sample a token and therefore produce the pending token."""
+
+FLOAT_SOURCES: Final = frozenset(
+    {
+        ct.VALUE_SOURCE_TEMPERATURE,
+        ct.VALUE_SOURCE_TOP_P,
+        ct.VALUE_SOURCE_MIN_P,
+        ct.VALUE_SOURCE_REPETITION_PENALTY,
+        ct.VALUE_SOURCE_FREQUENCY_PENALTY,
+        ct.VALUE_SOURCE_PRESENCE_PENALTY,
+    }
+)
+"""Sources whose values are floating point; every other non-image source is integral."""
+
+IMAGE_SOURCES: Final = frozenset(
+    {
+        ct.VALUE_SOURCE_IMAGE_FEATURE_INDICES,
+        ct.VALUE_SOURCE_IMAGE_CONTEXT_INDICES,
+        ct.VALUE_SOURCE_IMAGE_FEATURE_SLOT,
+        ct.VALUE_SOURCE_IMAGE_TENSOR,
+    }
+)
+"""Sources that need a selected image layout."""
+
+LENGTH_SOURCES: Final = frozenset({ct.VALUE_SOURCE_QUERY_LENGTH, ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT})
+
+PAGED_HISTORY_KINDS: Final = frozenset({ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_PAGED_LATENT})
+
+TOOL_FAMILY_OF_PARSER: Final[Mapping[int, str | None]] = MappingProxyType(
+    {
+        ct.TOOL_PARSER_NONE: None,
+        ct.TOOL_PARSER_FUNCTION_TAGS: "function_tags",
+        ct.TOOL_PARSER_ARGUMENT_TAGS: "argument_tags",
+        ct.TOOL_PARSER_DSML: "dsml",
+        ct.TOOL_PARSER_XTML: "xtml",
+        ct.TOOL_PARSER_ATEM: "atem",
+        ct.TOOL_PARSER_JSON_TAGS: "json_tags",
+    }
+)
+"""The ToolSyntax family each built-in tool parser reads."""
+
+REQUIRED_TOOL_PARSER: Final[Mapping[int, int]] = MappingProxyType(
+    {
+        ct.REASONING_PARSER_XTML_THINK: ct.TOOL_PARSER_XTML,
+        ct.REASONING_PARSER_RECIPIENT_HEADER: ct.TOOL_PARSER_ATEM,
+    }
+)
+"""Reasoning parsers that only work with one tool parser (they share frames)."""
+
+
+@dataclass(frozen=True)
+class RuntimeCapabilities:
+    """What this runtime implements; startup compares the core against it."""
+
+    ranks: int = 1
+    history_kinds: frozenset[int] = frozenset({ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_CONTINUATION})
+    operations: frozenset[int] = frozenset(
+        {
+            ct.OPERATION_INITIALIZE,
+            ct.OPERATION_PREFILL,
+            ct.OPERATION_SCORED_PREFILL,
+            ct.OPERATION_RESUME,
+            ct.OPERATION_DECODE,
+            ct.OPERATION_MIXED,
+            ct.OPERATION_SNAPSHOT,
+            ct.OPERATION_RESTORE,
+        }
+    )
+    operators: frozenset[tuple[str, int]] = frozenset(CATALOGUE)
+    vision: bool = False
+    engram: bool = False
+
+
+@dataclass(frozen=True)
+class GraphExtentsView:
+    """A graph's physical extents after version defaults (B, W, P, D)."""
+
+    batch_capacity: int
+    token_capacity: int
+    packed_token_capacity: int
+    draft_tokens: int
+    verify_tokens: int
+    draft_capacity: int
+
+    @property
+    def selectable_width(self) -> int:
+        """The widest lane a speculative program can serve: min(D + 1, W)."""
+        return min(self.draft_tokens + 1, self.token_capacity)
+
+
+@dataclass(frozen=True)
+class PreparedGraph:
+    """One graph contract with its program and derived facts."""
+
+    name: str
+    operation: int
+    contract: ct.GraphContract
+    program: mf.ProgramDecl
+    extents: GraphExtentsView
+    length_source: int | None
+    """QUERY_LENGTH or SPECULATIVE_PREFIX_LIMIT when bound, else None."""
+    input_destinations: frozenset[str]
+    """Transport entries this graph's own bindings write (completion dependencies derive from these)."""
+
+    @property
+    def operation_name(self) -> str:
+        """Readable operation name (``decode``, ``prefill``...)."""
+        return operation_name(self.operation)
+
+
+@dataclass(frozen=True)
+class PreparedContract:
+    """A validated contract. Built only by :func:`prepare_contract`."""
+
+    version: int
+    serving: ct.ServingContract
+    model: ct.ModelContract
+    execution: mf.ExecutionManifest
+    graphs: Mapping[str, PreparedGraph]
+    buffers: Mapping[str, mf.BufferDecl]
+    transport: Mapping[str, mf.TransportEntry]
+    state_views: Mapping[str, ct.StateView]
+    sampled_size: int
+    logits_width: int
+    histogram_width: int
+    mask_words: int
+    ranks: int
+    resource_kinds: Mapping[str, int] = field(default_factory=dict)
+
+    def graphs_for(self, operation: int) -> list[PreparedGraph]:
+        """Graphs of one operation, smallest batch capacity first."""
+        found = [g for g in self.graphs.values() if g.operation == operation]
+        return sorted(found, key=lambda g: (g.extents.batch_capacity, g.extents.token_capacity, g.name))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end generation."""
+        return tuple(self.serving.defaults.eos_token_ids)
+
+
+def operation_name(operation: int) -> str:
+    """Readable name of an Operation value."""
+    try:
+        return ct.Operation.Name(operation).removeprefix("OPERATION_").lower()  # type: ignore[arg-type]
+    except ValueError:
+        return f"operation#{operation}"
+
+
+def _enum_name(enum: object, value: int) -> str:
+    try:
+        return str(enum.Name(value))  # type: ignore[attr-defined]
+    except ValueError:
+        return str(value)
+
+
+class _Problems:
+    """Collects contract problems so one error lists all of them."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.items.append(message)
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            if len(self.items) == 1:
+                raise ContractError(f"invalid contract: {self.items[0]}")
+            listing = "; ".join(self.items)
+            raise ContractError(f"invalid contract ({len(self.items)} problems): {listing}")
+
+
+def _dims(shape: Iterable[mf.Dim]) -> list[int]:
+    return [int(d.size) for d in shape]
+
+
+def _buffer_nbytes(buffer: mf.BufferDecl) -> int:
+    return math.prod(_dims(buffer.shape)) * NUMPY_DTYPES[buffer.dtype].itemsize
+
+
+def _vocabulary_geometry(model: ct.ModelContract, problems: _Problems) -> tuple[int, int, int, int]:
+    """Sampled size, logits width, histogram width, mask words.
+
+    Version 1 may leave histogram_width and mask_words at 0: they default to
+    logits_width and ceil(logits_width / 32). A version-1 logits_width of 0
+    defaults to sampled_size.
+    """
+    vocab = model.vocabulary
+    sampled = vocab.sampled_size
+    logits = vocab.logits_width
+    histogram = vocab.histogram_width
+    mask = vocab.mask_words
+    if model.version == 1:
+        logits = logits or sampled
+        histogram = histogram or logits
+        mask = mask or -(-logits // 32)
+    if sampled <= 0:
+        problems.add("vocabulary.sampled_size must be positive")
+    if logits < sampled:
+        problems.add(f"vocabulary.logits_width {logits} is smaller than sampled_size {sampled}")
+    if histogram != logits:
+        problems.add(f"vocabulary.histogram_width {histogram} must equal logits_width {logits}")
+    if mask != -(-logits // 32):
+        problems.add(f"vocabulary.mask_words {mask} must equal ceil(logits_width / 32) = {-(-logits // 32)}")
+    return sampled, logits, histogram, mask
+
+
+def _effective_extents(graph: ct.GraphContract, version: int, problems: _Problems) -> GraphExtentsView:
+    """Extents after version defaults.
+
+    Versions 1 and 2 may leave packed_token_capacity at 0 for non-speculative
+    programs: it defaults to batch_capacity x token_capacity. Version 3
+    requires it explicitly everywhere; speculative programs always declare it.
+    A token_capacity of 0 means 1. verify_tokens of 0 means token_capacity.
+    """
+    ext = graph.extents
+    batch = ext.batch_capacity
+    tokens = ext.token_capacity or 1
+    packed = ext.packed_token_capacity
+    is_spec = graph.operation == ct.OPERATION_SPECULATIVE
+    if packed == 0:
+        if version >= 3 or is_spec:
+            problems.add(f"graph {graph.name!r}: packed_token_capacity (P) must be declared explicitly")
+        packed = batch * tokens
+    if batch <= 0:
+        problems.add(f"graph {graph.name!r}: batch_capacity (B) must be positive")
+    return GraphExtentsView(
+        batch_capacity=batch,
+        token_capacity=tokens,
+        packed_token_capacity=packed,
+        draft_tokens=ext.draft_tokens,
+        verify_tokens=ext.verify_tokens or tokens,
+        draft_capacity=ext.draft_capacity,
+    )
+
+
+def _check_identifier(problems: _Problems, what: str, enum: object, value: int) -> None:
+    if value == 0:
+        problems.add(f"frontend.{what} is unspecified (0); it must name an implementation")
+        return
+    builtin = value in enum.values()  # type: ignore[attr-defined]
+    if not builtin and value not in THIRD_PARTY_IDENTIFIERS:
+        problems.add(
+            f"frontend.{what} {value} is neither a built-in identifier nor in the third-party range "
+            f"{THIRD_PARTY_IDENTIFIERS.start}-{THIRD_PARTY_IDENTIFIERS.stop - 1}"
+        )
+
+
+def _check_frontend(model: ct.ModelContract, problems: _Problems) -> None:
+    fe = model.frontend
+    _check_identifier(problems, "tool_parser", ct.ToolParser, fe.tool_parser)
+    _check_identifier(problems, "reasoning_parser", ct.ReasoningParser, fe.reasoning_parser)
+    _check_identifier(problems, "image_preparation", ct.ImagePreparation, fe.image_preparation)
+    _check_identifier(problems, "image_layout", ct.ImageLayout, fe.image_layout)
+
+    required = REQUIRED_TOOL_PARSER.get(fe.reasoning_parser)
+    if required is not None and fe.tool_parser != required:
+        problems.add(
+            f"frontend: reasoning parser {_enum_name(ct.ReasoningParser, fe.reasoning_parser)} requires "
+            f"tool parser {_enum_name(ct.ToolParser, required)}, "
+            f"not {_enum_name(ct.ToolParser, fe.tool_parser)}"
+        )
+    family = TOOL_FAMILY_OF_PARSER.get(fe.tool_parser, "third-party")
+    if family is None and fe.HasField("tool_syntax"):
+        problems.add("frontend: tool_syntax is declared but the tool parser is NONE")
+    if family not in (None, "third-party"):
+        declared = fe.tool_syntax.WhichOneof("family")
+        if declared != family:
+            problems.add(
+                f"frontend: tool parser {_enum_name(ct.ToolParser, fe.tool_parser)} reads "
+                f"tool_syntax.{family}, but the core declares {declared or 'no family'}"
+            )
+        if not fe.tool_syntax.opener:
+            problems.add("frontend: tool_syntax.opener must be declared")
+    if fe.reasoning_parser == ct.REASONING_PARSER_NONE and fe.HasField("reasoning_syntax"):
+        problems.add("frontend: reasoning_syntax is declared but the reasoning parser is NONE")
+    rs = fe.reasoning_syntax
+    if fe.reasoning_parser in (ct.REASONING_PARSER_THINK_TAGS, ct.REASONING_PARSER_XTML_THINK) and not (
+        rs.open and rs.close
+    ):
+        problems.add("frontend: reasoning_syntax.open and .close must be declared")
+    if fe.reasoning_parser == ct.REASONING_PARSER_RECIPIENT_HEADER:
+        header = rs.recipient_header
+        for name in ("start", "message", "end", "end_of_message", "reasoning_recipient"):
+            if not getattr(header, name):
+                problems.add(f"frontend: reasoning_syntax.recipient_header.{name} must be declared")
+    if rs.terminal_marker and rs.terminal_marker != fe.tool_syntax.opener:
+        problems.add(
+            f"frontend: reasoning terminal marker {rs.terminal_marker!r} must equal the tool syntax's "
+            f"opener {fe.tool_syntax.opener!r}"
+        )
+    if fe.prefix_boundaries and model.version < 3:
+        problems.add(f"frontend.prefix_boundaries needs contract version 3 (core declares {model.version})")
+    for rule in fe.prefix_boundaries:
+        if not rule.roles or any(role == ct.MESSAGE_ROLE_UNSPECIFIED for role in rule.roles):
+            problems.add("frontend.prefix_boundaries: every rule names one or more specified roles")
+        if rule.constraint == ct.RENDERING_CONSTRAINT_UNSPECIFIED:
+            problems.add("frontend.prefix_boundaries: rendering constraint is unspecified")
+    for variable in fe.template_variables:
+        try:
+            json.loads(variable.json_value)
+        except ValueError as exc:
+            problems.add(f"frontend.template_variables[{variable.name!r}] is not JSON: {exc}")
+    if fe.plugin_parameters_json:
+        try:
+            parameters = json.loads(fe.plugin_parameters_json)
+        except ValueError as exc:
+            problems.add(f"frontend.plugin_parameters_json is not JSON: {exc}")
+        else:
+            if not isinstance(parameters, dict):
+                problems.add("frontend.plugin_parameters_json must be a JSON object")
+
+
+def _check_input_vocabulary(model: ct.ModelContract, problems: _Problems) -> None:
+    size = model.input_vocabulary.size
+    if size <= 0:
+        problems.add("input_vocabulary.size must be positive")
+    for sentinel in model.input_vocabulary.image_sentinel_ids:
+        if sentinel >= size:
+            problems.add(f"input_vocabulary: image sentinel {sentinel} lies outside [0, {size})")
+
+
+def _check_buffers(
+    execution: mf.ExecutionManifest,
+    resources: Mapping[str, cb.ExecutableResource],
+    problems: _Problems,
+) -> dict[str, mf.BufferDecl]:
+    buffers: dict[str, mf.BufferDecl] = {}
+    for buffer in execution.buffers:
+        if buffer.name in buffers:
+            problems.add(f"buffer {buffer.name!r} is declared twice")
+            continue
+        if buffer.role == mf.BUFFER_ROLE_UNSPECIFIED:
+            problems.add(f"buffer {buffer.name!r} has no role")
+        if buffer.dtype not in NUMPY_DTYPES:
+            problems.add(f"buffer {buffer.name!r} has unknown dtype {buffer.dtype}")
+            continue
+        if not buffer.shape or any(d.size == 0 for d in buffer.shape):
+            problems.add(f"buffer {buffer.name!r} has an empty shape")
+            continue
+        # Only well-formed declarations enter the map, so later checks can rely on dtype and shape.
+        buffers[buffer.name] = buffer
+        needs_resource = buffer.role == mf.BUFFER_ROLE_WEIGHTS
+        if needs_resource and not buffer.resource_id:
+            problems.add(f"weights buffer {buffer.name!r} names no resource")
+        if buffer.resource_id:
+            resource = resources.get(buffer.resource_id)
+            if resource is None:
+                problems.add(f"buffer {buffer.name!r} names unknown resource {buffer.resource_id!r}")
+                continue
+            expected_kind = (
+                cb.RESOURCE_KIND_WEIGHTS if buffer.role == mf.BUFFER_ROLE_WEIGHTS else cb.RESOURCE_KIND_STATE_INIT
+            )
+            if resource.kind != expected_kind:
+                problems.add(
+                    f"buffer {buffer.name!r} uses resource {resource.id!r} as "
+                    f"{_enum_name(cb.ResourceKind, expected_kind)}, but it is declared "
+                    f"{_enum_name(cb.ResourceKind, resource.kind)}"
+                )
+            end = buffer.resource_offset + _buffer_nbytes(buffer)
+            if end > resource.decoded_nbytes:
+                problems.add(
+                    f"buffer {buffer.name!r} reads bytes up to {end} of resource {resource.id!r}, "
+                    f"which decodes to {resource.decoded_nbytes}"
+                )
+    for module in execution.modules:
+        resource = resources.get(module.resource_id)
+        if resource is None:
+            problems.add(f"module {module.name!r} names unknown resource {module.resource_id!r}")
+        elif resource.kind != cb.RESOURCE_KIND_MODULE:
+            problems.add(
+                f"module {module.name!r} uses resource {resource.id!r} as RESOURCE_KIND_MODULE, but it is "
+                f"declared {_enum_name(cb.ResourceKind, resource.kind)}"
+            )
+    return buffers
+
+
+def _check_transport(
+    execution: mf.ExecutionManifest, buffers: Mapping[str, mf.BufferDecl], problems: _Problems
+) -> dict[str, mf.TransportEntry]:
+    transport = execution.transport
+    entries: dict[str, mf.TransportEntry] = {}
+    if transport.frames not in (1, 2):
+        problems.add(f"transport.frames must be 1 or 2, not {transport.frames}")
+    for entry in transport.entries:
+        if entry.name in entries or entry.name in buffers:
+            problems.add(f"transport entry {entry.name!r} is declared twice or shadows a buffer")
+            continue
+        if entry.dtype not in NUMPY_DTYPES:
+            problems.add(f"transport entry {entry.name!r} has unknown dtype {entry.dtype}")
+            continue
+        if not entry.shape or any(d == 0 for d in entry.shape):
+            problems.add(f"transport entry {entry.name!r} has an empty shape")
+            continue
+        entries[entry.name] = entry
+    for owned in (transport.frame_index_entry, transport.submission_sequence_entry):
+        if owned and owned not in entries:
+            problems.add(f"transport names unknown entry {owned!r} for its own use")
+    return entries
+
+
+def _check_views(
+    model: ct.ModelContract,
+    buffers: Mapping[str, mf.BufferDecl],
+    transport: Mapping[str, mf.TransportEntry],
+    problems: _Problems,
+) -> dict[str, ct.StateView]:
+    views: dict[str, ct.StateView] = {}
+    for view in model.state_views:
+        if view.name in views:
+            problems.add(f"state view {view.name!r} is declared twice")
+            continue
+        views[view.name] = view
+        buffer = buffers.get(view.buffer)
+        if buffer is None or buffer.role not in (mf.BUFFER_ROLE_PERSISTENT_STATE, mf.BUFFER_ROLE_TUNED):
+            problems.add(f"state view {view.name!r} names {view.buffer!r}, which is not a persistent buffer")
+            continue
+        rows = buffer.shape[0].size
+        nbytes = _buffer_nbytes(buffer)
+        if view.byte_extent == 0:
+            problems.add(f"state view {view.name!r} has zero extent")
+        if view.row_stride and view.byte_offset + view.byte_extent > view.row_stride:
+            problems.add(f"state view {view.name!r}: offset + extent exceeds its row stride")
+        last_end = view.byte_offset + (rows - 1) * view.row_stride + view.byte_extent
+        if last_end > nbytes:
+            problems.add(
+                f"state view {view.name!r} ends at byte {last_end} of {view.buffer!r}, which has {nbytes} bytes"
+            )
+    cache = model.cache
+    if cache.page_tokens <= 0:
+        problems.add("cache.page_tokens must be positive")
+    region_names: set[str] = set()
+    for region in cache.regions:
+        region_names.add(region.name)
+        if region.kind == ct.HISTORY_KIND_UNSPECIFIED:
+            problems.add(f"history region {region.name!r} has no kind")
+        if region.kind in PAGED_HISTORY_KINDS:
+            if region.tokens_per_record < 1:
+                problems.add(f"history region {region.name!r}: tokens_per_record must be at least 1")
+            for plane in region.planes:
+                decl = buffers.get(plane)
+                if decl is None or decl.role != mf.BUFFER_ROLE_CACHE_PLANE:
+                    problems.add(f"history region {region.name!r} names {plane!r}, which is not a cache plane")
+                elif decl.shape[0].symbol != mf.DIM_SYMBOL_CACHE_PAGES:
+                    problems.add(f"cache plane {plane!r}: its leading dimension must be CACHE_PAGES")
+            if not region.planes:
+                problems.add(f"history region {region.name!r} names no planes")
+        if region.kind == ct.HISTORY_KIND_SLIDING_WINDOW and region.window_tokens <= 0:
+            problems.add(f"sliding-window region {region.name!r} must declare window_tokens")
+    for table_view in cache.page_table_views:
+        entry = transport.get(table_view.buffer)
+        if entry is None:
+            problems.add(f"page-table view names {table_view.buffer!r}, which is not a transport entry")
+            continue
+        if entry.dtype not in (mf.DTYPE_I32, mf.DTYPE_I64):
+            problems.add(f"page-table view {table_view.buffer!r} must be an integer entry")
+        if table_view.region not in region_names:
+            problems.add(f"page-table view {table_view.buffer!r} names unknown region {table_view.region!r}")
+        row_extent = entry.shape[-1]
+        first, end = table_view.page_offset, table_view.page_offset + table_view.pages_per_row
+        if table_view.pages_per_row == 0 or end > row_extent:
+            problems.add(
+                f"page-table view {table_view.buffer!r}: pages {first}..{end} exceed its row extent {row_extent}"
+            )
+    return views
+
+
+def _check_binding_geometry(
+    graph: ct.GraphContract,
+    binding: ct.ValueBinding,
+    entry: mf.TransportEntry,
+    extents: GraphExtentsView,
+    sizes: tuple[int, int, int],
+    problems: _Problems,
+) -> None:
+    _, histogram_width, mask_words = sizes
+    where = f"graph {graph.name!r} binding {binding.destination!r}"
+    source = binding.source
+    if source in FLOAT_SOURCES and entry.dtype not in FLOAT_DTYPES:
+        problems.add(f"{where}: a float source needs a float destination, not {dtype_name(entry.dtype)}")
+    if source not in FLOAT_SOURCES and source != ct.VALUE_SOURCE_IMAGE_TENSOR and entry.dtype not in INTEGER_DTYPES:
+        problems.add(f"{where}: an integer source needs an integer destination, not {dtype_name(entry.dtype)}")
+    shape = list(entry.shape)
+    leading = shape[0]
+    indexing = binding.indexing
+    if indexing == ct.INDEXING_UNSPECIFIED:
+        problems.add(f"{where}: indexing is unspecified")
+    elif indexing in (ct.INDEXING_SUBMISSION_ROW, ct.INDEXING_ACTIVE_ROW, ct.INDEXING_PHYSICAL_REQUEST_ROW):
+        if leading < extents.batch_capacity:
+            problems.add(f"{where}: {leading} rows cannot hold batch capacity {extents.batch_capacity}")
+    elif indexing == ct.INDEXING_PACKED_TOKEN and leading < extents.packed_token_capacity:
+        problems.add(f"{where}: {leading} rows cannot hold {extents.packed_token_capacity} packed tokens")
+    if source == ct.VALUE_SOURCE_PROMPT_HISTOGRAM and shape[-1] != histogram_width:
+        problems.add(f"{where}: histogram rows are {shape[-1]} wide, the vocabulary needs {histogram_width}")
+    if source in (ct.VALUE_SOURCE_GRAMMAR_MASK, ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS):
+        if entry.dtype not in (mf.DTYPE_I32, mf.DTYPE_U32):
+            problems.add(f"{where}: grammar masks are 32-bit words")
+        if shape[-1] != mask_words:
+            problems.add(f"{where}: mask rows are {shape[-1]} words, the vocabulary needs {mask_words}")
+
+
+def _check_graph(
+    graph: ct.GraphContract,
+    model: ct.ModelContract,
+    program: mf.ProgramDecl | None,
+    transport: Mapping[str, mf.TransportEntry],
+    owned_entries: frozenset[str],
+    views: Mapping[str, ct.StateView],
+    resources: Mapping[str, cb.ExecutableResource],
+    sizes: tuple[int, int, int],
+    problems: _Problems,
+) -> tuple[GraphExtentsView, int | None, frozenset[str]]:
+    name = graph.name
+    version = model.version
+    if graph.operation == ct.OPERATION_UNSPECIFIED or graph.operation not in ct.Operation.values():
+        problems.add(f"graph {name!r} has unknown operation {graph.operation}")
+    if program is None:
+        problems.add(f"graph {name!r} has no program in the execution catalog")
+    elif program.operation != graph.operation:
+        problems.add(
+            f"graph {name!r} declares operation {operation_name(graph.operation)} but the execution "
+            f"catalog's program is {operation_name(program.operation)}"
+        )
+    extents = _effective_extents(graph, version, problems)
+    for dependency in graph.resource_dependencies:
+        if dependency not in resources:
+            problems.add(f"graph {name!r} depends on unknown resource {dependency!r}")
+
+    destinations: Counter[str] = Counter()
+    length_sources: list[int] = []
+    for binding in graph.bindings:
+        where = f"graph {name!r} binding {binding.destination!r}"
+        destinations[binding.destination] += 1
+        if binding.destination in owned_entries:
+            problems.add(f"{where}: frame index and submission sequence belong to the transport")
+            continue
+        entry = transport.get(binding.destination)
+        if entry is None:
+            problems.add(f"{where}: destination is not a registered transport entry")
+            continue
+        if binding.source == ct.VALUE_SOURCE_UNSPECIFIED or binding.source not in ct.ValueSource.values():
+            problems.add(f"{where}: unknown value source {binding.source}")
+            continue
+        if binding.source in LENGTH_SOURCES:
+            length_sources.append(binding.source)
+        if binding.source in IMAGE_SOURCES and model.frontend.image_layout in (
+            ct.IMAGE_LAYOUT_UNSPECIFIED,
+            ct.IMAGE_LAYOUT_NONE,
+        ):
+            problems.add(f"{where}: image sources need a selected image layout")
+        if binding.source == ct.VALUE_SOURCE_IMAGE_TENSOR and not binding.image_output:
+            problems.add(f"{where}: IMAGE_TENSOR needs an image_output name")
+        if binding.source == ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT and graph.operation != ct.OPERATION_SPECULATIVE:
+            problems.add(f"{where}: speculative prefix limits belong to speculative programs")
+        _check_binding_geometry(graph, binding, entry, extents, sizes, problems)
+    for destination, count in destinations.items():
+        if count > 1:
+            problems.add(f"graph {name!r}: destination {destination!r} is bound {count} times")
+
+    for access in graph.state_accesses:
+        if access.view not in views:
+            problems.add(f"graph {name!r} accesses unknown state view {access.view!r}")
+        if access.mode == ct.ACCESS_MODE_UNSPECIFIED:
+            problems.add(f"graph {name!r}: access to {access.view!r} has no mode")
+
+    pending = graph.pending_token
+    which = pending.WhichOneof("source")
+    if which == "state_view":
+        modes = {a.mode for a in graph.state_accesses if a.view == pending.state_view}
+        if pending.state_view not in views:
+            problems.add(f"graph {name!r}: pending token view {pending.state_view!r} is not a state view")
+        elif not modes & {ct.ACCESS_MODE_READ, ct.ACCESS_MODE_READ_WRITE}:
+            problems.add(f"graph {name!r}: it must declare a read of its pending token view {pending.state_view!r}")
+    elif which == "binding_destination":
+        bound = {b.destination: b.source for b in graph.bindings}
+        if bound.get(pending.binding_destination) != ct.VALUE_SOURCE_PENDING_TOKEN:
+            problems.add(
+                f"graph {name!r}: host-owned pending token needs a PENDING_TOKEN binding to "
+                f"{pending.binding_destination!r}"
+            )
+
+    is_spec = graph.operation == ct.OPERATION_SPECULATIVE
+    if is_spec:
+        if version < 2:
+            problems.add(f"graph {name!r}: speculative programs need contract version 2 or later")
+        if len(length_sources) != 1:
+            problems.add(
+                f"graph {name!r}: a speculative program binds exactly one length source "
+                f"(QUERY_LENGTH or SPECULATIVE_PREFIX_LIMIT), found {len(length_sources)}"
+            )
+        if extents.token_capacity == 1 and extents.draft_tokens != 0:
+            problems.add(f"graph {name!r}: a width-one speculative program draws no proposals (D must be 0)")
+        if extents.token_capacity > 1 and extents.draft_tokens == 0:
+            problems.add(f"graph {name!r}: draft_tokens (D) must be declared for width {extents.token_capacity}")
+        if extents.packed_token_capacity > extents.batch_capacity * extents.token_capacity:
+            problems.add(f"graph {name!r}: P exceeds B x W")
+    else:
+        if extents.draft_tokens or graph.confidence_width:
+            problems.add(f"graph {name!r}: only speculative programs draw proposals or produce confidence")
+        if graph.cursor.reports_draft_cursor:
+            problems.add(f"graph {name!r}: only speculative programs report a draft cursor")
+    if graph.confidence_width:
+        if graph.confidence_width != extents.draft_tokens:
+            problems.add(
+                f"graph {name!r}: confidence_width {graph.confidence_width} must equal D = {extents.draft_tokens}"
+            )
+        if extents.draft_capacity < extents.draft_tokens:
+            problems.add(f"graph {name!r}: draft_capacity is smaller than D")
+    if graph.tuned_bindings and version < 2:
+        problems.add(f"graph {name!r}: tuned bindings need contract version 2 or later")
+    if graph.cursor.lag_tokens and version < 3:
+        problems.add(f"graph {name!r}: completion-cursor lag needs contract version 3")
+    for reservation in graph.rng_reservations:
+        if not reservation.stream:
+            problems.add(f"graph {name!r}: an RNG reservation names no stream")
+    single_source = length_sources[0] if len(length_sources) == 1 else None
+    return extents, single_source, frozenset(destinations)
+
+
+def _check_pending_token_producers(graphs: Sequence[ct.GraphContract], problems: _Problems) -> None:
+    device_views = {g.pending_token.state_view for g in graphs if g.pending_token.WhichOneof("source") == "state_view"}
+    for view in sorted(device_views):
+        for graph in graphs:
+            if graph.operation not in GENERATING_OPERATIONS:
+                continue
+            writes = {
+                a.mode
+                for a in graph.state_accesses
+                if a.view == view and a.mode in (ct.ACCESS_MODE_WRITE, ct.ACCESS_MODE_READ_WRITE)
+            }
+            if not writes:
+                problems.add(
+                    f"graph {graph.name!r} produces the device-owned pending token but declares no write of "
+                    f"state view {view!r}"
+                )
+
+
+def _check_tuning(
+    graphs: Sequence[ct.GraphContract],
+    model: ct.ModelContract,
+    execution: mf.ExecutionManifest,
+    buffers: Mapping[str, mf.BufferDecl],
+    transport: Mapping[str, mf.TransportEntry],
+    views: Mapping[str, ct.StateView],
+    problems: _Problems,
+) -> None:
+    producers = {p.program: set(p.outputs) for p in execution.tuning}
+    tuning_programs = {p.name for p in execution.tuning_programs}
+    for producer in producers:
+        if producer not in tuning_programs:
+            problems.add(f"tuning producer {producer!r} has no program in the tuning catalog")
+    written_state = {
+        views[a.view].buffer
+        for g in graphs
+        for a in g.state_accesses
+        if a.view in views and a.mode in (ct.ACCESS_MODE_WRITE, ct.ACCESS_MODE_READ_WRITE)
+    }
+    cache_planes = {plane for region in model.cache.regions for plane in region.planes}
+    for graph in graphs:
+        for tuned in graph.tuned_bindings:
+            where = f"graph {graph.name!r} tuned binding {tuned.buffer!r}"
+            decl = buffers.get(tuned.buffer)
+            if decl is None or decl.role != mf.BUFFER_ROLE_TUNED:
+                problems.add(f"{where}: not a tuned buffer")
+            outputs = producers.get(tuned.producer)
+            if outputs is None:
+                problems.add(f"{where}: producer {tuned.producer!r} is not in the tuning catalog")
+            elif tuned.buffer not in outputs:
+                problems.add(f"{where}: producer {tuned.producer!r} does not declare it as an output")
+            if tuned.buffer in written_state:
+                problems.add(f"{where}: overlaps writable graph state")
+            if tuned.buffer in cache_planes:
+                problems.add(f"{where}: overlaps cache storage")
+
+
+def _check_programs(
+    execution: mf.ExecutionManifest,
+    buffers: Mapping[str, mf.BufferDecl],
+    transport: Mapping[str, mf.TransportEntry],
+    problems: _Problems,
+) -> None:
+    modules = {m.name: m for m in execution.modules}
+    for program in list(execution.programs) + list(execution.tuning_programs):
+        node_names: set[str] = set()
+        for node in program.nodes:
+            where = f"program {program.name!r} node {node.name!r}"
+            if node.name in node_names:
+                problems.add(f"{where} is declared twice")
+            for dependency in node.depends_on:
+                if dependency not in node_names:
+                    problems.add(f"{where} depends on {dependency!r}, which does not precede it")
+            node_names.add(node.name)
+            for arg in node.args:
+                _check_view(where, arg, buffers, transport, problems)
+            _check_launches(where, node, modules, buffers, transport, problems)
+            spec = CATALOGUE.get((node.op.name, node.op.version))
+            if spec is None:
+                # Unknown operators are a runtime-support question (check_runtime_support).
+                continue
+            given = {arg.name for arg in node.args}
+            missing = set(spec.inputs + spec.outputs) - given
+            if missing:
+                problems.add(f"{where} ({spec.name}) lacks arguments {sorted(missing)}")
+            unknown = given - spec.tensor_args
+            if unknown:
+                problems.add(f"{where} ({spec.name}) has unknown arguments {sorted(unknown)}")
+            attributes = {attr.name for attr in node.attributes}
+            missing_attrs = set(spec.attributes) - attributes
+            if missing_attrs:
+                problems.add(f"{where} ({spec.name}) lacks attributes {sorted(missing_attrs)}")
+
+
+def _check_launches(
+    where: str,
+    node: mf.Node,
+    modules: Mapping[str, mf.ModuleDecl],
+    buffers: Mapping[str, mf.BufferDecl],
+    transport: Mapping[str, mf.TransportEntry],
+    problems: _Problems,
+) -> None:
+    for launch in node.launches:
+        module = modules.get(launch.module)
+        if module is None:
+            problems.add(f"{where}: launch names unknown module {launch.module!r}")
+        elif module.target != launch.target:
+            problems.add(f"{where}: module {launch.module!r} is built for {module.target}, not {launch.target}")
+        for param in launch.params:
+            if param.kind == mf.PARAM_KIND_ADDRESS and param.buffer not in buffers and param.buffer not in transport:
+                problems.add(f"{where}: launch parameter names unknown buffer {param.buffer!r}")
+
+
+def _check_view(
+    where: str,
+    arg: mf.TensorArg,
+    buffers: Mapping[str, mf.BufferDecl],
+    transport: Mapping[str, mf.TransportEntry],
+    problems: _Problems,
+) -> None:
+    view = arg.view
+    if view.buffer in buffers:
+        total = math.prod(_dims(buffers[view.buffer].shape))
+    elif view.buffer in transport:
+        total = math.prod(transport[view.buffer].shape)
+    else:
+        problems.add(f"{where} argument {arg.name!r} names unknown buffer {view.buffer!r}")
+        return
+    count = math.prod(view.shape) if view.shape else total
+    if view.element_offset + count > total:
+        problems.add(f"{where} argument {arg.name!r} reads past the end of {view.buffer!r}")
+
+
+def _check_serving(serving: ct.ServingContract, graphs: Sequence[PreparedGraph], problems: _Problems) -> None:
+    if not serving.served_name:
+        problems.add("served_name is empty")
+    names = [serving.served_name, *serving.aliases]
+    if len(set(names)) != len(names):
+        problems.add("served_name and aliases must be distinct")
+    if serving.context_tokens <= 0:
+        problems.add("context_tokens must be positive")
+    if serving.prefill_tokens <= 0:
+        problems.add("prefill_tokens must be positive")
+    if serving.max_concurrency <= 0:
+        problems.add("max_concurrency must be positive")
+    if not serving.defaults.eos_token_ids:
+        problems.add("defaults.eos_token_ids must name at least one token")
+    by_operation: dict[int, list[PreparedGraph]] = {}
+    for graph in graphs:
+        by_operation.setdefault(graph.operation, []).append(graph)
+    for required in (ct.OPERATION_PREFILL, ct.OPERATION_DECODE):
+        if required not in by_operation:
+            problems.add(f"missing graph variant: no {operation_name(required)} program")
+    decode_capacity = max((g.extents.batch_capacity for g in by_operation.get(ct.OPERATION_DECODE, [])), default=0)
+    if decode_capacity and decode_capacity < serving.max_concurrency:
+        problems.add(
+            f"missing graph variant: max_concurrency is {serving.max_concurrency} but the widest decode "
+            f"program holds {decode_capacity} rows"
+        )
+    if serving.snapshot_capacity:
+        for required in (ct.OPERATION_SNAPSHOT, ct.OPERATION_RESTORE):
+            if required not in by_operation:
+                problems.add(
+                    f"missing graph variant: snapshots are declared but there is no {operation_name(required)} program"
+                )
+    speculative = by_operation.get(ct.OPERATION_SPECULATIVE, [])
+    for width in serving.speculative_widths:
+        if not any(g.extents.selectable_width >= width for g in speculative):
+            problems.add(f"missing graph variant: no speculative program serves width {width} (min(D + 1, W))")
+    if speculative and not serving.speculative_widths:
+        problems.add("speculative programs exist but speculative_widths declares none")
+
+
+def prepare_contract(
+    serving: ct.ServingContract,
+    execution: mf.ExecutionManifest,
+    resources: Sequence[cb.ExecutableResource] = (),
+) -> PreparedContract:
+    """Decode and validate a contract; raise ContractError listing every problem."""
+    problems = _Problems()
+    model = serving.model
+    if model.version not in SUPPORTED_CONTRACT_VERSIONS:
+        raise ContractError(
+            f"unsupported contract version {model.version}; this runtime loads versions "
+            f"{', '.join(map(str, SUPPORTED_CONTRACT_VERSIONS))}"
+        )
+    resource_map = {r.id: r for r in resources}
+    sampled, logits, histogram, mask = _vocabulary_geometry(model, problems)
+    _check_input_vocabulary(model, problems)
+    _check_frontend(model, problems)
+    buffers = _check_buffers(execution, resource_map, problems)
+    transport = _check_transport(execution, buffers, problems)
+    views = _check_views(model, buffers, transport, problems)
+    owned = frozenset(
+        e for e in (execution.transport.frame_index_entry, execution.transport.submission_sequence_entry) if e
+    )
+    programs = {p.name: p for p in execution.programs}
+    contract_names = [g.name for g in model.graphs]
+    for duplicate in sorted(n for n, c in Counter(contract_names).items() if c > 1):
+        problems.add(f"graph {duplicate!r} is declared twice")
+    for orphan in sorted(set(programs) - set(contract_names)):
+        problems.add(f"execution program {orphan!r} has no graph contract")
+    prepared_graphs: dict[str, PreparedGraph] = {}
+    for graph in model.graphs:
+        program = programs.get(graph.name)
+        extents, length_source, inputs = _check_graph(
+            graph, model, program, transport, owned, views, resource_map, (logits, histogram, mask), problems
+        )
+        if program is not None:
+            prepared_graphs[graph.name] = PreparedGraph(
+                name=graph.name,
+                operation=graph.operation,
+                contract=graph,
+                program=program,
+                extents=extents,
+                length_source=length_source,
+                input_destinations=inputs,
+            )
+    _check_pending_token_producers(list(model.graphs), problems)
+    _check_tuning(list(model.graphs), model, execution, buffers, transport, views, problems)
+    _check_programs(execution, buffers, transport, problems)
+    _check_serving(serving, list(prepared_graphs.values()), problems)
+    problems.raise_if_any()
+    return PreparedContract(
+        version=model.version,
+        serving=serving,
+        model=model,
+        execution=execution,
+        graphs=MappingProxyType(prepared_graphs),
+        buffers=MappingProxyType(buffers),
+        transport=MappingProxyType(transport),
+        state_views=MappingProxyType(views),
+        sampled_size=sampled,
+        logits_width=logits,
+        histogram_width=histogram,
+        mask_words=mask,
+        ranks=max(execution.ranks, 1),
+        resource_kinds=MappingProxyType({r.id: r.kind for r in resources}),
+    )
+
+
+def check_runtime_support(contract: PreparedContract, capabilities: RuntimeCapabilities) -> None:
+    """Fail with UnsupportedFeatureError naming the first feature this runtime lacks."""
+    if contract.ranks > capabilities.ranks:
+        raise UnsupportedFeatureError(
+            f"the core needs {contract.ranks} tensor-parallel ranks; this runtime has {capabilities.ranks}"
+        )
+    for region in contract.model.cache.regions:
+        if region.kind not in capabilities.history_kinds:
+            raise UnsupportedFeatureError(
+                f"history region {region.name!r} has kind {_enum_name(ct.HistoryKind, region.kind)}, "
+                "which this runtime does not implement yet"
+            )
+    for graph in contract.graphs.values():
+        if graph.operation not in capabilities.operations:
+            raise UnsupportedFeatureError(
+                f"graph {graph.name!r} has operation {operation_name(graph.operation)}, which this runtime "
+                "does not implement yet"
+            )
+    for program in list(contract.execution.programs) + list(contract.execution.tuning_programs):
+        for node in program.nodes:
+            key = (node.op.name, node.op.version)
+            if key not in capabilities.operators:
+                versions = known_versions(node.op.name)
+                known = f"known versions: {list(versions)}" if versions else "unknown operator"
+                raise UnsupportedFeatureError(
+                    f"program {program.name!r} node {node.name!r} uses operator {node.op.name} version "
+                    f"{node.op.version} ({known})"
+                )
+    frontend = contract.model.frontend
+    if not capabilities.vision and (
+        frontend.image_preparation not in (ct.IMAGE_PREPARATION_NONE,)
+        or frontend.image_layout not in (ct.IMAGE_LAYOUT_NONE,)
+    ):
+        raise UnsupportedFeatureError("the core declares image inputs, which this runtime does not implement yet")
+    if contract.execution.engram_tables and not capabilities.engram:
+        raise UnsupportedFeatureError(
+            "the core declares Engram staging tables, which this runtime does not implement yet"
+        )

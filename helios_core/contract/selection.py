@@ -1,0 +1,143 @@
+"""Load-time selection: which captured programs and capacities a runtime uses.
+
+Owns the rules by which startup options reduce what a core captured:
+concurrency and speculative width may only shrink; explicit options win over
+core defaults, which fill settings the operator leaves unset; history
+drafting needs learned speculation and concrete copied-token inputs in every
+selected wider graph. Export records no history preference, so drafting is
+only ever a startup option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from helios_core.contract.prepared import PreparedContract, PreparedGraph
+from helios_core.errors import StartupError
+from helios_core.wire import contract_pb2 as ct
+
+DEFAULT_QUEUE_CAPACITY = 64
+DEFAULT_FRONTEND_WORKERS = 2
+DEFAULT_EVENT_CAPACITY = 256
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Explicit startup options; None means "use the core default"."""
+
+    max_active: int | None = None
+    queue_capacity: int | None = None
+    frontend_workers: int | None = None
+    event_capacity: int | None = None
+    speculative_width: int | None = None
+    history_drafting: bool = False
+    cache_pages: int | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The programs and capacities a runtime serves with."""
+
+    max_active: int
+    queue_capacity: int
+    frontend_workers: int
+    event_capacity: int
+    speculative_width: int
+    history_drafting: bool
+    graphs: Mapping[str, PreparedGraph]
+    state_rows_per_request: int
+    """Maximum state_rows_per_request among the selected graphs."""
+
+
+def _positive(name: str, value: int | None) -> int | None:
+    if value is not None and value <= 0:
+        raise StartupError(f"--{name.replace('_', '-')} must be positive, not {value}")
+    return value
+
+
+def _core_default(name: str, value: int) -> int:
+    if value <= 0:
+        raise StartupError(f"the core's default {name} is {value}; pass --{name.replace('_', '-')} explicitly")
+    return value
+
+
+def select(contract: PreparedContract, options: LoadOptions) -> Selection:
+    """Choose capacities and programs; raise StartupError on an impossible choice."""
+    defaults = contract.serving.defaults
+    captured = contract.serving.max_concurrency
+    requested_active = _positive("max_active", options.max_active)
+    if requested_active is None:
+        requested_active = (
+            _core_default("max_active", defaults.max_active) if defaults.HasField("max_active") else captured
+        )
+    if requested_active > captured:
+        raise StartupError(
+            f"max_active {requested_active} exceeds the core's captured concurrency {captured}; "
+            "load-time selection can only reduce it"
+        )
+    queue_capacity = _positive("queue_capacity", options.queue_capacity)
+    if queue_capacity is None:
+        queue_capacity = (
+            _core_default("queue_capacity", defaults.queue_capacity)
+            if defaults.HasField("queue_capacity")
+            else DEFAULT_QUEUE_CAPACITY
+        )
+    workers = _positive("frontend_workers", options.frontend_workers)
+    if workers is None:
+        workers = (
+            _core_default("frontend_workers", defaults.frontend_workers)
+            if defaults.HasField("frontend_workers")
+            else DEFAULT_FRONTEND_WORKERS
+        )
+    event_capacity = _positive("event_capacity", options.event_capacity)
+    if event_capacity is None:
+        event_capacity = (
+            _core_default("event_capacity", defaults.event_capacity)
+            if defaults.HasField("event_capacity")
+            else DEFAULT_EVENT_CAPACITY
+        )
+
+    declared_widths = sorted(contract.serving.speculative_widths)
+    width = _positive("speculative_width", options.speculative_width)
+    if width is None:
+        width = declared_widths[-1] if declared_widths else 1
+    elif width > 1 and (not declared_widths or width > declared_widths[-1]):
+        widest = declared_widths[-1] if declared_widths else 1
+        raise StartupError(
+            f"speculative width {width} exceeds the widest captured width {widest}; "
+            "load-time selection can only reduce it"
+        )
+
+    selected: dict[str, PreparedGraph] = {}
+    for name, graph in contract.graphs.items():
+        if graph.operation == ct.OPERATION_SPECULATIVE and graph.extents.token_capacity > max(width, 1):
+            continue
+        selected[name] = graph
+
+    if options.history_drafting:
+        if not contract.serving.learned_speculation:
+            raise StartupError("history drafting needs a core with learned speculation enabled")
+        if width <= 1:
+            raise StartupError("history drafting needs a speculative width above one")
+        for graph in selected.values():
+            if graph.operation != ct.OPERATION_SPECULATIVE or graph.extents.token_capacity <= 1:
+                continue
+            sources = {b.source for b in graph.contract.bindings}
+            if ct.VALUE_SOURCE_CANDIDATE_IDS not in sources:
+                raise StartupError(
+                    f"history drafting needs copied-token inputs (CANDIDATE_IDS) in selected graph {graph.name!r}"
+                )
+
+    state_rows = max((g.contract.state_rows_per_request for g in selected.values()), default=0)
+    return Selection(
+        max_active=requested_active,
+        queue_capacity=queue_capacity,
+        frontend_workers=workers,
+        event_capacity=event_capacity,
+        speculative_width=width,
+        history_drafting=options.history_drafting,
+        graphs=MappingProxyType(selected),
+        state_rows_per_request=max(state_rows, 1),
+    )

@@ -1,0 +1,1 @@
+"""The op catalogue: versioned semantic operators that program nodes name."""

@@ -1,0 +1,174 @@
+"""The versioned op catalogue: which operators exist and what a node must give them.
+
+Owns the *names, versions and signatures* of operators. Backends own their
+implementations (the reference backend's numpy functions are the semantic
+definition). A core naming an operator or version missing here fails startup.
+Documented operator by operator in ``docs/ops.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Final
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    """The signature of one operator version."""
+
+    name: str
+    version: int
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+    optional_attributes: tuple[str, ...] = ()
+    summary: str = ""
+
+    @property
+    def tensor_args(self) -> frozenset[str]:
+        """Every tensor argument name a node may give."""
+        return frozenset(self.inputs + self.outputs + self.optional_inputs)
+
+
+def _spec(
+    name: str,
+    inputs: tuple[str, ...],
+    outputs: tuple[str, ...],
+    summary: str,
+    *,
+    optional_inputs: tuple[str, ...] = (),
+    attributes: tuple[str, ...] = (),
+    optional_attributes: tuple[str, ...] = (),
+    version: int = 1,
+) -> OperatorSpec:
+    return OperatorSpec(
+        name=name,
+        version=version,
+        inputs=inputs,
+        outputs=outputs,
+        optional_inputs=optional_inputs,
+        attributes=attributes,
+        optional_attributes=optional_attributes,
+        summary=summary,
+    )
+
+
+_SPECS: Final[tuple[OperatorSpec, ...]] = (
+    _spec("embedding", ("table", "ids"), ("out",), "Gather rows of an embedding table."),
+    _spec("rmsnorm", ("x", "weight"), ("out",), "Root-mean-square normalisation.", attributes=("eps",)),
+    _spec("linear", ("x", "weight"), ("out",), "x @ weight.T with [out, in] weights; row independent."),
+    _spec(
+        "rope",
+        ("x", "positions"),
+        ("out",),
+        "Rotary position embedding (interleaved or half pairs; optional frequency-band scaling).",
+        attributes=("theta", "style"),
+        optional_attributes=("frequency_band_scaling",),
+    ),
+    _spec(
+        "kv_cache_write",
+        ("k", "v", "slots"),
+        ("k_plane", "v_plane"),
+        "Write keys and values of packed tokens into paged cache planes.",
+    ),
+    _spec(
+        "paged_attention",
+        ("q", "k_plane", "v_plane", "page_table", "token_row", "token_position"),
+        ("out",),
+        "Causal grouped-query attention over paged cache planes.",
+        attributes=("scale",),
+    ),
+    _spec("silu_mul", ("gate", "up"), ("out",), "silu(gate) * up."),
+    _spec("add", ("a", "b"), ("out",), "Elementwise sum (residual add)."),
+    _spec(
+        "gather_rows",
+        ("x", "index"),
+        ("out",),
+        "Select rows of x by index (e.g. the last token of each lane); index < 0 gives zeros.",
+    ),
+    _spec(
+        "sample",
+        (
+            "logits",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "prompt_presence",
+            "output_counts",
+            "rows",
+            "seed",
+            "step",
+            "active",
+        ),
+        ("ids",),
+        "Per-request seeded sampling with penalties, filters and an optional grammar mask; "
+        "increments output_counts[rows[i]] at each sampled id of an active row.",
+        optional_inputs=("allowed_mask", "constrained", "logprob", "top_ids", "top_logprobs"),
+        attributes=("vocab_limit",),
+        optional_attributes=("top_n",),
+    ),
+    _spec(
+        "apply_grammar_mask",
+        ("logits", "allowed_mask", "constrained"),
+        ("out",),
+        "Set logits of disallowed ids to -inf on constrained rows.",
+    ),
+    _spec(
+        "copy_rows",
+        ("src", "dst_rows"),
+        ("dst",),
+        "dst[dst_rows[i]] = src[src_rows[i]] along the leading axis; a negative index skips the pair "
+        "(page copies, state snapshots and restores, pending-token updates). Without src_rows, "
+        "source row i pairs with dst_rows[i].",
+        optional_inputs=("src_rows",),
+    ),
+    _spec(
+        "init_sampling_state",
+        ("prompt_histogram", "rows"),
+        ("prompt_presence", "output_counts"),
+        "At admission: prompt_presence[rows[i]] = prompt_histogram[i] > 0 and output_counts[rows[i]] = 0.",
+    ),
+    _spec(
+        "completion_lanes",
+        ("generation", "sample_active", "last_index", "positions", "submission_sequence"),
+        ("out_generation", "out_emitted", "out_consumed", "out_draft_cursor", "out_reserved", "out_sequence"),
+        "Write the per-lane completion record of a non-speculative round: echoed generation, emitted "
+        "tokens (1 where a token was sampled), consumed endpoint (last position + 1), draft cursor -1, "
+        "reserved -1, echoed submission sequence.",
+    ),
+    _spec(
+        "lane_last_index",
+        ("query_length",),
+        ("out",),
+        "out[i] = (sum of query_length[0..i]) - 1 where query_length[i] > 0, else -1: the packed index "
+        "of each lane's last token.",
+    ),
+    _spec(
+        "log_softmax_gather",
+        ("logits", "targets"),
+        ("out",),
+        "Log-probability of each target id under log_softmax(logits) (prompt scores).",
+        attributes=("vocab_limit",),
+    ),
+)
+
+CATALOGUE: Final[MappingProxyType[tuple[str, int], OperatorSpec]] = MappingProxyType(
+    {(spec.name, spec.version): spec for spec in _SPECS}
+)
+"""Every known operator version, keyed by ``(name, version)``."""
+
+
+def known_versions(name: str) -> tuple[int, ...]:
+    """The versions of ``name`` this catalogue knows, oldest first."""
+    return tuple(sorted(version for (op, version) in CATALOGUE if op == name))
+
+
+def lookup(name: str, version: int) -> OperatorSpec | None:
+    """The spec of ``name`` at ``version``, or None when unknown."""
+    return CATALOGUE.get((name, version))

@@ -1,0 +1,1 @@
+"""First-party plugins of Helios, registered through the ``helios`` entry points."""

@@ -1,0 +1,116 @@
+"""Write the golden fixture cores in ``tests/fixtures/cores/``.
+
+Run once per new fixture (``python tools/make_fixture_cores.py``); the files
+are committed and every later version of Helios must keep loading them, so
+never regenerate an existing fixture: add a new one instead. The keys in that
+folder are test material only.
+
+Fixtures: payload format 2 with contract versions 1, 2 and 3; logical-resource
+cores with ProtectedIndex 6 and 4; a core with an unfamiliar execution-ABI
+label. All are the tiny synthetic Llama shape with seeded weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "contrib" / "ignition"))
+sys.path.insert(0, str(ROOT))
+
+from ignition.build import assemble  # noqa: E402
+from ignition.recipes.llama import Capacities  # noqa: E402
+from ignition.recipes.synthetic import synthetic_declaration  # noqa: E402
+
+from helios_core.container.keys import generate_keys, load_core_key, load_private_key  # noqa: E402
+from helios_core.container.writer import write_core  # noqa: E402
+from helios_core.wire import contract_pb2 as ct  # noqa: E402
+from helios_core.wire import manifest_pb2 as mf  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures" / "cores"
+NAMESPACE = "helios-fixtures/golden"
+CAPACITIES = Capacities(
+    max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64
+)
+
+
+def downgrade(serving: ct.ServingContract, version: int) -> ct.ServingContract:
+    """Express the same declaration as an older exporter wrote it (implicit defaults left out)."""
+    older = ct.ServingContract()
+    older.CopyFrom(serving)
+    model = older.model
+    model.version = version
+    for graph in model.graphs:
+        ext = graph.extents
+        if graph.operation != ct.OPERATION_SPECULATIVE and ext.packed_token_capacity == ext.batch_capacity * max(
+            ext.token_capacity, 1
+        ):
+            ext.packed_token_capacity = 0
+    if version == 1:
+        model.vocabulary.histogram_width = 0
+        model.vocabulary.mask_words = 0
+    return older
+
+
+def nonces(seed: bytes):  # type: ignore[no-untyped-def]
+    counter = 0
+
+    def source(count: int) -> bytes:
+        nonlocal counter
+        counter += 1
+        return hashlib.sha256(seed + counter.to_bytes(4, "big")).digest()[:count]
+
+    return source
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--force", action="store_true", help="overwrite existing fixtures (never for released ones)")
+    args = parser.parse_args(argv)
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    key_dir = FIXTURES / "keys"
+    if not (key_dir / "signing.pem").exists():
+        generate_keys(key_dir)
+    signing = load_private_key(key_dir / "signing.pem")
+    core_key = load_core_key(key_dir / "core.key")
+
+    model = synthetic_declaration("tiny", seed=7)
+    serving, builder, resources = assemble(model, CAPACITIES)
+    manifest = builder.manifest
+
+    def write(name: str, contract: ct.ServingContract, execution: mf.ExecutionManifest, layout: str) -> None:
+        path = FIXTURES / name
+        if path.exists() and not args.force:
+            print(f"kept {path.name} (exists)")
+            return
+        write_core(
+            path,
+            namespace=NAMESPACE,
+            contract=contract,
+            execution=execution,
+            resources=resources,
+            signing_key=signing,
+            layout=layout,  # type: ignore[arg-type]
+            core_key=core_key if layout == "logical-v4" else None,
+            description=f"golden fixture {name}",
+            nonce_source=nonces(name.encode()),
+        )
+        print(f"wrote {path.name} ({path.stat().st_size} bytes)")
+
+    write("payload-v3.core", serving, manifest, "payload")
+    write("contract-v2.core", downgrade(serving, 2), manifest, "payload")
+    write("contract-v1.core", downgrade(serving, 1), manifest, "payload")
+    write("logical-v6.core", serving, manifest, "logical-v6")
+    write("logical-v4.core", serving, manifest, "logical-v4")
+    future = mf.ExecutionManifest()
+    future.CopyFrom(manifest)
+    future.abi_label = "helios-exec-99-unfamiliar"
+    write("abi-label.core", serving, future, "payload")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
