@@ -31,7 +31,7 @@ def _fail(command: str, message: str, code: int = EXIT_ERROR) -> int:
     return code
 
 
-def _trust_arguments(parser: argparse.ArgumentParser, *, required: bool) -> None:
+def _trust_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-key",
         type=Path,
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="verify a core's signature, acceptance, resources and contract")
     verify.add_argument("core", type=Path)
-    _trust_arguments(verify, required=True)
+    _trust_arguments(verify)
     verify.set_defaults(handler=cmd_verify)
 
     inspect = sub.add_parser("inspect", help="describe a core")
@@ -253,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except HeliosError as exc:
         return _fail(command, str(exc))
+    except BrokenPipeError:
+        # The reader went away (``helios inspect --json | head``): not an error of ours.
+        sys.stderr.close()
+        return EXIT_OK
     except KeyboardInterrupt:
         return _fail(command, "interrupted", EXIT_ERROR)
     except Exception as exc:  # the operator never sees a traceback

@@ -24,12 +24,15 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import IO, Final, Literal, Protocol, cast
 
 import zstandard
 
 from helios_core.errors import CoreFormatError, IntegrityError
+from helios_core.wire import container_pb2
 
 __all__ = [
     "CHUNK_NBYTES",
@@ -52,6 +55,7 @@ __all__ = [
     "encode_frame",
     "encode_header",
     "parse_frame_header",
+    "read_at",
 ]
 
 MAGIC: Final = b"HELIOSC\x00"
@@ -73,6 +77,15 @@ MAX_BLOCK_NBYTES: Final = 128 * 1024
 """Largest zstd block (RFC 8878 Block_Maximum_Size)."""
 
 Layout = Literal["payload", "logical-v6", "logical-v4"]
+
+SIGNED_LAYOUTS: Final[Mapping[str, int]] = MappingProxyType(
+    {
+        "payload": container_pb2.SIGNED_LAYOUT_PAYLOAD,
+        "logical-v6": container_pb2.SIGNED_LAYOUT_LOGICAL_V6,
+        "logical-v4": container_pb2.SIGNED_LAYOUT_LOGICAL_V4,
+    }
+)
+"""The signed layout value each container layout requires."""
 """How a core is laid out: a payload core, or a logical-resource core with ProtectedIndex 6 or 4."""
 LAYOUTS: Final[tuple[Layout, ...]] = ("payload", "logical-v6", "logical-v4")
 
@@ -115,10 +128,7 @@ def chunk_count(stored_nbytes: int) -> int:
 def chunk_digests(stored: bytes | bytearray | memoryview) -> list[bytes]:
     """SHA-256 of each ``CHUNK_NBYTES`` slice of ``stored``, in order."""
     view = memoryview(stored).cast("B")
-    return [
-        hashlib.sha256(view[start : start + CHUNK_NBYTES]).digest()
-        for start in range(0, len(view), CHUNK_NBYTES)
-    ]
+    return [hashlib.sha256(view[start : start + CHUNK_NBYTES]).digest() for start in range(0, len(view), CHUNK_NBYTES)]
 
 
 def encode_frame(data: bytes | memoryview) -> bytes:
@@ -211,8 +221,8 @@ class FrameChecker:
         while pos < len(view):
             if self._state == "done":
                 raise CoreFormatError(
-                    f"{self._what} has {len(view) - pos} or more bytes after its zstd frame (a second "
-                    "frame or trailing bytes); each resource must be exactly one frame"
+                    f"{self._what} has bytes after its zstd frame (a second frame or trailing bytes); "
+                    "each resource must be exactly one frame"
                 )
             if self._state in ("block_body", "checksum"):
                 step = min(self._skip, len(view) - pos)
@@ -300,8 +310,7 @@ class StoredChunkReader:
     def __init__(self, fd: int, offset: int, length: int, digests: list[bytes], *, what: str) -> None:
         if len(digests) != chunk_count(length):
             raise CoreFormatError(
-                f"{what} has {len(digests)} chunk digests for {length} stored bytes; expected "
-                f"{chunk_count(length)}"
+                f"{what} has {len(digests)} chunk digests for {length} stored bytes; expected {chunk_count(length)}"
             )
         self._fd = fd
         self._offset = offset
@@ -322,7 +331,12 @@ class StoredChunkReader:
         index = self._next_chunk
         start = index * CHUNK_NBYTES
         nbytes = min(CHUNK_NBYTES, self._length - start)
-        data = _pread_exact(self._fd, nbytes, self._offset + start, what=self._what)
+        data = read_at(self._fd, nbytes, self._offset + start)
+        if len(data) != nbytes:
+            raise CoreFormatError(
+                f"{self._what}: the file ends {nbytes - len(data)} bytes before its stored chunk {index} does; "
+                "the core or its sibling file is truncated"
+            )
         if hashlib.sha256(data).digest() != self._digests[index]:
             raise IntegrityError(
                 f"{self._what}: stored chunk {index} (bytes {start}..{start + nbytes}) does not match its "
@@ -360,16 +374,14 @@ class StoredChunkReader:
         return b"".join(parts)
 
 
-def _pread_exact(fd: int, nbytes: int, offset: int, *, what: str) -> bytes:
+def read_at(fd: int, nbytes: int, offset: int) -> bytes:
+    """Up to ``nbytes`` bytes of ``fd`` at ``offset``; fewer only where the file ends."""
     parts = []
     left = nbytes
     while left:
         piece = os.pread(fd, left, offset + nbytes - left)
         if not piece:
-            raise CoreFormatError(
-                f"{what}: the file ends before the stored bytes do ({left} bytes missing at offset "
-                f"{offset + nbytes - left}); the core or its sibling file is truncated"
-            )
+            break
         parts.append(piece)
         left -= len(piece)
     return parts[0] if len(parts) == 1 else b"".join(parts)

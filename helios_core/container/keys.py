@@ -80,8 +80,7 @@ def load_public_key(path: StrPath) -> Ed25519PublicKey:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
         raise TrustError(
-            f"{os.fspath(path)!r} is not a PEM public key ({exc}); ask the publisher for their "
-            "signing.pub.pem"
+            f"{os.fspath(path)!r} is not a PEM public key ({exc}); ask the publisher for their signing.pub.pem"
         ) from exc
     if not isinstance(key, Ed25519PublicKey):
         raise TrustError(f"{os.fspath(path)!r} holds a {type(key).__name__}; Helios trusts Ed25519 keys only")
@@ -192,9 +191,7 @@ class TrustStore:
         return key_id in self._keys
 
 
-def sign_envelope(
-    signed_bytes: bytes, signing_keys: Sequence[Ed25519PrivateKey]
-) -> container_pb2.SignedEnvelope:
+def sign_envelope(signed_bytes: bytes, signing_keys: Sequence[Ed25519PrivateKey]) -> container_pb2.SignedEnvelope:
     """An envelope of ``signed_bytes`` with one Ed25519 signature per key."""
     envelope = container_pb2.SignedEnvelope(signed_bytes=signed_bytes)
     for signing_key in signing_keys:
@@ -215,9 +212,7 @@ def _shown_ids(ids: Sequence[str]) -> str:
     return shown + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
 
 
-def verify_envelope(
-    envelope: container_pb2.SignedEnvelope, trust: TrustStore, *, what: str
-) -> tuple[str, ...]:
+def verify_envelope(envelope: container_pb2.SignedEnvelope, trust: TrustStore, *, what: str) -> tuple[str, ...]:
     """Check the envelope's signatures by trusted keys; returns the key ids that verified.
 
     Every signature that claims a trusted key id must verify (else IntegrityError), and at least one

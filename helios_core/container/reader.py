@@ -34,12 +34,14 @@ from helios_core.container.frames import (
     HEADER_NBYTES,
     MAGIC,
     MAX_BODY_NBYTES,
+    SIGNED_LAYOUTS,
     FrameDecoder,
     Layout,
     ResourceDecoder,
     StoredChunkReader,
     check_sibling_name,
     chunk_count,
+    read_at,
 )
 from helios_core.container.keys import StrPath, TrustStore, verify_envelope
 from helios_core.container.sealing import (
@@ -56,9 +58,7 @@ __all__ = ["CoreFile"]
 _PIECE_NBYTES: Final = 1024 * 1024
 """Size of the pieces ``iter_resource`` yields and ``verify_resources`` decodes into."""
 _LAYOUT_OF_INDEX_VERSION: Final[Mapping[int, Layout]] = {6: "logical-v6", 4: "logical-v4"}
-_KNOWN_KINDS: Final = frozenset(container_pb2.ResourceKind.values()) - {
-    container_pb2.RESOURCE_KIND_UNSPECIFIED
-}
+_KNOWN_KINDS: Final = frozenset(container_pb2.ResourceKind.values()) - {container_pb2.RESOURCE_KIND_UNSPECIFIED}
 
 SignedBody = container_pb2.DeploymentBody | container_pb2.ModelIndex
 
@@ -224,9 +224,7 @@ class CoreFile:
             )
         resource = self.resources.get(resource_id)
         if resource is None:
-            raise CoreFormatError(
-                f"this core has no resource {resource_id!r}; it has {sorted(self.resources)[:20]}"
-            )
+            raise CoreFormatError(f"this core has no resource {resource_id!r}; it has {sorted(self.resources)[:20]}")
         if resource.kind != expected_kind:
             raise CoreFormatError(
                 f"resource {resource_id!r} is declared as {_kind_name(resource.kind)} but is used as "
@@ -239,9 +237,7 @@ class CoreFile:
             )
         return resource
 
-    def _decoder(
-        self, resource: container_pb2.ExecutableResource, stored: StoredChunkReader
-    ) -> ResourceDecoder:
+    def _decoder(self, resource: container_pb2.ExecutableResource, stored: StoredChunkReader) -> ResourceDecoder:
         if self.layout == "logical-v4":
             if self._core_key is None:  # _readable already refused; kept for the type checker
                 raise TrustError(f"resource {resource.id!r} is sealed: a core key is needed to read it")
@@ -324,22 +320,10 @@ class _OpenedSource:
 # ------------------------------------------------------------------------------ header checks
 
 
-def _pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
-    parts = []
-    left = nbytes
-    while left:
-        piece = os.pread(fd, left, offset + nbytes - left)
-        if not piece:
-            break
-        parts.append(piece)
-        left -= len(piece)
-    return b"".join(parts)
-
-
 def _read_core_body(fd: int, path: Path) -> tuple[container_pb2.CoreBody, int, int]:
     """The CoreBody, the offset just after it and the file size."""
     file_nbytes = os.fstat(fd).st_size
-    header = _pread_exact(fd, HEADER_NBYTES, 0)
+    header = read_at(fd, HEADER_NBYTES, 0)
     if len(header) < HEADER_NBYTES:
         raise CoreFormatError(
             f"{str(path)!r} is {file_nbytes} bytes, too short to be a Helios core (the header alone is "
@@ -360,7 +344,7 @@ def _read_core_body(fd: int, path: Path) -> tuple[container_pb2.CoreBody, int, i
             f"{str(path)!r} is truncated: its header declares a {body_nbytes}-byte CoreBody but only "
             f"{max(file_nbytes - HEADER_NBYTES, 0)} bytes follow"
         )
-    data = _pread_exact(fd, body_nbytes, HEADER_NBYTES)
+    data = read_at(fd, body_nbytes, HEADER_NBYTES)
     if len(data) != body_nbytes:
         raise CoreFormatError(f"{str(path)!r} changed size while it was read")
     core_body = container_pb2.CoreBody()
@@ -401,6 +385,11 @@ def _parse_signed_body(signed_bytes: bytes, layout: Layout) -> SignedBody:
         raise CoreFormatError(
             f"the signed {type(body).__name__} does not parse ({exc}); the publisher wrote a malformed core"
         ) from exc
+    if body.layout != SIGNED_LAYOUTS[layout]:
+        raise CoreFormatError(
+            f"the signed description was written for layout {body.layout} but is stored as a {layout} core; "
+            "the container was re-wrapped or damaged"
+        )
     return body
 
 
@@ -417,9 +406,7 @@ def _check_resources(body: SignedBody, layout: Layout) -> None:
         if resource.kind not in _KNOWN_KINDS:
             raise CoreFormatError(f"{what} has kind {resource.kind}, which this runtime does not know")
         if resource.chunk_nbytes != CHUNK_NBYTES:
-            raise CoreFormatError(
-                f"{what} has chunk_nbytes {resource.chunk_nbytes}; it must be {CHUNK_NBYTES} (4 MiB)"
-            )
+            raise CoreFormatError(f"{what} has chunk_nbytes {resource.chunk_nbytes}; it must be {CHUNK_NBYTES} (4 MiB)")
         expected_chunks = chunk_count(resource.stored_nbytes)
         if len(resource.chunk_sha256) != expected_chunks:
             raise CoreFormatError(
@@ -441,9 +428,7 @@ def _check_sealing(resource: container_pb2.ExecutableResource, what: str, nonce_
     if not resource.HasField("sealed"):
         raise CoreFormatError(f"{what} has no sealing parameters; every ProtectedIndex 4 resource needs them")
     sealed = resource.sealed
-    check_sealing_parameters(
-        resource.decoded_nbytes, sealed.plain_chunk_nbytes, sealed.nonce_prefix, what=what
-    )
+    check_sealing_parameters(resource.decoded_nbytes, sealed.plain_chunk_nbytes, sealed.nonce_prefix, what=what)
     if sealed.nonce_prefix in nonce_prefixes:
         raise CoreFormatError(f"{what} reuses another resource's nonce prefix; the core is unsafe to read")
     nonce_prefixes.add(sealed.nonce_prefix)
@@ -468,9 +453,7 @@ def _check_locations(
     for location in location_set.locations:
         rid = location.resource_id
         if rid not in stored_nbytes:
-            raise CoreFormatError(
-                f"the LocationSet names resource {rid!r}, which the signed description lacks"
-            )
+            raise CoreFormatError(f"the LocationSet names resource {rid!r}, which the signed description lacks")
         if rid in locations:
             raise CoreFormatError(f"the LocationSet locates resource {rid!r} twice")
         if location.file:
@@ -484,9 +467,7 @@ def _check_locations(
         regions.setdefault(location.file, []).append((location.offset, location.length, rid))
     missing = [rid for rid in stored_nbytes if rid not in locations]
     if missing:
-        raise CoreFormatError(
-            f"the LocationSet does not locate resources {missing[:20]}; the core is incomplete"
-        )
+        raise CoreFormatError(f"the LocationSet does not locate resources {missing[:20]}; the core is incomplete")
     regions.setdefault("", [])  # the core file itself must be tiled even when it holds no resource
     for file_name, file_regions in regions.items():
         if file_name:

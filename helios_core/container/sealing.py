@@ -83,14 +83,11 @@ def associated_data(resource_id: str, index: int, count: int) -> bytes:
     return ASSOCIATED_DATA_PREFIX + resource_id.encode("utf-8") + struct.pack(">II", index, count)
 
 
-def check_sealing_parameters(
-    decoded_nbytes: int, plain_chunk_nbytes: int, nonce_prefix: bytes, *, what: str
-) -> None:
+def check_sealing_parameters(decoded_nbytes: int, plain_chunk_nbytes: int, nonce_prefix: bytes, *, what: str) -> None:
     """Reject sealing parameters a reader cannot use: chunk size, nonce prefix length, chunk count."""
     if not 0 < plain_chunk_nbytes <= MAX_PLAIN_CHUNK_NBYTES:
         raise CoreFormatError(
-            f"{what} has plain_chunk_nbytes {plain_chunk_nbytes}; it must be between 1 and "
-            f"{MAX_PLAIN_CHUNK_NBYTES}"
+            f"{what} has plain_chunk_nbytes {plain_chunk_nbytes}; it must be between 1 and {MAX_PLAIN_CHUNK_NBYTES}"
         )
     if len(nonce_prefix) != NONCE_PREFIX_NBYTES:
         raise CoreFormatError(
@@ -198,6 +195,4 @@ class SealedDecoder:
         while self._next_index < self._count:
             self._open_next_chunk()
         if self._stored.remaining:
-            raise CoreFormatError(
-                f"{self._what} has {self._stored.remaining} stored bytes after its last sealed chunk"
-            )
+            raise CoreFormatError(f"{self._what} has {self._stored.remaining} stored bytes after its last sealed chunk")

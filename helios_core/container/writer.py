@@ -30,6 +30,7 @@ from helios_core.container.frames import (
     FORMAT_VERSION,
     HEADER_NBYTES,
     LAYOUTS,
+    SIGNED_LAYOUTS,
     Layout,
     check_sibling_name,
     chunk_digests,
@@ -82,12 +83,8 @@ def encode_resource(
     )
     if layout == "logical-v4":
         if core_key is None or nonce_prefix is None:
-            raise TrustError(
-                f"resource {resource.id!r}: a logical-v4 core needs a core key and a nonce prefix"
-            )
-        stored = seal_resource(
-            resource.data, resource_id=resource.id, core_key=core_key, nonce_prefix=nonce_prefix
-        )
+            raise TrustError(f"resource {resource.id!r}: a logical-v4 core needs a core key and a nonce prefix")
+        stored = seal_resource(resource.data, resource_id=resource.id, core_key=core_key, nonce_prefix=nonce_prefix)
         description.sealed.plain_chunk_nbytes = DEFAULT_PLAIN_CHUNK_NBYTES
         description.sealed.nonce_prefix = nonce_prefix
     else:
@@ -185,6 +182,7 @@ def write_core(
         "rebuild": rebuild,
         "weight_catalogs": list(weight_catalogs),
         "description": description,
+        "layout": SIGNED_LAYOUTS[layout],
     }
     body = (
         container_pb2.DeploymentBody(**body_fields)  # type: ignore[arg-type]
@@ -237,9 +235,7 @@ def assemble_core(
         offset = 0
         for rid, data in entries:
             sibling_locations.append(
-                container_pb2.ResourceLocation(
-                    resource_id=rid, file=file_name, offset=offset, length=len(data)
-                )
+                container_pb2.ResourceLocation(resource_id=rid, file=file_name, offset=offset, length=len(data))
             )
             offset += len(data)
 

@@ -297,6 +297,11 @@ def _effective_extents(graph: ct.GraphContract, version: int, problems: _Problem
     )
 
 
+def _known(enum: object, value: int) -> bool:
+    """Whether ``value`` is a declared, specified value of ``enum``."""
+    return value != 0 and value in enum.values()  # type: ignore[attr-defined]
+
+
 def _check_identifier(problems: _Problems, what: str, enum: object, value: int) -> None:
     if value == 0:
         problems.add(f"frontend.{what} is unspecified (0); it must name an implementation")
@@ -355,10 +360,10 @@ def _check_frontend(model: ct.ModelContract, problems: _Problems) -> None:
     if fe.prefix_boundaries and model.version < 3:
         problems.add(f"frontend.prefix_boundaries needs contract version 3 (core declares {model.version})")
     for rule in fe.prefix_boundaries:
-        if not rule.roles or any(role == ct.MESSAGE_ROLE_UNSPECIFIED for role in rule.roles):
-            problems.add("frontend.prefix_boundaries: every rule names one or more specified roles")
-        if rule.constraint == ct.RENDERING_CONSTRAINT_UNSPECIFIED:
-            problems.add("frontend.prefix_boundaries: rendering constraint is unspecified")
+        if not rule.roles or not all(_known(ct.MessageRole, role) for role in rule.roles):
+            problems.add("frontend.prefix_boundaries: every rule names one or more known roles")
+        if not _known(ct.RenderingConstraint, rule.constraint):
+            problems.add("frontend.prefix_boundaries: unknown or unspecified rendering constraint")
     for variable in fe.template_variables:
         try:
             json.loads(variable.json_value)
@@ -378,9 +383,12 @@ def _check_input_vocabulary(model: ct.ModelContract, problems: _Problems) -> Non
     size = model.input_vocabulary.size
     if size <= 0:
         problems.add("input_vocabulary.size must be positive")
+    sampled = model.vocabulary.sampled_size
     for sentinel in model.input_vocabulary.image_sentinel_ids:
         if sentinel >= size:
             problems.add(f"input_vocabulary: image sentinel {sentinel} lies outside [0, {size})")
+        elif sentinel < sampled:
+            problems.add(f"input_vocabulary: image sentinel {sentinel} lies inside the sampled range [0, {sampled})")
 
 
 def _check_buffers(
@@ -393,8 +401,10 @@ def _check_buffers(
         if buffer.name in buffers:
             problems.add(f"buffer {buffer.name!r} is declared twice")
             continue
-        if buffer.role == mf.BUFFER_ROLE_UNSPECIFIED:
-            problems.add(f"buffer {buffer.name!r} has no role")
+        if not _known(mf.BufferRole, buffer.role):
+            problems.add(f"buffer {buffer.name!r} has unknown role {buffer.role}")
+        if any(d.symbol != mf.DIM_SYMBOL_UNSPECIFIED and d.symbol not in mf.DimSymbol.values() for d in buffer.shape):
+            problems.add(f"buffer {buffer.name!r} has an unknown dimension symbol")
         if buffer.dtype not in NUMPY_DTYPES:
             problems.add(f"buffer {buffer.name!r} has unknown dtype {buffer.dtype}")
             continue
@@ -456,6 +466,12 @@ def _check_transport(
             problems.add(f"transport entry {entry.name!r} has an empty shape")
             continue
         entries[entry.name] = entry
+    for record in execution.completion:
+        if not _known(mf.CompletionField, record.field):
+            problems.add(f"completion record {record.buffer!r} has unknown field {record.field}")
+        decl = buffers.get(record.buffer)
+        if decl is None or decl.role != mf.BUFFER_ROLE_COMPLETION:
+            problems.add(f"completion record names {record.buffer!r}, which is not a completion buffer")
     for owned in (transport.frame_index_entry, transport.submission_sequence_entry):
         if owned and owned not in entries:
             problems.add(f"transport names unknown entry {owned!r} for its own use")
@@ -495,8 +511,8 @@ def _check_views(
     region_names: set[str] = set()
     for region in cache.regions:
         region_names.add(region.name)
-        if region.kind == ct.HISTORY_KIND_UNSPECIFIED:
-            problems.add(f"history region {region.name!r} has no kind")
+        if not _known(ct.HistoryKind, region.kind):
+            problems.add(f"history region {region.name!r} has unknown kind {region.kind}")
         if region.kind in PAGED_HISTORY_KINDS:
             if region.tokens_per_record < 1:
                 problems.add(f"history region {region.name!r}: tokens_per_record must be at least 1")
@@ -546,8 +562,8 @@ def _check_binding_geometry(
     shape = list(entry.shape)
     leading = shape[0]
     indexing = binding.indexing
-    if indexing == ct.INDEXING_UNSPECIFIED:
-        problems.add(f"{where}: indexing is unspecified")
+    if not _known(ct.Indexing, indexing):
+        problems.add(f"{where}: unknown indexing {indexing}")
     elif indexing in (ct.INDEXING_SUBMISSION_ROW, ct.INDEXING_ACTIVE_ROW, ct.INDEXING_PHYSICAL_REQUEST_ROW):
         if leading < extents.batch_capacity:
             problems.add(f"{where}: {leading} rows cannot hold batch capacity {extents.batch_capacity}")
@@ -623,8 +639,8 @@ def _check_graph(
     for access in graph.state_accesses:
         if access.view not in views:
             problems.add(f"graph {name!r} accesses unknown state view {access.view!r}")
-        if access.mode == ct.ACCESS_MODE_UNSPECIFIED:
-            problems.add(f"graph {name!r}: access to {access.view!r} has no mode")
+        if not _known(ct.AccessMode, access.mode):
+            problems.add(f"graph {name!r}: access to {access.view!r} has unknown mode {access.mode}")
 
     pending = graph.pending_token
     which = pending.WhichOneof("source")

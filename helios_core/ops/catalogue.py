@@ -125,8 +125,8 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         ("dst",),
         "dst[dst_rows[i]] = src[src_rows[i]] along the leading axis; a negative index skips the pair "
         "(page copies, state snapshots and restores, pending-token updates). Without src_rows, "
-        "source row i pairs with dst_rows[i].",
-        optional_inputs=("src_rows",),
+        "source row i pairs with dst_rows[i]; with when, pairs whose flag is zero are skipped.",
+        optional_inputs=("src_rows", "when"),
     ),
     _spec(
         "init_sampling_state",

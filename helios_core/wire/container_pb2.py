@@ -26,7 +26,7 @@ from helios_core.wire import contract_pb2 as helios__core_dot_wire_dot_contract_
 from helios_core.wire import manifest_pb2 as helios__core_dot_wire_dot_manifest__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n helios_core/wire/container.proto\x12\x0bhelios.wire\x1a\x1fhelios_core/wire/contract.proto\x1a\x1fhelios_core/wire/manifest.proto\"\xbf\x01\n\x08\x43oreBody\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12.\n\x07payload\x18\x02 \x01(\x0b\x32\x1b.helios.wire.SignedEnvelopeH\x00\x12\x36\n\x0fprotected_index\x18\x03 \x01(\x0b\x32\x1b.helios.wire.ProtectedIndexH\x00\x12+\n\tlocations\x18\x04 \x01(\x0b\x32\x18.helios.wire.LocationSetB\x06\n\x04\x62ody\"b\n\tSignature\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x32\n\talgorithm\x18\x02 \x01(\x0e\x32\x1f.helios.wire.SignatureAlgorithm\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"R\n\x0eSignedEnvelope\x12\x14\n\x0csigned_bytes\x18\x01 \x01(\x0c\x12*\n\nsignatures\x18\x02 \x03(\x0b\x32\x16.helios.wire.Signature\"\xbd\x02\n\x0e\x44\x65ploymentBody\x12\x1b\n\x13publisher_namespace\x18\x01 \x01(\t\x12.\n\x08\x63ontract\x18\x02 \x01(\x0b\x32\x1c.helios.wire.ServingContract\x12\x31\n\texecution\x18\x03 \x01(\x0b\x32\x1e.helios.wire.ExecutionManifest\x12\x32\n\tresources\x18\x04 \x03(\x0b\x32\x1f.helios.wire.ExecutableResource\x12-\n\x07rebuild\x18\x05 \x01(\x0b\x32\x1c.helios.wire.RebuildManifest\x12\x33\n\x0fweight_catalogs\x18\x06 \x03(\x0b\x32\x1a.helios.wire.WeightCatalog\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\"\xdd\x01\n\x12\x45xecutableResource\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x04kind\x18\x02 \x01(\x0e\x32\x19.helios.wire.ResourceKind\x12\x16\n\x0e\x64\x65\x63oded_nbytes\x18\x03 \x01(\x04\x12\x15\n\rstored_nbytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_nbytes\x18\x05 \x01(\r\x12\x14\n\x0c\x63hunk_sha256\x18\x06 \x03(\x0c\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12)\n\x06sealed\x18\x08 \x01(\x0b\x32\x19.helios.wire.SealedChunks\"@\n\x0cSealedChunks\x12\x1a\n\x12plain_chunk_nbytes\x18\x01 \x01(\r\x12\x14\n\x0cnonce_prefix\x18\x02 \x01(\x0c\"?\n\x0bLocationSet\x12\x30\n\tlocations\x18\x01 \x03(\x0b\x32\x1d.helios.wire.ResourceLocation\"U\n\x10ResourceLocation\x12\x13\n\x0bresource_id\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"M\n\x0eProtectedIndex\x12\x0f\n\x07version\x18\x01 \x01(\r\x12*\n\x05index\x18\x02 \x01(\x0b\x32\x1b.helios.wire.SignedEnvelope\"\xb9\x02\n\nModelIndex\x12\x1b\n\x13publisher_namespace\x18\x01 \x01(\t\x12.\n\x08\x63ontract\x18\x02 \x01(\x0b\x32\x1c.helios.wire.ServingContract\x12\x31\n\texecution\x18\x03 \x01(\x0b\x32\x1e.helios.wire.ExecutionManifest\x12\x32\n\tresources\x18\x04 \x03(\x0b\x32\x1f.helios.wire.ExecutableResource\x12-\n\x07rebuild\x18\x05 \x01(\x0b\x32\x1c.helios.wire.RebuildManifest\x12\x33\n\x0fweight_catalogs\x18\x06 \x03(\x0b\x32\x1a.helios.wire.WeightCatalog\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\"\xd1\x01\n\x0fRebuildManifest\x12\x0e\n\x06recipe\x18\x01 \x01(\t\x12\x17\n\x0ftoolkit_version\x18\x02 \x01(\t\x12)\n\x06inputs\x18\x03 \x03(\x0b\x32\x19.helios.wire.RebuildInput\x12:\n\x07options\x18\x04 \x03(\x0b\x32).helios.wire.RebuildManifest.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0cRebuildInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"[\n\rWeightCatalog\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.helios.wire.CatalogTensor\"y\n\rCatalogTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bresource_id\x18\x02 \x01(\t\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.helios.wire.DType\x12\r\n\x05shape\x18\x05 \x03(\x04*Z\n\x12SignatureAlgorithm\x12#\n\x1fSIGNATURE_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSIGNATURE_ALGORITHM_ED25519\x10\x01*\xbe\x01\n\x0cResourceKind\x12\x1d\n\x19RESOURCE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15RESOURCE_KIND_WEIGHTS\x10\x01\x12\x18\n\x14RESOURCE_KIND_MODULE\x10\x02\x12\x1b\n\x17RESOURCE_KIND_TOKENIZER\x10\x03\x12\x1f\n\x1bRESOURCE_KIND_CHAT_TEMPLATE\x10\x04\x12\x1c\n\x18RESOURCE_KIND_STATE_INIT\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n helios_core/wire/container.proto\x12\x0bhelios.wire\x1a\x1fhelios_core/wire/contract.proto\x1a\x1fhelios_core/wire/manifest.proto\"\xbf\x01\n\x08\x43oreBody\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12.\n\x07payload\x18\x02 \x01(\x0b\x32\x1b.helios.wire.SignedEnvelopeH\x00\x12\x36\n\x0fprotected_index\x18\x03 \x01(\x0b\x32\x1b.helios.wire.ProtectedIndexH\x00\x12+\n\tlocations\x18\x04 \x01(\x0b\x32\x18.helios.wire.LocationSetB\x06\n\x04\x62ody\"b\n\tSignature\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\x32\n\talgorithm\x18\x02 \x01(\x0e\x32\x1f.helios.wire.SignatureAlgorithm\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"R\n\x0eSignedEnvelope\x12\x14\n\x0csigned_bytes\x18\x01 \x01(\x0c\x12*\n\nsignatures\x18\x02 \x03(\x0b\x32\x16.helios.wire.Signature\"\xe8\x02\n\x0e\x44\x65ploymentBody\x12\x1b\n\x13publisher_namespace\x18\x01 \x01(\t\x12.\n\x08\x63ontract\x18\x02 \x01(\x0b\x32\x1c.helios.wire.ServingContract\x12\x31\n\texecution\x18\x03 \x01(\x0b\x32\x1e.helios.wire.ExecutionManifest\x12\x32\n\tresources\x18\x04 \x03(\x0b\x32\x1f.helios.wire.ExecutableResource\x12-\n\x07rebuild\x18\x05 \x01(\x0b\x32\x1c.helios.wire.RebuildManifest\x12\x33\n\x0fweight_catalogs\x18\x06 \x03(\x0b\x32\x1a.helios.wire.WeightCatalog\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\x12)\n\x06layout\x18\x08 \x01(\x0e\x32\x19.helios.wire.SignedLayout\"\xdd\x01\n\x12\x45xecutableResource\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x04kind\x18\x02 \x01(\x0e\x32\x19.helios.wire.ResourceKind\x12\x16\n\x0e\x64\x65\x63oded_nbytes\x18\x03 \x01(\x04\x12\x15\n\rstored_nbytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_nbytes\x18\x05 \x01(\r\x12\x14\n\x0c\x63hunk_sha256\x18\x06 \x03(\x0c\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12)\n\x06sealed\x18\x08 \x01(\x0b\x32\x19.helios.wire.SealedChunks\"@\n\x0cSealedChunks\x12\x1a\n\x12plain_chunk_nbytes\x18\x01 \x01(\r\x12\x14\n\x0cnonce_prefix\x18\x02 \x01(\x0c\"?\n\x0bLocationSet\x12\x30\n\tlocations\x18\x01 \x03(\x0b\x32\x1d.helios.wire.ResourceLocation\"U\n\x10ResourceLocation\x12\x13\n\x0bresource_id\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\"M\n\x0eProtectedIndex\x12\x0f\n\x07version\x18\x01 \x01(\r\x12*\n\x05index\x18\x02 \x01(\x0b\x32\x1b.helios.wire.SignedEnvelope\"\xe4\x02\n\nModelIndex\x12\x1b\n\x13publisher_namespace\x18\x01 \x01(\t\x12.\n\x08\x63ontract\x18\x02 \x01(\x0b\x32\x1c.helios.wire.ServingContract\x12\x31\n\texecution\x18\x03 \x01(\x0b\x32\x1e.helios.wire.ExecutionManifest\x12\x32\n\tresources\x18\x04 \x03(\x0b\x32\x1f.helios.wire.ExecutableResource\x12-\n\x07rebuild\x18\x05 \x01(\x0b\x32\x1c.helios.wire.RebuildManifest\x12\x33\n\x0fweight_catalogs\x18\x06 \x03(\x0b\x32\x1a.helios.wire.WeightCatalog\x12\x13\n\x0b\x64\x65scription\x18\x07 \x01(\t\x12)\n\x06layout\x18\x08 \x01(\x0e\x32\x19.helios.wire.SignedLayout\"\xd1\x01\n\x0fRebuildManifest\x12\x0e\n\x06recipe\x18\x01 \x01(\t\x12\x17\n\x0ftoolkit_version\x18\x02 \x01(\t\x12)\n\x06inputs\x18\x03 \x03(\x0b\x32\x19.helios.wire.RebuildInput\x12:\n\x07options\x18\x04 \x03(\x0b\x32).helios.wire.RebuildManifest.OptionsEntry\x1a.\n\x0cOptionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0cRebuildInput\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"[\n\rWeightCatalog\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12+\n\x07tensors\x18\x03 \x03(\x0b\x32\x1a.helios.wire.CatalogTensor\"y\n\rCatalogTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bresource_id\x18\x02 \x01(\t\x12\x13\n\x0b\x62yte_offset\x18\x03 \x01(\x04\x12!\n\x05\x64type\x18\x04 \x01(\x0e\x32\x12.helios.wire.DType\x12\r\n\x05shape\x18\x05 \x03(\x04*Z\n\x12SignatureAlgorithm\x12#\n\x1fSIGNATURE_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSIGNATURE_ALGORITHM_ED25519\x10\x01*\x84\x01\n\x0cSignedLayout\x12\x1d\n\x19SIGNED_LAYOUT_UNSPECIFIED\x10\x00\x12\x19\n\x15SIGNED_LAYOUT_PAYLOAD\x10\x01\x12\x1c\n\x18SIGNED_LAYOUT_LOGICAL_V6\x10\x02\x12\x1c\n\x18SIGNED_LAYOUT_LOGICAL_V4\x10\x03*\xbe\x01\n\x0cResourceKind\x12\x1d\n\x19RESOURCE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15RESOURCE_KIND_WEIGHTS\x10\x01\x12\x18\n\x14RESOURCE_KIND_MODULE\x10\x02\x12\x1b\n\x17RESOURCE_KIND_TOKENIZER\x10\x03\x12\x1f\n\x1bRESOURCE_KIND_CHAT_TEMPLATE\x10\x04\x12\x1c\n\x18RESOURCE_KIND_STATE_INIT\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REBUILDMANIFEST_OPTIONSENTRY']._loaded_options = None
   _globals['_REBUILDMANIFEST_OPTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_SIGNATUREALGORITHM']._serialized_start=2124
-  _globals['_SIGNATUREALGORITHM']._serialized_end=2214
-  _globals['_RESOURCEKIND']._serialized_start=2217
-  _globals['_RESOURCEKIND']._serialized_end=2407
+  _globals['_SIGNATUREALGORITHM']._serialized_start=2210
+  _globals['_SIGNATUREALGORITHM']._serialized_end=2300
+  _globals['_SIGNEDLAYOUT']._serialized_start=2303
+  _globals['_SIGNEDLAYOUT']._serialized_end=2435
+  _globals['_RESOURCEKIND']._serialized_start=2438
+  _globals['_RESOURCEKIND']._serialized_end=2628
   _globals['_COREBODY']._serialized_start=116
   _globals['_COREBODY']._serialized_end=307
   _globals['_SIGNATURE']._serialized_start=309
@@ -46,27 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SIGNEDENVELOPE']._serialized_start=409
   _globals['_SIGNEDENVELOPE']._serialized_end=491
   _globals['_DEPLOYMENTBODY']._serialized_start=494
-  _globals['_DEPLOYMENTBODY']._serialized_end=811
-  _globals['_EXECUTABLERESOURCE']._serialized_start=814
-  _globals['_EXECUTABLERESOURCE']._serialized_end=1035
-  _globals['_SEALEDCHUNKS']._serialized_start=1037
-  _globals['_SEALEDCHUNKS']._serialized_end=1101
-  _globals['_LOCATIONSET']._serialized_start=1103
-  _globals['_LOCATIONSET']._serialized_end=1166
-  _globals['_RESOURCELOCATION']._serialized_start=1168
-  _globals['_RESOURCELOCATION']._serialized_end=1253
-  _globals['_PROTECTEDINDEX']._serialized_start=1255
-  _globals['_PROTECTEDINDEX']._serialized_end=1332
-  _globals['_MODELINDEX']._serialized_start=1335
-  _globals['_MODELINDEX']._serialized_end=1648
-  _globals['_REBUILDMANIFEST']._serialized_start=1651
-  _globals['_REBUILDMANIFEST']._serialized_end=1860
-  _globals['_REBUILDMANIFEST_OPTIONSENTRY']._serialized_start=1814
-  _globals['_REBUILDMANIFEST_OPTIONSENTRY']._serialized_end=1860
-  _globals['_REBUILDINPUT']._serialized_start=1862
-  _globals['_REBUILDINPUT']._serialized_end=1906
-  _globals['_WEIGHTCATALOG']._serialized_start=1908
-  _globals['_WEIGHTCATALOG']._serialized_end=1999
-  _globals['_CATALOGTENSOR']._serialized_start=2001
-  _globals['_CATALOGTENSOR']._serialized_end=2122
+  _globals['_DEPLOYMENTBODY']._serialized_end=854
+  _globals['_EXECUTABLERESOURCE']._serialized_start=857
+  _globals['_EXECUTABLERESOURCE']._serialized_end=1078
+  _globals['_SEALEDCHUNKS']._serialized_start=1080
+  _globals['_SEALEDCHUNKS']._serialized_end=1144
+  _globals['_LOCATIONSET']._serialized_start=1146
+  _globals['_LOCATIONSET']._serialized_end=1209
+  _globals['_RESOURCELOCATION']._serialized_start=1211
+  _globals['_RESOURCELOCATION']._serialized_end=1296
+  _globals['_PROTECTEDINDEX']._serialized_start=1298
+  _globals['_PROTECTEDINDEX']._serialized_end=1375
+  _globals['_MODELINDEX']._serialized_start=1378
+  _globals['_MODELINDEX']._serialized_end=1734
+  _globals['_REBUILDMANIFEST']._serialized_start=1737
+  _globals['_REBUILDMANIFEST']._serialized_end=1946
+  _globals['_REBUILDMANIFEST_OPTIONSENTRY']._serialized_start=1900
+  _globals['_REBUILDMANIFEST_OPTIONSENTRY']._serialized_end=1946
+  _globals['_REBUILDINPUT']._serialized_start=1948
+  _globals['_REBUILDINPUT']._serialized_end=1992
+  _globals['_WEIGHTCATALOG']._serialized_start=1994
+  _globals['_WEIGHTCATALOG']._serialized_end=2085
+  _globals['_CATALOGTENSOR']._serialized_start=2087
+  _globals['_CATALOGTENSOR']._serialized_end=2208
 # @@protoc_insertion_point(module_scope)

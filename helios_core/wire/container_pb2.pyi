@@ -14,6 +14,13 @@ class SignatureAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SIGNATURE_ALGORITHM_UNSPECIFIED: _ClassVar[SignatureAlgorithm]
     SIGNATURE_ALGORITHM_ED25519: _ClassVar[SignatureAlgorithm]
 
+class SignedLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SIGNED_LAYOUT_UNSPECIFIED: _ClassVar[SignedLayout]
+    SIGNED_LAYOUT_PAYLOAD: _ClassVar[SignedLayout]
+    SIGNED_LAYOUT_LOGICAL_V6: _ClassVar[SignedLayout]
+    SIGNED_LAYOUT_LOGICAL_V4: _ClassVar[SignedLayout]
+
 class ResourceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESOURCE_KIND_UNSPECIFIED: _ClassVar[ResourceKind]
@@ -24,6 +31,10 @@ class ResourceKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESOURCE_KIND_STATE_INIT: _ClassVar[ResourceKind]
 SIGNATURE_ALGORITHM_UNSPECIFIED: SignatureAlgorithm
 SIGNATURE_ALGORITHM_ED25519: SignatureAlgorithm
+SIGNED_LAYOUT_UNSPECIFIED: SignedLayout
+SIGNED_LAYOUT_PAYLOAD: SignedLayout
+SIGNED_LAYOUT_LOGICAL_V6: SignedLayout
+SIGNED_LAYOUT_LOGICAL_V4: SignedLayout
 RESOURCE_KIND_UNSPECIFIED: ResourceKind
 RESOURCE_KIND_WEIGHTS: ResourceKind
 RESOURCE_KIND_MODULE: ResourceKind
@@ -62,7 +73,7 @@ class SignedEnvelope(_message.Message):
     def __init__(self, signed_bytes: _Optional[bytes] = ..., signatures: _Optional[_Iterable[_Union[Signature, _Mapping]]] = ...) -> None: ...
 
 class DeploymentBody(_message.Message):
-    __slots__ = ("publisher_namespace", "contract", "execution", "resources", "rebuild", "weight_catalogs", "description")
+    __slots__ = ("publisher_namespace", "contract", "execution", "resources", "rebuild", "weight_catalogs", "description", "layout")
     PUBLISHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +81,7 @@ class DeploymentBody(_message.Message):
     REBUILD_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CATALOGS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     publisher_namespace: str
     contract: _contract_pb2.ServingContract
     execution: _manifest_pb2.ExecutionManifest
@@ -77,7 +89,8 @@ class DeploymentBody(_message.Message):
     rebuild: RebuildManifest
     weight_catalogs: _containers.RepeatedCompositeFieldContainer[WeightCatalog]
     description: str
-    def __init__(self, publisher_namespace: _Optional[str] = ..., contract: _Optional[_Union[_contract_pb2.ServingContract, _Mapping]] = ..., execution: _Optional[_Union[_manifest_pb2.ExecutionManifest, _Mapping]] = ..., resources: _Optional[_Iterable[_Union[ExecutableResource, _Mapping]]] = ..., rebuild: _Optional[_Union[RebuildManifest, _Mapping]] = ..., weight_catalogs: _Optional[_Iterable[_Union[WeightCatalog, _Mapping]]] = ..., description: _Optional[str] = ...) -> None: ...
+    layout: SignedLayout
+    def __init__(self, publisher_namespace: _Optional[str] = ..., contract: _Optional[_Union[_contract_pb2.ServingContract, _Mapping]] = ..., execution: _Optional[_Union[_manifest_pb2.ExecutionManifest, _Mapping]] = ..., resources: _Optional[_Iterable[_Union[ExecutableResource, _Mapping]]] = ..., rebuild: _Optional[_Union[RebuildManifest, _Mapping]] = ..., weight_catalogs: _Optional[_Iterable[_Union[WeightCatalog, _Mapping]]] = ..., description: _Optional[str] = ..., layout: _Optional[_Union[SignedLayout, str]] = ...) -> None: ...
 
 class ExecutableResource(_message.Message):
     __slots__ = ("id", "kind", "decoded_nbytes", "stored_nbytes", "chunk_nbytes", "chunk_sha256", "rank", "sealed")
@@ -134,7 +147,7 @@ class ProtectedIndex(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[_Union[SignedEnvelope, _Mapping]] = ...) -> None: ...
 
 class ModelIndex(_message.Message):
-    __slots__ = ("publisher_namespace", "contract", "execution", "resources", "rebuild", "weight_catalogs", "description")
+    __slots__ = ("publisher_namespace", "contract", "execution", "resources", "rebuild", "weight_catalogs", "description", "layout")
     PUBLISHER_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +155,7 @@ class ModelIndex(_message.Message):
     REBUILD_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CATALOGS_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     publisher_namespace: str
     contract: _contract_pb2.ServingContract
     execution: _manifest_pb2.ExecutionManifest
@@ -149,7 +163,8 @@ class ModelIndex(_message.Message):
     rebuild: RebuildManifest
     weight_catalogs: _containers.RepeatedCompositeFieldContainer[WeightCatalog]
     description: str
-    def __init__(self, publisher_namespace: _Optional[str] = ..., contract: _Optional[_Union[_contract_pb2.ServingContract, _Mapping]] = ..., execution: _Optional[_Union[_manifest_pb2.ExecutionManifest, _Mapping]] = ..., resources: _Optional[_Iterable[_Union[ExecutableResource, _Mapping]]] = ..., rebuild: _Optional[_Union[RebuildManifest, _Mapping]] = ..., weight_catalogs: _Optional[_Iterable[_Union[WeightCatalog, _Mapping]]] = ..., description: _Optional[str] = ...) -> None: ...
+    layout: SignedLayout
+    def __init__(self, publisher_namespace: _Optional[str] = ..., contract: _Optional[_Union[_contract_pb2.ServingContract, _Mapping]] = ..., execution: _Optional[_Union[_manifest_pb2.ExecutionManifest, _Mapping]] = ..., resources: _Optional[_Iterable[_Union[ExecutableResource, _Mapping]]] = ..., rebuild: _Optional[_Union[RebuildManifest, _Mapping]] = ..., weight_catalogs: _Optional[_Iterable[_Union[WeightCatalog, _Mapping]]] = ..., description: _Optional[str] = ..., layout: _Optional[_Union[SignedLayout, str]] = ...) -> None: ...
 
 class RebuildManifest(_message.Message):
     __slots__ = ("recipe", "toolkit_version", "inputs", "options")

@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from helios_core.container import Layout, ResourceInput, TrustStore, write_core
-from helios_core.container.frames import HEADER_NBYTES, MAGIC
+from helios_core.container.frames import HEADER_NBYTES, MAGIC, SIGNED_LAYOUTS
 from helios_core.container.writer import assemble_core
 from helios_core.wire import container_pb2, contract_pb2, manifest_pb2
 
@@ -126,7 +126,9 @@ def craft_core(signing_key: Ed25519PrivateKey) -> CraftCore:
     ) -> Path:
         body_type = container_pb2.DeploymentBody if layout == "payload" else container_pb2.ModelIndex
         if signed_body is None:
-            body = body_type(publisher_namespace=namespace, resources=list(described))
+            body = body_type(
+                publisher_namespace=namespace, resources=list(described), layout=SIGNED_LAYOUTS[layout]
+            )
             signed_body = body.SerializeToString(deterministic=True)
         assemble_core(
             path,
@@ -169,9 +171,7 @@ def edit_core_body() -> EditCoreBody:
     by the change in header length, so they still point at the same stored bytes.
     """
 
-    def edit(
-        path: Path, change: Callable[[container_pb2.CoreBody], None], *, shift_offsets: bool = True
-    ) -> None:
+    def edit(path: Path, change: Callable[[container_pb2.CoreBody], None], *, shift_offsets: bool = True) -> None:
         data = path.read_bytes()
         core_body, old_end = _split_core(data)
         change(core_body)

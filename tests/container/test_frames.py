@@ -27,9 +27,7 @@ from helios_core.errors import CoreFormatError, IntegrityError
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 2000  # 90,000 bytes
 
 
-def rebuild_header(
-    frame: bytes, *, window_log: int, content_nbytes: int | None = None, dict_id: int = 0
-) -> bytes:
+def rebuild_header(frame: bytes, *, window_log: int, content_nbytes: int | None = None, dict_id: int = 0) -> bytes:
     """The same blocks behind a new header: not single-segment, an explicit window, 4-byte FCS."""
     header = parse_frame_header(frame, what="test frame")
     assert header is not None
@@ -72,9 +70,7 @@ def test_encode_frame_is_one_level3_frame_with_content_size() -> None:
     params = zstandard.get_frame_parameters(frame)
     assert params.content_size == len(TEXT)
     assert params.window_size <= MAX_WINDOW_NBYTES
-    assert frame == zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True).compress(
-        TEXT
-    )
+    assert frame == zstandard.ZstdCompressor(level=3, write_content_size=True, write_checksum=True).compress(TEXT)
     assert zstandard.ZstdDecompressor().decompress(frame) == TEXT
     assert encode_frame(memoryview(TEXT)) == frame
 
@@ -283,9 +279,7 @@ def test_window_over_8mib_is_rejected_without_a_large_allocation(
     monkeypatch.setattr(zstandard, "ZstdDecompressor", spy)
     tracemalloc.start()
     try:
-        with pytest.raises(
-            CoreFormatError, match="needs a 16777216-byte window, over the 8388608-byte limit"
-        ):
+        with pytest.raises(CoreFormatError, match="needs a 16777216-byte window, over the 8388608-byte limit"):
             decode(tmp_path, frame, 64 * 1024 * 1024)
         _, peak = tracemalloc.get_traced_memory()
     finally:

@@ -4,11 +4,9 @@
 signed description, its signers, the resource encoding and every decoded resource) is identical to
 what the original gives.
 
-The wrapper of the signed bytes is not signed: a ``logical-v6`` core whose ProtectedIndex wrapper is
-damaged so that its signed envelope becomes the payload envelope reads as a ``payload`` core with the
-same signed description (DeploymentBody and ModelIndex share their wire layout) and the same zstd
-frames. That is harmless by this definition, so snapshots compare the resource encoding (zstd frames
-or sealed chunks), not the layout label.
+The signed body names the layout it was written for (``layout``), so re-wrapping a signed body in
+another container layout is rejected; snapshots still compare the resource encoding (zstd frames or
+sealed chunks) rather than the layout label.
 """
 
 from __future__ import annotations
@@ -171,9 +169,7 @@ def test_truncation_anywhere_is_rejected(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize(
-    "tail", [b"\x00", b"\xff" * 7, b"HELIOSC\x00", b"\x28\xb5\x2f\xfd\x20\x00\x01\x00\x00"]
-)
+@pytest.mark.parametrize("tail", [b"\x00", b"\xff" * 7, b"HELIOSC\x00", b"\x28\xb5\x2f\xfd\x20\x00\x01\x00\x00"])
 def test_appended_bytes_are_rejected(
     originals: dict[str, Original], scratch: Path, read_snapshot: ReadSnapshot, layout: Layout, tail: bytes
 ) -> None:

@@ -51,15 +51,11 @@ def read_all(core: CoreFile, namespace: str) -> dict[str, bytes]:
     return {rid: bytes(core.read_resource(rid, resource.kind)) for rid, resource in core.resources.items()}
 
 
-def frame_resource(
-    rid: str, data: bytes, *, kind: int = WEIGHTS
-) -> tuple[container_pb2.ExecutableResource, bytes]:
+def frame_resource(rid: str, data: bytes, *, kind: int = WEIGHTS) -> tuple[container_pb2.ExecutableResource, bytes]:
     return encode_resource(ResourceInput(rid, kind, data), layout="payload")
 
 
-def described(
-    rid: str, stored: bytes, decoded_nbytes: int, kind: int = WEIGHTS
-) -> container_pb2.ExecutableResource:
+def described(rid: str, stored: bytes, decoded_nbytes: int, kind: int = WEIGHTS) -> container_pb2.ExecutableResource:
     return container_pb2.ExecutableResource(
         id=rid,
         kind=kind,  # type: ignore[arg-type]
@@ -127,9 +123,7 @@ def test_empty_resources(
             assert list(core.iter_resource("e", WEIGHTS)) == []
 
 
-def test_no_resources(
-    tmp_path: Path, make_core: MakeCore, trust: TrustStore, core_key: bytes, namespace: str
-) -> None:
+def test_no_resources(tmp_path: Path, make_core: MakeCore, trust: TrustStore, core_key: bytes, namespace: str) -> None:
     path = make_core(tmp_path / "x.core", resources=[])
     with CoreFile.open(path, trust, core_key=core_key) as core:
         assert read_all(core, namespace) == {}
@@ -168,9 +162,7 @@ def test_file_layout(
     assert core_body.WhichOneof("body") == "payload"
     body = container_pb2.DeploymentBody.FromString(core_body.payload.signed_bytes)
     offset = end
-    for resource, description, location in zip(
-        resources, body.resources, core_body.locations.locations, strict=True
-    ):
+    for resource, description, location in zip(resources, body.resources, core_body.locations.locations, strict=True):
         stored = encode_frame(resource.data)
         assert description.chunk_nbytes == 4194304
         assert description.decoded_nbytes == len(resource.data)
@@ -282,9 +274,7 @@ def test_body_length_over_cap_is_rejected_before_allocating(tmp_path: Path, trus
         handle.truncate(HEADER_NBYTES + MAX_BODY_NBYTES + 1)  # sparse: the bytes are "there"
     tracemalloc.start()
     try:
-        with pytest.raises(
-            CoreFormatError, match=f"declares a {MAX_BODY_NBYTES + 1}-byte CoreBody, over the"
-        ):
+        with pytest.raises(CoreFormatError, match=f"declares a {MAX_BODY_NBYTES + 1}-byte CoreBody, over the"):
             CoreFile.open(path, trust)
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -310,9 +300,7 @@ def test_malformed_core_body(tmp_path: Path, trust: TrustStore) -> None:
 
 
 @pytest.mark.parametrize("version", [0, 1, 3, 200])
-def test_format_version_must_be_2(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, version: int
-) -> None:
+def test_format_version_must_be_2(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, version: int) -> None:
     res, stored = frame_resource("w0", b"abc")
     path = craft_core(tmp_path / "x.core", [res], [("w0", stored)], format_version=version)
     with pytest.raises(CoreFormatError, match=f"container format version {version}; this runtime reads"):
@@ -338,9 +326,7 @@ def test_protected_index_version_must_be_4_or_6(
         body.protected_index.version = version
 
     edit_core_body(path, change)
-    with pytest.raises(
-        CoreFormatError, match=f"ProtectedIndex version {version}; this runtime reads versions 4 and 6"
-    ):
+    with pytest.raises(CoreFormatError, match=f"ProtectedIndex version {version}; this runtime reads versions 4 and 6"):
         CoreFile.open(path, trust)
 
 
@@ -363,23 +349,37 @@ def test_unsigned_index_version_flip_is_caught(
     read_as: int,
     core_key: bytes,
 ) -> None:
-    # ProtectedIndex.version lies outside the signature; the signed resources must contradict a flip.
+    # ProtectedIndex.version lies outside the signature; the signed layout contradicts a flip.
     path = make_core(tmp_path / "x.core", stored_as)
 
     def change(body: container_pb2.CoreBody) -> None:
         body.protected_index.version = read_as
 
     edit_core_body(path, change)
-    with pytest.raises(CoreFormatError, match="sealing"):
+    with pytest.raises(CoreFormatError, match="re-wrapped"):
         CoreFile.open(path, trust, core_key=core_key)
+
+
+def test_payload_body_rewrapped_as_logical_core_is_rejected(
+    tmp_path: Path, make_core: MakeCore, edit_core_body: EditCoreBody, trust: TrustStore
+) -> None:
+    path = make_core(tmp_path / "x.core", "payload")
+
+    def rewrap(body: container_pb2.CoreBody) -> None:
+        envelope = container_pb2.SignedEnvelope()
+        envelope.CopyFrom(body.payload)
+        body.protected_index.version = 6
+        body.protected_index.index.CopyFrom(envelope)
+
+    edit_core_body(path, rewrap)
+    with pytest.raises(CoreFormatError, match="re-wrapped"):
+        CoreFile.open(path, trust)
 
 
 # -------------------------------------------------------------------------- trust rejections
 
 
-def test_untrusted_signer_names_key_ids(
-    tmp_path: Path, make_core: MakeCore, other_key: Ed25519PrivateKey
-) -> None:
+def test_untrusted_signer_names_key_ids(tmp_path: Path, make_core: MakeCore, other_key: Ed25519PrivateKey) -> None:
     path = make_core(tmp_path / "x.core", signing_key=other_key)
     trusted = TrustStore([Ed25519PrivateKey.from_private_bytes(bytes(32)).public_key()])
     with pytest.raises(TrustError) as caught:
@@ -414,9 +414,7 @@ def test_bad_signature_by_trusted_key(
         body.payload.signatures[0].signature = bytes(signature)
 
     edit_core_body(path, change)
-    with pytest.raises(
-        IntegrityError, match=f"signature by trusted key '{trust.key_ids[0]}' does not verify"
-    ):
+    with pytest.raises(IntegrityError, match=f"signature by trusted key '{trust.key_ids[0]}' does not verify"):
         CoreFile.open(path, trust)
 
 
@@ -510,9 +508,7 @@ def test_reading_before_authorize(
 # ----------------------------------------------------------------------- resource rejections
 
 
-def test_kind_mismatch(
-    tmp_path: Path, make_core: MakeCore, trust: TrustStore, namespace: str, core_key: bytes
-) -> None:
+def test_kind_mismatch(tmp_path: Path, make_core: MakeCore, trust: TrustStore, namespace: str, core_key: bytes) -> None:
     with CoreFile.open(make_core(tmp_path / "x.core"), trust, core_key=core_key) as core:
         core.authorize(namespace)
         with pytest.raises(
@@ -552,9 +548,7 @@ def _tweak_resource(
 
 
 @pytest.mark.parametrize("chunk_nbytes", [0, 1024 * 1024, 4194303, 4194305, 8 * 1024 * 1024])
-def test_chunk_nbytes_must_be_4mib(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, chunk_nbytes: int
-) -> None:
+def test_chunk_nbytes_must_be_4mib(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, chunk_nbytes: int) -> None:
     def change(res: container_pb2.ExecutableResource) -> None:
         res.chunk_nbytes = chunk_nbytes
 
@@ -650,25 +644,19 @@ def _read_w0(path: Path, trust: TrustStore, namespace: str) -> bytes:
 TEXT = b"weights " * 5000
 
 
-def test_signed_truncated_frame(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, namespace: str
-) -> None:
+def test_signed_truncated_frame(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, namespace: str) -> None:
     path = _signed_stored(tmp_path, craft_core, encode_frame(TEXT)[:-2], len(TEXT))
     with pytest.raises(CoreFormatError, match="truncated zstd frame"):
         _read_w0(path, trust, namespace)
 
 
-def test_signed_second_frame(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, namespace: str
-) -> None:
+def test_signed_second_frame(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, namespace: str) -> None:
     path = _signed_stored(tmp_path, craft_core, encode_frame(TEXT) * 2, len(TEXT))
     with pytest.raises(CoreFormatError, match="after its zstd frame"):
         _read_w0(path, trust, namespace)
 
 
-def test_signed_trailing_bytes(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, namespace: str
-) -> None:
+def test_signed_trailing_bytes(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, namespace: str) -> None:
     path = _signed_stored(tmp_path, craft_core, encode_frame(TEXT) + b"\x00\x00", len(TEXT))
     with pytest.raises(CoreFormatError, match="after its zstd frame"):
         _read_w0(path, trust, namespace)
@@ -701,9 +689,7 @@ def test_signed_frame_with_large_window_allocates_nothing_large(
     header_nbytes = 6  # magic, descriptor (single segment, 2-byte content size) ...
     assert frame[4] & 0x20 and frame[4] >> 6 == 1
     declared = 256 * 1024 * 1024
-    patched = (
-        b"\x28\xb5\x2f\xfd" + bytes([0x80 | (frame[4] & 0x04), 14 << 3]) + declared.to_bytes(4, "little")
-    )
+    patched = b"\x28\xb5\x2f\xfd" + bytes([0x80 | (frame[4] & 0x04), 14 << 3]) + declared.to_bytes(4, "little")
     stored = patched + bytes(frame[header_nbytes + 1 :])
     assert zstandard.get_frame_parameters(stored).window_size == 16 * 1024 * 1024
     path = _signed_stored(tmp_path, craft_core, stored, declared)
@@ -711,9 +697,7 @@ def test_signed_frame_with_large_window_allocates_nothing_large(
         core.authorize(namespace)
         tracemalloc.start()
         try:
-            with pytest.raises(
-                CoreFormatError, match="needs a 16777216-byte window, over the 8388608-byte limit"
-            ):
+            with pytest.raises(CoreFormatError, match="needs a 16777216-byte window, over the 8388608-byte limit"):
                 core.read_resource("w0", WEIGHTS)
             with pytest.raises(CoreFormatError, match="window"):
                 list(core.iter_resource("w0", WEIGHTS))
@@ -759,9 +743,7 @@ def _v4_resource(
     )
 
 
-def test_v4_resource_without_sealing(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, core_key: bytes
-) -> None:
+def test_v4_resource_without_sealing(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, core_key: bytes) -> None:
     res, stored = _v4_resource(b"abc", core_key)
     res.ClearField("sealed")
     path = craft_core(tmp_path / "x.core", [res], [("w0", stored)], layout="logical-v4")
@@ -775,15 +757,11 @@ def test_v4_stored_length_must_match_sealing(
     res, stored = _v4_resource(b"abc", core_key)
     res.decoded_nbytes = 4
     path = craft_core(tmp_path / "x.core", [res], [("w0", stored)], layout="logical-v4")
-    with pytest.raises(
-        CoreFormatError, match="stores 19 bytes, but 4 bytes sealed in 1048576-byte chunks take 20"
-    ):
+    with pytest.raises(CoreFormatError, match="stores 19 bytes, but 4 bytes sealed in 1048576-byte chunks take 20"):
         CoreFile.open(path, trust, core_key=core_key)
 
 
-def test_v4_bad_nonce_prefix(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, core_key: bytes
-) -> None:
+def test_v4_bad_nonce_prefix(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, core_key: bytes) -> None:
     res, stored = _v4_resource(b"abc", core_key)
     res.sealed.nonce_prefix = b"\x01" * 4
     path = craft_core(tmp_path / "x.core", [res], [("w0", stored)], layout="logical-v4")
@@ -791,9 +769,7 @@ def test_v4_bad_nonce_prefix(
         CoreFile.open(path, trust, core_key=core_key)
 
 
-def test_v4_reused_nonce_prefix(
-    tmp_path: Path, craft_core: CraftCore, trust: TrustStore, core_key: bytes
-) -> None:
+def test_v4_reused_nonce_prefix(tmp_path: Path, craft_core: CraftCore, trust: TrustStore, core_key: bytes) -> None:
     first, first_stored = _v4_resource(b"abc", core_key)
     second, second_stored = encode_resource(
         ResourceInput("w1", WEIGHTS, b"def"),
@@ -826,9 +802,7 @@ def test_relocating_a_resource_into_a_sibling_file_needs_no_resigning(
     raw = path.read_bytes()
     core_body, _ = split_core(raw)
     signed_before = core_body.payload.SerializeToString(deterministic=True)
-    by_id = {
-        loc.resource_id: raw[loc.offset : loc.offset + loc.length] for loc in core_body.locations.locations
-    }
+    by_id = {loc.resource_id: raw[loc.offset : loc.offset + loc.length] for loc in core_body.locations.locations}
     # Move w0 into a sibling file and rewrite only the LocationSet.
     (tmp_path / "w0.bin").write_bytes(by_id["w0"])
     kept = [rid for rid in by_id if rid != "w0"]
@@ -843,9 +817,7 @@ def test_relocating_a_resource_into_a_sibling_file_needs_no_resigning(
             offset += location.length
     serialized = core_body.SerializeToString()
     assert core_body.payload.SerializeToString(deterministic=True) == signed_before
-    path.write_bytes(
-        MAGIC + struct.pack("<Q", len(serialized)) + serialized + b"".join(by_id[rid] for rid in kept)
-    )
+    path.write_bytes(MAGIC + struct.pack("<Q", len(serialized)) + serialized + b"".join(by_id[rid] for rid in kept))
     with CoreFile.open(path, trust) as core:
         assert read_all(core, namespace) == {r.id: r.data for r in resources}
     # Tamper with the sibling: the signed chunk hashes still cover it.
@@ -909,9 +881,7 @@ def test_resource_without_location(
 def test_duplicate_location(
     tmp_path: Path, make_core: MakeCore, edit_core_body: EditCoreBody, trust: TrustStore
 ) -> None:
-    path = _edit_location(
-        tmp_path, make_core, edit_core_body, lambda locs: locs.locations.append(locs.locations[0])
-    )
+    path = _edit_location(tmp_path, make_core, edit_core_body, lambda locs: locs.locations.append(locs.locations[0]))
     with pytest.raises(CoreFormatError, match="locates resource 'w0' twice"):
         CoreFile.open(path, trust)
 
@@ -969,9 +939,7 @@ def test_gap_between_resources(
 
     path.write_bytes(raw)
     edit_core_body(path, lambda body: change(body.locations))
-    with pytest.raises(
-        CoreFormatError, match=r"resource 'm0' is located at offset .* without gaps or overlaps"
-    ):
+    with pytest.raises(CoreFormatError, match=r"resource 'm0' is located at offset .* without gaps or overlaps"):
         CoreFile.open(path, trust)
 
 
@@ -1010,9 +978,7 @@ def test_trailing_bytes_after_the_last_resource(
         CoreFile.open(path, trust)
 
 
-def test_core_file_truncated_inside_a_resource(
-    tmp_path: Path, make_core: MakeCore, trust: TrustStore
-) -> None:
+def test_core_file_truncated_inside_a_resource(tmp_path: Path, make_core: MakeCore, trust: TrustStore) -> None:
     path = make_core(tmp_path / "x.core")
     path.write_bytes(path.read_bytes()[:-1])
     with pytest.raises(CoreFormatError, match=r"resources end at .* the file is truncated"):
@@ -1173,9 +1139,7 @@ def test_key_loading_errors(tmp_path: Path, signing_key: Ed25519PrivateKey) -> N
         load_private_key(ec_private)
     ec_public = tmp_path / "ec.pub.pem"
     ec_public.write_bytes(
-        ec_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+        ec_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     with pytest.raises(TrustError, match="Ed25519"):
         load_public_key(ec_public)

@@ -26,9 +26,7 @@ PLAIN = 64  # small plaintext chunks keep these tests fast
 
 
 def seal(data: bytes, *, resource_id: str = "w0", key: bytes = KEY, nonce: bytes = NONCE) -> bytes:
-    return seal_resource(
-        data, resource_id=resource_id, core_key=key, nonce_prefix=nonce, plain_chunk_nbytes=PLAIN
-    )
+    return seal_resource(data, resource_id=resource_id, core_key=key, nonce_prefix=nonce, plain_chunk_nbytes=PLAIN)
 
 
 def unseal_pieces(
@@ -92,10 +90,7 @@ def test_format_is_exactly_the_documented_one() -> None:
         sealed_chunk = stored[position : position + plain_nbytes + 16]
         nonce = NONCE + struct.pack(">I", index)
         associated = b"helios-v4" + b"w0" + struct.pack(">I", index) + struct.pack(">I", 4)
-        assert (
-            aead.decrypt(nonce, sealed_chunk, associated)
-            == data[index * PLAIN : index * PLAIN + plain_nbytes]
-        )
+        assert aead.decrypt(nonce, sealed_chunk, associated) == data[index * PLAIN : index * PLAIN + plain_nbytes]
         position += plain_nbytes + 16
     assert position == len(stored)
 

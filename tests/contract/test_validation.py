@@ -305,12 +305,12 @@ def test_prefix_boundaries_need_version_3(parts) -> None:
 )
 def test_prefix_boundary_roles_must_be_specified(parts, roles: list[int]) -> None:
     parts.model.frontend.prefix_boundaries.add(roles=roles, constraint=ct.RENDERING_CONSTRAINT_INDEPENDENT)
-    rejects(parts, "frontend.prefix_boundaries: every rule names one or more specified roles")
+    rejects(parts, "frontend.prefix_boundaries: every rule names one or more known roles")
 
 
 def test_prefix_boundary_constraint_must_be_specified(parts) -> None:
     parts.model.frontend.prefix_boundaries.add(roles=[ct.MESSAGE_ROLE_USER])
-    rejects(parts, "frontend.prefix_boundaries: rendering constraint is unspecified")
+    rejects(parts, "frontend.prefix_boundaries: unknown or unspecified rendering constraint")
 
 
 def test_template_variable_must_be_json(parts) -> None:
@@ -346,7 +346,7 @@ def test_buffer_declared_twice(parts) -> None:
 
 def test_buffer_without_role(parts) -> None:
     parts.buffer("scratch.h").role = mf.BUFFER_ROLE_UNSPECIFIED
-    rejects(parts, "buffer 'scratch.h' has no role")
+    rejects(parts, "buffer 'scratch.h' has unknown role 0")
 
 
 def test_buffer_with_unknown_dtype(parts) -> None:
@@ -480,7 +480,7 @@ def test_cache_page_tokens_must_be_positive(parts) -> None:
 
 def test_history_region_without_kind(parts) -> None:
     parts.region("kv").kind = ct.HISTORY_KIND_UNSPECIFIED
-    rejects(parts, "history region 'kv' has no kind")
+    rejects(parts, "history region 'kv' has unknown kind 0")
 
 
 def test_paged_region_tokens_per_record(parts) -> None:
@@ -635,7 +635,7 @@ def test_integer_source_into_float_destination(parts) -> None:
 
 def test_binding_indexing_unspecified(parts) -> None:
     parts.binding("decode_b4", "top_k").indexing = ct.INDEXING_UNSPECIFIED
-    rejects(parts, "graph 'decode_b4' binding 'top_k': indexing is unspecified")
+    rejects(parts, "graph 'decode_b4' binding 'top_k': unknown indexing 0")
 
 
 @pytest.mark.parametrize(
@@ -751,7 +751,7 @@ def test_access_to_unknown_state_view(parts) -> None:
 
 def test_state_access_without_mode(parts) -> None:
     parts.access("decode_b4", "output_counts").mode = ct.ACCESS_MODE_UNSPECIFIED
-    rejects(parts, "graph 'decode_b4': access to 'output_counts' has no mode")
+    rejects(parts, "graph 'decode_b4': access to 'output_counts' has unknown mode 0")
 
 
 def test_device_owned_pending_token_needs_a_read(parts) -> None:
@@ -1219,3 +1219,40 @@ def test_nodes_of_unknown_operators_still_have_their_views_checked(parts) -> Non
     node.op.version = 1
     node.args.add(name="x").view.buffer = "no_such_buffer"
     rejects(parts, "argument 'x' names unknown buffer 'no_such_buffer'")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda p: setattr(p.buffer("scratch.h"), "role", 99), "buffer 'scratch.h' has unknown role 99"),
+        (lambda p: setattr(p.model.cache.regions[0], "kind", 42), "history region 'kv' has unknown kind 42"),
+        (
+            lambda p: setattr(p.graph("decode_b4").bindings[0], "indexing", 9),
+            "graph 'decode_b4' binding 'state_rows': unknown indexing 9",
+        ),
+        (
+            lambda p: setattr(p.graph("decode_b4").state_accesses[0], "mode", 7),
+            "graph 'decode_b4': access to 'prompt_presence' has unknown mode 7",
+        ),
+        (
+            lambda p: setattr(p.execution.completion[0], "field", 500),
+            "completion record 'out_sampled_ids' has unknown field 500",
+        ),
+        (
+            lambda p: setattr(p.execution.completion[0], "buffer", "scratch.h"),
+            "completion record names 'scratch.h', which is not a completion buffer",
+        ),
+        (
+            lambda p: setattr(p.buffer("scratch.h").shape[0], "symbol", 17),
+            "buffer 'scratch.h' has an unknown dimension symbol",
+        ),
+    ],
+)
+def test_unknown_enum_numbers_are_rejected(parts, mutate, message: str) -> None:
+    mutate(parts)
+    rejects(parts, message)
+
+
+def test_image_sentinel_inside_the_sampled_range_is_rejected(parts) -> None:
+    parts.model.input_vocabulary.image_sentinel_ids.append(5)
+    rejects(parts, "input_vocabulary: image sentinel 5 lies inside the sampled range [0, 259)")

@@ -63,7 +63,7 @@ def assemble(
 ) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
     """Build the serving contract, execution manifest and resources of a text model."""
     builder = ManifestBuilder()
-    writer = LlamaProgramWriter(builder, model.shape, caps, model.weights, bf16=bf16)
+    writer = LlamaProgramWriter(builder, model.shape, caps, model.weights, sampled_size=model.sampled_size, bf16=bf16)
     graphs = writer.write()
 
     resources = [

@@ -100,9 +100,13 @@ def run_build(args: argparse.Namespace) -> int:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
     if args.sign_key is None:
         key_dir = args.out.with_name(args.out.name + ".keys")
-        paths = generate_keys(key_dir)
-        signing_key = load_private_key(paths["signing"])
-        print(f"signed with a new key; public key: {paths['public']}", file=sys.stderr)
+        if (key_dir / "signing.pem").exists():
+            signing_key = load_private_key(key_dir / "signing.pem")
+            print(f"signed with the key in {key_dir}", file=sys.stderr)
+        else:
+            paths = generate_keys(key_dir)
+            signing_key = load_private_key(paths["signing"])
+            print(f"signed with a new key; public key: {paths['public']}", file=sys.stderr)
     else:
         signing_key = load_private_key(args.sign_key)
     core_key = load_core_key(args.core_key) if args.core_key else None

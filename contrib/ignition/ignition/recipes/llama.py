@@ -113,8 +113,18 @@ class LlamaProgramWriter:
     """Writes the Llama programs into a ManifestBuilder."""
 
     def __init__(
-        self, builder: ManifestBuilder, shape: LlamaShape, caps: Capacities, weights: Weights, *, bf16: bool
+        self,
+        builder: ManifestBuilder,
+        shape: LlamaShape,
+        caps: Capacities,
+        weights: Weights,
+        *,
+        sampled_size: int,
+        bf16: bool,
     ) -> None:
+        if not 0 < sampled_size <= shape.vocab:
+            raise ValueError(f"sampled_size {sampled_size} must lie in (0, {shape.vocab}]")
+        self.sampled_size = sampled_size
         self.builder = builder
         self.shape = shape
         self.caps = caps
@@ -299,11 +309,16 @@ class LlamaProgramWriter:
                 "top_ids": prefix(sh.out_top_ids, r),
                 "top_logprobs": prefix(sh.out_top_logprobs, r),
             },
-            {"vocab_limit": s.vocab, "top_n": self.caps.top_logprobs},
+            {"vocab_limit": self.sampled_size, "top_n": self.caps.top_logprobs},
         )
         prog.node(
             "copy_rows",
-            {"src": ids, "dst_rows": prefix(sh.state_rows, r), "dst": sh.pending_tokens},
+            {
+                "src": ids,
+                "dst_rows": prefix(sh.state_rows, r),
+                "when": prefix(sh.sample_active, r),
+                "dst": sh.pending_tokens,
+            },
             name="store_pending_token",
         )
         prog.node(
@@ -459,5 +474,5 @@ class LlamaProgramWriter:
                 "targets": prefix(sh.score_targets, tokens),
                 "out": prefix(sh.out_prompt_scores, tokens),
             },
-            {"vocab_limit": s.vocab},
+            {"vocab_limit": self.sampled_size},
         )

@@ -1,0 +1,647 @@
+"""The reference backend: captured programs executed on the CPU with numpy.
+
+Owns the device-buffer stand-ins of one loaded core (every ``BufferDecl`` allocated once as a numpy
+array, symbolic leading dimensions fixed at construction), the weights (numpy views over the
+decoded WEIGHTS resources, read once each), the per-frame transport staging arrays and completion
+records, and program execution: each program's nodes are resolved once into closures over bound
+views and the operator implementations of :mod:`helios_core.backends.reference_kernels`, so
+:meth:`ReferenceBackend.run` only calls them in list order.
+
+Views: a ``TensorArg`` view is ``flat[element_offset : element_offset + prod(shape)]`` reshaped to
+its row-major shape, over the C-contiguous array. A view with offset 0 whose shape equals the
+*declared* shape of a buffer with a symbolic leading dimension names the whole buffer, whatever
+extent the symbol received at load. bfloat16 stays uint16 bit patterns in the buffers; inputs are
+widened to float32 when read and float32 results are rounded to nearest even when stored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from helios_core.backends import reference_kernels as rk
+from helios_core.container.reader import CoreFile
+from helios_core.contract.prepared import PreparedContract
+from helios_core.dtypes import NUMPY_DTYPES, dtype_name
+from helios_core.errors import ContractError, UnsupportedFeatureError
+from helios_core.ops.catalogue import CATALOGUE, known_versions
+from helios_core.wire import container_pb2 as cb
+from helios_core.wire import manifest_pb2 as mf
+
+__all__ = ["ReferenceBackend"]
+
+AnyArray = NDArray[Any]
+Step = Callable[[], None]
+AttrValue = int | float | str | tuple[int, ...] | tuple[float, ...]
+
+_SYMBOLIC = (mf.DIM_SYMBOL_CACHE_PAGES, mf.DIM_SYMBOL_STATE_ROWS)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A resolved tensor argument: the numpy view and the wire dtype of its buffer."""
+
+    array: AnyArray
+    dtype: int
+
+
+def _bf16_round(values: AnyArray) -> AnyArray:
+    """float32 -> bfloat16 bit patterns (round to nearest even)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+    return rounded.astype(np.uint16)
+
+
+class _Node:
+    """One node's bound arguments and attributes, as the operator adapters read them."""
+
+    def __init__(self, where: str, args: Mapping[str, _Bound], attributes: Mapping[str, AttrValue]) -> None:
+        self.where = where
+        self._args = args
+        self._attributes = attributes
+
+    def fail(self, message: str) -> ContractError:
+        return ContractError(f"{self.where}: {message}")
+
+    # -- tensors -------------------------------------------------------------
+    def tensor(self, name: str) -> AnyArray:
+        bound = self._args.get(name)
+        if bound is None:
+            raise self.fail(f"lacks the tensor argument {name!r}")
+        return bound.array
+
+    def optional(self, name: str) -> AnyArray | None:
+        bound = self._args.get(name)
+        return None if bound is None else bound.array
+
+    def floats(self, name: str) -> Callable[[], AnyArray]:
+        """A reader of a float input; bfloat16 buffers are widened on each read."""
+        bound = self._args.get(name)
+        if bound is None:
+            raise self.fail(f"lacks the tensor argument {name!r}")
+        array = bound.array
+        if bound.dtype == mf.DTYPE_BF16:
+            return lambda: rk.bf16_bits_to_float32(array)
+        return lambda: array
+
+    def store(self, name: str) -> Callable[[AnyArray], None]:
+        """A writer into an output view (shape checked at each write, bfloat16 rounded)."""
+        bound = self._args.get(name)
+        if bound is None:
+            raise self.fail(f"lacks the tensor argument {name!r}")
+        out = bound.array
+        where = f"{self.where} output {name!r}"
+        bf16 = bound.dtype == mf.DTYPE_BF16
+
+        def write(value: AnyArray) -> None:
+            if value.size != out.size:
+                raise ValueError(f"{where}: result of shape {value.shape} does not fit the view {out.shape}")
+            result = value.reshape(out.shape)
+            out[...] = _bf16_round(result) if bf16 else result
+
+        return write
+
+    # -- attributes ------------------------------------------------------------
+    def _attribute(self, name: str, default: AttrValue | None = None) -> AttrValue:
+        value = self._attributes.get(name, default)
+        if value is None:
+            raise self.fail(f"lacks the attribute {name!r}")
+        return value
+
+    def attr_float(self, name: str) -> float:
+        value = self._attribute(name)
+        if isinstance(value, str | tuple):
+            raise self.fail(f"attribute {name!r} must be a number, got {value!r}")
+        return float(value)
+
+    def attr_int(self, name: str, default: int | None = None) -> int:
+        value = self._attribute(name, default)
+        if not isinstance(value, int):
+            raise self.fail(f"attribute {name!r} must be an integer, got {value!r}")
+        return value
+
+    def attr_str(self, name: str) -> str:
+        value = self._attribute(name)
+        if not isinstance(value, str):
+            raise self.fail(f"attribute {name!r} must be a string, got {value!r}")
+        return value
+
+    def attr_floats(self, name: str) -> tuple[float, ...] | None:
+        value = self._attributes.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, tuple):
+            raise self.fail(f"attribute {name!r} must be a list of numbers, got {value!r}")
+        return tuple(float(v) for v in value)
+
+
+# ----------------------------------------------------------------------------------------------
+# operator adapters: bind a node once, return the closure that runs it
+# ----------------------------------------------------------------------------------------------
+
+
+def _embedding(n: _Node) -> Step:
+    table, ids, out = n.tensor("table"), n.tensor("ids"), n.store("out")
+    return lambda: out(rk.embedding(table, ids.reshape(-1)))
+
+
+def _rmsnorm(n: _Node) -> Step:
+    x, weight, out, eps = n.floats("x"), n.floats("weight"), n.store("out"), n.attr_float("eps")
+    return lambda: out(rk.rmsnorm(x(), weight(), eps))
+
+
+def _linear(n: _Node) -> Step:
+    x, weight, out = n.floats("x"), n.floats("weight"), n.store("out")
+    return lambda: out(rk.linear(x(), weight()))
+
+
+def _rope(n: _Node) -> Step:
+    x, positions, out = n.floats("x"), n.tensor("positions"), n.store("out")
+    theta = n.attr_float("theta")
+    style = n.attr_str("style")
+    if style not in ("interleaved", "half"):
+        raise n.fail(f"rope style must be 'interleaved' or 'half', got {style!r}")
+    band = n.attr_floats("frequency_band_scaling")
+    scaling = None
+    if band is not None:
+        if len(band) != 4:
+            raise n.fail(f"frequency_band_scaling needs 4 values, got {len(band)}")
+        scaling = rk.FrequencyBandScaling(band[0], band[1], band[2], round(band[3]))
+    rope_style: rk.RopeStyle = "interleaved" if style == "interleaved" else "half"
+    return lambda: out(rk.rope(x(), positions.reshape(-1), theta, rope_style, scaling))
+
+
+def _kv_cache_write(n: _Node) -> Step:
+    k, v, slots = n.floats("k"), n.floats("v"), n.tensor("slots")
+    k_plane, v_plane = n.tensor("k_plane"), n.tensor("v_plane")
+    if k_plane.dtype.kind != "f" or v_plane.dtype.kind != "f":
+        raise n.fail(f"cache planes must be float32/float16, got {k_plane.dtype} and {v_plane.dtype}")
+    return lambda: rk.kv_cache_write(k_plane, v_plane, k(), v(), slots.reshape(-1))
+
+
+def _paged_attention(n: _Node) -> Step:
+    q, k_plane, v_plane = n.floats("q"), n.tensor("k_plane"), n.tensor("v_plane")
+    page_table, token_row, token_position = n.tensor("page_table"), n.tensor("token_row"), n.tensor("token_position")
+    out, scale = n.store("out"), n.attr_float("scale")
+    return lambda: out(
+        rk.paged_attention(q(), k_plane, v_plane, page_table, token_row.reshape(-1), token_position.reshape(-1), scale)
+    )
+
+
+def _silu_mul(n: _Node) -> Step:
+    gate, up, out = n.floats("gate"), n.floats("up"), n.store("out")
+    return lambda: out(rk.silu_mul(gate(), up()))
+
+
+def _add(n: _Node) -> Step:
+    a, b, out = n.floats("a"), n.floats("b"), n.store("out")
+    return lambda: out(rk.add(a(), b()))
+
+
+def _gather_rows(n: _Node) -> Step:
+    x_bound = n.tensor("x")
+    index, out = n.tensor("index"), n.store("out")
+    if x_bound.dtype.kind == "f" or x_bound.dtype == np.uint16:
+        x = n.floats("x")
+        return lambda: out(rk.gather_rows(x(), index.reshape(-1)))
+
+    def step() -> None:  # integer rows (pending tokens): same semantics, dtype kept
+        idx = index.reshape(-1).astype(np.int64)
+        if idx.size and int(idx.max()) >= x_bound.shape[0]:
+            raise ValueError(f"{n.where}: index {int(idx.max())} is out of range for {x_bound.shape[0]} rows")
+        rows = np.zeros((idx.size, *x_bound.shape[1:]), dtype=x_bound.dtype)
+        keep = idx >= 0
+        rows[keep] = x_bound[idx[keep]]
+        out(rows)
+
+    return step
+
+
+def _lane_last_index(n: _Node) -> Step:
+    query_length, out = n.tensor("query_length"), n.store("out")
+
+    def step() -> None:
+        lengths = query_length.reshape(-1).astype(np.int64)
+        ends = np.cumsum(np.maximum(lengths, 0)) - 1
+        out(np.where(lengths > 0, ends, -1).astype(np.int32))
+
+    return step
+
+
+def _sample(n: _Node) -> Step:
+    logits = n.floats("logits")
+    per_row = {
+        name: n.tensor(name)
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "seed",
+            "step",
+        )
+    }
+    presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
+    rows, active = n.tensor("rows").reshape(-1), n.tensor("active").reshape(-1)
+    mask, constrained = n.optional("allowed_mask"), n.optional("constrained")
+    if (mask is None) != (constrained is None):
+        raise n.fail("allowed_mask and constrained must be given together")
+    ids = n.tensor("ids").reshape(-1)
+    logprob = n.optional("logprob")
+    top_ids, top_logprobs = n.optional("top_ids"), n.optional("top_logprobs")
+    vocab_limit = n.attr_int("vocab_limit")
+    top_n = n.attr_int("top_n", 0)
+    lanes = ids.size
+    for name, array in (("top_ids", top_ids), ("top_logprobs", top_logprobs)):
+        if array is not None and (array.ndim != 2 or array.shape[0] != lanes or array.shape[1] < top_n):
+            raise n.fail(f"{name} of shape {array.shape} cannot hold {lanes} rows of top_n={top_n}")
+    if counts.ndim != 2 or presence.shape != counts.shape:
+        raise n.fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [rows, V]")
+    if logprob is not None and logprob.size != lanes:
+        raise n.fail(f"logprob of shape {logprob.shape} does not match {lanes} rows")
+    logprob_flat = None if logprob is None else logprob.reshape(-1)
+    state_rows = counts.shape[0]
+    where = n.where
+
+    def step() -> None:
+        ids[...] = -1
+        if logprob_flat is not None:
+            logprob_flat[...] = 0.0
+        if top_ids is not None:
+            top_ids[...] = -1
+        if top_logprobs is not None:
+            top_logprobs[...] = 0.0
+        which = np.flatnonzero(active != 0)
+        if which.size == 0:
+            return
+        state = rows[which].astype(np.int64)
+        if int(state.min()) < 0 or int(state.max()) >= state_rows:
+            raise ValueError(f"{where}: an active lane names a state row outside [0, {state_rows})")
+        picked = {name: array.reshape(-1)[which] for name, array in per_row.items()}
+        result = rk.sample(
+            logits()[which],
+            temperature=picked["temperature"],
+            top_k=picked["top_k"],
+            top_p=picked["top_p"],
+            min_p=picked["min_p"],
+            repetition_penalty=picked["repetition_penalty"],
+            frequency_penalty=picked["frequency_penalty"],
+            presence_penalty=picked["presence_penalty"],
+            prompt_presence=presence[state],
+            output_counts=counts[state],
+            seed=picked["seed"],
+            step=picked["step"],
+            vocab_limit=vocab_limit,
+            allowed_mask=None if mask is None else mask[which],
+            constrained=None if constrained is None else constrained.reshape(-1)[which],
+            top_n=top_n,
+        )
+        ids[which] = result.ids
+        if logprob_flat is not None:
+            logprob_flat[which] = result.logprobs
+        if top_ids is not None:
+            top_ids[which, :top_n] = result.top_ids
+        if top_logprobs is not None:
+            top_logprobs[which, :top_n] = result.top_logprobs
+        np.add.at(counts, (state, result.ids.astype(np.int64)), 1)
+
+    return step
+
+
+def _apply_grammar_mask(n: _Node) -> Step:
+    logits, mask, out = n.floats("logits"), n.tensor("allowed_mask"), n.store("out")
+    constrained = n.tensor("constrained")
+    return lambda: out(rk.apply_grammar_mask(logits(), mask, constrained.reshape(-1)))
+
+
+def _copy_rows(n: _Node) -> Step:
+    src, dst_rows, dst = n.tensor("src"), n.tensor("dst_rows").reshape(-1), n.tensor("dst")
+    src_rows = n.optional("src_rows")
+    if src.dtype != dst.dtype:
+        raise n.fail(f"src dtype {src.dtype} differs from dst dtype {dst.dtype}")
+    pairs = None if src_rows is None else src_rows.reshape(-1)
+    when = n.optional("when")
+    if when is None:
+        return lambda: rk.copy_rows(dst, dst_rows, src=src, src_rows=pairs)
+    flags = when.reshape(-1)
+
+    def step() -> None:
+        # Pairs whose flag is zero are skipped: their destination index is masked to -1.
+        masked = np.where(flags[: dst_rows.size] != 0, dst_rows, -1)
+        rk.copy_rows(dst, masked, src=src, src_rows=pairs)
+
+    return step
+
+
+def _init_sampling_state(n: _Node) -> Step:
+    histogram, rows = n.tensor("prompt_histogram"), n.tensor("rows").reshape(-1)
+    presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
+    if histogram.ndim != 2 or histogram.shape[0] != rows.size or histogram.shape[1] != presence.shape[-1]:
+        raise n.fail(
+            f"prompt_histogram {histogram.shape} does not match rows {rows.shape} and presence {presence.shape}"
+        )
+    state_rows = presence.shape[0]
+    where = n.where
+
+    def step() -> None:
+        index = rows.astype(np.int64)
+        keep = index >= 0
+        targets = index[keep]
+        if targets.size and int(targets.max()) >= state_rows:
+            raise ValueError(f"{where}: row {int(targets.max())} is outside [0, {state_rows})")
+        presence[targets] = histogram[keep] > 0
+        counts[targets] = 0
+
+    return step
+
+
+def _completion_lanes(n: _Node) -> Step:
+    generation, sample_active = n.tensor("generation").reshape(-1), n.tensor("sample_active").reshape(-1)
+    last_index, positions = n.tensor("last_index").reshape(-1), n.tensor("positions").reshape(-1)
+    sequence = n.tensor("submission_sequence")
+    out_generation, out_emitted = n.tensor("out_generation"), n.tensor("out_emitted")
+    out_consumed, out_draft = n.tensor("out_consumed"), n.tensor("out_draft_cursor")
+    out_reserved, out_sequence = n.tensor("out_reserved"), n.tensor("out_sequence")
+    lanes = generation.size
+    for name, array in (
+        ("sample_active", sample_active),
+        ("last_index", last_index),
+        ("out_generation", out_generation),
+        ("out_emitted", out_emitted),
+        ("out_consumed", out_consumed),
+        ("out_draft_cursor", out_draft),
+        ("out_reserved", out_reserved),
+    ):
+        if array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    if sequence.size != out_sequence.size:
+        raise n.fail(f"submission_sequence {sequence.shape} and out_sequence {out_sequence.shape} differ")
+
+    def step() -> None:
+        out_generation.reshape(-1)[...] = generation
+        out_emitted.reshape(-1)[...] = sample_active != 0
+        index = last_index.astype(np.int64)
+        consumed = np.zeros(lanes, dtype=np.int64)
+        valid = index >= 0
+        consumed[valid] = positions[index[valid]].astype(np.int64) + 1
+        out_consumed.reshape(-1)[...] = consumed
+        out_draft[...] = -1
+        out_reserved[...] = -1
+        out_sequence.reshape(-1)[...] = sequence.reshape(-1)
+
+    return step
+
+
+def _log_softmax_gather(n: _Node) -> Step:
+    logits, targets, out = n.floats("logits"), n.tensor("targets").reshape(-1), n.store("out")
+    vocab_limit = n.attr_int("vocab_limit")
+
+    def step() -> None:  # a negative target (padding, the last prompt token) scores 0
+        ids = targets.astype(np.int64)
+        scores = np.zeros(ids.size, dtype=np.float32)
+        valid = np.flatnonzero(ids >= 0)
+        if valid.size:
+            scores[valid] = rk.log_softmax_gather(logits()[valid], ids[valid], vocab_limit)
+        out(scores)
+
+    return step
+
+
+_ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
+    ("embedding", 1): _embedding,
+    ("rmsnorm", 1): _rmsnorm,
+    ("linear", 1): _linear,
+    ("rope", 1): _rope,
+    ("kv_cache_write", 1): _kv_cache_write,
+    ("paged_attention", 1): _paged_attention,
+    ("silu_mul", 1): _silu_mul,
+    ("add", 1): _add,
+    ("gather_rows", 1): _gather_rows,
+    ("lane_last_index", 1): _lane_last_index,
+    ("sample", 1): _sample,
+    ("apply_grammar_mask", 1): _apply_grammar_mask,
+    ("copy_rows", 1): _copy_rows,
+    ("init_sampling_state", 1): _init_sampling_state,
+    ("completion_lanes", 1): _completion_lanes,
+    ("log_softmax_gather", 1): _log_softmax_gather,
+}
+
+
+def _attribute_value(attribute: mf.Attribute) -> AttrValue:
+    kind = attribute.WhichOneof("value")
+    if kind == "int_value":
+        return int(attribute.int_value)
+    if kind == "float_value":
+        return float(attribute.float_value)
+    if kind == "string_value":
+        return str(attribute.string_value)
+    if kind == "ints":
+        return tuple(int(v) for v in attribute.ints.values)
+    if kind == "floats":
+        return tuple(float(v) for v in attribute.floats.values)
+    raise ContractError(f"attribute {attribute.name!r} has no value")
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend
+# ----------------------------------------------------------------------------------------------
+
+
+class ReferenceBackend:
+    """Buffers, weights and program execution of one core on the CPU."""
+
+    def __init__(
+        self,
+        contract: PreparedContract,
+        core: CoreFile,
+        *,
+        cache_pages: int,
+        state_rows: int,
+        frames: int = 2,
+    ) -> None:
+        if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
+            raise ValueError(
+                f"cache_pages, state_rows and frames must be positive, got {cache_pages}, {state_rows}, {frames}"
+            )
+        execution = contract.execution
+        self._frames = frames
+        self._symbols = {mf.DIM_SYMBOL_CACHE_PAGES: cache_pages, mf.DIM_SYMBOL_STATE_ROWS: state_rows}
+        self._decls: dict[str, mf.BufferDecl] = {b.name: b for b in execution.buffers}
+        self._resources: dict[str, bytearray] = {}
+        shared: dict[str, AnyArray] = {}
+        completion_decls: list[mf.BufferDecl] = []
+        for decl in execution.buffers:
+            if decl.role == mf.BUFFER_ROLE_COMPLETION:
+                completion_decls.append(decl)
+            elif decl.role == mf.BUFFER_ROLE_WEIGHTS:
+                shared[decl.name] = self._weights(decl, core)
+            else:
+                shared[decl.name] = np.zeros(self._runtime_shape(decl), dtype=self._numpy_dtype(decl.name, decl.dtype))
+        self._shared = shared
+        self._transport_entries = {e.name: e for e in execution.transport.entries}
+        self._transport: list[dict[str, AnyArray]] = []
+        self._completion_buffers: list[dict[str, AnyArray]] = []
+        for frame in range(frames):
+            staging = {
+                e.name: np.zeros(tuple(int(s) for s in e.shape), dtype=self._numpy_dtype(e.name, e.dtype))
+                for e in execution.transport.entries
+            }
+            frame_entry = execution.transport.frame_index_entry
+            if frame_entry and frame_entry in staging:
+                staging[frame_entry][...] = frame
+            self._transport.append(staging)
+            self._completion_buffers.append(
+                {
+                    d.name: np.zeros(self._runtime_shape(d), dtype=self._numpy_dtype(d.name, d.dtype))
+                    for d in completion_decls
+                }
+            )
+        self._completion_fields: dict[int, str] = {}
+        for record in execution.completion:
+            if record.buffer not in self._completion_buffers[0]:
+                raise ContractError(
+                    f"completion field {mf.CompletionField.Name(record.field)} names {record.buffer!r}, "
+                    "which is not a COMPLETION buffer"
+                )
+            self._completion_fields[int(record.field)] = record.buffer
+        self._programs: dict[str, list[list[Step]]] = {}
+        for program in list(execution.programs) + list(execution.tuning_programs):
+            self._programs[program.name] = [self._resolve(program, frame) for frame in range(frames)]
+
+    # -- public surface ---------------------------------------------------------
+    @property
+    def frames(self) -> int:
+        """Execution frames (each has its own transport and completion arrays)."""
+        return self._frames
+
+    @property
+    def buffers(self) -> Mapping[str, AnyArray]:
+        """Frame-independent buffers (weights, cache planes, state, scratch, tuned) by name."""
+        return MappingProxyType(self._shared)
+
+    @property
+    def programs(self) -> tuple[str, ...]:
+        """Names of the runnable programs."""
+        return tuple(self._programs)
+
+    def transport(self, frame: int) -> dict[str, AnyArray]:
+        """The frame's staging arrays by transport entry name (the packer writes into them)."""
+        return self._transport[self._frame(frame)]
+
+    def completion(self, frame: int) -> dict[int, AnyArray]:
+        """The frame's completion arrays keyed by ``CompletionField`` value."""
+        buffers = self._completion_buffers[self._frame(frame)]
+        return {field: buffers[name] for field, name in self._completion_fields.items()}
+
+    def run(self, program: str, frame: int) -> None:
+        """Execute ``program``'s nodes in order against the frame's transport and completion arrays."""
+        variants = self._programs.get(program)
+        if variants is None:
+            raise ValueError(f"unknown program {program!r}; known: {', '.join(self._programs)}")
+        for step in variants[self._frame(frame)]:
+            step()
+
+    # -- construction -----------------------------------------------------------
+    def _frame(self, frame: int) -> int:
+        if not 0 <= frame < self._frames:
+            raise ValueError(f"frame {frame} is outside [0, {self._frames})")
+        return frame
+
+    @staticmethod
+    def _numpy_dtype(name: str, dtype: int) -> np.dtype[Any]:
+        found = NUMPY_DTYPES.get(dtype)
+        if found is None:
+            raise UnsupportedFeatureError(f"buffer {name!r} has dtype {dtype_name(dtype)}, which has no numpy storage")
+        return found
+
+    def _runtime_shape(self, decl: mf.BufferDecl) -> tuple[int, ...]:
+        shape = []
+        for index, dim in enumerate(decl.shape):
+            if dim.symbol in _SYMBOLIC:
+                if index != 0:
+                    raise ContractError(f"buffer {decl.name!r}: only the leading dimension may be symbolic")
+                shape.append(self._symbols[dim.symbol])
+            else:
+                shape.append(int(dim.size))
+        return tuple(shape)
+
+    def _weights(self, decl: mf.BufferDecl, core: CoreFile) -> AnyArray:
+        if any(dim.symbol in _SYMBOLIC for dim in decl.shape):
+            raise ContractError(f"weights buffer {decl.name!r} has a symbolic dimension")
+        data = self._resources.get(decl.resource_id)
+        if data is None:
+            data = core.read_resource(decl.resource_id, cb.RESOURCE_KIND_WEIGHTS)
+            self._resources[decl.resource_id] = data
+        dtype = self._numpy_dtype(decl.name, decl.dtype)
+        shape = self._runtime_shape(decl)
+        count = math.prod(shape)
+        offset = int(decl.resource_offset)
+        if offset + count * dtype.itemsize > len(data):
+            raise ContractError(
+                f"weights buffer {decl.name!r} needs bytes [{offset}, {offset + count * dtype.itemsize}) of "
+                f"resource {decl.resource_id!r}, which holds {len(data)}"
+            )
+        array: AnyArray = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+        array.flags.writeable = False
+        return array
+
+    def _view(self, where: str, view: mf.BufferView, frame: int) -> _Bound:
+        name = view.buffer
+        decl = self._decls.get(name)
+        if decl is not None:
+            if decl.role == mf.BUFFER_ROLE_COMPLETION:
+                base = self._completion_buffers[frame][name]
+            else:
+                base = self._shared[name]
+            declared = tuple(int(d.size) for d in decl.shape)
+            dtype = int(decl.dtype)
+        elif name in self._transport_entries:
+            base = self._transport[frame][name]
+            declared = base.shape
+            dtype = int(self._transport_entries[name].dtype)
+        else:
+            raise ContractError(f"{where} names unknown buffer {name!r}")
+        offset = int(view.element_offset)
+        shape = tuple(int(s) for s in view.shape)
+        if not shape or (offset == 0 and shape == declared):
+            if offset == 0:
+                return _Bound(base, dtype)  # the whole buffer, at its runtime extent
+            shape = (base.size - offset,)
+        count = math.prod(shape)
+        if offset + count > base.size:
+            raise ContractError(
+                f"{where} views elements [{offset}, {offset + count}) of {name!r}, which holds {base.size} here"
+            )
+        return _Bound(base.reshape(-1)[offset : offset + count].reshape(shape), dtype)
+
+    def _resolve(self, program: mf.ProgramDecl, frame: int) -> list[Step]:
+        steps: list[Step] = []
+        for node in program.nodes:
+            key = (node.op.name, int(node.op.version))
+            where = f"program {program.name!r} node {node.name!r} ({node.op.name} v{node.op.version})"
+            adapter = _ADAPTERS.get(key)
+            if adapter is None:
+                versions = known_versions(node.op.name)
+                if key in CATALOGUE:
+                    known = "the reference backend has no implementation of it"
+                elif versions:
+                    known = f"known versions: {list(versions)}"
+                else:
+                    known = "unknown operator"
+                raise UnsupportedFeatureError(
+                    f"program {program.name!r} node {node.name!r} uses operator {node.op.name} version "
+                    f"{node.op.version} ({known})"
+                )
+            args = {arg.name: self._view(f"{where} argument {arg.name!r}", arg.view, frame) for arg in node.args}
+            attributes = {attr.name: _attribute_value(attr) for attr in node.attributes}
+            steps.append(adapter(_Node(where, args, attributes)))
+        return steps

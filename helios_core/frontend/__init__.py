@@ -1,0 +1,1 @@
+"""The frontend: tokenizer, chat template and typed frontend settings of a core."""

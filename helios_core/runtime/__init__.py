@@ -1,0 +1,1 @@
+"""The runtime: native model loading, shared packing, the engine and its worker."""

@@ -1,0 +1,198 @@
+"""NativeModel: a loaded core's programs, buffers and execution geometry.
+
+Owns the step from a verified core and a load-time selection to an executing
+backend: it chooses physical capacities after the programs are known (cache
+pages and state rows replace preparation's working-set counts), builds every
+selected program once, and exposes the resulting geometry through
+:meth:`NativeModel.manifests`. The backend owns the buffers; this object owns
+the backend and the packers.
+
+Cache pages by default: enough for every active request to reach its full
+context twice over (room for prefix reuse), capped by a quarter of the memory
+available and by the operator's ``cache_pages`` option.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.container.reader import CoreFile
+from helios_core.contract import PreparedContract, PreparedGraph, RuntimeCapabilities, Selection, check_runtime_support
+from helios_core.dtypes import NUMPY_DTYPES
+from helios_core.errors import StartupError
+from helios_core.runtime.packing import GraphPacker
+from helios_core.wire import manifest_pb2 as mf
+
+
+class Backend(Protocol):
+    """What the runtime needs from an executing backend."""
+
+    def transport(self, frame: int) -> Mapping[str, npt.NDArray[np.generic]]: ...
+
+    def run(self, program: str, frame: int) -> None: ...
+
+    def completion(self, frame: int) -> Mapping[int, npt.NDArray[np.generic]]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProgramGeometry:
+    """One selected program's extents."""
+
+    name: str
+    operation: str
+    batch_capacity: int
+    token_capacity: int
+    packed_token_capacity: int
+    draft_tokens: int
+
+
+@dataclass(frozen=True)
+class ExecutionGeometry:
+    """What ``NativeModel.manifests()`` reports."""
+
+    backend: str
+    frames: int
+    cache_pages: int
+    page_tokens: int
+    pages_per_request: int
+    state_rows: int
+    max_active: int
+    programs: tuple[ProgramGeometry, ...]
+
+
+def _memory_available() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def bytes_per_page(contract: PreparedContract) -> int:
+    """Bytes one cache page occupies across every cache plane."""
+    total = 0
+    for buffer in contract.buffers.values():
+        if buffer.role == mf.BUFFER_ROLE_CACHE_PLANE:
+            per_page = math.prod(d.size for d in buffer.shape[1:]) * NUMPY_DTYPES[buffer.dtype].itemsize
+            total += per_page
+    return total
+
+
+def pages_per_request(contract: PreparedContract) -> int:
+    """Pages one request at full context needs."""
+    return -(-contract.serving.context_tokens // contract.model.cache.page_tokens)
+
+
+def choose_cache_pages(contract: PreparedContract, selection: Selection, cap: int | None) -> int:
+    """Physical cache pages (see the module docstring)."""
+    per_request = pages_per_request(contract)
+    wanted = 2 * selection.max_active * per_request
+    page_bytes = bytes_per_page(contract)
+    if page_bytes:
+        wanted = min(wanted, max(_memory_available() // 4 // page_bytes, 1))
+    if cap is not None:
+        if cap <= 0:
+            raise StartupError(f"--cache-pages must be positive, not {cap}")
+        wanted = min(wanted, cap)
+    if wanted < per_request:
+        raise StartupError(
+            f"{wanted} cache pages cannot hold one request at full context ({per_request} pages of "
+            f"{contract.model.cache.page_tokens} tokens); raise --cache-pages or free memory"
+        )
+    return wanted
+
+
+class NativeModel:
+    """A loaded core ready to execute its selected programs."""
+
+    def __init__(
+        self,
+        contract: PreparedContract,
+        selection: Selection,
+        backend: Backend,
+        backend_name: str,
+        *,
+        cache_pages: int,
+        state_rows: int,
+        frames: int,
+    ) -> None:
+        self.contract = contract
+        self.selection = selection
+        self.backend = backend
+        self.backend_name = backend_name
+        self.cache_pages = cache_pages
+        self.state_rows = state_rows
+        self.frames = frames
+        staging = backend.transport(0)
+        self.packers: Mapping[str, GraphPacker] = MappingProxyType(
+            {name: GraphPacker(graph, staging) for name, graph in selection.graphs.items()}
+        )
+
+    @classmethod
+    def load(
+        cls,
+        core: CoreFile,
+        contract: PreparedContract,
+        selection: Selection,
+        *,
+        backend: str = "reference",
+        cache_pages: int | None = None,
+        capabilities: RuntimeCapabilities | None = None,
+    ) -> NativeModel:
+        """Check runtime support, choose capacities, build the backend and every program once."""
+        check_runtime_support(contract, capabilities or RuntimeCapabilities())
+        pages = choose_cache_pages(contract, selection, cache_pages)
+        snapshot_rows = contract.serving.snapshot_capacity
+        state_rows = selection.max_active * selection.state_rows_per_request + snapshot_rows
+        frames = max(contract.execution.transport.frames, 1)
+        if backend == "auto":
+            backend = "reference"
+        if backend != "reference":
+            raise StartupError(f"backend {backend!r} is not available in this build; use --backend reference")
+        from helios_core.backends.reference import ReferenceBackend
+
+        executor = ReferenceBackend(contract, core, cache_pages=pages, state_rows=state_rows, frames=frames)
+        return cls(contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames)
+
+    def graph(self, name: str) -> PreparedGraph:
+        return self.selection.graphs[name]
+
+    def manifests(self) -> ExecutionGeometry:
+        """The execution geometry this model runs with."""
+        programs = tuple(
+            ProgramGeometry(
+                name=g.name,
+                operation=g.operation_name,
+                batch_capacity=g.extents.batch_capacity,
+                token_capacity=g.extents.token_capacity,
+                packed_token_capacity=g.extents.packed_token_capacity,
+                draft_tokens=g.extents.draft_tokens,
+            )
+            for g in sorted(self.selection.graphs.values(), key=lambda g: (g.operation, g.extents.batch_capacity, g.name))
+        )
+        return ExecutionGeometry(
+            backend=self.backend_name,
+            frames=self.frames,
+            cache_pages=self.cache_pages,
+            page_tokens=self.contract.model.cache.page_tokens,
+            pages_per_request=pages_per_request(self.contract),
+            state_rows=self.state_rows,
+            max_active=self.selection.max_active,
+            programs=programs,
+        )
+
+    def close(self) -> None:
+        self.backend.close()
