@@ -204,6 +204,73 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------------- generate
+
+
+def _read_messages(source: str) -> list[dict[str, Any]]:
+    text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise HeliosError(f"--messages is not JSON: {exc}") from exc
+    if isinstance(data, dict):
+        data = data.get("messages")
+    if not isinstance(data, list) or not all(isinstance(m, dict) and "role" in m for m in data):
+        raise HeliosError('--messages must be a JSON list of {"role": ..., "content": ...} objects')
+    return data
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from helios_core.contract import LoadOptions
+    from helios_core.frontend.bootstrap import resolve_sampling
+    from helios_core.loading import TrustSettings
+    from helios_core.runtime.messages import PreparedRequest, SamplingParams
+    from helios_core.runtime.startup import start
+
+    messages = _read_messages(args.messages)
+    settings = TrustSettings.resolve(args.trust_key, args.accept, args.core_key)
+    running = start(args.core, settings, LoadOptions(max_active=1, cache_pages=args.cache_pages), backend=args.backend)
+    try:
+        bootstrap = running.bootstrap
+        prompt = bootstrap.encode_prompt(messages)
+        explicit = {"temperature": args.temperature, "top_p": args.top_p}
+        sampling = resolve_sampling(bootstrap.sampling_defaults, explicit, seed=args.seed)
+        request = PreparedRequest(
+            request_id="generate-1",
+            prompt_ids=prompt,
+            max_tokens=args.max_tokens or bootstrap.max_output_tokens,
+            sampling=SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                presence_penalty=sampling.presence_penalty,
+                seed=sampling.seed,
+            ),
+            ignore_eos=args.ignore_eos,
+        )
+        result = running.engine.generate(request)
+    finally:
+        running.close()
+    text = bootstrap.decode(result.token_ids)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_token_ids": prompt,
+                    "token_ids": result.token_ids,
+                    "text": text,
+                    "finish_reason": result.finish_reason,
+                }
+            )
+        )
+    else:
+        print(text)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------- keys
 
 
@@ -236,11 +303,25 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--trust-key", type=Path, action="append", default=[], metavar="PEM")
     inspect.set_defaults(handler=cmd_inspect)
 
+    generate = sub.add_parser("generate", help="generate one answer through the engine")
+    generate.add_argument("--core", type=Path, required=True)
+    generate.add_argument("--messages", required=True, metavar="FILE|-", help="JSON list of chat messages")
+    generate.add_argument("--max-tokens", type=int, help="output limit (default: the core's)")
+    generate.add_argument("--temperature", type=float, help="0 for greedy (default: the core's)")
+    generate.add_argument("--top-p", type=float, help="nucleus mass (default: the core's)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks, checks)")
+    generate.add_argument("--json", action="store_true", help="print prompt ids, token ids, text and finish reason")
+    generate.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto")
+    generate.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
+    _trust_arguments(generate)
+    generate.set_defaults(handler=cmd_generate)
+
     keys = sub.add_parser("keys", help="key management")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
-    generate = keys_sub.add_parser("generate", help="generate a signing key pair and a core key")
-    generate.add_argument("--out", type=Path, required=True, help="directory to write the keys into")
-    generate.set_defaults(handler=cmd_keys_generate)
+    keys_generate = keys_sub.add_parser("generate", help="generate a signing key pair and a core key")
+    keys_generate.add_argument("--out", type=Path, required=True, help="directory to write the keys into")
+    keys_generate.set_defaults(handler=cmd_keys_generate)
     return parser
 
 

@@ -33,7 +33,7 @@ from helios_core.wire import manifest_pb2 as mf  # noqa: E402
 FIXTURES = ROOT / "tests" / "fixtures" / "cores"
 NAMESPACE = "helios-fixtures/golden"
 CAPACITIES = Capacities(
-    max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64
+    max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64, snapshots=0
 )
 
 

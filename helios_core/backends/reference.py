@@ -40,7 +40,7 @@ AnyArray = NDArray[Any]
 Step = Callable[[], None]
 AttrValue = int | float | str | tuple[int, ...] | tuple[float, ...]
 
-_SYMBOLIC = (mf.DIM_SYMBOL_CACHE_PAGES, mf.DIM_SYMBOL_STATE_ROWS)
+_SYMBOLIC = (mf.DIM_SYMBOL_CACHE_PAGES, mf.DIM_SYMBOL_STATE_ROWS, mf.DIM_SYMBOL_SNAPSHOT_ROWS)
 
 
 @dataclass(frozen=True)
@@ -401,6 +401,47 @@ def _completion_lanes(n: _Node) -> Step:
     return step
 
 
+def _completion_copy_lanes(n: _Node) -> Step:
+    generation, consumed = n.tensor("generation").reshape(-1), n.tensor("consumed").reshape(-1)
+    sequence = n.tensor("submission_sequence")
+    out_generation, out_emitted = n.tensor("out_generation"), n.tensor("out_emitted")
+    out_consumed, out_draft = n.tensor("out_consumed"), n.tensor("out_draft_cursor")
+    out_reserved, out_sequence = n.tensor("out_reserved"), n.tensor("out_sequence")
+    lanes = generation.size
+    for name, array in (
+        ("consumed", consumed),
+        ("out_generation", out_generation),
+        ("out_emitted", out_emitted),
+        ("out_consumed", out_consumed),
+        ("out_draft_cursor", out_draft),
+        ("out_reserved", out_reserved),
+    ):
+        if array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    if sequence.size != out_sequence.size:
+        raise n.fail(f"submission_sequence {sequence.shape} and out_sequence {out_sequence.shape} differ")
+
+    def step() -> None:
+        out_generation.reshape(-1)[...] = generation
+        out_emitted[...] = 0
+        out_consumed.reshape(-1)[...] = consumed
+        out_draft[...] = -1
+        out_reserved[...] = -1
+        out_sequence.reshape(-1)[...] = sequence.reshape(-1)
+
+    return step
+
+
+def _tail_page(n: _Node) -> Step:
+    page_table, consumed, out = n.tensor("page_table"), n.tensor("consumed").reshape(-1), n.store("out")
+    page_tokens = n.attr_int("page_tokens")
+    if page_tokens <= 0:
+        raise n.fail(f"page_tokens must be positive, got {page_tokens}")
+    if page_table.ndim != 2 or page_table.shape[0] != consumed.size:
+        raise n.fail(f"page_table {page_table.shape} does not hold one row per consumed endpoint {consumed.shape}")
+    return lambda: out(rk.tail_page(page_table, consumed, page_tokens))
+
+
 def _log_softmax_gather(n: _Node) -> Step:
     logits, targets, out = n.floats("logits"), n.tensor("targets").reshape(-1), n.store("out")
     vocab_limit = n.attr_int("vocab_limit")
@@ -432,6 +473,8 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("copy_rows", 1): _copy_rows,
     ("init_sampling_state", 1): _init_sampling_state,
     ("completion_lanes", 1): _completion_lanes,
+    ("completion_copy_lanes", 1): _completion_copy_lanes,
+    ("tail_page", 1): _tail_page,
     ("log_softmax_gather", 1): _log_softmax_gather,
 }
 
@@ -467,14 +510,18 @@ class ReferenceBackend:
         cache_pages: int,
         state_rows: int,
         frames: int = 2,
+        snapshot_rows: int = 0,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(
                 f"cache_pages, state_rows and frames must be positive, got {cache_pages}, {state_rows}, {frames}"
             )
+        if snapshot_rows < 0:
+            raise ValueError(f"snapshot_rows must not be negative, got {snapshot_rows}")
         execution = contract.execution
         self._frames = frames
         self._symbols = {mf.DIM_SYMBOL_CACHE_PAGES: cache_pages, mf.DIM_SYMBOL_STATE_ROWS: state_rows}
+        self._snapshot_rows = snapshot_rows
         self._decls: dict[str, mf.BufferDecl] = {b.name: b for b in execution.buffers}
         self._resources: dict[str, bytearray] = {}
         shared: dict[str, AnyArray] = {}
@@ -550,6 +597,14 @@ class ReferenceBackend:
         for step in variants[self._frame(frame)]:
             step()
 
+    def close(self) -> None:
+        """Release every array and resource buffer (nothing is in flight on the CPU)."""
+        self._programs.clear()
+        self._transport.clear()
+        self._completion_buffers.clear()
+        self._shared.clear()
+        self._resources.clear()
+
     # -- construction -----------------------------------------------------------
     def _frame(self, frame: int) -> int:
         if not 0 <= frame < self._frames:
@@ -569,7 +624,11 @@ class ReferenceBackend:
             if dim.symbol in _SYMBOLIC:
                 if index != 0:
                     raise ContractError(f"buffer {decl.name!r}: only the leading dimension may be symbolic")
-                shape.append(self._symbols[dim.symbol])
+                if dim.symbol == mf.DIM_SYMBOL_SNAPSHOT_ROWS:
+                    # 0 (no capacity chosen at load) keeps preparation's working-set count.
+                    shape.append(self._snapshot_rows or int(dim.size))
+                else:
+                    shape.append(self._symbols[dim.symbol])
             else:
                 shape.append(int(dim.size))
         return tuple(shape)

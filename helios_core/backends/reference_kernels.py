@@ -643,6 +643,33 @@ def copy_state_rows(buffer: AnyArray, src_rows: AnyArray, dst_rows: AnyArray) ->
     copy_rows(buffer, dst_rows, src_rows=src_rows)
 
 
+def tail_page(page_table: AnyArray, consumed: AnyArray, page_tokens: int) -> I32:
+    """The page holding each row's partial last page, or -1 when the endpoint ends a page.
+
+    Args:
+        page_table: ``[rows, pages]`` integer page ids.
+        consumed: ``[rows]`` consumed token endpoints.
+        page_tokens: tokens per page (positive).
+
+    ``out[r] = page_table[r, consumed[r] // page_tokens]`` when ``consumed[r] % page_tokens != 0``
+    and ``consumed[r] > 0``; otherwise -1 (no partial page: nothing for a snapshot or restore to copy).
+    """
+    if page_tokens <= 0:
+        _fail(f"page_tokens: must be positive, got {page_tokens}")
+    table = _int_array("page_table", page_table, 2)
+    ends = _int_array("consumed", consumed, 1)
+    if ends.size != table.shape[0]:
+        _fail(f"consumed: {ends.size} rows, page_table has {table.shape[0]}")
+    out = np.full(ends.size, -1, dtype=np.int32)
+    partial = np.flatnonzero((ends > 0) & (ends % page_tokens != 0))
+    if partial.size:
+        index = ends[partial] // page_tokens
+        if int(index.max()) >= table.shape[1]:
+            _fail(f"consumed: endpoint {int(ends[partial].max())} lies past the page table's {table.shape[1]} pages")
+        out[partial] = table[partial, index]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # sampling
 # ----------------------------------------------------------------------------------------------

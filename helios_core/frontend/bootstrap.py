@@ -65,7 +65,15 @@ def resolve_sampling(defaults: ct.SamplingDefaults, request: Mapping[str, Any], 
     """Request values win over the core's defaults, which win over neutral values."""
     neutral = SamplingSettings()
     values: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         explicit = request.get(name)
         if explicit is not None:
             values[name] = explicit
@@ -141,7 +149,9 @@ class Bootstrap:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
         bad = [i for i in ids if i >= self.input_vocabulary]
         if bad:
-            raise PromptError(f"prompt token ids {bad[:5]} lie outside the input vocabulary [0, {self.input_vocabulary})")
+            raise PromptError(
+                f"prompt token ids {bad[:5]} lie outside the input vocabulary [0, {self.input_vocabulary})"
+            )
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -143,6 +143,23 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "reserved -1, echoed submission sequence.",
     ),
     _spec(
+        "completion_copy_lanes",
+        ("generation", "consumed", "submission_sequence"),
+        ("out_generation", "out_emitted", "out_consumed", "out_draft_cursor", "out_reserved", "out_sequence"),
+        "Write the per-lane completion record of a round that samples nothing (snapshot, restore): echoed "
+        "generation, emitted tokens 0, consumed endpoint copied from consumed, draft cursor -1, reserved -1, "
+        "echoed submission sequence.",
+    ),
+    _spec(
+        "tail_page",
+        ("page_table", "consumed"),
+        ("out",),
+        "out[r] = page_table[r, consumed[r] // page_tokens] when consumed[r] % page_tokens != 0 (the page "
+        "holding a partial page's tokens), else -1 (no partial page; also for consumed[r] <= 0): the page "
+        "a snapshot copies into continuation storage and a restore copies back into.",
+        attributes=("page_tokens",),
+    ),
+    _spec(
         "lane_last_index",
         ("query_length",),
         ("out",),

@@ -28,7 +28,7 @@ from helios_core.container.reader import CoreFile
 from helios_core.contract import PreparedContract, PreparedGraph, RuntimeCapabilities, Selection, check_runtime_support
 from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.errors import StartupError
-from helios_core.runtime.packing import GraphPacker
+from helios_core.runtime.packing import GraphPacker, PageTableMemory
 from helios_core.wire import manifest_pb2 as mf
 
 
@@ -66,6 +66,7 @@ class ExecutionGeometry:
     page_tokens: int
     pages_per_request: int
     state_rows: int
+    snapshot_rows: int
     max_active: int
     programs: tuple[ProgramGeometry, ...]
 
@@ -137,8 +138,9 @@ class NativeModel:
         self.state_rows = state_rows
         self.frames = frames
         staging = backend.transport(0)
+        self.page_table_memory = PageTableMemory()
         self.packers: Mapping[str, GraphPacker] = MappingProxyType(
-            {name: GraphPacker(graph, staging) for name, graph in selection.graphs.items()}
+            {name: GraphPacker(graph, staging, self.page_table_memory) for name, graph in selection.graphs.items()}
         )
 
     @classmethod
@@ -155,8 +157,7 @@ class NativeModel:
         """Check runtime support, choose capacities, build the backend and every program once."""
         check_runtime_support(contract, capabilities or RuntimeCapabilities())
         pages = choose_cache_pages(contract, selection, cache_pages)
-        snapshot_rows = contract.serving.snapshot_capacity
-        state_rows = selection.max_active * selection.state_rows_per_request + snapshot_rows
+        state_rows = selection.max_active * selection.state_rows_per_request
         frames = max(contract.execution.transport.frames, 1)
         if backend == "auto":
             backend = "reference"
@@ -164,7 +165,14 @@ class NativeModel:
             raise StartupError(f"backend {backend!r} is not available in this build; use --backend reference")
         from helios_core.backends.reference import ReferenceBackend
 
-        executor = ReferenceBackend(contract, core, cache_pages=pages, state_rows=state_rows, frames=frames)
+        executor = ReferenceBackend(
+            contract,
+            core,
+            cache_pages=pages,
+            state_rows=state_rows,
+            frames=frames,
+            snapshot_rows=contract.serving.snapshot_capacity,
+        )
         return cls(contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames)
 
     def graph(self, name: str) -> PreparedGraph:
@@ -181,7 +189,9 @@ class NativeModel:
                 packed_token_capacity=g.extents.packed_token_capacity,
                 draft_tokens=g.extents.draft_tokens,
             )
-            for g in sorted(self.selection.graphs.values(), key=lambda g: (g.operation, g.extents.batch_capacity, g.name))
+            for g in sorted(
+                self.selection.graphs.values(), key=lambda g: (g.operation, g.extents.batch_capacity, g.name)
+            )
         )
         return ExecutionGeometry(
             backend=self.backend_name,
@@ -190,6 +200,7 @@ class NativeModel:
             page_tokens=self.contract.model.cache.page_tokens,
             pages_per_request=pages_per_request(self.contract),
             state_rows=self.state_rows,
+            snapshot_rows=self.contract.serving.snapshot_capacity,
             max_active=self.selection.max_active,
             programs=programs,
         )

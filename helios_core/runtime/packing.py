@@ -13,8 +13,9 @@ rows of the request capacity with the padding; ACTIVE_ROW writes live rows
 only and leaves the inactive tail untouched; PHYSICAL_REQUEST_ROW writes at the
 lane's slot; PACKED_TOKEN concatenates each lane's actual token count and pads
 the rest. Page tables upload only newly assigned entries: each staging row
-remembers the slot, generation and length it holds, and a different slot or
-generation (a reused physical slot) invalidates it.
+remembers the slot, generation and length it holds (one memory shared by all
+packers of a model, since all graphs stage into the same frame arrays), and a
+different slot or generation (a reused physical slot) invalidates it.
 """
 
 from __future__ import annotations
@@ -125,23 +126,29 @@ _PADDED_ROW = (-1, -1, 0)
 
 
 @dataclass
-class _PageTableMemory:
-    """What one staging row of a page table holds: (slot, generation, pages written)."""
+class PageTableMemory:
+    """What each staged page-table row holds: (slot, generation, pages written).
 
-    rows: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    One instance is shared by every packer of a model: all graphs write the same staging arrays of a
+    frame, so what one graph staged is what the next one finds. Keyed by (frame, destination, row).
+    """
+
+    rows: dict[tuple[int, str, int], tuple[int, int, int]] = field(default_factory=dict)
 
 
 class _BindingWriter:
     """One value binding, resolved against its destination's shape and dtype."""
 
-    def __init__(self, binding: ct.ValueBinding, graph: PreparedGraph, staging: Staging) -> None:
+    def __init__(
+        self, binding: ct.ValueBinding, graph: PreparedGraph, staging: Staging, memory: PageTableMemory
+    ) -> None:
         source = binding.source
-        if not (source in _ROW_SOURCES or source in _TOKEN_SOURCES or source in _VECTOR_SOURCES):
-            if source not in _SUBMISSION_SOURCES:
-                name = ct.ValueSource.Name(source)  # type: ignore[arg-type]
-                raise UnsupportedFeatureError(
-                    f"graph {graph.name!r} binds {name}, which this runtime's packing does not supply yet"
-                )
+        supplied = source in _ROW_SOURCES or source in _TOKEN_SOURCES or source in _VECTOR_SOURCES
+        if not supplied and source not in _SUBMISSION_SOURCES:
+            name = ct.ValueSource.Name(source)  # type: ignore[arg-type]
+            raise UnsupportedFeatureError(
+                f"graph {graph.name!r} binds {name}, which this runtime's packing does not supply yet"
+            )
         self.binding = binding
         self.source = source
         self.indexing = binding.indexing
@@ -150,12 +157,12 @@ class _BindingWriter:
         self.offset = binding.offset
         self.rows = graph.extents.batch_capacity
         self.packed = graph.extents.packed_token_capacity
-        self.memory: dict[int, _PageTableMemory] = {}
+        self.memory = memory
 
     def write(self, submission: Submission, frame: int, staging: Staging) -> None:
         dest = staging[self.destination]
         lanes = submission.lanes
-        source, indexing = self.source, self.indexing
+        source = self.source
         if source == ct.VALUE_SOURCE_INACTIVE_PADDING:
             dest.reshape(-1)[:] = self.padding
             return
@@ -201,9 +208,7 @@ class _BindingWriter:
                     f"lane {row} supplies {len(values)} values for {self.destination!r}, "
                     f"but its query length is {lane.query_length}"
                 )
-            flat[cursor : cursor + len(values)] = values
-            if self.offset:
-                flat[cursor : cursor + len(values)] += self.offset
+            flat[cursor : cursor + len(values)] = [v + self.offset for v in values] if self.offset else values
             cursor += len(values)
         if cursor > self.packed:
             raise ValueError(f"{cursor} packed tokens exceed the program's capacity {self.packed}")
@@ -222,36 +227,39 @@ class _BindingWriter:
             dest[len(lanes) : self.rows] = self.padding
 
     def _write_page_tables(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic], frame: int) -> None:
-        memory = self.memory.setdefault(frame, _PageTableMemory())
+        held_rows = self.memory.rows
         width = dest.shape[-1]
         for row, lane in enumerate(lanes):
             pages = lane.page_table
             if len(pages) > width:
                 raise ValueError(f"lane {row} needs {len(pages)} pages; the page table holds {width}")
-            held = memory.rows.get(row)
+            key = (frame, self.destination, row)
+            held = held_rows.get(key)
             start = held[2] if held is not None and held[:2] == (lane.slot, lane.generation) else 0
             if start > len(pages):
                 start = 0
             if start == 0:
                 dest[row, len(pages) :] = self.padding
             dest[row, start : len(pages)] = np.asarray(pages[start:], dtype=dest.dtype) + self.offset
-            memory.rows[row] = (lane.slot, lane.generation, len(pages))
+            held_rows[key] = (lane.slot, lane.generation, len(pages))
         if self.indexing == ct.INDEXING_SUBMISSION_ROW:
             for row in range(len(lanes), self.rows):
-                if memory.rows.get(row) != _PADDED_ROW:
+                key = (frame, self.destination, row)
+                if held_rows.get(key) != _PADDED_ROW:
                     dest[row] = self.padding
-                    memory.rows[row] = _PADDED_ROW
+                    held_rows[key] = _PADDED_ROW
 
 
 class GraphPacker:
     """The resolved bindings of one graph."""
 
-    def __init__(self, graph: PreparedGraph, staging: Staging) -> None:
+    def __init__(self, graph: PreparedGraph, staging: Staging, memory: PageTableMemory | None = None) -> None:
         self.graph = graph
         missing = [b.destination for b in graph.contract.bindings if b.destination not in staging]
         if missing:
             raise UnsupportedFeatureError(f"graph {graph.name!r} binds destinations without staging: {missing}")
-        self.writers = [_BindingWriter(b, graph, staging) for b in graph.contract.bindings]
+        shared = memory if memory is not None else PageTableMemory()
+        self.writers = [_BindingWriter(b, graph, staging, shared) for b in graph.contract.bindings]
 
     def pack(self, submission: Submission, frame: int, staging: Staging) -> None:
         """Write every bound value of ``submission`` into ``staging`` (one frame's transport)."""

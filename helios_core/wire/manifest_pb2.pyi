@@ -37,6 +37,7 @@ class DimSymbol(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIM_SYMBOL_UNSPECIFIED: _ClassVar[DimSymbol]
     DIM_SYMBOL_CACHE_PAGES: _ClassVar[DimSymbol]
     DIM_SYMBOL_STATE_ROWS: _ClassVar[DimSymbol]
+    DIM_SYMBOL_SNAPSHOT_ROWS: _ClassVar[DimSymbol]
 
 class ModuleFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -91,6 +92,7 @@ BUFFER_ROLE_TUNED: BufferRole
 DIM_SYMBOL_UNSPECIFIED: DimSymbol
 DIM_SYMBOL_CACHE_PAGES: DimSymbol
 DIM_SYMBOL_STATE_ROWS: DimSymbol
+DIM_SYMBOL_SNAPSHOT_ROWS: DimSymbol
 MODULE_FORMAT_UNSPECIFIED: ModuleFormat
 MODULE_FORMAT_CUBIN: ModuleFormat
 MODULE_FORMAT_PTX: ModuleFormat

@@ -95,6 +95,10 @@ def assemble(
     contract_model.cache.page_table_views.add(
         buffer="page_table", page_offset=0, region="kv", pages_per_row=caps.pages_per_row
     )
+    if writer.snapshots is not None:
+        # Partial-page payloads of snapshots; complete pages stay in the paged "kv" region.
+        continuation = contract_model.cache.regions.add(name="continuation", kind=ct.HISTORY_KIND_CONTINUATION)
+        continuation.planes.extend(v.buffer for v in writer.continuation_k + writer.continuation_v)
     contract_model.graphs.extend(graphs)
     contract_model.frontend.CopyFrom(model.frontend or default_frontend())
     contract_model.state_views.extend(decl.state_views(writer.text_caps))
@@ -105,7 +109,7 @@ def assemble(
         context_tokens=caps.context,
         prefill_tokens=max(caps.prefill_tokens),
         page_capacity=caps.cache_pages,
-        snapshot_capacity=0,
+        snapshot_capacity=caps.snapshots,
         max_concurrency=caps.max_rows,
     )
     serving.defaults.sampling.CopyFrom(model.sampling)

@@ -142,6 +142,85 @@ def declare_paged_text(builder: ManifestBuilder, caps: TextCapacities) -> Shared
     return SharedViews(**views)
 
 
+@dataclass(frozen=True)
+class SnapshotViews:
+    """Views of the snapshot declarations: transport rows and the sampling-state copies."""
+
+    snapshot_rows: View
+    restore_rows: View
+    consumed: View
+    pending_tokens: View
+    prompt_presence: View
+    output_counts: View
+
+
+def declare_snapshots(builder: ManifestBuilder, caps: TextCapacities, snapshots: int) -> SnapshotViews:
+    """Declare snapshot transport entries and snapshot copies of the sampling state.
+
+    The copies are persistent state whose leading extent is DIM_SYMBOL_SNAPSHOT_ROWS (``snapshots``
+    is preparation's working-set count; the runtime fixes the physical count at load). A recipe adds
+    its own continuation storage (partial-page history payloads) beside them.
+    """
+    if snapshots <= 0:
+        raise ValueError(f"snapshots must be positive, got {snapshots}")
+    b, v = caps.max_rows, caps.vocab_width
+    t = builder.transport_entry
+    state = mf.BUFFER_ROLE_PERSISTENT_STATE
+    rows = mf.DIM_SYMBOL_SNAPSHOT_ROWS
+    return SnapshotViews(
+        snapshot_rows=t("snapshot_rows", mf.DTYPE_I32, [1]),
+        restore_rows=t("restore_rows", mf.DTYPE_I32, [1]),
+        consumed=t("consumed", mf.DTYPE_I32, [b]),
+        pending_tokens=builder.buffer(
+            "snapshot.pending_tokens", state, mf.DTYPE_I32, [snapshots, 1], leading_symbol=rows
+        ),
+        prompt_presence=builder.buffer(
+            "snapshot.prompt_presence", state, mf.DTYPE_U8, [snapshots, v], leading_symbol=rows
+        ),
+        output_counts=builder.buffer(
+            "snapshot.output_counts", state, mf.DTYPE_I32, [snapshots, v], leading_symbol=rows
+        ),
+    )
+
+
+def snapshot_bindings() -> list[ct.ValueBinding]:
+    """What a snapshot needs: the request's state row and page table, its endpoint and destination row."""
+    return [
+        binding("state_rows", ct.VALUE_SOURCE_LIVE_STATE_ROWS, SUB, padding=-1),
+        binding("generation", ct.VALUE_SOURCE_GENERATION, SUB, padding=-1),
+        binding("snapshot_rows", ct.VALUE_SOURCE_SNAPSHOT_DESTINATION, SUB, padding=-1),
+        binding("page_table", ct.VALUE_SOURCE_PAGE_TABLE, SUB, padding=0),
+        binding("consumed", ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT, SUB, padding=0),
+    ]
+
+
+def restore_bindings() -> list[ct.ValueBinding]:
+    """What a restore needs: the new state row and private page table, the endpoint and source row."""
+    return [
+        binding("state_rows", ct.VALUE_SOURCE_LIVE_STATE_ROWS, SUB, padding=-1),
+        binding("generation", ct.VALUE_SOURCE_GENERATION, SUB, padding=-1),
+        binding("restore_rows", ct.VALUE_SOURCE_RESTORE_SOURCE, SUB, padding=-1),
+        binding("page_table", ct.VALUE_SOURCE_PAGE_TABLE, SUB, padding=0),
+        binding("consumed", ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT, SUB, padding=0),
+    ]
+
+
+def snapshot_state_accesses() -> list[ct.StateAccess]:
+    """A snapshot reads the sampling state and the pending token."""
+    return [
+        ct.StateAccess(view=view, mode=ct.ACCESS_MODE_READ)
+        for view in (PENDING_TOKEN_VIEW, PROMPT_PRESENCE_VIEW, OUTPUT_COUNTS_VIEW)
+    ]
+
+
+def restore_state_accesses() -> list[ct.StateAccess]:
+    """A restore writes the sampling state and produces the pending token."""
+    return [
+        ct.StateAccess(view=view, mode=ct.ACCESS_MODE_WRITE)
+        for view in (PENDING_TOKEN_VIEW, PROMPT_PRESENCE_VIEW, OUTPUT_COUNTS_VIEW)
+    ]
+
+
 def state_views(caps: TextCapacities) -> list[ct.StateView]:
     """Named views of the persistent state rows."""
     v = caps.vocab_width

@@ -148,7 +148,7 @@ class ManifestBuilder:
         resource = self.weight_resources.setdefault(resource_id, WeightResource(resource_id))
         if bf16:
             data = _to_bf16_bits(np.ascontiguousarray(array, dtype=np.float32))
-            dtype = mf.DTYPE_BF16
+            dtype: int = mf.DTYPE_BF16
         else:
             contiguous = np.ascontiguousarray(array)
             data = contiguous.tobytes()

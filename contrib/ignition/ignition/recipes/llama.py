@@ -9,8 +9,13 @@ needs arrays named as below.
 
 Programs: ``initialize`` (admission state), ``prefill_p{P}`` (chunked prompt
 processing; also serves mixed rounds), ``mixed_p{P}``, ``scored_prefill_p{P}``
-(prompt scores), ``resume_p{P}`` (continuing after a restore) and
-``decode_b{B}`` (one token per row, device-owned pending token).
+(prompt scores), ``resume_p{P}`` (continuing after a restore),
+``decode_b{B}`` (one token per row, device-owned pending token) and, when
+snapshots are declared, ``snapshot`` and ``restore``: a snapshot copies the
+partial last page of every plane into continuation storage and the sampling
+state into snapshot rows (complete pages stay shared, immutable, in the
+cache); a restore copies them back into the request's private tail page and
+state row.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy.typing as npt
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from ignition.preparation import contract as decl
-from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, prefix
+from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, binding, prefix
 
 Weights = Mapping[str, npt.NDArray[np.float32]]
 
@@ -65,6 +70,8 @@ class Capacities:
     cache_pages: int = 256
     context: int = 512
     top_logprobs: int = 5
+    snapshots: int = 8
+    """Snapshot rows (working set); 0 declares no snapshot or restore programs."""
 
     @property
     def pages_per_row(self) -> int:
@@ -138,6 +145,11 @@ class LlamaProgramWriter:
         self.shared = decl.declare_paged_text(builder, self.text_caps)
         self._declare_weights(weights, bf16)
         self._declare_cache()
+        self.snapshots: decl.SnapshotViews | None = None
+        self.continuation_k: list[View] = []
+        self.continuation_v: list[View] = []
+        if caps.snapshots > 0:
+            self._declare_continuation()
         self.scratch = self._declare_scratch()
 
     # -- declarations --------------------------------------------------------
@@ -171,6 +183,24 @@ class LlamaProgramWriter:
                         mf.DTYPE_F32,
                         plane_shape,
                         leading_symbol=mf.DIM_SYMBOL_CACHE_PAGES,
+                    )
+                )
+
+    def _declare_continuation(self) -> None:
+        """Snapshot rows: the partial page of each plane and the sampling-state copies."""
+        s, c = self.shape, self.caps
+        self.snapshots = decl.declare_snapshots(self.builder, self.text_caps, c.snapshots)
+        self.tail_page = self.builder.buffer("scratch.tail_page", mf.BUFFER_ROLE_SCRATCH, mf.DTYPE_I32, [1])
+        row_shape = [c.snapshots, c.page_tokens, s.kv_heads, s.head_dim]
+        for layer in range(s.layers):
+            for kind, rows in (("k", self.continuation_k), ("v", self.continuation_v)):
+                rows.append(
+                    self.builder.buffer(
+                        f"continuation.{kind}{layer}",
+                        mf.BUFFER_ROLE_PERSISTENT_STATE,
+                        mf.DTYPE_F32,
+                        row_shape,
+                        leading_symbol=mf.DIM_SYMBOL_SNAPSHOT_ROWS,
                     )
                 )
 
@@ -416,7 +446,7 @@ class LlamaProgramWriter:
                 if operation == ct.OPERATION_SCORED_PREFILL:
                     self._prompt_scores(prog, tokens)
                     bindings.append(
-                        decl.binding("score_targets", ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS, decl.PACKED, padding=-1)
+                        binding("score_targets", ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS, decl.PACKED, padding=-1)
                     )
                 self._sample_and_complete(prog, b, tokens)
                 self.builder.add_program(prog)
@@ -454,6 +484,86 @@ class LlamaProgramWriter:
                     pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
                 )
             )
+        if self.snapshots is not None:
+            graphs.extend(self._snapshot_programs(self.snapshots))
+        return graphs
+
+    def _snapshot_programs(self, snap: decl.SnapshotViews) -> list[ct.GraphContract]:
+        """``snapshot`` and ``restore``: one request per round, no sampling."""
+        sh = self.shared
+        tail = self.tail_page
+        state_row = prefix(sh.state_rows, 1)
+        consumed = prefix(snap.consumed, 1)
+        state_copies = (
+            ("pending_tokens", sh.pending_tokens, snap.pending_tokens),
+            ("prompt_presence", sh.prompt_presence, snap.prompt_presence),
+            ("output_counts", sh.output_counts, snap.output_counts),
+        )
+        planes = [
+            (f"{kind}{layer}", plane, rows)
+            for layer in range(self.shape.layers)
+            for kind, plane, rows in (
+                ("k", self.k_planes[layer], self.continuation_k[layer]),
+                ("v", self.v_planes[layer], self.continuation_v[layer]),
+            )
+        ]
+        graphs: list[ct.GraphContract] = []
+        for name, operation, bindings, accesses in (
+            ("snapshot", ct.OPERATION_SNAPSHOT, decl.snapshot_bindings(), decl.snapshot_state_accesses()),
+            ("restore", ct.OPERATION_RESTORE, decl.restore_bindings(), decl.restore_state_accesses()),
+        ):
+            prog = ProgramBuilder(name, operation)
+            # The page holding the endpoint's partial page (-1 when the endpoint ends a page: then
+            # every copy below skips it, and complete pages stay shared in the cache).
+            prog.node(
+                "tail_page",
+                {"page_table": prefix(sh.page_table, 1), "consumed": consumed, "out": tail},
+                {"page_tokens": self.caps.page_tokens},
+            )
+            if operation == ct.OPERATION_SNAPSHOT:
+                rows = snap.snapshot_rows
+                for label, plane, continuation in planes:
+                    prog.node(
+                        "copy_rows",
+                        {"src": plane, "src_rows": tail, "dst_rows": rows, "dst": continuation},
+                        name=f"save_{label}",
+                    )
+                for label, live, saved in state_copies:
+                    prog.node(
+                        "copy_rows",
+                        {"src": live, "src_rows": state_row, "dst_rows": rows, "dst": saved},
+                        name=f"save_{label}",
+                    )
+            else:
+                rows = snap.restore_rows
+                for label, plane, continuation in planes:
+                    prog.node(
+                        "copy_rows",
+                        {"src": continuation, "src_rows": rows, "dst_rows": tail, "dst": plane},
+                        name=f"restore_{label}",
+                    )
+                for label, live, saved in state_copies:
+                    prog.node(
+                        "copy_rows",
+                        {"src": saved, "src_rows": rows, "dst_rows": state_row, "dst": live},
+                        name=f"restore_{label}",
+                    )
+            prog.node(
+                "completion_copy_lanes",
+                {
+                    "generation": prefix(sh.generation, 1),
+                    "consumed": consumed,
+                    "submission_sequence": sh.submission_sequence,
+                    "out_generation": prefix(sh.out_generation, 1),
+                    "out_emitted": prefix(sh.out_emitted, 1),
+                    "out_consumed": prefix(sh.out_consumed, 1),
+                    "out_draft_cursor": prefix(sh.out_draft_cursor, 1),
+                    "out_reserved": prefix(sh.out_reserved, 1),
+                    "out_sequence": sh.out_sequence,
+                },
+            )
+            self.builder.add_program(prog)
+            graphs.append(self._graph(name, operation, 1, 1, bindings, accesses, generating=False))
         return graphs
 
     def _prompt_scores(self, prog: ProgramBuilder, tokens: int) -> None:

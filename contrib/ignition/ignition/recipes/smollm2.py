@@ -55,7 +55,9 @@ def smollm2_declaration(progress: Callable[[str, int, int], None] | None = None)
         if progress is not None:
             progress("dequantizing GGUF", index + 1, len(names))
     tokenizer = tokenizer_from_gguf(gguf)
-    eos = [tokenizer.eos_token_id]
+    if tokenizer.chat_template is None or tokenizer.eos_token_id is None:
+        raise ValueError(f"{path.name} declares no chat template or no EOS token; this recipe needs both")
+    eos: list[int] = [tokenizer.eos_token_id]
     im_end = tokenizer.tokenizer.token_to_id("<|im_end|>")
     if im_end is not None and im_end not in eos:
         eos.append(im_end)

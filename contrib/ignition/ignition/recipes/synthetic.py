@@ -105,7 +105,12 @@ def byte_level_tokenizer(extra_special: tuple[str, ...] = ()) -> SyntheticTokeni
     tokenizer.decoder = decoders.ByteLevel()
     specials = (*SPECIAL_TOKENS, *extra_special)
     tokenizer.add_special_tokens(list(specials))
-    ids = {token: tokenizer.token_to_id(token) for token in specials}
+    ids: dict[str, int] = {}
+    for token in specials:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"special token {token!r} did not register")
+        ids[token] = token_id
     return SyntheticTokenizer(json=tokenizer.to_str(), vocab_size=tokenizer.get_vocab_size(), special_ids=ids)
 
 

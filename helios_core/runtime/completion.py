@@ -1,0 +1,85 @@
+"""Completion validation: a round's completion record checked before any lane retires.
+
+Owns the rules a completion record must satisfy: the echoed submission
+sequence, each lane's echoed generation, emitted counts, the consumed-token
+endpoint the scheduler expects, sampled ids inside the sampled vocabulary,
+the draft cursor (-1 where a program has none) and the reserved model field
+(always -1). A violation raises :class:`CompletionError` for the round; the
+caller fails the affected requests and publishes nothing from that round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.errors import HeliosError
+from helios_core.wire import manifest_pb2 as mf
+
+
+class CompletionError(HeliosError):
+    """A completion record contradicts what was submitted."""
+
+
+@dataclass(frozen=True)
+class LaneExpectation:
+    """What the scheduler expects of one lane's completion."""
+
+    generation: int
+    consumed: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    """One validated lane."""
+
+    token_id: int
+    """The sampled id, or -1 when the lane sampled nothing."""
+    logprob: float
+
+
+def read_lanes(
+    completion: Mapping[int, npt.NDArray[np.generic]],
+    sequence: int,
+    lanes: Sequence[LaneExpectation],
+    sampled_size: int,
+) -> list[LaneResult]:
+    """Validate the first ``len(lanes)`` lanes of a completion record and return their results."""
+    echoed = int(completion[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0])
+    if echoed != sequence:
+        raise CompletionError(f"completion echoes submission {echoed}, expected {sequence}")
+    count = len(lanes)
+    generations = completion[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:count]
+    emitted = completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:count]
+    consumed = completion[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:count]
+    cursors = completion[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:count]
+    reserved = completion[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:count]
+    sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
+    ids = sampled.reshape(sampled.shape[0], -1)[:count, 0]
+    logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+    results: list[LaneResult] = []
+    for index, lane in enumerate(lanes):
+        where = f"lane {index}"
+        if int(generations[index]) != lane.generation:
+            raise CompletionError(
+                f"{where}: generation {int(generations[index])} is stale (expected {lane.generation})"
+            )
+        if int(reserved[index]) != -1:
+            raise CompletionError(f"{where}: the reserved model field is {int(reserved[index])}, not -1")
+        if int(cursors[index]) != -1:
+            raise CompletionError(f"{where}: draft cursor {int(cursors[index])} from a program without one")
+        if int(consumed[index]) != lane.consumed:
+            raise CompletionError(f"{where}: consumed endpoint {int(consumed[index])}, expected {lane.consumed}")
+        expected_emitted = 1 if lane.samples else 0
+        if int(emitted[index]) != expected_emitted:
+            raise CompletionError(f"{where}: emitted {int(emitted[index])} tokens, expected {expected_emitted}")
+        token = int(ids[index]) if lane.samples else -1
+        if lane.samples and not 0 <= token < sampled_size:
+            raise CompletionError(f"{where}: sampled id {token} lies outside the vocabulary [0, {sampled_size})")
+        logprob = float(logprobs_field.reshape(-1)[index]) if logprobs_field is not None and lane.samples else 0.0
+        results.append(LaneResult(token, logprob))
+    return results

@@ -1,0 +1,77 @@
+"""The message channel between the server side and the model worker.
+
+Owns the msgspec structs that cross that boundary: the prepared request the
+frontend hands to the worker, and the events the worker sends back. Nothing
+else crosses it, so the worker can run in a thread or its own process
+without either side changing. Terminal events keep distinct kinds: a normal
+finish (EOS, output limit, host stop, cancellation), an admission rejection
+and an execution failure never share a type, so no status code is ever
+derived from error text.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """Complete per-request sampling settings (request values over core defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int = 0
+
+
+class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """A request after frontend preparation: ids, limits and sampling, ready for admission."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    ignore_eos: bool = False
+
+
+class TokenEvent(msgspec.Struct, frozen=True, tag="token", gc=False):
+    """One generated token, in order."""
+
+    request_id: str
+    token_id: int
+    logprob: float
+
+
+class Finished(msgspec.Struct, frozen=True, tag="finished", gc=False):
+    """The request ended normally; ``reason`` says how."""
+
+    request_id: str
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    reused_prompt_tokens: int = 0
+
+
+class AdmissionRejected(msgspec.Struct, frozen=True, tag="rejected", gc=False):
+    """The request lies outside the prepared capacities; other requests are unaffected."""
+
+    request_id: str
+    message: str
+
+
+class ExecutionFailed(msgspec.Struct, frozen=True, tag="failed", gc=False):
+    """Model execution, device or output validation failed for this request."""
+
+    request_id: str
+    message: str
+
+
+Event = TokenEvent | Finished | AdmissionRejected | ExecutionFailed
+TERMINAL_EVENTS = (Finished, AdmissionRejected, ExecutionFailed)

@@ -1,0 +1,189 @@
+"""Shared packing: staged bytes compared exactly with hand-computed layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from helios_core.contract import PreparedContract, PreparedGraph
+from helios_core.dtypes import NUMPY_DTYPES
+from helios_core.errors import UnsupportedFeatureError
+from helios_core.loading import open_core
+from helios_core.runtime.packing import GraphPacker, Lane, PageTableMemory, Submission
+from helios_core.wire import contract_pb2 as ct
+
+from .conftest import FIXTURES, fixture_settings
+
+POISON = 77
+
+
+@pytest.fixture(scope="module")
+def contract() -> PreparedContract:
+    verified = open_core(FIXTURES / "payload-v3.core", fixture_settings())
+    verified.close()
+    return verified.contract
+
+
+def poisoned_staging(contract: PreparedContract) -> dict[str, np.ndarray]:
+    return {
+        name: np.full(tuple(entry.shape), POISON, dtype=NUMPY_DTYPES[entry.dtype])
+        for name, entry in contract.transport.items()
+    }
+
+
+MASK = np.arange(10, dtype=np.int32) * 3 + 1
+
+
+def two_lanes() -> list[Lane]:
+    return [
+        Lane(
+            slot=2, generation=5, state_row=1, positions=[0, 1, 2], cache_slots=[28, 29, 30], page_table=[7, 3],
+            tokens=[10, 11, 12], sample=True, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
+            repetition_penalty=1.1, frequency_penalty=0.25, presence_penalty=-0.5, seed=2**63 + 5, sampling_step=0,
+        ),
+        Lane(
+            slot=0, generation=9, state_row=3, positions=[5, 6], cache_slots=[9, 10], page_table=[1, 2, 4],
+            tokens=[20, 21], sample=False, seed=3, sampling_step=4, grammar_mask=MASK,
+        ),
+    ]  # fmt: skip
+
+
+def test_every_source_and_indexing_of_a_prefill_program(contract: PreparedContract) -> None:
+    staging = poisoned_staging(contract)
+    packer = GraphPacker(contract.graphs["prefill_p16"], staging)
+    packer.pack(Submission(two_lanes(), sequence=12), 0, staging)
+    s = {name: array.tolist() for name, array in staging.items()}
+    assert s["state_rows"] == [1, 3, -1, -1]
+    assert s["generation"] == [5, 9, -1, -1]
+    assert s["query_length"] == [3, 2, 0, 0]
+    assert s["input_ids"] == [10, 11, 12, 20, 21] + [0] * 11
+    assert s["positions"] == [0, 1, 2, 5, 6] + [0] * 11
+    assert s["token_rows"] == [0, 0, 0, 1, 1] + [-1] * 11
+    assert s["cache_slots"] == [28, 29, 30, 9, 10] + [-1] * 11
+    assert s["page_table"] == [[7, 3] + [0] * 14, [1, 2, 4] + [0] * 13, [0] * 16, [0] * 16]
+    assert s["sample_active"] == [1, 0, 0, 0]
+    assert s["temperature"] == [0.5, 1.0, 0.0, 0.0]
+    assert s["top_p"] == pytest.approx([0.9, 1.0, 1.0, 1.0])
+    assert s["top_k"] == [40, 0, 0, 0]
+    assert s["min_p"] == pytest.approx([0.05, 0.0, 0.0, 0.0])
+    assert s["repetition_penalty"] == pytest.approx([1.1, 1.0, 1.0, 1.0])
+    assert s["frequency_penalty"] == [0.25, 0.0, 0.0, 0.0]
+    assert s["presence_penalty"] == [-0.5, 0.0, 0.0, 0.0]
+    assert s["seed"] == [2**63 + 5, 3, 0, 0]
+    assert s["sampling_step"] == [0, 4, 0, 0]
+    assert s["grammar_mask"] == [[-1] * 10, MASK.tolist(), [-1] * 10, [-1] * 10]
+    assert s["constrained"] == [0, 1, 0, 0]
+    # Entries this graph does not bind keep their bytes (omitted transfers retain device bytes).
+    assert s["prompt_histogram"] == [[POISON] * 320] * 4
+    assert s["score_targets"] == [POISON] * 16
+    assert s["submission_sequence"] == [POISON]
+
+
+def test_active_row_indexing_leaves_the_inactive_tail(contract: PreparedContract) -> None:
+    staging = poisoned_staging(contract)
+    histogram = np.zeros(320, dtype=np.uint8)
+    histogram[[3, 5]] = [2, 1]
+    lane = Lane(
+        slot=1, generation=2, state_row=1, positions=[], cache_slots=[], page_table=[], prompt_histogram=histogram
+    )
+    GraphPacker(contract.graphs["initialize"], staging).pack(Submission([lane], 1), 0, staging)
+    assert staging["prompt_histogram"][0].tolist() == histogram.tolist()
+    assert staging["prompt_histogram"][1:].tolist() == [[POISON] * 320] * 3
+    assert staging["state_rows"].tolist() == [1, -1, -1, -1]
+
+
+def test_page_tables_upload_only_new_entries_until_the_generation_changes(contract: PreparedContract) -> None:
+    staging = poisoned_staging(contract)
+    packer = GraphPacker(contract.graphs["decode_b1"], staging)
+    table = staging["page_table"]
+
+    def lane(pages: list[int], generation: int) -> Lane:
+        return Lane(slot=2, generation=generation, state_row=0, positions=[0], cache_slots=[0], page_table=pages)
+
+    packer.pack(Submission([lane([7, 3], 5)], 1), 0, staging)
+    assert table[0, :4].tolist() == [7, 3, 0, 0]
+    table[0, :2] = 55  # what is already staged must not be written again
+    packer.pack(Submission([lane([7, 3, 9], 5)], 2), 0, staging)
+    assert table[0, :4].tolist() == [55, 55, 9, 0]
+    # The same physical slot under a new generation is a different request: the row is rewritten.
+    packer.pack(Submission([lane([8], 6)], 3), 0, staging)
+    assert table[0, :4].tolist() == [8, 0, 0, 0]
+    # Each frame has its own staging and its own memory of it.
+    other = poisoned_staging(contract)
+    packer.pack(Submission([lane([8, 1], 6)], 4), 1, other)
+    assert other["page_table"][0, :3].tolist() == [8, 1, 0]
+
+
+def _with_bindings(graph: PreparedGraph, *bindings: ct.ValueBinding) -> PreparedGraph:
+    contract = ct.GraphContract()
+    contract.CopyFrom(graph.contract)
+    del contract.bindings[:]
+    contract.bindings.extend(bindings)
+    return dataclasses.replace(graph, contract=contract)
+
+
+def test_scalar_physical_row_constant_and_row_count(contract: PreparedContract) -> None:
+    staging = poisoned_staging(contract)
+    bind = ct.ValueBinding
+    graph = _with_bindings(
+        contract.graphs["prefill_p16"],
+        bind(destination="top_k", source=ct.VALUE_SOURCE_SLOT, indexing=ct.INDEXING_PHYSICAL_REQUEST_ROW, offset=100),
+        bind(destination="frame_index", source=ct.VALUE_SOURCE_LIVE_ROW_COUNT, indexing=ct.INDEXING_SCALAR),
+        bind(destination="state_rows", source=ct.VALUE_SOURCE_CONSTANT, indexing=ct.INDEXING_SCALAR, constant=41),
+        bind(
+            destination="generation",
+            source=ct.VALUE_SOURCE_INACTIVE_PADDING,
+            indexing=ct.INDEXING_SUBMISSION_ROW,
+            padding=-3,
+        ),
+        bind(destination="query_length", source=ct.VALUE_SOURCE_GENERATION, indexing=ct.INDEXING_SCALAR),
+    )
+    GraphPacker(graph, staging).pack(Submission(two_lanes(), 1), 0, staging)
+    assert staging["top_k"].tolist() == [100, POISON, 102, POISON]  # slots 0 and 2, offset 100
+    assert staging["frame_index"].tolist() == [2]
+    assert staging["state_rows"].tolist() == [41, POISON, POISON, POISON]
+    assert staging["generation"].tolist() == [-3, -3, -3, -3]
+    assert staging["query_length"].tolist() == [5, POISON, POISON, POISON]
+
+
+def test_packing_refuses_what_does_not_fit(contract: PreparedContract) -> None:
+    staging = poisoned_staging(contract)
+    packer = GraphPacker(contract.graphs["decode_b1"], staging)
+    with pytest.raises(ValueError, match="exceed 'decode_b1'"):
+        packer.pack(Submission(two_lanes(), 1), 0, staging)
+    prefill = GraphPacker(contract.graphs["prefill_p16"], staging)
+    broken = two_lanes()
+    broken[0].tokens = [1]
+    with pytest.raises(ValueError, match="supplies 1 values for 'input_ids'"):
+        prefill.pack(Submission(broken, 1), 0, staging)
+
+
+def test_a_source_packing_cannot_supply_fails_at_startup(contract: PreparedContract) -> None:
+    graph = _with_bindings(
+        contract.graphs["decode_b1"],
+        ct.ValueBinding(
+            destination="input_ids", source=ct.VALUE_SOURCE_CANDIDATE_IDS, indexing=ct.INDEXING_PACKED_TOKEN
+        ),
+    )
+    with pytest.raises(UnsupportedFeatureError, match="VALUE_SOURCE_CANDIDATE_IDS"):
+        GraphPacker(graph, poisoned_staging(contract))
+
+
+def test_page_table_memory_is_shared_by_every_graph_of_a_frame(contract: PreparedContract) -> None:
+    staging = poisoned_staging(contract)
+    memory = PageTableMemory()
+    decode = GraphPacker(contract.graphs["decode_b1"], staging, memory)
+    prefill = GraphPacker(contract.graphs["prefill_p16"], staging, memory)
+
+    def lane(slot: int, generation: int, pages: list[int]) -> Lane:
+        return Lane(
+            slot=slot, generation=generation, state_row=0, positions=[0], cache_slots=[0], page_table=pages, tokens=[1]
+        )
+
+    decode.pack(Submission([lane(1, 1, [4, 5])], 1), 0, staging)
+    prefill.pack(Submission([lane(2, 7, [9])], 2), 0, staging)  # another request takes row 0
+    decode.pack(Submission([lane(1, 1, [4, 5, 6])], 3), 0, staging)
+    # Row 0 held the other request's table, so the whole table is uploaded again.
+    assert staging["page_table"][0, :4].tolist() == [4, 5, 6, 0]
