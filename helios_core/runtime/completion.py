@@ -47,8 +47,12 @@ def read_lanes(
     sequence: int,
     lanes: Sequence[LaneExpectation],
     sampled_size: int,
-) -> list[LaneResult]:
-    """Validate the first ``len(lanes)`` lanes of a completion record and return their results."""
+) -> list[LaneResult | CompletionError]:
+    """Validate the first ``len(lanes)`` lanes of a completion record.
+
+    A wrong submission sequence fails the whole round (raises). Every other rule is checked per lane:
+    a violating lane yields its CompletionError in place of a result, so only its request fails.
+    """
     echoed = int(completion[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0])
     if echoed != sequence:
         raise CompletionError(f"completion echoes submission {echoed}, expected {sequence}")
@@ -61,25 +65,48 @@ def read_lanes(
     sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
     ids = sampled.reshape(sampled.shape[0], -1)[:count, 0]
     logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
-    results: list[LaneResult] = []
+    results: list[LaneResult | CompletionError] = []
     for index, lane in enumerate(lanes):
-        where = f"lane {index}"
-        if int(generations[index]) != lane.generation:
-            raise CompletionError(
-                f"{where}: generation {int(generations[index])} is stale (expected {lane.generation})"
-            )
-        if int(reserved[index]) != -1:
-            raise CompletionError(f"{where}: the reserved model field is {int(reserved[index])}, not -1")
-        if int(cursors[index]) != -1:
-            raise CompletionError(f"{where}: draft cursor {int(cursors[index])} from a program without one")
-        if int(consumed[index]) != lane.consumed:
-            raise CompletionError(f"{where}: consumed endpoint {int(consumed[index])}, expected {lane.consumed}")
-        expected_emitted = 1 if lane.samples else 0
-        if int(emitted[index]) != expected_emitted:
-            raise CompletionError(f"{where}: emitted {int(emitted[index])} tokens, expected {expected_emitted}")
+        problem = _lane_problem(
+            lane,
+            int(generations[index]),
+            int(reserved[index]),
+            int(cursors[index]),
+            int(consumed[index]),
+            int(emitted[index]),
+            int(ids[index]),
+            sampled_size,
+        )
+        if problem is not None:
+            results.append(CompletionError(f"lane {index}: {problem}"))
+            continue
         token = int(ids[index]) if lane.samples else -1
-        if lane.samples and not 0 <= token < sampled_size:
-            raise CompletionError(f"{where}: sampled id {token} lies outside the vocabulary [0, {sampled_size})")
         logprob = float(logprobs_field.reshape(-1)[index]) if logprobs_field is not None and lane.samples else 0.0
         results.append(LaneResult(token, logprob))
     return results
+
+
+def _lane_problem(
+    lane: LaneExpectation,
+    generation: int,
+    reserved: int,
+    cursor: int,
+    consumed: int,
+    emitted: int,
+    token: int,
+    sampled_size: int,
+) -> str | None:
+    if generation != lane.generation:
+        return f"generation {generation} is stale (expected {lane.generation})"
+    if reserved != -1:
+        return f"the reserved model field is {reserved}, not -1"
+    if cursor != -1:
+        return f"draft cursor {cursor} from a program without one"
+    if consumed != lane.consumed:
+        return f"consumed endpoint {consumed}, expected {lane.consumed}"
+    expected_emitted = 1 if lane.samples else 0
+    if emitted != expected_emitted:
+        return f"emitted {emitted} tokens, expected {expected_emitted}"
+    if lane.samples and not 0 <= token < sampled_size:
+        return f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
+    return None

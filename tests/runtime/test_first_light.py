@@ -9,39 +9,20 @@ and chat template, and 40 greedy tokens of the independent numpy forward pass
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from helios_core.cli import main
 
+from .conftest import SMOL_NAMESPACE as NAMESPACE
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
-NAMESPACE = "helios-tests/smollm2"
+
 QUESTION = "What is the capital of France? Answer in one short sentence."
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def smol_core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    from ignition.cli import main as ignition_main
-
-    from helios_core.container.keys import generate_keys
-
-    directory = tmp_path_factory.mktemp("smollm2")
-    keys = generate_keys(directory / "keys")
-    core = directory / "smol.core"
-    code = ignition_main(
-        [
-            "build", "smollm2-135m-instruct", "--out", str(core), "--sign-key", str(keys["signing"]),
-            "--namespace", NAMESPACE, "--max-rows", "4", "--prefill-tokens", "16,64", "--context", "512",
-            "--quiet",
-        ]
-    )  # fmt: skip
-    assert code == 0
-    yield core, keys["public"]
 
 
 def _generate(core: Path, key: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:  # type: ignore[type-arg]

@@ -1,0 +1,189 @@
+"""The page allocator: page ids, reference counts, the prefix index and the eviction order.
+
+Owns every physical cache page. A page is in exactly one of three states:
+
+* free: holds nothing reusable, in ``_free`` (taken first, lowest ids first);
+* referenced: ``refcount > 0``, owned by one or more requests;
+* evictable: ``refcount == 0`` but its content is published in the prefix index, in ``_evictable`` in
+  release order (least recently released first); allocation evicts from the front.
+
+Invariant, checked by :meth:`PageAllocator.check`: free + referenced + evictable == total, and no page
+is in two states. Published pages are complete and immutable: a request writes only positions past
+its consumed endpoint, so a page that was complete when published is never written again. Prefix
+reuse is keyed by a hash chain over the cache identity and the token ids of each complete page, so
+a match is exact for the whole prefix up to that page. Running out of pages is a return value
+(``None``), not an exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from helios_core.errors import HeliosError
+
+
+class AllocatorError(HeliosError):
+    """A page operation that breaks the allocator's rules (a bug in the caller)."""
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Complete pages whose content equals a prompt's prefix, and the chain hashes that keyed them."""
+
+    pages: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    tokens: int
+
+
+@dataclass
+class PageStats:
+    """Counters of page traffic (exported as metrics)."""
+
+    allocated: int = 0
+    published: int = 0
+    evicted: int = 0
+    prefix_queries: int = 0
+    prefix_hit_pages: int = 0
+    reused_tokens: int = 0
+
+
+class PageAllocator:
+    """Owns the physical pages of one model's cache."""
+
+    def __init__(self, total_pages: int, page_tokens: int, cache_identity: str) -> None:
+        if total_pages <= 0 or page_tokens <= 0:
+            raise AllocatorError("a cache needs at least one page of at least one token")
+        self.total_pages = total_pages
+        self.page_tokens = page_tokens
+        self._root = hashlib.blake2b(cache_identity.encode(), digest_size=16).digest()
+        self._free: list[int] = list(range(total_pages - 1, -1, -1))  # pop() yields the lowest id
+        self._refcount = [0] * total_pages
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self.stats = PageStats()
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def evictable_pages(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def referenced_pages(self) -> int:
+        return sum(1 for count in self._refcount if count > 0)
+
+    def available(self) -> int:
+        """Pages an allocation can obtain now (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def eviction_order(self) -> list[int]:
+        """Evictable pages, next victim first."""
+        return list(self._evictable)
+
+    def chain_hash(self, previous: bytes | None, tokens: Sequence[int]) -> bytes:
+        """The key of a complete page holding ``tokens`` after the prefix keyed ``previous``."""
+        digest = hashlib.blake2b(previous if previous is not None else self._root, digest_size=16)
+        digest.update(b",".join(str(t).encode() for t in tokens))
+        return digest.digest()
+
+    # -- check / act pairs ---------------------------------------------------------------------
+    def can_allocate(self, count: int) -> bool:
+        return count <= self.available()
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` private pages (refcount 1), or None when too few are free or evictable."""
+        if count < 0:
+            raise AllocatorError(f"cannot allocate {count} pages")
+        if not self.can_allocate(count):
+            return None
+        pages: list[int] = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                del self._page_of[self._hash_of.pop(page)]
+                self.stats.evicted += 1
+            self._refcount[page] = 1
+            pages.append(page)
+        self.stats.allocated += count
+        return pages
+
+    def match_prefix(self, tokens: Sequence[int], max_tokens: int) -> PrefixMatch:
+        """The longest run of published complete pages equal to ``tokens[:max_tokens]``'s prefix."""
+        self.stats.prefix_queries += 1
+        pages: list[int] = []
+        hashes: list[bytes] = []
+        previous: bytes | None = None
+        step = self.page_tokens
+        for start in range(0, max_tokens - step + 1, step):
+            key = self.chain_hash(previous, tokens[start : start + step])
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+            hashes.append(key)
+            previous = key
+        return PrefixMatch(tuple(pages), tuple(hashes), len(pages) * step)
+
+    def claim(self, match: PrefixMatch) -> None:
+        """Take a reference on each matched page (an evictable page becomes referenced again)."""
+        for page, key in zip(match.pages, match.hashes, strict=True):
+            if self._hash_of.get(page) != key:
+                raise AllocatorError(f"page {page} no longer holds the matched content")
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+            self._refcount[page] += 1
+        self.stats.prefix_hit_pages += len(match.pages)
+        self.stats.reused_tokens += match.tokens
+
+    def publish(self, page: int, key: bytes) -> bool:
+        """Record a referenced, complete page under ``key``; False when the key already has a page."""
+        if self._refcount[page] <= 0:
+            raise AllocatorError(f"page {page} is published while nobody references it")
+        if key in self._page_of or page in self._hash_of:
+            return False
+        self._page_of[key] = page
+        self._hash_of[page] = key
+        self.stats.published += 1
+        return True
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference from each page; unreferenced pages become evictable or free."""
+        for page in pages:
+            if self._refcount[page] <= 0:
+                raise AllocatorError(f"page {page} is released more often than it was referenced")
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def check(self) -> None:
+        """Raise AllocatorError unless free + referenced + evictable == total with no overlap."""
+        free, evictable = set(self._free), set(self._evictable)
+        referenced = {p for p, count in enumerate(self._refcount) if count > 0}
+        if len(free) != len(self._free):
+            raise AllocatorError("a page is free twice")
+        if free & evictable or free & referenced or evictable & referenced:
+            raise AllocatorError("a page is in two states")
+        if len(free) + len(evictable) + len(referenced) != self.total_pages:
+            raise AllocatorError(
+                f"free {len(free)} + referenced {len(referenced)} + evictable {len(evictable)} != "
+                f"total {self.total_pages}"
+            )
+        if any(count < 0 for count in self._refcount):
+            raise AllocatorError("a negative reference count")
+        if any(page not in self._hash_of for page in evictable):
+            raise AllocatorError("an evictable page without published content")

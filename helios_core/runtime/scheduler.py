@@ -1,0 +1,410 @@
+"""The scheduler: admission, slots, cohorts, page reservations, preemption and request progress.
+
+Data flow: the engine hands each prepared request to :meth:`Scheduler.add` (capacity checks; a
+request outside the prepared capacities is an admission rejection). :meth:`Scheduler.next_round`
+admits waiting requests while slots and pages allow (claiming reusable prefix pages first), then
+chooses one round from the completed state of every request:
+
+1. ``initialize`` for newly admitted requests (their sampling state rows);
+2. otherwise chunked prefill within the largest prefill extent, FCFS, joined by every decode-ready
+   request when a mixed program fits them (host-fed pending tokens);
+3. otherwise one decode round of every decode-ready request (device-owned pending tokens),
+
+each on the smallest captured variant that holds its lanes and tokens. A page shortage is resolved
+by preempting the most recently admitted requests (their published pages stay reusable, so
+readmission recomputes only what was evicted). :meth:`Scheduler.complete` applies a validated
+round: it appends tokens, publishes complete pages, finishes requests and releases their slots and
+pages, and returns the events to publish. A failed lane fails only its request and publishes nothing.
+
+Ownership: queues, slots and generations live here; pages live in the PageAllocator; per-request
+progress lives on RequestState (written only by this module).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.contract import PreparedContract, PreparedGraph, Selection
+from helios_core.runtime.completion import CompletionError, LaneExpectation, LaneResult
+from helios_core.runtime.messages import (
+    AdmissionRejected,
+    Event,
+    ExecutionFailed,
+    Finished,
+    FinishReason,
+    PreparedRequest,
+    TokenEvent,
+)
+from helios_core.runtime.packing import Lane
+from helios_core.runtime.pages import PageAllocator
+from helios_core.runtime.stats import SchedulerStats
+from helios_core.wire import contract_pb2 as ct
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request's progress. Written by the scheduler only."""
+
+    request: PreparedRequest
+    tokens: list[int]
+    """Prompt followed by every generated token, in position order."""
+    prompt_len: int
+    arrival: int
+    slot: int = -1
+    generation: int = 0
+    pages: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    """Chain hashes of this request's complete pages, in order."""
+    consumed: int = 0
+    pending_on_device: bool = False
+    needs_init: bool = False
+    reused_tokens: int = -1
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def in_prefill(self) -> bool:
+        return not self.needs_init and not self.pending_on_device and self.consumed < len(self.tokens)
+
+    @property
+    def decode_ready(self) -> bool:
+        return not self.needs_init and self.pending_on_device
+
+
+@dataclass
+class Round:
+    """One planned program launch."""
+
+    graph: PreparedGraph
+    members: list[RequestState]
+    lanes: list[Lane]
+    expectations: list[LaneExpectation]
+
+
+class Scheduler:
+    """Turns requests into rounds and completed rounds into events."""
+
+    def __init__(
+        self, contract: PreparedContract, selection: Selection, allocator: PageAllocator, stats: SchedulerStats
+    ) -> None:
+        self.contract = contract
+        self.allocator = allocator
+        self.stats = stats
+        self.page_tokens = contract.model.cache.page_tokens
+        self.context = contract.serving.context_tokens
+        self.eos = frozenset(contract.eos_token_ids)
+        self.histogram_width = contract.histogram_width
+        graphs = list(selection.graphs.values())
+        self.initialize = _variants(graphs, ct.OPERATION_INITIALIZE)
+        self.prefills = _variants(graphs, ct.OPERATION_PREFILL)
+        self.mixed = _variants(graphs, ct.OPERATION_MIXED)
+        self.decodes = _variants(graphs, ct.OPERATION_DECODE)
+        self.max_active = selection.max_active
+        self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.free_slots: list[int] = list(range(self.max_active - 1, -1, -1))
+        self._generations = itertools.count(1)
+        self._arrivals = itertools.count()
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, request: PreparedRequest) -> AdmissionRejected | None:
+        """Queue a request, or reject it when it lies outside the prepared capacities."""
+        problem = self._capacity_problem(request)
+        if problem is not None:
+            self.stats.rejected += 1
+            return AdmissionRejected(request.request_id, problem)
+        state = RequestState(request, list(request.prompt_ids), len(request.prompt_ids), next(self._arrivals))
+        self.waiting.append(state)
+        self.stats.received += 1
+        return None
+
+    def _capacity_problem(self, request: PreparedRequest) -> str | None:
+        prompt = len(request.prompt_ids)
+        if prompt == 0:
+            return "the prompt is empty"
+        if request.max_tokens <= 0:
+            return "max_tokens must be positive"
+        total = prompt + request.max_tokens
+        if total > self.context:
+            return (
+                f"prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the core's context of "
+                f"{self.context} tokens"
+            )
+        limit = min(self.pages_per_row, self.allocator.total_pages)
+        if self._pages_for(total) > limit:
+            return f"the request needs {self._pages_for(total)} cache pages; at most {limit} fit"
+        return None
+
+    def cancel(self, request_id: str) -> None:
+        for state in itertools.chain(self.waiting, self.running):
+            if state.request_id == request_id:
+                state.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- planning ----------------------------------------------------------------------------------
+    def take_cancelled(self) -> list[Event]:
+        """Finish every cancelled request (nothing is in flight between rounds)."""
+        events: list[Event] = []
+        for state in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(state)
+            events.append(self._finished(state, "cancelled"))
+        for state in [s for s in self.running if s.cancelled]:
+            self._retire(state)
+            events.append(self._finished(state, "cancelled"))
+        return events
+
+    def next_round(self) -> Round | None:
+        """Admit what fits, then plan the next round (None when there is nothing to run)."""
+        self._admit()
+        fresh = [s for s in self.running if s.needs_init]
+        if fresh:
+            return self._initialize_round(fresh)
+        prefill = [s for s in self.running if s.in_prefill]
+        decode = [s for s in self.running if s.decode_ready]
+        if prefill:
+            return self._prefill_round(prefill, decode)
+        if decode:
+            return self._decode_round(decode)
+        return None
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            state = self.waiting[0]
+            match = self.allocator.match_prefix(state.tokens, len(state.tokens) - 1)
+            self.allocator.claim(match)
+            needed = self._pages_for(len(state.tokens)) - len(match.pages)
+            fresh = self.allocator.allocate(needed)
+            if fresh is None:
+                self.allocator.release(match.pages)
+                if not self.running:
+                    # Nothing will free pages: this request cannot run until pages are evicted or freed,
+                    # and capacity checks guarantee it fits an empty cache.
+                    raise RuntimeError("an empty cache cannot hold an admitted request")
+                return
+            self.waiting.popleft()
+            state.pages = [*match.pages, *fresh]
+            state.hashes = list(match.hashes)
+            state.consumed = match.tokens
+            state.slot = self.free_slots.pop()
+            state.generation = next(self._generations)
+            state.needs_init = True
+            state.pending_on_device = False
+            if state.reused_tokens < 0:
+                state.reused_tokens = match.tokens
+            self.running.append(state)
+            self.stats.admitted += 1
+
+    def _initialize_round(self, fresh: list[RequestState]) -> Round:
+        graph = _smallest(self.initialize, rows=1)
+        members = fresh[: graph.extents.batch_capacity]
+        lanes = [self._lane(s, positions=[], tokens=[], sample=False, histogram=True) for s in members]
+        return Round(graph, members, lanes, [LaneExpectation(s.generation, s.consumed, False) for s in members])
+
+    def _prefill_round(self, prefill: list[RequestState], decode: list[RequestState]) -> Round:
+        mixed = bool(decode) and bool(self.mixed)
+        variants = self.mixed if mixed else self.prefills
+        budget = max(g.extents.packed_token_capacity for g in variants)
+        rows = max(g.extents.batch_capacity for g in variants)
+        members: list[RequestState] = []
+        lanes: list[Lane] = []
+        expectations: list[LaneExpectation] = []
+        if mixed:
+            for state in decode[: max(rows - 1, 0)]:
+                if budget - len(lanes) <= 1 or not self._ensure_page(state, exclude=members):
+                    break
+                # A decode lane of a mixed round feeds its completed pending token from the host.
+                lanes.append(self._lane(state, [state.consumed], [state.tokens[-1]], sample=True))
+                members.append(state)
+                expectations.append(LaneExpectation(state.generation, state.consumed + 1, True))
+        used = len(lanes)
+        for state in prefill:
+            if state not in self.running:
+                continue  # preempted to make room for a decode lane above
+            if len(members) >= rows or used >= budget:
+                break
+            chunk = min(len(state.tokens) - state.consumed, budget - used)
+            last = state.consumed + chunk == len(state.tokens)
+            positions = list(range(state.consumed, state.consumed + chunk))
+            lanes.append(self._lane(state, positions, state.tokens[state.consumed : state.consumed + chunk], last))
+            members.append(state)
+            expectations.append(LaneExpectation(state.generation, state.consumed + chunk, last))
+            used += chunk
+        graph = _smallest(variants, rows=len(lanes), tokens=used)
+        return Round(graph, members, lanes, expectations)
+
+    def _decode_round(self, decode: list[RequestState]) -> Round:
+        rows = max(g.extents.batch_capacity for g in self.decodes)
+        members: list[RequestState] = []
+        for state in sorted(decode, key=lambda s: s.arrival)[:rows]:
+            if state in members or not self.running.count(state):
+                continue
+            if self._ensure_page(state, exclude=members):
+                members.append(state)
+        lanes = [self._lane(s, [s.consumed], [], sample=True) for s in members]
+        expectations = [LaneExpectation(s.generation, s.consumed + 1, True) for s in members]
+        return Round(_smallest(self.decodes, rows=len(lanes)), members, lanes, expectations)
+
+    def _ensure_page(self, state: RequestState, exclude: Sequence[RequestState]) -> bool:
+        """Make sure the page for ``state``'s next position exists, preempting younger requests if needed."""
+        while state.consumed // self.page_tokens >= len(state.pages):
+            page = self.allocator.allocate(1)
+            if page is not None:
+                state.pages.extend(page)
+                continue
+            victims = [s for s in self.running if s is not state and s not in exclude and s.arrival > state.arrival]
+            if not victims:
+                victims = [s for s in self.running if s is not state and s not in exclude]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda s: s.arrival))
+            if state not in self.running:
+                return False
+        return True
+
+    def _preempt(self, state: RequestState) -> None:
+        """Return a running request to the front of the queue; its published pages stay reusable."""
+        self._retire(state)
+        state.consumed = 0
+        state.hashes = []
+        state.pending_on_device = False
+        self.waiting.appendleft(state)
+        self.stats.preemptions += 1
+
+    def _lane(
+        self, state: RequestState, positions: list[int], tokens: list[int], sample: bool, *, histogram: bool = False
+    ) -> Lane:
+        params = state.request.sampling
+        pt = self.page_tokens
+        return Lane(
+            slot=state.slot,
+            generation=state.generation,
+            state_row=state.slot,
+            positions=positions,
+            cache_slots=[state.pages[p // pt] * pt + p % pt for p in positions],
+            page_table=state.pages,
+            tokens=tokens,
+            sample=sample,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            seed=params.seed,
+            sampling_step=state.generated,
+            prompt_histogram=self._histogram(state.tokens[: state.prompt_len]) if histogram else None,
+            consumed=state.consumed,
+        )
+
+    def _histogram(self, prompt: list[int]) -> npt.NDArray[np.uint8]:
+        counts = np.bincount(np.asarray(prompt, dtype=np.int64), minlength=self.histogram_width)
+        return np.minimum(counts, 255).astype(np.uint8)
+
+    # -- completion -------------------------------------------------------------------------------
+    def complete(self, round_: Round, results: Sequence[LaneResult | CompletionError]) -> list[Event]:
+        """Apply a validated round; returns the events to publish, in order."""
+        events: list[Event] = []
+        self.stats.count_round(round_.graph.name, round_.graph.operation_name, len(round_.members))
+        for state, lane, result in zip(round_.members, round_.lanes, results, strict=True):
+            if isinstance(result, CompletionError):
+                events.append(self._fail(state, str(result)))
+                continue
+            if round_.graph.operation == ct.OPERATION_INITIALIZE:
+                state.needs_init = False
+                continue
+            state.consumed += lane.query_length
+            self._publish_pages(state)
+            if not lane.sample:
+                continue
+            state.tokens.append(result.token_id)
+            state.pending_on_device = True
+            events.append(TokenEvent(state.request_id, result.token_id, result.logprob))
+            reason = self._finish_reason(state, result.token_id)
+            if reason is not None:
+                self._retire(state)
+                events.append(self._finished(state, reason))
+        return events
+
+    def fail_round(self, round_: Round, message: str) -> list[Event]:
+        """The whole round failed: fail its requests only; nothing of the round is published."""
+        return [self._fail(state, message) for state in round_.members]
+
+    def fail_all(self, message: str) -> list[Event]:
+        """Fail every queued and running request (after an internal error)."""
+        events = [self._fail(state, message) for state in list(self.running)]
+        while self.waiting:
+            state = self.waiting.popleft()
+            self.stats.failed += 1
+            events.append(ExecutionFailed(state.request_id, message))
+        return events
+
+    def _fail(self, state: RequestState, message: str) -> Event:
+        self._retire(state)
+        self.stats.failed += 1
+        return ExecutionFailed(state.request_id, message)
+
+    def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
+        if token in self.eos and not state.request.ignore_eos:
+            return "stop"
+        if state.generated >= state.request.max_tokens:
+            return "length"
+        return None
+
+    def _finished(self, state: RequestState, reason: FinishReason) -> Finished:
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return Finished(state.request_id, reason, state.prompt_len, state.generated, max(state.reused_tokens, 0))
+
+    def _publish_pages(self, state: RequestState) -> None:
+        pt = self.page_tokens
+        while (len(state.hashes) + 1) * pt <= state.consumed:
+            index = len(state.hashes)
+            previous = state.hashes[-1] if state.hashes else None
+            key = self.allocator.chain_hash(previous, state.tokens[index * pt : (index + 1) * pt])
+            self.allocator.publish(state.pages[index], key)
+            state.hashes.append(key)
+
+    def _retire(self, state: RequestState) -> None:
+        """Release a request's pages and slot (no round of it is in flight)."""
+        if state in self.running:
+            self.running.remove(state)
+        if state.pages:
+            self.allocator.release(state.pages)
+            state.pages = []
+        if state.slot >= 0:
+            self.free_slots.append(state.slot)
+            state.slot = -1
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens)
+
+
+def _variants(graphs: Iterable[PreparedGraph], operation: int) -> list[PreparedGraph]:
+    return sorted(
+        (g for g in graphs if g.operation == operation),
+        key=lambda g: (g.extents.packed_token_capacity, g.extents.batch_capacity),
+    )
+
+
+def _smallest(variants: Sequence[PreparedGraph], *, rows: int, tokens: int = 0) -> PreparedGraph:
+    for graph in variants:
+        if graph.extents.batch_capacity >= rows and graph.extents.packed_token_capacity >= tokens:
+            return graph
+    raise RuntimeError(f"no captured variant holds {rows} rows and {tokens} tokens")
