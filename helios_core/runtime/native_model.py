@@ -161,18 +161,24 @@ class NativeModel:
         frames = max(contract.execution.transport.frames, 1)
         if backend == "auto":
             backend = "reference"
-        if backend != "reference":
-            raise StartupError(f"backend {backend!r} is not available in this build; use --backend reference")
-        from helios_core.backends.reference import ReferenceBackend
+        executor: Backend
+        if backend == "reference":
+            from helios_core.backends.reference import ReferenceBackend
 
-        executor = ReferenceBackend(
-            contract,
-            core,
-            cache_pages=pages,
-            state_rows=state_rows,
-            frames=frames,
-            snapshot_rows=contract.serving.snapshot_capacity,
-        )
+            executor = ReferenceBackend(
+                contract,
+                core,
+                cache_pages=pages,
+                state_rows=state_rows,
+                frames=frames,
+                snapshot_rows=contract.serving.snapshot_capacity,
+            )
+        elif backend == "null":
+            from helios_core.backends.null import NullBackend
+
+            executor = NullBackend(contract, frames=frames)
+        else:
+            raise StartupError(f"backend {backend!r} is not available in this build; use --backend reference")
         return cls(contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames)
 
     def graph(self, name: str) -> PreparedGraph:

@@ -252,10 +252,11 @@ class Scheduler:
     def _decode_round(self, decode: list[RequestState]) -> Round:
         rows = max(g.extents.batch_capacity for g in self.decodes)
         members: list[RequestState] = []
+        page_tokens = self.page_tokens
         for state in sorted(decode, key=lambda s: s.arrival)[:rows]:
-            if state in members or not self.running.count(state):
-                continue
-            if self._ensure_page(state, exclude=members):
+            if state.slot < 0:
+                continue  # preempted while an earlier member took a page
+            if state.consumed // page_tokens < len(state.pages) or self._ensure_page(state, exclude=members):
                 members.append(state)
         lanes = [self._lane(s, [s.consumed], [], sample=True) for s in members]
         expectations = [LaneExpectation(s.generation, s.consumed + 1, True) for s in members]
