@@ -317,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     _trust_arguments(generate)
     generate.set_defaults(handler=cmd_generate)
 
+    from helios_core.plugins.cli_command import add_plugins_command
+
+    add_plugins_command(sub)
+
     keys = sub.add_parser("keys", help="key management")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     keys_generate = keys_sub.add_parser("generate", help="generate a signing key pair and a core key")

@@ -1,0 +1,65 @@
+"""JSON-tag tool calls (TOOL_PARSER_JSON_TAGS): ``CALL_OPEN {"name": N, "arguments": {...}} CALL_CLOSE``.
+
+Owns the parser configured by ``JsonTagSyntax`` (``call_open``, ``call_close``) and
+``ToolSyntax.opener``. The body is one JSON object with a string ``name`` and an ``arguments``
+(or ``parameters``) object; arguments given as a JSON string holding an object are decoded; absent
+arguments are ``{}``. A call is emitted whole when its closer arrives (its arguments are written in
+one fragment). A body that is not such an object, or a section without its closer at the end of
+output, is content, markers included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helios_core.plugin_api import (
+    CallScan,
+    ParserContext,
+    Register,
+    SectionScan,
+    SectionToolParser,
+    StartupError,
+    contract,
+    decode_json_value,
+    dump_json,
+)
+
+
+def _call(body: str) -> CallScan | None:
+    ok, value = decode_json_value(body.strip())
+    if not ok or not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments: Any = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        ok, arguments = decode_json_value(arguments)
+        if not ok:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return CallScan(value["name"], closed=True, arguments_json=dump_json(arguments))
+
+
+class JsonTagParser(SectionToolParser):
+    """JSON-tag tool parser for one request."""
+
+    def __init__(self, context: ParserContext) -> None:
+        syntax = context.frontend.tool_syntax
+        tags = syntax.json_tags
+        if not tags.call_open or not tags.call_close:
+            raise StartupError("tool_syntax.json_tags.call_open and .call_close must be declared")
+        super().__init__(context, syntax.opener or tags.call_open)
+        self._close = tags.call_close
+
+    def scan_section(self, text: str, final: bool) -> SectionScan:
+        end = text.find(self._close)
+        if end < 0:
+            return SectionScan(invalid=final)
+        call = _call(text[:end])
+        if call is None:
+            return SectionScan(invalid=True)
+        return SectionScan([call], end=end + len(self._close))
+
+
+def helios_register_tool_parsers(register: Register) -> None:
+    """Provide the JSON-tag tool parser."""
+    register(contract.TOOL_PARSER_JSON_TAGS, JsonTagParser, name="json-tags")

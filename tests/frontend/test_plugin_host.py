@@ -1,0 +1,227 @@
+"""The plugin host: in-process third-party identifiers, duplicates and ``prefer``, missing
+identifiers, isolation of a plugin that fails to import, the allowlist and autoload switches,
+pairing failures, hook documentation and the ``helios plugins --json`` listing."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import io
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from frontend_builders import base, function_tags, recipient_header, xtml
+
+from helios_core.errors import StartupError
+from helios_core.plugin_api import OutputDelta, ParserContext, Register, ToolSpec
+from helios_core.plugins import PluginHost, hookspecs
+from helios_core.plugins.cli_command import add_plugins_command
+from helios_core.testing import FrontendHarness
+from helios_core.wire import contract_pb2 as ct
+
+
+class Upper:
+    """A toy third-party tool parser: upper-cases content."""
+
+    def feed(self, text: str) -> list[OutputDelta]:
+        return [OutputDelta(content=text.upper())]
+
+    def finish(self) -> list[OutputDelta]:
+        return []
+
+
+class UpperPlugin:
+    def helios_register_tool_parsers(self, register: Register) -> None:
+        register(100001, lambda context: Upper(), name="upper")
+
+
+class ShadowPlugin:
+    def helios_register_tool_parsers(self, register: Register) -> None:
+        register(100001, lambda context: Upper(), name="shadow")
+
+
+@dataclass
+class FakeEntryPoint:
+    name: str
+    value: str
+    group: str
+    dist: Any
+    error: Exception | None = None
+    plugin: Any = None
+
+    def load(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.plugin
+
+
+def dist(name: str) -> Any:
+    return SimpleNamespace(name=name, version="1.0", metadata=None)
+
+
+def third_party(identifier: int = 100001) -> ct.FrontendContract:
+    frontend = base(identifier)
+    frontend.tool_parser = identifier
+    return frontend
+
+
+def test_third_party_identifier_served_in_process(tokenizer: Any) -> None:
+    harness = FrontendHarness(tokenizer, third_party(), plugins=[UpperPlugin()])
+    assert harness.run_text("hello").output.content == "HELLO"
+
+
+def test_missing_identifier_names_it() -> None:
+    with pytest.raises(StartupError, match="tool parser 100001 is selected by the core but no installed plugin"):
+        PluginHost(autoload=False).resolve(third_party())
+
+
+def test_zero_never_selects() -> None:
+    frontend = base(ct.TOOL_PARSER_NONE)
+    frontend.image_layout = 0
+    with pytest.raises(StartupError, match="selects no image layout"):
+        PluginHost(autoload=False).resolve(frontend)
+
+
+def test_duplicates_fail_naming_both_unless_preferred() -> None:
+    host = PluginHost(autoload=False)
+    host.plugin_manager.register(UpperPlugin(), name="upper-dist")
+    host.plugin_manager.register(ShadowPlugin(), name="shadow-dist")
+    with pytest.raises(StartupError, match=r"100001 is provided by both 'shadow-dist' .* and 'upper-dist'"):
+        host.resolve(third_party())
+    host = PluginHost(autoload=False, prefer={100001: "shadow"})
+    host.plugin_manager.register(UpperPlugin(), name="upper-dist")
+    host.plugin_manager.register(ShadowPlugin(), name="shadow-dist")
+    assert host.resolve(third_party()).tool_parser.name == "shadow"
+
+
+def test_a_plugin_duplicating_a_builtin_is_refused() -> None:
+    class Clash:
+        def helios_register_tool_parsers(self, register: Register) -> None:
+            register(ct.TOOL_PARSER_NONE, lambda context: Upper(), name="clash")
+
+    host = PluginHost(autoload=False)
+    host.plugin_manager.register(Clash(), name="clash-dist")
+    with pytest.raises(StartupError, match="tool parser 1 is provided by both"):
+        host.resolve(base(ct.TOOL_PARSER_NONE))
+
+
+def _broken_entry_points() -> list[Any]:
+    return [
+        FakeEntryPoint("broken", "helios_broken", "helios", dist("helios-broken"), error=ImportError("no module x")),
+        FakeEntryPoint("tool_parser.100002", "helios_broken", "helios.identifiers", dist("helios-broken")),
+        FakeEntryPoint("upper", "upper", "helios", dist("helios-upper"), plugin=UpperPlugin()),
+    ]
+
+
+def test_a_plugin_failing_at_import_is_isolated() -> None:
+    host = PluginHost(entry_points=_broken_entry_points(), environ={})
+    selected = host.resolve(third_party(100001))
+    assert selected.tool_parser.plugin == "helios-upper"
+    broken = next(entry for entry in host.describe() if entry["name"] == "helios-broken")
+    assert broken["status"] == "failed" and "ImportError: no module x" in broken["error"]
+    assert broken["identifiers"] == {"tool_parser": [100002]}
+
+
+def test_a_failed_plugin_is_fatal_when_its_identifier_is_selected() -> None:
+    host = PluginHost(entry_points=_broken_entry_points(), environ={})
+    with pytest.raises(StartupError, match=r"100002 is selected .*'helios-broken' declares it but failed: ImportError"):
+        host.resolve(third_party(100002))
+
+
+def test_a_hook_that_raises_is_isolated() -> None:
+    class Raises:
+        def helios_register_tool_parsers(self, register: Register) -> None:
+            register(100003, lambda context: Upper(), name="half")
+            raise RuntimeError("boom")
+
+    host = PluginHost(autoload=False)
+    host.plugin_manager.register(Raises(), name="raises")
+    entry = next(e for e in host.describe() if e["name"] == "raises")
+    assert entry["status"] == "failed" and entry["error"] == "RuntimeError: boom"
+    assert 100003 not in host.registries["tool_parser"]
+
+
+def test_out_of_range_identifier_fails_the_plugin() -> None:
+    class Bad:
+        def helios_register_tool_parsers(self, register: Register) -> None:
+            register(99, lambda context: Upper(), name="bad")
+
+    host = PluginHost(autoload=False)
+    host.plugin_manager.register(Bad(), name="bad")
+    entry = next(e for e in host.describe() if e["name"] == "bad")
+    assert entry["status"] == "failed" and "third-party range 100000-199999" in entry["error"]
+
+
+def test_allowlist_and_autoload_switches() -> None:
+    names = lambda host: {e["name"] for e in host.describe()}  # noqa: E731
+    only_broken = PluginHost(entry_points=_broken_entry_points(), environ={"HELIOS_PLUGINS": "helios_broken"})
+    assert "helios-upper" not in names(only_broken) and "helios-broken" in names(only_broken)
+    assert names(PluginHost(entry_points=_broken_entry_points(), environ={"HELIOS_PLUGINS": ""})) == {"helios"}
+    disabled = PluginHost(entry_points=_broken_entry_points(), environ={"HELIOS_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert names(disabled) == {"helios"}
+    assert disabled.registries["tool_parser"][ct.TOOL_PARSER_FUNCTION_TAGS].plugin == "helios"
+
+
+@pytest.mark.parametrize(("frontend", "message"), [
+    (lambda: _swap_tool(xtml(), ct.TOOL_PARSER_FUNCTION_TAGS), "XTML_THINK requires tool parser TOOL_PARSER_XTML"),
+    (lambda: _swap_tool(recipient_header(), ct.TOOL_PARSER_NONE), "RECIPIENT_HEADER requires tool parser"),
+    (lambda: _swap_reasoning(recipient_header(), ct.REASONING_PARSER_NONE), "ATEM requires reasoning parser"),
+])
+def test_mismatched_pairings_fail(frontend: Any, message: str) -> None:
+    with pytest.raises(StartupError, match=message):
+        PluginHost(autoload=False).resolve(frontend())
+
+
+def _swap_tool(frontend: ct.FrontendContract, tool: int) -> ct.FrontendContract:
+    frontend.tool_parser = tool
+    return frontend
+
+
+def _swap_reasoning(frontend: ct.FrontendContract, reasoning: int) -> ct.FrontendContract:
+    frontend.reasoning_parser = reasoning
+    return frontend
+
+
+def test_unusable_syntax_data_fails_at_startup(tokenizer: Any) -> None:
+    frontend = function_tags()
+    frontend.tool_syntax.function_tags.function_prefix = ""
+    with pytest.raises(StartupError, match=r"function-tags .* rejects the core's syntax data"):
+        FrontendHarness(tokenizer, frontend)
+
+
+def test_every_hookspec_is_typed_and_documented() -> None:
+    specs = [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("helios_")]
+    assert len(specs) == 4
+    for spec in specs:
+        assert inspect.getdoc(spec), spec.__name__
+        assert "register" in inspect.signature(spec).parameters
+        assert all(p.annotation is not inspect.Parameter.empty for p in inspect.signature(spec).parameters.values())
+
+
+def test_plugins_command_json() -> None:
+    parser = argparse.ArgumentParser(prog="helios")
+    add_plugins_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plugins", "--json"])
+    out = io.StringIO()
+    host = PluginHost(entry_points=_broken_entry_points(), environ={})
+    assert args.handler(args) == 0
+    from helios_core.plugins.cli_command import run_plugins_command
+
+    assert run_plugins_command(args, host=host, out=out) == 0
+    listing = json.loads(out.getvalue())
+    by_name = {entry["name"]: entry for entry in listing}
+    assert by_name["helios-upper"]["identifiers"] == {"tool_parser": [100001]}
+    assert by_name["helios-broken"]["status"] == "failed"
+    builtin = [entry for entry in listing if entry["builtin"]]
+    provided = {(i["kind"], i["identifier"]) for entry in builtin for i in entry["implementations"]}
+    assert {("tool_parser", n) for n in range(1, 8)} <= provided
+    assert {("reasoning_parser", n) for n in range(1, 5)} <= provided
+
+
+def test_parser_context_tools_lookup() -> None:
+    context = ParserContext(ct.FrontendContract(), vocabulary=SimpleNamespace(single_token=lambda t: None),
+                            tools=(ToolSpec("a"),))
+    assert context.tool("a") == ToolSpec("a") and context.tool("b") is None
