@@ -488,9 +488,10 @@ def _heads_major(plane: AnyArray, pages: I64, length: int) -> F32:
     One gather pass; each head's ``[length, hd]`` block is a contiguous row-major matrix.
     """
     _, page_tokens, kv_heads, head_dim = plane.shape
-    by_head = np.take(plane.transpose(2, 0, 1, 3), pages, axis=1)  # [kvh, n_pages, page_tokens, hd]
-    seq = by_head.reshape(kv_heads, pages.size * page_tokens, head_dim)[:, :length]
-    out: F32 = seq.astype(np.float32, copy=False)
+    # Gather whole pages first (contiguous copies of the few pages needed), then move heads to the front.
+    # Gathering along a transposed view of the whole plane is ~30x slower.
+    seq = plane[pages].reshape(pages.size * page_tokens, kv_heads, head_dim)[:length]  # [length, kvh, hd]
+    out: F32 = np.ascontiguousarray(seq.transpose(1, 0, 2), dtype=np.float32)  # [kvh, length, hd]
     return out
 
 

@@ -377,6 +377,15 @@ def _check_frontend(model: ct.ModelContract, problems: _Problems) -> None:
         else:
             if not isinstance(parameters, dict):
                 problems.add("frontend.plugin_parameters_json must be a JSON object")
+            elif parameters and not any(
+                value in THIRD_PARTY_IDENTIFIERS
+                for value in (fe.tool_parser, fe.reasoning_parser, fe.image_preparation, fe.image_layout)
+            ):
+                # Built-in implementations take no plugin parameters, so every key is unknown.
+                problems.add(
+                    f"frontend.plugin_parameters_json has unknown fields {sorted(parameters)}: no selected "
+                    "implementation is a plugin that declares parameters"
+                )
 
 
 def _check_input_vocabulary(model: ct.ModelContract, problems: _Problems) -> None:

@@ -331,8 +331,8 @@ def test_plugin_parameters_must_be_an_object(parts, value: str) -> None:
     rejects(parts, "frontend.plugin_parameters_json must be a JSON object")
 
 
-def test_plugin_parameters_object_validates(parts) -> None:
-    parts.model.frontend.plugin_parameters_json = '{"budget": 3}'
+def test_an_empty_plugin_parameters_object_validates(parts) -> None:
+    parts.model.frontend.plugin_parameters_json = "{}"
     parts.prepare()
 
 
@@ -1256,3 +1256,15 @@ def test_unknown_enum_numbers_are_rejected(parts, mutate, message: str) -> None:
 def test_image_sentinel_inside_the_sampled_range_is_rejected(parts) -> None:
     parts.model.input_vocabulary.image_sentinel_ids.append(5)
     rejects(parts, "input_vocabulary: image sentinel 5 lies inside the sampled range [0, 259)")
+
+
+def test_plugin_parameters_for_built_in_implementations_are_unknown_fields(parts) -> None:
+    parts.model.frontend.plugin_parameters_json = '{"window": 4}'
+    rejects(parts, "frontend.plugin_parameters_json has unknown fields ['window']")
+
+
+def test_plugin_parameters_are_left_to_a_selected_third_party_plugin(parts) -> None:
+    parts.model.frontend.tool_parser = 100_001
+    parts.model.frontend.ClearField("tool_syntax")
+    parts.model.frontend.plugin_parameters_json = '{"window": 4}'
+    parts.prepare()
