@@ -20,12 +20,15 @@ import queue
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from tokenizers import Tokenizer
 
 from helios_core.errors import HeliosError
 from helios_core.runtime.completion import CompletionError, LaneResult, read_lanes
+from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
@@ -75,7 +78,9 @@ class GenerationResult:
 class Engine:
     """Submit prepared requests, receive their events, cancel them."""
 
-    def __init__(self, model: NativeModel) -> None:
+    def __init__(
+        self, model: NativeModel, tokenizer: Tokenizer | None = None, grammar_compiler: Any | None = None
+    ) -> None:
         self.model = model
         contract = model.contract
         self._sampled_size = contract.sampled_size
@@ -83,7 +88,21 @@ class Engine:
             model.cache_pages, contract.model.cache.page_tokens, contract.serving.cache_identity
         )
         self._stats = SchedulerStats()
-        self.scheduler = Scheduler(contract, model.selection, self.allocator, self._stats)
+        make_gate = None
+        if tokenizer is not None:
+            tok = tokenizer
+
+            def make_gate(request: PreparedRequest) -> HostGate:
+                return HostGate(request, tok, grammar_compiler)
+
+        self.scheduler = Scheduler(
+            contract,
+            model.selection,
+            self.allocator,
+            self._stats,
+            make_gate=make_gate,
+            clock_origin_ns=model.clock_origin_ns,
+        )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()

@@ -39,14 +39,33 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     max_tokens: int
     sampling: SamplingParams
     ignore_eos: bool = False
+    string_stops: list[str] = []
+    """Validated string stops (at most four)."""
+    token_stops: list[list[int]] = []
+    """Validated stop token sequences (single ids are sequences of one)."""
+    response_format: str | None = None
+    """A validated structured-output format as JSON text; the worker compiles it once."""
+    observe_timestamps: bool = False
+    """Stamp each generated token (host monotonic nanoseconds from the runtime origin)."""
+
+
+Piece = tuple[int, str]
+"""A presented token id and the text it completes (after stop handling)."""
 
 
 class TokenEvent(msgspec.Struct, frozen=True, tag="token", gc=False):
-    """One generated token, in order."""
+    """One generated token, in order, with what it releases for presentation.
+
+    ``token_id`` is the raw sampled id (observation and usage count every one, EOS and stop tokens
+    included). ``pieces`` are the (id, text) pairs presentation may show now: usually this token,
+    nothing while a possible stop is buffered, several when a buffered prefix is released.
+    """
 
     request_id: str
     token_id: int
     logprob: float
+    pieces: list[Piece] = []
+    timestamp_ns: int = -1
 
 
 class Finished(msgspec.Struct, frozen=True, tag="finished", gc=False):
@@ -57,6 +76,8 @@ class Finished(msgspec.Struct, frozen=True, tag="finished", gc=False):
     prompt_tokens: int
     completion_tokens: int
     reused_prompt_tokens: int = 0
+    pieces: list[Piece] = []
+    """Text released at termination (an unmatched stop prefix flushed on EOS or the output limit)."""
 
 
 class AdmissionRejected(msgspec.Struct, frozen=True, tag="rejected", gc=False):

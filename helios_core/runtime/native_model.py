@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -137,6 +138,8 @@ class NativeModel:
         self.cache_pages = cache_pages
         self.state_rows = state_rows
         self.frames = frames
+        self.clock_origin_ns = time.monotonic_ns()
+        """The process-local origin of token and timing observations (runtime startup)."""
         staging = backend.transport(0)
         self.page_table_memory = PageTableMemory()
         self.packers: Mapping[str, GraphPacker] = MappingProxyType(

@@ -23,8 +23,9 @@ progress lives on RequestState (written only by this module).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,7 @@ import numpy.typing as npt
 
 from helios_core.contract import PreparedContract, PreparedGraph, Selection
 from helios_core.runtime.completion import CompletionError, LaneExpectation, LaneResult
+from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import (
     AdmissionRejected,
     Event,
@@ -66,6 +68,8 @@ class RequestState:
     needs_init: bool = False
     reused_tokens: int = -1
     cancelled: bool = False
+    gate: HostGate | None = None
+    """Detokenizer, stops and grammar of this request (created at admission)."""
 
     @property
     def request_id(self) -> str:
@@ -98,9 +102,18 @@ class Scheduler:
     """Turns requests into rounds and completed rounds into events."""
 
     def __init__(
-        self, contract: PreparedContract, selection: Selection, allocator: PageAllocator, stats: SchedulerStats
+        self,
+        contract: PreparedContract,
+        selection: Selection,
+        allocator: PageAllocator,
+        stats: SchedulerStats,
+        *,
+        make_gate: Callable[[PreparedRequest], HostGate] | None = None,
+        clock_origin_ns: int = 0,
     ) -> None:
         self.contract = contract
+        self.make_gate = make_gate
+        self.clock_origin_ns = clock_origin_ns
         self.allocator = allocator
         self.stats = stats
         self.page_tokens = contract.model.cache.page_tokens
@@ -128,6 +141,12 @@ class Scheduler:
             self.stats.rejected += 1
             return AdmissionRejected(request.request_id, problem)
         state = RequestState(request, list(request.prompt_ids), len(request.prompt_ids), next(self._arrivals))
+        if self.make_gate is not None:
+            try:
+                state.gate = self.make_gate(request)
+            except Exception as exc:  # a format preparation accepted but the worker cannot compile
+                self.stats.rejected += 1
+                return AdmissionRejected(request.request_id, f"cannot prepare the request's gates: {exc}")
         self.waiting.append(state)
         self.stats.received += 1
         return None
@@ -311,6 +330,7 @@ class Scheduler:
             presence_penalty=params.presence_penalty,
             seed=params.seed,
             sampling_step=state.generated,
+            grammar_mask=state.gate.mask() if sample and state.gate is not None else None,
             prompt_histogram=self._histogram(state.tokens[: state.prompt_len]) if histogram else None,
             consumed=state.consumed,
         )
@@ -324,6 +344,15 @@ class Scheduler:
         """Apply a validated round; returns the events to publish, in order."""
         events: list[Event] = []
         self.stats.count_round(round_.graph.name, round_.graph.operation_name, len(round_.members))
+        constrained = [
+            s.gate is not None and s.gate.constrained
+            for s, lane in zip(round_.members, round_.lanes, strict=True)
+            if lane.sample
+        ]
+        if any(constrained):
+            self.stats.constrained_max_inflight = max(self.stats.constrained_max_inflight, 1)
+            if round_.graph.operation == ct.OPERATION_DECODE and not all(constrained):
+                self.stats.mixed_grammar_decode_steps += 1
         for state, lane, result in zip(round_.members, round_.lanes, results, strict=True):
             if isinstance(result, CompletionError):
                 events.append(self._fail(state, str(result)))
@@ -335,10 +364,18 @@ class Scheduler:
             self._publish_pages(state)
             if not lane.sample:
                 continue
-            state.tokens.append(result.token_id)
+            token = result.token_id
+            stamp = time.monotonic_ns() - self.clock_origin_ns if state.request.observe_timestamps else -1
+            state.tokens.append(token)
             state.pending_on_device = True
-            events.append(TokenEvent(state.request_id, result.token_id, result.logprob))
-            reason = self._finish_reason(state, result.token_id)
+            outcome = state.gate.observe(token) if state.gate is not None else None
+            pieces = outcome.pieces if outcome is not None else [(token, "")]
+            events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp))
+            if outcome is not None and outcome.stopped:
+                self._retire(state)
+                events.append(self._finished(state, "stop", flush=False))
+                continue
+            reason = self._finish_reason(state, token)
             if reason is not None:
                 self._retire(state)
                 events.append(self._finished(state, reason))
@@ -369,9 +406,12 @@ class Scheduler:
             return "length"
         return None
 
-    def _finished(self, state: RequestState, reason: FinishReason) -> Finished:
+    def _finished(self, state: RequestState, reason: FinishReason, *, flush: bool = True) -> Finished:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        return Finished(state.request_id, reason, state.prompt_len, state.generated, max(state.reused_tokens, 0))
+        pieces = state.gate.finish() if flush and state.gate is not None and reason != "cancelled" else []
+        return Finished(
+            state.request_id, reason, state.prompt_len, state.generated, max(state.reused_tokens, 0), pieces
+        )
 
     def _publish_pages(self, state: RequestState) -> None:
         pt = self.page_tokens

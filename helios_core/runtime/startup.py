@@ -43,8 +43,21 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
         model = NativeModel.load(
             verified.core, verified.contract, selection, backend=backend, cache_pages=options.cache_pages
         )
-        engine = Engine(model)
+        engine = Engine(model, bootstrap.tokenizer, _grammar_compiler(bootstrap, verified))
     except BaseException:
         verified.close()
         raise
     return RunningModel(verified, bootstrap, model, engine)
+
+
+def _grammar_compiler(bootstrap: Bootstrap, verified: VerifiedCore) -> object | None:
+    """The structured-output compiler of this core's tokenizer (built once at startup)."""
+    from helios_core.frontend.structured import GrammarCompiler
+
+    contract = verified.contract
+    return GrammarCompiler(
+        bootstrap.tokenizer,
+        sampled_size=contract.sampled_size,
+        logits_width=contract.logits_width,
+        eos_token_ids=contract.eos_token_ids,
+    )

@@ -11,13 +11,34 @@ from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, ToolSpec
 from helios_core.testing import FrontendHarness
 from helios_core.wire import contract_pb2 as ct
 
-SPECIAL = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|start|>", "<|message|>", "<|end|>", "<|eom|>",
-           "<|open|>", "<|close|>", "<|sep|>"]
+SPECIAL = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|start|>",
+    "<|message|>",
+    "<|end|>",
+    "<|eom|>",
+    "<|open|>",
+    "<|close|>",
+    "<|sep|>",
+]
 
 TOOLS = [
-    ToolSpec("get_weather", {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "tags": {"type": "array"}, "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}),
+    ToolSpec(
+        "get_weather",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "metric": {"type": "boolean"},
+                "tags": {"type": "array"},
+                "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            },
+        },
+    ),
     ToolSpec("search", {"type": "object", "properties": {"query": {"type": "string"}}}),
 ]
 
@@ -32,8 +53,12 @@ def think(frontend: ct.FrontendContract, *, terminal: str = "") -> ct.FrontendCo
 
 
 def base(tool_parser: int) -> ct.FrontendContract:
-    return ct.FrontendContract(tool_parser=tool_parser, reasoning_parser=ct.REASONING_PARSER_NONE,
-                               image_preparation=ct.IMAGE_PREPARATION_NONE, image_layout=ct.IMAGE_LAYOUT_NONE)
+    return ct.FrontendContract(
+        tool_parser=tool_parser,
+        reasoning_parser=ct.REASONING_PARSER_NONE,
+        image_preparation=ct.IMAGE_PREPARATION_NONE,
+        image_layout=ct.IMAGE_LAYOUT_NONE,
+    )
 
 
 def function_tags() -> ct.FrontendContract:
@@ -101,8 +126,14 @@ def recipient_header() -> ct.FrontendContract:
     return fe
 
 
-def harness(tokenizer: Any, frontend: ct.FrontendContract, *, tools: Sequence[ToolSpec] = TOOLS,
-            envelope: EnvelopeState = CLOSED_ENVELOPE, structured_answer: bool = False) -> FrontendHarness:
+def harness(
+    tokenizer: Any,
+    frontend: ct.FrontendContract,
+    *,
+    tools: Sequence[ToolSpec] = TOOLS,
+    envelope: EnvelopeState = CLOSED_ENVELOPE,
+    structured_answer: bool = False,
+) -> FrontendHarness:
     return FrontendHarness(tokenizer, frontend, tools=tools, envelope=envelope, structured_answer=structured_answer)
 
 
@@ -110,8 +141,9 @@ def calls(result: Any) -> list[tuple[str, Any]]:
     return [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls]
 
 
-def check(h: FrontendHarness, text: str, reasoning: str | None, content: str | None,
-          expected_calls: list[tuple[str, Any]]) -> None:
+def check(
+    h: FrontendHarness, text: str, reasoning: str | None, content: str | None, expected_calls: list[tuple[str, Any]]
+) -> None:
     """The unstreamed result is as expected and every split point streams to it."""
     result = h.check_split_invariance(text)
     assert (result.output.reasoning, result.output.content, calls(result)) == (reasoning, content, expected_calls)

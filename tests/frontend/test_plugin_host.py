@@ -165,11 +165,14 @@ def test_allowlist_and_autoload_switches() -> None:
     assert disabled.registries["tool_parser"][ct.TOOL_PARSER_FUNCTION_TAGS].plugin == "helios"
 
 
-@pytest.mark.parametrize(("frontend", "message"), [
-    (lambda: _swap_tool(xtml(), ct.TOOL_PARSER_FUNCTION_TAGS), "XTML_THINK requires tool parser TOOL_PARSER_XTML"),
-    (lambda: _swap_tool(recipient_header(), ct.TOOL_PARSER_NONE), "RECIPIENT_HEADER requires tool parser"),
-    (lambda: _swap_reasoning(recipient_header(), ct.REASONING_PARSER_NONE), "ATEM requires reasoning parser"),
-])
+@pytest.mark.parametrize(
+    ("frontend", "message"),
+    [
+        (lambda: _swap_tool(xtml(), ct.TOOL_PARSER_FUNCTION_TAGS), "XTML_THINK requires tool parser TOOL_PARSER_XTML"),
+        (lambda: _swap_tool(recipient_header(), ct.TOOL_PARSER_NONE), "RECIPIENT_HEADER requires tool parser"),
+        (lambda: _swap_reasoning(recipient_header(), ct.REASONING_PARSER_NONE), "ATEM requires reasoning parser"),
+    ],
+)
 def test_mismatched_pairings_fail(frontend: Any, message: str) -> None:
     with pytest.raises(StartupError, match=message):
         PluginHost(autoload=False).resolve(frontend())
@@ -222,6 +225,7 @@ def test_plugins_command_json() -> None:
 
 
 def test_parser_context_tools_lookup() -> None:
-    context = ParserContext(ct.FrontendContract(), vocabulary=SimpleNamespace(single_token=lambda t: None),
-                            tools=(ToolSpec("a"),))
+    context = ParserContext(
+        ct.FrontendContract(), vocabulary=SimpleNamespace(single_token=lambda t: None), tools=(ToolSpec("a"),)
+    )
     assert context.tool("a") == ToolSpec("a") and context.tool("b") is None

@@ -17,15 +17,18 @@ def plain_think() -> ct.FrontendContract:
     return think(base(ct.TOOL_PARSER_NONE))
 
 
-@pytest.mark.parametrize(("text", "reasoning", "content"), [
-    ("<think>\nabc\n</think>\n\nanswer", "abc", "answer"),
-    ("<think></think>answer", None, "answer"),
-    ("no reasoning here", None, "no reasoning here"),
-    ("\n<think>\nx\n</think>y", "x", "y"),
-    ("<think>truncated", "truncated", None),
-    ("<think>a</think>b</think>c", "a", "bc"),  # a later close token is dropped markup
-    ("", None, None),
-])
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("<think>\nabc\n</think>\n\nanswer", "abc", "answer"),
+        ("<think></think>answer", None, "answer"),
+        ("no reasoning here", None, "no reasoning here"),
+        ("\n<think>\nx\n</think>y", "x", "y"),
+        ("<think>truncated", "truncated", None),
+        ("<think>a</think>b</think>c", "a", "bc"),  # a later close token is dropped markup
+        ("", None, None),
+    ],
+)
 def test_think_tags(tokenizer: Any, text: str, reasoning: str | None, content: str | None) -> None:
     check(harness(tokenizer, plain_think()), text, reasoning, content, [])
 
@@ -77,28 +80,58 @@ OPEN = EnvelopeState(open_header="assistant")
 
 
 def _call(name: str, body: str, recipient: str = "functions") -> str:
-    return (f"{S}assistant to={recipient}{M}<atem:function_calls><atem:invoke name=\"{name}\">{body}"
-            f"</atem:invoke></atem:function_calls>{EOM}")
+    return (
+        f'{S}assistant to={recipient}{M}<atem:function_calls><atem:invoke name="{name}">{body}'
+        f"</atem:invoke></atem:function_calls>{EOM}"
+    )
 
 
-@pytest.mark.parametrize(("text", "reasoning", "content", "expected"), [
-    (f" to=self{M}Think about <atem:function_calls>.{E}{S}assistant to=user{M}Hello.{E}",
-     "Think about <atem:function_calls>.", "Hello.", []),
-    (f" to=self{M}Need two.{EOM}" + _call("get_weather", '<atem:parameter name="city">Dallas</atem:parameter>'
-     '<atem:parameter name="days">3</atem:parameter>') + _call("search", '<atem:parameter name="query">x'
-     "</atem:parameter>", "functions.search"), "Need two.", None,
-     [("get_weather", {"city": "Dallas", "days": 3}), ("search", {"query": "x"})]),
-    (f" to=commentary{M}Checking.{EOM}" + _call("get_weather.*", '<atem:parameter name="tags">[1]</atem:parameter>'),
-     None, "Checking.", [("get_weather", {"tags": [1]})]),
-    (f" to=functions.search{M}<atem:function_calls><atem:invoke name=\"get_weather\"></atem:invoke>"
-     f"</atem:function_calls>{EOM}", None,
-     '<atem:function_calls><atem:invoke name="get_weather"></atem:invoke></atem:function_calls>', []),
-    (f" to=user{M}literal <|message|> text{E}", None, "literal <|message|> text", []),
-    (f" to=functions{M}<atem:function_calls><atem:invoke name=\"search\"><atem:parameter name=\"query\">tru",
-     None, None, [("search", {"query": "tru"})]),
-])
-def test_recipient_header_frames(tokenizer: Any, text: str, reasoning: str | None, content: str | None,
-                                 expected: list[Any]) -> None:
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content", "expected"),
+    [
+        (
+            f" to=self{M}Think about <atem:function_calls>.{E}{S}assistant to=user{M}Hello.{E}",
+            "Think about <atem:function_calls>.",
+            "Hello.",
+            [],
+        ),
+        (
+            f" to=self{M}Need two.{EOM}"
+            + _call(
+                "get_weather",
+                '<atem:parameter name="city">Dallas</atem:parameter><atem:parameter name="days">3</atem:parameter>',
+            )
+            + _call("search", '<atem:parameter name="query">x</atem:parameter>', "functions.search"),
+            "Need two.",
+            None,
+            [("get_weather", {"city": "Dallas", "days": 3}), ("search", {"query": "x"})],
+        ),
+        (
+            f" to=commentary{M}Checking.{EOM}"
+            + _call("get_weather.*", '<atem:parameter name="tags">[1]</atem:parameter>'),
+            None,
+            "Checking.",
+            [("get_weather", {"tags": [1]})],
+        ),
+        (
+            f' to=functions.search{M}<atem:function_calls><atem:invoke name="get_weather"></atem:invoke>'
+            f"</atem:function_calls>{EOM}",
+            None,
+            '<atem:function_calls><atem:invoke name="get_weather"></atem:invoke></atem:function_calls>',
+            [],
+        ),
+        (f" to=user{M}literal <|message|> text{E}", None, "literal <|message|> text", []),
+        (
+            f' to=functions{M}<atem:function_calls><atem:invoke name="search"><atem:parameter name="query">tru',
+            None,
+            None,
+            [("search", {"query": "tru"})],
+        ),
+    ],
+)
+def test_recipient_header_frames(
+    tokenizer: Any, text: str, reasoning: str | None, content: str | None, expected: list[Any]
+) -> None:
     h = harness(tokenizer, recipient_header(), envelope=OPEN)
     if "literal <|message|>" in text:  # spell the control as plain text inside the body
         ids = h.encode(f" to=user{M}literal ") + [t for ch in M for t in h.encode(ch)] + h.encode(f" text{E}")

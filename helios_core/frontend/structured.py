@@ -1,0 +1,319 @@
+"""Structured output: OpenAI ``response_format`` parsing and llguidance grammar masks.
+
+Owns three things and nothing else:
+
+* :func:`parse_response_format` validates the request's ``response_format`` (``text``,
+  ``json_object``, ``json_schema``), rejecting unknown fields, and returns a typed
+  :class:`ResponseFormat` (``None`` means unconstrained).
+* :class:`GrammarCompiler`, built once at startup from the core's tokenizer and vocabulary
+  geometry (the llguidance tokenizer conversion is the expensive part), compiles a format into an
+  immutable :class:`Grammar`; schema errors surface eagerly as :class:`PromptError`.
+* :class:`GrammarMatcher`, one per request, produces the per-step allowed-token bitmask in the
+  layout the sampling kernels read (``int32 [mask_words]``; bit ``b`` of word ``w`` allows id
+  ``32*w + b``, LSB first; ids at or above the sampled vocabulary size are never allowed; EOS ids
+  are allowed exactly when the grammar accepts termination) and advances on sampled tokens.
+
+A structured answer is an opaque grammar-constrained document: the grammar constrains bytes, so
+text that happens to spell a protocol delimiter inside it is answer text. Reasoning/tool envelopes
+and presentation live elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer
+
+from helios_core.errors import ContractError, HeliosError
+from helios_core.frontend.bootstrap import PromptError
+
+__all__ = [
+    "Grammar",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarMatcher",
+    "ResponseFormat",
+    "parse_response_format",
+]
+
+Mask = npt.NDArray[np.int32]
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TYPES = ("text", "json_object", "json_schema")
+_FORMAT_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type"}),
+    "json_object": frozenset({"type"}),
+    "json_schema": frozenset({"type", "json_schema"}),
+}
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+_ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
+
+
+class GrammarError(HeliosError):
+    """A sampled token the request's grammar does not allow, or a matcher in an error state.
+
+    Masked sampling never produces one; seeing it means the mask and the sampler disagree (a
+    sampling or validation failure of the request, not an invalid request).
+    """
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A validated constrained ``response_format``.
+
+    ``schema`` is the JSON schema the answer must satisfy (``{"type": "object"}`` for
+    ``json_object``). ``name`` and ``strict`` are recorded as given; every schema is enforced
+    exactly (a keyword llguidance cannot enforce is a compile error, never silently ignored).
+    """
+
+    kind: Literal["json_object", "json_schema"]
+    schema: Mapping[str, Any]
+    name: str | None = None
+    strict: bool | None = None
+
+
+def parse_response_format(value: object) -> ResponseFormat | None:
+    """Validate an OpenAI ``response_format`` value; ``None`` (absent/null) or ``text`` -> None.
+
+    Raises:
+        PromptError: naming the malformed field (unknown type or keys, missing or non-object
+            schema, bad name/description/strict).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise PromptError("response_format must be an object")
+    kind = value.get("type")
+    if not isinstance(kind, str) or kind not in _TYPES:
+        raise PromptError("response_format.type must be one of 'text', 'json_object', 'json_schema'")
+    _reject_unknown("response_format", value, _FORMAT_KEYS[kind])
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(kind="json_object", schema=_ANY_OBJECT)
+    spec = value.get("json_schema")
+    if spec is None:
+        raise PromptError("response_format.json_schema is required when type is 'json_schema'")
+    if not isinstance(spec, Mapping):
+        raise PromptError("response_format.json_schema must be an object")
+    _reject_unknown("response_format.json_schema", spec, _JSON_SCHEMA_KEYS)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise PromptError("response_format.json_schema.name must be 1 to 64 characters of a-z, A-Z, 0-9, _ or -")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise PromptError("response_format.json_schema.description must be a string")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise PromptError("response_format.json_schema.strict must be a boolean or null")
+    if "schema" not in spec:
+        raise PromptError("response_format.json_schema.schema is required")
+    schema = spec["schema"]
+    if not isinstance(schema, Mapping):
+        raise PromptError("response_format.json_schema.schema must be a JSON object")
+    return ResponseFormat(kind="json_schema", schema=schema, name=name, strict=strict)
+
+
+def _reject_unknown(where: str, value: Mapping[Any, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(str(key) for key in value if key not in allowed)
+    if unknown:
+        raise PromptError(f"{where}: unknown field(s) {', '.join(repr(k) for k in unknown)}")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Vocabulary geometry shared by every matcher of one compiler (read-only arrays)."""
+
+    sampled_size: int
+    mask_words: int
+    llg_words: int  # words of llguidance's own mask (covers its n_vocab, >= mask_words)
+    keep: Mask  # bits of ids < sampled_size
+    eos: Mask  # bits of the EOS ids
+    not_eos: Mask
+    eos_ids: tuple[int, ...]
+
+
+def _bits(ids: Sequence[int] | npt.NDArray[np.int64], words: int) -> Mask:
+    flags = np.zeros(words * 32, dtype=np.uint8)
+    flags[np.asarray(ids, dtype=np.int64)] = 1
+    packed = np.packbits(flags, bitorder="little")  # byte k holds ids 8k..8k+7, LSB first
+    return packed.view("<u4").astype(np.int32)
+
+
+class GrammarCompiler:
+    """Compiles response formats against one tokenizer; build once at startup and share.
+
+    Args:
+        tokenizer: the core's frontend tokenizer.
+        sampled_size: ids ``>= sampled_size`` are never sampled (padding of the logits).
+        logits_width: width of the logits row; masks have ``ceil(logits_width / 32)`` words.
+        eos_token_ids: the core's EOS ids; allowed exactly when the grammar accepts termination.
+
+    Raises:
+        ContractError: inconsistent geometry, or a tokenizer llguidance cannot convert.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        sampled_size: int,
+        logits_width: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        if not 1 <= sampled_size <= logits_width:
+            raise ContractError(f"sampled_size must lie in [1, logits_width={logits_width}], not {sampled_size}")
+        eos = tuple(dict.fromkeys(int(t) for t in eos_token_ids))
+        if not eos:
+            raise ContractError("structured output needs at least one EOS token id")
+        bad = [t for t in eos if not 0 <= t < sampled_size]
+        if bad:
+            raise ContractError(f"EOS token ids {bad} lie outside the sampled vocabulary [0, {sampled_size})")
+        mask_words = (logits_width + 31) // 32
+        n_vocab = max(int(tokenizer.get_vocab_size(with_added_tokens=True)), logits_width)
+        llg_words = (n_vocab + 31) // 32
+        plain = Tokenizer.from_str(tokenizer.to_str())
+        plain.no_padding()
+        plain.no_truncation()
+        try:
+            self._llg = llguidance.LLTokenizer(plain.to_str(), n_vocab=n_vocab, eos_token=list(eos))
+        except (ValueError, RuntimeError) as exc:
+            raise ContractError(f"llguidance cannot use the frontend tokenizer: {exc}") from exc
+        keep = _bits(np.arange(sampled_size), mask_words)
+        eos_bits = _bits(eos, mask_words)
+        for array in (keep, eos_bits):
+            array.flags.writeable = False
+        not_eos = ~eos_bits
+        not_eos.flags.writeable = False
+        self._geometry = _Geometry(
+            sampled_size=sampled_size,
+            mask_words=mask_words,
+            llg_words=llg_words,
+            keep=keep,
+            eos=eos_bits,
+            not_eos=not_eos,
+            eos_ids=eos,
+        )
+        self._any_object: Grammar | None = None
+
+    @property
+    def mask_words(self) -> int:
+        """Words of every mask this compiler's matchers produce."""
+        return self._geometry.mask_words
+
+    def compile(self, fmt: ResponseFormat) -> Grammar:
+        """Compile and validate ``fmt``'s schema now (not at the first token).
+
+        Raises:
+            PromptError: the schema is not valid JSON or llguidance rejects it (its message).
+        """
+        if fmt.kind == "json_object" and self._any_object is not None:
+            return self._any_object
+        where = "response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format"
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(fmt.schema))
+        except (ValueError, TypeError) as exc:
+            raise PromptError(f"{where}: {exc}") from exc
+        prototype = llguidance.LLMatcher(self._llg, grammar, log_level=0)
+        if prototype.is_error():
+            raise PromptError(f"{where}: {_first_line(prototype.get_error())}")
+        compiled = Grammar(prototype=prototype, geometry=self._geometry, source=grammar)
+        if fmt.kind == "json_object":
+            self._any_object = compiled  # the same grammar for every request: compile it once
+        return compiled
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled, validated grammar; share it and call :meth:`matcher` per request."""
+
+    prototype: Any  # llguidance.LLMatcher in its initial state; only ever deep-copied
+    geometry: _Geometry
+    source: str  # llguidance's grammar text (diagnostics)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the document."""
+        with self._lock:
+            copy = self.prototype.deep_copy()
+        return GrammarMatcher(copy, self.geometry)
+
+
+class GrammarMatcher:
+    """Per-request grammar state; not thread-safe (one request, one worker at a time).
+
+    Per step: :meth:`mask` (upload to the device), sample, :meth:`advance` with the sampled id.
+    """
+
+    def __init__(self, matcher: Any, geometry: _Geometry) -> None:
+        self._matcher = matcher
+        self._geometry = geometry
+        self._scratch: Mask = np.zeros(geometry.llg_words, dtype=np.int32)
+        self._mask: Mask | None = None
+
+    def mask(self) -> Mask:
+        """Allowed ids of the next token: read-only ``int32 [mask_words]`` in the kernels' layout.
+
+        Cached until the next :meth:`advance`. Raises :class:`GrammarError` if the matcher is in
+        an error state.
+        """
+        if self._mask is None:
+            self._mask = self._compute()
+        return self._mask
+
+    def _compute(self) -> Mask:
+        g = self._geometry
+        scratch = self._scratch
+        self._matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        if self._matcher.is_error():
+            raise GrammarError(f"grammar matcher failed: {_first_line(self._matcher.get_error())}")
+        out: Mask = np.bitwise_and(scratch[: g.mask_words], g.keep)
+        if self._matcher.is_accepting():
+            np.bitwise_or(out, g.eos, out=out)
+        else:
+            np.bitwise_and(out, g.not_eos, out=out)
+        out.flags.writeable = False
+        return out
+
+    def advance(self, token_id: int) -> None:
+        """Consume the sampled ``token_id``.
+
+        Raises:
+            GrammarError: the id is outside the sampled vocabulary or not allowed here.
+        """
+        g = self._geometry
+        token = int(token_id)
+        if not 0 <= token < g.sampled_size:
+            raise GrammarError(f"token id {token} lies outside the sampled vocabulary [0, {g.sampled_size})")
+        allowed = self.mask()
+        if not (int(allowed[token >> 5]) >> (token & 31)) & 1:
+            raise GrammarError(f"token id {token} is not allowed by the response grammar at this point")
+        if not self._matcher.consume_token(token):
+            raise GrammarError(f"grammar rejected token id {token}: {_first_line(self._matcher.get_error())}")
+        self._mask = None
+
+    @property
+    def is_accepting(self) -> bool:
+        """Whether the document so far is complete (EOS may end it)."""
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing but EOS can follow: the matcher stopped, or it accepts and only EOS is allowed."""
+        if self._matcher.is_stopped():
+            return True
+        if not self._matcher.is_accepting():
+            return False
+        return bool(np.array_equal(self.mask(), self._geometry.eos))
+
+
+def _first_line(message: str) -> str:
+    """llguidance errors append a multi-line parser dump; keep the human-readable first line."""
+    return message.strip().splitlines()[0] if message.strip() else "unknown llguidance error"

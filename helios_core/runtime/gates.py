@@ -1,0 +1,99 @@
+"""Host gates: what must run in the worker on each sampled token before the request's next round.
+
+Owns, per request, the incremental detokenizer, the token-stop and string-stop matchers and the
+grammar matcher, in the order the spec fixes: the token is stamped (when observed) right after
+completion, then the grammar advances and yields the next mask, then token stops, then string
+stops on incrementally decoded text (reasoning and tool envelopes included, before presentation).
+A gate reports which (id, text) pieces presentation may show, whether a host stop matched, and the
+grammar mask of the next round. A request with any gate keeps one outstanding round.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from tokenizers import Tokenizer
+
+from helios_core.frontend.detokenizer import IncrementalDetokenizer
+from helios_core.runtime.messages import Piece, PreparedRequest
+
+
+@dataclass
+class GateOutcome:
+    """What one sampled token released and decided."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    stopped: bool = False
+
+
+class HostGate:
+    """The per-request host work between rounds."""
+
+    def __init__(self, request: PreparedRequest, tokenizer: Tokenizer, grammar_compiler: Any | None) -> None:
+        from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
+
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._string_stops = StringStopMatcher(request.string_stops) if request.string_stops else None
+        self._token_stops = TokenStopMatcher(request.token_stops) if request.token_stops else None
+        self._grammar = None
+        if request.response_format is not None:
+            if grammar_compiler is None:
+                raise ValueError("structured output needs a grammar compiler")
+            from helios_core.frontend.structured import parse_response_format
+
+            fmt = parse_response_format(json.loads(request.response_format))
+            if fmt is not None:
+                self._grammar = grammar_compiler.compile(fmt).matcher()
+
+    @property
+    def constrained(self) -> bool:
+        return self._grammar is not None
+
+    @property
+    def holds_rounds(self) -> bool:
+        """Whether this request must keep one outstanding round (host-fed decisions)."""
+        return self._grammar is not None or self._string_stops is not None or self._token_stops is not None
+
+    def mask(self) -> npt.NDArray[np.int32] | None:
+        """The grammar mask of the next round, or None when unconstrained."""
+        return None if self._grammar is None else self._grammar.mask()
+
+    def observe(self, token_id: int) -> GateOutcome:
+        """Advance every gate by one sampled token."""
+        if self._grammar is not None:
+            self._grammar.advance(token_id)
+        released = [token_id]
+        outcome = GateOutcome()
+        if self._token_stops is not None:
+            result = self._token_stops.feed(token_id)
+            released = list(result.released)
+            outcome.stopped = result.matched
+        for presented in released:
+            text = self._detokenizer.push(presented)
+            if self._string_stops is not None and not outcome.stopped:
+                matched = self._string_stops.feed(text)
+                text = matched.visible
+                outcome.stopped = matched.matched
+            outcome.pieces.append((presented, text))
+        return outcome
+
+    def finish(self) -> list[Piece]:
+        """Release what is still buffered at a normal termination (EOS, output limit)."""
+        pieces: list[Piece] = []
+        if self._token_stops is not None:
+            for presented in self._token_stops.flush():
+                pieces.append((presented, self._detokenizer.push(presented)))
+        tail = self._detokenizer.flush()
+        if self._string_stops is not None:
+            tail = (
+                self._string_stops.feed(tail).visible + self._string_stops.flush()
+                if tail
+                else self._string_stops.flush()
+            )
+        if tail:
+            pieces.append((-1, tail))
+        return pieces
