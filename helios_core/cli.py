@@ -235,10 +235,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = bootstrap.encode_prompt(messages)
         explicit = {"temperature": args.temperature, "top_p": args.top_p}
         sampling = resolve_sampling(bootstrap.sampling_defaults, explicit, seed=args.seed)
+        context = running.verified.contract.serving.context_tokens
+        max_tokens = args.max_tokens
+        if max_tokens is None:  # the core's default output limit, within what the context leaves
+            max_tokens = max(min(bootstrap.max_output_tokens, context - len(prompt)), 1)
         request = PreparedRequest(
             request_id="generate-1",
             prompt_ids=prompt,
-            max_tokens=args.max_tokens or bootstrap.max_output_tokens,
+            max_tokens=max_tokens,
             sampling=SamplingParams(
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,

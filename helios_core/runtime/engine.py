@@ -107,6 +107,7 @@ class Engine:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._sequence = 0
+        self._stopping = False
         self._reports_completion = _programs_writing_completion(model)
         self._snapshot: StatsSnapshot = self._take_snapshot()
         self._worker = threading.Thread(target=self._run, name="helios-model-worker", daemon=True)
@@ -145,7 +146,7 @@ class Engine:
             return self._snapshot
 
     def shutdown(self) -> None:
-        """Stop the worker after the round in progress and release the model."""
+        """Stop the worker after the round in progress, cancel what remains, release the model."""
         self._inbox.put(("stop", None))
         self._worker.join()
         self.model.close()
@@ -154,6 +155,8 @@ class Engine:
     def _run(self) -> None:
         while True:
             if not self._drain(block=self.scheduler.idle):
+                self._drain(block=False)  # requests submitted before the stop still get their final event
+                self._publish(self.scheduler.cancel_all())
                 return
             try:
                 self._step()
@@ -178,6 +181,7 @@ class Engine:
                 return True
             block = False
             if kind == "stop":
+                self._stopping = True
                 return False
             if kind == "cancel" and isinstance(payload, str):
                 self.scheduler.cancel(payload)

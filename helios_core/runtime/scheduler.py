@@ -385,6 +385,12 @@ class Scheduler:
         """The whole round failed: fail its requests only; nothing of the round is published."""
         return [self._fail(state, message) for state in round_.members]
 
+    def cancel_all(self) -> list[Event]:
+        """Finish every queued and running request as cancelled (shutdown; nothing is in flight)."""
+        for state in itertools.chain(self.waiting, self.running):
+            state.cancelled = True
+        return self.take_cancelled()
+
     def fail_all(self, message: str) -> list[Event]:
         """Fail every queued and running request (after an internal error)."""
         events = [self._fail(state, message) for state in list(self.running)]

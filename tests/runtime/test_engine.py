@@ -161,3 +161,15 @@ def test_cache_pages_option_caps_and_is_checked(start_fixture: Callable[..., Run
     assert start_fixture(cache_pages=20).model.cache_pages == 20
     with pytest.raises(StartupError, match="cannot hold one request at full context"):
         start_fixture(cache_pages=3)
+
+
+def test_shutdown_gives_every_outstanding_request_a_final_event(start_fixture: Callable[..., RunningModel]) -> None:
+    running = start_fixture()
+    prompt = _prompt(running)
+    streams = [running.engine.submit(PreparedRequest(f"s{i}", prompt, 30, GREEDY, ignore_eos=True)) for i in range(6)]
+    running.engine.shutdown()
+    for stream in streams:
+        finished = list(stream)[-1]
+        assert isinstance(finished, Finished)
+        assert finished.reason in ("cancelled", "length")
+    running.engine.shutdown = lambda: None  # type: ignore[method-assign]  # already stopped; the fixture closes the core
