@@ -224,7 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from helios_core.contract import LoadOptions
     from helios_core.frontend.bootstrap import resolve_sampling
     from helios_core.loading import TrustSettings
-    from helios_core.runtime.messages import PreparedRequest, SamplingParams
+    from helios_core.runtime.messages import PreparedRequest
     from helios_core.runtime.startup import start
 
     messages = _read_messages(args.messages)
@@ -243,16 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             request_id="generate-1",
             prompt_ids=prompt,
             max_tokens=max_tokens,
-            sampling=SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                min_p=sampling.min_p,
-                repetition_penalty=sampling.repetition_penalty,
-                frequency_penalty=sampling.frequency_penalty,
-                presence_penalty=sampling.presence_penalty,
-                seed=sampling.seed,
-            ),
+            sampling=sampling,
             ignore_eos=args.ignore_eos,
         )
         result = running.engine.generate(request)

@@ -364,72 +364,62 @@ def _init_sampling_state(n: _Node) -> Step:
     return step
 
 
-def _completion_lanes(n: _Node) -> Step:
-    generation, sample_active = n.tensor("generation").reshape(-1), n.tensor("sample_active").reshape(-1)
-    last_index, positions = n.tensor("last_index").reshape(-1), n.tensor("positions").reshape(-1)
+def _lane_record_writer(n: _Node, inputs: Mapping[str, AnyArray]) -> Callable[[AnyArray, AnyArray], None]:
+    """The writer of a non-speculative completion record: echoes, emitted counts, consumed endpoints.
+
+    Checks once that every per-lane input and output holds one element per lane.
+    """
+    generation = n.tensor("generation").reshape(-1)
     sequence = n.tensor("submission_sequence")
     out_generation, out_emitted = n.tensor("out_generation"), n.tensor("out_emitted")
     out_consumed, out_draft = n.tensor("out_consumed"), n.tensor("out_draft_cursor")
     out_reserved, out_sequence = n.tensor("out_reserved"), n.tensor("out_sequence")
     lanes = generation.size
-    for name, array in (
-        ("sample_active", sample_active),
-        ("last_index", last_index),
-        ("out_generation", out_generation),
-        ("out_emitted", out_emitted),
-        ("out_consumed", out_consumed),
-        ("out_draft_cursor", out_draft),
-        ("out_reserved", out_reserved),
-    ):
+    checked = {
+        **inputs,
+        "out_generation": out_generation,
+        "out_emitted": out_emitted,
+        "out_consumed": out_consumed,
+        "out_draft_cursor": out_draft,
+        "out_reserved": out_reserved,
+    }
+    for name, array in checked.items():
         if array.size != lanes:
             raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
     if sequence.size != out_sequence.size:
         raise n.fail(f"submission_sequence {sequence.shape} and out_sequence {out_sequence.shape} differ")
 
-    def step() -> None:
+    def write(consumed: AnyArray, emitted: AnyArray) -> None:
         out_generation.reshape(-1)[...] = generation
-        out_emitted.reshape(-1)[...] = sample_active != 0
-        index = last_index.astype(np.int64)
-        consumed = np.zeros(lanes, dtype=np.int64)
-        valid = index >= 0
-        consumed[valid] = positions[index[valid]].astype(np.int64) + 1
+        out_emitted.reshape(-1)[...] = emitted
         out_consumed.reshape(-1)[...] = consumed
         out_draft[...] = -1
         out_reserved[...] = -1
         out_sequence.reshape(-1)[...] = sequence.reshape(-1)
+
+    return write
+
+
+def _completion_lanes(n: _Node) -> Step:
+    sample_active = n.tensor("sample_active").reshape(-1)
+    last_index, positions = n.tensor("last_index").reshape(-1), n.tensor("positions").reshape(-1)
+    write = _lane_record_writer(n, {"sample_active": sample_active, "last_index": last_index})
+
+    def step() -> None:
+        index = last_index.astype(np.int64)
+        consumed = np.zeros(index.size, dtype=np.int64)
+        valid = index >= 0
+        consumed[valid] = positions[index[valid]].astype(np.int64) + 1
+        write(consumed, sample_active != 0)
 
     return step
 
 
 def _completion_copy_lanes(n: _Node) -> Step:
-    generation, consumed = n.tensor("generation").reshape(-1), n.tensor("consumed").reshape(-1)
-    sequence = n.tensor("submission_sequence")
-    out_generation, out_emitted = n.tensor("out_generation"), n.tensor("out_emitted")
-    out_consumed, out_draft = n.tensor("out_consumed"), n.tensor("out_draft_cursor")
-    out_reserved, out_sequence = n.tensor("out_reserved"), n.tensor("out_sequence")
-    lanes = generation.size
-    for name, array in (
-        ("consumed", consumed),
-        ("out_generation", out_generation),
-        ("out_emitted", out_emitted),
-        ("out_consumed", out_consumed),
-        ("out_draft_cursor", out_draft),
-        ("out_reserved", out_reserved),
-    ):
-        if array.size != lanes:
-            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
-    if sequence.size != out_sequence.size:
-        raise n.fail(f"submission_sequence {sequence.shape} and out_sequence {out_sequence.shape} differ")
-
-    def step() -> None:
-        out_generation.reshape(-1)[...] = generation
-        out_emitted[...] = 0
-        out_consumed.reshape(-1)[...] = consumed
-        out_draft[...] = -1
-        out_reserved[...] = -1
-        out_sequence.reshape(-1)[...] = sequence.reshape(-1)
-
-    return step
+    consumed = n.tensor("consumed").reshape(-1)
+    write = _lane_record_writer(n, {"consumed": consumed})
+    no_tokens = np.zeros(consumed.size, dtype=np.int64)
+    return lambda: write(consumed, no_tokens)
 
 
 def _tail_page(n: _Node) -> Step:

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from helios_core.container.reader import CoreFile
 from helios_core.contract import PreparedContract
 from helios_core.errors import ContractError, HeliosError
+from helios_core.runtime.messages import SamplingParams
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 
@@ -31,39 +32,30 @@ class PromptError(HeliosError):
     """A conversation the chat template cannot render (an invalid request)."""
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    """Complete sampling settings of one request after defaults are applied."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise PromptError(f"temperature must be >= 0, not {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise PromptError(f"top_p must lie in (0, 1], not {self.top_p}")
-        if self.top_k < 0:
-            raise PromptError(f"top_k must be >= 0, not {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise PromptError(f"min_p must lie in [0, 1], not {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise PromptError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
-        if not -2 <= self.frequency_penalty <= 2 or not -2 <= self.presence_penalty <= 2:
-            raise PromptError("frequency_penalty and presence_penalty must lie in [-2, 2]")
-        if not 0 <= self.seed < 2**64:
-            raise PromptError("seed must lie in [0, 2**64)")
+_NEUTRAL_SAMPLING = SamplingParams()
 
 
-def resolve_sampling(defaults: ct.SamplingDefaults, request: Mapping[str, Any], seed: int) -> SamplingSettings:
-    """Request values win over the core's defaults, which win over neutral values."""
-    neutral = SamplingSettings()
+def _check_sampling(params: SamplingParams) -> SamplingParams:
+    """Raise PromptError naming the first out-of-range setting; return ``params`` unchanged."""
+    if params.temperature < 0:
+        raise PromptError(f"temperature must be >= 0, not {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise PromptError(f"top_p must lie in (0, 1], not {params.top_p}")
+    if params.top_k < 0:
+        raise PromptError(f"top_k must be >= 0, not {params.top_k}")
+    if not 0 <= params.min_p <= 1:
+        raise PromptError(f"min_p must lie in [0, 1], not {params.min_p}")
+    if params.repetition_penalty <= 0:
+        raise PromptError(f"repetition_penalty must be > 0, not {params.repetition_penalty}")
+    if not -2 <= params.frequency_penalty <= 2 or not -2 <= params.presence_penalty <= 2:
+        raise PromptError("frequency_penalty and presence_penalty must lie in [-2, 2]")
+    if not 0 <= params.seed < 2**64:
+        raise PromptError("seed must lie in [0, 2**64)")
+    return params
+
+
+def resolve_sampling(defaults: ct.SamplingDefaults, request: Mapping[str, Any], seed: int) -> SamplingParams:
+    """Complete sampling settings: request values over the core defaults over neutral values."""
     values: dict[str, Any] = {}
     for name in (
         "temperature",
@@ -80,8 +72,8 @@ def resolve_sampling(defaults: ct.SamplingDefaults, request: Mapping[str, Any], 
         elif defaults.HasField(name):
             values[name] = getattr(defaults, name)
         else:
-            values[name] = getattr(neutral, name)
-    return SamplingSettings(seed=seed, **values)
+            values[name] = getattr(_NEUTRAL_SAMPLING, name)
+    return _check_sampling(SamplingParams(seed=seed, **values))
 
 
 @dataclass(frozen=True)
