@@ -266,6 +266,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------------- run
+
+
+_RUN_OPTIONS = (
+    "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
+    "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
+)  # fmt: skip
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from helios_core.server.serve import resolve_options, serve
+
+    explicit = {name: getattr(args, name) for name in _RUN_OPTIONS}
+    serve(resolve_options(explicit, args.config))
+    return EXIT_OK
+
+
+def _add_run_command(sub: Any) -> None:
+    run = sub.add_parser(
+        "run",
+        help="serve a core over the OpenAI-compatible HTTP API",
+        description="Options also come from --config (TOML) and $HELIOS_<OPTION>; explicit options win over the "
+        "config file, which wins over the environment, which wins over the core's defaults.",
+    )
+    run.add_argument("--core", type=Path, help="the core to serve")
+    run.add_argument("--config", type=Path, metavar="FILE", help="TOML file of run options")
+    run.add_argument("--host", help="listen address (default 127.0.0.1)")
+    run.add_argument("--port", type=int, help="listen port (default 8000)")
+    run.add_argument("--max-active", type=int, help="concurrent requests on the model (default: the core's)")
+    run.add_argument("--queue-capacity", type=int, help="queued requests beyond max-active (default: the core's)")
+    run.add_argument("--frontend-workers", type=int, help="request preparation threads (default: the core's)")
+    run.add_argument("--event-capacity", type=int, help="minimum per-response event budget (default: the core's)")
+    run.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
+    run.add_argument(
+        "--trust-key", type=Path, action="append", metavar="PEM", help="trusted publisher key (repeatable)"
+    )
+    run.add_argument("--accept", metavar="NAMESPACE", help="acceptance string (the signed publisher namespace)")
+    run.add_argument("--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores")
+    run.add_argument("--backend", choices=("auto", "reference", "cuda"), help="execution backend (default auto)")
+    run.add_argument("--speculative-width", type=int, help="speculative width (default: the widest captured)")
+    run.add_argument("--history-drafting", action="store_true", default=None, help="enable history drafting")
+    run.add_argument("--served-name", help="model name clients use (default: the core's)")
+    run.add_argument("--alias", action="append", metavar="NAME", help="another accepted model name (repeatable)")
+    run.set_defaults(handler=cmd_run)
+
+
 # ---------------------------------------------------------------------------- keys
 
 
@@ -311,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
     _trust_arguments(generate)
     generate.set_defaults(handler=cmd_generate)
+
+    _add_run_command(sub)
 
     from helios_core.plugins.cli_command import add_plugins_command
 

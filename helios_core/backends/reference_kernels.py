@@ -372,9 +372,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: FrequencyBandScaling |
     wavelen = 2.0 * math.pi / inv_freq
     smooth = (old / wavelen - low) / (high - low)
     medium = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled: F64 = np.where(
-        wavelen < high_wavelen, inv_freq, np.where(wavelen > low_wavelen, inv_freq / factor, medium)
-    )
+    scaled: F64 = np.where(wavelen < high_wavelen, inv_freq, np.where(wavelen > low_wavelen, inv_freq / factor, medium))
     return scaled
 
 
@@ -1074,9 +1072,7 @@ def sample(
         if temps[r] == 0.0:
             ids[r] = int(np.argmax(row))
         else:
-            ids[r] = _sample_row(
-                row, float(temps[r]), int(ks[r]), float(ps[r]), float(mins[r]), float(uniforms[r])
-            )
+            ids[r] = _sample_row(row, float(temps[r]), int(ks[r]), float(ps[r]), float(mins[r]), float(uniforms[r]))
         if top_n:
             best = _top_n(raw_logprobs[r], top_n)
             top_ids[r] = best

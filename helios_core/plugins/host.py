@@ -172,9 +172,7 @@ class PluginRecord:
             "status": self.status,
             "error": self.error,
             "identifiers": self.identifiers(),
-            "implementations": [
-                {"kind": p.kind, "identifier": p.identifier, "name": p.name} for p in self.provided
-            ],
+            "implementations": [{"kind": p.kind, "identifier": p.identifier, "name": p.name} for p in self.provided],
             "conflicts": list(self.conflicts),
         }
 

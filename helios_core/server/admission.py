@@ -1,0 +1,62 @@
+"""HTTP admission: the bound on requests inside the server.
+
+Owns the ingress permits and the preparation slots, both on the event loop (no threads touch
+them). At most ``queue_capacity + max_active`` requests hold a permit at once, counting CPU
+preparation, queued generation and responses awaiting delivery; when none is left a request fails
+immediately with :class:`~helios_core.server.errors.IngressFull` (429). A permit is released when
+the reader releases the response (after the last byte was sent, or the connection dropped), not
+when generation ends, which bounds retained output by admitted requests and their limits. Admitted
+requests then wait asynchronously for one of ``frontend_workers`` preparation slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from helios_core.server.errors import IngressFull
+
+__all__ = ["Admission", "Permit"]
+
+
+class Permit:
+    """One admitted request's hold on the ingress bound; ``release`` is idempotent."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission._release()
+
+
+class Admission:
+    """Ingress permits (``capacity``) and preparation slots (``preparation_slots``)."""
+
+    def __init__(self, capacity: int, preparation_slots: int) -> None:
+        if capacity <= 0 or preparation_slots <= 0:
+            raise ValueError("admission capacity and preparation slots must be positive")
+        self.capacity = capacity
+        self.in_use = 0
+        self._preparation = asyncio.Semaphore(preparation_slots)
+
+    def admit(self) -> Permit:
+        """Take a permit now, or raise IngressFull."""
+        if self.in_use >= self.capacity:
+            raise IngressFull(
+                f"the server holds its limit of {self.capacity} requests (queue_capacity + max_active); retry later"
+            )
+        self.in_use += 1
+        return Permit(self)
+
+    @asynccontextmanager
+    async def preparation_slot(self) -> AsyncIterator[None]:
+        """Wait for one of the frontend workers' preparation slots."""
+        async with self._preparation:
+            yield
+
+    def _release(self) -> None:
+        self.in_use -= 1

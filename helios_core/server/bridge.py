@@ -1,0 +1,44 @@
+"""The bridge from the engine's blocking event streams to the event loop.
+
+Owns the pump threads. ``Engine.submit`` returns a blocking :class:`RequestStream`; one pump per
+response iterates it on a dedicated thread pool and hands every event to the loop with
+``loop.call_soon_threadsafe`` into that response's own unbounded ``asyncio.Queue``. The worker
+never waits for a reader: a paused reader only lets its queue grow, and the queue's size is bounded
+by the request's validated output budget (its output limit, one observation per token when asked,
+and the terminal event), which admission bounds in turn. A pump ends with the terminal event,
+which every request gets (cancellation and shutdown included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+from helios_core.runtime.engine import RequestStream
+from helios_core.runtime.messages import Event
+
+__all__ = ["EventBridge"]
+
+
+class EventBridge:
+    """Pumps request streams into per-response asyncio queues."""
+
+    def __init__(self, pumps: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=pumps, thread_name_prefix="helios-event-pump")
+
+    def attach(self, stream: RequestStream, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Event]:
+        """Start pumping ``stream``; its events arrive, in order, on the returned queue."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self._executor.submit(_pump, stream, loop, events)
+        return events
+
+    def close(self) -> None:
+        """Stop accepting streams; running pumps end with their terminal events."""
+        self._executor.shutdown(wait=False, cancel_futures=False)
+
+
+def _pump(stream: RequestStream, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> None:
+    for event in stream:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to read
+            loop.call_soon_threadsafe(events.put_nowait, event)

@@ -1,0 +1,139 @@
+"""The one place where errors become HTTP statuses and SSE error events.
+
+Owns the server's error classes (all in the Helios error tree) and the mapping from every error
+class the server can see to an HTTP status and an OpenAI-shaped error body:
+
+=============================================  ======  ===========================
+error                                           status  ``error.type``
+=============================================  ======  ===========================
+``InvalidRequest``, ``PromptError``             400     ``invalid_request_error``
+``UnknownModel``                                404     ``not_found_error``
+``IngressFull``                                 429     ``rate_limit_error``
+``AdmissionRefused`` (native rejection event)   503     ``admission_rejected``
+``RequestCancelled``                            503     ``cancelled``
+``ExecutionError`` and any other error          500     ``execution_error``
+=============================================  ======  ===========================
+
+After SSE headers are sent the status is already 200: the same classes become one terminal
+``error`` event (no ``[DONE]``) whose ``error.type`` keeps the distinction. Statuses are chosen by
+class only, never from error text. Changed by the server owners.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+
+from helios_core.errors import HeliosError
+from helios_core.frontend.bootstrap import PromptError
+
+__all__ = [
+    "AdmissionRefused",
+    "ExecutionError",
+    "IngressFull",
+    "InvalidRequest",
+    "RequestCancelled",
+    "UnknownModel",
+    "error_body",
+    "exception_handlers",
+    "status_for",
+]
+
+
+class InvalidRequest(HeliosError):
+    """The request body is malformed, ill-typed or asks for something unsupported (400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModel(HeliosError):
+    """The request names a model this server does not serve (404)."""
+
+
+class IngressFull(HeliosError):
+    """Every admission permit is taken (queue_capacity + max_active requests are in the server)."""
+
+
+class AdmissionRefused(HeliosError):
+    """The model worker rejected the request: it lies outside the prepared capacities."""
+
+
+class RequestCancelled(HeliosError):
+    """The model worker cancelled the request before it finished (server shutdown)."""
+
+
+class ExecutionError(HeliosError):
+    """Model execution, device or output handling failed for this request."""
+
+
+_TABLE: tuple[tuple[type[BaseException], int, str], ...] = (
+    (InvalidRequest, 400, "invalid_request_error"),
+    (PromptError, 400, "invalid_request_error"),
+    (UnknownModel, 404, "not_found_error"),
+    (IngressFull, 429, "rate_limit_error"),
+    (AdmissionRefused, 503, "admission_rejected"),
+    (RequestCancelled, 503, "cancelled"),
+    (ExecutionError, 500, "execution_error"),
+)
+
+
+def _classify(exc: BaseException) -> tuple[int, str]:
+    for cls, status, kind in _TABLE:
+        if isinstance(exc, cls):
+            return status, kind
+    return 500, "execution_error"
+
+
+def status_for(exc: BaseException) -> int:
+    """The HTTP status of ``exc`` (by class)."""
+    return _classify(exc)[0]
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """The OpenAI-shaped error object of ``exc``: ``{"error": {message, type, param, code}}``."""
+    status, kind = _classify(exc)
+    message = str(exc) if isinstance(exc, HeliosError) else f"internal error ({type(exc).__name__})"
+    param = exc.param if isinstance(exc, InvalidRequest) else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def validation_error(exc: msgspec.DecodeError) -> InvalidRequest:
+    """An InvalidRequest naming the field msgspec complained about.
+
+    msgspec says ``... - at `$.field...``` for an ill-typed field and ``Object contains unknown
+    field `name``` for an unknown one; ``param`` is that top-level field.
+    """
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return InvalidRequest(f"the request body is not valid JSON: {text}")
+    param = None
+    if "`$." in text:
+        param = re.split(r"[.\[`]", text.rsplit("`$.", 1)[1], maxsplit=1)[0]
+    elif "unknown field `" in text:
+        param = text.split("unknown field `", 1)[1].split("`", 1)[0]
+    return InvalidRequest(f"invalid request: {text}", param)
+
+
+def _helios_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    return Response(error_body(exc), status_code=status_for(exc))
+
+
+def _http_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+    kind = "invalid_request_error" if exc.status_code < 500 else "execution_error"
+    body = {"error": {"message": exc.detail, "type": kind, "param": None, "code": exc.status_code}}
+    return Response(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _internal_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    return Response(error_body(exc), status_code=500)
+
+
+def exception_handlers() -> dict[int | type[Exception], Any]:
+    """The Litestar exception handlers of the app (one per error family)."""
+    return {HeliosError: _helios_handler, HTTPException: _http_handler, Exception: _internal_handler}

@@ -1,0 +1,98 @@
+"""Prometheus metrics of one app, read from the engine's native statistics at scrape time.
+
+Owns the app's ``CollectorRegistry`` (one per app, never the global one) and the collector that
+turns one ``Engine.statistics()`` snapshot into metric families. Nothing is counted here: the
+worker owns every counter, so a scrape is one consistent snapshot. Labels are program names,
+operations and finish reasons only — never request ids, prompt contents or token ids. The list of
+metrics and their meaning is docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from helios_core.runtime.stats import StatsSnapshot
+
+__all__ = ["CONTENT_TYPE", "EngineCollector", "MetricsExporter"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: int) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+class EngineCollector(Collector):
+    """Collects every metric family from one statistics snapshot per scrape."""
+
+    def __init__(self, statistics: Callable[[], StatsSnapshot], admitted: Callable[[], int]) -> None:
+        self._statistics = statistics
+        self._admitted = admitted
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        return iter(())  # families depend on the snapshot; nothing to pre-register
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._statistics()
+        yield _counter("helios_requests_received", "Requests the model worker queued.", s.received)
+        yield _counter("helios_requests_admitted", "Requests admitted to a model slot.", s.admitted)
+        yield _counter("helios_requests_rejected", "Requests rejected at admission (outside capacities).", s.rejected)
+        yield _counter("helios_requests_failed", "Requests failed by execution or output errors.", s.failed)
+        yield _counter("helios_preemptions", "Requests preempted to free cache pages.", s.preemptions)
+        finished = CounterMetricFamily(
+            "helios_requests_finished", "Requests finished normally, by reason.", labels=["reason"]
+        )
+        for reason, count in sorted(s.finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
+        rounds = CounterMetricFamily("helios_rounds", "Scheduling rounds, by operation.", labels=["operation"])
+        for operation, count in sorted(s.rounds.items()):
+            rounds.add_metric([operation], count)
+        yield rounds
+        launches = CounterMetricFamily("helios_graph_launches", "Captured program launches.", labels=["program"])
+        for program, count in sorted(s.launches.items()):
+            launches.add_metric([program], count)
+        yield launches
+        yield _counter("helios_round_lanes", "Request lanes over all rounds.", s.lanes)
+        yield _counter("helios_prefix_queries", "Prefix-cache lookups.", s.prefix_queries)
+        yield _counter("helios_prefix_hit_pages", "Cache pages reused by prefix lookups.", s.prefix_hit_pages)
+        yield _counter("helios_prefix_reused_tokens", "Prompt tokens reused from the prefix cache.", s.reused_tokens)
+        yield _counter("helios_pages_published", "Cache pages published for prefix reuse.", s.pages_published)
+        yield _counter("helios_pages_evicted", "Published cache pages evicted.", s.pages_evicted)
+        yield _gauge("helios_pages_total", "Physical cache pages.", s.pages_total)
+        yield _gauge("helios_pages_free", "Cache pages neither referenced nor cached.", s.pages_free)
+        yield _gauge("helios_pages_referenced", "Cache pages referenced by requests.", s.pages_referenced)
+        yield _gauge("helios_pages_evictable", "Cached pages no request references.", s.pages_evictable)
+        yield _gauge("helios_requests_active", "Requests holding a model slot.", s.active_requests)
+        yield _gauge("helios_requests_waiting", "Requests queued for a model slot.", s.waiting_requests)
+        yield _gauge("helios_max_active", "Selected model slots (max_active).", s.max_active)
+        yield _gauge("helios_http_admitted", "Requests holding an HTTP admission permit.", self._admitted())
+        yield _counter(
+            "flare_mixed_grammar_decode_steps",
+            "Successful decode submissions whose lanes include constrained and unconstrained requests.",
+            s.mixed_grammar_decode_steps,
+        )
+        yield _gauge(
+            "flare_constrained_max_inflight",
+            "Maximum outstanding executor frames right after a successful constrained submission.",
+            s.constrained_max_inflight,
+        )
+
+
+class MetricsExporter:
+    """The app's registry and its text exposition."""
+
+    def __init__(self, statistics: Callable[[], StatsSnapshot], admitted: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(statistics, admitted))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,241 @@
+"""Presentation: engine events to OpenAI ``chat.completion`` JSON and ``chat.completion.chunk`` SSE.
+
+Owns one :class:`Presenter` per response. It feeds each token event's released pieces (EOS pieces
+dropped, they are termination, not text) through the request's ``OutputPipeline`` (reasoning and
+tool parsers) and shapes the deltas:
+
+* content, ``reasoning_content`` and ``tool_calls`` (a streamed call sends ``id``, ``type`` and
+  ``name`` once in its first fragment, then argument fragments);
+* ``finish_reason``: ``length`` at the output limit; ``tool_calls`` when the model ended (EOS) after
+  parsed calls; ``stop`` otherwise, including a host stop (string or token stop) after calls;
+* observation (``return_token_ids``): JSON adds top-level ``prompt_token_ids`` and
+  ``choices[0].token_ids``; SSE sends the prompt ids in the first chunk and one metadata-only
+  chunk per generated id (``delta={}``, ``choices[0].token_ids=[id]``, plus
+  ``token_timestamps_ns=[t]`` when timed); text deltas carry no ids. Observed terminal responses
+  carry ``reused_prompt_tokens`` and usage; timed ones a top-level ``performance`` object;
+* usage: always in JSON; in SSE a final usage-only chunk (``choices=[]``) when
+  ``stream_options.include_usage`` (earlier chunks ``usage: null``), else on the observed terminal
+  choice chunk.
+
+Errors are not presented here: the app raises them (JSON) or turns them into one SSE error event
+through :mod:`helios_core.server.errors`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from helios_core.plugin_api import GeneratedPiece, OutputDelta, OutputPipeline, ParsedOutput
+from helios_core.runtime.messages import Finished, Piece, TokenEvent
+from helios_core.server.preparation import Frontend, Prepared
+
+__all__ = ["Presenter", "sse_data", "sse_error"]
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def sse_data(payload: Any) -> bytes:
+    """One SSE ``data:`` event."""
+    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
+
+
+def sse_error(body: dict[str, Any]) -> bytes:
+    """The terminal SSE ``error`` event (no ``[DONE]`` follows it)."""
+    return b"event: error\ndata: " + _ENCODER.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class Presenter:
+    """Turns one request's events into its OpenAI response."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        frontend: Frontend,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        ingress_ns: int,
+        enqueue_ns: int,
+    ) -> None:
+        self._prepared = prepared
+        self._pipeline: OutputPipeline = prepared.pipeline(frontend)
+        self._hidden_ids = frozenset() if prepared.request.ignore_eos else frontend.eos_token_ids
+        self._id = response_id
+        self._created = created
+        self._model = model
+        self._ingress_ns = ingress_ns
+        self._enqueue_ns = enqueue_ns
+        self.token_ids: list[int] = []
+        self.timestamps: list[int] = []
+        self._last_token: int | None = None
+        self._calls_started: set[int] = set()
+
+    # -- shared -----------------------------------------------------------------------------------
+    def _pieces(self, pieces: list[Piece]) -> list[GeneratedPiece]:
+        return [GeneratedPiece(token_id, text) for token_id, text in pieces if token_id not in self._hidden_ids]
+
+    def _observe(self, event: TokenEvent) -> None:
+        self.token_ids.append(event.token_id)
+        self.timestamps.append(event.timestamp_ns)
+        self._last_token = event.token_id
+
+    def _finish_reason(self, finished: Finished, hint: str) -> str:
+        if finished.reason == "length":
+            return "length"
+        ended_by_eos = self._last_token is not None and self._last_token in self._hidden_ids
+        if hint == "tool_calls" and ended_by_eos:
+            return "tool_calls"
+        return "stop"
+
+    def _usage(self, finished: Finished) -> dict[str, Any]:
+        return {
+            "prompt_tokens": finished.prompt_tokens,
+            "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
+        }
+
+    def _performance(self, finished: Finished) -> dict[str, int]:
+        return {
+            "ingress_ns": self._ingress_ns,
+            "enqueue_ns": self._enqueue_ns,
+            "reused_prompt_tokens": finished.reused_prompt_tokens,
+        }
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def collect(self, event: TokenEvent) -> None:
+        """Non-stream: take one token event."""
+        self._observe(event)
+        self._pipeline.feed(self._pieces(event.pieces))
+
+    def completion(self, finished: Finished) -> dict[str, Any]:
+        """Non-stream: the ``chat.completion`` object after the terminal event."""
+        self._pipeline.feed(self._pieces(finished.pieces))
+        result = self._pipeline.finish()
+        message = _message(result.output)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": self._finish_reason(finished, result.finish_hint),
+        }
+        body: dict[str, Any] = {
+            "id": self._id,
+            "object": "chat.completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "usage": self._usage(finished),
+        }
+        prepared = self._prepared
+        if prepared.return_token_ids:
+            body["prompt_token_ids"] = list(prepared.request.prompt_ids)
+            choice["token_ids"] = self.token_ids
+            body["reused_prompt_tokens"] = finished.reused_prompt_tokens
+        if prepared.return_token_timestamps:
+            choice["token_timestamps_ns"] = self.timestamps
+            body["performance"] = self._performance(finished)
+        return body
+
+    # -- SSE --------------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
+        if self._prepared.include_usage:
+            chunk["usage"] = None
+        chunk.update(extra)
+        return chunk
+
+    def _choice(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice.update(extra)
+        return choice
+
+    def first_chunk(self) -> bytes:
+        """The opening chunk: the assistant role (and the prompt ids when observed)."""
+        extra: dict[str, Any] = {}
+        if self._prepared.return_token_ids:
+            extra["prompt_token_ids"] = list(self._prepared.request.prompt_ids)
+        return sse_data(self._chunk([self._choice({"role": "assistant", "content": ""})], **extra))
+
+    def stream_token(self, event: TokenEvent) -> list[bytes]:
+        """The chunks of one token event: its id observation, then its text deltas."""
+        self._observe(event)
+        out: list[bytes] = []
+        if self._prepared.return_token_ids:
+            extra: dict[str, Any] = {"token_ids": [event.token_id]}
+            if self._prepared.return_token_timestamps:
+                extra["token_timestamps_ns"] = [event.timestamp_ns]
+            out.append(sse_data(self._chunk([self._choice({}, **extra)])))
+        out.extend(self._delta_chunks(self._pipeline.feed(self._pieces(event.pieces))))
+        return out
+
+    def stream_finish(self, finished: Finished) -> list[bytes]:
+        """The last chunks: remaining deltas, the terminal choice chunk, usage, ``[DONE]``."""
+        deltas = self._pipeline.feed(self._pieces(finished.pieces))
+        result = self._pipeline.finish()
+        out = self._delta_chunks([*deltas, *result.deltas])
+        prepared = self._prepared
+        extra: dict[str, Any] = {}
+        if prepared.return_token_ids:
+            extra["reused_prompt_tokens"] = finished.reused_prompt_tokens
+            if not prepared.include_usage:
+                extra["usage"] = self._usage(finished)
+        if prepared.return_token_timestamps:
+            extra["performance"] = self._performance(finished)
+        terminal = self._choice({}, self._finish_reason(finished, result.finish_hint))
+        out.append(sse_data(self._chunk([terminal], **extra)))
+        if prepared.include_usage:
+            out.append(sse_data(self._chunk([], usage=self._usage(finished))))
+        out.append(SSE_DONE)
+        return out
+
+    def _delta_chunks(self, deltas: list[OutputDelta]) -> list[bytes]:
+        return [sse_data(self._chunk([self._choice(self._delta(delta))])) for delta in deltas]
+
+    def _delta(self, delta: OutputDelta) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if delta.reasoning:
+            out["reasoning_content"] = delta.reasoning
+        if delta.content:
+            out["content"] = delta.content
+        if delta.tool_calls:
+            calls = []
+            for piece in delta.tool_calls:
+                if piece.index not in self._calls_started and piece.id is not None:
+                    self._calls_started.add(piece.index)
+                    calls.append(
+                        {
+                            "index": piece.index,
+                            "id": piece.id,
+                            "type": "function",
+                            "function": {"name": piece.name, "arguments": piece.arguments},
+                        }
+                    )
+                else:
+                    calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+            out["tool_calls"] = calls
+        return out
+
+
+def _message(output: ParsedOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": output.content}
+    if output.reasoning is not None:
+        message["reasoning_content"] = output.reasoning
+    if output.tool_calls:
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in output.tool_calls
+        ]
+    return message

@@ -1,0 +1,226 @@
+"""``helios run``: option resolution and the uvicorn lifecycle of one served core.
+
+Owns the run options (their names, types and defaults), the precedence rule — explicit command-line
+options over the TOML config file (``--config``) over the environment (``HELIOS_<OPTION>``, e.g.
+``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: start the model, build
+the app, run uvicorn programmatically, log one readiness line, and on SIGINT/SIGTERM drain
+connections for five seconds (uvicorn's ``timeout_graceful_shutdown``) before closing the model.
+Startup failures are Helios errors; the CLI prints them as one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from helios_core.errors import StartupError
+
+__all__ = ["RunOptions", "resolve_options", "serve"]
+
+DRAIN_SECONDS = 5
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every ``helios run`` option after resolution (None: the core's default)."""
+
+    core: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_active: int | None = None
+    queue_capacity: int | None = None
+    frontend_workers: int | None = None
+    event_capacity: int | None = None
+    cache_pages: int | None = None
+    trust_key: tuple[Path, ...] = ()
+    accept: str | None = None
+    core_key: Path | None = None
+    backend: str = "auto"
+    speculative_width: int | None = None
+    history_drafting: bool = False
+    served_name: str | None = None
+    alias: tuple[str, ...] = ()
+
+
+_BACKENDS = ("auto", "reference", "cuda")
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    """``value`` (from a config file or the environment, where everything may be a string) as the
+    type of option ``name``."""
+    where = f"{name.replace('_', '-')} (from {source})"
+    if name in ("host", "accept", "served_name"):
+        if not isinstance(value, str):
+            raise StartupError(f"{where} must be a string")
+        return value
+    if name in ("core", "core_key"):
+        if not isinstance(value, str):
+            raise StartupError(f"{where} must be a path string")
+        return Path(value)
+    if name == "backend":
+        if value not in _BACKENDS:
+            raise StartupError(f"{where} must be one of {', '.join(_BACKENDS)}, not {value!r}")
+        return value
+    if name == "history_drafting":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise StartupError(f"{where} must be a boolean")
+    if name in ("trust_key", "alias"):
+        if isinstance(value, str):
+            separator = os.pathsep if name == "trust_key" else ","
+            items = [item.strip() for item in value.split(separator) if item.strip()]
+        elif isinstance(value, list) and all(isinstance(item, str) for item in value):
+            items = list(value)
+        else:
+            raise StartupError(f"{where} must be a string or a list of strings")
+        return tuple(Path(item) for item in items) if name == "trust_key" else tuple(items)
+    # the integer options
+    if isinstance(value, bool):
+        raise StartupError(f"{where} must be an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise StartupError(f"{where} must be an integer, not {value!r}")
+
+
+def _config_values(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise StartupError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise StartupError(f"config file {path} is not TOML: {exc}") from exc
+    known = {f.name for f in fields(RunOptions)}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise StartupError(f"config file {path}: unknown option {key!r}")
+        values[name] = _convert(name, value, f"config file {path}")
+    return values
+
+
+def _environment_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in fields(RunOptions):
+        variable = f"HELIOS_{f.name.upper()}"
+        if environ.get(variable):
+            values[f.name] = _convert(f.name, environ[variable], f"${variable}")
+    return values
+
+
+def resolve_options(
+    explicit: Mapping[str, Any], config: Path | None = None, environ: Mapping[str, str] | None = None
+) -> RunOptions:
+    """Explicit options (None or empty: not given) over the config file over the environment."""
+    values = _environment_values(os.environ if environ is None else environ)
+    if config is not None:
+        values.update(_config_values(config))
+    for name, value in explicit.items():
+        if value is not None and value != () and value != [] and value is not False:
+            values[name] = tuple(value) if isinstance(value, list) else value
+    if values.get("core") is None:
+        raise StartupError("no core given: pass --core PATH (or set core in --config, or $HELIOS_CORE)")
+    return RunOptions(**values)
+
+
+def serve(options: RunOptions) -> None:
+    """Start the core, serve it until SIGINT/SIGTERM, drain, close the model."""
+    import uvicorn
+
+    from helios_core.contract import LoadOptions
+    from helios_core.loading import TrustSettings
+    from helios_core.runtime.startup import start
+    from helios_core.server.app import ServerSettings, create_app
+
+    if options.core is None:
+        raise StartupError("no core given: pass --core PATH")
+    trust = TrustSettings.resolve(options.trust_key, options.accept, options.core_key)
+    load = LoadOptions(
+        max_active=options.max_active,
+        queue_capacity=options.queue_capacity,
+        frontend_workers=options.frontend_workers,
+        event_capacity=options.event_capacity,
+        speculative_width=options.speculative_width,
+        history_drafting=options.history_drafting,
+        cache_pages=options.cache_pages,
+    )
+    running = start(options.core, trust, load, backend=options.backend)
+    try:
+        app = create_app(running, ServerSettings(options.served_name, options.alias))
+        config = uvicorn.Config(
+            app,
+            host=options.host,
+            port=options.port,
+            log_level="warning",
+            timeout_graceful_shutdown=DRAIN_SECONDS,
+            lifespan="on",
+        )
+        serving = running.verified.contract.serving
+        names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
+        line = f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
+        server = _ReadyServer(config, line)
+        with _quiet_after_shutdown():
+            server.run()
+        if not server.started:
+            raise StartupError(f"could not listen on {options.host}:{options.port}")
+    finally:
+        running.close()
+
+
+@contextlib.contextmanager
+def _quiet_after_shutdown() -> Iterator[None]:
+    """uvicorn handles SIGINT/SIGTERM (graceful shutdown) and re-raises the signal afterwards to the
+    handler it found; that handler is a no-op here, so a requested shutdown exits 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
+    return None
+
+
+class _ReadyServer:
+    """A uvicorn server that prints one readiness line once it listens."""
+
+    def __init__(self, config: Any, line: str) -> None:
+        import uvicorn
+
+        line_to_print = line
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets=sockets)
+                if self.started:
+                    print(line_to_print, file=sys.stderr, flush=True)
+
+        self._server = Server(config)
+
+    @property
+    def started(self) -> bool:
+        return bool(self._server.started)
+
+    def run(self) -> None:
+        self._server.run()

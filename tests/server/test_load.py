@@ -1,0 +1,128 @@
+"""Admission (429), disconnect cancellation and the metrics export under held traffic."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import Served, serve_fixture
+from tests.server.helpers import chat
+
+
+def _metrics(served: Served) -> dict[str, float]:
+    text = httpx.get(served.base_url + "/metrics").text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                values[sample.name] = sample.value
+    return values
+
+
+def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.01)
+
+
+def test_full_ingress_is_429(served: Served) -> None:
+    capacity = 4  # queue_capacity 2 + max_active 2
+    results: list[int] = []
+
+    def hold() -> None:
+        response = chat(served.base_url, max_tokens=10, ignore_eos=True, stream=True)
+        results.append(response.status_code)
+
+    with served.slow(0.03):
+        threads = [threading.Thread(target=hold) for _ in range(capacity)]
+        for thread in threads:
+            thread.start()
+        _wait_for(lambda: _metrics(served)["helios_http_admitted"] == capacity)
+        refused = chat(served.base_url, max_tokens=2)
+        assert refused.status_code == 429
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        for thread in threads:
+            thread.join(timeout=20)
+    assert results == [200] * capacity
+    _wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
+    assert chat(served.base_url, max_tokens=2).status_code == 200
+
+
+def test_disconnect_cancels(served: Served) -> None:
+    before = served.running.engine.statistics().finished.get("cancelled", 0)
+    with served.slow(0.03), httpx.Client(timeout=10) as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with client.stream("POST", served.base_url + "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(4)]
+            assert received[0].startswith("data: ")
+        # leaving the block closes the connection mid-stream
+        _wait_for(lambda: served.running.engine.statistics().finished.get("cancelled", 0) == before + 1)
+    served.wait_idle()
+    stats = served.running.engine.statistics()
+    assert stats.active_requests == 0
+    assert stats.pages_referenced == 0
+    _wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
+
+
+def test_paused_reader_loses_nothing(served: Served) -> None:
+    with httpx.Client(timeout=10) as client:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+        with client.stream("POST", served.base_url + "/v1/chat/completions", json=body) as response:
+            served.wait_idle()  # generation finishes while the reader has read nothing
+            text = response.read().decode()
+    assert text.count('"token_ids":[') == 30
+    assert text.endswith("data: [DONE]\n\n")
+
+
+def test_metrics_export_and_flare_gauges() -> None:
+    with serve_fixture(max_active=2) as served:
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(served.base_url + "/metrics").text)}
+        assert families["flare_constrained_max_inflight"].type == "gauge"
+        assert families["flare_mixed_grammar_decode_steps"].type == "counter"
+        values = _metrics(served)
+        assert values["flare_constrained_max_inflight"] == 0
+        assert values["flare_mixed_grammar_decode_steps_total"] == 0
+
+        statuses: list[int] = []
+
+        def constrained() -> None:
+            statuses.append(chat(served.base_url, max_tokens=20, response_format={"type": "json_object"}).status_code)
+
+        def plain() -> None:
+            statuses.append(chat(served.base_url, max_tokens=20, ignore_eos=True).status_code)
+
+        with served.slow(0.01):
+            threads = [threading.Thread(target=constrained), threading.Thread(target=plain)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=20)
+        assert statuses == [200, 200]
+        values = _metrics(served)
+        assert values["flare_constrained_max_inflight"] == 1
+        assert values["flare_mixed_grammar_decode_steps_total"] > 0
+        text = httpx.get(served.base_url + "/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                assert not any("chatcmpl" in value for value in sample.labels.values())
+        for name in (
+            "helios_requests_admitted_total",
+            "helios_prefix_queries_total",
+            "helios_pages_total",
+            "helios_pages_free",
+            "helios_pages_referenced",
+            "helios_pages_evictable",
+            "helios_pages_published_total",
+            "helios_requests_active",
+            "helios_requests_waiting",
+        ):
+            assert name in values
+        assert "helios_graph_launches" in {f.name for f in text_string_to_metric_families(text)}

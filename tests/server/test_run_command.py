@@ -1,0 +1,113 @@
+"""``helios run`` as a subprocess: readiness, graceful SIGTERM, startup failures, option precedence."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helios_core.errors import StartupError
+from helios_core.server.serve import resolve_options
+from tests.server.conftest import CORE, KEYS, NAMESPACE, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _helios(*args: str) -> list[str]:
+    return [sys.executable, "-m", "helios_core.cli", "run", *args]
+
+
+def test_run_serves_and_stops_on_sigterm() -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        _helios(
+            "--core",
+            str(CORE),
+            "--trust-key",
+            str(KEYS / "signing.pub.pem"),
+            "--accept",
+            NAMESPACE,
+            "--port",
+            str(port),
+            "--backend",
+            "reference",
+            "--alias",
+            "tiny",
+        ),
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert "ready" in line and "llama-synthetic-tiny, tiny" in line and f"127.0.0.1:{port}" in line
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+            timeout=10,
+        )
+        assert response.status_code == 200
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=8) == 0
+        assert time.monotonic() - started < 6
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_run_with_a_bad_trust_key_exits_1_with_one_line() -> None:
+    result = subprocess.run(
+        _helios("--core", str(CORE), "--trust-key", str(KEYS / "core.key"), "--accept", NAMESPACE),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("helios run: error:")
+
+
+def test_run_with_a_wrong_acceptance_exits_1() -> None:
+    result = subprocess.run(
+        _helios("--core", str(CORE), "--trust-key", str(KEYS / "signing.pub.pem"), "--accept", "someone/else"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_option_precedence(tmp_path: Path) -> None:
+    config = tmp_path / "helios.toml"
+    config.write_text('core = "from-config.core"\nmax-active = 3\nport = 9001\nalias = ["a", "b"]\n')
+    environ = {"HELIOS_MAX_ACTIVE": "1", "HELIOS_QUEUE_CAPACITY": "7", "HELIOS_PORT": "9000", "HELIOS_HOST": "0.0.0.0"}
+    options = resolve_options({"port": 9002, "core": None, "alias": None}, config, environ)
+    assert options.port == 9002  # explicit over config
+    assert options.max_active == 3  # config over environment
+    assert options.queue_capacity == 7  # environment over default
+    assert options.host == "0.0.0.0"
+    assert options.core == Path("from-config.core")
+    assert options.alias == ("a", "b")
+    assert options.frontend_workers is None  # the core's default
+
+
+def test_config_errors_are_startup_errors(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("colour = 3\n")
+    with pytest.raises(StartupError, match="unknown option"):
+        resolve_options({"core": Path("x")}, config, {})
+    with pytest.raises(StartupError, match="integer"):
+        resolve_options({"core": Path("x")}, None, {"HELIOS_PORT": "eighty"})
+    with pytest.raises(StartupError, match="no core"):
+        resolve_options({}, None, {})
