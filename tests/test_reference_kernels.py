@@ -151,9 +151,7 @@ def _meta_llama3_scaling(freqs: list[float], sc: rk.FrequencyBandScaling) -> lis
     return new_freqs
 
 
-LLAMA31 = rk.FrequencyBandScaling(
-    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
-)
+LLAMA31 = rk.FrequencyBandScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
 
 
 def test_rope_inv_freq_llama3_hand_computed() -> None:
@@ -232,9 +230,7 @@ def _planes() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
 
 
-def _fill(
-    k_plane: np.ndarray, v_plane: np.ndarray, pages: np.ndarray, keys: np.ndarray, values: np.ndarray
-) -> None:
+def _fill(k_plane: np.ndarray, v_plane: np.ndarray, pages: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
     n = keys.shape[0]
     p = np.arange(n)
     slots = pages[p // PAGE_TOKENS].astype(np.int64) * PAGE_TOKENS + p % PAGE_TOKENS
@@ -318,9 +314,7 @@ def test_paged_attention_mixed_batch_equals_separate_runs() -> None:
         assert np.array_equal(alone[0], mixed[t]), f"token {t}"
     for r in range(3):
         sel = token_row == r
-        per_request = rk.paged_attention(
-            q[sel], k_plane, v_plane, table, token_row[sel], token_pos[sel], scale
-        )
+        per_request = rk.paged_attention(q[sel], k_plane, v_plane, table, token_row[sel], token_pos[sel], scale)
         assert np.array_equal(per_request, mixed[sel])
     # and the values are right
     seq_k = k_plane[table[1, :3]].reshape(-1, KVH, HD)[:10]

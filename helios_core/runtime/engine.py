@@ -227,6 +227,8 @@ class Engine:
             rejected=stats.rejected,
             failed=stats.failed,
             preemptions=stats.preemptions,
+            snapshots=stats.snapshots,
+            restores=stats.restores,
             finished=dict(stats.finished),
             rounds=dict(stats.rounds),
             launches=dict(stats.launches),

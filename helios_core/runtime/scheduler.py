@@ -70,6 +70,12 @@ class RequestState:
     cancelled: bool = False
     gate: HostGate | None = None
     """Detokenizer, stops and grammar of this request (created at admission)."""
+    preempting: bool = False
+    """A snapshot of this request is the next round; then it leaves the running set."""
+    snapshot_row: int = -1
+    """The snapshot row holding this preempted request's committed state, or -1."""
+    snapshot_endpoint: int = 0
+    """Consumed tokens at the snapshot (an exact token endpoint)."""
 
     @property
     def request_id(self) -> str:
@@ -80,12 +86,26 @@ class RequestState:
         return len(self.tokens) - self.prompt_len
 
     @property
+    def prefill_target(self) -> int:
+        """Where prefill stops: the snapshot's complete pages while a restore is pending, else every token."""
+        return self.snapshot_endpoint if self.snapshot_row >= 0 else len(self.tokens)
+
+    @property
     def in_prefill(self) -> bool:
-        return not self.needs_init and not self.pending_on_device and self.consumed < len(self.tokens)
+        return (
+            not self.needs_init
+            and not self.pending_on_device
+            and not self.preempting
+            and self.consumed < self.prefill_target
+        )
+
+    @property
+    def restore_ready(self) -> bool:
+        return self.snapshot_row >= 0 and self.slot >= 0 and self.consumed >= self.prefill_target
 
     @property
     def decode_ready(self) -> bool:
-        return not self.needs_init and self.pending_on_device
+        return not self.needs_init and self.pending_on_device and not self.preempting
 
 
 @dataclass
@@ -125,9 +145,18 @@ class Scheduler:
         self.prefills = _variants(graphs, ct.OPERATION_PREFILL)
         self.mixed = _variants(graphs, ct.OPERATION_MIXED)
         self.decodes = _variants(graphs, ct.OPERATION_DECODE)
+        snapshots = _variants(graphs, ct.OPERATION_SNAPSHOT)
+        restores = _variants(graphs, ct.OPERATION_RESTORE)
+        self.snapshot = snapshots[0] if snapshots and restores else None
+        self.restore = restores[0] if snapshots and restores else None
+        self.free_snapshot_rows: list[int] = (
+            list(range(contract.serving.snapshot_capacity - 1, -1, -1)) if self.snapshot is not None else []
+        )
         self.max_active = selection.max_active
         self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
         self.waiting: deque[RequestState] = deque()
+        self.starved = False
+        """A running request lacked a page in the last round: admit nobody until every running request is served."""
         self.running: list[RequestState] = []
         self.free_slots: list[int] = list(range(self.max_active - 1, -1, -1))
         self._generations = itertools.count(1)
@@ -191,10 +220,16 @@ class Scheduler:
 
     def next_round(self) -> Round | None:
         """Admit what fits, then plan the next round (None when there is nothing to run)."""
+        leaving = next((s for s in self.running if s.preempting), None)
+        if leaving is not None and self.snapshot is not None:
+            return self._state_copy_round(self.snapshot, leaving, snapshot_row=leaving.snapshot_row)
         self._admit()
         fresh = [s for s in self.running if s.needs_init]
         if fresh:
             return self._initialize_round(fresh)
+        returning = next((s for s in self.running if s.restore_ready), None)
+        if returning is not None and self.restore is not None:
+            return self._state_copy_round(self.restore, returning, restore_row=returning.snapshot_row)
         prefill = [s for s in self.running if s.in_prefill]
         decode = [s for s in self.running if s.decode_ready]
         if prefill:
@@ -204,11 +239,16 @@ class Scheduler:
         return None
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and not self.starved:
             state = self.waiting[0]
-            match = self.allocator.match_prefix(state.tokens, len(state.tokens) - 1)
+            if state.snapshot_row >= 0:  # reuse complete pages up to the snapshot, restore the rest
+                full = state.snapshot_endpoint - state.snapshot_endpoint % self.page_tokens
+                match = self.allocator.match_prefix(state.tokens, full)
+                needed = self._pages_for(state.snapshot_endpoint) - len(match.pages)
+            else:
+                match = self.allocator.match_prefix(state.tokens, len(state.tokens) - 1)
+                needed = self._pages_for(len(state.tokens)) - len(match.pages)
             self.allocator.claim(match)
-            needed = self._pages_for(len(state.tokens)) - len(match.pages)
             fresh = self.allocator.allocate(needed)
             if fresh is None:
                 self.allocator.release(match.pages)
@@ -223,7 +263,8 @@ class Scheduler:
             state.consumed = match.tokens
             state.slot = self.free_slots.pop()
             state.generation = next(self._generations)
-            state.needs_init = True
+            # A snapshotted request gets its state rows back from RESTORE, not from initialization.
+            state.needs_init = state.snapshot_row < 0
             state.pending_on_device = False
             if state.reused_tokens < 0:
                 state.reused_tokens = match.tokens
@@ -246,7 +287,10 @@ class Scheduler:
         expectations: list[LaneExpectation] = []
         if mixed:
             for state in decode[: max(rows - 1, 0)]:
-                if budget - len(lanes) <= 1 or not self._ensure_page(state, exclude=members):
+                if budget - len(lanes) <= 1:
+                    break
+                if not self._ensure_page(state, exclude=members):
+                    self.starved = True
                     break
                 # A decode lane of a mixed round feeds its completed pending token from the host.
                 lanes.append(self._lane(state, [state.consumed], [state.tokens[-1]], sample=True))
@@ -258,8 +302,8 @@ class Scheduler:
                 continue  # preempted to make room for a decode lane above
             if len(members) >= rows or used >= budget:
                 break
-            chunk = min(len(state.tokens) - state.consumed, budget - used)
-            last = state.consumed + chunk == len(state.tokens)
+            chunk = min(state.prefill_target - state.consumed, budget - used)
+            last = state.snapshot_row < 0 and state.consumed + chunk == len(state.tokens)
             positions = list(range(state.consumed, state.consumed + chunk))
             lanes.append(self._lane(state, positions, state.tokens[state.consumed : state.consumed + chunk], last))
             members.append(state)
@@ -272,11 +316,15 @@ class Scheduler:
         rows = max(g.extents.batch_capacity for g in self.decodes)
         members: list[RequestState] = []
         page_tokens = self.page_tokens
+        served = True
         for state in sorted(decode, key=lambda s: s.arrival)[:rows]:
-            if state.slot < 0:
+            if state.slot < 0 or state.preempting:
                 continue  # preempted while an earlier member took a page
             if state.consumed // page_tokens < len(state.pages) or self._ensure_page(state, exclude=members):
                 members.append(state)
+            else:
+                served = False
+        self.starved = not served
         lanes = [self._lane(s, [s.consumed], [], sample=True) for s in members]
         expectations = [LaneExpectation(s.generation, s.consumed + 1, True) for s in members]
         return Round(_smallest(self.decodes, rows=len(lanes)), members, lanes, expectations)
@@ -291,12 +339,31 @@ class Scheduler:
             victims = [s for s in self.running if s is not state and s not in exclude and s.arrival > state.arrival]
             if not victims:
                 victims = [s for s in self.running if s is not state and s not in exclude]
+            victims = [s for s in victims if not s.preempting]
             if not victims:
                 return False
-            self._preempt(max(victims, key=lambda s: s.arrival))
+            victim = max(victims, key=lambda s: s.arrival)
+            if victim.pending_on_device and self.free_snapshot_rows:
+                # Keep the victim's exact committed state: snapshot it in the next round, then release it.
+                victim.preempting = True
+                victim.snapshot_row = self.free_snapshot_rows.pop()
+                victim.snapshot_endpoint = victim.consumed
+                return False
+            self._preempt(victim)
             if state not in self.running:
                 return False
         return True
+
+    def _leave_after_snapshot(self, state: RequestState) -> None:
+        """The snapshot committed: release slot and pages; the request waits at the front of the queue."""
+        self._retire(state, keep_snapshot=True)
+        state.preempting = False
+        state.consumed = 0
+        state.hashes = []
+        state.pending_on_device = False
+        self.waiting.appendleft(state)
+        self.stats.preemptions += 1
+        self.stats.snapshots += 1
 
     def _preempt(self, state: RequestState) -> None:
         """Return a running request to the front of the queue; its published pages stay reusable."""
@@ -306,6 +373,16 @@ class Scheduler:
         state.pending_on_device = False
         self.waiting.appendleft(state)
         self.stats.preemptions += 1
+
+    def _state_copy_round(
+        self, graph: PreparedGraph, state: RequestState, *, snapshot_row: int = -1, restore_row: int = -1
+    ) -> Round:
+        """A SNAPSHOT or RESTORE round of one request at its exact endpoint."""
+        lane = self._lane(state, [], [], sample=False)
+        lane.consumed = state.snapshot_endpoint
+        lane.snapshot_row = snapshot_row
+        lane.restore_row = restore_row
+        return Round(graph, [state], [lane], [LaneExpectation(state.generation, state.snapshot_endpoint, False)])
 
     def _lane(
         self, state: RequestState, positions: list[int], tokens: list[int], sample: bool, *, histogram: bool = False
@@ -357,8 +434,19 @@ class Scheduler:
             if isinstance(result, CompletionError):
                 events.append(self._fail(state, str(result)))
                 continue
-            if round_.graph.operation == ct.OPERATION_INITIALIZE:
+            operation = round_.graph.operation
+            if operation == ct.OPERATION_INITIALIZE:
                 state.needs_init = False
+                continue
+            if operation == ct.OPERATION_SNAPSHOT:
+                self._leave_after_snapshot(state)
+                continue
+            if operation == ct.OPERATION_RESTORE:
+                self.free_snapshot_rows.append(state.snapshot_row)
+                state.snapshot_row = -1
+                state.consumed = state.snapshot_endpoint
+                state.pending_on_device = True
+                self.stats.restores += 1
                 continue
             state.consumed += lane.query_length
             self._publish_pages(state)
@@ -428,8 +516,12 @@ class Scheduler:
             self.allocator.publish(state.pages[index], key)
             state.hashes.append(key)
 
-    def _retire(self, state: RequestState) -> None:
-        """Release a request's pages and slot (no round of it is in flight)."""
+    def _retire(self, state: RequestState, *, keep_snapshot: bool = False) -> None:
+        """Release a request's pages, slot and (unless kept) snapshot row; no round of it is in flight."""
+        if not keep_snapshot and state.snapshot_row >= 0:
+            self.free_snapshot_rows.append(state.snapshot_row)
+            state.snapshot_row = -1
+            state.preempting = False
         if state in self.running:
             self.running.remove(state)
         if state.pages:

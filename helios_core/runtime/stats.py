@@ -20,6 +20,8 @@ class SchedulerStats:
     rejected: int = 0
     failed: int = 0
     preemptions: int = 0
+    snapshots: int = 0
+    restores: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
     launches: dict[str, int] = field(default_factory=dict)
@@ -42,6 +44,8 @@ class StatsSnapshot:
     rejected: int
     failed: int
     preemptions: int
+    snapshots: int
+    restores: int
     finished: dict[str, int]
     rounds: dict[str, int]
     launches: dict[str, int]

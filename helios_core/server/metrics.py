@@ -47,6 +47,8 @@ class EngineCollector(Collector):
         yield _counter("helios_requests_rejected", "Requests rejected at admission (outside capacities).", s.rejected)
         yield _counter("helios_requests_failed", "Requests failed by execution or output errors.", s.failed)
         yield _counter("helios_preemptions", "Requests preempted to free cache pages.", s.preemptions)
+        yield _counter("helios_snapshots_published", "Snapshots committed at exact token endpoints.", s.snapshots)
+        yield _counter("helios_snapshots_restored", "Snapshots restored into private writable pages.", s.restores)
         finished = CounterMetricFamily(
             "helios_requests_finished", "Requests finished normally, by reason.", labels=["reason"]
         )

@@ -126,9 +126,7 @@ def craft_core(signing_key: Ed25519PrivateKey) -> CraftCore:
     ) -> Path:
         body_type = container_pb2.DeploymentBody if layout == "payload" else container_pb2.ModelIndex
         if signed_body is None:
-            body = body_type(
-                publisher_namespace=namespace, resources=list(described), layout=SIGNED_LAYOUTS[layout]
-            )
+            body = body_type(publisher_namespace=namespace, resources=list(described), layout=SIGNED_LAYOUTS[layout])
             signed_body = body.SerializeToString(deterministic=True)
         assemble_core(
             path,

@@ -393,9 +393,7 @@ def test_chat_prompt_ids_match_transformers(tok: GGUFTokenizer, reference_ids: d
 def test_plain_string_ids_match_transformers(tok: GGUFTokenizer, reference_ids: dict[str, Any]) -> None:
     assert len(reference_ids["strings"]) >= 5
     for entry in reference_ids["strings"]:
-        assert tok.tokenizer.encode(entry["text"], add_special_tokens=False).ids == entry["ids"], entry[
-            "text"
-        ]
+        assert tok.tokenizer.encode(entry["text"], add_special_tokens=False).ids == entry["ids"], entry["text"]
         assert tok.tokenizer.decode(entry["ids"], skip_special_tokens=False) == entry["text"]
 
 

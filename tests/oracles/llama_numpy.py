@@ -209,9 +209,7 @@ class LlamaNumpy:
                 kv = hh // group
                 scores = (q[hh] @ keys[kv].T) * scale + mask
                 attn[hh] = softmax(scores) @ values[kv]
-            x = (x + attn.transpose(1, 0, 2).reshape(n_tok, hp.n_head * hd) @ w["wo"].T).astype(
-                F32, copy=False
-            )
+            x = (x + attn.transpose(1, 0, 2).reshape(n_tok, hp.n_head * hd) @ w["wo"].T).astype(F32, copy=False)
 
             h = rms_norm(x, w["ffn_norm"], hp.rms_eps)
             ff = silu(h @ w["w_gate"].T) * (h @ w["w_up"].T)
