@@ -73,6 +73,7 @@ __all__ = [
     "new_call_id",
     "parse_attributes",
     "partial_suffix_length",
+    "require_syntax",
     "scan_tagged_section",
     "schema_type",
     "strip_wrapping_newline",
@@ -256,6 +257,13 @@ class Register(Protocol):
 # --------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------
+
+
+def require_syntax(message: Any, path: str, names: Iterable[str]) -> None:
+    """Raise StartupError naming the first of ``names`` that ``message`` (at ``path``) leaves empty."""
+    for name in names:
+        if not getattr(message, name):
+            raise StartupError(f"{path}.{name} must be declared")
 
 
 def new_call_id() -> str:

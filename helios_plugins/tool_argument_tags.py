@@ -23,9 +23,9 @@ from helios_core.plugin_api import (
     Register,
     SectionScan,
     SectionToolParser,
-    StartupError,
     contract,
     partial_suffix_length,
+    require_syntax,
 )
 
 
@@ -37,9 +37,11 @@ class ArgumentTagParser(SectionToolParser):
     def __init__(self, context: ParserContext) -> None:
         syntax = context.frontend.tool_syntax
         tags = syntax.argument_tags
-        for name in ("call_open", "call_close", "key_open", "key_close", "value_open", "value_close"):
-            if not getattr(tags, name):
-                raise StartupError(f"tool_syntax.argument_tags.{name} must be declared")
+        require_syntax(
+            tags,
+            "tool_syntax.argument_tags",
+            ("call_open", "call_close", "key_open", "key_close", "value_open", "value_close"),
+        )
         super().__init__(context, syntax.opener or tags.call_open)
         self._tags = tags
 

@@ -22,10 +22,10 @@ from helios_core.plugin_api import (
     Register,
     SectionScan,
     SectionToolParser,
-    StartupError,
     TagGrammar,
     contract,
     parse_attributes,
+    require_syntax,
     scan_tagged_section,
 )
 
@@ -51,9 +51,7 @@ class DsmlParser(SectionToolParser):
     def __init__(self, context: ParserContext) -> None:
         syntax = context.frontend.tool_syntax
         dsml = syntax.dsml
-        for name in ("marker", "block", "invoke", "parameter"):
-            if not getattr(dsml, name):
-                raise StartupError(f"tool_syntax.dsml.{name} must be declared")
+        require_syntax(dsml, "tool_syntax.dsml", ("marker", "block", "invoke", "parameter"))
         mark = dsml.marker
         super().__init__(context, syntax.opener or f"<{mark}{dsml.block}>")
         self._grammar = TagGrammar(

@@ -31,6 +31,7 @@ from helios_core.plugin_api import (
     contract,
     parse_attributes,
     partial_suffix_length,
+    require_syntax,
     scan_tagged_section,
 )
 from helios_plugins.reasoning_think_tags import DelimitedReasoningParser
@@ -73,9 +74,7 @@ class XtmlToolParser(SectionToolParser):
     def __init__(self, context: ParserContext) -> None:
         syntax = context.frontend.tool_syntax
         xtml = syntax.xtml
-        for name in ("block_open", "block_close", "call_element", "arg_element"):
-            if not getattr(xtml, name):
-                raise StartupError(f"tool_syntax.xtml.{name} must be declared")
+        require_syntax(xtml, "tool_syntax.xtml", ("block_open", "block_close", "call_element", "arg_element"))
         self._open, self._close, self._sep, _ = xtml_framing(xtml.block_open, xtml.block_close)
         super().__init__(context, syntax.opener or xtml.block_open)
         o, c, s = self._open, self._close, self._sep
