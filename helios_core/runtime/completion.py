@@ -11,7 +11,7 @@ caller fails the affected requests and publishes nothing from that round.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,10 @@ class LaneExpectation:
     generation: int
     consumed: int
     samples: bool
+    top: int = 0
+    """Top alternatives to read for this lane (a sampling lane of a request that asked for them)."""
+    scores: tuple[int, int] = (0, 0)
+    """(first packed token, count) of this lane's prompt scores to read (scored prefill only)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,10 @@ class LaneResult:
     token_id: int
     """The sampled id, or -1 when the lane sampled nothing."""
     logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """(id, logprob) of the top alternatives, best first (only when the lane asked for them)."""
+    scores: list[float] = field(default_factory=list)
+    """Prompt target logprobs of the lane's packed tokens (only when the lane asked for them)."""
 
 
 def read_lanes(
@@ -65,6 +73,9 @@ def read_lanes(
     sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
     ids = sampled.reshape(sampled.shape[0], -1)[:count, 0]
     logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+    top_ids = completion.get(mf.COMPLETION_FIELD_TOP_IDS)
+    top_logprobs = completion.get(mf.COMPLETION_FIELD_TOP_LOGPROBS)
+    prompt_scores = completion.get(mf.COMPLETION_FIELD_PROMPT_SCORES)
     results: list[LaneResult | CompletionError] = []
     for index, lane in enumerate(lanes):
         problem = _lane_problem(
@@ -82,8 +93,47 @@ def read_lanes(
             continue
         token = int(ids[index]) if lane.samples else -1
         logprob = float(logprobs_field.reshape(-1)[index]) if logprobs_field is not None and lane.samples else 0.0
-        results.append(LaneResult(token, logprob))
+        top: list[tuple[int, float]] = []
+        scores: list[float] = []
+        try:
+            if lane.samples and lane.top > 0:
+                top = _read_top(top_ids, top_logprobs, index, lane.top, sampled_size)
+            if lane.scores[1] > 0:
+                scores = _read_scores(prompt_scores, *lane.scores)
+        except CompletionError as exc:
+            results.append(CompletionError(f"lane {index}: {exc}"))
+            continue
+        results.append(LaneResult(token, logprob, top, scores))
     return results
+
+
+def _read_top(
+    ids_field: npt.NDArray[np.generic] | None,
+    logprobs_field: npt.NDArray[np.generic] | None,
+    row: int,
+    count: int,
+    sampled_size: int,
+) -> list[tuple[int, float]]:
+    if ids_field is None or logprobs_field is None:
+        raise CompletionError("the program writes no top alternatives")
+    ids = ids_field.reshape(ids_field.shape[0], -1)[row]
+    values = logprobs_field.reshape(logprobs_field.shape[0], -1)[row]
+    if count > ids.shape[0]:
+        raise CompletionError(f"{count} top alternatives requested; the record holds {ids.shape[0]}")
+    top = [(int(ids[i]), float(values[i])) for i in range(count)]
+    bad = [token for token, _ in top if not 0 <= token < sampled_size]
+    if bad:
+        raise CompletionError(f"top alternative id {bad[0]} lies outside the vocabulary [0, {sampled_size})")
+    return top
+
+
+def _read_scores(field_: npt.NDArray[np.generic] | None, start: int, count: int) -> list[float]:
+    if field_ is None:
+        raise CompletionError("the program writes no prompt scores")
+    flat = field_.reshape(-1)
+    if start + count > flat.shape[0]:
+        raise CompletionError(f"prompt scores {start}..{start + count} exceed the record's {flat.shape[0]} tokens")
+    return [float(v) for v in flat[start : start + count]]
 
 
 def _lane_problem(

@@ -47,6 +47,10 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     """A validated structured-output format as JSON text; the worker compiles it once."""
     observe_timestamps: bool = False
     """Stamp each generated token (host monotonic nanoseconds from the runtime origin)."""
+    top_logprobs: int = -1
+    """Top alternatives to report per generated token (0 up to the programs' ``top_n``); -1 = not requested."""
+    prompt_logprobs: bool = False
+    """Score every prompt token given its prefix (scored prefill; disables prefix reuse for the request)."""
 
 
 Piece = tuple[int, str]
@@ -66,6 +70,18 @@ class TokenEvent(msgspec.Struct, frozen=True, tag="token", gc=False):
     logprob: float
     pieces: list[Piece] = []
     timestamp_ns: int = -1
+    top: list[tuple[int, float]] = []
+    """The top alternatives (id, logprob), best first, when the request asked for them."""
+
+
+class PromptScores(msgspec.Struct, frozen=True, tag="prompt_scores", gc=False):
+    """The prompt's target logprobs, sent once before the first token when ``prompt_logprobs`` was asked.
+
+    ``scores[i]`` is the logprob of prompt token ``i + 1`` given tokens ``0..i`` (so ``len = prompt - 1``).
+    """
+
+    request_id: str
+    scores: list[float]
 
 
 class Finished(msgspec.Struct, frozen=True, tag="finished", gc=False):
@@ -94,5 +110,5 @@ class ExecutionFailed(msgspec.Struct, frozen=True, tag="failed", gc=False):
     message: str
 
 
-Event = TokenEvent | Finished | AdmissionRejected | ExecutionFailed
+Event = TokenEvent | PromptScores | Finished | AdmissionRejected | ExecutionFailed
 TERMINAL_EVENTS = (Finished, AdmissionRejected, ExecutionFailed)

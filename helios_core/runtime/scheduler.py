@@ -7,7 +7,9 @@ chooses one round from the completed state of every request:
 
 1. ``initialize`` for newly admitted requests (their sampling state rows);
 2. otherwise chunked prefill within the largest prefill extent, FCFS, joined by every decode-ready
-   request when a mixed program fits them (host-fed pending tokens);
+   request when a mixed program fits them (host-fed pending tokens). A request that asked for
+   prompt logprobs prefills alone on the scored-prefill variants when it is first in line (its chunks
+   carry score targets; it reuses no prefix pages, every prompt token must be computed to be scored);
 3. otherwise one decode round of every decode-ready request (device-owned pending tokens),
 
 each on the smallest captured variant that holds its lanes and tokens. A page shortage is resolved
@@ -41,10 +43,11 @@ from helios_core.runtime.messages import (
     Finished,
     FinishReason,
     PreparedRequest,
+    PromptScores,
     TokenEvent,
 )
 from helios_core.runtime.packing import Lane
-from helios_core.runtime.pages import PageAllocator
+from helios_core.runtime.pages import PageAllocator, PrefixMatch
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.wire import contract_pb2 as ct
 
@@ -76,6 +79,10 @@ class RequestState:
     """The snapshot row holding this preempted request's committed state, or -1."""
     snapshot_endpoint: int = 0
     """Consumed tokens at the snapshot (an exact token endpoint)."""
+    scores: list[float] = field(default_factory=list)
+    """Prompt scores collected so far (prompt logprobs), one per prefilled prompt token."""
+    scores_sent: bool = False
+    """The PromptScores event was published (later prefills, after preemption, need no scoring)."""
 
     @property
     def request_id(self) -> str:
@@ -89,6 +96,11 @@ class RequestState:
     def prefill_target(self) -> int:
         """Where prefill stops: the snapshot's complete pages while a restore is pending, else every token."""
         return self.snapshot_endpoint if self.snapshot_row >= 0 else len(self.tokens)
+
+    @property
+    def scoring(self) -> bool:
+        """This request's prefill must run on scored-prefill programs."""
+        return self.request.prompt_logprobs and not self.scores_sent
 
     @property
     def in_prefill(self) -> bool:
@@ -145,6 +157,7 @@ class Scheduler:
         self.prefills = _variants(graphs, ct.OPERATION_PREFILL)
         self.mixed = _variants(graphs, ct.OPERATION_MIXED)
         self.decodes = _variants(graphs, ct.OPERATION_DECODE)
+        self.scored = _variants(graphs, ct.OPERATION_SCORED_PREFILL)
         snapshots = _variants(graphs, ct.OPERATION_SNAPSHOT)
         restores = _variants(graphs, ct.OPERATION_RESTORE)
         self.snapshot = snapshots[0] if snapshots and restores else None
@@ -186,6 +199,8 @@ class Scheduler:
             return "the prompt is empty"
         if request.max_tokens <= 0:
             return "max_tokens must be positive"
+        if request.prompt_logprobs and not self.scored:
+            return "prompt logprobs are not supported by this core (no scored prefill programs)"
         total = prompt + request.max_tokens
         if total > self.context:
             return (
@@ -232,6 +247,9 @@ class Scheduler:
             return self._state_copy_round(self.restore, returning, restore_row=returning.snapshot_row)
         prefill = [s for s in self.running if s.in_prefill]
         decode = [s for s in self.running if s.decode_ready]
+        if prefill and prefill[0].scoring:
+            return self._scored_round(prefill[0])
+        prefill = [s for s in prefill if not s.scoring]
         if prefill:
             return self._prefill_round(prefill, decode)
         if decode:
@@ -245,6 +263,9 @@ class Scheduler:
                 full = state.snapshot_endpoint - state.snapshot_endpoint % self.page_tokens
                 match = self.allocator.match_prefix(state.tokens, full)
                 needed = self._pages_for(state.snapshot_endpoint) - len(match.pages)
+            elif state.scoring:  # every prompt token must be computed to be scored: no prefix reuse
+                match = PrefixMatch((), (), 0)
+                needed = self._pages_for(len(state.tokens))
             else:
                 match = self.allocator.match_prefix(state.tokens, len(state.tokens) - 1)
                 needed = self._pages_for(len(state.tokens)) - len(match.pages)
@@ -295,7 +316,7 @@ class Scheduler:
                 # A decode lane of a mixed round feeds its completed pending token from the host.
                 lanes.append(self._lane(state, [state.consumed], [state.tokens[-1]], sample=True))
                 members.append(state)
-                expectations.append(LaneExpectation(state.generation, state.consumed + 1, True))
+                expectations.append(self._expect(state, state.consumed + 1, True))
         used = len(lanes)
         for state in prefill:
             if state not in self.running:
@@ -307,10 +328,31 @@ class Scheduler:
             positions = list(range(state.consumed, state.consumed + chunk))
             lanes.append(self._lane(state, positions, state.tokens[state.consumed : state.consumed + chunk], last))
             members.append(state)
-            expectations.append(LaneExpectation(state.generation, state.consumed + chunk, last))
+            expectations.append(self._expect(state, state.consumed + chunk, last))
             used += chunk
         graph = _smallest(variants, rows=len(lanes), tokens=used)
         return Round(graph, members, lanes, expectations)
+
+    def _scored_round(self, state: RequestState) -> Round:
+        """One prefill chunk of a prompt-logprobs request, alone, on the smallest scored variant that fits.
+
+        Each packed token's score target is the next prompt token; the last prompt token has none (-1).
+        """
+        budget = max(g.extents.packed_token_capacity for g in self.scored)
+        chunk = min(len(state.tokens) - state.consumed, budget)
+        last = state.consumed + chunk == len(state.tokens)
+        positions = list(range(state.consumed, state.consumed + chunk))
+        lane = self._lane(state, positions, state.tokens[state.consumed : state.consumed + chunk], last)
+        prompt = state.prompt_len
+        lane.score_targets = [state.tokens[p + 1] if p + 1 < prompt else -1 for p in positions]
+        expectation = self._expect(state, state.consumed + chunk, last, scores=(0, chunk))
+        return Round(_smallest(self.scored, rows=1, tokens=chunk), [state], [lane], [expectation])
+
+    def _expect(
+        self, state: RequestState, consumed: int, samples: bool, *, scores: tuple[int, int] = (0, 0)
+    ) -> LaneExpectation:
+        top = max(state.request.top_logprobs, 0) if samples else 0
+        return LaneExpectation(state.generation, consumed, samples, top, scores)
 
     def _decode_round(self, decode: list[RequestState]) -> Round:
         rows = max(g.extents.batch_capacity for g in self.decodes)
@@ -326,7 +368,7 @@ class Scheduler:
                 served = False
         self.starved = not served
         lanes = [self._lane(s, [s.consumed], [], sample=True) for s in members]
-        expectations = [LaneExpectation(s.generation, s.consumed + 1, True) for s in members]
+        expectations = [self._expect(s, s.consumed + 1, True) for s in members]
         return Round(_smallest(self.decodes, rows=len(lanes)), members, lanes, expectations)
 
     def _ensure_page(self, state: RequestState, exclude: Sequence[RequestState]) -> bool:
@@ -371,6 +413,8 @@ class Scheduler:
         state.consumed = 0
         state.hashes = []
         state.pending_on_device = False
+        if not state.scores_sent:
+            state.scores = []  # scoring restarts with the prompt's recomputation
         self.waiting.appendleft(state)
         self.stats.preemptions += 1
 
@@ -450,6 +494,11 @@ class Scheduler:
                 continue
             state.consumed += lane.query_length
             self._publish_pages(state)
+            if operation == ct.OPERATION_SCORED_PREFILL and not state.scores_sent:
+                state.scores.extend(result.scores)
+                if state.consumed >= state.prompt_len:
+                    state.scores_sent = True
+                    events.append(PromptScores(state.request_id, state.scores[: state.prompt_len - 1]))
             if not lane.sample:
                 continue
             token = result.token_id
@@ -458,7 +507,7 @@ class Scheduler:
             state.pending_on_device = True
             outcome = state.gate.observe(token) if state.gate is not None else None
             pieces = outcome.pieces if outcome is not None else [(token, "")]
-            events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp))
+            events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp, result.top))
             if outcome is not None and outcome.stopped:
                 self._retire(state)
                 events.append(self._finished(state, "stop", flush=False))

@@ -56,6 +56,7 @@ class Frontend:
         host = plugin_host if plugin_host is not None else PluginHost().start()
         self.selected: SelectedFrontend = host.resolve(running.bootstrap.frontend, self.vocabulary)
         self.supports_tools = running.bootstrap.frontend.tool_parser != ct.TOOL_PARSER_NONE
+        self.logprobs_top_n, self.supports_prompt_logprobs = _logprob_capabilities(running)
         self.grammar_compiler = GrammarCompiler(
             running.bootstrap.tokenizer,
             sampled_size=contract.sampled_size,
@@ -80,6 +81,38 @@ class Frontend:
         return CLOSED_ENVELOPE
 
 
+_GENERATING = frozenset(
+    {ct.OPERATION_PREFILL, ct.OPERATION_MIXED, ct.OPERATION_DECODE, ct.OPERATION_RESUME, ct.OPERATION_SCORED_PREFILL}
+)
+
+
+def _logprob_capabilities(running: RunningModel) -> tuple[int | None, bool]:
+    """(top_n every selected generating program writes, None without sampled logprobs; any scored prefill)."""
+    graphs = list(running.model.selection.graphs.values())
+    generating = [g for g in graphs if g.operation in _GENERATING]
+    sampled = bool(generating) and all(g.contract.logprobs.sampled for g in generating)
+    top_n = min(g.contract.logprobs.top_n for g in generating) if sampled else None
+    scored = any(g.operation == ct.OPERATION_SCORED_PREFILL for g in graphs)
+    return top_n, scored
+
+
+def _logprob_settings(frontend: Frontend, request: ChatCompletionRequest) -> tuple[int, bool]:
+    """(top_logprobs for the PreparedRequest, -1 when logprobs are off; whether prompt logprobs are asked)."""
+    top = -1
+    if request.logprobs:
+        if frontend.logprobs_top_n is None:
+            raise InvalidRequest("logprobs are not supported by this core", "logprobs")
+        top = request.top_logprobs if request.top_logprobs is not None else 0
+        if top > frontend.logprobs_top_n:
+            raise InvalidRequest(
+                f"top_logprobs={top} exceeds this core's limit of {frontend.logprobs_top_n}", "top_logprobs"
+            )
+    prompt = request.prompt_logprobs is not None
+    if prompt and not frontend.supports_prompt_logprobs:
+        raise InvalidRequest("prompt_logprobs are not supported by this core", "prompt_logprobs")
+    return top, prompt
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A prepared request and what presentation needs to turn its events into a response."""
@@ -92,6 +125,10 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool
     return_token_timestamps: bool
+    logprobs: bool = False
+    """Present ``choices[0].logprobs`` (the request's ``top_logprobs`` is on ``request``)."""
+    prompt_logprobs: bool = False
+    """Present ``prompt_logprobs`` (JSON top level; SSE first chunk)."""
 
     def pipeline(self, frontend: Frontend) -> OutputPipeline:
         """A fresh output pipeline (reasoning and tool parsers) for this request."""
@@ -215,6 +252,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     rendered = frontend.bootstrap.render(messages, tools=template_tools or None)
     prompt_ids = _encode(frontend, rendered)
     sampling = _sampling(frontend, request)
+    top_logprobs, prompt_logprobs = _logprob_settings(frontend, request)
 
     string_stops = parse_string_stops(request.stop)
     token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
@@ -237,6 +275,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         token_stops=[list(sequence) for sequence in token_stops],
         response_format=format_text,
         observe_timestamps=observe_times,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
     return Prepared(
@@ -248,6 +288,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         include_usage=include_usage,
         return_token_ids=observe_ids,
         return_token_timestamps=observe_times,
+        logprobs=top_logprobs >= 0,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -13,6 +13,17 @@ tool parsers) and shapes the deltas:
   chunk per generated id (``delta={}``, ``choices[0].token_ids=[id]``, plus
   ``token_timestamps_ns=[t]`` when timed); text deltas carry no ids. Observed terminal responses
   carry ``reused_prompt_tokens`` and usage; timed ones a top-level ``performance`` object;
+* logprobs (``logprobs: true``): ``choices[0].logprobs.content`` holds one entry per *presented*
+  token, ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``: ``token`` is the
+  token's presented text (so the entries concatenate to the released text), alternatives are the
+  tokenizer's decoding of their single id. EOS tokens and tokens swallowed by a matched stop are
+  never presented and have no entry. In SSE an entry rides on the first delta chunk sent after its
+  token is released (a token held by a possible stop gets its entry when the stop is ruled out and
+  its text is released); entries whose text produced no delta ride on the next delta chunk or, at
+  the end, on the terminal choice chunk;
+* prompt logprobs (``prompt_logprobs: 0``): a top-level ``prompt_logprobs`` list aligned with the
+  prompt ids (``null`` for the first token, then each token's logprob given its prefix), in the
+  JSON body or in the first SSE chunk;
 * usage: always in JSON; in SSE a final usage-only chunk (``choices=[]``) when
   ``stream_options.include_usage`` (earlier chunks ``usage: null``), else on the observed terminal
   choice chunk.
@@ -23,12 +34,14 @@ through :mod:`helios_core.server.errors`.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import msgspec
+from tokenizers import Tokenizer
 
 from helios_core.plugin_api import GeneratedPiece, OutputDelta, OutputPipeline, ParsedOutput
-from helios_core.runtime.messages import Finished, Piece, TokenEvent
+from helios_core.runtime.messages import Finished, Piece, PromptScores, TokenEvent
 from helios_core.server.preparation import Frontend, Prepared
 
 __all__ = ["Presenter", "sse_data", "sse_error"]
@@ -75,6 +88,12 @@ class Presenter:
         self.timestamps: list[int] = []
         self._last_token: int | None = None
         self._calls_started: set[int] = set()
+        self._tokenizer: Tokenizer = frontend.bootstrap.tokenizer
+        self._unpresented: deque[TokenEvent] = deque()
+        """Observed token events whose pieces are not presented yet (logprobs only)."""
+        self._logprobs: list[dict[str, Any]] = []
+        """JSON: every entry; SSE: entries not yet sent on a chunk."""
+        self._prompt_logprobs: list[float | None] | None = None
 
     # -- shared -----------------------------------------------------------------------------------
     def _pieces(self, pieces: list[Piece]) -> list[GeneratedPiece]:
@@ -84,6 +103,41 @@ class Presenter:
         self.token_ids.append(event.token_id)
         self.timestamps.append(event.timestamp_ns)
         self._last_token = event.token_id
+        if self._prepared.logprobs:
+            self._unpresented.append(event)
+
+    def prompt_scores(self, event: PromptScores) -> None:
+        """Take the prompt's scores (before the first token)."""
+        self._prompt_logprobs = [None, *event.scores]
+
+    def _present_logprobs(self, pieces: list[Piece]) -> None:
+        """Queue the logprob entries of the presented pieces (matched to their token events in order)."""
+        if not self._prepared.logprobs:
+            return
+        for token_id, text in pieces:
+            if token_id < 0:
+                continue  # released tail text of earlier tokens, not a token
+            event = None
+            while self._unpresented:
+                candidate = self._unpresented.popleft()
+                if candidate.token_id == token_id:
+                    event = candidate
+                    break
+            if event is None or token_id in self._hidden_ids:
+                continue
+            entry = _logprob_entry(text, event.logprob)
+            entry["top_logprobs"] = [
+                _logprob_entry(self._tokenizer.decode([alt], skip_special_tokens=False), logprob)
+                for alt, logprob in event.top
+            ]
+            self._logprobs.append(entry)
+
+    def _choice_logprobs(self) -> dict[str, Any] | None:
+        """Take the queued entries as a choice's ``logprobs`` (None when logprobs are off or none are queued)."""
+        if not self._logprobs:
+            return None
+        entries, self._logprobs = self._logprobs, []
+        return {"content": entries, "refusal": None}
 
     def _finish_reason(self, finished: Finished, hint: str) -> str:
         if finished.reason == "length":
@@ -112,17 +166,22 @@ class Presenter:
     def collect(self, event: TokenEvent) -> None:
         """Non-stream: take one token event."""
         self._observe(event)
+        self._present_logprobs(event.pieces)
         self._pipeline.feed(self._pieces(event.pieces))
 
     def completion(self, finished: Finished) -> dict[str, Any]:
         """Non-stream: the ``chat.completion`` object after the terminal event."""
+        self._present_logprobs(finished.pieces)
         self._pipeline.feed(self._pieces(finished.pieces))
         result = self._pipeline.finish()
         message = _message(result.output)
+        logprobs = self._choice_logprobs()
+        if self._prepared.logprobs and logprobs is None:
+            logprobs = {"content": [], "refusal": None}
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": self._finish_reason(finished, result.finish_hint),
         }
         body: dict[str, Any] = {
@@ -134,6 +193,8 @@ class Presenter:
             "usage": self._usage(finished),
         }
         prepared = self._prepared
+        if self._prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs
         if prepared.return_token_ids:
             body["prompt_token_ids"] = list(prepared.request.prompt_ids)
             choice["token_ids"] = self.token_ids
@@ -167,6 +228,8 @@ class Presenter:
         extra: dict[str, Any] = {}
         if self._prepared.return_token_ids:
             extra["prompt_token_ids"] = list(self._prepared.request.prompt_ids)
+        if self._prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self._prompt_logprobs
         return sse_data(self._chunk([self._choice({"role": "assistant", "content": ""})], **extra))
 
     def stream_token(self, event: TokenEvent) -> list[bytes]:
@@ -178,11 +241,13 @@ class Presenter:
             if self._prepared.return_token_timestamps:
                 extra["token_timestamps_ns"] = [event.timestamp_ns]
             out.append(sse_data(self._chunk([self._choice({}, **extra)])))
+        self._present_logprobs(event.pieces)
         out.extend(self._delta_chunks(self._pipeline.feed(self._pieces(event.pieces))))
         return out
 
     def stream_finish(self, finished: Finished) -> list[bytes]:
         """The last chunks: remaining deltas, the terminal choice chunk, usage, ``[DONE]``."""
+        self._present_logprobs(finished.pieces)
         deltas = self._pipeline.feed(self._pieces(finished.pieces))
         result = self._pipeline.finish()
         out = self._delta_chunks([*deltas, *result.deltas])
@@ -195,6 +260,7 @@ class Presenter:
         if prepared.return_token_timestamps:
             extra["performance"] = self._performance(finished)
         terminal = self._choice({}, self._finish_reason(finished, result.finish_hint))
+        terminal["logprobs"] = self._choice_logprobs()  # entries no delta carried
         out.append(sse_data(self._chunk([terminal], **extra)))
         if prepared.include_usage:
             out.append(sse_data(self._chunk([], usage=self._usage(finished))))
@@ -202,7 +268,12 @@ class Presenter:
         return out
 
     def _delta_chunks(self, deltas: list[OutputDelta]) -> list[bytes]:
-        return [sse_data(self._chunk([self._choice(self._delta(delta))])) for delta in deltas]
+        chunks = []
+        for delta in deltas:
+            choice = self._choice(self._delta(delta))
+            choice["logprobs"] = self._choice_logprobs()
+            chunks.append(sse_data(self._chunk([choice])))
+        return chunks
 
     def _delta(self, delta: OutputDelta) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -227,6 +298,10 @@ class Presenter:
                     calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
             out["tool_calls"] = calls
         return out
+
+
+def _logprob_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def _message(output: ParsedOutput) -> dict[str, Any]:

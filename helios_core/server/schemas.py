@@ -162,6 +162,8 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     stop_token_ids: list[int] | None = None
     stop_token_sequences: list[list[int]] | None = None
     ignore_eos: bool | None = None
+    prompt_logprobs: int | None = None
+    """vLLM-style: 0 returns each prompt token's logprob given its prefix; alternatives (> 0) are refused."""
 
 
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
@@ -181,10 +183,22 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
 
     if request.n is not None and request.n != 1:
         refuse("n", f"n={request.n} (only one choice per request)")
-    if request.logprobs:
-        refuse("logprobs", "logprobs=true")
-    if request.top_logprobs is not None and request.top_logprobs != 0:
-        refuse("top_logprobs", f"top_logprobs={request.top_logprobs}")
+    if request.top_logprobs is not None:
+        if not request.logprobs:
+            problems.append(("top_logprobs", "top_logprobs requires logprobs=true"))
+        elif request.top_logprobs < 0:
+            problems.append(("top_logprobs", f"top_logprobs must be >= 0, not {request.top_logprobs}"))
+    if request.prompt_logprobs is not None:
+        if request.prompt_logprobs < 0:
+            problems.append(("prompt_logprobs", f"prompt_logprobs must be >= 0, not {request.prompt_logprobs}"))
+        elif request.prompt_logprobs > 0:
+            problems.append(
+                (
+                    "prompt_logprobs",
+                    f"prompt_logprobs={request.prompt_logprobs}: top alternatives for prompt tokens are not supported "
+                    "(use 0 for the prompt tokens' own logprobs)",
+                )
+            )
     if request.logit_bias:
         refuse("logit_bias", "a non-empty logit_bias")
     if request.modalities is not None and request.modalities != ["text"]:

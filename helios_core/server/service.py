@@ -25,7 +25,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from helios_core.runtime.messages import AdmissionRejected, Event, ExecutionFailed, Finished, TokenEvent
+from helios_core.runtime.messages import AdmissionRejected, Event, ExecutionFailed, Finished, PromptScores, TokenEvent
 from helios_core.runtime.startup import RunningModel
 from helios_core.server.admission import Admission, Permit
 from helios_core.server.bridge import EventBridge
@@ -154,6 +154,9 @@ class ChatService:
                 if isinstance(event, TokenEvent):
                     presenter.collect(event)
                     continue
+                if isinstance(event, PromptScores):
+                    presenter.prompt_scores(event)
+                    continue
                 finished = True
                 if isinstance(event, Finished):
                     if event.reason == "cancelled":
@@ -180,16 +183,24 @@ class ChatService:
         request_id = prepared.request.request_id
         finished = False
         try:
+            pending: Event | None = None
+            if prepared.prompt_logprobs:  # the first chunk carries the prompt's scores: wait for them
+                pending = await events.get()
+                if isinstance(pending, PromptScores):
+                    presenter.prompt_scores(pending)
+                    pending = None
             yield presenter.first_chunk()
             while not finished:
-                event = await events.get()
+                event = pending if pending is not None else await events.get()
+                pending = None
                 try:
                     chunk, finished = self._sse_event(presenter, event)
                 except Exception as exc:  # presentation failed: the request's output error, as its own event
                     chunk, finished = sse_error(error_body(ExecutionError(f"output handling failed: {exc}"))), False
                     yield chunk
                     return
-                yield chunk
+                if chunk:
+                    yield chunk
         finally:
             if not finished:
                 self.running.engine.cancel(request_id)
@@ -200,6 +211,9 @@ class ChatService:
         """The bytes one event sends, and whether it was terminal."""
         if isinstance(event, TokenEvent):
             return b"".join(presenter.stream_token(event)), False
+        if isinstance(event, PromptScores):  # only ever before the first chunk, which took it
+            presenter.prompt_scores(event)
+            return b"", False
         if isinstance(event, Finished):
             if event.reason == "cancelled":
                 return sse_error(error_body(RequestCancelled("the request was cancelled before it finished"))), True

@@ -159,7 +159,7 @@ def test_response_format_json_schema(served: Served) -> None:
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"stop": 3}, "stop"),
         ({"return_token_timestamps": True}, "return_token_timestamps"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ],
 )
