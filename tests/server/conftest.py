@@ -70,10 +70,15 @@ class Served:
 
 
 @contextmanager
-def serve_fixture(settings: ServerSettings | None = None, **options: Any) -> Iterator[Served]:
-    running = start(
-        CORE, TrustSettings((KEYS / "signing.pub.pem",), NAMESPACE, None), LoadOptions(**options), backend="reference"
-    )
+def serve_fixture(
+    settings: ServerSettings | None = None,
+    *,
+    core: Path = CORE,
+    trust: TrustSettings | None = None,
+    **options: Any,
+) -> Iterator[Served]:
+    trust = trust or TrustSettings((KEYS / "signing.pub.pem",), NAMESPACE, None)
+    running = start(core, trust, LoadOptions(**options), backend="reference")
     delay = [0.0]
     backend = running.model.backend
     real_run: Callable[..., Any] = backend.run

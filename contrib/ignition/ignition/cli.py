@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--cache-pages", type=int, default=256, help="working-set cache pages")
     build.add_argument("--context", type=int, default=512, help="context tokens per request")
     build.add_argument("--extra-special", default="", help="comma-separated extra special tokens (llama-synthetic)")
+    build.add_argument(
+        "--tool-syntax", choices=("none", "json-tags"), default="none", help="tool-call syntax (llama-synthetic)"
+    )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
 
@@ -117,7 +120,7 @@ def run_build(args: argparse.Namespace) -> int:
         from ignition.recipes.synthetic import synthetic_declaration
 
         extra = tuple(t for t in args.extra_special.split(",") if t)
-        model = synthetic_declaration(args.shape, seed=args.seed, extra_special=extra)
+        model = synthetic_declaration(args.shape, seed=args.seed, extra_special=extra, tool_syntax=args.tool_syntax)
     else:
         from ignition.recipes.smollm2 import smollm2_declaration
 

@@ -260,8 +260,7 @@ class _Cursor:
         end = self.pos + n
         if n < 0 or end > len(self._buf):
             raise GGUFTruncatedError(
-                f"truncated GGUF file: {what} needs {n} bytes at offset {self.pos},"
-                f" file has {len(self._buf)} bytes"
+                f"truncated GGUF file: {what} needs {n} bytes at offset {self.pos}, file has {len(self._buf)} bytes"
             )
         view = self._buf[self.pos : end]
         self.pos = end
@@ -388,8 +387,7 @@ class GGUFFile:
             if version & 0xFFFF == 0 and (version >> 24) in SUPPORTED_VERSIONS:
                 raise GGUFVersionError(f"{self.path}: big-endian GGUF files are not supported")
             raise GGUFVersionError(
-                f"{self.path}: unsupported GGUF version {version};"
-                f" supported: {', '.join(map(str, SUPPORTED_VERSIONS))}"
+                f"{self.path}: unsupported GGUF version {version}; supported: {', '.join(map(str, SUPPORTED_VERSIONS))}"
             )
         self.version: int = version
         n_tensors = cur.u64("tensor count")
@@ -447,14 +445,11 @@ class GGUFFile:
         try:
             ggml_type = GGMLType(type_id)
         except ValueError:
-            raise GGUFTensorTypeError(
-                f"{self.path}: tensor {name!r} has unknown ggml type id {type_id}"
-            ) from None
+            raise GGUFTensorTypeError(f"{self.path}: tensor {name!r} has unknown ggml type id {type_id}") from None
         offset = cur.u64(f"{name} offset")
         if offset % self.alignment:
             raise GGUFError(
-                f"{self.path}: tensor {name!r} offset {offset} is not a multiple"
-                f" of the alignment {self.alignment}"
+                f"{self.path}: tensor {name!r} offset {offset} is not a multiple of the alignment {self.alignment}"
             )
         block_size = GGML_BLOCK_SIZES[ggml_type][0]
         if dims[0] % block_size:

@@ -48,9 +48,7 @@ __all__ = [
 ]
 
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) grouped by identical rules.
-_DIGITS_THEN_GPT2: Final = frozenset(
-    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-)
+_DIGITS_THEN_GPT2: Final = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
 _GPT2_ONLY: Final = frozenset({"gpt2", "mpt", "olmo", "jais"})
 
 
@@ -115,8 +113,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _GPT2_ONLY:
         return byte_level
     raise GGUFTokenizerError(
-        f"unsupported tokenizer.ggml.pre {pre!r}; supported:"
-        f" {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY))}"
+        f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY))}"
     )
 
 
@@ -163,9 +160,7 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
     if "tokenizer.ggml.token_type" in gguf.metadata:
         types = gguf.get_int_list("tokenizer.ggml.token_type")
         if len(types) != n_vocab:
-            raise GGUFTokenizerError(
-                f"tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens"
-            )
+            raise GGUFTokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens")
     else:
         types = [int(TokenType.NORMAL)] * n_vocab
 
@@ -178,9 +173,7 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
         vocab[text] = token_id
     merges = _merges(gguf.get_str_list("tokenizer.ggml.merges"))
 
-    tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False)
-    )
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
 
@@ -209,13 +202,9 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> GGUFTokenizer:
     if (add_bos and bos is None) or (add_eos and eos is None):
         raise GGUFTokenizerError("add_bos_token/add_eos_token set but the token id is missing")
     if add_bos or add_eos:
-        tokenizer.post_processor = _bos_eos_processor(
-            tokens, bos if add_bos else None, eos if add_eos else None
-        )
+        tokenizer.post_processor = _bos_eos_processor(tokens, bos if add_bos else None, eos if add_eos else None)
 
-    chat_template = (
-        gguf.get_str("tokenizer.chat_template") if "tokenizer.chat_template" in gguf.metadata else None
-    )
+    chat_template = gguf.get_str("tokenizer.chat_template") if "tokenizer.chat_template" in gguf.metadata else None
     return GGUFTokenizer(
         tokenizer=tokenizer,
         chat_template=chat_template,

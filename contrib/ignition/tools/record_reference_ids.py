@@ -112,9 +112,7 @@ def record_ids(gguf_path: Path) -> dict[str, Any]:
         },
         "eos_token_id": tok.eos_token_id,
         "bos_token_id": tok.bos_token_id,
-        "strings": [
-            {"text": text, "ids": _ids(tok.encode(text, add_special_tokens=False))} for text in PLAIN_STRINGS
-        ],
+        "strings": [{"text": text, "ids": _ids(tok.encode(text, add_special_tokens=False))} for text in PLAIN_STRINGS],
     }
 
 
@@ -140,8 +138,7 @@ def record_dequant(gguf_path: Path) -> dict[str, Any]:
         "recorded_with": {
             "gguf": importlib.metadata.version("gguf"),
             "numpy": np.__version__,
-            "method": "sha256(gguf.quants.dequantize(t.data, t.tensor_type) as little-endian float32 bytes,"
-            " row-major)",
+            "method": "sha256(gguf.quants.dequantize(t.data, t.tensor_type) as little-endian float32 bytes, row-major)",
         },
         "gguf_file": gguf_path.name,
         "gguf_sha256": _sha256_file(gguf_path),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from helios_core.wire import contract_pb2 as ct
 from ignition.recipes.llama import LlamaShape, tensor_names
 
 if TYPE_CHECKING:
@@ -154,11 +155,47 @@ def random_weights(shape: LlamaShape, seed: int) -> dict[str, npt.NDArray[np.flo
     return weights
 
 
+CHATML_JSON_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nCall a tool by replying "
+    '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>. Tools:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] }}}'
+    "</tool_call>{% endfor %}{% else %}{{ message['content'] or '' }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML with tools in a system message and JSON-tag tool calls in assistant messages."""
+
+TOOL_SYNTAXES = ("none", "json-tags")
+
+
+def json_tags_frontend() -> ct.FrontendContract:
+    """A frontend selecting the JSON-tag tool parser with ``<tool_call>`` / ``</tool_call>`` markers."""
+    frontend = ct.FrontendContract(
+        tool_parser=ct.TOOL_PARSER_JSON_TAGS,
+        reasoning_parser=ct.REASONING_PARSER_NONE,
+        image_preparation=ct.IMAGE_PREPARATION_NONE,
+        image_layout=ct.IMAGE_LAYOUT_NONE,
+    )
+    frontend.tool_syntax.opener = "<tool_call>"
+    frontend.tool_syntax.json_tags.call_open = "<tool_call>"
+    frontend.tool_syntax.json_tags.call_close = "</tool_call>"
+    frontend.template_tokens.message_end = "<|im_end|>"
+    frontend.template_tokens.assistant_open = "<|im_start|>assistant\n"
+    return frontend
+
+
 def synthetic_declaration(
-    shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = ()
+    shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = (), tool_syntax: str = "none"
 ) -> TextModelDeclaration:
-    """The declaration of a synthetic core of a named shape."""
+    """The declaration of a synthetic core of a named shape (optionally with a tool-call syntax)."""
     from ignition.build import TextModelDeclaration
+
+    if tool_syntax not in TOOL_SYNTAXES:
+        raise ValueError(f"unknown tool syntax {tool_syntax!r}; known: {', '.join(TOOL_SYNTAXES)}")
+    if tool_syntax == "json-tags":
+        extra_special = (*extra_special, "<tool_call>", "</tool_call>")
 
     if shape_name not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape_name!r}; known shapes: {', '.join(SHAPES)}")
@@ -171,7 +208,8 @@ def synthetic_declaration(
         shape=shape,
         weights=random_weights(shape, seed),
         tokenizer_json=tokenizer.json,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=CHATML_JSON_TOOLS_TEMPLATE if tool_syntax == "json-tags" else CHATML_TEMPLATE,
+        frontend=json_tags_frontend() if tool_syntax == "json-tags" else None,
         sampled_size=tokenizer.vocab_size,
         eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
         description=f"Synthetic Llama shape {shape_name!r} with seeded random weights (seed {seed})",

@@ -1,0 +1,172 @@
+"""Tools and tool_choice through the real server and the official client, on a core with a tool syntax.
+
+The core is a tiny synthetic one whose frontend selects the JSON-tag tool parser. Its weights are
+random, so the model's sampled ids are replaced by a scripted reply after each launch (the engine,
+host gates, output pipeline and presentation all run for real): the test pins how a generated
+tool call reaches the client, not what a trained model would say.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from ignition.build import build_core
+from ignition.recipes.llama import Capacities
+from ignition.recipes.synthetic import synthetic_declaration
+from tokenizers import Tokenizer
+
+from helios_core.container.keys import generate_keys, load_private_key
+from helios_core.loading import TrustSettings
+from helios_core.wire import manifest_pb2 as mf
+
+from .conftest import Served, serve_fixture
+
+NAMESPACE = "helios-tests/tools"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def served_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("tools")
+    keys = generate_keys(tmp / "keys")
+    core = tmp / "tools.core"
+    caps = Capacities(
+        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=1024,
+        snapshots=0,
+    )  # fmt: skip
+    build_core(
+        synthetic_declaration("tiny", seed=3, tool_syntax="json-tags"), core, caps=caps,
+        signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE,
+    )  # fmt: skip
+    with serve_fixture(core=core, trust=TrustSettings((keys["public"],), NAMESPACE, None)) as served:
+        yield served
+
+
+@pytest.fixture
+def script(served_tools: Served) -> Iterator[Callable[[str], None]]:
+    """Make the model 'say' a text: each sampling launch's first lane gets the next scripted id."""
+    backend = served_tools.running.model.backend
+    tokenizer: Tokenizer = served_tools.running.bootstrap.tokenizer
+    eos = served_tools.running.verified.contract.eos_token_ids[0]
+    original = backend.run
+    pending: list[int] = []
+
+    def scripted_run(program: str, frame: int) -> Any:
+        result = original(program, frame)
+        completion = backend.completion(frame)
+        emitted = completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)
+        # Only sampling programs write a completion record; others leave the last round's record in place.
+        sampling = program.startswith(("prefill", "mixed", "decode"))
+        if pending and sampling and emitted.size and emitted[0] == 1:
+            ids = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
+            ids.reshape(ids.shape[0], -1)[0, 0] = pending.pop(0)
+        return result
+
+    def say(text: str) -> None:
+        pending[:] = [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
+
+    backend.run = scripted_run  # type: ignore[method-assign]
+    yield say
+    backend.run = original  # type: ignore[method-assign]
+
+
+def test_a_tool_call_reaches_the_client(served_tools: Served, script: Callable[[str], None]) -> None:
+    script(CALL)
+    reply = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER]
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_a_streamed_tool_call_assembles_to_the_same_call(served_tools: Served, script: Callable[[str], None]) -> None:
+    script("Let me check. " + CALL)
+    stream = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        tool_choice="auto",
+        stream=True,
+    )
+    content, names, ids, arguments, finish = "", [], set(), "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.id:
+                ids.add(call.id)
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            if call.function and call.function.arguments:
+                arguments += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert content.strip() == "Let me check."
+    assert names == ["get_weather"] and len(ids) == 1
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert finish == "tool_calls"
+
+
+def test_a_tool_result_turn_renders_and_answers(served_tools: Served, script: Callable[[str], None]) -> None:
+    script("It is sunny in Paris.")
+    messages: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    reply = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny", messages=messages, tools=[WEATHER]
+    )
+    assert reply.choices[0].message.content == "It is sunny in Paris."
+    assert reply.choices[0].finish_reason == "stop"
+    assert not reply.choices[0].message.tool_calls
+
+
+def test_tool_choice_none_answers_in_text(served_tools: Served, script: Callable[[str], None]) -> None:
+    script("plain answer")
+    reply = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice="none"
+    )
+    assert reply.choices[0].message.content == "plain answer"
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_unsupported_tool_choices_are_refused(served_tools: Served) -> None:
+    import openai
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as error:
+            served_tools.client.chat.completions.create(
+                model="llama-synthetic-tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[WEATHER],
+                tool_choice=choice,  # type: ignore[arg-type]
+            )
+        assert "tool_choice" in str(error.value)
