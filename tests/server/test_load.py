@@ -130,11 +130,11 @@ def test_metrics_export_and_flare_gauges() -> None:
 
 def test_a_paused_reader_does_not_stall_other_streams(served: Served) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=10) as client:
-        with client.stream("POST", served.base_url + "/v1/chat/completions", json=body) as paused:
-            # While the first reader reads nothing, a second stream runs to completion.
-            other = client.post(served.base_url + "/v1/chat/completions", json={**body, "return_token_ids": True})
-            assert other.status_code == 200
-            assert other.text.count('"token_ids":[') == 30 and other.text.endswith("data: [DONE]\n\n")
-            text = paused.read().decode()
+    url = served.base_url + "/v1/chat/completions"
+    with httpx.Client(timeout=10) as client, client.stream("POST", url, json=body) as paused:
+        # While the first reader reads nothing, a second stream runs to completion.
+        other = client.post(url, json={**body, "return_token_ids": True})
+        assert other.status_code == 200
+        assert other.text.count('"token_ids":[') == 30 and other.text.endswith("data: [DONE]\n\n")
+        text = paused.read().decode()
     assert text.endswith("data: [DONE]\n\n")
