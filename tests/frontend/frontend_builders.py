@@ -7,6 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ignition.preparation import frontend as declarations
+
 from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, ToolSpec
 from helios_core.testing import FrontendHarness
 from helios_core.wire import contract_pb2 as ct
@@ -44,86 +46,40 @@ TOOLS = [
 
 
 def think(frontend: ct.FrontendContract, *, terminal: str = "") -> ct.FrontendContract:
-    frontend.reasoning_parser = ct.REASONING_PARSER_THINK_TAGS
-    frontend.reasoning_syntax.open = "<think>"
-    frontend.reasoning_syntax.close = "</think>"
-    frontend.reasoning_syntax.wrapping_newlines = True
-    frontend.reasoning_syntax.terminal_marker = terminal
-    return frontend
+    return declarations.with_think_tags(frontend, terminal=bool(terminal))
 
 
 def base(tool_parser: int) -> ct.FrontendContract:
-    return ct.FrontendContract(
-        tool_parser=tool_parser,
-        reasoning_parser=ct.REASONING_PARSER_NONE,
-        image_preparation=ct.IMAGE_PREPARATION_NONE,
-        image_layout=ct.IMAGE_LAYOUT_NONE,
-    )
+    return declarations.plain(tool_parser)
 
 
+# The families as Ignition declares them, each paired with think-tag reasoning where the family
+# leaves reasoning open (XTML and recipient-header frames carry their own).
 def function_tags() -> ct.FrontendContract:
-    fe = base(ct.TOOL_PARSER_FUNCTION_TAGS)
-    fe.tool_syntax.opener = "<tool_call>"
-    t = fe.tool_syntax.function_tags
-    t.call_open, t.call_close = "<tool_call>", "</tool_call>"
-    t.function_prefix, t.function_close = "<function=", "</function>"
-    t.parameter_prefix, t.parameter_close = "<parameter=", "</parameter>"
-    t.wrapping_newlines = True
-    return think(fe, terminal="<tool_call>")
+    return think(declarations.function_tags(), terminal="<tool_call>")
 
 
 def argument_tags() -> ct.FrontendContract:
-    fe = base(ct.TOOL_PARSER_ARGUMENT_TAGS)
-    fe.tool_syntax.opener = "<tool_call>"
-    t = fe.tool_syntax.argument_tags
-    t.call_open, t.call_close = "<tool_call>", "</tool_call>"
-    t.key_open, t.key_close, t.value_open, t.value_close = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
-    t.name_separator = "\n"
-    return think(fe, terminal="<tool_call>")
+    return think(declarations.argument_tags(), terminal="<tool_call>")
 
 
-DSML_MARK = "｜DSML｜"
+DSML_MARK = declarations.DSML_MARK
 
 
 def dsml() -> ct.FrontendContract:
-    fe = base(ct.TOOL_PARSER_DSML)
-    fe.tool_syntax.opener = f"<{DSML_MARK}function_calls>"
-    d = fe.tool_syntax.dsml
-    d.marker, d.block, d.invoke, d.parameter = DSML_MARK, "function_calls", "invoke", "parameter"
-    d.block_separator = "\n\n"
-    return think(fe)
+    return think(declarations.dsml())
 
 
 def json_tags() -> ct.FrontendContract:
-    fe = base(ct.TOOL_PARSER_JSON_TAGS)
-    fe.tool_syntax.opener = "<tool_call>"
-    fe.tool_syntax.json_tags.call_open, fe.tool_syntax.json_tags.call_close = "<tool_call>", "</tool_call>"
-    return think(fe, terminal="<tool_call>")
+    return think(declarations.json_tags(), terminal="<tool_call>")
 
 
 def xtml() -> ct.FrontendContract:
-    fe = base(ct.TOOL_PARSER_XTML)
-    fe.tool_syntax.opener = "<|open|>tools<|sep|>"
-    x = fe.tool_syntax.xtml
-    x.block_open, x.block_close = "<|open|>tools<|sep|>", "<|close|>tools<|sep|>"
-    x.call_element, x.arg_element, x.think_element = "call", "argument", "think"
-    fe.reasoning_parser = ct.REASONING_PARSER_XTML_THINK
-    fe.reasoning_syntax.open, fe.reasoning_syntax.close = "<|open|>think<|sep|>", "<|close|>think<|sep|>"
-    return fe
+    return declarations.xtml()
 
 
 def recipient_header() -> ct.FrontendContract:
-    fe = base(ct.TOOL_PARSER_ATEM)
-    fe.tool_syntax.opener = "<atem:function_calls>"
-    a = fe.tool_syntax.atem
-    a.prefix, a.block, a.invoke, a.parameter = "atem:", "function_calls", "invoke", "parameter"
-    fe.reasoning_parser = ct.REASONING_PARSER_RECIPIENT_HEADER
-    h = fe.reasoning_syntax.recipient_header
-    h.start, h.assistant_role, h.recipient_prefix, h.message = "<|start|>", "assistant", " to=", "<|message|>"
-    h.end, h.end_of_message, h.reasoning_recipient = "<|end|>", "<|eom|>", "self"
-    h.content_recipients.extend(["commentary", "user"])
-    h.generic_tool_recipient, h.named_tool_prefix = "functions", "functions."
-    return fe
+    return declarations.recipient_header()
 
 
 def harness(

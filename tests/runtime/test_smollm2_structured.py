@@ -65,3 +65,22 @@ def test_a_string_stop_on_the_real_model(smol_running: RunningModel) -> None:
     assert isinstance(finished, Finished) and finished.reason == "stop"
     assert _text(events) == "The capital of France"
     assert finished.completion_tokens == 5  # "The", " capital", " of", " France", " is"
+
+
+def test_a_token_stop_and_observation_on_the_real_model(smol_running: RunningModel) -> None:
+    prompt = smol_running.bootstrap.encode_prompt(
+        [{"role": "user", "content": "What is the capital of France? Answer in one short sentence."}]
+    )
+    paris = smol_running.bootstrap.tokenizer.encode(" Paris", add_special_tokens=False).ids
+    assert len(paris) == 1
+    request = PreparedRequest(
+        "tokstop", prompt, 20, SamplingParams(temperature=0.0), token_stops=[paris], observe_timestamps=True
+    )
+    events = list(smol_running.engine.submit(request))
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.reason == "stop"
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert tokens[-1].token_id == paris[0]  # observed, though never presented
+    assert _text(events) == "The capital of France is"
+    stamps = [e.timestamp_ns for e in tokens]
+    assert all(s > 0 for s in stamps) and stamps == sorted(stamps)

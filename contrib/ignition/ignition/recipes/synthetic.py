@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from helios_core.wire import contract_pb2 as ct
+from ignition.preparation import frontend as frontend_declarations
 from ignition.recipes.llama import LlamaShape, tensor_names
 
 if TYPE_CHECKING:
@@ -171,16 +172,8 @@ TOOL_SYNTAXES = ("none", "json-tags")
 
 
 def json_tags_frontend() -> ct.FrontendContract:
-    """A frontend selecting the JSON-tag tool parser with ``<tool_call>`` / ``</tool_call>`` markers."""
-    frontend = ct.FrontendContract(
-        tool_parser=ct.TOOL_PARSER_JSON_TAGS,
-        reasoning_parser=ct.REASONING_PARSER_NONE,
-        image_preparation=ct.IMAGE_PREPARATION_NONE,
-        image_layout=ct.IMAGE_LAYOUT_NONE,
-    )
-    frontend.tool_syntax.opener = "<tool_call>"
-    frontend.tool_syntax.json_tags.call_open = "<tool_call>"
-    frontend.tool_syntax.json_tags.call_close = "</tool_call>"
+    """The JSON-tag tool syntax with ``<tool_call>`` / ``</tool_call>`` markers and ChatML boundaries."""
+    frontend = frontend_declarations.json_tags()
     frontend.template_tokens.message_end = "<|im_end|>"
     frontend.template_tokens.assistant_open = "<|im_start|>assistant\n"
     return frontend
