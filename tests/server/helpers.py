@@ -1,11 +1,15 @@
-"""Raw HTTP helpers of the server tests (SSE parsing for fields the openai client does not type)."""
+"""Helpers of the server tests: raw HTTP and SSE parsing, and scripted model replies."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
+
+from helios_core.wire import manifest_pb2 as mf
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str | None, Any]]:
@@ -28,3 +32,36 @@ def sse_events(response: httpx.Response) -> list[tuple[str | None, Any]]:
 def chat(base_url: str, **body: Any) -> httpx.Response:
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30)
+
+
+@contextmanager
+def scripted_replies(running: Any) -> Iterator[Callable[[str], None]]:
+    """Make a served core 'say' a chosen text: each sampling launch's first lane gets the next scripted id.
+
+    The engine, host gates, output pipeline and presentation all run for real; only the sampled ids of
+    lane 0 are replaced after each launch of a sampling program (others leave the last round's record).
+    """
+    backend = running.model.backend
+    tokenizer = running.bootstrap.tokenizer
+    eos = running.verified.contract.eos_token_ids[0]
+    original = backend.run
+    pending: list[int] = []
+
+    def scripted_run(program: str, frame: int) -> Any:
+        result = original(program, frame)
+        completion = backend.completion(frame)
+        emitted = completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)
+        sampling = program.startswith(("prefill", "mixed", "decode"))
+        if pending and sampling and emitted.size and emitted[0] == 1:
+            ids = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
+            ids.reshape(ids.shape[0], -1)[0, 0] = pending.pop(0)
+        return result
+
+    def say(text: str) -> None:
+        pending[:] = [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
+
+    backend.run = scripted_run
+    try:
+        yield say
+    finally:
+        backend.run = original

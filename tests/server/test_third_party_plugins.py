@@ -1,0 +1,100 @@
+"""A third-party parser wheel serves a core that selects its identifier; a broken wheel stays isolated.
+
+Both distributions live in ``contrib/`` and are installed by the README's test command
+(``contrib/example-plugin``: a bracket-call tool parser under 100001; ``contrib/broken-plugin``:
+fails at import on purpose, declaring 100002).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+from ignition.build import build_core
+from ignition.preparation import frontend as declarations
+from ignition.recipes.llama import Capacities
+from ignition.recipes.synthetic import synthetic_declaration
+
+from helios_core.container.keys import generate_keys, load_private_key
+from helios_core.errors import StartupError
+from helios_core.loading import TrustSettings
+from helios_core.plugins.host import describe_plugins
+
+from .conftest import Served, serve_fixture
+from .helpers import scripted_replies
+
+NAMESPACE = "helios-tests/third-party"
+EXAMPLE_IDENTIFIER = 100_001
+BROKEN_IDENTIFIER = 100_002
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+if not (_installed("helios-example-plugin") and _installed("helios-broken-plugin")):
+    if os.environ.get("CI"):
+        raise RuntimeError("the README's test command installs contrib/example-plugin and contrib/broken-plugin")
+    pytest.skip("contrib example and broken plugins are not installed", allow_module_level=True)
+
+
+def _core(tmp_path_factory: pytest.TempPathFactory, tool_parser: int) -> tuple[object, TrustSettings]:
+    tmp = tmp_path_factory.mktemp(f"plugin{tool_parser}")
+    keys = generate_keys(tmp / "keys")
+    model = synthetic_declaration("tiny", seed=2)
+    model.frontend = declarations.plain(tool_parser)
+    path = tmp / "core.core"
+    caps = Capacities(max_rows=2, prefill_tokens=(64,), decode_rows=(1, 2), page_tokens=16, cache_pages=64, context=256)
+    build_core(model, path, caps=caps, signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE)
+    return path, TrustSettings((keys["public"],), NAMESPACE, None)
+
+
+@pytest.fixture(scope="module")
+def served_third_party(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    core, trust = _core(tmp_path_factory, EXAMPLE_IDENTIFIER)
+    with serve_fixture(core=core, trust=trust) as served:  # type: ignore[arg-type]
+        yield served
+
+
+def test_the_example_wheel_parses_tool_calls_of_a_core_that_selects_it(served_third_party: Served) -> None:
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with scripted_replies(served_third_party.running) as say:
+        say('Checking. [[get_weather {"city": "Paris"}]]')
+        reply = served_third_party.client.chat.completions.create(
+            model="llama-synthetic-tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[weather]
+        )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_the_broken_wheel_is_reported_and_isolated(served_third_party: Served) -> None:
+    # The core above serves although the broken plugin is installed; the listing reports the failure.
+    listing = {entry["name"]: entry for entry in describe_plugins()}
+    broken = listing["helios-broken-plugin"]
+    assert broken["status"] == "failed" and "broken on purpose" in broken["error"]
+    assert listing["helios-example-plugin"]["status"] == "ok"
+    assert served_third_party.client.models.list().data[0].id == "llama-synthetic-tiny"
+
+
+def test_a_core_selecting_the_broken_identifier_fails_startup_naming_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    core, trust = _core(tmp_path_factory, BROKEN_IDENTIFIER)
+    with (
+        pytest.raises(StartupError, match=r"tool parser 100002 .*helios-broken-plugin"),
+        serve_fixture(
+            core=core,
+            trust=trust,  # type: ignore[arg-type]
+        ),
+    ):
+        pass
