@@ -166,11 +166,49 @@ class Engine:
                 self._snapshot = self._take_snapshot()
 
     def _step(self) -> None:
-        """One worker step: finish cancelled requests, plan a round, execute it, publish."""
-        self._publish(self.scheduler.take_cancelled())
-        round_ = self.scheduler.next_round()
-        if round_ is not None and round_.members:
-            self._publish(self._execute(round_))
+        """One worker step: finish cancelled requests, plan a round, launch it (and, when nothing needs its
+        completion first, the next decode round on the other frame), then validate and publish in order."""
+        scheduler = self.scheduler
+        self._publish(scheduler.take_cancelled())
+        round_ = scheduler.next_round()
+        if round_ is None or not round_.members:
+            return
+        launched = self._launch(round_, frame=0)
+        follow = scheduler.followup(round_) if isinstance(launched, int) else None
+        follow_launch = self._launch(follow, frame=1) if follow is not None else None
+        events = self._collect(round_, 0, launched)
+        if follow is not None and follow_launch is not None:
+            events += self._collect(follow, 1, follow_launch)
+            scheduler.release_fenced()
+        self._publish(events)
+
+    def _launch(self, round_: Round, *, frame: int) -> int | Exception:
+        """Pack and launch a round on ``frame``; its submission sequence, or the exception it raised."""
+        self._sequence += 1
+        sequence = self._sequence
+        backend = self.model.backend
+        staging = backend.transport(frame)
+        try:
+            self.model.packers[round_.graph.name].pack(Submission(round_.lanes, sequence), frame, staging)
+            _write_transport_owned(self.model, staging, frame, sequence)
+            backend.run(round_.graph.name, frame)
+        except Exception as exc:  # a failed execution fails this round's requests only
+            return exc
+        return sequence
+
+    def _collect(self, round_: Round, frame: int, launched: int | Exception) -> list[Event]:
+        """Validate a launched round's completion record and apply it."""
+        if isinstance(launched, Exception):
+            return self.scheduler.fail_round(round_, f"execution failed: {type(launched).__name__}: {launched}")
+        backend = self.model.backend
+        try:
+            if round_.graph.name in self._reports_completion:
+                results = read_lanes(backend.completion(frame), launched, round_.expectations, self._sampled_size)
+            else:  # a program without a completion record (state initialization) reports nothing to check
+                results = [LaneResult(-1, 0.0) for _ in round_.members]
+        except CompletionError as exc:
+            return self.scheduler.fail_round(round_, f"execution failed: {exc}")
+        return self.scheduler.complete(round_, results)
 
     def _drain(self, *, block: bool) -> bool:
         """Apply queued messages; False when the worker must stop."""
@@ -189,26 +227,6 @@ class Engine:
                 rejection = self.scheduler.add(payload)
                 if rejection is not None:
                     self._publish([rejection])
-
-    def _execute(self, round_: Round) -> list[Event]:
-        self._sequence += 1
-        sequence = self._sequence
-        frame = 0
-        backend = self.model.backend
-        staging = backend.transport(frame)
-        try:
-            self.model.packers[round_.graph.name].pack(Submission(round_.lanes, sequence), frame, staging)
-            _write_transport_owned(self.model, staging, frame, sequence)
-            backend.run(round_.graph.name, frame)
-            if round_.graph.name in self._reports_completion:
-                results = read_lanes(backend.completion(frame), sequence, round_.expectations, self._sampled_size)
-            else:  # a program without a completion record (state initialization) reports nothing to check
-                results = [LaneResult(-1, 0.0) for _ in round_.members]
-        except CompletionError as exc:
-            return self.scheduler.fail_round(round_, f"execution failed: {exc}")
-        except Exception as exc:  # a failed execution fails this round's requests only
-            return self.scheduler.fail_round(round_, f"execution failed: {type(exc).__name__}: {exc}")
-        return self.scheduler.complete(round_, results)
 
     def _publish(self, events: list[Event]) -> None:
         for event in events:
@@ -229,6 +247,7 @@ class Engine:
             preemptions=stats.preemptions,
             snapshots=stats.snapshots,
             restores=stats.restores,
+            pipelined_rounds=stats.pipelined_rounds,
             finished=dict(stats.finished),
             rounds=dict(stats.rounds),
             launches=dict(stats.launches),

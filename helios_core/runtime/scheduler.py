@@ -73,6 +73,8 @@ class RequestState:
     cancelled: bool = False
     gate: HostGate | None = None
     """Detokenizer, stops and grammar of this request (created at admission)."""
+    ended: bool = False
+    """Finished or failed while a later round of it was in flight; released after that round's fence."""
     preempting: bool = False
     """A snapshot of this request is the next round; then it leaves the running set."""
     snapshot_row: int = -1
@@ -168,6 +170,11 @@ class Scheduler:
         self.max_active = selection.max_active
         self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
         self.waiting: deque[RequestState] = deque()
+        self.pipelining = True
+        """Launch a follow-up decode round before the previous round's completion is read (two frames)."""
+        self.in_flight: set[int] = set()
+        """ids of requests with a follow-up round already launched."""
+        self._fenced: list[RequestState] = []
         self.starved = False
         """A running request lacked a page in the last round: admit nobody until every running request is served."""
         self.running: list[RequestState] = []
@@ -371,6 +378,52 @@ class Scheduler:
         expectations = [self._expect(s, s.consumed + 1, True) for s in members]
         return Round(_smallest(self.decodes, rows=len(lanes)), members, lanes, expectations)
 
+    def followup(self, round_: Round) -> Round | None:
+        """The next decode round of the same requests, planned before ``round_``'s completion is read.
+
+        Only when nothing needs completion feedback: a decode round whose requests have device-owned
+        pending tokens, no host gates (grammar, stops), no cancellation or preemption in progress, at
+        least two tokens left, no admission waiting to change phase, and pages for the next position.
+        """
+        if not self.pipelining or round_.graph.operation != ct.OPERATION_DECODE:
+            return None
+        if self.waiting and self.free_slots:
+            return None
+        members = round_.members
+        for state in members:
+            if state.cancelled or state.preempting or state.ended:
+                return None
+            if state.gate is not None and state.gate.holds_rounds:
+                return None
+            if state.generated + 2 > state.request.max_tokens:
+                return None
+        for state in members:
+            if (state.consumed + 1) // self.page_tokens >= len(state.pages):
+                page = self.allocator.allocate(1)
+                if page is None:
+                    return None
+                state.pages.extend(page)
+        lanes = [self._lane(state, [state.consumed + 1], [], sample=True, ahead=1) for state in members]
+        expectations = [self._expect(state, state.consumed + 2, True) for state in members]
+        self.in_flight = {id(state) for state in members}
+        self.stats.pipelined_rounds += 1
+        return Round(round_.graph, list(members), lanes, expectations)
+
+    def release_fenced(self) -> None:
+        """The follow-up round's fence has passed: release what ended while it was in flight."""
+        self.in_flight = set()
+        for state in self._fenced:
+            self._retire(state)
+        self._fenced = []
+
+    def _end(self, state: RequestState) -> None:
+        """Release a finished or failed request now, or after the fence of its in-flight follow-up round."""
+        if id(state) in self.in_flight:
+            state.ended = True
+            self._fenced.append(state)
+        else:
+            self._retire(state)
+
     def _ensure_page(self, state: RequestState, exclude: Sequence[RequestState]) -> bool:
         """Make sure the page for ``state``'s next position exists, preempting younger requests if needed."""
         while state.consumed // self.page_tokens >= len(state.pages):
@@ -429,7 +482,14 @@ class Scheduler:
         return Round(graph, [state], [lane], [LaneExpectation(state.generation, state.snapshot_endpoint, False)])
 
     def _lane(
-        self, state: RequestState, positions: list[int], tokens: list[int], sample: bool, *, histogram: bool = False
+        self,
+        state: RequestState,
+        positions: list[int],
+        tokens: list[int],
+        sample: bool,
+        *,
+        histogram: bool = False,
+        ahead: int = 0,
     ) -> Lane:
         params = state.request.sampling
         pt = self.page_tokens
@@ -450,10 +510,10 @@ class Scheduler:
             frequency_penalty=params.frequency_penalty,
             presence_penalty=params.presence_penalty,
             seed=params.seed,
-            sampling_step=state.generated,
+            sampling_step=state.generated + ahead,
             grammar_mask=state.gate.mask() if sample and state.gate is not None else None,
             prompt_histogram=self._histogram(state.tokens[: state.prompt_len]) if histogram else None,
-            consumed=state.consumed,
+            consumed=state.consumed + ahead,
         )
 
     def _histogram(self, prompt: list[int]) -> npt.NDArray[np.uint8]:
@@ -475,6 +535,8 @@ class Scheduler:
             if round_.graph.operation == ct.OPERATION_DECODE and not all(constrained):
                 self.stats.mixed_grammar_decode_steps += 1
         for state, lane, result in zip(round_.members, round_.lanes, results, strict=True):
+            if state.ended:
+                continue  # ended in the previous round: this lane's output is suppressed
             if isinstance(result, CompletionError):
                 events.append(self._fail(state, str(result)))
                 continue
@@ -509,18 +571,18 @@ class Scheduler:
             pieces = outcome.pieces if outcome is not None else [(token, "")]
             events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp, result.top))
             if outcome is not None and outcome.stopped:
-                self._retire(state)
+                self._end(state)
                 events.append(self._finished(state, "stop", flush=False))
                 continue
             reason = self._finish_reason(state, token)
             if reason is not None:
-                self._retire(state)
+                self._end(state)
                 events.append(self._finished(state, reason))
         return events
 
     def fail_round(self, round_: Round, message: str) -> list[Event]:
         """The whole round failed: fail its requests only; nothing of the round is published."""
-        return [self._fail(state, message) for state in round_.members]
+        return [self._fail(state, message) for state in round_.members if not state.ended]
 
     def cancel_all(self) -> list[Event]:
         """Finish every queued and running request as cancelled (shutdown; nothing is in flight)."""
@@ -538,7 +600,7 @@ class Scheduler:
         return events
 
     def _fail(self, state: RequestState, message: str) -> Event:
-        self._retire(state)
+        self._end(state)
         self.stats.failed += 1
         return ExecutionFailed(state.request_id, message)
 

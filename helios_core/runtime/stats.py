@@ -22,6 +22,7 @@ class SchedulerStats:
     preemptions: int = 0
     snapshots: int = 0
     restores: int = 0
+    pipelined_rounds: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
     launches: dict[str, int] = field(default_factory=dict)
@@ -46,6 +47,7 @@ class StatsSnapshot:
     preemptions: int
     snapshots: int
     restores: int
+    pipelined_rounds: int
     finished: dict[str, int]
     rounds: dict[str, int]
     launches: dict[str, int]

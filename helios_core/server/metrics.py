@@ -49,6 +49,11 @@ class EngineCollector(Collector):
         yield _counter("helios_preemptions", "Requests preempted to free cache pages.", s.preemptions)
         yield _counter("helios_snapshots_published", "Snapshots committed at exact token endpoints.", s.snapshots)
         yield _counter("helios_snapshots_restored", "Snapshots restored into private writable pages.", s.restores)
+        yield _counter(
+            "helios_pipelined_rounds",
+            "Decode rounds launched on the second frame before the first was read.",
+            s.pipelined_rounds,
+        )
         finished = CounterMetricFamily(
             "helios_requests_finished", "Requests finished normally, by reason.", labels=["reason"]
         )

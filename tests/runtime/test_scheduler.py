@@ -170,3 +170,49 @@ def test_an_out_of_vocabulary_id_fails_only_its_request(value: int, start_fixtur
     assert kinds[0] == "ExecutionFailed"
     assert any("outside the vocabulary" in e[-1].message for e in outcomes if isinstance(e[-1], ExecutionFailed))
     assert_allocator_settled(running)
+
+
+def test_two_frames_pipeline_decode_rounds_without_changing_outputs(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    running = start_fixture()
+    texts = prompts(running, 4)
+    work = [(text, GREEDY if i % 2 else SamplingParams(temperature=0.9, seed=i)) for i, text in enumerate(texts)]
+    pipelined = concurrent(running, work, 16)
+    assert running.engine.statistics().pipelined_rounds > 0
+    running.engine.scheduler.pipelining = False
+    before = running.engine.statistics().pipelined_rounds
+    assert concurrent(running, work, 16) == pipelined
+    assert running.engine.statistics().pipelined_rounds == before
+    assert_allocator_settled(running)
+
+
+def test_a_lane_failing_in_the_first_frame_is_suppressed_in_the_second(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    running = start_fixture()
+    backend = running.engine.model.backend
+    original = backend.run
+    corrupted: list[int] = []
+
+    def corrupt_frame0_lane1(program: str, frame: int) -> None:
+        original(program, frame)
+        if program.startswith("decode_b") and frame == 0 and not corrupted:
+            backend.completion(frame)[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[1] = 7
+            corrupted.append(frame)
+
+    texts = prompts(running, 3)
+    expected = [solo(running, text, 12) for text in texts]
+    backend.run = corrupt_frame0_lane1  # type: ignore[method-assign]
+    streams = [
+        running.engine.submit(PreparedRequest(f"p{i}", t, 12, GREEDY, ignore_eos=True)) for i, t in enumerate(texts)
+    ]
+    outcomes = [list(stream) for stream in streams]
+    assert running.engine.statistics().pipelined_rounds > 0
+    failures = [events for events in outcomes if isinstance(events[-1], ExecutionFailed)]
+    assert len(failures) == 1 and "reserved model field is 7" in failures[0][-1].message
+    for events, tokens in zip(outcomes, expected, strict=True):
+        published = [e.token_id for e in events if isinstance(e, TokenEvent)]
+        assert published == tokens[: len(published)]
+        assert sum(isinstance(e, (Finished, ExecutionFailed)) for e in events) == 1
+    assert_allocator_settled(running)
