@@ -4,7 +4,10 @@ Owns three things and nothing else:
 
 * :func:`parse_response_format` validates the request's ``response_format`` (``text``,
   ``json_object``, ``json_schema``), rejecting unknown fields, and returns a typed
-  :class:`ResponseFormat` (``None`` means unconstrained).
+  :class:`ResponseFormat` (``None`` means unconstrained). :class:`ToolCallFormat` is the internal
+  format of ``tool_choice`` ``"required"`` or a named function: exactly one call in the core's
+  declared tool syntax. It is never accepted from a client's ``response_format``; it travels in
+  ``PreparedRequest.response_format`` as JSON and is read back with :func:`parse_prepared_format`.
 * :class:`GrammarCompiler`, built once at startup from the core's tokenizer and vocabulary
   geometry (the llguidance tokenizer conversion is the expensive part), compiles a format into an
   immutable :class:`Grammar`; schema errors surface eagerly as :class:`PromptError`.
@@ -20,6 +23,7 @@ and presentation live elsewhere.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -33,6 +37,7 @@ from tokenizers import Tokenizer
 
 from helios_core.errors import ContractError, HeliosError
 from helios_core.frontend.bootstrap import PromptError
+from helios_core.wire import contract_pb2 as ct
 
 __all__ = [
     "Grammar",
@@ -40,6 +45,8 @@ __all__ = [
     "GrammarError",
     "GrammarMatcher",
     "ResponseFormat",
+    "ToolCallFormat",
+    "parse_prepared_format",
     "parse_response_format",
 ]
 
@@ -119,6 +126,107 @@ def parse_response_format(value: object) -> ResponseFormat | None:
     if not isinstance(schema, Mapping):
         raise PromptError("response_format.json_schema.schema must be a JSON object")
     return ResponseFormat(kind="json_schema", schema=schema, name=name, strict=strict)
+
+
+_TOOL_CALL = "tool_call"
+_JSON_TAGS = "json_tags"
+# Compact JSON (one space after ':' and ','; no other whitespace) keeps generated calls short and
+# bounded: with flexible whitespace a sampler may emit whitespace forever.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One tool call the model must emit: ``tool_choice`` ``"required"`` or a named function.
+
+    ``tools`` are (name, parameters schema) pairs; ``choice`` is ``None`` for any of them
+    (``"required"``) or the one name that must be called. ``call_open``/``call_close`` are the
+    JSON-tag markers of the core's tool syntax (the only family supported so far).
+    """
+
+    tools: tuple[tuple[str, Mapping[str, Any]], ...]
+    choice: str | None
+    call_open: str
+    call_close: str
+    family: Literal["json_tags"] = "json_tags"
+
+    @classmethod
+    def from_syntax(
+        cls, tools: Sequence[tuple[str, Mapping[str, Any]]], choice: str | None, syntax: ct.ToolSyntax
+    ) -> ToolCallFormat:
+        """The format for ``tools`` under the core's declared ``syntax``.
+
+        Raises:
+            PromptError: no tools, an unknown named tool, or a tool syntax family without
+                constrained tool calls.
+        """
+        if not tools:
+            raise PromptError("tool_choice 'required' or a named function needs at least one tool")
+        names = [name for name, _ in tools]
+        if choice is not None and choice not in names:
+            raise PromptError(f"tool_choice names function {choice!r}, which is not among the request's tools")
+        if syntax.WhichOneof("family") != _JSON_TAGS:
+            raise PromptError("tool_choice 'required' is not supported for this core's tool syntax")
+        tags = syntax.json_tags
+        if not tags.call_open or not tags.call_close:
+            raise PromptError("tool_choice 'required' is not supported for this core's tool syntax")
+        return cls(
+            tools=tuple((name, schema) for name, schema in tools),
+            choice=choice,
+            call_open=tags.call_open,
+            call_close=tags.call_close,
+        )
+
+    def to_json(self) -> str:
+        """The internal JSON form carried by ``PreparedRequest.response_format``."""
+        return json.dumps(
+            {
+                "type": _TOOL_CALL,
+                "tools": [{"name": name, "parameters": dict(schema)} for name, schema in self.tools],
+                "choice": self.choice,
+                "syntax": {"family": self.family, "call_open": self.call_open, "call_close": self.call_close},
+            }
+        )
+
+
+def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
+    """Read ``PreparedRequest.response_format`` (internal JSON written by preparation).
+
+    A client ``response_format`` passes through :func:`parse_response_format`; the internal
+    ``tool_call`` kind is accepted only here.
+
+    Raises:
+        PromptError: malformed JSON or fields.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise PromptError(f"prepared response format is not JSON: {exc}") from exc
+    if not isinstance(value, Mapping) or value.get("type") != _TOOL_CALL:
+        return parse_response_format(value)
+    tools = value.get("tools")
+    syntax = value.get("syntax")
+    choice = value.get("choice")
+    if (
+        not isinstance(tools, list)
+        or not isinstance(syntax, Mapping)
+        or not (choice is None or isinstance(choice, str))
+    ):
+        raise PromptError("malformed prepared tool-call format")
+    pairs: list[tuple[str, Mapping[str, Any]]] = []
+    for tool in tools:
+        if not isinstance(tool, Mapping):
+            raise PromptError("malformed prepared tool-call format")
+        name, schema = tool.get("name"), tool.get("parameters")
+        if not isinstance(name, str) or not isinstance(schema, Mapping):
+            raise PromptError("malformed prepared tool-call format")
+        pairs.append((name, schema))
+    call_open, call_close = syntax.get("call_open"), syntax.get("call_close")
+    if syntax.get("family") != _JSON_TAGS or not isinstance(call_open, str) or not isinstance(call_close, str):
+        raise PromptError("tool_choice 'required' is not supported for this core's tool syntax")
+    if not pairs or (choice is not None and choice not in {name for name, _ in pairs}):
+        raise PromptError("malformed prepared tool-call format")
+    return ToolCallFormat(tools=tuple(pairs), choice=choice, call_open=call_open, call_close=call_close)
 
 
 def _reject_unknown(where: str, value: Mapping[Any, Any], allowed: frozenset[str]) -> None:
@@ -202,18 +310,23 @@ class GrammarCompiler:
             eos_ids=eos,
         )
         self._any_object: Grammar | None = None
+        self._added: dict[str, int] = {
+            added.content: int(index) for index, added in tokenizer.get_added_tokens_decoder().items()
+        }
 
     @property
     def mask_words(self) -> int:
         """Words of every mask this compiler's matchers produce."""
         return self._geometry.mask_words
 
-    def compile(self, fmt: ResponseFormat) -> Grammar:
+    def compile(self, fmt: ResponseFormat | ToolCallFormat) -> Grammar:
         """Compile and validate ``fmt``'s schema now (not at the first token).
 
         Raises:
             PromptError: the schema is not valid JSON or llguidance rejects it (its message).
         """
+        if isinstance(fmt, ToolCallFormat):
+            return self._compile_tool_call(fmt)
         if fmt.kind == "json_object" and self._any_object is not None:
             return self._any_object
         where = "response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format"
@@ -228,6 +341,47 @@ class GrammarCompiler:
         if fmt.kind == "json_object":
             self._any_object = compiled  # the same grammar for every request: compile it once
         return compiled
+
+    def _compile_tool_call(self, fmt: ToolCallFormat) -> Grammar:
+        """``call_open`` + ``{"name": N, "arguments": <N's schema>}`` (compact JSON) + ``call_close``, then EOS.
+
+        A marker that is one added token of the tokenizer is matched as that token (never as its
+        spelling in ordinary bytes); any other marker is matched as text.
+        """
+        alternatives = []
+        for index, (name, parameters) in enumerate(fmt.tools):
+            if fmt.choice is not None and name != fmt.choice:
+                continue
+            arguments = dict(parameters) if parameters else {"type": "object"}
+            schema = {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+                "x-guidance": _COMPACT,
+            }
+            alternatives.append((f"call_{index}", json.dumps(schema)))
+        lines = [
+            f"start: {self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}",
+            "body: " + " | ".join(rule for rule, _ in alternatives),
+            *(f"{rule}: %json {schema}" for rule, schema in alternatives),
+        ]
+        where = "tools" if fmt.choice is None else f"tools ({fmt.choice})"
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+        except (ValueError, TypeError) as exc:
+            raise PromptError(f"{where}: {_first_line(str(exc))}") from exc
+        prototype = llguidance.LLMatcher(self._llg, grammar, log_level=0)
+        if prototype.is_error():
+            raise PromptError(f"{where}: {_first_line(prototype.get_error())}")
+        return Grammar(prototype=prototype, geometry=self._geometry, source=grammar)
+
+    def _marker(self, text: str) -> str:
+        """A Lark term matching ``text``: the added token it names, or the literal text."""
+        token = self._added.get(text)
+        if token is not None and token < self._geometry.sampled_size:
+            return f"<[{token}]>"
+        return json.dumps(text, ensure_ascii=False)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ grammar mask of the next round. A request with any gate keeps one outstanding ro
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +42,9 @@ class HostGate:
         if request.response_format is not None:
             if grammar_compiler is None:
                 raise ValueError("structured output needs a grammar compiler")
-            from helios_core.frontend.structured import parse_response_format
+            from helios_core.frontend.structured import parse_prepared_format
 
-            fmt = parse_response_format(json.loads(request.response_format))
+            fmt = parse_prepared_format(request.response_format)
             if fmt is not None:
                 self._grammar = grammar_compiler.compile(fmt).matcher()
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from helios_core.frontend.bootstrap import Bootstrap, PromptError, resolve_sampling
 from helios_core.frontend.stops import check_stop_compatibility, parse_string_stops, parse_token_stops
-from helios_core.frontend.structured import GrammarCompiler, parse_response_format
+from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat, parse_response_format
 from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, OutputPipeline, TokenizerVocabulary, ToolSpec
 from helios_core.plugins.host import PluginHost, SelectedFrontend
 from helios_core.runtime.messages import PreparedRequest, SamplingParams
@@ -230,6 +230,51 @@ def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dic
     return rendered, tuple(specs)
 
 
+def _forced_tool(request: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """(whether tool_choice forces a call, the named function or None for any tool)."""
+    choice = request.tool_choice
+    if choice is None or isinstance(choice, str):
+        return choice == "required", None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str) or set(choice) - {"type", "function"}:
+        raise InvalidRequest(
+            'tool_choice must be \'auto\', \'none\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    return True, name
+
+
+def _tool_call_format(
+    frontend: Frontend, request: ChatCompletionRequest, specs: Sequence[ToolSpec], envelope: EnvelopeState
+) -> ToolCallFormat | None:
+    """The constrained tool-call format of tool_choice 'required' or a named function, else None."""
+    forced, name = _forced_tool(request)
+    if not forced:
+        return None
+    if not request.tools:
+        raise InvalidRequest("tool_choice 'required' or a named function needs tools", "tool_choice")
+    if request.response_format is not None and request.response_format.get("type") != "text":
+        raise InvalidRequest(
+            "response_format cannot be combined with tool_choice 'required' or a named function", "tool_choice"
+        )
+    if envelope != CLOSED_ENVELOPE:
+        raise InvalidRequest(
+            "tool_choice 'required' or a named function is not supported when the prompt opens reasoning",
+            "tool_choice",
+        )
+    if name is not None and name not in {spec.name for spec in specs}:
+        raise InvalidRequest(
+            f"tool_choice names function {name!r}, which is not among the request's tools", "tool_choice"
+        )
+    try:
+        return ToolCallFormat.from_syntax(
+            [(spec.name, spec.parameters) for spec in specs], name, frontend.bootstrap.frontend.tool_syntax
+        )
+    except PromptError as exc:
+        raise InvalidRequest(str(exc), "tool_choice") from exc
+
+
 def _max_tokens(frontend: Frontend, request: ChatCompletionRequest, prompt_tokens: int) -> int:
     explicit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if explicit is not None:
@@ -256,12 +301,19 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
 
     string_stops = parse_string_stops(request.stop)
     token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
+    envelope = frontend.envelope(rendered)
+    tool_format = _tool_call_format(frontend, request, tool_specs, envelope)
     response_format = parse_response_format(request.response_format)
     check_stop_compatibility(string_stops, token_stops, response_format is not None)
     format_text = None
     if response_format is not None:
         frontend.grammar_compiler.compile(response_format)  # an invalid schema is a 400 now
         format_text = json.dumps(request.response_format)
+    elif tool_format is not None:
+        if string_stops:
+            raise InvalidRequest("stop cannot be combined with tool_choice 'required' or a named function", "stop")
+        frontend.grammar_compiler.compile(tool_format)  # an invalid tool schema is a 400 now
+        format_text = tool_format.to_json()
 
     observe_ids = bool(request.return_token_ids)
     observe_times = bool(request.return_token_timestamps)
@@ -282,7 +334,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     return Prepared(
         request=prepared,
         tools=tool_specs,
-        envelope=frontend.envelope(rendered),
+        envelope=envelope,
         structured=response_format is not None,
         stream=bool(request.stream),
         include_usage=include_usage,

@@ -224,8 +224,8 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     choice = request.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        refuse("tool_choice", f"tool_choice={choice!r} (only 'auto' and 'none')")
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        refuse("tool_choice", f"tool_choice={choice!r} (only 'auto', 'none', 'required' or a named function)")
     if request.return_token_timestamps and not request.return_token_ids:
         problems.append(("return_token_timestamps", "return_token_timestamps requires return_token_ids=true"))
     return problems

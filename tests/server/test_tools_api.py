@@ -158,15 +158,106 @@ def test_tool_choice_none_answers_in_text(served_tools: Served, script: Callable
     assert reply.choices[0].finish_reason == "stop"
 
 
-def test_unsupported_tool_choices_are_refused(served_tools: Served) -> None:
+CITY: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+REQUIRED_KEYS = {"get_weather": {"city"}, "add": {"a", "b"}}
+
+
+def constrained(served: Served, tool_choice: Any, seed: int) -> Any:
+    """A completion the random-weight model generates under the tool-call grammar (nothing scripted)."""
+    return served.client.chat.completions.create(
+        model="llama-synthetic-tiny",
+        messages=[{"role": "user", "content": "Use a tool."}],
+        tools=[CITY, ADD],  # type: ignore[list-item]
+        tool_choice=tool_choice,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=200,
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tool_choice_required_forces_a_valid_call(served_tools: Served, seed: int) -> None:
+    choice = constrained(served_tools, "required", seed).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name in REQUIRED_KEYS
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict) and REQUIRED_KEYS[call.function.name] <= set(arguments)
+
+
+@pytest.mark.parametrize("name", ["add", "get_weather"])
+def test_a_named_tool_choice_forces_that_function(served_tools: Served, name: str) -> None:
+    choice = constrained(served_tools, {"type": "function", "function": {"name": name}}, 5).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == name
+    assert REQUIRED_KEYS[name] <= set(json.loads(call.function.arguments))
+
+
+def test_a_streamed_required_call_assembles(served_tools: Served) -> None:
+    stream = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny",
+        messages=[{"role": "user", "content": "Use a tool."}],
+        tools=[CITY],  # type: ignore[list-item]
+        tool_choice="required",
+        temperature=1.0,
+        seed=9,
+        max_tokens=200,
+        stream=True,
+    )
+    names, arguments, finish = [], "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        for call in chunk.choices[0].delta.tool_calls or []:
+            if call.function and call.function.name:
+                names.append(call.function.name)
+            if call.function and call.function.arguments:
+                arguments += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert names == ["get_weather"] and "city" in json.loads(arguments)
+    assert finish == "tool_calls"
+
+
+def test_invalid_forced_tool_choices_are_refused(served_tools: Served) -> None:
     import openai
 
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    base: dict[str, Any] = {"model": "llama-synthetic-tiny", "messages": [{"role": "user", "content": "hi"}]}
+    cases: list[tuple[dict[str, Any], str]] = [
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"response_format": {"type": "tool_call"}}, "response_format"),
+    ]
+    for extra, expected in cases:
         with pytest.raises(openai.BadRequestError) as error:
-            served_tools.client.chat.completions.create(
-                model="llama-synthetic-tiny",
-                messages=[{"role": "user", "content": "hi"}],
-                tools=[WEATHER],
-                tool_choice=choice,  # type: ignore[arg-type]
-            )
-        assert "tool_choice" in str(error.value)
+            served_tools.client.chat.completions.create(**base, **extra)
+        assert expected in str(error.value), (extra, str(error.value))
