@@ -1,4 +1,4 @@
-"""Host time per scheduling step with the null backend, at batch 1, 16, 64 and 256.
+"""Host time per scheduling round with the null backend, at batch 1, 16, 64 and 256.
 
 The null backend writes well-formed completion records without computing, so the time of a worker
 step is pure host overhead: planning the round (scheduler), shared packing, the launch call,
@@ -57,10 +57,16 @@ def measure(core: Path, key: Path, batch: int, steps: int) -> tuple[float, float
     durations: list[float] = []
     original = engine._step
 
+    rounds = engine.scheduler.stats.rounds
+
     def timed_step() -> None:
+        before = sum(rounds.values())
         begin = time.perf_counter_ns()
         original()
-        durations.append((time.perf_counter_ns() - begin) / 1000)
+        elapsed = (time.perf_counter_ns() - begin) / 1000
+        launched = sum(rounds.values()) - before
+        # A step may launch two decode rounds (two frames): report host time per round.
+        durations.extend([elapsed / launched] * launched if launched else [])
 
     engine._step = timed_step  # type: ignore[method-assign]
     try:
@@ -88,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         core, key = build(Path(tmp))
         rows = [(batch, *measure(core, key, batch, args.steps)) for batch in BATCHES]
-    print(f"host time per decode step, null backend, {args.steps} steps, {date.today()}")
+    print(f"host time per decode round, null backend, {args.steps} steps, {date.today()}")
     print(f"{'batch':>5} {'median us':>10} {'p99 us':>9} {'us/request':>11} {'target us':>10} {'rounds':>7}")
     for batch, median, p99, rounds in rows:
         target = TARGETS_US.get(batch)
