@@ -17,8 +17,13 @@ Owns three things and nothing else:
   are allowed exactly when the grammar accepts termination) and advances on sampled tokens.
 
 A structured answer is an opaque grammar-constrained document: the grammar constrains bytes, so
-text that happens to spell a protocol delimiter inside it is answer text. Reasoning/tool envelopes
-and presentation live elsewhere.
+text that happens to spell a protocol delimiter inside it is answer text. When the core reasons with
+think tags, the grammar admits the reasoning envelope before the answer (``start: reasoning?
+answer``): the open marker (omitted when the prompt already opened reasoning), free text that never
+spells the close marker (nor the terminal marker, which would end reasoning implicitly), the close
+marker, then the answer and EOS. Only the output limit bounds the reasoning. Other reasoning
+families (XTML think, recipient-header frames) keep the whole output constrained to the answer.
+Reasoning/tool parsing and presentation live elsewhere.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ __all__ = [
     "GrammarMatcher",
     "ResponseFormat",
     "ToolCallFormat",
+    "envelope_reasoning",
     "parse_prepared_format",
     "parse_response_format",
+    "prepared_format_json",
+    "read_prepared_format",
 ]
 
 Mask = npt.NDArray[np.int32]
@@ -189,11 +197,36 @@ class ToolCallFormat:
         )
 
 
-def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
-    """Read ``PreparedRequest.response_format`` (internal JSON written by preparation).
+_ENVELOPE = "helios_envelope"  # internal key of the prepared JSON: the reasoning envelope to admit
 
-    A client ``response_format`` passes through :func:`parse_response_format`; the internal
-    ``tool_call`` kind is accepted only here.
+
+def envelope_reasoning(frontend: ct.FrontendContract) -> ct.ReasoningSyntax | None:
+    """The reasoning syntax a grammar must admit before the answer: think tags only, else ``None``."""
+    syntax = frontend.reasoning_syntax
+    if frontend.reasoning_parser != ct.REASONING_PARSER_THINK_TAGS or not syntax.open or not syntax.close:
+        return None
+    return syntax
+
+
+def prepared_format_json(
+    value: Mapping[str, Any], reasoning: ct.ReasoningSyntax | None, *, initially_reasoning: bool = False
+) -> str:
+    """``PreparedRequest.response_format``: the format's JSON plus the envelope the worker compiles with."""
+    out = dict(value)
+    if reasoning is not None:
+        out[_ENVELOPE] = {
+            "open": reasoning.open,
+            "close": reasoning.close,
+            "terminal": reasoning.terminal_marker,
+            "initially_reasoning": initially_reasoning,
+        }
+    return json.dumps(out)
+
+
+def read_prepared_format(
+    text: str,
+) -> tuple[ResponseFormat | ToolCallFormat | None, ct.ReasoningSyntax | None, bool]:
+    """(format, reasoning syntax to admit or None, whether generation starts inside reasoning).
 
     Raises:
         PromptError: malformed JSON or fields.
@@ -202,6 +235,37 @@ def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
         value = json.loads(text)
     except ValueError as exc:
         raise PromptError(f"prepared response format is not JSON: {exc}") from exc
+    if not isinstance(value, dict) or _ENVELOPE not in value:
+        return parse_prepared_format(text), None, False
+    envelope = value.pop(_ENVELOPE)
+    if not isinstance(envelope, Mapping):
+        raise PromptError("malformed prepared reasoning envelope")
+    open_, close, terminal = envelope.get("open"), envelope.get("close"), envelope.get("terminal", "")
+    initially = envelope.get("initially_reasoning", False)
+    if not all(isinstance(v, str) for v in (open_, close, terminal)) or not isinstance(initially, bool):
+        raise PromptError("malformed prepared reasoning envelope")
+    if not open_ or not close:
+        raise PromptError("malformed prepared reasoning envelope")
+    syntax = ct.ReasoningSyntax(open=open_, close=close, terminal_marker=terminal)
+    return parse_prepared_format(json.dumps(value)), syntax, initially
+
+
+def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
+    """Read the format of ``PreparedRequest.response_format`` (internal JSON written by preparation).
+
+    A client ``response_format`` passes through :func:`parse_response_format`; the internal
+    ``tool_call`` kind and the reasoning envelope key are accepted only here (the envelope itself
+    is read by :func:`read_prepared_format`).
+
+    Raises:
+        PromptError: malformed JSON or fields.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise PromptError(f"prepared response format is not JSON: {exc}") from exc
+    if isinstance(value, dict):
+        value.pop(_ENVELOPE, None)
     if not isinstance(value, Mapping) or value.get("type") != _TOOL_CALL:
         return parse_response_format(value)
     tools = value.get("tools")
@@ -309,7 +373,7 @@ class GrammarCompiler:
             not_eos=not_eos,
             eos_ids=eos,
         )
-        self._any_object: Grammar | None = None
+        self._any_object: dict[tuple[str, str, str, bool] | None, Grammar] = {}
         self._added: dict[str, int] = {
             added.content: int(index) for index, added in tokenizer.get_added_tokens_decoder().items()
         }
@@ -319,31 +383,50 @@ class GrammarCompiler:
         """Words of every mask this compiler's matchers produce."""
         return self._geometry.mask_words
 
-    def compile(self, fmt: ResponseFormat | ToolCallFormat) -> Grammar:
+    def compile(
+        self,
+        fmt: ResponseFormat | ToolCallFormat,
+        *,
+        reasoning: ct.ReasoningSyntax | None = None,
+        initially_reasoning: bool = False,
+    ) -> Grammar:
         """Compile and validate ``fmt``'s schema now (not at the first token).
+
+        ``reasoning``: the think-tag syntax of the core (see :func:`envelope_reasoning`); the
+        grammar then admits a reasoning envelope before the answer. ``initially_reasoning``: the
+        prompt opened reasoning, so generation starts inside it (no open marker first).
 
         Raises:
             PromptError: the schema is not valid JSON or llguidance rejects it (its message).
         """
+        key = None
+        if reasoning is not None:
+            key = (reasoning.open, reasoning.close, reasoning.terminal_marker, initially_reasoning)
         if isinstance(fmt, ToolCallFormat):
-            return self._compile_tool_call(fmt)
-        if fmt.kind == "json_object" and self._any_object is not None:
-            return self._any_object
+            where = "tools" if fmt.choice is None else f"tools ({fmt.choice})"
+            return self._compile_lark(self._tool_call_rules(fmt), where, reasoning, initially_reasoning)
+        cached = self._any_object.get(key)
+        if fmt.kind == "json_object" and cached is not None:
+            return cached
         where = "response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format"
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(fmt.schema))
-        except (ValueError, TypeError) as exc:
-            raise PromptError(f"{where}: {exc}") from exc
-        prototype = llguidance.LLMatcher(self._llg, grammar, log_level=0)
-        if prototype.is_error():
-            raise PromptError(f"{where}: {_first_line(prototype.get_error())}")
-        compiled = Grammar(prototype=prototype, geometry=self._geometry, source=grammar)
+        if reasoning is None:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(fmt.schema))
+            except (ValueError, TypeError) as exc:
+                raise PromptError(f"{where}: {exc}") from exc
+            compiled = self._matcher_grammar(grammar, where)
+        else:
+            try:
+                schema = json.dumps(dict(fmt.schema))
+            except (ValueError, TypeError) as exc:
+                raise PromptError(f"{where}: {exc}") from exc
+            compiled = self._compile_lark([f"answer: %json {schema}"], where, reasoning, initially_reasoning)
         if fmt.kind == "json_object":
-            self._any_object = compiled  # the same grammar for every request: compile it once
+            self._any_object[key] = compiled  # the same grammar for every request: compile it once
         return compiled
 
-    def _compile_tool_call(self, fmt: ToolCallFormat) -> Grammar:
-        """``call_open`` + ``{"name": N, "arguments": <N's schema>}`` (compact JSON) + ``call_close``, then EOS.
+    def _tool_call_rules(self, fmt: ToolCallFormat) -> list[str]:
+        """``call_open`` + ``{"name": N, "arguments": <N's schema>}`` (compact JSON) + ``call_close``.
 
         A marker that is one added token of the tokenizer is matched as that token (never as its
         spelling in ordinary bytes); any other marker is matched as text.
@@ -361,16 +444,35 @@ class GrammarCompiler:
                 "x-guidance": _COMPACT,
             }
             alternatives.append((f"call_{index}", json.dumps(schema)))
-        lines = [
-            f"start: {self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}",
+        return [
+            f"answer: {self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}",
             "body: " + " | ".join(rule for rule, _ in alternatives),
             *(f"{rule}: %json {schema}" for rule, schema in alternatives),
         ]
-        where = "tools" if fmt.choice is None else f"tools ({fmt.choice})"
+
+    def _compile_lark(
+        self, answer: list[str], where: str, reasoning: ct.ReasoningSyntax | None, initially_reasoning: bool
+    ) -> Grammar:
+        """``start: reasoning? answer`` (or ``start: answer`` without a reasoning syntax), then EOS."""
+        if reasoning is None:
+            head = ["start: answer"]
+        else:
+            forbidden = [reasoning.close] + ([reasoning.terminal_marker] if reasoning.terminal_marker else [])
+            spelled = "|".join(_regex_literal(text) for text in forbidden)
+            opener = "" if initially_reasoning else f"{self._marker(reasoning.open)} "
+            head = [
+                "start: thought answer" if initially_reasoning else "start: thought? answer",
+                f"thought: {opener}THOUGHT? {self._marker(reasoning.close)} GAP?",
+                f"THOUGHT: /(?s:.+)/ & ~/(?s:.*({spelled}).*)/",
+                "GAP: /\\n{1,2}/",
+            ]
         try:
-            grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+            grammar = llguidance.LLMatcher.grammar_from_lark("\n".join([*head, *answer]))
         except (ValueError, TypeError) as exc:
             raise PromptError(f"{where}: {_first_line(str(exc))}") from exc
+        return self._matcher_grammar(grammar, where)
+
+    def _matcher_grammar(self, grammar: str, where: str) -> Grammar:
         prototype = llguidance.LLMatcher(self._llg, grammar, log_level=0)
         if prototype.is_error():
             raise PromptError(f"{where}: {_first_line(prototype.get_error())}")
@@ -466,6 +568,11 @@ class GrammarMatcher:
         if not self._matcher.is_accepting():
             return False
         return bool(np.array_equal(self.mask(), self._geometry.eos))
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex of its exact characters (each as ``\\x{...}``: nothing to escape)."""
+    return "".join(f"\\x{{{ord(char):x}}}" for char in text)
 
 
 def _first_line(message: str) -> str:

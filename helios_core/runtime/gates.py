@@ -42,11 +42,12 @@ class HostGate:
         if request.response_format is not None:
             if grammar_compiler is None:
                 raise ValueError("structured output needs a grammar compiler")
-            from helios_core.frontend.structured import parse_prepared_format
+            from helios_core.frontend.structured import read_prepared_format
 
-            fmt = parse_prepared_format(request.response_format)
+            fmt, reasoning, initially = read_prepared_format(request.response_format)
             if fmt is not None:
-                self._grammar = grammar_compiler.compile(fmt).matcher()
+                grammar = grammar_compiler.compile(fmt, reasoning=reasoning, initially_reasoning=initially)
+                self._grammar = grammar.matcher()
 
     @property
     def constrained(self) -> bool:

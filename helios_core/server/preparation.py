@@ -22,7 +22,13 @@ from typing import Any
 
 from helios_core.frontend.bootstrap import Bootstrap, PromptError, resolve_sampling
 from helios_core.frontend.stops import check_stop_compatibility, parse_string_stops, parse_token_stops
-from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat, parse_response_format
+from helios_core.frontend.structured import (
+    GrammarCompiler,
+    ToolCallFormat,
+    envelope_reasoning,
+    parse_response_format,
+    prepared_format_json,
+)
 from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, OutputPipeline, TokenizerVocabulary, ToolSpec
 from helios_core.plugins.host import PluginHost, SelectedFrontend
 from helios_core.runtime.messages import PreparedRequest, SamplingParams
@@ -57,6 +63,8 @@ class Frontend:
         self.selected: SelectedFrontend = host.resolve(running.bootstrap.frontend, self.vocabulary)
         self.supports_tools = running.bootstrap.frontend.tool_parser != ct.TOOL_PARSER_NONE
         self.logprobs_top_n, self.supports_prompt_logprobs = _logprob_capabilities(running)
+        self.reasoning = envelope_reasoning(running.bootstrap.frontend)
+        """The think-tag syntax structured output admits before the answer, or None (see structured)."""
         self.grammar_compiler = GrammarCompiler(
             running.bootstrap.tokenizer,
             sampled_size=contract.sampled_size,
@@ -258,9 +266,10 @@ def _tool_call_format(
         raise InvalidRequest(
             "response_format cannot be combined with tool_choice 'required' or a named function", "tool_choice"
         )
-    if envelope != CLOSED_ENVELOPE:
+    if envelope != CLOSED_ENVELOPE and not (envelope.initially_reasoning and frontend.reasoning is not None):
         raise InvalidRequest(
-            "tool_choice 'required' or a named function is not supported when the prompt opens reasoning",
+            "tool_choice 'required' or a named function is not supported when the prompt opens reasoning"
+            " other than think tags",
             "tool_choice",
         )
     if name is not None and name not in {spec.name for spec in specs}:
@@ -306,14 +315,17 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     response_format = parse_response_format(request.response_format)
     check_stop_compatibility(string_stops, token_stops, response_format is not None)
     format_text = None
+    reasoning, initially = frontend.reasoning, envelope.initially_reasoning
     if response_format is not None:
-        frontend.grammar_compiler.compile(response_format)  # an invalid schema is a 400 now
-        format_text = json.dumps(request.response_format)
+        # an invalid schema is a 400 now
+        frontend.grammar_compiler.compile(response_format, reasoning=reasoning, initially_reasoning=initially)
+        format_text = prepared_format_json(request.response_format or {}, reasoning, initially_reasoning=initially)
     elif tool_format is not None:
         if string_stops:
             raise InvalidRequest("stop cannot be combined with tool_choice 'required' or a named function", "stop")
-        frontend.grammar_compiler.compile(tool_format)  # an invalid tool schema is a 400 now
-        format_text = tool_format.to_json()
+        # an invalid tool schema is a 400 now
+        frontend.grammar_compiler.compile(tool_format, reasoning=reasoning, initially_reasoning=initially)
+        format_text = prepared_format_json(json.loads(tool_format.to_json()), reasoning, initially_reasoning=initially)
 
     observe_ids = bool(request.return_token_ids)
     observe_times = bool(request.return_token_timestamps)
