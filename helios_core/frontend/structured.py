@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 
 from helios_core.errors import ContractError, HeliosError
 from helios_core.frontend.bootstrap import PromptError
+from helios_core.plugin_api import STRING_TYPES, schema_type
 from helios_core.wire import contract_pb2 as ct
 
 __all__ = [
@@ -138,9 +139,34 @@ def parse_response_format(value: object) -> ResponseFormat | None:
 
 _TOOL_CALL = "tool_call"
 _JSON_TAGS = "json_tags"
+_FUNCTION_TAGS = "function_tags"
+_ARGUMENT_TAGS = "argument_tags"
 # Compact JSON (one space after ':' and ','; no other whitespace) keeps generated calls short and
 # bounded: with flexible whitespace a sampler may emit whitespace forever.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+_FAMILY_MARKERS: dict[str, tuple[str, ...]] = {
+    _JSON_TAGS: (),
+    _FUNCTION_TAGS: ("function_prefix", "function_close", "parameter_prefix", "parameter_close"),
+    _ARGUMENT_TAGS: ("key_open", "key_close", "value_open", "value_close", "name_separator"),
+}
+
+
+def _family(value: object) -> Family | None:
+    """The constrained tool-call family named ``value``, or ``None``."""
+    if value == _JSON_TAGS:
+        return "json_tags"
+    if value == _FUNCTION_TAGS:
+        return "function_tags"
+    if value == _ARGUMENT_TAGS:
+        return "argument_tags"
+    return None
+
+
+_OPTIONAL_MARKERS = frozenset({"name_separator"})
+Family = Literal["json_tags", "function_tags", "argument_tags"]
+_UNSUPPORTED = "tool_choice 'required' is not supported for this core's tool syntax"
 
 
 @dataclass(frozen=True)
@@ -149,14 +175,19 @@ class ToolCallFormat:
 
     ``tools`` are (name, parameters schema) pairs; ``choice`` is ``None`` for any of them
     (``"required"``) or the one name that must be called. ``call_open``/``call_close`` are the
-    JSON-tag markers of the core's tool syntax (the only family supported so far).
+    call markers of the core's tool syntax; ``markers`` holds the family's other markers (sorted
+    ``(field, text)`` pairs of ``FunctionTagSyntax`` or ``ArgumentTagSyntax``) and
+    ``wrapping_newlines`` the function-tag value newlines. Supported families: JSON tags, function
+    tags and argument tags.
     """
 
     tools: tuple[tuple[str, Mapping[str, Any]], ...]
     choice: str | None
     call_open: str
     call_close: str
-    family: Literal["json_tags"] = "json_tags"
+    family: Family = "json_tags"
+    markers: tuple[tuple[str, str], ...] = ()
+    wrapping_newlines: bool = False
 
     @classmethod
     def from_syntax(
@@ -173,26 +204,44 @@ class ToolCallFormat:
         names = [name for name, _ in tools]
         if choice is not None and choice not in names:
             raise PromptError(f"tool_choice names function {choice!r}, which is not among the request's tools")
-        if syntax.WhichOneof("family") != _JSON_TAGS:
-            raise PromptError("tool_choice 'required' is not supported for this core's tool syntax")
-        tags = syntax.json_tags
-        if not tags.call_open or not tags.call_close:
-            raise PromptError("tool_choice 'required' is not supported for this core's tool syntax")
+        family = _family(syntax.WhichOneof("family"))
+        if family == _JSON_TAGS:
+            tags: Any = syntax.json_tags
+        elif family == _FUNCTION_TAGS:
+            tags = syntax.function_tags
+        elif family == _ARGUMENT_TAGS:
+            tags = syntax.argument_tags
+        else:
+            raise PromptError(_UNSUPPORTED)
+        markers = tuple(sorted((name, str(getattr(tags, name))) for name in _FAMILY_MARKERS[family]))
+        if not tags.call_open or not tags.call_close or not all(t for n, t in markers if n not in _OPTIONAL_MARKERS):
+            raise PromptError(_UNSUPPORTED)
         return cls(
             tools=tuple((name, schema) for name, schema in tools),
             choice=choice,
             call_open=tags.call_open,
             call_close=tags.call_close,
+            family=family,
+            markers=markers,
+            wrapping_newlines=bool(getattr(tags, "wrapping_newlines", False)),
         )
+
+    def marker(self, name: str) -> str:
+        """The family marker ``name`` (``""`` when absent)."""
+        return dict(self.markers).get(name, "")
 
     def to_json(self) -> str:
         """The internal JSON form carried by ``PreparedRequest.response_format``."""
+        syntax: dict[str, Any] = {"family": self.family, "call_open": self.call_open, "call_close": self.call_close}
+        if self.family != _JSON_TAGS:
+            syntax["markers"] = dict(self.markers)
+            syntax["wrapping_newlines"] = self.wrapping_newlines
         return json.dumps(
             {
                 "type": _TOOL_CALL,
                 "tools": [{"name": name, "parameters": dict(schema)} for name, schema in self.tools],
                 "choice": self.choice,
-                "syntax": {"family": self.family, "call_open": self.call_open, "call_close": self.call_close},
+                "syntax": syntax,
             }
         )
 
@@ -285,12 +334,29 @@ def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
         if not isinstance(name, str) or not isinstance(schema, Mapping):
             raise PromptError("malformed prepared tool-call format")
         pairs.append((name, schema))
-    call_open, call_close = syntax.get("call_open"), syntax.get("call_close")
-    if syntax.get("family") != _JSON_TAGS or not isinstance(call_open, str) or not isinstance(call_close, str):
-        raise PromptError("tool_choice 'required' is not supported for this core's tool syntax")
+    call_open, call_close, family = syntax.get("call_open"), syntax.get("call_close"), _family(syntax.get("family"))
+    if family is None or not isinstance(call_open, str) or not isinstance(call_close, str):
+        raise PromptError(_UNSUPPORTED)
+    markers = syntax.get("markers", {})
+    wrapping = syntax.get("wrapping_newlines", False)
+    if (
+        not isinstance(markers, Mapping)
+        or set(markers) != set(_FAMILY_MARKERS[family])
+        or not all(isinstance(text, str) for text in markers.values())
+        or not isinstance(wrapping, bool)
+    ):
+        raise PromptError("malformed prepared tool-call format")
     if not pairs or (choice is not None and choice not in {name for name, _ in pairs}):
         raise PromptError("malformed prepared tool-call format")
-    return ToolCallFormat(tools=tuple(pairs), choice=choice, call_open=call_open, call_close=call_close)
+    return ToolCallFormat(
+        tools=tuple(pairs),
+        choice=choice,
+        call_open=call_open,
+        call_close=call_close,
+        family=family,
+        markers=tuple(sorted((str(name), str(text)) for name, text in markers.items())),
+        wrapping_newlines=wrapping,
+    )
 
 
 def _reject_unknown(where: str, value: Mapping[Any, Any], allowed: frozenset[str]) -> None:
@@ -404,7 +470,8 @@ class GrammarCompiler:
             key = (reasoning.open, reasoning.close, reasoning.terminal_marker, initially_reasoning)
         if isinstance(fmt, ToolCallFormat):
             where = "tools" if fmt.choice is None else f"tools ({fmt.choice})"
-            return self._compile_lark(self._tool_call_rules(fmt), where, reasoning, initially_reasoning)
+            rules = self._tool_call_rules(fmt) if fmt.family == _JSON_TAGS else self._tag_call_rules(fmt)
+            return self._compile_lark(rules, where, reasoning, initially_reasoning)
         cached = self._any_object.get(key)
         if fmt.kind == "json_object" and cached is not None:
             return cached
@@ -449,6 +516,103 @@ class GrammarCompiler:
             "body: " + " | ".join(rule for rule, _ in alternatives),
             *(f"{rule}: %json {schema}" for rule, schema in alternatives),
         ]
+
+    def _tag_call_rules(self, fmt: ToolCallFormat) -> list[str]:
+        """One function-tag or argument-tag call: the name fixed, then a parameter block per property.
+
+        Required properties come in schema order; optional ones may be skipped (in the same order).
+        A string-typed value (kept verbatim by the parser) is text that never spells a marker ending
+        it and never starts or ends with a newline, within the string's ``enum``/``const``,
+        ``pattern`` and length keywords; every other value is compact JSON of its schema (the
+        parser decodes it). Strings nested inside JSON values are not kept free of the markers.
+        """
+        m = fmt.marker
+        functions = fmt.family == _FUNCTION_TAGS
+        if functions:
+            ends = [m("parameter_close"), m("parameter_prefix"), m("function_close")]
+        else:
+            ends = [m("value_close"), m("key_open")]
+        terminators = [text for text in (*ends, fmt.call_close, fmt.call_open) if text]
+        wrap = '"\\n" ' if functions and fmt.wrapping_newlines else ""
+        rules: list[str] = []
+        alternatives: list[str] = []
+        for index, (name, parameters) in enumerate(fmt.tools):
+            if fmt.choice is not None and name != fmt.choice:
+                continue
+            where = f"tools ({name})"
+            if not _NAME.fullmatch(name):
+                raise PromptError(f"{where}: the function name cannot be written in this core's tool syntax")
+            items: list[str] = []
+            for number, (key, schema, required) in enumerate(_tag_parameters(parameters, where)):
+                if not _KEY.fullmatch(key) or any(text in key for text in terminators):
+                    raise PromptError(f"{where}: parameter name {key!r} cannot be written in this core's tool syntax")
+                rule = f"p_{index}_{number}"
+                value = self._tag_value(f"{rule}_v", schema, terminators, rules, f"{where}: parameter {key!r}")
+                if functions:
+                    head = f'{self._marker(m("parameter_prefix"))} {json.dumps(key)} ">"'
+                    body = f'{head} {wrap}{value} {wrap}{self._marker(m("parameter_close"))} "\\n"'
+                else:
+                    head = f'{self._marker(m("key_open"))} {json.dumps(key)} {self._marker(m("key_close"))} "\\n"'
+                    body = f'{head} {self._marker(m("value_open"))} {value} {self._marker(m("value_close"))} "\\n"'
+                rules.append(f"{rule}: {body}")
+                items.append(rule if required else f"{rule}?")
+            params = " ".join(items)
+            if functions:
+                prefix, close = self._marker(m("function_prefix")), self._marker(m("function_close"))
+                call = f'"\\n" {prefix} {json.dumps(name)} ">\\n" {params} {close} "\\n"'
+            else:
+                separator = m("name_separator")
+                call = f"{json.dumps(name)} {self._marker(separator) if separator else ''} {params}"
+            rules.append(f"call_{index}: {call}")
+            alternatives.append(f"call_{index}")
+        return [
+            f"answer: {self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}",
+            "body: " + " | ".join(alternatives),
+            *rules,
+        ]
+
+    def _tag_value(
+        self, rule: str, schema: Mapping[str, Any], terminators: list[str], rules: list[str], where: str
+    ) -> str:
+        """A Lark expression for one value (appending the rules it needs to ``rules``)."""
+        if schema_type(schema) not in STRING_TYPES:
+            try:
+                text = json.dumps({**schema, "x-guidance": _COMPACT})
+            except (ValueError, TypeError) as exc:
+                raise PromptError(f"{where}: {exc}") from exc
+            rules.append(f"{rule}: %json {text}")
+            return rule
+        string = _string_schema(schema, where)
+        forbidden = "|".join(_regex_literal(text) for text in terminators)
+        literals = string.get("enum", [string["const"]] if "const" in string else None)
+        if literals is not None:
+            if not isinstance(literals, list) or not all(isinstance(v, str) for v in literals) or not literals:
+                raise PromptError(f"{where}: a string enum must list strings")
+            if any(text in v for v in literals for text in terminators):
+                raise PromptError(f"{where}: an enum value spells a marker of this core's tool syntax")
+            spelled = [json.dumps(v, ensure_ascii=False) for v in dict.fromkeys(literals) if v]
+            if not spelled:
+                return ""
+            rules.append(f"{rule}: " + " | ".join(spelled))
+            return f"{rule}?" if "" in literals else rule
+        low, high = string.get("minLength", 0), string.get("maxLength")
+        if not isinstance(low, int) or not (high is None or isinstance(high, int)) or low < 0:
+            raise PromptError(f"{where}: minLength and maxLength must be non-negative integers")
+        if high == 0:
+            return ""
+        lexeme = rule.upper()
+        parts = [
+            f"/(?s:.{{{max(low, 1)},{'' if high is None else high}}})/",
+            f"~/(?s:.*({forbidden}).*)/",
+            "~/(?s:\\n.*|.*\\n)/",
+        ]
+        pattern = string.get("pattern")
+        if pattern is not None:
+            if not isinstance(pattern, str):
+                raise PromptError(f"{where}: pattern must be a string")
+            parts.append(f"/{_pattern_regex(pattern)}/")
+        rules.append(f"{lexeme}: " + " & ".join(parts))
+        return f"{lexeme}?" if low == 0 and (pattern is None or _matches_empty(pattern)) else lexeme
 
     def _compile_lark(
         self, answer: list[str], where: str, reasoning: ct.ReasoningSyntax | None, initially_reasoning: bool
@@ -568,6 +732,77 @@ class GrammarMatcher:
         if not self._matcher.is_accepting():
             return False
         return bool(np.array_equal(self.mask(), self._geometry.eos))
+
+
+_KEY = re.compile(r"[^<>\s](?:[^<>\n]*[^<>\s])?")
+_OBJECT_KEYS = frozenset({"type", "properties", "required", "additionalProperties", "description", "title", "$schema"})
+_STRING_KEYS = frozenset(
+    {"type", "description", "title", "default", "examples", "enum", "const", "pattern", "minLength", "maxLength"}
+)
+
+
+def _tag_parameters(parameters: Mapping[str, Any], where: str) -> list[tuple[str, Mapping[str, Any], bool]]:
+    """(name, schema, required) of each property of a tool's parameters, in schema order.
+
+    Raises:
+        PromptError: a schema keyword the tag families cannot enforce, or a required property
+            without a schema.
+    """
+    unknown = sorted(str(key) for key in parameters if key not in _OBJECT_KEYS)
+    if unknown:
+        raise PromptError(
+            f"{where}: schema keyword(s) {', '.join(unknown)} cannot be enforced in this core's tool syntax"
+        )
+    properties = parameters.get("properties", {})
+    required = parameters.get("required", [])
+    if not isinstance(properties, Mapping) or not isinstance(required, list):
+        raise PromptError(f"{where}: properties must be an object and required a list")
+    missing = [str(key) for key in required if key not in properties]
+    if missing:
+        raise PromptError(f"{where}: required parameter(s) {', '.join(missing)} have no schema")
+    out: list[tuple[str, Mapping[str, Any], bool]] = []
+    for key, schema in properties.items():
+        if not isinstance(key, str) or not isinstance(schema, Mapping):
+            raise PromptError(f"{where}: each property needs a schema object")
+        out.append((key, schema, key in required))
+    return out
+
+
+def _string_schema(schema: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """The string schema a verbatim (string-typed) value must satisfy: the schema or its string
+    ``anyOf`` branch.
+
+    Raises:
+        PromptError: a keyword that cannot be enforced on raw text.
+    """
+    if "type" not in schema and "enum" not in schema:
+        branches = schema.get("anyOf")
+        if isinstance(branches, list) and "oneOf" not in schema:
+            for branch in branches:
+                if isinstance(branch, Mapping) and schema_type(branch) in STRING_TYPES:
+                    return _string_schema(branch, where)
+        raise PromptError(f"{where}: this string schema cannot be enforced in this core's tool syntax")
+    unknown = sorted(str(key) for key in schema if key not in _STRING_KEYS)
+    if unknown:
+        raise PromptError(f"{where}: keyword(s) {', '.join(unknown)} cannot be enforced in this core's tool syntax")
+    return schema
+
+
+def _matches_empty(pattern: str) -> bool:
+    """Whether ``pattern`` accepts the empty string (``False`` when Python cannot read it)."""
+    try:
+        return re.search(pattern, "") is not None
+    except re.error:
+        return False
+
+
+def _pattern_regex(pattern: str) -> str:
+    """A JSON-schema ``pattern`` (a search) as a whole-text regex for a Lark lexeme."""
+    core = pattern[1:] if pattern.startswith("^") else pattern
+    end = core.endswith("$") and not core.endswith("\\$")
+    core = core[:-1] if end else core
+    head = "" if pattern.startswith("^") else "(?s:.*)"
+    return (head + f"(?:{core})" + ("" if end else "(?s:.*)")).replace("/", "\\/")
 
 
 def _regex_literal(text: str) -> str:

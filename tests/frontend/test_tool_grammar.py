@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from frontend_builders import function_tags, json_tags
+from frontend_builders import dsml, json_tags
 
 from helios_core.frontend.bootstrap import PromptError
 from helios_core.frontend.structured import (
@@ -167,7 +167,7 @@ def test_clients_cannot_send_the_internal_kind() -> None:
 
 def test_other_families_unknown_names_and_bad_schemas_are_refused(compiler: GrammarCompiler) -> None:
     with pytest.raises(PromptError, match="not supported for this core's tool syntax"):
-        ToolCallFormat.from_syntax(TOOLS, None, function_tags().tool_syntax)
+        ToolCallFormat.from_syntax(TOOLS, None, dsml().tool_syntax)
     with pytest.raises(PromptError, match="'nope'"):
         ToolCallFormat.from_syntax(TOOLS, "nope", json_tags().tool_syntax)
     with pytest.raises(PromptError, match="at least one tool"):

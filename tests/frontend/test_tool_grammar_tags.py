@@ -1,0 +1,176 @@
+"""Constrained tool calls in the function-tag and argument-tag syntaxes: random walks over the grammar
+mask always yield exactly one call, read by the real parser, of an allowed tool, with arguments that
+satisfy its schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from frontend_builders import argument_tags, function_tags
+
+from helios_core.frontend.bootstrap import PromptError
+from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat, parse_prepared_format
+from helios_core.plugin_api import ToolSpec
+from helios_core.testing import FrontendHarness, byte_level_tokenizer
+from helios_core.wire import contract_pb2 as ct
+
+OPEN, CLOSE, EOS = 256, 257, 258  # <tool_call>, </tool_call>, <|eos|> after the 256 byte tokens
+SAMPLED = 259
+WIDTH = 288
+MAX_STEPS = 600
+WALKS = 30
+
+NOTE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "text": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": -50, "maximum": 999},
+        "urgent": {"type": "boolean"},
+    },
+    "required": ["text", "urgent"],
+    "additionalProperties": False,
+}
+MOVE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "to": {"enum": ["left", "right"]},
+        "code": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+        "steps": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    },
+    "required": ["to"],
+    "additionalProperties": False,
+}
+TOOLS = [("note", NOTE), ("move", MOVE)]
+FAMILIES: dict[str, Callable[[], ct.FrontendContract]] = {
+    "function_tags": function_tags,
+    "argument_tags": argument_tags,
+}
+
+
+def valid(name: str, arguments: Any) -> bool:
+    """A hand-written check of the two schemas above (no jsonschema dependency)."""
+    if not isinstance(arguments, dict):
+        return False
+    if name == "note":
+        text, count = arguments.get("text"), arguments.get("count", 0)
+        return (
+            set(NOTE["required"]) <= set(arguments) <= set(NOTE["properties"])
+            and isinstance(text, str)
+            and len(text) <= 12
+            and type(count) is int
+            and -50 <= count <= 999
+            and isinstance(arguments["urgent"], bool)
+        )
+    code, steps = arguments.get("code", "ab"), arguments.get("steps", [])
+    return (
+        set(MOVE["required"]) <= set(arguments) <= set(MOVE["properties"])
+        and arguments["to"] in ("left", "right")
+        and isinstance(code, str)
+        and 2 <= len(code) <= 4
+        and code.isascii()
+        and code.isalpha()
+        and code.islower()
+        and isinstance(steps, list)
+        and len(steps) <= 3
+        and all(type(step) is int and 0 <= step <= 9 for step in steps)
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    tok = byte_level_tokenizer(["<tool_call>", "</tool_call>", "<|eos|>"])
+    ids = [tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<|eos|>")]
+    if ids != [OPEN, CLOSE, EOS]:
+        pytest.fail(f"unexpected special token ids {ids}")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: Any) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, sampled_size=SAMPLED, logits_width=WIDTH, eos_token_ids=[EOS])
+
+
+def tool_format(family: str, choice: str | None = None) -> ToolCallFormat:
+    return ToolCallFormat.from_syntax(TOOLS, choice, FAMILIES[family]().tool_syntax)
+
+
+def allowed(mask: np.ndarray) -> np.ndarray:
+    bits = np.unpackbits(mask.astype("<u4").view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:SAMPLED])
+
+
+def walk(compiler: GrammarCompiler, fmt: ToolCallFormat, seed: int) -> list[int]:
+    """Sample uniformly among allowed ids until only EOS is allowed; the ids before EOS."""
+    rng = np.random.default_rng(seed)
+    matcher = compiler.compile(fmt).matcher()
+    ids: list[int] = []
+    for _ in range(MAX_STEPS):
+        choices = allowed(matcher.mask())
+        assert choices.size, "the grammar allowed nothing"
+        assert (EOS in choices) == matcher.is_accepting
+        token = int(rng.choice(choices))
+        if token == EOS:
+            assert matcher.finished
+            return ids
+        matcher.advance(token)
+        ids.append(token)
+    raise AssertionError(f"walk {seed} did not finish in {MAX_STEPS} steps")
+
+
+def parsed_calls(tokenizer: Any, family: str, ids: list[int]) -> list[tuple[str, Any]]:
+    harness = FrontendHarness(tokenizer, FAMILIES[family](), tools=[ToolSpec(n, s) for n, s in TOOLS])
+    result = harness.run_tokens([ids])
+    assert result.finish_reason == "tool_calls", tokenizer.decode(ids, skip_special_tokens=False)
+    assert not (result.output.content or "").strip()
+    return [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_required_walks_always_yield_one_valid_call(compiler: GrammarCompiler, tokenizer: Any, family: str) -> None:
+    names = set()
+    for seed in range(WALKS):
+        ids = walk(compiler, tool_format(family), seed)
+        assert ids[0] == OPEN and ids[-1] == CLOSE  # the call markers as their special tokens
+        assert ids.count(OPEN) == 1 and ids.count(CLOSE) == 1
+        ((name, arguments),) = parsed_calls(tokenizer, family, ids)
+        assert name in ("note", "move")
+        assert valid(name, arguments), (name, arguments, tokenizer.decode(ids, skip_special_tokens=False))
+        names.add(name)
+    assert names == {"note", "move"}  # both tools are reachable
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_named_choice_only_yields_that_function(compiler: GrammarCompiler, tokenizer: Any, family: str) -> None:
+    for seed in range(WALKS // 2):
+        ids = walk(compiler, tool_format(family, "note"), seed)
+        ((name, arguments),) = parsed_calls(tokenizer, family, ids)
+        assert name == "note" and valid(name, arguments), arguments
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_format_round_trips_through_its_internal_json(family: str) -> None:
+    fmt = tool_format(family, "move")
+    assert parse_prepared_format(fmt.to_json()) == fmt
+
+
+def test_function_tag_values_follow_the_declared_layout(compiler: GrammarCompiler, tokenizer: Any) -> None:
+    ids = walk(compiler, tool_format("function_tags", "note"), 3)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<tool_call>\n<function=note>\n<parameter=text>\n")
+    assert text.endswith("</parameter>\n</function>\n</tool_call>")
+
+
+def test_unenforceable_schemas_are_refused(compiler: GrammarCompiler) -> None:
+    syntax = function_tags().tool_syntax
+    for schema in (
+        {"type": "object", "properties": {"a": {"type": "string", "format": "date"}}},
+        {"type": "object", "properties": {}, "required": ["a"]},
+        {"type": "object", "properties": {"a b>": {"type": "integer"}}},
+        {"type": "object", "minProperties": 1},
+    ):
+        with pytest.raises(PromptError):
+            compiler.compile(ToolCallFormat.from_syntax([("f", schema)], None, syntax))
