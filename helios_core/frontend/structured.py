@@ -141,6 +141,9 @@ _TOOL_CALL = "tool_call"
 _JSON_TAGS = "json_tags"
 _FUNCTION_TAGS = "function_tags"
 _ARGUMENT_TAGS = "argument_tags"
+_DSML = "dsml"
+_XTML = "xtml"
+_ATEM = "atem"
 # Compact JSON (one space after ':' and ','; no other whitespace) keeps generated calls short and
 # bounded: with flexible whitespace a sampler may emit whitespace forever.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -150,7 +153,24 @@ _FAMILY_MARKERS: dict[str, tuple[str, ...]] = {
     _JSON_TAGS: (),
     _FUNCTION_TAGS: ("function_prefix", "function_close", "parameter_prefix", "parameter_close"),
     _ARGUMENT_TAGS: ("key_open", "key_close", "value_open", "value_close", "name_separator"),
+    _DSML: ("marker", "block", "invoke", "parameter", "block_separator"),
+    _XTML: ("open", "close", "separator", "block", "call_element", "arg_element"),
+    _ATEM: (
+        "prefix",
+        "block",
+        "invoke",
+        "parameter",
+        "start",
+        "assistant_role",
+        "recipient_prefix",
+        "message",
+        "end_of_message",
+        "generic_tool_recipient",
+        "named_tool_prefix",
+    ),
 }
+# XTML attribute ``type`` of a JSON-typed value, by schema type (anything else: ``object``)
+_XTML_TYPES = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null", "array": "array"}
 
 
 def _family(value: object) -> Family | None:
@@ -161,11 +181,32 @@ def _family(value: object) -> Family | None:
         return "function_tags"
     if value == _ARGUMENT_TAGS:
         return "argument_tags"
+    if value == _DSML:
+        return "dsml"
+    if value == _XTML:
+        return "xtml"
+    if value == _ATEM:
+        return "atem"
     return None
 
 
-_OPTIONAL_MARKERS = frozenset({"name_separator"})
-Family = Literal["json_tags", "function_tags", "argument_tags"]
+def _xtml_framing(block_open: str, block_close: str) -> dict[str, str] | None:
+    """XTML's ``open``/``close``/``separator``/``block`` texts read from the block's open and close
+    texts (``OPEN NAME SEP`` and ``CLOSE NAME SEP``), or ``None``."""
+    for match in re.finditer(r"[A-Za-z_][\w.-]*", block_open):
+        name, after = match.group(0), block_open[match.end() :]
+        if block_close.endswith(name + after) and after:
+            opening = block_open[: match.start()]
+            closing = block_close[: len(block_close) - len(name + after)]
+            if opening and closing and opening != closing:
+                return {"open": opening, "close": closing, "separator": after, "block": name}
+    return None
+
+
+_OPTIONAL_MARKERS = frozenset(
+    {"name_separator", "block_separator", "prefix", "generic_tool_recipient", "named_tool_prefix"}
+)
+Family = Literal["json_tags", "function_tags", "argument_tags", "dsml", "xtml", "atem"]
 _UNSUPPORTED = "tool_choice 'required' is not supported for this core's tool syntax"
 
 
@@ -178,7 +219,9 @@ class ToolCallFormat:
     call markers of the core's tool syntax; ``markers`` holds the family's other markers (sorted
     ``(field, text)`` pairs of ``FunctionTagSyntax`` or ``ArgumentTagSyntax``) and
     ``wrapping_newlines`` the function-tag value newlines. Supported families: JSON tags, function
-    tags and argument tags.
+    tags, argument tags, DSML, XTML and ATEM (whose call markers are the block's open and close tags).
+    ATEM calls are one recipient-header frame (its markers include the ``RecipientHeaderSyntax``
+    fields); ``open_header`` means the prompt already holds the frame's start and role.
     """
 
     tools: tuple[tuple[str, Mapping[str, Any]], ...]
@@ -188,12 +231,22 @@ class ToolCallFormat:
     family: Family = "json_tags"
     markers: tuple[tuple[str, str], ...] = ()
     wrapping_newlines: bool = False
+    open_header: bool = False
 
     @classmethod
     def from_syntax(
-        cls, tools: Sequence[tuple[str, Mapping[str, Any]]], choice: str | None, syntax: ct.ToolSyntax
+        cls,
+        tools: Sequence[tuple[str, Mapping[str, Any]]],
+        choice: str | None,
+        syntax: ct.ToolSyntax,
+        header: ct.RecipientHeaderSyntax | None = None,
+        *,
+        open_header: bool = False,
     ) -> ToolCallFormat:
         """The format for ``tools`` under the core's declared ``syntax``.
+
+        ``header``: the recipient-header frames ATEM calls live in (required for ATEM);
+        ``open_header``: the prompt ends inside an open assistant header (ATEM only).
 
         Raises:
             PromptError: no tools, an unknown named tool, or a tool syntax family without
@@ -211,19 +264,47 @@ class ToolCallFormat:
             tags = syntax.function_tags
         elif family == _ARGUMENT_TAGS:
             tags = syntax.argument_tags
+        elif family == _DSML:
+            tags = syntax.dsml
+        elif family == _XTML:
+            tags = syntax.xtml
+        elif family == _ATEM and header is not None:
+            tags = syntax.atem
         else:
             raise PromptError(_UNSUPPORTED)
-        markers = tuple(sorted((name, str(getattr(tags, name))) for name in _FAMILY_MARKERS[family]))
-        if not tags.call_open or not tags.call_close or not all(t for n, t in markers if n not in _OPTIONAL_MARKERS):
+        if family == _XTML:
+            framing = _xtml_framing(tags.block_open, tags.block_close)
+            if framing is None:
+                raise PromptError(_UNSUPPORTED)
+            framing.update(call_element=tags.call_element, arg_element=tags.arg_element)
+            markers = tuple(sorted(framing.items()))
+        elif family == _ATEM:
+            frame = {name: str(getattr(header, name, "")) for name in _FAMILY_MARKERS[family][4:]}
+            frame.update({name: str(getattr(tags, name)) for name in _FAMILY_MARKERS[family][:4]})
+            markers = tuple(sorted(frame.items()))
+        else:
+            markers = tuple(sorted((name, str(getattr(tags, name))) for name in _FAMILY_MARKERS[family]))
+        if family == _XTML:
+            call_open, call_close = tags.block_open, tags.block_close
+        elif family == _DSML:
+            call_open = syntax.opener or f"<{tags.marker}{tags.block}>"
+            call_close = f"</{tags.marker}{tags.block}>"
+        elif family == _ATEM:
+            call_open = syntax.opener or f"<{tags.prefix}{tags.block}>"
+            call_close = f"</{tags.prefix}{tags.block}>"
+        else:
+            call_open, call_close = tags.call_open, tags.call_close
+        if not call_open or not call_close or not all(t for n, t in markers if n not in _OPTIONAL_MARKERS):
             raise PromptError(_UNSUPPORTED)
         return cls(
             tools=tuple((name, schema) for name, schema in tools),
             choice=choice,
-            call_open=tags.call_open,
-            call_close=tags.call_close,
+            call_open=call_open,
+            call_close=call_close,
             family=family,
             markers=markers,
             wrapping_newlines=bool(getattr(tags, "wrapping_newlines", False)),
+            open_header=open_header and family == _ATEM,
         )
 
     def marker(self, name: str) -> str:
@@ -236,6 +317,7 @@ class ToolCallFormat:
         if self.family != _JSON_TAGS:
             syntax["markers"] = dict(self.markers)
             syntax["wrapping_newlines"] = self.wrapping_newlines
+            syntax["open_header"] = self.open_header
         return json.dumps(
             {
                 "type": _TOOL_CALL,
@@ -339,11 +421,13 @@ def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
         raise PromptError(_UNSUPPORTED)
     markers = syntax.get("markers", {})
     wrapping = syntax.get("wrapping_newlines", False)
+    open_header = syntax.get("open_header", False)
     if (
         not isinstance(markers, Mapping)
         or set(markers) != set(_FAMILY_MARKERS[family])
         or not all(isinstance(text, str) for text in markers.values())
         or not isinstance(wrapping, bool)
+        or not isinstance(open_header, bool)
     ):
         raise PromptError("malformed prepared tool-call format")
     if not pairs or (choice is not None and choice not in {name for name, _ in pairs}):
@@ -356,6 +440,7 @@ def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
         family=family,
         markers=tuple(sorted((str(name), str(text)) for name, text in markers.items())),
         wrapping_newlines=wrapping,
+        open_header=open_header and family == _ATEM,
     )
 
 
@@ -528,8 +613,18 @@ class GrammarCompiler:
         """
         m = fmt.marker
         functions = fmt.family == _FUNCTION_TAGS
+        dsml = fmt.family == _DSML
+        xtml = fmt.family == _XTML
+        atem = fmt.family == _ATEM
+        mark = m("prefix") if atem else m("marker")
+        open_, close_, sep = (self._marker(m(name)) for name in ("open", "close", "separator"))
         if functions:
             ends = [m("parameter_close"), m("parameter_prefix"), m("function_close")]
+        elif dsml or atem:
+            parameter, invoke = f"{mark}{m('parameter')}", f"{mark}{m('invoke')}"
+            ends = [f"</{parameter}>", f"<{parameter}", f"</{invoke}>", f"<{invoke}"]
+        elif xtml:
+            ends = [m("open"), m("close"), m("separator")]
         else:
             ends = [m("value_close"), m("key_open")]
         terminators = [text for text in (*ends, fmt.call_close, fmt.call_open) if text]
@@ -544,11 +639,24 @@ class GrammarCompiler:
                 raise PromptError(f"{where}: the function name cannot be written in this core's tool syntax")
             items: list[str] = []
             for number, (key, schema, required) in enumerate(_tag_parameters(parameters, where)):
-                if not _KEY.fullmatch(key) or any(text in key for text in terminators):
+                unquotable = (dsml or xtml or atem) and ('"' in key or "&" in key)
+                if not _KEY.fullmatch(key) or unquotable or any(text in key for text in terminators):
                     raise PromptError(f"{where}: parameter name {key!r} cannot be written in this core's tool syntax")
                 rule = f"p_{index}_{number}"
                 value = self._tag_value(f"{rule}_v", schema, terminators, rules, f"{where}: parameter {key!r}")
-                if functions:
+                if dsml or atem:
+                    flag = "true" if schema_type(schema) in STRING_TYPES else "false"
+                    typed = "" if atem else f' string="{flag}"'
+                    head = json.dumps(f'<{parameter} name="{key}"{typed}>', ensure_ascii=False)
+                    body = f'{head} {value} {json.dumps(f"</{parameter}>", ensure_ascii=False)} "\\n"'
+                elif xtml:
+                    kind = (
+                        "string" if schema_type(schema) in STRING_TYPES else _XTML_TYPES.get(str(schema_type(schema)))
+                    )
+                    attributes = json.dumps(f' key="{key}" type="{kind or "object"}"')
+                    arg = json.dumps(m("arg_element"))
+                    body = f"{open_} {arg} {attributes} {sep} {value} {close_} {arg} {sep}"
+                elif functions:
                     head = f'{self._marker(m("parameter_prefix"))} {json.dumps(key)} ">"'
                     body = f'{head} {wrap}{value} {wrap}{self._marker(m("parameter_close"))} "\\n"'
                 else:
@@ -557,7 +665,19 @@ class GrammarCompiler:
                 rules.append(f"{rule}: {body}")
                 items.append(rule if required else f"{rule}?")
             params = " ".join(items)
-            if functions:
+            if dsml or atem:
+                head = json.dumps(f'<{invoke} name="{name}">', ensure_ascii=False)
+                close = json.dumps(f"</{invoke}>", ensure_ascii=False)
+                empty = '"\\n"'  # no parameters: an empty line
+                call = f'"\\n" {head} "\\n" {params or empty} {close} "\\n"'
+                if atem:
+                    block = f"{self._marker(fmt.call_open)} {call} {self._marker(fmt.call_close)}"
+                    call = f"{self._frame_header(fmt, name)} {block} {self._marker(m('end_of_message'))}"
+            elif xtml:
+                element = json.dumps(m("call_element"))
+                attributes = json.dumps(f" tool={json.dumps(name)}")
+                call = f"{open_} {element} {attributes} {sep} {params} {close_} {element} {sep}"
+            elif functions:
                 prefix, close = self._marker(m("function_prefix")), self._marker(m("function_close"))
                 call = f'"\\n" {prefix} {json.dumps(name)} ">\\n" {params} {close} "\\n"'
             else:
@@ -565,11 +685,36 @@ class GrammarCompiler:
                 call = f"{json.dumps(name)} {self._marker(separator) if separator else ''} {params}"
             rules.append(f"call_{index}: {call}")
             alternatives.append(f"call_{index}")
+        separator = json.dumps(m("block_separator")) + " " if dsml and m("block_separator") else ""
+        if xtml:
+            block = json.dumps(m("block"))
+            answer = f"answer: {open_} {block} {sep} body {close_} {block} {sep}"
+        elif atem:
+            answer = "answer: body"
+        else:
+            answer = f"answer: {separator}{self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}"
         return [
-            f"answer: {self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}",
+            answer,
             "body: " + " | ".join(alternatives),
             *rules,
         ]
+
+    def _frame_header(self, fmt: ToolCallFormat, name: str) -> str:
+        """The assistant header of the frame calling ``name``: addressed to the generic tool
+        recipient for ``"required"`` (when declared), else to ``named_tool_prefix + name``; only the
+        recipient suffix when the prompt holds the open header."""
+        m = fmt.marker
+        generic, named = m("generic_tool_recipient"), m("named_tool_prefix")
+        if fmt.choice is None and generic:
+            recipient = generic
+        elif named or not generic:
+            recipient = named + name
+        else:
+            recipient = generic
+        suffix = f"{json.dumps(m('recipient_prefix') + recipient)} {self._marker(m('message'))}"
+        if fmt.open_header:
+            return suffix
+        return f"{self._marker(m('start'))} {json.dumps(m('assistant_role'))} {suffix}"
 
     def _tag_value(
         self, rule: str, schema: Mapping[str, Any], terminators: list[str], rules: list[str], where: str

@@ -266,7 +266,11 @@ def _tool_call_format(
         raise InvalidRequest(
             "response_format cannot be combined with tool_choice 'required' or a named function", "tool_choice"
         )
-    if envelope != CLOSED_ENVELOPE and not (envelope.initially_reasoning and frontend.reasoning is not None):
+    contract = frontend.bootstrap.frontend
+    # an open recipient header is continued by the ATEM frame grammar (which starts at the recipient)
+    open_header = envelope.open_header is not None and contract.tool_syntax.WhichOneof("family") == "atem"
+    thinking = envelope.initially_reasoning and frontend.reasoning is not None
+    if envelope != CLOSED_ENVELOPE and not (thinking or open_header):
         raise InvalidRequest(
             "tool_choice 'required' or a named function is not supported when the prompt opens reasoning"
             " other than think tags",
@@ -278,7 +282,13 @@ def _tool_call_format(
         )
     try:
         return ToolCallFormat.from_syntax(
-            [(spec.name, spec.parameters) for spec in specs], name, frontend.bootstrap.frontend.tool_syntax
+            [(spec.name, spec.parameters) for spec in specs],
+            name,
+            contract.tool_syntax,
+            contract.reasoning_syntax.recipient_header
+            if contract.reasoning_parser == ct.REASONING_PARSER_RECIPIENT_HEADER
+            else None,
+            open_header=open_header,
         )
     except PromptError as exc:
         raise InvalidRequest(str(exc), "tool_choice") from exc

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from frontend_builders import dsml, json_tags
+from frontend_builders import base, json_tags
 
 from helios_core.frontend.bootstrap import PromptError
 from helios_core.frontend.structured import (
@@ -165,9 +165,10 @@ def test_clients_cannot_send_the_internal_kind() -> None:
         parse_response_format(json.loads(tool_format().to_json()))
 
 
-def test_other_families_unknown_names_and_bad_schemas_are_refused(compiler: GrammarCompiler) -> None:
+def test_unknown_parsers_unknown_names_and_bad_schemas_are_refused(compiler: GrammarCompiler) -> None:
+    third_party = base(4242)  # a third-party tool parser identifier: no syntax family Helios can constrain
     with pytest.raises(PromptError, match="not supported for this core's tool syntax"):
-        ToolCallFormat.from_syntax(TOOLS, None, dsml().tool_syntax)
+        ToolCallFormat.from_syntax(TOOLS, None, third_party.tool_syntax)
     with pytest.raises(PromptError, match="'nope'"):
         ToolCallFormat.from_syntax(TOOLS, "nope", json_tags().tool_syntax)
     with pytest.raises(PromptError, match="at least one tool"):

@@ -1,6 +1,6 @@
-"""Constrained tool calls in the function-tag and argument-tag syntaxes: random walks over the grammar
-mask always yield exactly one call, read by the real parser, of an allowed tool, with arguments that
-satisfy its schema."""
+"""Constrained tool calls in the function-tag, argument-tag, DSML, XTML and ATEM (recipient-header frame)
+syntaxes: random walks over the grammar mask always yield exactly one call, read by the real parser, of
+an allowed tool, with arguments that satisfy its schema."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from frontend_builders import argument_tags, function_tags
+from frontend_builders import DSML_MARK, SPECIAL, argument_tags, dsml, function_tags, recipient_header, xtml
 
 from helios_core.frontend.bootstrap import PromptError
 from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat, parse_prepared_format
-from helios_core.plugin_api import ToolSpec
+from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, ToolSpec
 from helios_core.testing import FrontendHarness, byte_level_tokenizer
 from helios_core.wire import contract_pb2 as ct
 
@@ -48,6 +48,8 @@ TOOLS = [("note", NOTE), ("move", MOVE)]
 FAMILIES: dict[str, Callable[[], ct.FrontendContract]] = {
     "function_tags": function_tags,
     "argument_tags": argument_tags,
+    "dsml": dsml,
+    "xtml": xtml,
 }
 
 
@@ -134,8 +136,16 @@ def test_required_walks_always_yield_one_valid_call(compiler: GrammarCompiler, t
     names = set()
     for seed in range(WALKS):
         ids = walk(compiler, tool_format(family), seed)
-        assert ids[0] == OPEN and ids[-1] == CLOSE  # the call markers as their special tokens
-        assert ids.count(OPEN) == 1 and ids.count(CLOSE) == 1
+        if family == "dsml":  # textual markers: one block holding one invocation
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            assert text.count(f"<{DSML_MARK}function_calls>") == 1 and text.count(f"<{DSML_MARK}invoke ") == 1
+        elif family == "xtml":  # textual controls here: one block holding one call
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            assert text.startswith("<|open|>tools<|sep|><|open|>call tool=") and text.endswith("<|close|>tools<|sep|>")
+            assert text.count("<|open|>call ") == 1
+        else:
+            assert ids[0] == OPEN and ids[-1] == CLOSE  # the call markers as their special tokens
+            assert ids.count(OPEN) == 1 and ids.count(CLOSE) == 1
         ((name, arguments),) = parsed_calls(tokenizer, family, ids)
         assert name in ("note", "move")
         assert valid(name, arguments), (name, arguments, tokenizer.decode(ids, skip_special_tokens=False))
@@ -174,3 +184,112 @@ def test_unenforceable_schemas_are_refused(compiler: GrammarCompiler) -> None:
     ):
         with pytest.raises(PromptError):
             compiler.compile(ToolCallFormat.from_syntax([("f", schema)], None, syntax))
+
+
+def test_dsml_blocks_follow_the_declared_layout(compiler: GrammarCompiler, tokenizer: Any) -> None:
+    mark = DSML_MARK
+    for seed in range(WALKS // 2):
+        text = tokenizer.decode(walk(compiler, tool_format("dsml", "note"), seed), skip_special_tokens=False)
+        assert text.startswith(f'\n\n<{mark}function_calls>\n<{mark}invoke name="note">\n<{mark}parameter name="text" ')
+        assert f'<{mark}parameter name="text" string="true">' in text
+        assert f'<{mark}parameter name="urgent" string="false">' in text
+        assert text.endswith(f"</{mark}parameter>\n</{mark}invoke>\n</{mark}function_calls>")
+
+
+def test_dsml_without_parameters_writes_an_empty_line(compiler: GrammarCompiler, tokenizer: Any) -> None:
+    fmt = ToolCallFormat.from_syntax([("ping", {"type": "object", "properties": {}})], None, dsml().tool_syntax)
+    matcher = compiler.compile(fmt).matcher()
+    ids: list[int] = []
+    while not matcher.finished:
+        (token,) = allowed(matcher.mask()).tolist()
+        matcher.advance(token)
+        ids.append(token)
+    mark = DSML_MARK
+    expected = f'\n\n<{mark}function_calls>\n<{mark}invoke name="ping">\n\n</{mark}invoke>\n</{mark}function_calls>'
+    assert tokenizer.decode(ids, skip_special_tokens=False) == expected
+
+
+def test_xtml_controls_are_matched_as_their_tokens() -> None:
+    controls = ["<|open|>", "<|close|>", "<|sep|>", "<|eos|>"]
+    tok = byte_level_tokenizer(controls)
+    open_, close, sep, eos = (tok.token_to_id(text) for text in controls)
+    compiler = GrammarCompiler(tok, sampled_size=eos + 1, logits_width=WIDTH, eos_token_ids=[eos])
+    fmt = ToolCallFormat.from_syntax(TOOLS, "move", xtml().tool_syntax)
+    matcher = compiler.compile(fmt).matcher()
+    rng = np.random.default_rng(0)
+    ids: list[int] = []
+    while not matcher.finished:
+        bits = np.unpackbits(matcher.mask().astype("<u4").view(np.uint8), bitorder="little")
+        choices = [int(i) for i in np.flatnonzero(bits[:eos]) if i != eos]
+        token = int(rng.choice(choices))
+        matcher.advance(token)
+        ids.append(token)
+    assert ids[0] == open_ and ids[-1] == sep and ids.count(open_) == ids.count(close)  # the controls as tokens
+    assert tok.decode(ids, skip_special_tokens=False).startswith('<|open|>tools<|sep|><|open|>call tool="move"<|sep|>')
+    harness = FrontendHarness(tok, xtml(), tools=[ToolSpec(n, s) for n, s in TOOLS])
+    result = harness.run_tokens([ids])
+    ((name, arguments),) = [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls]
+    assert name == "move" and valid(name, arguments), arguments
+
+
+def atem_walk(choice: str | None, seed: int, *, open_header: bool = False) -> tuple[str, list[tuple[str, Any]]]:
+    """One walk of the ATEM frame grammar (controls as tokens): its text and the parsed calls."""
+    tok = byte_level_tokenizer([*SPECIAL, "<|eos|>"])
+    eos = tok.token_to_id("<|eos|>")
+    frontend = recipient_header()
+    header = frontend.reasoning_syntax.recipient_header
+    fmt = ToolCallFormat.from_syntax(TOOLS, choice, frontend.tool_syntax, header, open_header=open_header)
+    assert parse_prepared_format(fmt.to_json()) == fmt
+    compiler = GrammarCompiler(tok, sampled_size=eos + 1, logits_width=WIDTH, eos_token_ids=[eos])
+    matcher = compiler.compile(fmt).matcher()
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    for _ in range(MAX_STEPS):
+        bits = np.unpackbits(matcher.mask().astype("<u4").view(np.uint8), bitorder="little")
+        token = int(rng.choice(np.flatnonzero(bits[: eos + 1])))
+        if token == eos:
+            break
+        matcher.advance(token)
+        ids.append(token)
+    assert matcher.finished and ids[-1] == tok.token_to_id("<|eom|>")  # the frame ends at end-of-message
+    start, message = tok.token_to_id("<|start|>"), tok.token_to_id("<|message|>")
+    assert ids.count(start) == (0 if open_header else 1) and ids.count(message) == 1  # one frame, tokens
+    envelope = EnvelopeState(open_header=header.assistant_role) if open_header else CLOSED_ENVELOPE
+    harness = FrontendHarness(tok, frontend, tools=[ToolSpec(n, s) for n, s in TOOLS], envelope=envelope)
+    result = harness.run_tokens([ids])
+    assert result.finish_reason == "tool_calls" and not (result.output.content or "").strip()
+    assert not result.output.reasoning
+    text = tok.decode(ids, skip_special_tokens=False)
+    return text, [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls]
+
+
+def test_atem_required_is_one_frame_to_the_generic_recipient() -> None:
+    names = set()
+    for seed in range(WALKS // 2):
+        text, ((name, arguments),) = atem_walk(None, seed)
+        assert text.startswith("<|start|>assistant to=functions<|message|><atem:function_calls>\n<atem:invoke name=")
+        assert text.endswith("</atem:invoke>\n</atem:function_calls><|eom|>")
+        assert valid(name, arguments), (name, arguments, text)
+        names.add(name)
+    assert names == {"note", "move"}
+
+
+def test_atem_named_choice_addresses_the_named_recipient() -> None:
+    for seed in range(WALKS // 3):
+        text, ((name, arguments),) = atem_walk("note", seed)
+        assert text.startswith(
+            '<|start|>assistant to=functions.note<|message|><atem:function_calls>\n<atem:invoke name="note">'
+        )
+        assert name == "note" and valid(name, arguments), arguments
+
+
+def test_atem_open_header_starts_at_the_recipient_suffix() -> None:
+    for seed in range(WALKS // 3):
+        text, ((name, arguments),) = atem_walk("move", seed, open_header=True)
+        assert text.startswith(" to=functions.move<|message|><atem:function_calls>")
+        assert name == "move" and valid(name, arguments), arguments
+
+
+def test_atem_needs_its_recipient_header_frames() -> None:
+    with pytest.raises(PromptError, match="not supported for this core's tool syntax"):
+        ToolCallFormat.from_syntax(TOOLS, None, recipient_header().tool_syntax)
