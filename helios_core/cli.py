@@ -279,7 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from helios_core.server.serve import resolve_options, serve
 
     explicit = {name: getattr(args, name) for name in _RUN_OPTIONS}
-    serve(resolve_options(explicit, args.config))
+    serve(resolve_options(explicit, args.config), announce=lambda line: print(line, file=sys.stderr, flush=True))
     return EXIT_OK
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
@@ -139,7 +138,7 @@ def resolve_options(
     return RunOptions(**values)
 
 
-def serve(options: RunOptions) -> None:
+def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     """Start the core, serve it until SIGINT/SIGTERM, drain, close the model."""
     import uvicorn
 
@@ -174,7 +173,7 @@ def serve(options: RunOptions) -> None:
         serving = running.verified.contract.serving
         names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
         line = f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
-        server = _ReadyServer(config, line)
+        server = _ReadyServer(config, line, announce)
         with _quiet_after_shutdown():
             server.run()
         if not server.started:
@@ -203,18 +202,16 @@ def _ignore_signal(signum: int, frame: FrameType | None) -> None:
 
 
 class _ReadyServer:
-    """A uvicorn server that prints one readiness line once it listens."""
+    """A uvicorn server that announces one readiness line once it listens."""
 
-    def __init__(self, config: Any, line: str) -> None:
+    def __init__(self, config: Any, line: str, announce: Callable[[str], None]) -> None:
         import uvicorn
-
-        line_to_print = line
 
         class Server(uvicorn.Server):
             async def startup(self, sockets: Any = None) -> None:
                 await super().startup(sockets=sockets)
                 if self.started:
-                    print(line_to_print, file=sys.stderr, flush=True)
+                    announce(line)
 
         self._server = Server(config)
 

@@ -16,13 +16,12 @@ import pytest
 from ignition.build import build_core
 from ignition.recipes.llama import Capacities
 from ignition.recipes.synthetic import synthetic_declaration
-from tokenizers import Tokenizer
 
 from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.loading import TrustSettings
-from helios_core.wire import manifest_pb2 as mf
 
 from .conftest import Served, serve_fixture
+from .helpers import scripted_replies
 
 NAMESPACE = "helios-tests/tools"
 WEATHER = {
@@ -55,30 +54,9 @@ def served_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture
 def script(served_tools: Served) -> Iterator[Callable[[str], None]]:
-    """Make the model 'say' a text: each sampling launch's first lane gets the next scripted id."""
-    backend = served_tools.running.model.backend
-    tokenizer: Tokenizer = served_tools.running.bootstrap.tokenizer
-    eos = served_tools.running.verified.contract.eos_token_ids[0]
-    original = backend.run
-    pending: list[int] = []
-
-    def scripted_run(program: str, frame: int) -> Any:
-        result = original(program, frame)
-        completion = backend.completion(frame)
-        emitted = completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)
-        # Only sampling programs write a completion record; others leave the last round's record in place.
-        sampling = program.startswith(("prefill", "mixed", "decode"))
-        if pending and sampling and emitted.size and emitted[0] == 1:
-            ids = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
-            ids.reshape(ids.shape[0], -1)[0, 0] = pending.pop(0)
-        return result
-
-    def say(text: str) -> None:
-        pending[:] = [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
-
-    backend.run = scripted_run  # type: ignore[method-assign]
-    yield say
-    backend.run = original  # type: ignore[method-assign]
+    """Make the model 'say' a text (see ``helpers.scripted_replies``)."""
+    with scripted_replies(served_tools.running) as say:
+        yield say
 
 
 def test_a_tool_call_reaches_the_client(served_tools: Served, script: Callable[[str], None]) -> None:
