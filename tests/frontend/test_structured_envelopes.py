@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grammar_walks
 import numpy as np
 import pytest
 from frontend_builders import json_tags
@@ -90,8 +91,7 @@ def tool_format(choice: str | None = None) -> ToolCallFormat:
 
 
 def allowed(mask: np.ndarray) -> np.ndarray:
-    bits = np.unpackbits(mask.astype("<u4").view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits[:SAMPLED])
+    return grammar_walks.allowed(mask, SAMPLED)
 
 
 def walk(matcher: GrammarMatcher, seed: int, forced: list[int] | None = None) -> list[int]:

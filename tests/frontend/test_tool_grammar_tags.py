@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import grammar_walks
 import numpy as np
 import pytest
 from frontend_builders import DSML_MARK, SPECIAL, argument_tags, dsml, function_tags, recipient_header, xtml
@@ -101,26 +102,13 @@ def tool_format(family: str, choice: str | None = None) -> ToolCallFormat:
 
 
 def allowed(mask: np.ndarray) -> np.ndarray:
-    bits = np.unpackbits(mask.astype("<u4").view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits[:SAMPLED])
+    return grammar_walks.allowed(mask, SAMPLED)
 
 
 def walk(compiler: GrammarCompiler, fmt: ToolCallFormat, seed: int) -> list[int]:
     """Sample uniformly among allowed ids until only EOS is allowed; the ids before EOS."""
-    rng = np.random.default_rng(seed)
     matcher = compiler.compile(fmt).matcher()
-    ids: list[int] = []
-    for _ in range(MAX_STEPS):
-        choices = allowed(matcher.mask())
-        assert choices.size, "the grammar allowed nothing"
-        assert (EOS in choices) == matcher.is_accepting
-        token = int(rng.choice(choices))
-        if token == EOS:
-            assert matcher.finished
-            return ids
-        matcher.advance(token)
-        ids.append(token)
-    raise AssertionError(f"walk {seed} did not finish in {MAX_STEPS} steps")
+    return grammar_walks.uniform_walk(matcher, seed, eos=EOS, sampled=SAMPLED, max_steps=MAX_STEPS)
 
 
 def parsed_calls(tokenizer: Any, family: str, ids: list[int]) -> list[tuple[str, Any]]:
