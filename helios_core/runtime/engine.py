@@ -20,13 +20,13 @@ import queue
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.errors import HeliosError
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.completion import CompletionError, LaneResult, read_lanes
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import (
@@ -79,7 +79,7 @@ class Engine:
     """Submit prepared requests, receive their events, cancel them."""
 
     def __init__(
-        self, model: NativeModel, tokenizer: Tokenizer | None = None, grammar_compiler: Any | None = None
+        self, model: NativeModel, tokenizer: Tokenizer | None = None, grammar_compiler: GrammarCompiler | None = None
     ) -> None:
         self.model = model
         contract = model.contract

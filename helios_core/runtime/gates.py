@@ -11,13 +11,13 @@ grammar mask of the next round. A request with any gate keeps one outstanding ro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.frontend.detokenizer import IncrementalDetokenizer
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.messages import Piece, PreparedRequest
 
 
@@ -32,7 +32,9 @@ class GateOutcome:
 class HostGate:
     """The per-request host work between rounds."""
 
-    def __init__(self, request: PreparedRequest, tokenizer: Tokenizer, grammar_compiler: Any | None) -> None:
+    def __init__(
+        self, request: PreparedRequest, tokenizer: Tokenizer, grammar_compiler: GrammarCompiler | None
+    ) -> None:
         from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
 
         self._detokenizer = IncrementalDetokenizer(tokenizer)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from helios_core.contract import LoadOptions, select
 from helios_core.frontend.bootstrap import Bootstrap
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.runtime.engine import Engine
 from helios_core.runtime.native_model import NativeModel
@@ -27,6 +28,8 @@ class RunningModel:
     bootstrap: Bootstrap
     model: NativeModel
     engine: Engine
+    grammar_compiler: GrammarCompiler
+    """The one structured-output compiler of this core's tokenizer, shared by preparation and the worker."""
 
     def close(self) -> None:
         """Stop the worker, release the model, close the core file."""
@@ -43,21 +46,15 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
         model = NativeModel.load(
             verified.core, verified.contract, selection, backend=backend, cache_pages=options.cache_pages
         )
-        engine = Engine(model, bootstrap.tokenizer, _grammar_compiler(bootstrap, verified))
+        contract = verified.contract
+        grammar_compiler = GrammarCompiler(
+            bootstrap.tokenizer,
+            sampled_size=contract.sampled_size,
+            logits_width=contract.logits_width,
+            eos_token_ids=contract.eos_token_ids,
+        )
+        engine = Engine(model, bootstrap.tokenizer, grammar_compiler)
     except BaseException:
         verified.close()
         raise
-    return RunningModel(verified, bootstrap, model, engine)
-
-
-def _grammar_compiler(bootstrap: Bootstrap, verified: VerifiedCore) -> object | None:
-    """The structured-output compiler of this core's tokenizer (built once at startup)."""
-    from helios_core.frontend.structured import GrammarCompiler
-
-    contract = verified.contract
-    return GrammarCompiler(
-        bootstrap.tokenizer,
-        sampled_size=contract.sampled_size,
-        logits_width=contract.logits_width,
-        eos_token_ids=contract.eos_token_ids,
-    )
+    return RunningModel(verified, bootstrap, model, engine, grammar_compiler)

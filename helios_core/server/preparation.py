@@ -65,12 +65,7 @@ class Frontend:
         self.logprobs_top_n, self.supports_prompt_logprobs = _logprob_capabilities(running)
         self.reasoning = envelope_reasoning(running.bootstrap.frontend)
         """The think-tag syntax structured output admits before the answer, or None (see structured)."""
-        self.grammar_compiler = GrammarCompiler(
-            running.bootstrap.tokenizer,
-            sampled_size=contract.sampled_size,
-            logits_width=contract.logits_width,
-            eos_token_ids=contract.eos_token_ids,
-        )
+        self.grammar_compiler: GrammarCompiler = running.grammar_compiler
 
     def envelope(self, rendered: str) -> EnvelopeState:
         """Where the rendered prompt leaves generation.
