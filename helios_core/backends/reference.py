@@ -164,17 +164,8 @@ def _linear(n: _Node) -> Step:
 def _rope(n: _Node) -> Step:
     x, positions, out = n.floats("x"), n.tensor("positions"), n.store("out")
     theta = n.attr_float("theta")
-    style = n.attr_str("style")
-    if style not in ("interleaved", "half"):
-        raise n.fail(f"rope style must be 'interleaved' or 'half', got {style!r}")
-    band = n.attr_floats("frequency_band_scaling")
-    scaling = None
-    if band is not None:
-        if len(band) != 4:
-            raise n.fail(f"frequency_band_scaling needs 4 values, got {len(band)}")
-        scaling = rk.FrequencyBandScaling(band[0], band[1], band[2], round(band[3]))
-    rope_style: rk.RopeStyle = "interleaved" if style == "interleaved" else "half"
-    return lambda: out(rk.rope(x(), positions.reshape(-1), theta, rope_style, scaling))
+    style, scaling = _rope_scaling(n)
+    return lambda: out(rk.rope(x(), positions.reshape(-1), theta, style, scaling))
 
 
 def _kv_cache_write(n: _Node) -> Step:
@@ -192,6 +183,63 @@ def _paged_attention(n: _Node) -> Step:
     return lambda: out(
         rk.paged_attention(q(), k_plane, v_plane, page_table, token_row.reshape(-1), token_position.reshape(-1), scale)
     )
+
+
+def _rmsnorm_linear(n: _Node) -> Step:
+    x, norm_weight, weight, out = n.floats("x"), n.floats("norm_weight"), n.floats("weight"), n.store("out")
+    eps = n.attr_float("eps")
+    return lambda: out(rk.linear(rk.rmsnorm(x(), norm_weight(), eps), weight()))
+
+
+def _linear_add(n: _Node) -> Step:
+    x, weight, residual, out = n.floats("x"), n.floats("weight"), n.floats("residual"), n.store("out")
+    return lambda: out(rk.add(residual(), rk.linear(x(), weight())))
+
+
+def _silu_mul_linear_add(n: _Node) -> Step:
+    gate_up, weight, residual, out = n.floats("gate_up"), n.floats("weight"), n.floats("residual"), n.store("out")
+    width = int(n.tensor("weight").shape[1])
+    if int(n.tensor("gate_up").shape[-1]) != 2 * width:
+        raise n.fail(f"gate_up must hold 2 x {width} columns for a weight of input width {width}")
+
+    def step() -> None:
+        both = gate_up()
+        out(rk.add(residual(), rk.linear(rk.silu_mul(both[:, :width], both[:, width:]), weight())))
+
+    return step
+
+
+def _rope_scaling(n: _Node) -> tuple[rk.RopeStyle, rk.FrequencyBandScaling | None]:
+    style = n.attr_str("style")
+    if style not in ("interleaved", "half"):
+        raise n.fail(f"rope style must be 'interleaved' or 'half', got {style!r}")
+    band = n.attr_floats("frequency_band_scaling")
+    scaling = None
+    if band is not None:
+        if len(band) != 4:
+            raise n.fail(f"frequency_band_scaling needs 4 values, got {len(band)}")
+        scaling = rk.FrequencyBandScaling(band[0], band[1], band[2], round(band[3]))
+    return ("interleaved" if style == "interleaved" else "half"), scaling
+
+
+def _rope_kv_cache_write(n: _Node) -> Step:
+    qkv, positions, slots = n.floats("qkv"), n.tensor("positions"), n.tensor("slots")
+    q_out, k_plane, v_plane = n.store("q"), n.tensor("k_plane"), n.tensor("v_plane")
+    theta = n.attr_float("theta")
+    style, scaling = _rope_scaling(n)
+    tokens, heads, head_dim = n.tensor("q").shape
+    kv_heads = int(k_plane.shape[2])
+    if k_plane.dtype.kind != "f" or v_plane.dtype.kind != "f":
+        raise n.fail(f"cache planes must be float32/float16, got {k_plane.dtype} and {v_plane.dtype}")
+
+    def step() -> None:
+        packed = qkv().reshape(tokens, heads + 2 * kv_heads, head_dim)
+        pos = positions.reshape(-1)
+        q_out(rk.rope(packed[:, :heads], pos, theta, style, scaling))
+        keys = rk.rope(packed[:, heads : heads + kv_heads], pos, theta, style, scaling)
+        rk.kv_cache_write(k_plane, v_plane, keys, packed[:, heads + kv_heads :], slots.reshape(-1))
+
+    return step
 
 
 def _silu_mul(n: _Node) -> Step:
@@ -455,6 +503,10 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("kv_cache_write", 1): _kv_cache_write,
     ("paged_attention", 1): _paged_attention,
     ("silu_mul", 1): _silu_mul,
+    ("rmsnorm_linear", 1): _rmsnorm_linear,
+    ("linear_add", 1): _linear_add,
+    ("silu_mul_linear_add", 1): _silu_mul_linear_add,
+    ("rope_kv_cache_write", 1): _rope_kv_cache_write,
     ("add", 1): _add,
     ("gather_rows", 1): _gather_rows,
     ("lane_last_index", 1): _lane_last_index,

@@ -813,8 +813,17 @@ def _check_launches(
         elif module.target != launch.target:
             problems.add(f"{where}: module {launch.module!r} is built for {module.target}, not {launch.target}")
         for param in launch.params:
-            if param.kind == mf.PARAM_KIND_ADDRESS and param.buffer not in buffers and param.buffer not in transport:
+            if (
+                param.kind == mf.PARAM_KIND_ADDRESS
+                and param.buffer
+                and param.buffer not in buffers
+                and param.buffer not in transport
+            ):
                 problems.add(f"{where}: launch parameter names unknown buffer {param.buffer!r}")
+        if len(launch.grid) != 3 or len(launch.block) != 3:
+            problems.add(f"{where}: a launch needs three grid and three block dimensions")
+        elif math.prod(launch.block) == 0 or math.prod(launch.block) > 1024:
+            problems.add(f"{where}: launch block {list(launch.block)} must hold 1 to 1024 threads")
 
 
 def _check_view(

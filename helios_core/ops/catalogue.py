@@ -81,6 +81,36 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         attributes=("scale",),
     ),
     _spec("silu_mul", ("gate", "up"), ("out",), "silu(gate) * up."),
+    _spec(
+        "rmsnorm_linear",
+        ("x", "norm_weight", "weight"),
+        ("out",),
+        "linear(rmsnorm(x, norm_weight, eps), weight): the normalised rows never leave the kernel.",
+        attributes=("eps",),
+    ),
+    _spec(
+        "linear_add",
+        ("x", "weight", "residual"),
+        ("out",),
+        "residual + linear(x, weight) (out may be residual itself: a residual stream update).",
+    ),
+    _spec(
+        "silu_mul_linear_add",
+        ("gate_up", "weight", "residual"),
+        ("out",),
+        "residual + linear(silu_mul(gate_up[:, :F], gate_up[:, F:]), weight) with F the weight's input "
+        "width (a SwiGLU MLP's down projection with its activation and residual).",
+    ),
+    _spec(
+        "rope_kv_cache_write",
+        ("qkv", "positions", "slots"),
+        ("q", "k_plane", "v_plane"),
+        "Split packed [q | k | v] projections per token, rotate q and k (as rope), write k and v into "
+        "the paged cache planes at slots (as kv_cache_write) and the rotated queries to q.",
+        attributes=("theta", "style"),
+        optional_attributes=("frequency_band_scaling",),
+    ),
+
     _spec("add", ("a", "b"), ("out",), "Elementwise sum (residual add)."),
     _spec(
         "gather_rows",

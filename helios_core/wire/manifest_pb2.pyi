@@ -225,7 +225,7 @@ class LaunchParam(_message.Message):
     def __init__(self, kind: _Optional[_Union[ParamKind, str]] = ..., buffer: _Optional[str] = ..., byte_offset: _Optional[int] = ..., int_value: _Optional[int] = ..., float_value: _Optional[float] = ...) -> None: ...
 
 class KernelLaunch(_message.Message):
-    __slots__ = ("target", "module", "symbol", "grid", "block", "shared_bytes", "params")
+    __slots__ = ("target", "module", "symbol", "grid", "block", "shared_bytes", "params", "programmatic_wait")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     MODULE_FIELD_NUMBER: _ClassVar[int]
     SYMBOL_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class KernelLaunch(_message.Message):
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAMMATIC_WAIT_FIELD_NUMBER: _ClassVar[int]
     target: str
     module: str
     symbol: str
@@ -240,7 +241,8 @@ class KernelLaunch(_message.Message):
     block: _containers.RepeatedScalarFieldContainer[int]
     shared_bytes: int
     params: _containers.RepeatedCompositeFieldContainer[LaunchParam]
-    def __init__(self, target: _Optional[str] = ..., module: _Optional[str] = ..., symbol: _Optional[str] = ..., grid: _Optional[_Iterable[int]] = ..., block: _Optional[_Iterable[int]] = ..., shared_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[LaunchParam, _Mapping]]] = ...) -> None: ...
+    programmatic_wait: bool
+    def __init__(self, target: _Optional[str] = ..., module: _Optional[str] = ..., symbol: _Optional[str] = ..., grid: _Optional[_Iterable[int]] = ..., block: _Optional[_Iterable[int]] = ..., shared_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[LaunchParam, _Mapping]]] = ..., programmatic_wait: _Optional[bool] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "op", "args", "attributes", "launches", "depends_on")

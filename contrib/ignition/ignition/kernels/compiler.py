@@ -1,0 +1,155 @@
+"""Ahead-of-time Triton compilation: one cubin per kernel specialization.
+
+Owns turning a ``@triton.jit`` function, its parameter types and its compile-time constants into a
+:class:`CompiledKernel` (cubin bytes, symbol, threads, shared memory, trailing scratch parameters)
+for a named GPU target. Compilation needs no GPU: Triton's own ``ptxas`` runs on the build machine.
+Results are cached in memory and, when ``IGNITION_KERNEL_CACHE`` names a folder, on disk, keyed by
+the kernel source, the signature, the constants and the target, so a rebuild compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_TARGETS = {"sm_90a": 90}
+"""GPU targets Ignition compiles for, and their compute capability."""
+
+
+class KernelCompileError(ValueError):
+    """A kernel could not be compiled (Triton missing, an unsupported target, a compiler error)."""
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One compiled kernel specialization."""
+
+    symbol: str
+    cubin: bytes
+    num_warps: int
+    shared_bytes: int
+    scratch_params: int
+    """Trailing pointer parameters the compiler appends (Triton's global and profile scratch); the
+    launch passes null for each, which is valid while their sizes are zero."""
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.cubin).hexdigest()
+
+
+_MEMORY: dict[str, CompiledKernel] = {}
+
+
+def _cache_dir() -> Path | None:
+    folder = os.environ.get("IGNITION_KERNEL_CACHE")
+    return Path(folder) if folder else None
+
+
+def _key(
+    source: str, signature: Mapping[str, str], constants: Mapping[str, Any], attrs: Mapping[str, Any], target: str
+) -> str:
+    blob = json.dumps(
+        {"source": source, "signature": dict(signature), "constants": constants, "attrs": attrs, "target": target},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def compile_triton(
+    fn: Any,
+    signature: Mapping[str, str],
+    constants: Mapping[str, int | float | bool],
+    *,
+    aligned: frozenset[str] = frozenset(),
+    target: str = "sm_90a",
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> CompiledKernel:
+    """Compile ``fn`` for ``target``.
+
+    Args:
+        fn: a ``triton.jit`` function.
+        signature: every runtime parameter's Triton type in order (``"*fp32"``, ``"*bf16"``, ``"i32"``,
+            ...); parameters named in ``constants`` must not appear.
+        constants: compile-time (``tl.constexpr``) parameters.
+        aligned: pointer parameters whose addresses are 16-byte aligned (vectorized access).
+        target: a key of :data:`SUPPORTED_TARGETS`.
+    """
+    if target not in SUPPORTED_TARGETS:
+        raise KernelCompileError(f"unknown GPU target {target!r}; known: {', '.join(SUPPORTED_TARGETS)}")
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # pragma: no cover - depends on the build machine
+        raise KernelCompileError(
+            "GPU targets need Triton on the build machine (pip install 'helios-ignition[gpu]')"
+        ) from exc
+    source = inspect.getsource(fn.fn if hasattr(fn, "fn") else fn)
+    names = [p for p in inspect.signature(fn.fn if hasattr(fn, "fn") else fn).parameters]
+    full_signature: dict[str, str] = {}
+    for name in names:
+        if name in constants:
+            full_signature[name] = "constexpr"
+        elif name in signature:
+            full_signature[name] = signature[name]
+        else:
+            raise KernelCompileError(f"kernel {fn.__name__}: parameter {name!r} has neither a type nor a constant")
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    key = _key(source, full_signature, dict(constants), {str(k): v for k, v in attrs.items()} | options, target)
+    found = _MEMORY.get(key)
+    if found is not None:
+        return found
+    folder = _cache_dir()
+    if folder is not None and (folder / f"{key}.json").exists():
+        meta = json.loads((folder / f"{key}.json").read_text())
+        kernel = CompiledKernel(
+            symbol=meta["symbol"],
+            cubin=(folder / f"{key}.cubin").read_bytes(),
+            num_warps=meta["num_warps"],
+            shared_bytes=meta["shared_bytes"],
+            scratch_params=meta["scratch_params"],
+        )
+        _MEMORY[key] = kernel
+        return kernel
+    src = ASTSource(fn=fn, signature=full_signature, constexprs=dict(constants), attrs=attrs)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", SUPPORTED_TARGETS[target], 32), options=options)
+    except Exception as exc:  # the compiler raises many types; name the kernel
+        raise KernelCompileError(f"kernel {fn.__name__} ({dict(constants)}) failed to compile: {exc}") from exc
+    meta = compiled.metadata
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+        raise KernelCompileError(f"kernel {fn.__name__} needs compiler scratch memory, which launches do not provide")
+    ptx = compiled.asm["ptx"]
+    entry = ptx[ptx.index(".entry") :]
+    declared = entry[: entry.index(")")].count(".param")
+    kernel = CompiledKernel(
+        symbol=str(meta.name),
+        cubin=bytes(compiled.asm["cubin"]),
+        num_warps=int(meta.num_warps),
+        shared_bytes=int(meta.shared),
+        scratch_params=declared - len(signature),
+    )
+    _MEMORY[key] = kernel
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{key}.cubin").write_bytes(kernel.cubin)
+        (folder / f"{key}.json").write_text(
+            json.dumps(
+                {
+                    "symbol": kernel.symbol,
+                    "num_warps": kernel.num_warps,
+                    "shared_bytes": kernel.shared_bytes,
+                    "scratch_params": kernel.scratch_params,
+                }
+            )
+        )
+    return kernel

@@ -1,0 +1,416 @@
+"""A thin, checked layer over the CUDA driver API (``cuda-python``'s ``cuda.bindings.driver``).
+
+Owns every raw driver call Helios makes: context, device and pinned host memory, modules and
+functions, streams and events, kernel parameter packing, and CUDA graphs built from node lists.
+Every call's result code is checked; a failure raises :class:`CudaError` naming the call and the
+driver's error name. Nothing here knows about cores or programs: the CUDA backend
+(:mod:`helios_core.backends.cuda`) and the GPU tests build on these primitives.
+
+Without a driver (a machine with no NVIDIA GPU), :func:`cuda_available` answers False and
+:func:`open_context` raises :class:`CudaUnavailableError` with the reason; importing this module
+never fails for lack of a driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.errors import HeliosError
+from helios_core.wire import manifest_pb2 as mf
+
+
+class CudaError(HeliosError):
+    """A CUDA driver call failed."""
+
+
+class CudaUnavailableError(CudaError):
+    """No usable CUDA driver or device on this machine."""
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # older cuda-python layout
+        except ImportError as exc:
+            raise CudaUnavailableError("cuda-python is not installed (pip install 'helios[cuda]')") from exc
+    return driver
+
+
+def check(result: Any, call: str) -> Any:
+    """Unpack a driver call's ``(CUresult, *values)`` tuple; raise :class:`CudaError` on failure."""
+    cu = _driver()
+    if isinstance(result, tuple):
+        code, values = result[0], result[1:]
+    else:
+        code, values = result, ()
+    if code != cu.CUresult.CUDA_SUCCESS:
+        name_result = cu.cuGetErrorName(code)
+        name = name_result[1].decode() if name_result[0] == cu.CUresult.CUDA_SUCCESS else str(int(code))
+        raise CudaError(f"{call} failed: {name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+_INITIALIZED: list[bool] = []
+
+
+def _init() -> Any:
+    cu = _driver()
+    if not _INITIALIZED:
+        try:
+            result = cu.cuInit(0)
+        except Exception as exc:  # without libcuda the bindings raise instead of returning a code
+            raise CudaUnavailableError(f"no CUDA driver: {exc}") from exc
+        try:
+            check(result, "cuInit")
+        except CudaError as exc:
+            raise CudaUnavailableError(str(exc)) from exc
+        _INITIALIZED.append(True)
+    return cu
+
+
+def cuda_available() -> bool:
+    """True when a CUDA driver and at least one device are present (never raises)."""
+    try:
+        cu = _init()
+        return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount")) > 0
+    except HeliosError:
+        return False
+
+
+@dataclass
+class HostBuffer:
+    """Page-locked host memory; ``device_pointer`` is set when it is mapped into the device."""
+
+    pointer: int
+    nbytes: int
+    device_pointer: int = 0
+
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The bytes as a writable numpy array (no copy)."""
+        if self.nbytes == 0:
+            return np.zeros(0, dtype=np.uint8)
+        storage = (ctypes.c_uint8 * self.nbytes).from_address(self.pointer)
+        return np.frombuffer(storage, dtype=np.uint8)
+
+
+class Context:
+    """The primary context of one device, current on the calling thread, and its stream.
+
+    Owns every allocation made through it; :meth:`close` frees what is still allocated (after a
+    full synchronization) and releases the primary context.
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        try:
+            cu = _init()
+        except CudaUnavailableError:
+            raise
+        count = int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+        if count == 0:
+            raise CudaUnavailableError("no CUDA device is present")
+        if not 0 <= device < count:
+            raise CudaError(f"CUDA device {device} does not exist ({count} present)")
+        self._cu = cu
+        self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+        attr = cu.CUdevice_attribute
+        major = int(
+            check(
+                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
+                "cuDeviceGetAttribute",
+            )
+        )
+        minor = int(
+            check(
+                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device),
+                "cuDeviceGetAttribute",
+            )
+        )
+        self.compute_capability = (major, minor)
+        self.multiprocessors = int(
+            check(
+                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device),
+                "cuDeviceGetAttribute",
+            )
+        )
+        name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
+        self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
+        self.total_memory = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._device_allocations: set[int] = set()
+        self._host_allocations: set[int] = set()
+        self._modules: list[Any] = []
+        self._closed = False
+
+    @property
+    def architecture(self) -> str:
+        """The Ignition target name of this device (``sm_90a`` for compute capability 9.0)."""
+        major, minor = self.compute_capability
+        suffix = "a" if (major, minor) == (9, 0) else ""
+        return f"sm_{major}{minor}{suffix}"
+
+    def make_current(self) -> None:
+        check(self._cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def free_memory(self) -> int:
+        free, _total = check(self._cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    # -- memory -----------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        """Device memory of at least ``nbytes`` (256-byte aligned); returns its address."""
+        pointer = int(check(self._cu.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+        self._device_allocations.add(pointer)
+        return pointer
+
+    def free(self, pointer: int) -> None:
+        if pointer in self._device_allocations:
+            self._device_allocations.discard(pointer)
+            check(self._cu.cuMemFree(pointer), "cuMemFree")
+
+    def host_alloc(self, nbytes: int, *, mapped: bool = False) -> HostBuffer:
+        """Page-locked host memory; ``mapped`` also maps it into the device's address space."""
+        flags = self._cu.CU_MEMHOSTALLOC_PORTABLE
+        if mapped:
+            flags |= self._cu.CU_MEMHOSTALLOC_DEVICEMAP
+        pointer = int(check(self._cu.cuMemHostAlloc(max(int(nbytes), 1), flags), f"cuMemHostAlloc({nbytes})"))
+        self._host_allocations.add(pointer)
+        buffer = HostBuffer(pointer, int(nbytes))
+        if mapped:
+            buffer.device_pointer = int(
+                check(self._cu.cuMemHostGetDevicePointer(pointer, 0), "cuMemHostGetDevicePointer")
+            )
+        ctypes.memset(pointer, 0, max(int(nbytes), 1))
+        return buffer
+
+    def host_free(self, buffer: HostBuffer) -> None:
+        if buffer.pointer in self._host_allocations:
+            self._host_allocations.discard(buffer.pointer)
+            check(self._cu.cuMemFreeHost(buffer.pointer), "cuMemFreeHost")
+
+    def upload(self, pointer: int, data: npt.NDArray[Any] | bytes | bytearray | memoryview) -> None:
+        """Synchronous host-to-device copy of ``data``'s bytes to ``pointer``."""
+        if isinstance(data, np.ndarray):
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        else:
+            raw = np.frombuffer(data, dtype=np.uint8)
+        if raw.nbytes:
+            check(self._cu.cuMemcpyHtoD(pointer, raw.ctypes.data, raw.nbytes), "cuMemcpyHtoD")
+
+    def download(self, pointer: int, out: npt.NDArray[Any]) -> None:
+        """Synchronous device-to-host copy into the C-contiguous array ``out``."""
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("download needs a writable C-contiguous array")
+        if out.nbytes:
+            check(self._cu.cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
+
+    def memset(self, pointer: int, nbytes: int, value: int = 0) -> None:
+        if nbytes:
+            check(self._cu.cuMemsetD8(pointer, value, nbytes), "cuMemsetD8")
+
+    # -- code -------------------------------------------------------------------------------------
+    def load_module(self, image: bytes) -> Any:
+        module = check(self._cu.cuModuleLoadData(image), "cuModuleLoadData")
+        self._modules.append(module)
+        return module
+
+    def function(self, module: Any, symbol: str, shared_bytes: int = 0) -> Any:
+        function = check(self._cu.cuModuleGetFunction(module, symbol.encode()), f"cuModuleGetFunction({symbol})")
+        if shared_bytes > 48 * 1024:
+            attribute = self._cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(self._cu.cuFuncSetAttribute(function, attribute, int(shared_bytes)), "cuFuncSetAttribute")
+        return function
+
+    # -- ordering ---------------------------------------------------------------------------------
+    def event(self) -> Any:
+        flags = self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return check(self._cu.cuEventCreate(flags), "cuEventCreate")
+
+    def timing_event(self) -> Any:
+        return check(self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate")
+
+    def record(self, event: Any) -> None:
+        check(self._cu.cuEventRecord(event, self.stream), "cuEventRecord")
+
+    def wait_event(self, event: Any) -> None:
+        check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(check(self._cu.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+
+    def destroy_event(self, event: Any) -> None:
+        check(self._cu.cuEventDestroy(event), "cuEventDestroy")
+
+    def synchronize(self) -> None:
+        check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def launch(
+        self, function: Any, grid: Sequence[int], block: Sequence[int], shared_bytes: int, params: ParamPack
+    ) -> None:
+        """Launch one kernel on the context's stream."""
+        check(
+            self._cu.cuLaunchKernel(function, *grid, *block, int(shared_bytes), self.stream, params.pointer, 0),
+            "cuLaunchKernel",
+        )
+
+    # -- graphs -----------------------------------------------------------------------------------
+    def graph(self) -> GraphBuilder:
+        return GraphBuilder(self)
+
+    def launch_graph(self, executable: Any) -> None:
+        check(self._cu.cuGraphLaunch(executable, self.stream), "cuGraphLaunch")
+
+    def destroy_graph(self, executable: Any) -> None:
+        check(self._cu.cuGraphExecDestroy(executable), "cuGraphExecDestroy")
+
+    # -- teardown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Synchronize, free every allocation and module, release the primary context."""
+        if self._closed:
+            return
+        self._closed = True
+        cu = self._cu
+        self.make_current()
+        check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        for module in self._modules:
+            check(cu.cuModuleUnload(module), "cuModuleUnload")
+        self._modules.clear()
+        for pointer in sorted(self._device_allocations):
+            check(cu.cuMemFree(pointer), "cuMemFree")
+        self._device_allocations.clear()
+        for pointer in sorted(self._host_allocations):
+            check(cu.cuMemFreeHost(pointer), "cuMemFreeHost")
+        self._host_allocations.clear()
+        check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
+        check(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
+
+
+@dataclass
+class ParamPack:
+    """Kernel parameters packed for the driver: the ``void*[]`` array and the values it points at."""
+
+    values: list[Any] = field(default_factory=list)
+    array: Any = None
+
+    @property
+    def pointer(self) -> int:
+        return ctypes.addressof(self.array) if self.array is not None else 0
+
+
+def pack_params(params: Sequence[mf.LaunchParam], addresses: dict[str, int]) -> ParamPack:
+    """Pack launch parameters; ``addresses`` maps each buffer name to its device address."""
+    values: list[Any] = []
+    for param in params:
+        if param.kind == mf.PARAM_KIND_ADDRESS:
+            if not param.buffer:
+                values.append(ctypes.c_uint64(0))
+                continue
+            base = addresses.get(param.buffer)
+            if base is None:
+                raise CudaError(f"launch parameter names buffer {param.buffer!r}, which has no device address")
+            values.append(ctypes.c_uint64(base + int(param.byte_offset)))
+        elif param.kind == mf.PARAM_KIND_I32:
+            values.append(ctypes.c_int32(int(param.int_value)))
+        elif param.kind == mf.PARAM_KIND_I64:
+            values.append(ctypes.c_int64(int(param.int_value)))
+        elif param.kind == mf.PARAM_KIND_F32:
+            values.append(ctypes.c_float(float(param.float_value)))
+        else:
+            raise CudaError(f"launch parameter kind {int(param.kind)} is not supported")
+    array = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+    return ParamPack(values, array)
+
+
+class GraphBuilder:
+    """A CUDA graph built node by node (no stream capture); :meth:`instantiate` makes it executable.
+
+    Holds the parameter packs of its kernel nodes until the graph is destroyed (the driver copies
+    parameters at node creation, but keeping them costs nothing and keeps addresses valid).
+    """
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+        self._cu = context._cu
+        self.graph = check(self._cu.cuGraphCreate(0), "cuGraphCreate")
+        self._packs: list[ParamPack] = []
+        self.nodes = 0
+
+    def kernel(
+        self,
+        function: Any,
+        grid: Sequence[int],
+        block: Sequence[int],
+        shared_bytes: int,
+        params: ParamPack,
+        after: Any | None,
+        *,
+        programmatic: bool = False,
+    ) -> Any:
+        """Add a kernel node depending on ``after`` (or none); programmatic edges allow early launch."""
+        cu = self._cu
+        node_params = cu.CUDA_KERNEL_NODE_PARAMS()
+        node_params.func = function
+        node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = (int(g) for g in grid)
+        node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = (int(b) for b in block)
+        node_params.sharedMemBytes = int(shared_bytes)
+        node_params.kernelParams = params.pointer
+        node_params.extra = 0
+        self._packs.append(params)
+        if after is None or not programmatic:
+            deps = [after] if after is not None else []
+            node = check(cu.cuGraphAddKernelNode(self.graph, deps, len(deps), node_params), "cuGraphAddKernelNode")
+        else:
+            node = check(cu.cuGraphAddKernelNode(self.graph, [], 0, node_params), "cuGraphAddKernelNode")
+            self._programmatic_edge(after, node)
+        self.nodes += 1
+        return node
+
+    def _programmatic_edge(self, source: Any, target: Any) -> None:
+        cu = self._cu
+        edge = cu.CUgraphEdgeData()
+        edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        edge.to_port = 0
+        edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        add = getattr(cu, "cuGraphAddDependencies_v2", None)
+        if add is None:
+            add = cu.cuGraphAddDependencies  # cuda-python 13: the edge-data form
+        check(add(self.graph, [source], [target], [edge], 1), "cuGraphAddDependencies")
+
+    def copy(self, dst: int, src: int, nbytes: int, after: Any | None, *, to_device: bool) -> Any:
+        """Add a 1-D copy node (host to device, or device to host)."""
+        cu = self._cu
+        copy = cu.CUDA_MEMCPY3D()
+        host, device = cu.CUmemorytype.CU_MEMORYTYPE_HOST, cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        if to_device:
+            copy.srcMemoryType, copy.srcHost = host, src
+            copy.dstMemoryType, copy.dstDevice = device, dst
+        else:
+            copy.srcMemoryType, copy.srcDevice = device, src
+            copy.dstMemoryType, copy.dstHost = host, dst
+        copy.WidthInBytes = int(nbytes)
+        copy.Height = 1
+        copy.Depth = 1
+        deps = [after] if after is not None else []
+        node = check(
+            cu.cuGraphAddMemcpyNode(self.graph, deps, len(deps), copy, self._context.context), "cuGraphAddMemcpyNode"
+        )
+        self.nodes += 1
+        return node
+
+    def instantiate(self) -> Any:
+        return check(self._cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+
+    def destroy(self) -> None:
+        check(self._cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
+        self._packs.clear()

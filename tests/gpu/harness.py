@@ -1,0 +1,136 @@
+"""Run one op-catalogue node on the GPU through its Ignition lowering, and on the reference backend.
+
+``run_node`` declares one buffer per tensor argument (numpy arrays in, numpy arrays out), lowers
+the node with the operator's registered lowering function, loads the modules, launches every
+launch in order on the context's stream and downloads every array back. ``reference_node`` runs
+the same node through the reference backend's adapter. Arrays are bound as whole buffers, so
+shapes and dtypes come from the arrays: float32 -> F32, uint16 -> BF16 bit patterns, int32 -> I32,
+int64 -> I64, uint8 -> U8, uint64 -> U64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from helios_core.backends import reference
+from helios_core.backends.cuda_driver import Context, pack_params
+from helios_core.wire import manifest_pb2 as mf
+from ignition.kernels import load_kernel_modules
+from ignition.kernels.lowering import LOWERINGS, LoweringContext
+
+WIRE_DTYPES = {
+    np.dtype(np.float32): mf.DTYPE_F32,
+    np.dtype(np.uint16): mf.DTYPE_BF16,
+    np.dtype(np.int32): mf.DTYPE_I32,
+    np.dtype(np.int64): mf.DTYPE_I64,
+    np.dtype(np.uint8): mf.DTYPE_U8,
+    np.dtype(np.uint64): mf.DTYPE_U64,
+}
+
+
+def _node(
+    op: str, arrays: Mapping[str, np.ndarray], attributes: Mapping[str, Any], weights: Sequence[str]
+) -> tuple[mf.ExecutionManifest, mf.Node]:
+    manifest = mf.ExecutionManifest(abi_label="test", ranks=1, op_catalogue=1)
+    program = manifest.programs.add(name="test")
+    node = program.nodes.add(name=op)
+    node.op.name = op
+    node.op.version = 1
+    for name, array in arrays.items():
+        role = mf.BUFFER_ROLE_WEIGHTS if name in weights else mf.BUFFER_ROLE_SCRATCH
+        decl = manifest.buffers.add(name=name, role=role, dtype=WIRE_DTYPES[array.dtype])
+        for size in array.shape:
+            decl.shape.add(size=int(size))
+        node.args.add(name=name, view=mf.BufferView(buffer=name, shape=[int(s) for s in array.shape]))
+    for name, value in attributes.items():
+        attr = node.attributes.add(name=name)
+        if isinstance(value, bool | int):
+            attr.int_value = int(value)
+        elif isinstance(value, float):
+            attr.float_value = value
+        elif isinstance(value, str):
+            attr.string_value = value
+        elif all(isinstance(v, int) for v in value):
+            attr.ints.values.extend(int(v) for v in value)
+        else:
+            attr.floats.values.extend(float(v) for v in value)
+    return manifest, node
+
+
+def lower(
+    op: str,
+    arrays: Mapping[str, np.ndarray],
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    weights: Sequence[str] = (),
+) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
+    """The launches the operator's lowering makes for this node."""
+    load_kernel_modules()
+    manifest, node = _node(op, arrays, attributes or {}, weights)
+    context = LoweringContext(manifest, "sm_90a", program="test", node=op)
+    return context, LOWERINGS[(op, 1)](context, node)
+
+
+def run_node(
+    cuda: Context,
+    op: str,
+    arrays: Mapping[str, np.ndarray],
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    weights: Sequence[str] = (),
+) -> dict[str, np.ndarray]:
+    """Run the node on the GPU; returns every array as the device left it."""
+    context, launches = lower(op, arrays, attributes, weights=weights)
+    addresses: dict[str, int] = {}
+    try:
+        for name, array in arrays.items():
+            addresses[name] = cuda.alloc(max(array.nbytes, 1))
+            cuda.upload(addresses[name], np.ascontiguousarray(array))
+        functions = {}
+        for name, module in context.modules.items():
+            functions[name] = cuda.load_module(module.data)
+        for launch in launches:
+            function = cuda.function(functions[launch.module], launch.symbol, launch.shared_bytes)
+            cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack_params(launch.params, addresses))
+        cuda.synchronize()
+        out = {}
+        for name, array in arrays.items():
+            result = np.empty_like(np.ascontiguousarray(array))
+            cuda.download(addresses[name], result)
+            out[name] = result
+        return out
+    finally:
+        for pointer in addresses.values():
+            cuda.free(pointer)
+
+
+def reference_node(
+    op: str, arrays: Mapping[str, np.ndarray], attributes: Mapping[str, Any] | None = None
+) -> dict[str, np.ndarray]:
+    """Run the node through the reference backend's adapter on copies of ``arrays``."""
+    manifest, node = _node(op, arrays, attributes or {}, ())
+    copies = {name: np.array(array, copy=True) for name, array in arrays.items()}
+    bound = {arg.name: reference._Bound(copies[arg.name], WIRE_DTYPES[copies[arg.name].dtype]) for arg in node.args}
+    attrs = {attr.name: reference._attribute_value(attr) for attr in node.attributes}
+    step = reference._ADAPTERS[(op, 1)](reference._Node(f"node {op}", bound, attrs))
+    step()
+    return copies
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    got64, want64 = got.astype(np.float64), want.astype(np.float64)
+    scale = float(np.linalg.norm(want64))
+    return float(np.linalg.norm(got64 - want64)) / (scale if scale else 1.0)
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (round to nearest even)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
