@@ -1,22 +1,31 @@
-"""Host time per scheduling round with the null backend, at batch 1, 16, 64 and 256.
+"""Host time per decode round with the null backend, at batch 1, 16, 64 and 256.
 
-The null backend writes well-formed completion records without computing, so the time of a worker
-step is pure host overhead: planning the round (scheduler), shared packing, the launch call,
-completion validation and publishing events. One run prints one table; the targets are 40 us per
-step at batch 1 and 300 us at batch 256 on the 2-core CPU machine.
+The null backend writes well-formed completion records without computing, so the worker's time per
+round is pure host overhead: planning the round (scheduler), shared packing, the launch call,
+completion validation, detokenization and publishing events, and the statistics snapshot. The worker
+keeps one decode round in flight while it reads the previous one, so a round's time is the interval
+between the ends of two consecutive round collections on the worker thread (each interval holds the
+work of exactly one round): ``median us`` and ``p99 us`` in wall time, ``cpu us`` the worker thread's
+CPU time over the same intervals (what the host spent on the round, without the time another process
+or the client thread held the CPU). ``run us`` is the part spent inside the null backend's ``run`` (it
+writes the completion record: a stand-in for a launch). ``--no-text`` serves the requests without host
+gates, so nothing is detokenized. One run prints one table; the targets are 40 us per round at batch 1
+and 300 us at batch 256 on the 2-core CPU machine.
 
-    python benchmarks/host_overhead.py [--steps 200]
+    python benchmarks/host_overhead.py [--steps 200] [--no-text]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -45,30 +54,39 @@ def build(directory: Path) -> tuple[Path, Path]:
     return core, keys["public"]
 
 
-def measure(core: Path, key: Path, batch: int, steps: int) -> tuple[float, float, int]:
-    """Median and p99 microseconds of decode steps with ``batch`` active requests."""
+def measure(core: Path, key: Path, batch: int, steps: int, text: bool = True) -> tuple[float, float, float, float, int]:
+    """Median and p99 wall microseconds per decode round with ``batch`` active requests, the median
+    worker CPU microseconds, the median time inside the backend's ``run`` of those rounds, and the
+    decode rounds launched."""
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
     from helios_core.runtime.messages import PreparedRequest, SamplingParams
     from helios_core.runtime.startup import start
+    from helios_core.wire import contract_pb2 as ct
 
     running = start(core, TrustSettings((key,), "bench/null", None), LoadOptions(max_active=batch), backend="null")
     engine = running.engine
-    durations: list[float] = []
-    original = engine._step
+    backend = engine.model.backend
+    if not text:
+        engine.scheduler.make_gate = None
+    collected: list[tuple[int, int, bool, int]] = []  # (wall and CPU end of the collection, decode round, run ns)
+    run_ns = [0]
+    original_collect = engine._collect
+    original_run = backend.run
 
-    rounds = engine.scheduler.stats.rounds
-
-    def timed_step() -> None:
-        before = sum(rounds.values())
+    def timed_run(program: str, frame: int) -> None:
         begin = time.perf_counter_ns()
-        original()
-        elapsed = (time.perf_counter_ns() - begin) / 1000
-        launched = sum(rounds.values()) - before
-        # A step may launch two decode rounds (two frames): report host time per round.
-        durations.extend([elapsed / launched] * launched if launched else [])
+        original_run(program, frame)
+        run_ns[0] += time.perf_counter_ns() - begin
 
-    engine._step = timed_step  # type: ignore[method-assign]
+    def timed_collect(round_: Any, frame: int, launched: Any) -> Any:
+        events = original_collect(round_, frame, launched)
+        decode = round_.graph.operation == ct.OPERATION_DECODE
+        collected.append((time.perf_counter_ns(), time.thread_time_ns(), decode, run_ns[0]))
+        return events
+
+    engine._collect = timed_collect  # type: ignore[method-assign]
+    backend.run = timed_run  # type: ignore[method-assign]
     try:
         prompt = [5, 6, 7, 8]
         streams = [
@@ -82,24 +100,41 @@ def measure(core: Path, key: Path, batch: int, steps: int) -> tuple[float, float
         decode_rounds = sum(n for name, n in launches.items() if name.startswith("decode"))
     finally:
         running.close()
-    # Steady state: the last ``steps // 2`` decode rounds (admission and prefill excluded).
-    tail = sorted(durations[-(steps // 2) :])
-    return statistics.median(tail), tail[int(len(tail) * 0.99) - 1], decode_rounds
+    # Steady state: the last ``steps // 2`` decode rounds (admission and prefill excluded); each interval
+    # runs from the previous decode round's collection to this one's, and holds one round's launch.
+    rounds = [
+        ((end - before) / 1000, (cpu - cpu_before) / 1000, (ran - ran_before) / 1000)
+        for (before, cpu_before, was_decode, ran_before), (end, cpu, decode, ran) in itertools.pairwise(collected)
+        if decode and was_decode
+    ][-(steps // 2) :]
+    tail = sorted(wall for wall, _, _ in rounds)
+    return (
+        statistics.median(tail),
+        tail[int(len(tail) * 0.99) - 1],
+        statistics.median(cpu for _, cpu, _ in rounds),
+        statistics.median(ran for _, _, ran in rounds),
+        decode_rounds,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="decode steps per batch size")
+    parser.add_argument("--no-text", action="store_true", help="requests without host gates (no detokenization)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         core, key = build(Path(tmp))
-        rows = [(batch, *measure(core, key, batch, args.steps)) for batch in BATCHES]
-    print(f"host time per decode round, null backend, {args.steps} steps, {date.today()}")
-    print(f"{'batch':>5} {'median us':>10} {'p99 us':>9} {'us/request':>11} {'target us':>10} {'rounds':>7}")
-    for batch, median, p99, rounds in rows:
+        rows = [(batch, *measure(core, key, batch, args.steps, not args.no_text)) for batch in BATCHES]
+    gates = ", no host gates" if args.no_text else ""
+    print(f"host time per decode round, null backend{gates}, {args.steps} steps, {date.today()}")
+    print(
+        f"{'batch':>5} {'median us':>10} {'p99 us':>9} {'us/request':>11} {'cpu us':>7} {'run us':>7} "
+        f"{'target us':>10} {'rounds':>7}"
+    )
+    for batch, median, p99, cpu, ran, rounds in rows:
         target = TARGETS_US.get(batch)
         print(
-            f"{batch:>5} {median:>10.1f} {p99:>9.1f} {median / batch:>11.2f} "
+            f"{batch:>5} {median:>10.1f} {p99:>9.1f} {median / batch:>11.2f} {cpu:>7.1f} {ran:>7.1f} "
             f"{(f'{target:.0f}' if target else '-'):>10} {rounds:>7}"
         )
     return 0

@@ -24,6 +24,12 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 
+BACKENDS = ("auto", "reference", "cuda")
+BACKEND_HELP = (
+    "cuda runs the core's kernels on an NVIDIA GPU, reference runs numpy on the CPU, auto picks cuda when a GPU "
+    "is present and the core has kernels for it, else reference"
+)
+
 
 def _fail(command: str, message: str, code: int = EXIT_ERROR) -> int:
     text = " ".join(str(message).split())
@@ -304,7 +310,7 @@ def _add_run_command(sub: Any) -> None:
     )
     run.add_argument("--accept", metavar="NAMESPACE", help="acceptance string (the signed publisher namespace)")
     run.add_argument("--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores")
-    run.add_argument("--backend", choices=("auto", "reference", "cuda"), help="execution backend (default auto)")
+    run.add_argument("--backend", choices=BACKENDS, help=f"execution backend (default auto): {BACKEND_HELP}")
     run.add_argument("--speculative-width", type=int, help="speculative width (default: the widest captured)")
     run.add_argument("--history-drafting", action="store_true", default=None, help="enable history drafting")
     run.add_argument("--served-name", help="model name clients use (default: the core's)")
@@ -353,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks, checks)")
     generate.add_argument("--json", action="store_true", help="print prompt ids, token ids, text and finish reason")
-    generate.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto")
+    generate.add_argument("--backend", choices=BACKENDS, default="auto", help=f"execution backend: {BACKEND_HELP}")
     generate.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
     _trust_arguments(generate)
     generate.set_defaults(handler=cmd_generate)

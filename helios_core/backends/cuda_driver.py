@@ -13,7 +13,9 @@ never fails for lack of a driver.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +89,39 @@ def cuda_available() -> bool:
         return False
 
 
+def architecture_name(major: int, minor: int) -> str:
+    """The Ignition target name of a compute capability (``sm_90a`` for 9.0, ``sm_89`` for 8.9)."""
+    suffix = "a" if (major, minor) == (9, 0) else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+def _device(cu: Any, device: int) -> Any:
+    count = int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+    if count == 0:
+        raise CudaUnavailableError("no CUDA device is present")
+    if not 0 <= device < count:
+        raise CudaError(f"CUDA device {device} does not exist ({count} present)")
+    return check(cu.cuDeviceGet(device), "cuDeviceGet")
+
+
+def _compute_capability(cu: Any, handle: Any) -> tuple[int, int]:
+    attr = cu.CUdevice_attribute
+    major = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle)
+    minor = cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle)
+    return int(check(major, "cuDeviceGetAttribute")), int(check(minor, "cuDeviceGetAttribute"))
+
+
+def device_architecture(device: int = 0) -> str:
+    """The Ignition target name of ``device`` without creating a context (raises CudaUnavailableError)."""
+    cu = _init()
+    return architecture_name(*_compute_capability(cu, _device(cu, device)))
+
+
+def open_context(device: int = 0) -> Context:
+    """The primary context of ``device`` (raises :class:`CudaUnavailableError` without a driver or device)."""
+    return Context(device)
+
+
 @dataclass
 class HostBuffer:
     """Page-locked host memory; ``device_pointer`` is set when it is mapped into the device."""
@@ -100,7 +135,7 @@ class HostBuffer:
         if self.nbytes == 0:
             return np.zeros(0, dtype=np.uint8)
         storage = (ctypes.c_uint8 * self.nbytes).from_address(self.pointer)
-        return np.frombuffer(storage, dtype=np.uint8)
+        return np.frombuffer(memoryview(storage).cast("B"), dtype=np.uint8)
 
 
 class Context:
@@ -111,57 +146,53 @@ class Context:
     """
 
     def __init__(self, device: int = 0) -> None:
-        try:
-            cu = _init()
-        except CudaUnavailableError:
-            raise
-        count = int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
-        if count == 0:
-            raise CudaUnavailableError("no CUDA device is present")
-        if not 0 <= device < count:
-            raise CudaError(f"CUDA device {device} does not exist ({count} present)")
+        cu = _init()
         self._cu = cu
-        self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
-        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
-        self.make_current()
-        attr = cu.CUdevice_attribute
-        major = int(
-            check(
-                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
-                "cuDeviceGetAttribute",
-            )
-        )
-        minor = int(
-            check(
-                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device),
-                "cuDeviceGetAttribute",
-            )
-        )
-        self.compute_capability = (major, minor)
-        self.multiprocessors = int(
-            check(
-                cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device),
-                "cuDeviceGetAttribute",
-            )
-        )
-        name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
-        self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
-        self.total_memory = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
-        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._closed = False
         self._device_allocations: set[int] = set()
         self._host_allocations: set[int] = set()
         self._modules: list[Any] = []
-        self._closed = False
+        self._bound = threading.local()
+        self.device = _device(cu, device)
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.stream: Any = None
+        try:
+            self.make_current()
+            self.compute_capability = _compute_capability(cu, self.device)
+            attr = cu.CUdevice_attribute
+            self.multiprocessors = int(
+                check(
+                    cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device),
+                    "cuDeviceGetAttribute",
+                )
+            )
+            name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
+            self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
+            self.total_memory = int(check(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
+            self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        except BaseException:
+            self._closed = True
+            with contextlib.suppress(CudaError):  # the original failure is what the caller needs to see
+                check(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
+            raise
 
     @property
     def architecture(self) -> str:
         """The Ignition target name of this device (``sm_90a`` for compute capability 9.0)."""
-        major, minor = self.compute_capability
-        suffix = "a" if (major, minor) == (9, 0) else ""
-        return f"sm_{major}{minor}{suffix}"
+        return architecture_name(*self.compute_capability)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def make_current(self) -> None:
         check(self._cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self._bound.current = True
+
+    def bind(self) -> None:
+        """Make the context current on the calling thread, once per thread (driver calls need it)."""
+        if not getattr(self._bound, "current", False):
+            self.make_current()
 
     def free_memory(self) -> int:
         free, _total = check(self._cu.cuMemGetInfo(), "cuMemGetInfo")
@@ -253,7 +284,13 @@ class Context:
         check(self._cu.cuEventDestroy(event), "cuEventDestroy")
 
     def synchronize(self) -> None:
+        """Wait for everything queued on the context's stream."""
         check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def synchronize_context(self) -> None:
+        """Wait for all work of the context on every stream, the legacy default stream included (which
+        the synchronous copies and memsets use, and which the non-blocking stream does not wait for)."""
+        check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def launch(
         self, function: Any, grid: Sequence[int], block: Sequence[int], shared_bytes: int, params: ParamPack
@@ -276,24 +313,39 @@ class Context:
 
     # -- teardown ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Synchronize, free every allocation and module, release the primary context."""
+        """Synchronize, free every allocation and module, release the primary context.
+
+        Every step is attempted even when an earlier one fails (a context with a sticky error still
+        releases what it can); the first failure is raised at the end. Idempotent.
+        """
         if self._closed:
             return
         self._closed = True
         cu = self._cu
-        self.make_current()
-        check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        errors: list[CudaError] = []
+
+        def attempt(result: Any, call: str) -> None:
+            try:
+                check(result, call)
+            except CudaError as exc:
+                errors.append(exc)
+
+        attempt(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        attempt(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        attempt(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         for module in self._modules:
-            check(cu.cuModuleUnload(module), "cuModuleUnload")
+            attempt(cu.cuModuleUnload(module), "cuModuleUnload")
         self._modules.clear()
         for pointer in sorted(self._device_allocations):
-            check(cu.cuMemFree(pointer), "cuMemFree")
+            attempt(cu.cuMemFree(pointer), "cuMemFree")
         self._device_allocations.clear()
         for pointer in sorted(self._host_allocations):
-            check(cu.cuMemFreeHost(pointer), "cuMemFreeHost")
+            attempt(cu.cuMemFreeHost(pointer), "cuMemFreeHost")
         self._host_allocations.clear()
-        check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
-        check(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
+        attempt(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
+        attempt(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
+        if errors:
+            raise errors[0]
 
 
 @dataclass
@@ -399,6 +451,8 @@ class GraphBuilder:
             copy.srcMemoryType, copy.srcDevice = device, src
             copy.dstMemoryType, copy.dstHost = host, dst
         copy.WidthInBytes = int(nbytes)
+        copy.srcPitch = copy.dstPitch = int(nbytes)
+        copy.srcHeight = copy.dstHeight = 1
         copy.Height = 1
         copy.Depth = 1
         deps = [after] if after is not None else []

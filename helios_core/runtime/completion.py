@@ -6,12 +6,22 @@ endpoint the scheduler expects, sampled ids inside the sampled vocabulary,
 the draft cursor (-1 where a program has none) and the reserved model field
 (always -1). A violation raises :class:`CompletionError` for the round; the
 caller fails the affected requests and publishes nothing from that round.
+
+Expectations come as a list of :class:`LaneExpectation` or as an
+:class:`ExpectationBatch` (numpy columns, which the scheduler builds for
+decode rounds). A batch of more than a few lanes is checked with one
+comparison per rule over all lanes; only a lane that violates one is then
+examined alone, for its first violation and message. Either way the answer is
+the same, lane for lane; a batch is answered with :class:`LaneResults`, which
+holds the sampled ids and logprobs as Python lists and reads as a sequence of
+per-lane results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +47,32 @@ class LaneExpectation:
     """(first packed token, count) of this lane's prompt scores to read (scored prefill only)."""
 
 
+@dataclass(eq=False, slots=True)
+class ExpectationBatch:
+    """The expectations of every lane as columns: what :class:`LaneExpectation` says, lane by lane.
+
+    Every lane samples or none does (``samples``); ``top`` is None when no lane reads top alternatives.
+    No lane of a batch reads prompt scores.
+    """
+
+    generations: npt.NDArray[np.int64]
+    consumed: npt.NDArray[np.int64]
+    samples: bool
+    top: npt.NDArray[np.int64] | None = None
+
+    def __len__(self) -> int:
+        return int(self.generations.shape[0])
+
+    def to_list(self) -> list[LaneExpectation]:
+        tops = self.top.tolist() if self.top is not None else [0] * len(self)
+        return [
+            LaneExpectation(generation, consumed, self.samples, top)
+            for generation, consumed, top in zip(
+                self.generations.tolist(), self.consumed.tolist(), tops, strict=True
+            )
+        ]
+
+
 @dataclass(frozen=True)
 class LaneResult:
     """One validated lane."""
@@ -50,20 +86,76 @@ class LaneResult:
     """Prompt target logprobs of the lane's packed tokens (only when the lane asked for them)."""
 
 
+class LaneResults(Sequence[LaneResult | CompletionError]):
+    """The validated lanes of a batch: per lane a :class:`LaneResult` or the lane's CompletionError.
+
+    ``token_ids`` and ``logprobs`` hold every lane's values (those of a failed lane are meaningless),
+    ``ids`` the sampled ids as the record holds them (None when the lanes sample nothing); ``errors``
+    and ``tops`` are keyed by lane index.
+    """
+
+    __slots__ = ("errors", "ids", "logprobs", "token_ids", "tops")
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        errors: dict[int, CompletionError],
+        tops: dict[int, list[tuple[int, float]]],
+        ids: npt.NDArray[Any] | None = None,
+    ) -> None:
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.errors = errors
+        self.tops = tops
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> LaneResult | CompletionError: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[LaneResult | CompletionError]: ...
+
+    def __getitem__(self, index: int | slice) -> LaneResult | CompletionError | list[LaneResult | CompletionError]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        error = self.errors.get(index)
+        if error is not None:
+            return error
+        return LaneResult(self.token_ids[index], self.logprobs[index], list(self.tops.get(index, ())))
+
+    def __iter__(self) -> Iterator[LaneResult | CompletionError]:
+        return (self[i] for i in range(len(self)))
+
+
+_VECTORIZED_LANES = 8
+"""Batches of more lanes are checked rule by rule over all lanes at once."""
+
+
 def read_lanes(
     completion: Mapping[int, npt.NDArray[np.generic]],
     sequence: int,
-    lanes: Sequence[LaneExpectation],
+    lanes: Sequence[LaneExpectation] | ExpectationBatch,
     sampled_size: int,
-) -> list[LaneResult | CompletionError]:
+) -> Sequence[LaneResult | CompletionError]:
     """Validate the first ``len(lanes)`` lanes of a completion record.
 
     A wrong submission sequence fails the whole round (raises). Every other rule is checked per lane:
-    a violating lane yields its CompletionError in place of a result, so only its request fails.
+    a violating lane yields its CompletionError in place of a result, so only its request fails. A list
+    of expectations is answered with a list, a batch with :class:`LaneResults`.
     """
     echoed = int(completion[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0])
     if echoed != sequence:
         raise CompletionError(f"completion echoes submission {echoed}, expected {sequence}")
+    if isinstance(lanes, ExpectationBatch):
+        return _read_batch(completion, lanes, sampled_size)
     count = len(lanes)
     generations = completion[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:count]
     emitted = completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:count]
@@ -105,6 +197,111 @@ def read_lanes(
             continue
         results.append(LaneResult(token, logprob, top, scores))
     return results
+
+
+def _read_batch(
+    completion: Mapping[int, npt.NDArray[np.generic]], lanes: ExpectationBatch, sampled_size: int
+) -> LaneResults:
+    """:func:`read_lanes` of a batch: the same rules, checked over all lanes at once."""
+    count = len(lanes)
+    fields = [
+        completion[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:count],
+        completion[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:count],
+        completion[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:count],
+        completion[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:count],
+        completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:count],
+    ]
+    sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
+    ids: npt.NDArray[Any] = sampled.reshape(sampled.shape[0], -1)[:count, 0]
+    logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+    logprobs = logprobs_field.reshape(-1)[:count] if logprobs_field is not None and lanes.samples else None
+    if any(f.shape[0] < count for f in fields) or ids.shape[0] < count or (
+        logprobs is not None and logprobs.shape[0] < count
+    ):  # a record shorter than the lanes fails lane by lane, as the list of expectations would
+        return _as_results(read_lanes(completion, _sequence(completion), lanes.to_list(), sampled_size))
+    generation, reserved, cursor, consumed, emitted = fields
+    samples = lanes.samples
+    if count > _VECTORIZED_LANES:
+        bad = generation != lanes.generations
+        bad |= reserved != -1
+        bad |= cursor != -1
+        bad |= consumed != lanes.consumed
+        bad |= emitted != (1 if samples else 0)
+        if samples:
+            bad |= ids < 0
+            bad |= ids >= sampled_size
+        suspects = np.flatnonzero(bad).tolist() if bad.any() else []
+    else:  # a few lanes: the rules, as Python values, with nothing to build for a lane that keeps them
+        expected_generations = lanes.generations.tolist()
+        expected_consumed = lanes.consumed.tolist()
+        emits = 1 if samples else 0
+        suspects = [
+            index
+            for index, (g, r, c, n, e, i) in enumerate(
+                zip(
+                    generation.tolist(),
+                    reserved.tolist(),
+                    cursor.tolist(),
+                    consumed.tolist(),
+                    emitted.tolist(),
+                    ids.tolist(),
+                    strict=True,
+                )
+            )
+            if g != expected_generations[index]
+            or r != -1
+            or c != -1
+            or n != expected_consumed[index]
+            or e != emits
+            or (samples and not 0 <= i < sampled_size)
+        ]
+    errors: dict[int, CompletionError] = {}
+    if suspects:
+        expected_generations = lanes.generations.tolist()
+        expected_consumed = lanes.consumed.tolist()
+        for index in suspects:
+            problem = _lane_problem(
+                LaneExpectation(expected_generations[index], expected_consumed[index], samples),
+                int(generation[index]),
+                int(reserved[index]),
+                int(cursor[index]),
+                int(consumed[index]),
+                int(emitted[index]),
+                int(ids[index]),
+                sampled_size,
+            )
+            if problem is not None:
+                errors[index] = CompletionError(f"lane {index}: {problem}")
+    token_ids: list[int] = [-1] * count
+    if samples:
+        token_ids = ids.tolist() if ids.dtype.kind in "iu" else [int(v) for v in ids.tolist()]
+    values: list[float] = [0.0] * count
+    if logprobs is not None:
+        values = logprobs.tolist() if logprobs.dtype.kind == "f" else [float(v) for v in logprobs.tolist()]
+    tops: dict[int, list[tuple[int, float]]] = {}
+    if samples and lanes.top is not None:
+        top_ids = completion.get(mf.COMPLETION_FIELD_TOP_IDS)
+        top_logprobs = completion.get(mf.COMPLETION_FIELD_TOP_LOGPROBS)
+        wanted = lanes.top.tolist()
+        for index in np.flatnonzero(lanes.top > 0).tolist():
+            if index in errors:
+                continue
+            try:
+                tops[index] = _read_top(top_ids, top_logprobs, index, wanted[index], sampled_size)
+            except CompletionError as exc:
+                errors[index] = CompletionError(f"lane {index}: {exc}")
+    return LaneResults(token_ids, values, errors, tops, ids if samples else None)
+
+
+def _sequence(completion: Mapping[int, npt.NDArray[np.generic]]) -> int:
+    return int(completion[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0])
+
+
+def _as_results(results: Sequence[LaneResult | CompletionError]) -> LaneResults:
+    errors = {i: r for i, r in enumerate(results) if isinstance(r, CompletionError)}
+    lanes = [r if isinstance(r, LaneResult) else LaneResult(-1, 0.0) for r in results]
+    tops = {i: r.top for i, r in enumerate(lanes) if r.top}
+    return LaneResults([r.token_id for r in lanes], [r.logprob for r in lanes], errors, tops)
 
 
 def _read_top(

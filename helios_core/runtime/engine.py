@@ -10,8 +10,10 @@ returns a :class:`RequestStream`; ``Engine.cancel`` stops a request before its n
     results = read_lanes(completion)    # validate every lane before any retires
     publish(scheduler.complete(round, results))
 
-One round is outstanding at a time, so every round is planned from completed observations; a round
-that raises fails only its own requests.
+Every round is planned from completed observations. In steady decoding the worker keeps one round
+in flight on the other execution frame while it validates and publishes the previous one (two
+frames); anything that needs completion feedback keeps one outstanding round. A round that raises
+(packing, launching, or waiting for its frame's fence) fails only its own requests.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class Engine:
         self._lock = threading.Lock()
         self._sequence = 0
         self._stopping = False
+        self._shut_down = False
         self._reports_completion = _programs_writing_completion(model)
         self._snapshot: StatsSnapshot = self._take_snapshot()
         self._worker = threading.Thread(target=self._run, name="helios-model-worker", daemon=True)
@@ -146,7 +149,12 @@ class Engine:
             return self._snapshot
 
     def shutdown(self) -> None:
-        """Stop the worker after the round in progress, cancel what remains, release the model."""
+        """Stop the worker after the round in progress (its frames collected), cancel what remains, then
+        release the model, whose backend drains the device before it frees anything. Idempotent."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
         self._inbox.put(("stop", None))
         self._worker.join()
         self.model.close()
@@ -154,7 +162,7 @@ class Engine:
     # -- the worker -------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if not self._drain(block=self.scheduler.idle):
+            if self._stopping or not self._drain(block=self.scheduler.idle):
                 self._drain(block=False)  # requests submitted before the stop still get their final event
                 self._publish(self.scheduler.cancel_all())
                 return
@@ -166,29 +174,43 @@ class Engine:
                 self._snapshot = self._take_snapshot()
 
     def _step(self) -> None:
-        """One worker step: finish cancelled requests, plan a round, launch it (and, when nothing needs its
-        completion first, the next decode round on the other frame), then validate and publish in order."""
+        """One worker step: finish cancelled requests, plan a round, launch it, then validate and publish.
+
+        While nothing needs a round's completion first (steady decoding), the next decode round is
+        planned and launched on the other frame before the running one is read, and this repeats: one
+        round is always in flight while the host validates and publishes the previous one. The loop
+        ends when a round has no follow-up (a request ends, needs host feedback, or new work waits).
+        """
         scheduler = self.scheduler
         self._publish(scheduler.take_cancelled())
         round_ = scheduler.next_round()
         if round_ is None or not round_.members:
             return
-        launched = self._launch(round_, frame=0)
-        follow = scheduler.followup(round_) if isinstance(launched, int) else None
-        follow_launch = self._launch(follow, frame=1) if follow is not None else None
-        events = self._collect(round_, 0, launched)
-        if follow is not None and follow_launch is not None:
-            events += self._collect(follow, 1, follow_launch)
-            scheduler.release_fenced()
-        self._publish(events)
+        frame = 0
+        launched = self._launch(round_, frame=frame)
+        while True:
+            follow = None
+            if isinstance(launched, int) and not self._stopping:
+                follow = scheduler.followup(round_)
+            follow_launch = self._launch(follow, frame=1 - frame) if follow is not None else None
+            events = self._collect(round_, frame, launched)
+            if follow is None or follow_launch is None:
+                scheduler.release_fenced()  # nothing is in flight any more
+                self._publish(events)
+                return
+            self._publish(events)
+            with self._lock:
+                self._snapshot = self._take_snapshot()
+            self._drain(block=False)  # cancellations and new requests end the chain at the next plan
+            round_, frame, launched = follow, 1 - frame, follow_launch
 
     def _launch(self, round_: Round, *, frame: int) -> int | Exception:
         """Pack and launch a round on ``frame``; its submission sequence, or the exception it raised."""
         self._sequence += 1
         sequence = self._sequence
         backend = self.model.backend
-        staging = backend.transport(frame)
         try:
+            staging = backend.transport(frame)  # waits for the frame's previous fence on a GPU
             self.model.packers[round_.graph.name].pack(Submission(round_.lanes, sequence), frame, staging)
             _write_transport_owned(self.model, staging, frame, sequence)
             backend.run(round_.graph.name, frame)
@@ -202,8 +224,12 @@ class Engine:
             return self.scheduler.fail_round(round_, f"execution failed: {type(launched).__name__}: {launched}")
         backend = self.model.backend
         try:
+            records = backend.completion(frame)  # waits for the frame's fence: execution errors surface here
+        except Exception as exc:  # a failed execution fails this round's requests only
+            return self.scheduler.fail_round(round_, f"execution failed: {type(exc).__name__}: {exc}")
+        try:
             if round_.graph.name in self._reports_completion:
-                results = read_lanes(backend.completion(frame), launched, round_.expectations, self._sampled_size)
+                results = read_lanes(records, launched, round_.expectations, self._sampled_size)
             else:  # a program without a completion record (state initialization) reports nothing to check
                 results = [LaneResult(-1, 0.0) for _ in round_.members]
         except CompletionError as exc:
@@ -229,13 +255,16 @@ class Engine:
                     self._publish([rejection])
 
     def _publish(self, events: list[Event]) -> None:
-        for event in events:
-            with self._lock:
-                stream = self._streams.get(event.request_id)
-                if isinstance(event, TERMINAL_EVENTS):
-                    self._streams.pop(event.request_id, None)
-            if stream is not None:
-                stream.put(event)
+        if not events:
+            return
+        streams = self._streams
+        with self._lock:  # once for the round's events (a stream's put never blocks)
+            for event in events:
+                stream = streams.get(event.request_id)
+                if stream is not None:
+                    if type(event) is not TokenEvent and isinstance(event, TERMINAL_EVENTS):
+                        del streams[event.request_id]
+                    stream.put(event)
 
     def _take_snapshot(self) -> StatsSnapshot:
         stats, pages, scheduler = self._stats, self.allocator, self.scheduler

@@ -10,6 +10,7 @@ grammar mask of the next round. A request with any gate keeps one outstanding ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,15 +51,22 @@ class HostGate:
             if fmt is not None:
                 grammar = grammar_compiler.compile(fmt, reasoning=reasoning, initially_reasoning=initially)
                 self._grammar = grammar.matcher()
+        self.holds_rounds = (
+            self._grammar is not None or self._string_stops is not None or self._token_stops is not None
+        )
+        """Whether this request must keep one outstanding round (host-fed decisions)."""
+        self.text: Callable[[int], str] = self._detokenizer.push
+        """What :meth:`observe` presents for a token when the gate is :attr:`plain`: the text it completes."""
 
     @property
     def constrained(self) -> bool:
         return self._grammar is not None
 
     @property
-    def holds_rounds(self) -> bool:
-        """Whether this request must keep one outstanding round (host-fed decisions)."""
-        return self._grammar is not None or self._string_stops is not None or self._token_stops is not None
+    def plain(self) -> bool:
+        """No grammar and no stops: the gate only detokenizes (:meth:`text`), and never stops a request."""
+        return not self.holds_rounds
+
 
     def mask(self) -> npt.NDArray[np.int32] | None:
         """The grammar mask of the next round, or None when unconstrained."""

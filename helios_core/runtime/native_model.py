@@ -8,12 +8,19 @@ selected program once, and exposes the resulting geometry through
 the backend and the packers.
 
 Cache pages by default: enough for every active request to reach its full
-context twice over (room for prefix reuse), capped by a quarter of the memory
-available and by the operator's ``cache_pages`` option.
+context twice over (room for prefix reuse), capped by the memory the cache may
+take (a quarter of the host memory available for a host backend; 90% of the
+device memory left free after every other buffer for the CUDA backend) and by
+the operator's ``cache_pages`` option.
+
+Backends: ``reference`` (numpy), ``cuda`` (one NVIDIA GPU), ``null`` (host
+overhead measurement) and ``auto``, which is ``cuda`` when a GPU is present and
+the core has kernels for its architecture, else ``reference``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -28,7 +35,7 @@ import numpy.typing as npt
 from helios_core.container.reader import CoreFile
 from helios_core.contract import PreparedContract, PreparedGraph, RuntimeCapabilities, Selection, check_runtime_support
 from helios_core.dtypes import NUMPY_DTYPES
-from helios_core.errors import StartupError
+from helios_core.errors import HeliosError, StartupError
 from helios_core.runtime.packing import GraphPacker, PageTableMemory
 from helios_core.wire import manifest_pb2 as mf
 
@@ -98,13 +105,37 @@ def pages_per_request(contract: PreparedContract) -> int:
     return -(-contract.serving.context_tokens // contract.model.cache.page_tokens)
 
 
-def choose_cache_pages(contract: PreparedContract, selection: Selection, cap: int | None) -> int:
-    """Physical cache pages (see the module docstring)."""
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device memory figure cache pages are chosen from (a GPU backend)."""
+
+    free: int
+    """Free device bytes once the backend's context exists."""
+    reserved: int
+    """Device bytes the backend allocates besides its cache planes."""
+
+
+DEVICE_CACHE_FRACTION = 0.9
+"""Share of the device memory left after every non-cache buffer that the cache may take."""
+
+
+def cache_budget(device: DeviceMemory | None) -> int:
+    """Bytes the cache planes may take: a quarter of the host memory available, or for a device
+    backend 90% of its free memory after every non-cache buffer."""
+    if device is None:
+        return _memory_available() // 4
+    return int(max(device.free - device.reserved, 0) * DEVICE_CACHE_FRACTION)
+
+
+def choose_cache_pages(
+    contract: PreparedContract, selection: Selection, cap: int | None, device: DeviceMemory | None = None
+) -> int:
+    """Physical cache pages (see the module docstring); ``device`` is given for a GPU backend."""
     per_request = pages_per_request(contract)
     wanted = 2 * selection.max_active * per_request
     page_bytes = bytes_per_page(contract)
     if page_bytes:
-        wanted = min(wanted, max(_memory_available() // 4 // page_bytes, 1))
+        wanted = min(wanted, max(cache_budget(device) // page_bytes, 1))
     if cap is not None:
         if cap <= 0:
             raise StartupError(f"--cache-pages must be positive, not {cap}")
@@ -115,6 +146,61 @@ def choose_cache_pages(contract: PreparedContract, selection: Selection, cap: in
             f"{contract.model.cache.page_tokens} tokens); raise --cache-pages or free memory"
         )
     return wanted
+
+
+def resolve_backend(name: str, contract: PreparedContract, device: int = 0) -> str:
+    """``auto``: ``cuda`` when a GPU is present and the core has kernels for its architecture, else
+    ``reference``; any other name is returned as it is."""
+    if name != "auto":
+        return name
+    from helios_core.backends.cuda_driver import cuda_available, device_architecture
+
+    if not cuda_available():
+        return "reference"
+    try:
+        architecture = device_architecture(device)
+    except HeliosError:
+        return "reference"
+    return "cuda" if architecture in contract.execution.targets else "reference"
+
+
+def _load_cuda(
+    contract: PreparedContract,
+    core: CoreFile,
+    selection: Selection,
+    cap: int | None,
+    state_rows: int,
+    frames: int,
+    snapshot_rows: int,
+) -> tuple[int, Backend]:
+    """Open the GPU, choose cache pages from its free memory, build the CUDA backend on that context."""
+    from helios_core.backends.cuda import CudaBackend, check_targets, reserved_device_nbytes
+    from helios_core.backends.cuda_driver import CudaUnavailableError, open_context
+
+    try:
+        context = open_context(0)
+    except CudaUnavailableError as exc:
+        raise StartupError(f"backend 'cuda' needs an NVIDIA GPU and its driver ({exc})") from exc
+    try:
+        check_targets(contract.execution, context.architecture)
+        reserved = reserved_device_nbytes(
+            contract.execution, state_rows=state_rows, snapshot_rows=snapshot_rows, frames=frames
+        )
+        pages = choose_cache_pages(contract, selection, cap, DeviceMemory(context.free_memory(), reserved))
+        backend = CudaBackend(
+            contract,
+            core,
+            cache_pages=pages,
+            state_rows=state_rows,
+            frames=frames,
+            snapshot_rows=snapshot_rows,
+            context=context,
+        )
+    except BaseException:
+        with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
+            context.close()
+        raise
+    return pages, backend
 
 
 class NativeModel:
@@ -159,30 +245,38 @@ class NativeModel:
     ) -> NativeModel:
         """Check runtime support, choose capacities, build the backend and every program once."""
         check_runtime_support(contract, capabilities or RuntimeCapabilities())
-        pages = choose_cache_pages(contract, selection, cache_pages)
         state_rows = selection.max_active * selection.state_rows_per_request
         frames = max(contract.execution.transport.frames, 1)
-        if backend == "auto":
-            backend = "reference"
+        snapshot_rows = contract.serving.snapshot_capacity
+        backend = resolve_backend(backend, contract)
         executor: Backend
-        if backend == "reference":
+        if backend == "cuda":
+            pages, executor = _load_cuda(contract, core, selection, cache_pages, state_rows, frames, snapshot_rows)
+        elif backend == "reference":
             from helios_core.backends.reference import ReferenceBackend
 
+            pages = choose_cache_pages(contract, selection, cache_pages)
             executor = ReferenceBackend(
                 contract,
                 core,
                 cache_pages=pages,
                 state_rows=state_rows,
                 frames=frames,
-                snapshot_rows=contract.serving.snapshot_capacity,
+                snapshot_rows=snapshot_rows,
             )
         elif backend == "null":
             from helios_core.backends.null import NullBackend
 
+            pages = choose_cache_pages(contract, selection, cache_pages)
             executor = NullBackend(contract, frames=frames)
         else:
-            raise StartupError(f"backend {backend!r} is not available in this build; use --backend reference")
-        return cls(contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames)
+            raise StartupError(f"backend {backend!r} is not available; use auto, reference or cuda")
+        try:
+            return cls(contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames)
+        except BaseException:
+            with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
+                executor.close()
+            raise
 
     def graph(self, name: str) -> PreparedGraph:
         return self.selection.graphs[name]

@@ -7,6 +7,21 @@ copies the lanes' values into the frame's staging arrays. Packing is never
 selected by a frontend identifier: it follows the contract's sources and
 indexing modes alone.
 
+A submission's lanes come in one of two forms with the same staged bytes: a
+list of :class:`Lane` objects (any round; each value written as the Python
+value it is), or a :class:`LaneBatch`, whose values are numpy columns (the
+scheduler builds one per decode round from its per-slot arrays). A batch is
+written with a few vectorized assignments per binding. When a packer stages a
+batch on a frame whose staging nobody else wrote since this packer staged a
+batch of the same constants there (the per-request values of one decode
+cohort, the same lane count), it writes only the columns that change from round
+to round (positions, cache slots, sampling steps, new page-table entries):
+every other byte it would write is already staged. A value a column cannot hand
+to numpy exactly as the Python value would be (outside the destination's range,
+a float into an integer destination) is written from Python values, so both
+forms fail alike. Every packer of a frame's staging must share one memory
+(:class:`PageTableMemory`); host staging is written by packing alone.
+
 Indexing modes (``docs/contract.md``): SCALAR writes one value; SUBMISSION_ROW
 writes each lane's value in submission order and initializes the remaining
 rows of the request capacity with the padding; ACTIVE_ROW writes live rows
@@ -22,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +47,8 @@ from helios_core.errors import UnsupportedFeatureError
 from helios_core.wire import contract_pb2 as ct
 
 Staging = Mapping[str, npt.NDArray[np.generic]]
+Column = npt.NDArray[np.generic]
+"""One value per lane (or per packed token) of a :class:`LaneBatch`."""
 
 
 @dataclass
@@ -71,11 +89,94 @@ class Lane:
         return len(self.positions)
 
 
+@dataclass(eq=False, slots=True)
+class LaneBatch:
+    """The lanes of one submission as columns.
+
+    ``rows`` holds one value per lane for every per-lane source (``_ROW_SOURCES``); ``tokens`` one value
+    per packed token for ``PROMPT_POSITIONS`` and ``CACHE_SLOT`` (and ``TOKEN_ROW``, else derived), and
+    optionally ``PROMPT_TOKENS`` and ``SCORED_PREFILL_TARGETS`` (a source missing there supplies no
+    values). Lane ``i``'s page table is ``page_source[page_index[i], :page_counts[i]]``; the slot and
+    generation columns identify its lanes. ``grammar_masks`` and ``prompt_histograms`` are per-lane
+    vectors (``None`` for the lane, or for every lane). Columns agree with what they stand for, as a
+    :class:`Lane` derives them: ``QUERY_LENGTH`` is each lane's packed-token count, ``SAMPLING_DECISION``
+    and ``MIXED_PREFILL_ROW`` are 0 or 1, ``CONSTRAINED`` is 1 exactly for a lane with a grammar mask.
+
+    ``constants``, when given, is an object standing for the values of every source in
+    ``constant_sources`` (row, token or vector sources) and the lane identities: two batches with the
+    same ``constants`` object and lane count have the same values there. Columns are never modified once
+    handed over.
+    """
+
+    count: int
+    rows: Mapping[int, Column]
+    tokens: Mapping[int, Column]
+    page_source: npt.NDArray[np.int64]
+    page_index: npt.NDArray[np.int64]
+    page_counts: npt.NDArray[np.int64]
+    grammar_masks: Sequence[npt.NDArray[np.int32] | None] | None = None
+    prompt_histograms: Sequence[npt.NDArray[np.uint8] | None] | None = None
+    constants: object | None = None
+    constant_sources: frozenset[int] = frozenset()
+    page_version: int | None = None
+    """With ``constants``: a count of page additions (only growing); a batch of the same constants and
+    version has the same page tables."""
+
+    def __len__(self) -> int:
+        return self.count
+
+    def to_lanes(self) -> list[Lane]:
+        """The same lanes as :class:`Lane` objects (exact Python values)."""
+        rows = {source: column.tolist() for source, column in self.rows.items()}
+        lengths = rows[ct.VALUE_SOURCE_QUERY_LENGTH]
+        tokens = {source: column.tolist() for source, column in self.tokens.items()}
+        index = self.page_index.tolist()
+        counts = self.page_counts.tolist()
+        lanes: list[Lane] = []
+        start = 0
+        for i in range(self.count):
+            end = start + int(lengths[i])
+            lanes.append(
+                Lane(
+                    slot=rows[ct.VALUE_SOURCE_SLOT][i],
+                    generation=rows[ct.VALUE_SOURCE_GENERATION][i],
+                    state_row=rows[ct.VALUE_SOURCE_LIVE_STATE_ROWS][i],
+                    positions=tokens[ct.VALUE_SOURCE_PROMPT_POSITIONS][start:end],
+                    cache_slots=tokens[ct.VALUE_SOURCE_CACHE_SLOT][start:end],
+                    page_table=self.page_source[index[i], : counts[i]].tolist(),
+                    tokens=tokens[ct.VALUE_SOURCE_PROMPT_TOKENS][start:end]
+                    if ct.VALUE_SOURCE_PROMPT_TOKENS in tokens
+                    else [],
+                    sample=bool(rows[ct.VALUE_SOURCE_SAMPLING_DECISION][i]),
+                    temperature=rows[ct.VALUE_SOURCE_TEMPERATURE][i],
+                    top_p=rows[ct.VALUE_SOURCE_TOP_P][i],
+                    top_k=rows[ct.VALUE_SOURCE_TOP_K][i],
+                    min_p=rows[ct.VALUE_SOURCE_MIN_P][i],
+                    repetition_penalty=rows[ct.VALUE_SOURCE_REPETITION_PENALTY][i],
+                    frequency_penalty=rows[ct.VALUE_SOURCE_FREQUENCY_PENALTY][i],
+                    presence_penalty=rows[ct.VALUE_SOURCE_PRESENCE_PENALTY][i],
+                    seed=rows[ct.VALUE_SOURCE_SEED_BITS][i],
+                    sampling_step=rows[ct.VALUE_SOURCE_SAMPLING_STEP][i],
+                    grammar_mask=self.grammar_masks[i] if self.grammar_masks is not None else None,
+                    score_targets=tokens[ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS][start:end]
+                    if ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS in tokens
+                    else (),
+                    prompt_histogram=self.prompt_histograms[i] if self.prompt_histograms is not None else None,
+                    consumed=rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT][i],
+                    mixed_prefill=bool(rows[ct.VALUE_SOURCE_MIXED_PREFILL_ROW][i]),
+                    snapshot_row=rows[ct.VALUE_SOURCE_SNAPSHOT_DESTINATION][i],
+                    restore_row=rows[ct.VALUE_SOURCE_RESTORE_SOURCE][i],
+                )
+            )
+            start = end
+        return lanes
+
+
 @dataclass
 class Submission:
     """The lanes of one round and its transport-owned sequence number."""
 
-    lanes: Sequence[Lane]
+    lanes: Sequence[Lane] | LaneBatch
     sequence: int
 
 
@@ -120,20 +221,77 @@ _SUBMISSION_SOURCES = frozenset(
     {ct.VALUE_SOURCE_LIVE_ROW_COUNT, ct.VALUE_SOURCE_CONSTANT, ct.VALUE_SOURCE_INACTIVE_PADDING}
 )
 
+_EXACT_FLOAT_INT = 2**53
+"""Integers of at most this magnitude convert to a float destination alike from Python ints and int64."""
 
-_PADDED_ROW = (-1, -1, 0)
-"""Memory entry of a staging row that holds only padding."""
+
+class _HeldRows:
+    """What the rows of one (frame, page-table destination) hold: slot, generation, pages written."""
+
+    __slots__ = ("count", "generation", "known", "slot")
+
+    def __init__(self, rows: int) -> None:
+        self.slot = np.zeros(rows, dtype=np.int64)
+        self.generation = np.zeros(rows, dtype=np.int64)
+        self.count = np.zeros(rows, dtype=np.int64)
+        self.known = np.zeros(rows, dtype=bool)
+
+    def start(self, row: int, slot: int, generation: int) -> int:
+        """Pages already staged for (slot, generation) on ``row`` (0 when it holds something else)."""
+        if self.known[row] and self.slot[row] == slot and self.generation[row] == generation:
+            return int(self.count[row])
+        return 0
+
+    def hold(self, row: int, slot: int, generation: int, count: int) -> None:
+        try:
+            self.slot[row], self.generation[row], self.count[row] = slot, generation, count
+            self.known[row] = True
+        except OverflowError:  # an identity outside int64 is never matched: the row is rewritten next time
+            self.known[row] = False
+
+    def padded(self, row: int) -> bool:
+        return bool(self.known[row] and self.slot[row] == -1 and self.generation[row] == -1 and self.count[row] == 0)
+
+    def pad(self, rows: slice | npt.NDArray[np.intp]) -> None:
+        self.slot[rows], self.generation[rows], self.count[rows], self.known[rows] = -1, -1, 0, True
 
 
 @dataclass
 class PageTableMemory:
-    """What each staged page-table row holds: (slot, generation, pages written).
+    """What each frame's staging holds, as far as packing needs to know.
 
-    One instance is shared by every packer of a model: all graphs write the same staging arrays of a
-    frame, so what one graph staged is what the next one finds. Keyed by (frame, destination, row).
+    ``tables``: per (frame, page-table destination), each row's (slot, generation, pages written), or
+    that it holds only padding. ``versions``: per frame, a count that changes whenever a pack writes the
+    frame's staging in full. ``batches``: per frame, the packer, the batch constants and lane count, the
+    staging and the version of the last batch staged there (the next batch of the same packer, constants
+    and count at that version writes only what changes). One instance is shared by every packer of a
+    model: all graphs write the same staging arrays of a frame, so what one graph staged is what the
+    next one finds.
     """
 
-    rows: dict[tuple[int, str, int], tuple[int, int, int]] = field(default_factory=dict)
+    tables: dict[tuple[int, str], _HeldRows] = field(default_factory=dict)
+    page_versions: dict[tuple[int, str], int] = field(default_factory=dict)
+    """Per (frame, page-table destination): the page version of the batch whose tables it holds."""
+    versions: dict[int, int] = field(default_factory=dict)
+    batches: dict[int, tuple[object, object, int, object, int]] = field(default_factory=dict)
+
+    def held(self, frame: int, destination: str, rows: int) -> _HeldRows:
+        key = (frame, destination)
+        held = self.tables.get(key)
+        if held is None or held.slot.shape[0] < rows:
+            grown = _HeldRows(rows)
+            if held is not None:
+                size = held.slot.shape[0]
+                grown.slot[:size], grown.generation[:size] = held.slot, held.generation
+                grown.count[:size], grown.known[:size] = held.count, held.known
+            held = self.tables[key] = grown
+        return held
+
+    def invalidate(self, frame: int) -> int:
+        """A pack writes the frame's staging in full: what was remembered of batches no longer holds."""
+        version = self.versions.get(frame, 0) + 1
+        self.versions[frame] = version
+        return version
 
 
 class _BindingWriter:
@@ -158,10 +316,26 @@ class _BindingWriter:
         self.rows = graph.extents.batch_capacity
         self.packed = graph.extents.packed_token_capacity
         self.memory = memory
+        self._cast_dtype: np.dtype[np.generic] | None = None
+        self._cast_dest: np.dtype[np.generic] | None = None
+        self._cast_mode = _PYTHON
+
+    def constant_in(self, sources: frozenset[int]) -> bool:
+        """Whether what this writer stages for a batch depends only on ``sources`` and the lane count."""
+        if self.source == ct.VALUE_SOURCE_PAGE_TABLE:
+            return False
+        if self.source in _SUBMISSION_SOURCES:
+            return True
+        if self.source in _ROW_SOURCES and self.indexing == ct.INDEXING_PHYSICAL_REQUEST_ROW:
+            return self.source in sources and ct.VALUE_SOURCE_SLOT in sources
+        return self.source in sources
 
     def write(self, submission: Submission, frame: int, staging: Staging) -> None:
-        dest = staging[self.destination]
         lanes = submission.lanes
+        if isinstance(lanes, LaneBatch):
+            self.write_batch(lanes, frame, staging, tails=True, same_lanes=False)
+            return
+        dest = staging[self.destination]
         source = self.source
         if source == ct.VALUE_SOURCE_INACTIVE_PADDING:
             dest.reshape(-1)[:] = self.padding
@@ -173,7 +347,7 @@ class _BindingWriter:
         if source in _TOKEN_SOURCES:
             self._write_tokens(lanes, dest)
         elif source == ct.VALUE_SOURCE_PAGE_TABLE:
-            self._write_page_tables(lanes, dest, frame)
+            self._write_page_tables([(lane.slot, lane.generation, lane.page_table) for lane in lanes], dest, frame)
         elif source in _VECTOR_SOURCES:
             self._write_vectors(lanes, dest)
         else:
@@ -216,38 +390,273 @@ class _BindingWriter:
             flat[cursor : self.packed] = self.padding
 
     def _write_vectors(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
-        for row, lane in enumerate(lanes):
-            vector = lane.grammar_mask if self.source == ct.VALUE_SOURCE_GRAMMAR_MASK else lane.prompt_histogram
+        masks = self.source == ct.VALUE_SOURCE_GRAMMAR_MASK
+        self._write_vector_rows([lane.grammar_mask if masks else lane.prompt_histogram for lane in lanes], dest)
+
+    def _write_vector_rows(
+        self, vectors: Sequence[npt.NDArray[np.generic] | None], dest: npt.NDArray[np.generic]
+    ) -> None:
+        for row, vector in enumerate(vectors):
             if vector is None:
                 dest[row] = self.padding
             else:
                 dest[row, : len(vector)] = vector
                 dest[row, len(vector) :] = self.padding
         if self.indexing == ct.INDEXING_SUBMISSION_ROW:
-            dest[len(lanes) : self.rows] = self.padding
+            dest[len(vectors) : self.rows] = self.padding
 
-    def _write_page_tables(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic], frame: int) -> None:
-        held_rows = self.memory.rows
+    def _write_page_tables(
+        self, tables: Sequence[tuple[int, int, Sequence[int]]], dest: npt.NDArray[np.generic], frame: int
+    ) -> None:
+        self.memory.page_versions.pop((frame, self.destination), None)
+        held = self.memory.held(frame, self.destination, max(dest.shape[0], self.rows))
         width = dest.shape[-1]
-        for row, lane in enumerate(lanes):
-            pages = lane.page_table
+        for row, (slot, generation, pages) in enumerate(tables):
             if len(pages) > width:
                 raise ValueError(f"lane {row} needs {len(pages)} pages; the page table holds {width}")
-            key = (frame, self.destination, row)
-            held = held_rows.get(key)
-            start = held[2] if held is not None and held[:2] == (lane.slot, lane.generation) else 0
+            start = held.start(row, slot, generation)
             if start > len(pages):
                 start = 0
             if start == 0:
                 dest[row, len(pages) :] = self.padding
             dest[row, start : len(pages)] = np.asarray(pages[start:], dtype=dest.dtype) + self.offset
-            held_rows[key] = (lane.slot, lane.generation, len(pages))
+            held.hold(row, slot, generation, len(pages))
         if self.indexing == ct.INDEXING_SUBMISSION_ROW:
-            for row in range(len(lanes), self.rows):
-                key = (frame, self.destination, row)
-                if held_rows.get(key) != _PADDED_ROW:
+            for row in range(len(tables), self.rows):
+                if not held.padded(row):
                     dest[row] = self.padding
-                    held_rows[key] = _PADDED_ROW
+                    held.pad(slice(row, row + 1))
+
+    # -- batches --------------------------------------------------------------------------
+    def write_batch(self, batch: LaneBatch, frame: int, staging: Staging, *, tails: bool, same_lanes: bool) -> None:
+        """Write this binding's values of ``batch``: the same bytes as its lanes' :meth:`write`.
+
+        ``tails``: also write what lies past the lanes (padding), else it is staged already. ``same_lanes``:
+        the page-table rows of the lanes hold their tables as the memory records (the tail is padded).
+        """
+        dest = staging[self.destination]
+        source = self.source
+        if source in _ROW_SOURCES:
+            self._batch_rows(batch, dest, tails)
+        elif source in _TOKEN_SOURCES:
+            self._batch_tokens(batch, dest, frame, tails)
+        elif source == ct.VALUE_SOURCE_PAGE_TABLE:
+            self._batch_page_tables(batch, dest, frame, same_lanes)
+        elif source in _VECTOR_SOURCES:
+            vectors = batch.grammar_masks if source == ct.VALUE_SOURCE_GRAMMAR_MASK else batch.prompt_histograms
+            if vectors is not None:
+                self._write_vector_rows(vectors, dest)
+                return
+            dest[: batch.count] = self.padding  # no lane has a vector
+            if self.indexing == ct.INDEXING_SUBMISSION_ROW:
+                dest[batch.count : self.rows] = self.padding
+        elif source == ct.VALUE_SOURCE_INACTIVE_PADDING:
+            dest.reshape(-1)[:] = self.padding
+        else:
+            value = self.binding.constant if source == ct.VALUE_SOURCE_CONSTANT else batch.count
+            dest.reshape(-1)[0] = value + self.offset
+
+    def _cast(self, column: Column, dest: npt.NDArray[np.generic]) -> Column | list[int] | list[float]:
+        """``column`` as numpy may assign it: itself when that equals assigning its Python values, else those."""
+        if column.dtype is self._cast_dtype and dest.dtype is self._cast_dest:
+            mode = self._cast_mode
+        else:
+            mode = self._cast_mode = _cast_mode(column.dtype, dest.dtype)
+            self._cast_dtype, self._cast_dest = column.dtype, dest.dtype
+        if mode == _DIRECT or (mode == _CHECKED and not column.shape[0]):
+            return column
+        if mode == _CHECKED:
+            low, high = _integer_range(dest.dtype) if dest.dtype.kind in "iu" else (-_EXACT, _EXACT)
+            if low <= column.min() and column.max() <= high:
+                return column
+        return column.tolist()  # type: ignore[no-any-return]
+
+    def _values(self, column: Column, dest: npt.NDArray[np.generic]) -> Column | list[int] | list[float]:
+        """What to assign for ``column`` plus this binding's offset (added to Python values, as lanes add it)."""
+        if self.offset:
+            offset = self.offset
+            return [value + offset for value in column.tolist()]
+        return self._cast(column, dest)
+
+    def _batch_rows(self, batch: LaneBatch, dest: npt.NDArray[np.generic], tails: bool) -> None:
+        column = batch.rows[self.source]
+        count = batch.count
+        indexing = self.indexing
+        if indexing == ct.INDEXING_PHYSICAL_REQUEST_ROW or indexing == ct.INDEXING_SCALAR:
+            offset = self.offset
+            values = [value + offset for value in column.tolist()] if offset else column.tolist()
+            if indexing == ct.INDEXING_SCALAR:
+                dest.reshape(-1)[0] = values[0] if values else self.padding
+            else:
+                for slot, value in zip(batch.rows[ct.VALUE_SOURCE_SLOT].tolist(), values, strict=True):
+                    dest[slot] = value
+            return
+        dest[:count] = self._values(column, dest)
+        if tails and indexing == ct.INDEXING_SUBMISSION_ROW:
+            dest[count : self.rows] = self.padding
+
+    def _batch_tokens(self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, tails: bool) -> None:
+        column = batch.tokens.get(self.source)
+        lengths = batch.rows[ct.VALUE_SOURCE_QUERY_LENGTH]
+        if column is None and self.source == ct.VALUE_SOURCE_TOKEN_ROW:
+            column = np.repeat(np.arange(batch.count, dtype=np.int64), lengths.astype(np.int64))
+        if column is None:  # the lanes supply no values for this source
+            bad = np.flatnonzero(lengths)
+            if bad.shape[0]:
+                row = int(bad[0])
+                raise ValueError(
+                    f"lane {row} supplies 0 values for {self.destination!r}, "
+                    f"but its query length is {int(lengths[row])}"
+                )
+            column = np.zeros(0, dtype=np.int64)
+        total = column.shape[0]
+        flat = dest.reshape(-1)
+        if total > flat.shape[0]:  # written lane by lane, as the lanes would fail
+            self.write(Submission(batch.to_lanes(), 0), frame, {self.destination: dest})
+            return
+        flat[:total] = self._values(column, dest)
+        if total > self.packed:
+            raise ValueError(f"{total} packed tokens exceed the program's capacity {self.packed}")
+        if tails and self.indexing != ct.INDEXING_ACTIVE_ROW:
+            flat[total : self.packed] = self.padding
+
+    def _batch_page_tables(
+        self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, same_lanes: bool
+    ) -> None:
+        key = (frame, self.destination)
+        versions = self.memory.page_versions
+        if same_lanes and batch.page_version is not None and versions.get(key) == batch.page_version:
+            return  # no page was added since this frame staged these lanes' tables
+        versions.pop(key, None)
+        count = batch.count
+        counts = batch.page_counts
+        width = dest.shape[-1]
+        held = self.memory.held(frame, self.destination, max(dest.shape[0], self.rows))
+        staged = held.count[:count]
+        if same_lanes:  # the usual change: some lanes have one page more than their rows hold
+            grown = np.flatnonzero(counts - staged)
+            if grown.shape[0] == 0:
+                if batch.page_version is not None:
+                    versions[key] = batch.page_version
+                return
+            first = staged[grown]
+            if bool(np.all(counts[grown] == first + 1)) and int(first.max()) < min(width, batch.page_source.shape[1]):
+                pages = batch.page_source[batch.page_index[grown], first]
+                if _fits(pages, dest.dtype):
+                    dest[grown, first] = pages.astype(dest.dtype) + self.offset
+                    held.count[grown] = first + 1
+                    if batch.page_version is not None:
+                        versions[key] = batch.page_version
+                    return
+        slots = batch.rows[ct.VALUE_SOURCE_SLOT]
+        generations = batch.rows[ct.VALUE_SOURCE_GENERATION]
+        if count and int(counts.max()) > width:  # fails at the first such lane, after the lanes before it
+            self._batch_page_tables_by_lane(batch, dest, frame)
+            return
+        if same_lanes:  # rows 0..count hold these lanes' tables, each of at least one page; the tail is staged
+            changed = counts != staged
+            if not changed.any():
+                if batch.page_version is not None:
+                    versions[key] = batch.page_version
+                return
+            rewrite = counts < staged
+        else:
+            same = held.known[:count] & (held.slot[:count] == slots) & (held.generation[:count] == generations)
+            rewrite = ~same | (counts < staged) | (staged == 0)
+            changed = counts != staged
+        rewritten = np.flatnonzero(rewrite)
+        grown = np.flatnonzero(changed & ~rewrite)
+        touched = np.concatenate((rewritten, grown))
+        source_width = min(width, batch.page_source.shape[1])
+        tables = batch.page_source[batch.page_index[touched], :source_width]
+        filled = np.arange(source_width) < counts[touched, None]
+        if not _fits(tables[filled], dest.dtype):
+            self._batch_page_tables_by_lane(batch, dest, frame)
+            return
+        values = tables.astype(dest.dtype) + self.offset
+        done = rewritten.shape[0]
+        if done:
+            block = np.empty((done, *dest.shape[1:]), dtype=dest.dtype)
+            block[...] = self.padding
+            block[:, :source_width][filled[:done]] = values[:done][filled[:done]]
+            dest[rewritten] = block
+        if grown.shape[0]:
+            first = staged[grown]
+            last = counts[grown]
+            if bool(np.all(last - first == 1)):
+                dest[grown, first] = values[done + np.arange(grown.shape[0]), first]
+            else:
+                for row, (begin, end) in enumerate(zip(first.tolist(), last.tolist(), strict=True), done):
+                    dest[int(touched[row]), begin:end] = values[row, begin:end]
+        if batch.page_version is not None:
+            versions[key] = batch.page_version
+        if same_lanes:
+            held.count[:count] = counts
+            return
+        held.slot[:count], held.generation[:count], held.count[:count] = slots, generations, counts
+        held.known[:count] = True
+        if self.indexing == ct.INDEXING_SUBMISSION_ROW and count < self.rows:
+            tail = slice(count, self.rows)
+            padded = held.known[tail] & (held.slot[tail] == -1) & (held.generation[tail] == -1)
+            padded &= held.count[tail] == 0
+            unpadded = np.flatnonzero(~padded) + count
+            if unpadded.shape[0]:
+                dest[unpadded] = self.padding
+                held.pad(unpadded)
+
+    def _batch_page_tables_by_lane(self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int) -> None:
+        index = batch.page_index.tolist()
+        tables = [
+            (slot, generation, batch.page_source[index[row], :pages].tolist())
+            for row, (slot, generation, pages) in enumerate(
+                zip(
+                    batch.rows[ct.VALUE_SOURCE_SLOT].tolist(),
+                    batch.rows[ct.VALUE_SOURCE_GENERATION].tolist(),
+                    batch.page_counts.tolist(),
+                    strict=True,
+                )
+            )
+        ]
+        self._write_page_tables(tables, dest, frame)
+
+
+_EXACT = 2**53
+"""Integers of at most this magnitude reach a float destination alike from Python ints and from int64."""
+
+_DIRECT, _CHECKED, _PYTHON = 0, 1, 2
+"""How a column reaches a destination: assigned as it is, assigned after a range check, or as Python values."""
+
+
+def _cast_mode(column: np.dtype[np.generic], dest: np.dtype[np.generic]) -> int:
+    kind, dest_kind = column.kind, dest.kind
+    if dest_kind == "b":
+        return _DIRECT if kind in "biuf" else _PYTHON
+    if dest_kind == "f":
+        if kind in "bf":
+            return _DIRECT
+        if kind in "iu":
+            return _DIRECT if column.itemsize <= 4 else _CHECKED
+        return _PYTHON
+    if dest_kind in "iu":
+        if kind == "b" or (kind in "iu" and np.can_cast(column, dest)):
+            return _DIRECT
+        return _CHECKED if kind in "iu" else _PYTHON
+    return _PYTHON
+
+
+def _fits(values: npt.NDArray[np.int64], dtype: np.dtype[np.generic]) -> bool:
+    """Whether int64 page ids convert to ``dtype`` as the same Python ints would (no wrap, no rounding)."""
+    if dtype.kind not in "iu":
+        return False
+    if np.can_cast(np.int64, dtype) or not values.shape[0]:
+        return True
+    low, high = _integer_range(dtype)
+    return bool(low <= int(values.min()) and int(values.max()) <= high)
+
+
+def _integer_range(dtype: np.dtype[np.generic]) -> tuple[int, int]:
+    info = np.iinfo(cast("np.dtype[np.integer[Any]]", dtype))
+    return int(info.min), int(info.max)
 
 
 class GraphPacker:
@@ -259,14 +668,54 @@ class GraphPacker:
         if missing:
             raise UnsupportedFeatureError(f"graph {graph.name!r} binds destinations without staging: {missing}")
         shared = memory if memory is not None else PageTableMemory()
+        self.memory = shared
         self.writers = [_BindingWriter(b, graph, staging, shared) for b in graph.contract.bindings]
+        self._changing: dict[frozenset[int], list[_BindingWriter]] = {}
 
     def pack(self, submission: Submission, frame: int, staging: Staging) -> None:
         """Write every bound value of ``submission`` into ``staging`` (one frame's transport)."""
-        if len(submission.lanes) > self.graph.extents.batch_capacity:
+        lanes = submission.lanes
+        if len(lanes) > self.graph.extents.batch_capacity:
             raise ValueError(
-                f"{len(submission.lanes)} lanes exceed {self.graph.name!r}'s batch capacity "
+                f"{len(lanes)} lanes exceed {self.graph.name!r}'s batch capacity "
                 f"{self.graph.extents.batch_capacity}"
             )
+        memory = self.memory
+        if not isinstance(lanes, LaneBatch):
+            memory.invalidate(frame)
+            for writer in self.writers:
+                writer.write(submission, frame, staging)
+            return
+        constants = lanes.constants
+        last = memory.batches.get(frame)
+        if (
+            constants is not None
+            and last is not None
+            and last[0] is self
+            and last[1] is constants
+            and last[2] == lanes.count
+            and last[3] is staging
+            and last[4] == memory.versions.get(frame, 0)
+            and ct.VALUE_SOURCE_QUERY_LENGTH in lanes.constant_sources
+        ):  # staged by this packer for the same lanes, and nothing else wrote this frame since
+            try:
+                for writer in self._changing_writers(lanes.constant_sources):
+                    writer.write_batch(lanes, frame, staging, tails=False, same_lanes=True)
+            except BaseException:
+                memory.batches.pop(frame, None)
+                raise
+            return
+        version = memory.invalidate(frame)
+        memory.batches.pop(frame, None)
         for writer in self.writers:
-            writer.write(submission, frame, staging)
+            writer.write_batch(lanes, frame, staging, tails=True, same_lanes=False)
+        if lanes.page_counts.all():
+            memory.batches[frame] = (self, constants, lanes.count, staging, version)
+
+    def _changing_writers(self, constant_sources: frozenset[int]) -> list[_BindingWriter]:
+        writers = self._changing.get(constant_sources)
+        if writers is None:
+            writers = self._changing[constant_sources] = [
+                w for w in self.writers if not w.constant_in(constant_sources)
+            ]
+        return writers

@@ -18,6 +18,7 @@ a match is exact for the whole prefix up to that page. Running out of pages is a
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class PageAllocator:
         self._root = hashlib.blake2b(cache_identity.encode(), digest_size=16).digest()
         self._free: list[int] = list(range(total_pages - 1, -1, -1))  # pop() yields the lowest id
         self._refcount = [0] * total_pages
+        self._referenced = 0
+        """Pages with a reference count above zero (kept as counts change, read by every statistics snapshot)."""
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
@@ -77,7 +80,7 @@ class PageAllocator:
 
     @property
     def referenced_pages(self) -> int:
-        return sum(1 for count in self._refcount if count > 0)
+        return self._referenced
 
     def available(self) -> int:
         """Pages an allocation can obtain now (free plus evictable)."""
@@ -93,7 +96,10 @@ class PageAllocator:
     def chain_hash(self, previous: bytes | None, tokens: Sequence[int]) -> bytes:
         """The key of a complete page holding ``tokens`` after the prefix keyed ``previous``."""
         digest = hashlib.blake2b(previous if previous is not None else self._root, digest_size=16)
-        digest.update(b",".join(str(t).encode() for t in tokens))
+        try:
+            digest.update(array("q", tokens))  # a page holds page_tokens ids: fixed width, one encoding per content
+        except OverflowError:  # an id outside int64: spelled out instead
+            digest.update(b"*" + ",".join(map(str, tokens)).encode())
         return digest.digest()
 
     # -- check / act pairs ---------------------------------------------------------------------
@@ -107,15 +113,17 @@ class PageAllocator:
         if not self.can_allocate(count):
             return None
         pages: list[int] = []
+        free, refcount = self._free, self._refcount
         for _ in range(count):
-            if self._free:
-                page = self._free.pop()
+            if free:
+                page = free.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._page_of[self._hash_of.pop(page)]
                 self.stats.evicted += 1
-            self._refcount[page] = 1
+            refcount[page] = 1
             pages.append(page)
+        self._referenced += count
         self.stats.allocated += count
         return pages
 
@@ -143,6 +151,7 @@ class PageAllocator:
                 raise AllocatorError(f"page {page} no longer holds the matched content")
             if self._refcount[page] == 0:
                 del self._evictable[page]
+                self._referenced += 1
             self._refcount[page] += 1
         self.stats.prefix_hit_pages += len(match.pages)
         self.stats.reused_tokens += match.tokens
@@ -165,6 +174,7 @@ class PageAllocator:
                 raise AllocatorError(f"page {page} is released more often than it was referenced")
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
+                self._referenced -= 1
                 if page in self._hash_of:
                     self._evictable[page] = None
                 else:
@@ -185,5 +195,7 @@ class PageAllocator:
             )
         if any(count < 0 for count in self._refcount):
             raise AllocatorError("a negative reference count")
+        if len(referenced) != self._referenced:
+            raise AllocatorError(f"{len(referenced)} referenced pages, counted {self._referenced}")
         if any(page not in self._hash_of for page in evictable):
             raise AllocatorError("an evictable page without published content")

@@ -20,6 +20,21 @@ pages, and returns the events to publish. A failed lane fails only its request a
 
 Ownership: queues, slots and generations live here; pages live in the PageAllocator; per-request
 progress lives on RequestState (written only by this module).
+
+Per-slot state: beside each RequestState, the scheduler keeps numpy arrays indexed by request slot
+(consumed endpoint, tokens generated, complete pages published, page table, page starts and page
+count, slot generation, output limit, ignore_eos and sampling parameters), written wherever the
+RequestState fields they mirror are written. Decode rounds are planned from them: the decode cohort
+(the decode-ready requests a decode round takes, oldest first) is kept with its per-request columns
+until the scheduler's epoch changes (any admission, retirement, phase change, cancellation or
+preemption mark), so a steady decode round gathers only positions, cache slots, sampling steps and
+page counts (a :class:`~helios_core.runtime.packing.LaneBatch`) and its expectations
+(:class:`~helios_core.runtime.completion.ExpectationBatch`). The cohort's minima (tokens left,
+positions left in its pages, positions before a page completes) decide without touching the lanes
+whether a follow-up may be planned, a page is needed or published, or an output limit is reached;
+its completion then touches each request once, for the token it appends and the event it publishes.
+Every other round (and a decode round of a request whose sampling values the columns cannot hold
+exactly) is planned as one :class:`~helios_core.runtime.packing.Lane` per request.
 """
 
 from __future__ import annotations
@@ -28,13 +43,21 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from helios_core.contract import PreparedContract, PreparedGraph, Selection
-from helios_core.runtime.completion import CompletionError, LaneExpectation, LaneResult
+from helios_core.runtime.completion import (
+    CompletionError,
+    ExpectationBatch,
+    LaneExpectation,
+    LaneResult,
+    LaneResults,
+)
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import (
     AdmissionRejected,
@@ -44,15 +67,16 @@ from helios_core.runtime.messages import (
     FinishReason,
     PreparedRequest,
     PromptScores,
+    SamplingParams,
     TokenEvent,
 )
-from helios_core.runtime.packing import Lane
+from helios_core.runtime.packing import Column, Lane, LaneBatch
 from helios_core.runtime.pages import PageAllocator, PrefixMatch
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.wire import contract_pb2 as ct
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     """One request's progress. Written by the scheduler only."""
 
@@ -61,6 +85,13 @@ class RequestState:
     """Prompt followed by every generated token, in position order."""
     prompt_len: int
     arrival: int
+    request_id: str
+    max_tokens: int
+    ignore_eos: bool
+    observe: bool
+    """Stamp each generated token (the request observes timestamps)."""
+    top: int
+    """Top alternatives to read per sampled token (0 when not asked)."""
     slot: int = -1
     generation: int = 0
     pages: list[int] = field(default_factory=list)
@@ -85,10 +116,8 @@ class RequestState:
     """Prompt scores collected so far (prompt logprobs), one per prefilled prompt token."""
     scores_sent: bool = False
     """The PromptScores event was published (later prefills, after preemption, need no scoring)."""
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+    columnar: bool = True
+    """Its sampling values fit the per-slot columns exactly (else its decode rounds are planned lane by lane)."""
 
     @property
     def generated(self) -> int:
@@ -122,14 +151,97 @@ class RequestState:
         return not self.needs_init and self.pending_on_device and not self.preempting
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
+class _Cohort:
+    """The requests of a decode round, oldest first, with their per-request columns (read-only).
+
+    Valid while the scheduler's epoch is ``epoch``: nothing that decides membership, a member's phase or
+    whether it may be followed up has changed since.
+    """
+
+    epoch: int
+    members: list[RequestState]
+    slots: npt.NDArray[np.int64]
+    graph: PreparedGraph | None
+    columnar: bool
+    """Every member's sampling values are in the per-slot columns (the round can be a LaneBatch)."""
+    rows: dict[int, Column]
+    """Per-lane columns constant while the cohort lasts, by value source."""
+    constant_sources: frozenset[int]
+    """The value sources whose values stay the same for every round of the cohort."""
+    token_rows: npt.NDArray[np.int64]
+    generations: npt.NDArray[np.int64]
+    top: npt.NDArray[np.int64] | None
+    constrained: bool
+    """Some member has a grammar (its mask is read each round)."""
+    all_constrained: bool
+    blocked: bool
+    """Some member cannot be followed up: host gates, cancellation, preemption, or it ended."""
+    plain: bool
+    """Every member's gate is absent or plain (the token's text is all it presents)."""
+    observe: bool
+    """Some member observes timestamps."""
+    ids: frozenset[int]
+    left: int
+    """Tokens the member nearest its output limit may still generate (committed state)."""
+    room: int
+    """Positions the member nearest the end of its pages has left in them (as of ``pages_seen``)."""
+    unpublished: int
+    """Positions until the first member completes a page (committed state)."""
+    pages_seen: int
+    """The scheduler's page additions when ``room`` was counted."""
+    counted: int
+    """The scheduler's completions when ``left``, ``room`` and ``unpublished`` were counted."""
+
+
+@dataclass(eq=False, slots=True)
+class _Phases:
+    """Which running requests are in which phase, as of ``epoch``."""
+
+    epoch: int
+    leaving: RequestState | None
+    fresh: list[RequestState]
+    returning: RequestState | None
+    prefill: list[RequestState]
+    decode: list[RequestState]
+
+
+@dataclass(eq=False)
 class Round:
-    """One planned program launch."""
+    """One planned program launch: lanes as a list, or as a LaneBatch (decode rounds)."""
 
     graph: PreparedGraph
     members: list[RequestState]
-    lanes: list[Lane]
-    expectations: list[LaneExpectation]
+    lanes: list[Lane] | LaneBatch
+    expectations: list[LaneExpectation] | ExpectationBatch
+    cohort: _Cohort | None = None
+    """The decode cohort this round was planned from."""
+
+
+_FLOAT_PARAMS = (
+    ct.VALUE_SOURCE_TEMPERATURE,
+    ct.VALUE_SOURCE_TOP_P,
+    ct.VALUE_SOURCE_MIN_P,
+    ct.VALUE_SOURCE_REPETITION_PENALTY,
+    ct.VALUE_SOURCE_FREQUENCY_PENALTY,
+    ct.VALUE_SOURCE_PRESENCE_PENALTY,
+)
+_CONSTANT_TOKEN_SOURCES = frozenset(
+    {
+        ct.VALUE_SOURCE_TOKEN_ROW,
+        ct.VALUE_SOURCE_PROMPT_TOKENS,
+        ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS,
+        ct.VALUE_SOURCE_PROMPT_HISTOGRAM,
+    }
+)
+"""Sources a decode cohort's rounds supply alike: lane rows of tokens, no host tokens, no vectors."""
+_EXACT_FLOAT_INT = 2**53
+_NOT_IN_FLIGHT: frozenset[int] = frozenset()
+_NONE: frozenset[int] = frozenset()
+_PER_LANE = 16
+"""Decode rounds of at most this many lanes look EOS ids up lane by lane."""
+_Array = TypeVar("_Array", bound="npt.NDArray[Any]")
+_Ints = npt.NDArray[np.signedinteger[Any]]
 
 
 class Scheduler:
@@ -172,7 +284,7 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.pipelining = True
         """Launch a follow-up decode round before the previous round's completion is read (two frames)."""
-        self.in_flight: set[int] = set()
+        self.in_flight: AbstractSet[int] = _NOT_IN_FLIGHT
         """ids of requests with a follow-up round already launched."""
         self._fenced: list[RequestState] = []
         self.starved = False
@@ -181,6 +293,36 @@ class Scheduler:
         self.free_slots: list[int] = list(range(self.max_active - 1, -1, -1))
         self._generations = itertools.count(1)
         self._arrivals = itertools.count()
+        self._cancels = False
+        """A cancellation mark may be set on a queued or running request."""
+        # Per-slot state (see the module docstring), indexed by request slot.
+        slots = max(self.max_active, 0)
+        positions = np.int32 if self.context + 2 < 2**31 else np.int64  # int32 columns stage as they are
+        self._consumed: _Ints = np.zeros(slots, dtype=positions)
+        self._generated: _Ints = np.zeros(slots, dtype=positions)
+        self._published = np.zeros(slots, dtype=np.int64)
+        """Complete pages published (``len(hashes)``) per slot."""
+        width = max(self.pages_per_row, self._pages_for(self.context), 1)
+        self._page_rows = np.zeros((slots, width), dtype=np.int64)
+        self._page_count = np.zeros(slots, dtype=np.int64)
+        self._page_starts = np.zeros((slots, width), dtype=np.int64)
+        """Each page's first cache slot (page id x page_tokens)."""
+        self._page_adds = 0
+        """Pages added to running requests so far (a page table that saw this many is complete)."""
+        self._completions = 0
+        """Rounds completed so far (a cohort's minima counted at this many are current)."""
+        self._slot_generation = np.zeros(slots, dtype=np.int64)
+        self._max_tokens = np.zeros(slots, dtype=np.int64)
+        self._ignore_eos = np.zeros(slots, dtype=bool)
+        self._eos_ids = sorted(self.eos)
+        self._float_params = {source: np.zeros(slots, dtype=np.float64) for source in _FLOAT_PARAMS}
+        self._top_k = np.zeros(slots, dtype=np.int64)
+        self._seed = np.zeros(slots, dtype=np.uint64)
+        self._operation_names: dict[int, str] = {}
+        self._epoch = 0
+        """Changes whenever membership, a running request's phase or a follow-up condition may have changed."""
+        self._phases: _Phases | None = None
+        self._cohort: _Cohort | None = None
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request: PreparedRequest) -> AdmissionRejected | None:
@@ -189,7 +331,17 @@ class Scheduler:
         if problem is not None:
             self.stats.rejected += 1
             return AdmissionRejected(request.request_id, problem)
-        state = RequestState(request, list(request.prompt_ids), len(request.prompt_ids), next(self._arrivals))
+        state = RequestState(
+            request,
+            list(request.prompt_ids),
+            len(request.prompt_ids),
+            next(self._arrivals),
+            request.request_id,
+            request.max_tokens,
+            request.ignore_eos,
+            request.observe_timestamps,
+            max(request.top_logprobs, 0),
+        )
         if self.make_gate is not None:
             try:
                 state.gate = self.make_gate(request)
@@ -223,6 +375,8 @@ class Scheduler:
         for state in itertools.chain(self.waiting, self.running):
             if state.request_id == request_id:
                 state.cancelled = True
+                self._cancels = True
+                self._epoch += 1
 
     @property
     def idle(self) -> bool:
@@ -231,6 +385,9 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------------------------
     def take_cancelled(self) -> list[Event]:
         """Finish every cancelled request (nothing is in flight between rounds)."""
+        if not self._cancels:
+            return []
+        self._cancels = False
         events: list[Event] = []
         for state in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(state)
@@ -242,18 +399,18 @@ class Scheduler:
 
     def next_round(self) -> Round | None:
         """Admit what fits, then plan the next round (None when there is nothing to run)."""
-        leaving = next((s for s in self.running if s.preempting), None)
+        leaving = self._phases_now().leaving
         if leaving is not None and self.snapshot is not None:
             return self._state_copy_round(self.snapshot, leaving, snapshot_row=leaving.snapshot_row)
         self._admit()
-        fresh = [s for s in self.running if s.needs_init]
-        if fresh:
-            return self._initialize_round(fresh)
-        returning = next((s for s in self.running if s.restore_ready), None)
+        phases = self._phases_now()
+        if phases.fresh:
+            return self._initialize_round(phases.fresh)
+        returning = phases.returning
         if returning is not None and self.restore is not None:
             return self._state_copy_round(self.restore, returning, restore_row=returning.snapshot_row)
-        prefill = [s for s in self.running if s.in_prefill]
-        decode = [s for s in self.running if s.decode_ready]
+        prefill = phases.prefill
+        decode = phases.decode
         if prefill and prefill[0].scoring:
             return self._scored_round(prefill[0])
         prefill = [s for s in prefill if not s.scoring]
@@ -262,6 +419,21 @@ class Scheduler:
         if decode:
             return self._decode_round(decode)
         return None
+
+    def _phases_now(self) -> _Phases:
+        """The running requests by phase (recomputed only when the epoch has changed)."""
+        phases = self._phases
+        if phases is None or phases.epoch != self._epoch:
+            running = self.running
+            phases = self._phases = _Phases(
+                self._epoch,
+                next((s for s in running if s.preempting), None),
+                [s for s in running if s.needs_init],
+                next((s for s in running if s.restore_ready), None),
+                [s for s in running if s.in_prefill],
+                [s for s in running if s.decode_ready],
+            )
+        return phases
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots and not self.starved:
@@ -297,7 +469,71 @@ class Scheduler:
             if state.reused_tokens < 0:
                 state.reused_tokens = match.tokens
             self.running.append(state)
+            self._hold_slot(state)
             self.stats.admitted += 1
+            self._epoch += 1
+
+    def _hold_slot(self, state: RequestState) -> None:
+        """Write a newly admitted request's per-slot state."""
+        slot = state.slot
+        self._consumed[slot] = state.consumed
+        self._generated[slot] = state.generated
+        self._published[slot] = len(state.hashes)
+        self._page_rows[slot, : len(state.pages)] = state.pages
+        self._page_starts[slot, : len(state.pages)] = self._page_rows[slot, : len(state.pages)] * self.page_tokens
+        self._page_count[slot] = len(state.pages)
+        self._page_adds += 1
+        self._slot_generation[slot] = state.generation
+        self._max_tokens[slot] = state.max_tokens
+        self._ignore_eos[slot] = state.ignore_eos
+        state.columnar = self._hold_sampling(slot, state.request.sampling)
+
+    def _hold_sampling(self, slot: int, params: SamplingParams) -> bool:
+        """Store a request's sampling values in the slot's columns; False when a column cannot hold one
+        exactly as the Python value packs (then its decode rounds are planned lane by lane)."""
+        values = (
+            params.temperature,
+            params.top_p,
+            params.min_p,
+            params.repetition_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+        )
+        for value in values:
+            if type(value) is not float and not (type(value) in (int, bool) and abs(value) <= _EXACT_FLOAT_INT):
+                return False
+        if type(params.top_k) is not int or not -(2**63) <= params.top_k < 2**63:
+            return False
+        if type(params.seed) is not int or not 0 <= params.seed < 2**64:
+            return False
+        for source, value in zip(_FLOAT_PARAMS, values, strict=True):
+            self._float_params[source][slot] = value
+        self._top_k[slot] = params.top_k
+        self._seed[slot] = params.seed
+        return True
+
+    def _add_pages(self, state: RequestState, pages: Sequence[int]) -> None:
+        count = len(state.pages)
+        state.pages.extend(pages)
+        slot, end = state.slot, count + len(pages)
+        self._page_rows[slot, count:end] = pages
+        self._page_starts[slot, count:end] = [page * self.page_tokens for page in pages]
+        self._page_count[slot] = end
+        self._page_adds += 1
+
+    def _count(self, cohort: _Cohort) -> _Cohort:
+        """``cohort`` with its minima current: counted again from the per-slot arrays when a round other
+        than the cohort's own completed since they were (or, for ``room``, when pages were added)."""
+        slots, page_tokens = cohort.slots, self.page_tokens
+        if cohort.counted != self._completions:
+            cohort.left = _least(self._max_tokens[slots] - self._generated[slots])
+            cohort.unpublished = _least((self._published[slots] + 1) * page_tokens - self._consumed[slots])
+            cohort.pages_seen = -1
+            cohort.counted = self._completions
+        if cohort.pages_seen != self._page_adds:
+            cohort.room = _least(self._page_count[slots] * page_tokens - self._consumed[slots])
+            cohort.pages_seen = self._page_adds
+        return cohort
 
     def _initialize_round(self, fresh: list[RequestState]) -> Round:
         graph = _smallest(self.initialize, rows=1)
@@ -358,25 +594,138 @@ class Scheduler:
     def _expect(
         self, state: RequestState, consumed: int, samples: bool, *, scores: tuple[int, int] = (0, 0)
     ) -> LaneExpectation:
-        top = max(state.request.top_logprobs, 0) if samples else 0
+        top = state.top if samples else 0
         return LaneExpectation(state.generation, consumed, samples, top, scores)
 
     def _decode_round(self, decode: list[RequestState]) -> Round:
-        rows = max(g.extents.batch_capacity for g in self.decodes)
-        members: list[RequestState] = []
+        cohort = self._cohort
+        if cohort is None or cohort.epoch != self._epoch:
+            rows = max(g.extents.batch_capacity for g in self.decodes)
+            cohort = self._cohort = self._make_cohort(sorted(decode, key=lambda s: s.arrival)[:rows])
+        if self._count(cohort).room <= 0:
+            # A member needs the page of its next position: take pages (or preempt) request by request.
+            members: list[RequestState] = []
+            page_tokens = self.page_tokens
+            served = True
+            for state in cohort.members:
+                if state.slot < 0 or state.preempting:
+                    continue  # preempted while an earlier member took a page
+                if state.consumed // page_tokens < len(state.pages) or self._ensure_page(state, exclude=members):
+                    members.append(state)
+                else:
+                    served = False
+            self.starved = not served
+            if len(members) != len(cohort.members) or cohort.epoch != self._epoch:
+                cohort = self._make_cohort(members)
+        else:
+            self.starved = False
+        return self._decode_plan(cohort, ahead=0)
+
+    def _make_cohort(self, members: list[RequestState]) -> _Cohort:
+        """The per-request columns of a decode round's members (``members`` in lane order)."""
+        count = len(members)
+        slots = _frozen(np.fromiter((s.slot for s in members), dtype=np.int64, count=count))
+        gates = [s.gate for s in members]
+        constrained = [g is not None and g.constrained for g in gates]
+        columnar = all(s.columnar for s in members)
+        generations = _frozen(self._slot_generation[slots])
+        ones = _frozen(np.ones(count, dtype=np.int64))
+        zeros = _frozen(np.zeros(count, dtype=np.int64))
+        unset = _frozen(np.full(count, -1, dtype=np.int64))
+        rows: dict[int, Column] = {
+            ct.VALUE_SOURCE_SLOT: slots,
+            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots,
+            ct.VALUE_SOURCE_GENERATION: generations,
+            ct.VALUE_SOURCE_QUERY_LENGTH: ones,
+            ct.VALUE_SOURCE_SAMPLING_DECISION: ones,
+            ct.VALUE_SOURCE_MIXED_PREFILL_ROW: zeros,
+            ct.VALUE_SOURCE_RESTORE_SOURCE: unset,
+            ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: unset,
+            ct.VALUE_SOURCE_TOP_K: _frozen(self._top_k[slots]),
+            ct.VALUE_SOURCE_SEED_BITS: _frozen(self._seed[slots]),
+            ct.VALUE_SOURCE_CONSTRAINED: zeros,
+        }
+        for source, column in self._float_params.items():
+            rows[source] = _frozen(column[slots])
+        tops = [s.top for s in members]
+        constant_sources = frozenset(rows) | _CONSTANT_TOKEN_SOURCES
+        if any(constrained):  # masks (and whether a lane has one) are read each round
+            constant_sources -= {ct.VALUE_SOURCE_CONSTRAINED}
+        else:
+            constant_sources |= {ct.VALUE_SOURCE_GRAMMAR_MASK}
+        return _Cohort(
+            epoch=self._epoch,
+            members=members,
+            slots=slots,
+            graph=_smallest(self.decodes, rows=count) if members else None,
+            columnar=columnar,
+            rows=rows,
+            constant_sources=constant_sources,
+            token_rows=_frozen(np.arange(count, dtype=np.int64)),
+            generations=generations,
+            top=_frozen(np.asarray(tops, dtype=np.int64)) if any(tops) else None,
+            constrained=any(constrained),
+            all_constrained=all(constrained),
+            blocked=any(
+                s.cancelled or s.preempting or s.ended or (s.gate is not None and s.gate.holds_rounds)
+                for s in members
+            ),
+            plain=all(g is None or g.plain for g in gates),
+            observe=any(s.observe for s in members),
+            ids=frozenset(id(s) for s in members),
+            left=0,
+            room=0,
+            unpublished=0,
+            pages_seen=-1,
+            counted=-1,
+        )
+
+    def _decode_plan(self, cohort: _Cohort, *, ahead: int) -> Round:
+        """A decode round of ``cohort``, one position (and sampling step) past the consumed endpoint when
+        ``ahead`` is 1 (a follow-up planned before the previous round's completion is read)."""
+        members = cohort.members
+        if cohort.graph is None:
+            return Round(_smallest(self.decodes, rows=0), [], [], [], cohort)
+        if not cohort.columnar:
+            lanes = [self._lane(s, [s.consumed + ahead], [], sample=True, ahead=ahead) for s in members]
+            expectations = [self._expect(s, s.consumed + ahead + 1, True) for s in members]
+            return Round(cohort.graph, members, lanes, expectations, cohort)
+        slots = cohort.slots
         page_tokens = self.page_tokens
-        served = True
-        for state in sorted(decode, key=lambda s: s.arrival)[:rows]:
-            if state.slot < 0 or state.preempting:
-                continue  # preempted while an earlier member took a page
-            if state.consumed // page_tokens < len(state.pages) or self._ensure_page(state, exclude=members):
-                members.append(state)
-            else:
-                served = False
-        self.starved = not served
-        lanes = [self._lane(s, [s.consumed], [], sample=True) for s in members]
-        expectations = [self._expect(s, s.consumed + 1, True) for s in members]
-        return Round(_smallest(self.decodes, rows=len(lanes)), members, lanes, expectations)
+        positions = self._consumed[slots]
+        steps = self._generated[slots]
+        if ahead:
+            positions += ahead
+            steps += ahead
+        page, offset = np.divmod(positions, page_tokens)
+        cache_slots = self._page_starts[slots, page] + offset
+        rows = dict(cohort.rows)
+        rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT] = positions
+        rows[ct.VALUE_SOURCE_SAMPLING_STEP] = steps
+        masks = None
+        if cohort.constrained:
+            masks = [s.gate.mask() if s.gate is not None else None for s in members]
+            rows[ct.VALUE_SOURCE_CONSTRAINED] = np.fromiter(
+                (mask is not None for mask in masks), dtype=np.int64, count=len(masks)
+            )
+        batch = LaneBatch(
+            count=len(members),
+            rows=rows,
+            tokens={
+                ct.VALUE_SOURCE_PROMPT_POSITIONS: positions,
+                ct.VALUE_SOURCE_CACHE_SLOT: cache_slots,
+                ct.VALUE_SOURCE_TOKEN_ROW: cohort.token_rows,
+            },
+            page_source=self._page_rows,
+            page_index=slots,
+            page_counts=self._page_count[slots],
+            grammar_masks=masks,
+            constants=cohort,
+            constant_sources=cohort.constant_sources,
+            page_version=self._page_adds,
+        )
+        expected = ExpectationBatch(cohort.generations, positions + 1, True, cohort.top)
+        return Round(cohort.graph, members, batch, expected, cohort)
 
     def followup(self, round_: Round) -> Round | None:
         """The next decode round of the same requests, planned before ``round_``'s completion is read.
@@ -390,34 +739,71 @@ class Scheduler:
         if self.waiting and self.free_slots:
             return None
         members = round_.members
-        for state in members:
-            if state.cancelled or state.preempting or state.ended:
+        cohort = round_.cohort
+        if cohort is not None and cohort.epoch == self._epoch and cohort.members is members:
+            if cohort.blocked:
                 return None
-            if state.gate is not None and state.gate.holds_rounds:
+            if self._count(cohort).left < 2:  # a member has fewer than two tokens left
                 return None
-            if state.generated + 2 > state.request.max_tokens:
-                return None
-        for state in members:
-            if (state.consumed + 1) // self.page_tokens >= len(state.pages):
-                page = self.allocator.allocate(1)
-                if page is None:
+            if self._count(cohort).room <= 1:  # a member needs the page of the position after the next
+                slots = cohort.slots
+                needy = np.flatnonzero(self._page_count[slots] * self.page_tokens - self._consumed[slots] <= 1)
+                if needy.shape[0] and not self._allocate_next(members, needy.tolist()):
                     return None
-                state.pages.extend(page)
-        lanes = [self._lane(state, [state.consumed + 1], [], sample=True, ahead=1) for state in members]
-        expectations = [self._expect(state, state.consumed + 2, True) for state in members]
-        self.in_flight = {id(state) for state in members}
+            self.in_flight = cohort.ids
+        else:
+            for state in members:
+                if state.cancelled or state.preempting or state.ended:
+                    return None
+                if state.gate is not None and state.gate.holds_rounds:
+                    return None
+                if state.generated + 2 > state.max_tokens:
+                    return None
+            for state in members:
+                if (state.consumed + 1) // self.page_tokens >= len(state.pages):
+                    page = self.allocator.allocate(1)
+                    if page is None:
+                        return None
+                    self._add_pages(state, page)
+            cohort = self._make_cohort(list(members))
+            self.in_flight = cohort.ids
         self.stats.pipelined_rounds += 1
-        return Round(round_.graph, list(members), lanes, expectations)
+        follow = self._decode_plan(cohort, ahead=1)
+        follow.graph = round_.graph
+        return follow
+
+    def _allocate_next(self, members: list[RequestState], needy: list[int]) -> bool:
+        """The page of the position after the next for each needy member, in member order; False (the pages
+        already given kept) as soon as one cannot be had."""
+        if self.allocator.available() >= len(needy):
+            pages = self.allocator.allocate(len(needy))
+            if pages is not None:
+                for index, page in zip(needy, pages, strict=True):
+                    members[index].pages.append(page)
+                slots = np.fromiter((members[index].slot for index in needy), dtype=np.int64, count=len(needy))
+                ends = self._page_count[slots]
+                self._page_rows[slots, ends] = pages
+                self._page_starts[slots, ends] = self._page_rows[slots, ends] * self.page_tokens
+                self._page_count[slots] = ends + 1
+                self._page_adds += 1
+                return True
+        for index in needy:
+            page_list = self.allocator.allocate(1)
+            if page_list is None:
+                return False
+            self._add_pages(members[index], page_list)
+        return True
 
     def release_fenced(self) -> None:
         """The follow-up round's fence has passed: release what ended while it was in flight."""
-        self.in_flight = set()
+        self.in_flight = _NOT_IN_FLIGHT
         for state in self._fenced:
             self._retire(state)
         self._fenced = []
 
     def _end(self, state: RequestState) -> None:
         """Release a finished or failed request now, or after the fence of its in-flight follow-up round."""
+        self._epoch += 1
         if id(state) in self.in_flight:
             state.ended = True
             self._fenced.append(state)
@@ -429,7 +815,7 @@ class Scheduler:
         while state.consumed // self.page_tokens >= len(state.pages):
             page = self.allocator.allocate(1)
             if page is not None:
-                state.pages.extend(page)
+                self._add_pages(state, page)
                 continue
             victims = [s for s in self.running if s is not state and s not in exclude and s.arrival > state.arrival]
             if not victims:
@@ -443,6 +829,7 @@ class Scheduler:
                 victim.preempting = True
                 victim.snapshot_row = self.free_snapshot_rows.pop()
                 victim.snapshot_endpoint = victim.consumed
+                self._epoch += 1
                 return False
             self._preempt(victim)
             if state not in self.running:
@@ -524,17 +911,33 @@ class Scheduler:
     def complete(self, round_: Round, results: Sequence[LaneResult | CompletionError]) -> list[Event]:
         """Apply a validated round; returns the events to publish, in order."""
         events: list[Event] = []
-        self.stats.count_round(round_.graph.name, round_.graph.operation_name, len(round_.members))
+        graph = round_.graph
+        label = self._operation_names.get(graph.operation)
+        if label is None:
+            label = self._operation_names[graph.operation] = graph.operation_name
+        self.stats.count_round(graph.name, label, len(round_.members))
+        cohort = round_.cohort
+        if (
+            cohort is not None
+            and isinstance(round_.lanes, LaneBatch)
+            and isinstance(results, LaneResults)
+            and cohort.members is round_.members
+        ):
+            self._complete_decode(cohort, results, events)
+            return events
+        self._epoch += 1
+        self._completions += 1
+        lanes = round_.lanes.to_lanes() if isinstance(round_.lanes, LaneBatch) else round_.lanes
         constrained = [
             s.gate is not None and s.gate.constrained
-            for s, lane in zip(round_.members, round_.lanes, strict=True)
+            for s, lane in zip(round_.members, lanes, strict=True)
             if lane.sample
         ]
         if any(constrained):
             self.stats.constrained_max_inflight = max(self.stats.constrained_max_inflight, 1)
             if round_.graph.operation == ct.OPERATION_DECODE and not all(constrained):
                 self.stats.mixed_grammar_decode_steps += 1
-        for state, lane, result in zip(round_.members, round_.lanes, results, strict=True):
+        for state, lane, result in zip(round_.members, lanes, results, strict=True):
             if state.ended:
                 continue  # ended in the previous round: this lane's output is suppressed
             if isinstance(result, CompletionError):
@@ -551,10 +954,12 @@ class Scheduler:
                 self.free_snapshot_rows.append(state.snapshot_row)
                 state.snapshot_row = -1
                 state.consumed = state.snapshot_endpoint
+                self._consumed[state.slot] = state.consumed
                 state.pending_on_device = True
                 self.stats.restores += 1
                 continue
             state.consumed += lane.query_length
+            self._consumed[state.slot] = state.consumed
             self._publish_pages(state)
             if operation == ct.OPERATION_SCORED_PREFILL and not state.scores_sent:
                 state.scores.extend(result.scores)
@@ -564,8 +969,9 @@ class Scheduler:
             if not lane.sample:
                 continue
             token = result.token_id
-            stamp = time.monotonic_ns() - self.clock_origin_ns if state.request.observe_timestamps else -1
+            stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
             state.tokens.append(token)
+            self._generated[state.slot] = state.generated
             state.pending_on_device = True
             outcome = state.gate.observe(token) if state.gate is not None else None
             pieces = outcome.pieces if outcome is not None else [(token, "")]
@@ -580,6 +986,89 @@ class Scheduler:
                 events.append(self._finished(state, reason))
         return events
 
+    def _complete_decode(self, cohort: _Cohort, results: LaneResults, events: list[Event]) -> None:
+        """:meth:`complete` of a decode round planned as a LaneBatch: the same effects, lane by lane.
+
+        Every member advances by one position and one token, so the cohort's minima say whether any lane
+        completes a page or reaches its output limit this round; only then are those lanes found (over all
+        lanes at once). EOS ids are looked up per lane in small rounds, over all lanes in large ones.
+        """
+        if cohort.constrained:
+            self.stats.constrained_max_inflight = max(self.stats.constrained_max_inflight, 1)
+            if not cohort.all_constrained:
+                self.stats.mixed_grammar_decode_steps += 1
+        self._count(cohort)
+        slots = cohort.slots
+        count = len(cohort.members)
+        consumed = self._consumed[slots]
+        consumed += 1
+        generated = self._generated[slots]
+        generated += 1
+        page_tokens = self.page_tokens
+        token_ids, logprobs, errors, tops = results.token_ids, results.logprobs, results.errors, results.tops
+        publishing: AbstractSet[int] = _NONE
+        if cohort.unpublished <= 1:
+            publishing = _where((self._published[slots] + 1) * page_tokens <= consumed)
+        eos = self.eos
+        ending = generated >= self._max_tokens[slots] if cohort.left <= 1 else None
+        ids = results.ids
+        eos_per_lane = bool(eos) and (count <= _PER_LANE or ids is None or ids.dtype.kind not in "iu")
+        if eos and not eos_per_lane and ids is not None:
+            hit = ids == self._eos_ids[0]
+            for eos_id in self._eos_ids[1:]:
+                hit |= ids == eos_id
+            if hit.any():
+                hit &= ~self._ignore_eos[slots]
+                ending = hit if ending is None else ending | hit
+        finishing = _where(ending) if ending is not None else _NONE
+        origin, plain, observe = self.clock_origin_ns, cohort.plain, cohort.observe
+        check_ended = cohort.epoch != self._epoch  # else nothing ended since the cohort was formed
+        append = events.append
+        for index, state in enumerate(cohort.members):
+            if check_ended and state.ended:
+                continue  # ended in the previous round: this lane's output is suppressed
+            if errors and index in errors:
+                append(self._fail(state, str(errors[index])))
+                continue
+            state.consumed += 1
+            if index in publishing:
+                self._publish_pages(state)
+            token = token_ids[index]
+            stamp = time.monotonic_ns() - origin if observe and state.observe else -1
+            state.tokens.append(token)
+            gate = state.gate
+            if gate is None:
+                pieces = [(token, "")]
+            elif plain:
+                pieces = [(token, gate.text(token))]
+            else:
+                outcome = gate.observe(token)
+                pieces = outcome.pieces
+                if outcome.stopped:
+                    append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
+                    self._end(state)
+                    append(self._finished(state, "stop", flush=False))
+                    continue
+            if tops:
+                append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
+            else:
+                append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp))
+            stop = token in eos and not state.ignore_eos if eos_per_lane else False
+            if stop or index in finishing:
+                self._end(state)
+                append(self._finished(state, "stop" if token in eos and not state.ignore_eos else "length"))
+        # Lanes that failed or ended are retired (or fenced, then retired): their slots' values are rewritten
+        # when the slot is next admitted, so every lane's may advance.
+        self._consumed[slots] = consumed
+        self._generated[slots] = generated
+        cohort.left -= 1
+        cohort.room -= 1
+        cohort.unpublished -= 1
+        if publishing:
+            cohort.unpublished = _least((self._published[slots] + 1) * page_tokens - consumed)
+        self._completions += 1
+        cohort.counted = self._completions
+
     def fail_round(self, round_: Round, message: str) -> list[Event]:
         """The whole round failed: fail its requests only; nothing of the round is published."""
         return [self._fail(state, message) for state in round_.members if not state.ended]
@@ -588,6 +1077,8 @@ class Scheduler:
         """Finish every queued and running request as cancelled (shutdown; nothing is in flight)."""
         for state in itertools.chain(self.waiting, self.running):
             state.cancelled = True
+        self._cancels = True
+        self._epoch += 1
         return self.take_cancelled()
 
     def fail_all(self, message: str) -> list[Event]:
@@ -605,9 +1096,9 @@ class Scheduler:
         return ExecutionFailed(state.request_id, message)
 
     def _finish_reason(self, state: RequestState, token: int) -> FinishReason | None:
-        if token in self.eos and not state.request.ignore_eos:
+        if token in self.eos and not state.ignore_eos:
             return "stop"
-        if state.generated >= state.request.max_tokens:
+        if state.generated >= state.max_tokens:
             return "length"
         return None
 
@@ -626,9 +1117,12 @@ class Scheduler:
             key = self.allocator.chain_hash(previous, state.tokens[index * pt : (index + 1) * pt])
             self.allocator.publish(state.pages[index], key)
             state.hashes.append(key)
+        if state.slot >= 0:
+            self._published[state.slot] = len(state.hashes)
 
     def _retire(self, state: RequestState, *, keep_snapshot: bool = False) -> None:
         """Release a request's pages, slot and (unless kept) snapshot row; no round of it is in flight."""
+        self._epoch += 1
         if not keep_snapshot and state.snapshot_row >= 0:
             self.free_snapshot_rows.append(state.snapshot_row)
             state.snapshot_row = -1
@@ -644,6 +1138,22 @@ class Scheduler:
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
+
+
+def _where(mask: npt.NDArray[np.bool_]) -> AbstractSet[int]:
+    """The lane indices where ``mask`` holds."""
+    return frozenset(np.flatnonzero(mask).tolist()) if mask.any() else _NONE
+
+
+def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:
+    """The smallest of ``values`` (a large number for none)."""
+    return int(values.min()) if values.shape[0] else 2**62
+
+
+def _frozen(array: _Array) -> _Array:
+    """``array``, made read-only (a cohort column is never modified once shared with the packers)."""
+    array.flags.writeable = False
+    return array
 
 
 def _variants(graphs: Iterable[PreparedGraph], operation: int) -> list[PreparedGraph]:

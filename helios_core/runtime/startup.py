@@ -33,8 +33,10 @@ class RunningModel:
 
     def close(self) -> None:
         """Stop the worker, release the model, close the core file."""
-        self.engine.shutdown()
-        self.verified.close()
+        try:
+            self.engine.shutdown()
+        finally:
+            self.verified.close()
 
 
 def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto") -> RunningModel:
@@ -46,14 +48,18 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
         model = NativeModel.load(
             verified.core, verified.contract, selection, backend=backend, cache_pages=options.cache_pages
         )
-        contract = verified.contract
-        grammar_compiler = GrammarCompiler(
-            bootstrap.tokenizer,
-            sampled_size=contract.sampled_size,
-            logits_width=contract.logits_width,
-            eos_token_ids=contract.eos_token_ids,
-        )
-        engine = Engine(model, bootstrap.tokenizer, grammar_compiler)
+        try:
+            contract = verified.contract
+            grammar_compiler = GrammarCompiler(
+                bootstrap.tokenizer,
+                sampled_size=contract.sampled_size,
+                logits_width=contract.logits_width,
+                eos_token_ids=contract.eos_token_ids,
+            )
+            engine = Engine(model, bootstrap.tokenizer, grammar_compiler)
+        except BaseException:
+            model.close()  # a GPU backend holds device memory and its context until closed
+            raise
     except BaseException:
         verified.close()
         raise

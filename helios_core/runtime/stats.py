@@ -2,13 +2,16 @@
 
 Owns the counters the scheduler and engine increment (request lifecycle, rounds and graph
 launches, mixed grammar steps, constrained in-flight frames) and the snapshot type that joins them
-with the page allocator's counters and the current gauges. Labels are program names, operations and
-finish reasons only: never request identifiers, prompt text or token ids.
+with the page allocator's counters and the current gauges (a frozen msgspec struct: the worker takes
+one after every round). Labels are program names, operations and finish reasons only: never request
+identifiers, prompt text or token ids.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass
@@ -36,8 +39,7 @@ class SchedulerStats:
         self.lanes += lanes
 
 
-@dataclass(frozen=True)
-class StatsSnapshot:
+class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """A consistent copy of every statistic at one moment."""
 
     received: int

@@ -1072,10 +1072,29 @@ def test_launch_names_unknown_module(parts) -> None:
 def test_launch_on_a_module_validates(parts) -> None:
     add_module_resource(parts)
     parts.execution.modules.add(name="kernels", target="sm_90a", resource_id="kernels")
-    launch = parts.node("decode_b4", "l0.attn_norm").launches.add(target="sm_90a", module="kernels", symbol="k")
+    launch = parts.node("decode_b4", "l0.attn_norm").launches.add(
+        target="sm_90a", module="kernels", symbol="k", grid=[4, 1, 1], block=[128, 1, 1], programmatic_wait=True
+    )
     launch.params.add(kind=mf.PARAM_KIND_ADDRESS, buffer="scratch.h")
     launch.params.add(kind=mf.PARAM_KIND_ADDRESS, buffer="positions")
+    launch.params.add(kind=mf.PARAM_KIND_ADDRESS)  # an unused compiler scratch pointer: null
     parts.prepare()
+
+
+def test_launch_needs_three_grid_and_block_dimensions(parts) -> None:
+    add_module_resource(parts)
+    parts.execution.modules.add(name="kernels", target="sm_90a", resource_id="kernels")
+    parts.node("decode_b4", "l0.attn_norm").launches.add(target="sm_90a", module="kernels", symbol="k", grid=[4])
+    rejects(parts, "program 'decode_b4' node 'l0.attn_norm': a launch needs three grid and three block dimensions")
+
+
+def test_launch_block_holds_at_most_1024_threads(parts) -> None:
+    add_module_resource(parts)
+    parts.execution.modules.add(name="kernels", target="sm_90a", resource_id="kernels")
+    parts.node("decode_b4", "l0.attn_norm").launches.add(
+        target="sm_90a", module="kernels", symbol="k", grid=[1, 1, 1], block=[1024, 2, 1]
+    )
+    rejects(parts, "program 'decode_b4' node 'l0.attn_norm': launch block [1024, 2, 1] must hold 1 to 1024 threads")
 
 
 def test_launch_target_must_match_its_module(parts) -> None:

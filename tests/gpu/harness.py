@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from ignition.kernels import load_kernel_modules
+from ignition.kernels.lowering import LOWERINGS, LoweringContext
 
 from helios_core.backends import reference
 from helios_core.backends.cuda_driver import Context, pack_params
 from helios_core.wire import manifest_pb2 as mf
-from ignition.kernels import load_kernel_modules
-from ignition.kernels.lowering import LOWERINGS, LoweringContext
 
 WIRE_DTYPES = {
     np.dtype(np.float32): mf.DTYPE_F32,
@@ -66,10 +66,17 @@ def lower(
     attributes: Mapping[str, Any] | None = None,
     *,
     weights: Sequence[str] = (),
+    alias: Mapping[str, str] | None = None,
 ) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
-    """The launches the operator's lowering makes for this node."""
+    """The launches the operator's lowering makes for this node.
+
+    ``alias`` binds an argument to another argument's buffer (``{"out": "x"}``: an in-place update).
+    """
     load_kernel_modules()
     manifest, node = _node(op, arrays, attributes or {}, weights)
+    for arg in node.args:
+        if alias and arg.name in alias:
+            arg.view.buffer = alias[arg.name]
     context = LoweringContext(manifest, "sm_90a", program="test", node=op)
     return context, LOWERINGS[(op, 1)](context, node)
 
@@ -81,17 +88,24 @@ def run_node(
     attributes: Mapping[str, Any] | None = None,
     *,
     weights: Sequence[str] = (),
+    alias: Mapping[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Run the node on the GPU; returns every array as the device left it."""
-    context, launches = lower(op, arrays, attributes, weights=weights)
+    """Run the node on the GPU; returns every array as the device left it.
+
+    Buffers the lowering adds (workspaces) are allocated too; ``alias`` as for :func:`lower`.
+    """
+    context, launches = lower(op, arrays, attributes, weights=weights, alias=alias)
     addresses: dict[str, int] = {}
     try:
-        for name, array in arrays.items():
-            addresses[name] = cuda.alloc(max(array.nbytes, 1))
-            cuda.upload(addresses[name], np.ascontiguousarray(array))
-        functions = {}
-        for name, module in context.modules.items():
-            functions[name] = cuda.load_module(module.data)
+        for decl in context.manifest.buffers:
+            if decl.name in arrays:
+                array = np.ascontiguousarray(arrays[decl.name])
+                addresses[decl.name] = cuda.alloc(max(array.nbytes, 1))
+                cuda.upload(addresses[decl.name], array)
+            else:
+                count = int(np.prod([int(d.size) for d in decl.shape]))
+                addresses[decl.name] = cuda.alloc(max(count * 8, 1))
+        functions = {name: cuda.load_module(module.data) for name, module in context.modules.items()}
         for launch in launches:
             function = cuda.function(functions[launch.module], launch.symbol, launch.shared_bytes)
             cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack_params(launch.params, addresses))
@@ -111,7 +125,7 @@ def reference_node(
     op: str, arrays: Mapping[str, np.ndarray], attributes: Mapping[str, Any] | None = None
 ) -> dict[str, np.ndarray]:
     """Run the node through the reference backend's adapter on copies of ``arrays``."""
-    manifest, node = _node(op, arrays, attributes or {}, ())
+    _manifest, node = _node(op, arrays, attributes or {}, ())
     copies = {name: np.array(array, copy=True) for name, array in arrays.items()}
     bound = {arg.name: reference._Bound(copies[arg.name], WIRE_DTYPES[copies[arg.name].dtype]) for arg in node.args}
     attrs = {attr.name: reference._attribute_value(attr) for attr in node.attributes}

@@ -59,17 +59,45 @@ def default_frontend() -> ct.FrontendContract:
 
 
 def assemble(
-    model: TextModelDeclaration, caps: Capacities, *, bf16: bool = False
+    model: TextModelDeclaration,
+    caps: Capacities,
+    *,
+    bf16: bool = False,
+    gpu_targets: Sequence[str] = (),
+    kernel_graph: bool = False,
+    progress: Progress | None = None,
 ) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
-    """Build the serving contract, execution manifest and resources of a text model."""
+    """Build the serving contract, execution manifest and resources of a text model.
+
+    With GPU targets (or ``kernel_graph``) the programs are written as kernel graphs: fused
+    operators over packed projection weights, six nodes a layer. GPU targets then give every node
+    the launches of each target. The reference backend runs either graph.
+    """
     builder = ManifestBuilder()
-    writer = LlamaProgramWriter(builder, model.shape, caps, model.weights, sampled_size=model.sampled_size, bf16=bf16)
+    writer = LlamaProgramWriter(
+        builder,
+        model.shape,
+        caps,
+        model.weights,
+        sampled_size=model.sampled_size,
+        bf16=bf16,
+        fused=kernel_graph or bool(gpu_targets),
+    )
     graphs = writer.write()
+    modules: list[ResourceInput] = []
+    for index, target in enumerate(gpu_targets):
+        from ignition.kernels.lowering import lower_manifest
+
+        if progress is not None:
+            progress(f"kernels for {target}", index, len(gpu_targets))
+        for module in lower_manifest(builder.manifest, target):
+            modules.append(ResourceInput(id=module.decl.resource_id, kind=cb.RESOURCE_KIND_MODULE, data=module.data))
 
     resources = [
         ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
         for rid, res in sorted(builder.weight_resources.items())
     ]
+    resources.extend(modules)
     resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=model.tokenizer_json.encode()))
     resources.append(
         ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=model.chat_template.encode())
@@ -80,6 +108,7 @@ def assemble(
         identity.update(resource.id.encode())
         identity.update(hashlib.sha256(resource.data).digest())
     identity.update(b"bf16" if bf16 else b"f32")
+    identity.update(b"kernel-graph" if kernel_graph or gpu_targets else b"operator-graph")
     identity.update(f"page_tokens={caps.page_tokens}".encode())
 
     shape = model.shape
@@ -133,13 +162,13 @@ def build_core(
     progress: Progress | None = None,
 ) -> ct.ServingContract:
     """Assemble, validate, sign and write a core; returns its serving contract."""
-    unknown = [t for t in targets if t != "reference"]
+    from ignition.kernels.compiler import SUPPORTED_TARGETS
+
+    unknown = [t for t in targets if t != "reference" and t not in SUPPORTED_TARGETS]
     if unknown:
-        raise ValueError(
-            f"targets {unknown} need prepared GPU kernels, which this toolkit version does not build; "
-            "use --targets reference"
-        )
-    serving, builder, resources = assemble(model, caps, bf16=bf16)
+        raise ValueError(f"unknown targets {unknown}; known: reference, {', '.join(SUPPORTED_TARGETS)}")
+    gpu_targets = [t for t in targets if t != "reference"]
+    serving, builder, resources = assemble(model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress)
     # Validate with the serving runtime's own rules before signing anything.
     prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
     rebuild = model.rebuild or cb.RebuildManifest()

@@ -5,15 +5,25 @@ Owns turning a ``@triton.jit`` function, its parameter types and its compile-tim
 for a named GPU target. Compilation needs no GPU: Triton's own ``ptxas`` runs on the build machine.
 Results are cached in memory and, when ``IGNITION_KERNEL_CACHE`` names a folder, on disk, keyed by
 the kernel source, the signature, the constants and the target, so a rebuild compiles nothing new.
+A planning pass (:func:`planning`) records what a lowering would compile without compiling, so
+:func:`precompile` can compile every distinct kernel in parallel processes first.
+
+The key holds the source of the kernel's whole module, so a ``triton.jit`` helper the kernel calls
+from its own module is covered too; kernels call no jit function of another module.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
+import multiprocessing
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +72,37 @@ def _key(
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _request_key(
+    fn: Any,
+    signature: Mapping[str, str],
+    constants: Mapping[str, int | float | bool],
+    *,
+    aligned: frozenset[str],
+    target: str,
+    num_warps: int,
+    num_stages: int,
+) -> tuple[str, dict[str, str], dict[tuple[int], list[list[Any]]], dict[str, int]]:
+    if target not in SUPPORTED_TARGETS:
+        raise KernelCompileError(f"unknown GPU target {target!r}; known: {', '.join(SUPPORTED_TARGETS)}")
+    python = fn.fn if hasattr(fn, "fn") else fn
+    module = sys.modules.get(python.__module__)
+    source = inspect.getsource(module) if module is not None else inspect.getsource(python)
+    source += f"\n# kernel: {python.__name__}\n"  # one module holds several kernels
+    names = list(inspect.signature(python).parameters)
+    full_signature: dict[str, str] = {}
+    for name in names:
+        if name in constants:
+            full_signature[name] = "constexpr"
+        elif name in signature:
+            full_signature[name] = signature[name]
+        else:
+            raise KernelCompileError(f"kernel {fn.__name__}: parameter {name!r} has neither a type nor a constant")
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    key = _key(source, full_signature, dict(constants), {str(k): v for k, v in attrs.items()} | options, target)
+    return key, full_signature, attrs, options
+
+
 def compile_triton(
     fn: Any,
     signature: Mapping[str, str],
@@ -82,8 +123,27 @@ def compile_triton(
         aligned: pointer parameters whose addresses are 16-byte aligned (vectorized access).
         target: a key of :data:`SUPPORTED_TARGETS`.
     """
-    if target not in SUPPORTED_TARGETS:
-        raise KernelCompileError(f"unknown GPU target {target!r}; known: {', '.join(SUPPORTED_TARGETS)}")
+    key, full_signature, attrs, options = _request_key(
+        fn, signature, constants, aligned=aligned, target=target, num_warps=num_warps, num_stages=num_stages
+    )
+    found = _MEMORY.get(key)
+    if found is not None:
+        return found
+    if _RECORDING is not None:
+        # A planning pass: note what to compile, answer with a stand-in of the same launch shape.
+        _RECORDING.append(
+            CompileRequest(
+                fn.__module__,
+                fn.__name__,
+                tuple(signature.items()),
+                tuple(constants.items()),
+                tuple(sorted(aligned)),
+                target,
+                num_warps,
+                num_stages,
+            )
+        )
+        return CompiledKernel(symbol=fn.__name__, cubin=b"", num_warps=num_warps, shared_bytes=0, scratch_params=0)
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -92,22 +152,6 @@ def compile_triton(
         raise KernelCompileError(
             "GPU targets need Triton on the build machine (pip install 'helios-ignition[gpu]')"
         ) from exc
-    source = inspect.getsource(fn.fn if hasattr(fn, "fn") else fn)
-    names = [p for p in inspect.signature(fn.fn if hasattr(fn, "fn") else fn).parameters]
-    full_signature: dict[str, str] = {}
-    for name in names:
-        if name in constants:
-            full_signature[name] = "constexpr"
-        elif name in signature:
-            full_signature[name] = signature[name]
-        else:
-            raise KernelCompileError(f"kernel {fn.__name__}: parameter {name!r} has neither a type nor a constant")
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    key = _key(source, full_signature, dict(constants), {str(k): v for k, v in attrs.items()} | options, target)
-    found = _MEMORY.get(key)
-    if found is not None:
-        return found
     folder = _cache_dir()
     if folder is not None and (folder / f"{key}.json").exists():
         meta = json.loads((folder / f"{key}.json").read_text())
@@ -153,3 +197,65 @@ def compile_triton(
             )
         )
     return kernel
+
+
+@dataclass(frozen=True)
+class CompileRequest:
+    """One compilation noted by a planning pass (picklable: the kernel is named by module and name)."""
+
+    module: str
+    name: str
+    signature: tuple[tuple[str, str], ...]
+    constants: tuple[tuple[str, int | float | bool], ...]
+    aligned: tuple[str, ...]
+    target: str
+    num_warps: int
+    num_stages: int
+
+    def compile(self) -> tuple[str, CompiledKernel]:
+        fn = getattr(importlib.import_module(self.module), self.name)
+        signature, constants = dict(self.signature), dict(self.constants)
+        aligned = frozenset(self.aligned)
+        key = _request_key(
+            fn, signature, constants, aligned=aligned, target=self.target, num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )[0]  # fmt: skip
+        kernel = compile_triton(
+            fn, signature, constants, aligned=aligned, target=self.target, num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )  # fmt: skip
+        return key, kernel
+
+
+_RECORDING: list[CompileRequest] | None = None
+
+
+@contextmanager
+def planning() -> Iterator[list[CompileRequest]]:
+    """Within the block, compile_triton compiles nothing: it records requests and returns stand-ins."""
+    global _RECORDING
+    previous, _RECORDING = _RECORDING, []
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = previous
+
+
+def _compile_one(request: CompileRequest) -> tuple[str, CompiledKernel]:
+    return request.compile()
+
+
+def precompile(requests: Sequence[CompileRequest], *, workers: int | None = None) -> None:
+    """Compile ``requests`` in parallel processes; later compile_triton calls find them in memory."""
+    unique = list(dict.fromkeys(requests))
+    if not unique:
+        return
+    count = min(len(unique), workers or os.cpu_count() or 1)
+    if count <= 1:
+        for request in unique:
+            request.compile()
+        return
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
+        for key, kernel in pool.map(_compile_one, unique):
+            _MEMORY[key] = kernel

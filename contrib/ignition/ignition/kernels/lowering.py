@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helios_core.wire import manifest_pb2 as mf
-from ignition.kernels.compiler import CompiledKernel, compile_triton
+from ignition.kernels.compiler import CompiledKernel, compile_triton, planning, precompile
 
-TRITON_POINTER = {
+TRITON_POINTER: dict[int, str] = {
     mf.DTYPE_F32: "*fp32",
     mf.DTYPE_F16: "*fp16",
     mf.DTYPE_BF16: "*bf16",
@@ -38,7 +38,7 @@ TRITON_POINTER = {
     mf.DTYPE_U64: "*u64",
     mf.DTYPE_F64: "*fp64",
 }
-ITEMSIZE = {
+ITEMSIZE: dict[int, int] = {
     mf.DTYPE_F32: 4,
     mf.DTYPE_F16: 2,
     mf.DTYPE_BF16: 2,
@@ -270,7 +270,22 @@ def lower_manifest(manifest: mf.ExecutionManifest, target: str) -> list[ModuleRe
     from ignition.kernels import load_kernel_modules
 
     load_kernel_modules()
+    # Plan on a copy (stand-in kernels), compile every distinct kernel in parallel, then lower for real.
+    draft = mf.ExecutionManifest()
+    draft.CopyFrom(manifest)
+    with planning() as requests:
+        _lower_programs(LoweringContext(draft, target), draft, target)
+    precompile(requests)
     context = LoweringContext(manifest, target)
+    _lower_programs(context, manifest, target)
+    if target not in manifest.targets:
+        manifest.targets.append(target)
+    ordered = sorted(context.modules.values(), key=lambda m: m.decl.name)
+    manifest.modules.extend(m.decl for m in ordered)
+    return ordered
+
+
+def _lower_programs(context: LoweringContext, manifest: mf.ExecutionManifest, target: str) -> None:
     for program in list(manifest.programs) + list(manifest.tuning_programs):
         context.program = program.name
         for node in program.nodes:
@@ -282,8 +297,3 @@ def lower_manifest(manifest: mf.ExecutionManifest, target: str) -> list[ModuleRe
             if not launches:
                 raise context.fail("lowering produced no launch")
             node.launches.extend(launches)
-    if target not in manifest.targets:
-        manifest.targets.append(target)
-    ordered = sorted(context.modules.values(), key=lambda m: m.decl.name)
-    manifest.modules.extend(m.decl for m in ordered)
-    return ordered

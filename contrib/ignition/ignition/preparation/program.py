@@ -10,7 +10,9 @@ module turns it into ``ExecutionManifest`` messages.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -179,11 +181,38 @@ class ManifestBuilder:
         self.manifest.programs.append(program.program)
 
 
+_BF16_CHUNK = 1 << 20
+_BF16_POOL: list[ThreadPoolExecutor] = []
+
+
 def _to_bf16_bits(values: npt.NDArray[np.float32]) -> bytes:
-    """Round-to-nearest-even float32 -> bfloat16 bit patterns."""
-    bits = values.view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16).tobytes()
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns.
+
+    ``(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16`` in uint32 arithmetic (its wrap-around is exactly
+    the 16-bit truncation of the wider sum), in chunks of 1 Mi values on a thread pool: numpy
+    releases the GIL, so large weights round on every core.
+    """
+    bits = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32)
+    out = np.empty(bits.size, dtype=np.uint16)
+
+    def work(begin: int) -> None:
+        word = bits[begin : begin + _BF16_CHUNK]
+        rounded = word >> np.uint32(16)
+        rounded &= np.uint32(1)
+        rounded += np.uint32(0x7FFF)
+        rounded += word
+        rounded >>= np.uint32(16)
+        out[begin : begin + _BF16_CHUNK] = rounded
+
+    starts = range(0, bits.size, _BF16_CHUNK)
+    if bits.size <= _BF16_CHUNK:
+        for begin in starts:
+            work(begin)
+    else:
+        if not _BF16_POOL:
+            _BF16_POOL.append(ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="bf16"))
+        list(_BF16_POOL[0].map(work, starts))
+    return out.tobytes()
 
 
 def prefix(view: View, *leading: int) -> View:

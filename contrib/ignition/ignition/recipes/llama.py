@@ -99,6 +99,8 @@ class _Scratch:
     logits: View
     all_logits: View
     ids: View
+    qkv: View | None = None
+    gate_up: View | None = None
 
 
 def tensor_names(layer: int) -> dict[str, str]:
@@ -128,10 +130,12 @@ class LlamaProgramWriter:
         *,
         sampled_size: int,
         bf16: bool,
+        fused: bool = False,
     ) -> None:
         if not 0 < sampled_size <= shape.vocab:
             raise ValueError(f"sampled_size {sampled_size} must lie in (0, {shape.vocab}]")
         self.sampled_size = sampled_size
+        self.fused = fused
         self.builder = builder
         self.shape = shape
         self.caps = caps
@@ -162,8 +166,23 @@ class LlamaProgramWriter:
             names = tensor_names(layer)
             rid = f"weights.layer{layer}"
             views = {}
-            for key, name in names.items():
-                views[key] = w(name, weights[name], rid, bf16=bf16 and key not in ("attn_norm", "ffn_norm"))
+            if self.fused:
+                # Kernel graphs read one packed [q | k | v] and one [gate | up] matrix per layer.
+                qkv = np.concatenate([weights[names["wq"]], weights[names["wk"]], weights[names["wv"]]])
+                gate_up = np.concatenate([weights[names["w_gate"]], weights[names["w_up"]]])
+                packed = {
+                    "attn_norm": (names["attn_norm"], weights[names["attn_norm"]], False),
+                    "wqkv": (f"blk.{layer}.attn_qkv.weight", qkv, bf16),
+                    "wo": (names["wo"], weights[names["wo"]], bf16),
+                    "ffn_norm": (names["ffn_norm"], weights[names["ffn_norm"]], False),
+                    "w_gate_up": (f"blk.{layer}.ffn_gate_up.weight", gate_up, bf16),
+                    "w_down": (names["w_down"], weights[names["w_down"]], bf16),
+                }
+                for key, (name, array, as_bf16) in packed.items():
+                    views[key] = w(name, array, rid, bf16=as_bf16)
+            else:
+                for key, name in names.items():
+                    views[key] = w(name, weights[name], rid, bf16=bf16 and key not in ("attn_norm", "ffn_norm"))
             self.layer_weights.append(views)
         self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
         head = weights.get("output.weight")
@@ -229,11 +248,92 @@ class LlamaProgramWriter:
             logits=buf("logits", [b, s.vocab]),
             all_logits=buf("all_logits", [max(c.prefill_tokens), s.vocab]),
             ids=buf("ids", [b, 1], mf.DTYPE_I32),
+            qkv=buf("qkv", [p, (s.heads + 2 * s.kv_heads) * s.head_dim]) if self.fused else None,
+            gate_up=buf("gate_up", [p, 2 * s.ffn]) if self.fused else None,
         )
 
     # -- dataflow --------------------------------------------------------------
+    def _rope_attributes(self) -> dict[str, float | str | list[float]]:
+        s = self.shape
+        attrs: dict[str, float | str | list[float]] = {"theta": s.rope_theta, "style": s.rope_style}
+        if s.frequency_band_scaling is not None:
+            attrs["frequency_band_scaling"] = [float(x) for x in s.frequency_band_scaling]
+        return attrs
+
+    def _attention(self, prog: ProgramBuilder, layer: int, rows: int, tokens: int, q: View, attn: View) -> None:
+        s, sh = self.shape, self.shared
+        prog.node(
+            "paged_attention",
+            {
+                "q": q,
+                "k_plane": self.k_planes[layer],
+                "v_plane": self.v_planes[layer],
+                "page_table": prefix(sh.page_table, rows),
+                "token_row": prefix(sh.token_rows, tokens),
+                "token_position": prefix(sh.positions, tokens),
+                "out": attn,
+            },
+            {"scale": float(s.head_dim) ** -0.5},
+            name=f"l{layer}.attention",
+        )
+
+    def _fused_decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
+        """The kernel graph of every layer: six nodes, the residual stream updated in place.
+
+        rmsnorm + [q|k|v] projection, rope + cache write, attention, output projection + residual,
+        rmsnorm + [gate|up] projection, SwiGLU + down projection + residual.
+        """
+        s, sh, sc = self.shape, self.shared, self.scratch
+        if sc.qkv is None or sc.gate_up is None:
+            raise ValueError("the kernel graph needs the packed projection scratch buffers")
+        p = tokens
+        h = prefix(sc.h, p)
+        q = prefix(sc.q, p)
+        attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
+        qkv = prefix(sc.qkv, p)
+        gate_up = prefix(sc.gate_up, p)
+        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h})
+        for layer, lw in enumerate(self.layer_weights):
+            prog.node(
+                "rmsnorm_linear",
+                {"x": h, "norm_weight": lw["attn_norm"], "weight": lw["wqkv"], "out": qkv},
+                {"eps": s.rms_eps},
+                name=f"l{layer}.qkv",
+            )
+            prog.node(
+                "rope_kv_cache_write",
+                {
+                    "qkv": qkv,
+                    "positions": prefix(sh.positions, p),
+                    "slots": prefix(sh.cache_slots, p),
+                    "q": q,
+                    "k_plane": self.k_planes[layer],
+                    "v_plane": self.v_planes[layer],
+                },
+                self._rope_attributes(),
+                name=f"l{layer}.rope_cache_write",
+            )
+            self._attention(prog, layer, rows, p, q, View(sc.attn.buffer, (p, s.heads, s.head_dim)))
+            prog.node(
+                "linear_add", {"x": attn2, "weight": lw["wo"], "residual": h, "out": h}, name=f"l{layer}.o_residual"
+            )
+            prog.node(
+                "rmsnorm_linear",
+                {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
+                {"eps": s.rms_eps},
+                name=f"l{layer}.gate_up",
+            )
+            prog.node(
+                "silu_mul_linear_add",
+                {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
+                name=f"l{layer}.down_residual",
+            )
+
     def _decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
         """Embedding and every layer over ``tokens`` packed tokens of ``rows`` lanes."""
+        if self.fused:
+            self._fused_decoder(prog, rows, tokens, ids)
+            return
         s, sh, sc = self.shape, self.shared, self.scratch
         p = tokens
         h = prefix(sc.h, p)
@@ -249,9 +349,7 @@ class LlamaProgramWriter:
         v2 = View(v.buffer, (p, s.kv_heads * s.head_dim))
         attn2 = View(attn.buffer, (p, s.heads * s.head_dim))
         positions = prefix(sh.positions, p)
-        rope_attrs: dict[str, float | str | list[float]] = {"theta": s.rope_theta, "style": s.rope_style}
-        if s.frequency_band_scaling is not None:
-            rope_attrs["frequency_band_scaling"] = [float(x) for x in s.frequency_band_scaling]
+        rope_attrs = self._rope_attributes()
         prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h})
         for layer, lw in enumerate(self.layer_weights):
             prog.node(
@@ -276,20 +374,7 @@ class LlamaProgramWriter:
                 },
                 name=f"l{layer}.cache_write",
             )
-            prog.node(
-                "paged_attention",
-                {
-                    "q": q,
-                    "k_plane": self.k_planes[layer],
-                    "v_plane": self.v_planes[layer],
-                    "page_table": prefix(sh.page_table, rows),
-                    "token_row": prefix(sh.token_rows, p),
-                    "token_position": positions,
-                    "out": attn,
-                },
-                {"scale": float(s.head_dim) ** -0.5},
-                name=f"l{layer}.attention",
-            )
+            self._attention(prog, layer, rows, p, q, attn)
             prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"l{layer}.o")
             prog.node("add", {"a": h, "b": o, "out": h}, name=f"l{layer}.attn_residual")
             prog.node(
@@ -311,10 +396,18 @@ class LlamaProgramWriter:
         ids = prefix(sh.out_sampled_ids, r)
         prog.node("lane_last_index", {"query_length": prefix(sh.query_length, r), "out": last_index})
         prog.node("gather_rows", {"x": prefix(sc.h, tokens), "index": last_index, "out": last_h})
-        prog.node(
-            "rmsnorm", {"x": last_h, "weight": self.out_norm, "out": last_h}, {"eps": s.rms_eps}, name="final_norm"
-        )
-        prog.node("linear", {"x": last_h, "weight": self.lm_head, "out": logits}, name="lm_head")
+        if self.fused:
+            prog.node(
+                "rmsnorm_linear",
+                {"x": last_h, "norm_weight": self.out_norm, "weight": self.lm_head, "out": logits},
+                {"eps": s.rms_eps},
+                name="lm_head",
+            )
+        else:
+            prog.node(
+                "rmsnorm", {"x": last_h, "weight": self.out_norm, "out": last_h}, {"eps": s.rms_eps}, name="final_norm"
+            )
+            prog.node("linear", {"x": last_h, "weight": self.lm_head, "out": logits}, name="lm_head")
         prog.node(
             "sample",
             {
@@ -569,14 +662,22 @@ class LlamaProgramWriter:
     def _prompt_scores(self, prog: ProgramBuilder, tokens: int) -> None:
         s, sh, sc = self.shape, self.shared, self.scratch
         all_logits = prefix(sc.all_logits, tokens)
-        normed = prefix(sc.xn, tokens)
-        prog.node(
-            "rmsnorm",
-            {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed},
-            {"eps": s.rms_eps},
-            name="score_norm",
-        )
-        prog.node("linear", {"x": normed, "weight": self.lm_head, "out": all_logits}, name="score_head")
+        if self.fused:
+            prog.node(
+                "rmsnorm_linear",
+                {"x": prefix(sc.h, tokens), "norm_weight": self.out_norm, "weight": self.lm_head, "out": all_logits},
+                {"eps": s.rms_eps},
+                name="score_head",
+            )
+        else:
+            normed = prefix(sc.xn, tokens)
+            prog.node(
+                "rmsnorm",
+                {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed},
+                {"eps": s.rms_eps},
+                name="score_norm",
+            )
+            prog.node("linear", {"x": normed, "weight": self.lm_head, "out": all_logits}, name="score_head")
         prog.node(
             "log_softmax_gather",
             {

@@ -1,13 +1,25 @@
 """The ``llama-synthetic`` recipe: named Llama shapes with seeded random weights.
 
 Owns the shape table (tiny shapes for tests, 135M/1B/8B-class shapes for GPU
-benchmarks), the seeded weight generator and a small byte-level tokenizer
+benchmarks), the seeded weight generators and a small byte-level tokenizer
 with a ChatML template, so synthetic cores exercise the whole serving path
 without any downloaded artifact.
+
+Weights of shapes up to ``PERIODIC_ABOVE`` parameters (tiny, small, 135m) are
+one sequential stream of standard normals, drawn all at once; tests pin the
+tokens of cores built from them, so that stream never changes. Larger shapes
+(1b, 8b) get :class:`PeriodicWeights`: each tensor is made on demand from one
+seeded pool of ``PERIOD`` normals, tiled from a seeded start offset and scaled,
+so an 8B build never holds every float32 weight at once, spends no time on
+billions of normal draws, and compresses to a small core (the bf16 period lies
+inside the zstd window). Timing does not depend on the values; the period is
+coprime with every row length, so rows are distinct shifts of the pool.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -129,8 +141,22 @@ def _byte_of(symbol: str) -> int:
     return inverse[symbol]
 
 
-def random_weights(shape: LlamaShape, seed: int) -> dict[str, npt.NDArray[np.float32]]:
-    """Seeded random weights with scales that keep activations well conditioned."""
+PERIODIC_ABOVE = 500_000_000
+"""Shapes with more parameters than this get :class:`PeriodicWeights` (1b and 8b; not 135m and smaller)."""
+
+PERIOD = 524_287
+"""Values in the pool of :class:`PeriodicWeights` (the prime 2**19 - 1): about 1 MiB of bf16, inside the
+2 MiB window of zstd level 3, and coprime with every row length."""
+
+
+def random_weights(shape: LlamaShape, seed: int) -> Mapping[str, npt.NDArray[np.float32]]:
+    """Seeded random weights with scales that keep activations well conditioned.
+
+    Shapes above ``PERIODIC_ABOVE`` parameters get :class:`PeriodicWeights` (made per tensor on
+    access); smaller shapes get a dict drawn from one sequential stream, unchanged since tests pin it.
+    """
+    if shape.parameter_count() > PERIODIC_ABOVE:
+        return PeriodicWeights(shape, seed)
     rng = np.random.default_rng(seed)
 
     def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
@@ -154,6 +180,74 @@ def random_weights(shape: LlamaShape, seed: int) -> dict[str, npt.NDArray[np.flo
         weights[names["w_up"]] = normal(shape.ffn, h, scale=h**-0.5)
         weights[names["w_down"]] = normal(h, shape.ffn, scale=shape.ffn**-0.5)
     return weights
+
+
+@dataclass(frozen=True)
+class _TensorRecipe:
+    """How one periodic tensor is made: ``offset + scale * pool[(start + i) % PERIOD]``, reshaped."""
+
+    dims: tuple[int, ...]
+    scale: float
+    offset: float
+    start: int
+
+
+class PeriodicWeights(Mapping[str, npt.NDArray[np.float32]]):
+    """Seeded weights of a large shape, each tensor made on access (nothing is kept between accesses).
+
+    One pool of ``PERIOD`` float32 standard normals comes from ``numpy.random.default_rng(seed)``,
+    then one start offset per tensor in the order of :func:`random_weights`. Element ``i`` of a
+    tensor (row-major) is ``pool[(start + i) % PERIOD] * scale``, or ``1 + 0.05 * pool[...]`` for norm
+    gains; the scales are those of :func:`random_weights`. The same seed always gives the same values.
+    """
+
+    def __init__(self, shape: LlamaShape, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self._pool = rng.standard_normal(PERIOD, dtype=np.float32)  # [PERIOD]
+        h, hd = shape.hidden, shape.head_dim
+        plan: list[tuple[str, tuple[int, ...], float, float]] = [
+            ("token_embd.weight", (shape.vocab, h), 1.0, 0.0),
+            ("output_norm.weight", (h,), 0.05, 1.0),
+            ("output.weight", (shape.vocab, h), h**-0.5, 0.0),
+        ]
+        for layer in range(shape.layers):
+            names = tensor_names(layer)
+            plan += [
+                (names["attn_norm"], (h,), 0.05, 1.0),
+                (names["ffn_norm"], (h,), 0.05, 1.0),
+                (names["wq"], (shape.heads * hd, h), h**-0.5, 0.0),
+                (names["wk"], (shape.kv_heads * hd, h), h**-0.5, 0.0),
+                (names["wv"], (shape.kv_heads * hd, h), h**-0.5, 0.0),
+                (names["wo"], (h, shape.heads * hd), (shape.heads * hd) ** -0.5, 0.0),
+                (names["w_gate"], (shape.ffn, h), h**-0.5, 0.0),
+                (names["w_up"], (shape.ffn, h), h**-0.5, 0.0),
+                (names["w_down"], (h, shape.ffn), shape.ffn**-0.5, 0.0),
+            ]
+        starts = rng.integers(0, PERIOD, size=len(plan))
+        self._recipes = {
+            name: _TensorRecipe(dims, scale, offset, int(start))
+            for (name, dims, scale, offset), start in zip(plan, starts, strict=True)
+        }
+
+    def __getitem__(self, name: str) -> npt.NDArray[np.float32]:
+        recipe = self._recipes[name]
+        pool = self._pool * np.float32(recipe.scale)  # [PERIOD]
+        if recipe.offset:
+            pool += np.float32(recipe.offset)
+        doubled = np.concatenate([pool, pool])  # [2 * PERIOD]: any window of PERIOD values is one slice
+        count = math.prod(recipe.dims)
+        out = np.empty(count, dtype=np.float32)
+        for begin in range(0, count, PERIOD):
+            phase = (recipe.start + begin) % PERIOD
+            end = min(begin + PERIOD, count)
+            out[begin:end] = doubled[phase : phase + end - begin]
+        return out.reshape(recipe.dims)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._recipes)
+
+    def __len__(self) -> int:
+        return len(self._recipes)
 
 
 CHATML_JSON_TOOLS_TEMPLATE = (

@@ -1,0 +1,1337 @@
+"""GPU decode and prefill on synthetic Llama shapes: Helios' CUDA backend beside PyTorch and the HBM roofline.
+
+One run prints one table. For each shape of ``--shapes`` (default 135m, 1b, 8b) it builds a bf16
+``reference,sm_90a`` core (decode rows 1, 8, 64 and 256, prefill variants for a 32-token and a
+512-token prompt, context 1024; or reuses it from ``--cores DIR``), then measures:
+
+* Helios, through the real engine and its worker loop on backend ``cuda``: decode latency at batch 1
+  (one request, 32-token prompt, ``ignore_eos``, 128 new tokens; ms per token after the first),
+  decode throughput at batch 8, 64 and 256 (that many concurrent requests; tokens/s over the window
+  in which every request is decoding, from the per-token timestamps), prefill throughput (a
+  512-token prompt at batch 1, submit to first token) and host time per decode round (the time
+  from one decode round's completion to the next, minus the time spent waiting for the GPU inside
+  ``backend.completion`` and ``backend.transport``; the backend object is wrapped, the library is
+  not changed);
+* PyTorch eager on the same weights read from the core (bf16 ``F.linear``, ``F.rms_norm``, the
+  same RoPE frequencies, a static contiguous KV cache with matmul attention over it, greedy
+  argmax), and the same decode step captured once per batch size with ``torch.cuda.CUDAGraph``
+  (static inputs and outputs, the next token and position fed back on the device, one replay per
+  token); a greedy-agreement check of the eager model against Helios' batch-1 tokens;
+* the limits: the HBM roofline per step, (weight bytes streamed + KV bytes at the window's mean
+  context) / the device-to-device copy bandwidth measured in the same run (bytes read + written),
+  and the compute floor (matmul FLOPs / measured bf16 matmul rate).
+
+    python benchmarks/gpu_decode.py [--shapes 135m,1b,8b] [--cores DIR] [--out FILE]
+    python benchmarks/gpu_decode.py --device cpu --shapes tiny    # checks the script without a GPU
+
+Cores build in parallel child processes before any measurement. Compiled kernels are cached in
+``$IGNITION_KERNEL_CACHE`` (default ``build/kernel-cache``, carried between machines as a folder);
+with ``$OUT`` set the cache is also packed into ``$OUT/kernel-cache.tar.gz`` after the builds. Every
+number goes to ``--out`` as JSON (default ``$OUT/gpu_decode.json``, else ``./gpu_decode.json``),
+rewritten after every phase so a run cut short keeps what finished. ``--device cpu`` runs the same
+code on the reference backend and float32 PyTorch, without CUDA graphs. """
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import date, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "contrib" / "ignition"))
+sys.path.insert(0, str(ROOT))
+
+NAMESPACE = "bench/gpu-decode"
+KERNEL_CACHE = ROOT / "build" / "kernel-cache"
+RETURN_LIMIT = 16 * 1024 * 1024
+"""Largest file the GPU machine hands back from $OUT."""
+STARTED = time.monotonic()
+
+
+def log(message: str) -> None:
+    """One progress line: wall clock, seconds since start."""
+    now = datetime.now().strftime("%H:%M:%S")
+    print(f"[{now} +{time.monotonic() - STARTED:6.1f}s] {message}", flush=True)
+
+
+class Interrupted(Exception):
+    """SIGTERM arrived: stop measuring, print and write what finished."""
+
+
+# ---------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures."""
+
+    shapes: tuple[str, ...]
+    device: str
+    backend: str
+    targets: tuple[str, ...]
+    batches: tuple[int, ...]
+    prompt: int
+    tokens: int
+    prefill: int
+    context: int
+    page_tokens: int
+    baseline_steps: int
+    baseline_warmup: int
+    prefill_repeats: int
+    agreement_tokens: int
+    timeout_s: float
+    budget_s: float
+    seed: int
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.batches)
+
+    @property
+    def prefill_variants(self) -> tuple[int, ...]:
+        return tuple(sorted({self.prompt, self.prefill}))
+
+    @property
+    def decode_rows(self) -> tuple[int, ...]:
+        return tuple(sorted({1, *self.batches}))
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    cpu = args.device == "cpu"
+
+    def pick(value: Any, gpu: Any, dev: Any) -> Any:
+        return value if value is not None else (dev if cpu else gpu)
+
+    batches = tuple(sorted({int(b) for b in pick(args.batches, "1,8,64,256", "1,8").split(",") if b.strip()}))
+    plan = Plan(
+        shapes=tuple(s.strip() for s in pick(args.shapes, "135m,1b,8b", "tiny").split(",") if s.strip()),
+        device=args.device,
+        backend=pick(args.backend, "cuda", "reference"),
+        targets=tuple(pick(args.targets, "reference,sm_90a", "reference").split(",")),
+        batches=batches,
+        prompt=pick(args.prompt, 32, 16),
+        tokens=pick(args.tokens, 128, 24),
+        prefill=pick(args.prefill, 512, 64),
+        context=pick(args.context, 1024, 256),
+        page_tokens=16,
+        baseline_steps=pick(args.baseline_steps, 64, 8),
+        baseline_warmup=pick(args.baseline_warmup, 8, 2),
+        prefill_repeats=pick(args.prefill_repeats, 3, 2),
+        agreement_tokens=pick(args.agreement_tokens, 32, 16),
+        timeout_s=args.timeout,
+        budget_s=args.budget,
+        seed=args.seed,
+    )
+    if not batches or min(batches) <= 0 or plan.prompt <= 0 or plan.tokens < 4:
+        raise SystemExit("batches and prompt must be positive and --tokens at least 4")
+    if plan.prompt + plan.tokens > plan.context or plan.prefill + 2 > plan.context:
+        raise SystemExit(f"prompt + tokens and the prefill prompt must fit the context of {plan.context}")
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- cores
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """One core to build (or reuse when a core with the same arguments is already there)."""
+
+    shape: str
+    path: str
+    arguments: tuple[str, ...]
+
+    @property
+    def record(self) -> Path:
+        return Path(self.path).with_suffix(".args.json")
+
+    def reusable(self) -> bool:
+        if not Path(self.path).exists() or not self.record.exists():
+            return False
+        with contextlib.suppress(ValueError, OSError):
+            return tuple(json.loads(self.record.read_text())) == self.arguments
+        return False
+
+
+def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]:
+    specs = []
+    for shape in plan.shapes:
+        arguments = (
+            "build", "llama-synthetic", "--shape", shape, "--dtype", "bf16", "--targets", ",".join(plan.targets),
+            "--max-rows", str(plan.max_rows), "--decode-rows", ",".join(map(str, plan.decode_rows)),
+            "--prefill-tokens", ",".join(map(str, plan.prefill_variants)), "--context", str(plan.context),
+            "--page-tokens", str(plan.page_tokens), "--namespace", NAMESPACE, "--seed", str(plan.seed),
+        )  # fmt: skip
+        targets = "-".join(t.replace("_", "") for t in plan.targets)
+        path = directory / f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}.core"
+        specs.append(CoreSpec(shape, str(path), (*arguments, "--sign-key", str(signing_key))))
+    return specs
+
+
+def build_child(spec_json: str) -> int:
+    """The child process that builds one core (``--build-spec``)."""
+    fields = json.loads(spec_json)
+    spec = CoreSpec(str(fields["shape"]), str(fields["path"]), tuple(str(a) for a in fields["arguments"]))
+    from ignition.cli import main as ignition_main
+
+    code = int(ignition_main([*spec.arguments, "--out", spec.path, "--quiet"]))
+    if code == 0:
+        spec.record.write_text(json.dumps(list(spec.arguments)))
+    return code
+
+
+def keys_in(directory: Path) -> tuple[Path, Path]:
+    """The signing and public key of ``directory/keys`` (made on first use)."""
+    from helios_core.container.keys import generate_keys
+
+    folder = directory / "keys"
+    signing, public = folder / "signing.pem", folder / "signing.pub.pem"
+    if not signing.exists():
+        paths = generate_keys(folder)
+        signing, public = paths["signing"], paths["public"]
+    return signing, public
+
+
+def build_cores(specs: Sequence[CoreSpec], report: Report) -> None:
+    """Build every missing core at once in child processes; record time, size and failures."""
+    running: list[tuple[CoreSpec, subprocess.Popen[str], Path, float]] = []
+    for spec in specs:
+        entry = report.shape(spec.shape)
+        if spec.reusable():
+            entry["build"] = {"reused": True, "path": spec.path, "bytes": Path(spec.path).stat().st_size}
+            log(f"{spec.shape}: reusing {spec.path}")
+            continue
+        log_path = Path(spec.path).with_suffix(".build.log")
+        command = [sys.executable, str(Path(__file__).resolve()), "--build-spec", json.dumps(asdict(spec))]
+        with log_path.open("w") as sink:
+            child = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        running.append((spec, child, log_path, time.monotonic()))
+        log(f"{spec.shape}: building {Path(spec.path).name} (pid {child.pid})")
+    waiting = list(running)
+    try:
+        while waiting:
+            for item in list(waiting):
+                spec, child, log_path, began = item
+                code = child.poll()
+                if code is not None:
+                    waiting.remove(item)
+                    _finish_build(spec, code, log_path, began, report)
+            time.sleep(0.1)
+    finally:
+        for _, child, _, _ in waiting:
+            child.terminate()
+    report.save()
+
+
+def _finish_build(spec: CoreSpec, code: int, log_path: Path, began: float, report: Report) -> None:
+    seconds = time.monotonic() - began
+    text = log_path.read_text(errors="replace")
+    entry = report.shape(spec.shape)
+    if code == 0 and Path(spec.path).exists():
+        size = Path(spec.path).stat().st_size
+        entry["build"] = {
+            "reused": False,
+            "path": spec.path,
+            "seconds": seconds,
+            "bytes": size,
+            "log": text[-2000:],
+        }
+        log(f"{spec.shape}: built in {seconds:.1f} s ({size / 1e6:.1f} MB)")
+    else:
+        entry["build"] = {"reused": False, "seconds": seconds, "exit": code, "log": text[-4000:]}
+        report.fail(spec.shape, "build", f"ignition build exited {code}: {text.strip()[-600:]}")
+
+
+def pack_kernel_cache(folder: Path) -> None:
+    """``$OUT/kernel-cache.tar.gz`` from the kernel cache, when OUT is set and the archive is small enough."""
+    out = os.environ.get("OUT")
+    if not out or not folder.is_dir() or not any(folder.iterdir()):
+        return
+    target = Path(out) / "kernel-cache.tar.gz"
+    with tarfile.open(target, "w:gz") as archive:
+        archive.add(folder, arcname="kernel-cache")
+    size = target.stat().st_size
+    if size > RETURN_LIMIT:
+        target.unlink()
+        log(f"kernel cache archive is {size / 1e6:.1f} MB, over what comes back from $OUT; not kept")
+    else:
+        kernels = sum(1 for _ in folder.glob("*.cubin"))
+        log(f"kernel cache ({kernels} kernels) packed into {target} ({size / 1e6:.1f} MB)")
+
+
+# ---------------------------------------------------------------------------------- the core's model
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the limits need, read from the core's manifest."""
+
+    weight_bytes: int
+    """Every weight buffer."""
+    streamed_bytes: int
+    """What one decode step reads: every weight except the gathered embedding (unless it is the LM head)."""
+    embedding_row_bytes: int
+    kv_bytes_per_token: int
+    """Cache bytes of one token over every layer and plane."""
+    layer_params: int
+    """Matrix parameters of the decoder layers (each costs 2 FLOP per token)."""
+    head_params: int
+    sampled_size: int
+    input_vocab: int
+
+    def decode_flops(self, batch: int, context: float, attention_flops_per_ctx: int) -> float:
+        return 2.0 * batch * (self.layer_params + self.head_params) + batch * context * attention_flops_per_ctx
+
+    def prefill_flops(self, tokens: int, attention_flops_per_ctx: int) -> float:
+        # The LM head runs on the last token only; causal attention sees tokens/2 positions on average.
+        return 2.0 * tokens * self.layer_params + 2.0 * self.head_params + tokens * tokens / 2 * attention_flops_per_ctx
+
+
+def model_facts(contract: Any) -> ModelFacts:
+    from helios_core.dtypes import NUMPY_DTYPES
+    from helios_core.runtime.native_model import bytes_per_page
+    from helios_core.wire import manifest_pb2 as mf
+
+    sizes: dict[str, int] = {}
+    params: dict[str, int] = {}
+    for decl in contract.execution.buffers:
+        if decl.role == mf.BUFFER_ROLE_WEIGHTS:
+            count = math.prod(int(d.size) for d in decl.shape)
+            params[decl.name] = count
+            sizes[decl.name] = count * NUMPY_DTYPES[decl.dtype].itemsize
+    tied = "output.weight" not in sizes
+    embed = sizes.get("tok_embd", 0)
+    vocab_rows = _dims(contract, "tok_embd")[0] if "tok_embd" in sizes else 1
+    return ModelFacts(
+        weight_bytes=sum(sizes.values()),
+        streamed_bytes=sum(sizes.values()) - (0 if tied else embed),
+        embedding_row_bytes=embed // vocab_rows,
+        kv_bytes_per_token=bytes_per_page(contract) // contract.model.cache.page_tokens,
+        layer_params=sum(
+            n for name, n in params.items() if name.startswith("blk.") and len(_dims(contract, name)) == 2
+        ),
+        head_params=params.get("output.weight", params.get("tok_embd", 0)),
+        sampled_size=contract.sampled_size,
+        input_vocab=int(contract.model.input_vocabulary.size) or contract.sampled_size,
+    )
+
+
+def read_model_facts(spec: CoreSpec, public_key: Path) -> ModelFacts:
+    from helios_core.loading import TrustSettings, open_core
+
+    verified = open_core(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), check_resources=False)
+    try:
+        return model_facts(verified.contract)
+    finally:
+        verified.close()
+
+
+def _dims(contract: Any, name: str) -> list[int]:
+    return [int(d.size) for d in contract.buffers[name].shape]
+
+
+def attention_flops_per_context(shape: Any) -> int:
+    """FLOPs of attention per (query token, context token): q.k and p.v over every head and layer."""
+    return int(4 * shape.heads * shape.head_dim * shape.layers)
+
+
+# ------------------------------------------------------------------------------------------ Helios
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One launched round whose completion the worker read: its program, its launch and its wait (runtime clock)."""
+
+    program: str
+    launch_ns: int
+    run_ns: int
+    wait_begin_ns: int
+    wait_end_ns: int
+    staging_wait_ns: int
+    """Time inside ``transport`` since the previous completion (a backend may fence a frame there too)."""
+
+
+class TimedBackend:
+    """Forwards to the backend, timing ``run`` (the launch) and ``completion`` (the wait for the GPU).
+
+    Only the worker thread calls it, so the records need no lock. Consecutive completions of a decode
+    chain give the round's wall time; the part of it spent inside ``completion`` (and inside
+    ``transport``, which waits for the frame's previous round on the CUDA backend) is the GPU wait.
+    """
+
+    def __init__(self, inner: Any, origin_ns: int) -> None:
+        self._inner = inner
+        self._origin_ns = origin_ns
+        self._launched: dict[int, tuple[str, int, int]] = {}
+        self._staging_wait_ns = 0
+        self.records: list[RoundRecord] = []
+
+    def transport(self, frame: int) -> Any:
+        begin = time.monotonic_ns()
+        try:
+            return self._inner.transport(frame)
+        finally:
+            self._staging_wait_ns += time.monotonic_ns() - begin
+
+    def run(self, program: str, frame: int) -> None:
+        begin = time.monotonic_ns()
+        try:
+            self._inner.run(program, frame)
+        finally:
+            end = time.monotonic_ns()
+            self._launched[frame] = (program, begin - self._origin_ns, end - begin)
+
+    def completion(self, frame: int) -> Any:
+        begin = time.monotonic_ns()
+        try:
+            return self._inner.completion(frame)
+        finally:
+            end = time.monotonic_ns()
+            program, launch, run = self._launched.pop(frame, ("", 0, 0))
+            origin, staging = self._origin_ns, self._staging_wait_ns
+            self.records.append(RoundRecord(program, launch, run, begin - origin, end - origin, staging))
+            self._staging_wait_ns = 0
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class RoundClock:
+    """Puts a :class:`TimedBackend` between a running model and its backend."""
+
+    def __init__(self, running: Any) -> None:
+        self.origin_ns = running.model.clock_origin_ns
+        self.backend = TimedBackend(running.model.backend, self.origin_ns)
+        running.model.backend = self.backend
+
+    @property
+    def records(self) -> list[RoundRecord]:
+        return self.backend.records
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns() - int(self.origin_ns)
+
+
+@dataclass
+class StreamResult:
+    tokens: list[int] = field(default_factory=list)
+    stamps_ns: list[int] = field(default_factory=list)
+    finish: str = ""
+    error: str = ""
+
+
+def collect(streams: Sequence[Any], timeout_s: float) -> list[StreamResult]:
+    """Every stream's tokens and timestamps; raises TimeoutError when they do not all finish in time."""
+    from helios_core.runtime.messages import AdmissionRejected, ExecutionFailed, Finished, TokenEvent
+
+    results = [StreamResult() for _ in streams]
+
+    def drain() -> None:
+        for stream, result in zip(streams, results, strict=True):
+            for event in stream:
+                if isinstance(event, TokenEvent):
+                    result.tokens.append(event.token_id)
+                    result.stamps_ns.append(event.timestamp_ns)
+                elif isinstance(event, Finished):
+                    result.finish = event.reason
+                elif isinstance(event, AdmissionRejected | ExecutionFailed):
+                    result.error = f"{type(event).__name__}: {event.message}"
+
+    worker = threading.Thread(target=drain, name="gpu-decode-collect", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while worker.is_alive() and time.monotonic() < deadline:
+        worker.join(0.2)
+    if worker.is_alive():
+        raise TimeoutError(f"{len(streams)} requests did not finish within {timeout_s:.0f} s")
+    failed = [r.error for r in results if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0]}")
+    return results
+
+
+def decode_window(results: Sequence[StreamResult], prompt: int) -> dict[str, Any]:
+    """Tokens/s over the window in which every request is decoding (after its first token)."""
+    begin = max(r.stamps_ns[0] for r in results)
+    end = min(r.stamps_ns[-1] for r in results)
+    counted = [(prompt + i) for r in results for i, t in enumerate(r.stamps_ns) if begin < t <= end]
+    if end <= begin or not counted:
+        raise RuntimeError("no window in which every request decodes (raise --tokens)")
+    seconds = (end - begin) / 1e9
+    rate = len(counted) / seconds
+    return {
+        "window_begin_ns": begin,
+        "window_end_ns": end,
+        "window_tokens": len(counted),
+        "tokens_per_s": rate,
+        "ms_per_step": len(results) / rate * 1000,
+        "mean_context": statistics.fmean(counted),
+    }
+
+
+def host_statistics(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) -> dict[str, Any]:
+    """Host time per decode round whose completion was read in (begin, end].
+
+    A round's wall time is the time from the previous round's completion to its own; the host time
+    is that minus the waits inside ``completion`` and ``transport`` (what remains is the launch,
+    packing, validation and publishing).
+    """
+    pairs = [
+        (previous, current)
+        for previous, current in itertools.pairwise(records)
+        if previous.program.startswith("decode")
+        and current.program.startswith("decode")
+        and begin_ns < current.wait_end_ns <= end_ns
+    ]
+    if not pairs:
+        return {"rounds": 0}
+    walls = [current.wait_end_ns - previous.wait_end_ns for previous, current in pairs]
+    waits = [current.wait_end_ns - current.wait_begin_ns + current.staging_wait_ns for _, current in pairs]
+    host = sorted((wall - wait) / 1000 for wall, wait in zip(walls, waits, strict=True))
+    return {
+        "rounds": len(pairs),
+        "host_us_median": statistics.median(host),
+        "host_us_p90": host[min(len(host) - 1, int(0.9 * len(host)))],
+        "host_us_mean": statistics.fmean(host),
+        "round_us_median": statistics.median(walls) / 1000,
+        "launch_us_median": statistics.median(current.run_ns for _, current in pairs) / 1000,
+        "wait_us_median": statistics.median(waits) / 1000,
+        "staging_wait_us_median": statistics.median(current.staging_wait_ns for _, current in pairs) / 1000,
+        "wait_share": sum(waits) / sum(walls) if sum(walls) else 0.0,
+        "programs": sorted({current.program for _, current in pairs}),
+    }
+
+
+def _requests(prefix: str, count: int, length: int, max_tokens: int, vocab: int, rng: np.random.Generator) -> list[Any]:
+    from helios_core.runtime.messages import PreparedRequest, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    return [
+        PreparedRequest(
+            f"{prefix}-{i}",
+            [int(t) for t in rng.integers(0, vocab, length)],
+            max_tokens,
+            greedy,
+            ignore_eos=True,
+            observe_timestamps=True,
+        )
+        for i in range(count)
+    ]
+
+
+def measure_helios(
+    spec: CoreSpec, public_key: Path, plan: Plan, entry: dict[str, Any], save: Callable[[], None]
+) -> None:
+    """Every Helios figure of one shape into ``entry['helios']``."""
+    from helios_core.contract import LoadOptions
+    from helios_core.loading import TrustSettings
+    from helios_core.runtime.startup import start
+
+    pages_per_request = -(-plan.context // plan.page_tokens)
+    per_request = -(-(plan.prompt + plan.tokens) // plan.page_tokens) + 1
+    pages = max(pages_per_request, int(plan.max_rows * per_request * 1.1) + pages_per_request)
+    options = LoadOptions(max_active=plan.max_rows, queue_capacity=plan.max_rows, cache_pages=pages)
+    helios: dict[str, Any] = {"backend": plan.backend, "cache_pages": pages, "decode": {}}
+    entry["helios"] = helios
+    began = time.monotonic()
+    running = start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
+    helios["load_s"] = time.monotonic() - began
+    log(f"{spec.shape}: Helios started on {plan.backend} in {helios['load_s']:.1f} s")
+    wedged = False
+    try:
+        facts = model_facts(running.verified.contract)
+        clock = RoundClock(running)
+        engine = running.engine
+        rng = np.random.default_rng(plan.seed + 11)
+        vocab = facts.input_vocab
+        warm = _requests("warm", 1, plan.prompt, 8, vocab, rng) + _requests("warm-p", 1, plan.prefill, 2, vocab, rng)
+        collect([engine.submit(r) for r in warm], plan.timeout_s)
+        for batch in plan.batches:
+            with _wave_errors(helios, f"batch {batch}", spec.shape):
+                helios["decode"][str(batch)] = _decode_wave(engine, clock, batch, plan, vocab, rng)
+                window = helios["decode"][str(batch)]
+                log(
+                    f"{spec.shape}: Helios batch {batch}: {window['ms_per_step']:.3f} ms/step, "
+                    f"{window['tokens_per_s']:.0f} tok/s, host {window['host'].get('host_us_median', -1):.0f} us/round"
+                )
+            save()
+        with _wave_errors(helios, "prefill", spec.shape):
+            ttfts = []
+            for index in range(plan.prefill_repeats):
+                (request,) = _requests(f"prefill{index}", 1, plan.prefill, 2, vocab, rng)
+                submitted = clock.now_ns()
+                (result,) = collect([engine.submit(request)], plan.timeout_s)
+                ttfts.append((result.stamps_ns[0] - submitted) / 1e9)
+            ttft = statistics.median(ttfts)
+            helios["prefill"] = {
+                "tokens": plan.prefill,
+                "ttft_s": ttfts,
+                "ms": ttft * 1000,
+                "tokens_per_s": plan.prefill / ttft,
+            }
+            log(f"{spec.shape}: Helios prefill {plan.prefill}: {ttft * 1000:.2f} ms, {plan.prefill / ttft:.0f} tok/s")
+        stats = engine.statistics()
+        helios["launches"] = dict(stats.launches)
+        helios["pipelined_rounds"] = stats.pipelined_rounds
+    except BaseException:
+        wedged = True
+        raise
+    finally:
+        save()
+        _close(running, wedged)
+
+
+def _decode_wave(
+    engine: Any, clock: RoundClock, batch: int, plan: Plan, vocab: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """``batch`` concurrent requests of ``plan.prompt`` prompt and ``plan.tokens`` new tokens, measured."""
+    requests = _requests(f"b{batch}", batch, plan.prompt, plan.tokens, vocab, rng)
+    clock.records.clear()
+    results = collect([engine.submit(r) for r in requests], plan.timeout_s)
+    window = decode_window(results, plan.prompt)
+    window["host"] = host_statistics(clock.records, window["window_begin_ns"], window["window_end_ns"])
+    window["finish"] = sorted({r.finish for r in results})
+    if batch == 1:
+        window["prompt_ids"] = list(requests[0].prompt_ids)
+        window["token_ids"] = results[0].tokens
+    return window
+
+
+@contextlib.contextmanager
+def _wave_errors(helios: dict[str, Any], what: str, shape: str) -> Iterator[None]:
+    """Record a failed wave and go on with the next; a timeout (a worker that stopped answering) ends the phase."""
+    try:
+        yield
+    except TimeoutError:
+        raise
+    except Exception as exc:
+        helios.setdefault("errors", {})[what] = f"{type(exc).__name__}: {exc}"
+        log(f"{shape}: Helios {what} failed: {exc}")
+
+
+def _close(running: Any, wedged: bool) -> None:
+    """Close the model; a worker that stopped answering gets cancellations and 30 s, then is left behind."""
+    if wedged:
+        for request_id in list(running.engine._streams):
+            running.engine.cancel(request_id)
+    closer = threading.Thread(target=running.close, name="gpu-decode-close", daemon=True)
+    closer.start()
+    closer.join(30 if wedged else 300)
+    if closer.is_alive():
+        log("the Helios worker did not stop; its memory stays allocated")
+
+
+# ----------------------------------------------------------------------------------- PyTorch baseline
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any
+    qkv: Any
+    wo: Any
+    ffn_norm: Any
+    gate_up: Any
+    down: Any
+
+
+@dataclass
+class TorchWeights:
+    embed: Any
+    head: Any
+    out_norm: Any
+    layers: list[LayerWeights]
+
+
+def load_torch_weights(spec: CoreSpec, public_key: Path, shape: Any, device: str, dtype: Any) -> TorchWeights:
+    """The core's weight buffers as torch tensors on ``device`` (matrices in ``dtype``, norm gains float32).
+
+    Packed ``attn_qkv`` / ``ffn_gate_up`` buffers are used as they are; cores without them (reference
+    targets only) have their q, k, v and gate, up matrices concatenated the same way.
+    """
+    import torch
+
+    from helios_core.dtypes import NUMPY_DTYPES
+    from helios_core.loading import TrustSettings, open_core
+    from helios_core.wire import container_pb2 as cb
+    from helios_core.wire import manifest_pb2 as mf
+
+    verified = open_core(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), check_resources=False)
+    tensors: dict[str, Any] = {}
+    try:
+        by_resource: dict[str, list[Any]] = {}
+        for decl in verified.contract.execution.buffers:
+            if decl.role == mf.BUFFER_ROLE_WEIGHTS:
+                by_resource.setdefault(decl.resource_id, []).append(decl)
+        for resource_id, decls in by_resource.items():
+            data = verified.core.read_resource(resource_id, cb.RESOURCE_KIND_WEIGHTS)
+            for decl in decls:
+                dims = [int(d.size) for d in decl.shape]
+                stored = NUMPY_DTYPES[decl.dtype]
+                array = np.frombuffer(data, dtype=stored, count=math.prod(dims), offset=int(decl.resource_offset))
+                if decl.dtype == mf.DTYPE_BF16:
+                    tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+                else:
+                    tensor = torch.from_numpy(array)
+                matrix = len(dims) == 2
+                tensor = tensor.reshape(dims).to(device=device, dtype=dtype if matrix else torch.float32)
+                tensors[decl.name] = tensor if tensor.data_ptr() != array.ctypes.data else tensor.clone()
+            del data
+    finally:
+        verified.close()
+
+    def packed(fused: str, *parts: str) -> Any:
+        if fused in tensors:
+            return tensors.pop(fused)
+        return torch.cat([tensors.pop(p) for p in parts])
+
+    layers = []
+    for layer in range(shape.layers):
+        b = f"blk.{layer}."
+        layers.append(
+            LayerWeights(
+                attn_norm=tensors.pop(b + "attn_norm.weight"),
+                qkv=packed(b + "attn_qkv.weight", b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"),
+                wo=tensors.pop(b + "attn_output.weight"),
+                ffn_norm=tensors.pop(b + "ffn_norm.weight"),
+                gate_up=packed(b + "ffn_gate_up.weight", b + "ffn_gate.weight", b + "ffn_up.weight"),
+                down=tensors.pop(b + "ffn_down.weight"),
+            )
+        )
+        expected = ((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden)
+        if tuple(layers[-1].qkv.shape) != expected or tuple(layers[-1].gate_up.shape) != (2 * shape.ffn, shape.hidden):
+            raise ValueError(f"layer {layer}: weights {tuple(layers[-1].qkv.shape)} do not match the shape {shape}")
+    embed = tensors.pop("tok_embd")
+    return TorchWeights(
+        embed=embed, head=tensors.pop("output.weight", embed), out_norm=tensors.pop("output_norm.weight"), layers=layers
+    )
+
+
+class TorchLlama:
+    """A Llama decoder in plain PyTorch over a static contiguous KV cache ``[layers, rows, kv_heads, context, hd]``.
+
+    The residual stream is float32 (as in Helios' programs), matrix products take ``dtype`` inputs;
+    RoPE uses the reference backend's frequencies ("half" pairs); decode attention is two batched
+    matmuls over the whole static cache with positions past each row's masked; greedy argmax over
+    the sampled vocabulary.
+    """
+
+    def __init__(self, weights: TorchWeights, shape: Any, *, rows: int, context: int, sampled: int, dtype: Any) -> None:
+        import torch
+
+        from helios_core.backends.reference_kernels import FrequencyBandScaling, rope_inv_freq
+
+        self.w, self.s, self.dtype, self.sampled = weights, shape, dtype, sampled
+        device = weights.embed.device
+        cache = (shape.layers, rows, shape.kv_heads, context, shape.head_dim)
+        self.k_cache = torch.zeros(cache, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(cache, dtype=dtype, device=device)
+        scaling = FrequencyBandScaling(*shape.frequency_band_scaling) if shape.frequency_band_scaling else None
+        if shape.rope_style != "half":
+            raise ValueError(f"the baseline implements the 'half' rope style, not {shape.rope_style!r}")
+        inv_freq = rope_inv_freq(shape.head_dim, shape.rope_theta, scaling)  # [hd/2] float64
+        angles = np.arange(context, dtype=np.float64)[:, None] * inv_freq[None, :]  # [context, hd/2]
+        self.cos = torch.tensor(np.cos(angles).astype(np.float32), device=device)
+        self.sin = torch.tensor(np.sin(angles).astype(np.float32), device=device)
+        self.positions = torch.arange(context, device=device)
+        self.rows = torch.arange(rows, device=device)
+        self.group = shape.heads // shape.kv_heads
+        self.widths = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.kv_heads * shape.head_dim)
+        self.scale = shape.head_dim**-0.5
+
+    @staticmethod
+    def _rope(x: Any, cos: Any, sin: Any) -> Any:
+        import torch
+
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+    def _norm(self, h: Any, weight: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.rms_norm(h, (self.s.hidden,), weight, self.s.rms_eps).to(self.dtype)
+
+    def _mlp(self, h: Any, lw: LayerWeights) -> Any:
+        import torch.nn.functional as F
+
+        gate, up = F.linear(self._norm(h, lw.ffn_norm), lw.gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, lw.down).float()
+
+    def _head(self, h: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.linear(self._norm(h, self.w.out_norm), self.w.head)[..., : self.sampled].argmax(dim=-1)
+
+    def prefill(self, tokens: Any) -> Any:
+        """``tokens`` [B, T] from position 0: fills cache positions [0, T) of rows [0, B); the next token [B]."""
+        import torch.nn.functional as F
+
+        s, rows, count = self.s, tokens.shape[0], tokens.shape[1]
+        hd = s.head_dim
+        h = F.embedding(tokens, self.w.embed).float()  # [B, T, hidden]
+        cos, sin = self.cos[:count][None, :, None, :], self.sin[:count][None, :, None, :]  # [1, T, 1, hd/2]
+        for layer, lw in enumerate(self.w.layers):
+            q, k, v = F.linear(self._norm(h, lw.attn_norm), lw.qkv).split(self.widths, dim=-1)
+            q = self._rope(q.float().view(rows, count, s.heads, hd), cos, sin).to(self.dtype).transpose(1, 2)
+            k = self._rope(k.float().view(rows, count, s.kv_heads, hd), cos, sin).to(self.dtype).transpose(1, 2)
+            v = v.reshape(rows, count, s.kv_heads, hd).transpose(1, 2)  # [B, G, T, hd]
+            self.k_cache[layer, :rows, :, :count] = k
+            self.v_cache[layer, :rows, :, :count] = v
+            attn = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1), is_causal=True
+            )  # [B, H, T, hd]
+            h = h + F.linear(attn.transpose(1, 2).reshape(rows, count, s.heads * hd), lw.wo).float()
+            h = self._mlp(h, lw)
+        return self._head(h[:, -1])
+
+    def decode(self, tokens: Any, positions: Any) -> Any:
+        """One token per row: ``tokens`` [B] at ``positions`` [B]; writes the cache there; the next token [B]."""
+        import torch
+        import torch.nn.functional as F
+
+        s, rows = self.s, tokens.shape[0]
+        hd = s.head_dim
+        h = F.embedding(tokens, self.w.embed).float()  # [B, hidden]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [B, 1, hd/2]
+        masked = (self.positions[None, :] > positions[:, None])[:, None, None, :]  # [B, 1, 1, context]
+        index = self.rows[:rows]
+        for layer, lw in enumerate(self.w.layers):
+            q, k, v = F.linear(self._norm(h, lw.attn_norm), lw.qkv).split(self.widths, dim=-1)
+            q = self._rope(q.float().view(rows, s.heads, hd), cos, sin).to(self.dtype)
+            k = self._rope(k.float().view(rows, s.kv_heads, hd), cos, sin).to(self.dtype)
+            keys, values = self.k_cache[layer, :rows], self.v_cache[layer, :rows]  # [B, G, context, hd]
+            keys[index, :, positions] = k
+            values[index, :, positions] = v.reshape(rows, s.kv_heads, hd)
+            scores = torch.matmul(q.view(rows, s.kv_heads, self.group, hd), keys.transpose(-1, -2)).float()
+            scores = (scores * self.scale).masked_fill(masked, float("-inf"))  # [B, G, group, context]
+            attn = torch.matmul(torch.softmax(scores, dim=-1).to(self.dtype), values)  # [B, G, group, hd]
+            h = h + F.linear(attn.reshape(rows, s.heads * hd), lw.wo).float()
+            h = self._mlp(h, lw)
+        return self._head(h)
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_decode(model: TorchLlama, batch: int, plan: Plan, vocab: int, *, graph: bool) -> dict[str, Any]:
+    """ms per decode step of ``batch`` rows after a prefill of ``plan.prompt`` tokens, eager or replayed."""
+    import torch
+
+    device = plan.device
+    generator = torch.Generator(device="cpu").manual_seed(plan.seed + batch)
+    prompt = torch.randint(0, vocab, (batch, plan.prompt), generator=generator).to(device)
+    with torch.inference_mode():
+        tokens = model.prefill(prompt)
+        positions = torch.full((batch,), plan.prompt, dtype=torch.int64, device=device)
+        step: Callable[[], None]
+        if graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up at the same position: the replays overwrite what it writes
+                    model.decode(tokens, positions)
+            torch.cuda.current_stream().wait_stream(side)
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured, capture_error_mode="thread_local"):
+                tokens.copy_(model.decode(tokens, positions))
+                positions.add_(1)
+            step = captured.replay
+        else:
+
+            def step() -> None:
+                tokens.copy_(model.decode(tokens, positions))
+                positions.add_(1)
+
+        for _ in range(plan.baseline_warmup):
+            step()
+        _synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(plan.baseline_steps):
+            step()
+        _synchronize(device)
+        seconds = time.perf_counter() - begin
+    ms = seconds / plan.baseline_steps * 1000
+    return {
+        "ms_per_step": ms,
+        "tokens_per_s": batch / ms * 1000,
+        "steps": plan.baseline_steps,
+        "mean_context": plan.prompt + plan.baseline_warmup + (plan.baseline_steps - 1) / 2,
+        "cache_context": int(model.k_cache.shape[3]),
+    }
+
+
+def time_prefill(model: TorchLlama, plan: Plan, vocab: int) -> dict[str, Any]:
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(plan.seed + 7)
+    seconds = []
+    with torch.inference_mode():
+        for index in range(plan.prefill_repeats + 1):
+            prompt = torch.randint(0, vocab, (1, plan.prefill), generator=generator).to(plan.device)
+            _synchronize(plan.device)
+            begin = time.perf_counter()
+            model.prefill(prompt).cpu()
+            if index:  # the first is a warm-up
+                seconds.append(time.perf_counter() - begin)
+    median = statistics.median(seconds)
+    return {"tokens": plan.prefill, "seconds": seconds, "ms": median * 1000, "tokens_per_s": plan.prefill / median}
+
+
+def greedy_agreement(model: TorchLlama, prompt: Sequence[int], expected: Sequence[int], plan: Plan) -> dict[str, Any]:
+    """Eager greedy tokens for Helios' batch-1 prompt; how many leading tokens agree with Helios'."""
+    import torch
+
+    count = min(plan.agreement_tokens, len(expected))
+    with torch.inference_mode():
+        token = model.prefill(torch.tensor([list(prompt)], device=plan.device))
+        produced = [int(token.item())]
+        position = torch.tensor([len(prompt)], device=plan.device)
+        while len(produced) < count:
+            token = model.decode(token, position)
+            position += 1
+            produced.append(int(token.item()))
+    leading = next((i for i, (a, b) in enumerate(zip(produced, expected, strict=False)) if a != b), count)
+    return {"compared": count, "leading_agreement": leading, "baseline_tokens": produced}
+
+
+def measure_baseline(
+    spec: CoreSpec, public_key: Path, plan: Plan, entry: dict[str, Any], save: Callable[[], None]
+) -> None:
+    """PyTorch eager and CUDA-graph figures of one shape into ``entry['baseline']``."""
+    import torch
+    from ignition.recipes.synthetic import SHAPES
+
+    shape = SHAPES[spec.shape]
+    dtype = torch.bfloat16 if plan.device == "cuda" else torch.float32
+    baseline: dict[str, Any] = {"dtype": str(dtype), "eager": {}, "graph": {}, "errors": {}}
+    entry["baseline"] = baseline
+    began = time.monotonic()
+    weights = load_torch_weights(spec, public_key, shape, plan.device, dtype)
+    baseline["load_s"] = time.monotonic() - began
+    log(f"{spec.shape}: PyTorch weights loaded in {baseline['load_s']:.1f} s")
+    model_info = entry.get("model", {})
+    sampled = int(model_info.get("sampled_size") or weights.embed.shape[0])
+    vocab = int(model_info.get("input_vocab") or sampled)
+    try:
+        context = plan.prompt + plan.baseline_warmup + plan.baseline_steps + 2
+        context = -(-context // 16) * 16
+        model = TorchLlama(weights, shape, rows=plan.max_rows, context=context, sampled=sampled, dtype=dtype)
+        for batch in plan.batches:
+            for mode in ("eager", "graph"):
+                if mode == "graph" and plan.device != "cuda":
+                    continue
+                try:
+                    figures = time_decode(model, batch, plan, vocab, graph=mode == "graph")
+                except Exception as exc:  # one failed configuration must not hide the others
+                    baseline["errors"][f"{mode}/{batch}"] = f"{type(exc).__name__}: {exc}"
+                    log(f"{spec.shape}: PyTorch {mode} batch {batch} failed: {exc}")
+                    continue
+                finally:
+                    gc.collect()
+                    if plan.device == "cuda":
+                        torch.cuda.empty_cache()
+                baseline[mode][str(batch)] = figures
+                log(f"{spec.shape}: PyTorch {mode} batch {batch}: {figures['ms_per_step']:.3f} ms/step")
+            save()
+        del model
+        single = TorchLlama(
+            weights, shape, rows=1, context=max(plan.prefill, plan.prompt + plan.agreement_tokens) + 16,
+            sampled=sampled, dtype=dtype,
+        )  # fmt: skip
+        baseline["prefill"] = time_prefill(single, plan, vocab)
+        log(f"{spec.shape}: PyTorch eager prefill {plan.prefill}: {baseline['prefill']['ms']:.2f} ms")
+        first = entry.get("helios", {}).get("decode", {}).get("1", {})
+        if first.get("token_ids"):
+            baseline["agreement"] = greedy_agreement(single, first["prompt_ids"], first["token_ids"], plan)
+            agreement = baseline["agreement"]
+            log(f"{spec.shape}: greedy agreement with Helios: {agreement['leading_agreement']}/{agreement['compared']}")
+        del single
+    finally:
+        del weights
+        gc.collect()
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
+        save()
+
+
+# --------------------------------------------------------------------------------------- the machine
+
+
+def copy_bandwidth(device: str) -> float:
+    """Median bytes/s of a large device-to-device copy, counting bytes read and written."""
+    import torch
+
+    nbytes = (1 << 30) if device == "cuda" else (1 << 27)
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    times = []
+    for _ in range(20 if device == "cuda" else 5):
+        _synchronize(device)
+        begin = time.perf_counter()
+        target.copy_(source)
+        _synchronize(device)
+        times.append(time.perf_counter() - begin)
+    del source, target
+    return 2 * nbytes / statistics.median(times)
+
+
+def matmul_rate(device: str) -> float:
+    """Median FLOP/s of a large bf16 (float32 on the CPU) matrix product on random data."""
+    import torch
+
+    size = 8192 if device == "cuda" else 1024
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10 if device == "cuda" else 3):
+        _synchronize(device)
+        begin = time.perf_counter()
+        a @ b
+        _synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return 2 * size**3 / statistics.median(times)
+
+
+def machine_facts(device: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
+    for module in ("torch", "triton", "numpy"):
+        with contextlib.suppress(Exception):
+            facts[module] = __import__(module).__version__
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        facts["cuda-bindings"] = version("cuda-bindings")
+    if device == "cuda":
+        try:
+            import torch
+
+            properties = torch.cuda.get_device_properties(0)
+        except Exception as exc:  # reported again, and fatally, by the phases that need the GPU
+            facts["device"] = f"unavailable: {type(exc).__name__}: {exc}"
+            return facts
+        facts["device"] = properties.name
+        facts["multiprocessors"] = properties.multi_processor_count
+        facts["device_memory"] = properties.total_memory
+        facts["torch_cuda"] = torch.version.cuda
+        with contextlib.suppress(Exception):
+            smi = ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem", "--format=csv,noheader"]
+            facts["nvidia_smi"] = subprocess.run(smi, capture_output=True, text=True, timeout=10).stdout.strip()
+    else:
+        facts["device"] = platform.processor() or platform.machine()
+    return facts
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+class Report:
+    """Every number of the run, saved as JSON after every phase."""
+
+    def __init__(self, path: Path, plan: Plan) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"date": str(date.today()), "plan": asdict(plan), "shapes": {}, "errors": []}
+
+    def shape(self, name: str) -> dict[str, Any]:
+        entry: dict[str, Any] = self.data["shapes"].setdefault(name, {})
+        return entry
+
+    def fail(self, shape: str, phase: str, message: str) -> None:
+        self.data["errors"].append({"shape": shape, "phase": phase, "error": message})
+        if shape in self.data["plan"]["shapes"]:
+            self.shape(shape).setdefault("errors", {})[phase] = message
+        log(f"{shape}: {phase} failed: {message.splitlines()[0] if message else ''}")
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(self.data, indent=1, default=str))
+        temporary.replace(self.path)
+
+
+def limits(
+    name: str, entry: Mapping[str, Any], hardware: Mapping[str, Any], batch: int, context: float
+) -> dict[str, float]:
+    """HBM roofline and compute floor (ms) of one decode step of ``batch`` rows at a mean ``context``."""
+    from ignition.recipes.synthetic import SHAPES
+
+    model = entry.get("model")
+    if not model or name not in SHAPES or not hardware.get("copy_bytes_per_s"):
+        return {}
+    facts = ModelFacts(**model)
+    moved = facts.streamed_bytes + batch * facts.embedding_row_bytes + batch * context * facts.kv_bytes_per_token
+    flops = facts.decode_flops(batch, context, attention_flops_per_context(SHAPES[name]))
+    return {
+        "context": context,
+        "bytes": moved,
+        "hbm_ms": moved / hardware["copy_bytes_per_s"] * 1000,
+        "flops": flops,
+        "compute_ms": flops / hardware["matmul_flops_per_s"] * 1000,
+    }
+
+
+def prefill_limits(name: str, entry: Mapping[str, Any], hardware: Mapping[str, Any], tokens: int) -> dict[str, float]:
+    """HBM roofline and compute floor (ms) of a ``tokens``-token prefill at batch 1."""
+    from ignition.recipes.synthetic import SHAPES
+
+    model = entry.get("model")
+    if not model or name not in SHAPES or not hardware.get("copy_bytes_per_s"):
+        return {}
+    facts = ModelFacts(**model)
+    moved = facts.streamed_bytes + tokens * (facts.embedding_row_bytes + facts.kv_bytes_per_token)
+    flops = facts.prefill_flops(tokens, attention_flops_per_context(SHAPES[name]))
+    return {
+        "bytes": moved,
+        "hbm_ms": moved / hardware["copy_bytes_per_s"] * 1000,
+        "flops": flops,
+        "compute_ms": flops / hardware["matmul_flops_per_s"] * 1000,
+    }
+
+
+HEADERS = (
+    "shape", "batch", "Helios ms/step", "Helios tok/s", "eager ms/step", "graph ms/step", "HBM roofline ms",
+    "compute floor ms", "Helios vs graph", "% of roofline", "host µs/round",
+)  # fmt: skip
+
+
+def _cell(value: float | None, digits: int = 3) -> str:
+    if value is None or value != value:
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def table_rows(report: Report) -> list[list[str]]:
+    """One row per (shape, batch) and one prefill row per shape; limits are stored back into the report."""
+    hardware = report.data.get("hardware", {})
+    plan = report.data["plan"]
+    rows: list[list[str]] = []
+    for name, entry in report.data["shapes"].items():
+        helios = entry.get("helios", {})
+        baseline = entry.get("baseline", {})
+        entry["limits"] = {}
+        for batch in plan["batches"]:
+            key = str(batch)
+            ours = helios.get("decode", {}).get(key, {})
+            eager = baseline.get("eager", {}).get(key, {})
+            graph = baseline.get("graph", {}).get(key, {})
+            context = ours.get("mean_context") or eager.get("mean_context") or plan["prompt"] + plan["tokens"] / 2
+            bound = limits(name, entry, hardware, batch, context)
+            entry["limits"][key] = bound
+            ms = ours.get("ms_per_step")
+            roof = max(bound.get("hbm_ms", 0.0), bound.get("compute_ms", 0.0)) or None
+            rows.append(
+                [
+                    name, str(batch), _cell(ms), _cell(ours.get("tokens_per_s"), 0), _cell(eager.get("ms_per_step")),
+                    _cell(graph.get("ms_per_step")), _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
+                    f"{graph['ms_per_step'] / ms:.2f}x" if ms and graph.get("ms_per_step") else "-",
+                    f"{roof / ms:.0%}" if ms and roof else "-",
+                    _cell(ours.get("host", {}).get("host_us_median"), 0),
+                ]
+            )  # fmt: skip
+        ours, eager = helios.get("prefill", {}), baseline.get("prefill", {})
+        bound = prefill_limits(name, entry, hardware, plan["prefill"])
+        entry["limits"]["prefill"] = bound
+        roof = max(bound.get("hbm_ms", 0.0), bound.get("compute_ms", 0.0)) or None
+        ms = ours.get("ms")
+        rows.append(
+            [
+                name, f"prefill {plan['prefill']}", _cell(ms), _cell(ours.get("tokens_per_s"), 0),
+                _cell(eager.get("ms")), "-", _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
+                f"{eager['ms'] / ms:.2f}x vs eager" if ms and eager.get("ms") else "-",
+                f"{roof / ms:.0%}" if ms and roof else "-", "-",
+            ]
+        )  # fmt: skip
+    return rows
+
+
+def print_table(report: Report) -> None:
+    data, plan = report.data, report.data["plan"]
+    machine, hardware = data.get("machine", {}), data.get("hardware", {})
+    copy = hardware.get("copy_bytes_per_s", 0) / 1e12
+    flops = hardware.get("matmul_flops_per_s", 0) / 1e12
+    print()
+    print(
+        f"gpu decode, {machine.get('device', '?')}, torch {machine.get('torch', '?')}, triton "
+        f"{machine.get('triton', '?')}, {data['date']}; copy {copy:.2f} TB/s (read + write), matmul "
+        f"{flops:.1f} TFLOP/s; prompt {plan['prompt']}, {plan['tokens']} new tokens per request, backend "
+        f"{plan['backend']}"
+    )
+    rows = table_rows(report)
+    print("| " + " | ".join(HEADERS) + " |")
+    print("| --- | --- | " + " | ".join("---:" for _ in HEADERS[2:]) + " |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(
+        "ms/step: Helios from per-token timestamps over the window in which every request decodes (batch 1: ms "
+        "per token after the first); eager and graph: PyTorch on the same weights, static KV cache of "
+        f"{plan['prompt'] + plan['baseline_warmup'] + plan['baseline_steps']}+ tokens, "
+        f"{plan['baseline_steps']} timed steps. roofline = max(HBM, compute): HBM = (weights streamed + KV at "
+        "the mean context) / copy bandwidth; compute = matmul FLOPs / matmul rate. host µs/round = time between "
+        "consecutive decode completions minus the waits inside backend.completion and transport (median). "
+        "Prefill rows: submit to first token, batch 1."
+    )
+    for name, entry in data["shapes"].items():
+        notes = []
+        agreement = entry.get("baseline", {}).get("agreement")
+        if agreement:
+            notes.append(f"greedy agreement {agreement['leading_agreement']}/{agreement['compared']}")
+        build = entry.get("build", {})
+        if build.get("seconds") is not None:
+            notes.append(f"build {build['seconds']:.0f} s, {build.get('bytes', 0) / 1e6:.0f} MB")
+        if entry.get("helios", {}).get("load_s") is not None:
+            notes.append(f"Helios start {entry['helios']['load_s']:.1f} s")
+        for phase, error in entry.get("errors", {}).items():
+            notes.append(f"{phase} FAILED: {error.splitlines()[0][:160]}")
+        for key, error in entry.get("helios", {}).get("errors", {}).items():
+            notes.append(f"Helios {key} FAILED: {error[:160]}")
+        for key, error in entry.get("baseline", {}).get("errors", {}).items():
+            notes.append(f"PyTorch {key} FAILED: {error[:160]}")
+        if notes:
+            print(f"{name}: " + "; ".join(notes))
+    print(f"JSON: {report.path}")
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def default_out() -> Path:
+    out = os.environ.get("OUT")
+    return Path(out) / "gpu_decode.json" if out else Path("gpu_decode.json")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--shapes", help="comma-separated synthetic shapes (default 135m,1b,8b; cpu: tiny)")
+    parser.add_argument("--cores", type=Path, help="folder to reuse cores from and build missing ones into")
+    parser.add_argument("--out", type=Path, help="JSON of every number (default $OUT/gpu_decode.json or ./)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the script")
+    parser.add_argument("--backend", help="Helios backend (default cuda; cpu: reference)")
+    parser.add_argument("--targets", help="core targets (default reference,sm_90a; cpu: reference)")
+    parser.add_argument("--batches", help="decode batch sizes (default 1,8,64,256; cpu: 1,8)")
+    parser.add_argument("--prompt", type=int, help="decode prompt tokens (default 32)")
+    parser.add_argument("--tokens", type=int, help="new tokens per decode request (default 128)")
+    parser.add_argument("--prefill", type=int, help="prefill prompt tokens (default 512)")
+    parser.add_argument("--context", type=int, help="core context tokens (default 1024)")
+    parser.add_argument("--baseline-steps", type=int, help="timed PyTorch decode steps (default 64)")
+    parser.add_argument("--baseline-warmup", type=int, help="untimed PyTorch decode steps first (default 8)")
+    parser.add_argument("--prefill-repeats", type=int, help="prefill measurements, median taken (default 3)")
+    parser.add_argument("--agreement-tokens", type=int, help="greedy tokens compared with Helios (default 32)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds for one wave of requests")
+    parser.add_argument("--budget", type=float, default=540.0, help="start no new phase after this many seconds")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of the cores")
+    parser.add_argument("--build-spec", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.build_spec:
+        return build_child(args.build_spec)
+    plan = make_plan(args)
+    from ignition.recipes.synthetic import SHAPES
+
+    unknown = [s for s in plan.shapes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    os.environ.setdefault("IGNITION_KERNEL_CACHE", str(KERNEL_CACHE))
+    kernel_cache = Path(os.environ["IGNITION_KERNEL_CACHE"])
+    report = Report(args.out or default_out(), plan)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise Interrupted()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    with contextlib.ExitStack() as stack:
+        cores = args.cores or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-decode-")))
+        cores.mkdir(parents=True, exist_ok=True)
+        try:
+            run(plan, cores, kernel_cache, report)
+        except (Interrupted, KeyboardInterrupt):
+            report.data["errors"].append({"shape": "-", "phase": "run", "error": "interrupted"})
+            log("interrupted: printing what finished")
+        finally:
+            report.save()
+            print_table(report)
+            report.save()
+    failed = report.data["errors"] or any(
+        entry.get(phase, {}).get("errors")
+        for entry in report.data["shapes"].values()
+        for phase in ("helios", "baseline")
+    )
+    return 1 if failed else 0
+
+
+def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
+    log(f"plan: shapes {','.join(plan.shapes)}, batches {plan.batches}, device {plan.device}, cores in {cores}")
+    cached = len(list(kernel_cache.glob("*.cubin"))) if kernel_cache.is_dir() else 0
+    log(f"kernel cache {kernel_cache}: {cached} kernels")
+    signing, public = keys_in(cores)
+    specs = core_specs(plan, cores, signing)
+    report.data["machine"] = machine_facts(plan.device)
+    build_cores(specs, report)
+    pack_kernel_cache(kernel_cache)
+    try:
+        bandwidth, rate = copy_bandwidth(plan.device), matmul_rate(plan.device)
+    except Exception as exc:  # without the limits the measurements still stand
+        report.fail("-", "hardware", f"{type(exc).__name__}: {exc}")
+    else:
+        report.data["hardware"] = {"copy_bytes_per_s": bandwidth, "matmul_flops_per_s": rate}
+        log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write), matmul {rate / 1e12:.1f} TFLOP/s")
+    report.save()
+    for spec in specs:
+        entry = report.shape(spec.shape)
+        if "build" in entry.get("errors", {}):
+            continue
+        try:
+            entry["model"] = asdict(read_model_facts(spec, public))
+        except Exception as exc:  # the phases below report the same failure in their own words
+            report.fail(spec.shape, "manifest", f"{type(exc).__name__}: {exc}")
+        for phase, measure in (("helios", measure_helios), ("baseline", measure_baseline)):
+            if time.monotonic() - STARTED > plan.budget_s:
+                report.fail(spec.shape, phase, f"skipped: past the {plan.budget_s:.0f} s budget")
+                continue
+            try:
+                measure(spec, public, plan, entry, report.save)
+            except (Interrupted, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # one failed phase must not hide the others
+                report.fail(spec.shape, phase, f"{type(exc).__name__}: {exc}")
+            finally:
+                gc.collect()
+        table_rows(report)
+        report.save()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Projection kernel tiles on the GPU: each candidate tile shape beside cuBLAS and the HBM limit.
+
+For the projections of the 1B- and 8B-class Llama shapes (``[q|k|v]``, output, ``[gate|up]``, down,
+LM head) at 1, 8, 64 and 256 rows, times Ignition's projection kernel with each candidate tile
+(``choose_tiles``' choice marked ``*``) and PyTorch's ``F.linear`` (cuBLAS) on the same bf16
+weights, rotating over enough weight copies that the L2 cache holds none of them, and prints
+microseconds, achieved weight bandwidth and the bandwidth floor (weight bytes over the measured
+device copy bandwidth). Needs an NVIDIA GPU, Triton and PyTorch:
+
+    python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
+
+import numpy as np  # noqa: E402
+from ignition.kernels.linear import Tiles, _project, choose_tiles  # noqa: E402
+from ignition.kernels.lowering import LoweringContext  # noqa: E402
+from ignition.recipes.synthetic import SHAPES  # noqa: E402
+
+from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
+from helios_core.wire import manifest_pb2 as mf  # noqa: E402
+
+CANDIDATES = (
+    Tiles(1, 4, 512, 4, 1),
+    Tiles(1, 8, 512, 4, 1),
+    Tiles(1, 8, 256, 4, 1),
+    Tiles(1, 16, 256, 4, 1),
+    Tiles(1, 8, 1024, 8, 1),
+    Tiles(1, 16, 512, 8, 1),
+    Tiles(16, 16, 256, 4, 4),
+    Tiles(16, 32, 256, 4, 4),
+    Tiles(16, 64, 128, 4, 3),
+    Tiles(16, 64, 128, 4, 4),
+    Tiles(16, 128, 128, 4, 3),
+    Tiles(16, 32, 512, 4, 3),
+    Tiles(64, 64, 64, 4, 4),
+    Tiles(64, 128, 64, 4, 4),
+    Tiles(128, 64, 64, 4, 3),
+    Tiles(128, 128, 64, 8, 3),
+    Tiles(128, 256, 64, 8, 3),
+)
+
+
+def _manifest(rows: int, n: int, k: int, gated: bool) -> tuple[mf.ExecutionManifest, mf.Node]:
+    manifest = mf.ExecutionManifest()
+    program = manifest.programs.add(name="bench")
+    node = program.nodes.add(name="proj")
+    node.op.name = "linear_add"
+    node.op.version = 1
+    x_width = 2 * k if gated else k
+    for name, dtype, shape, role in (
+        ("x", mf.DTYPE_F32, (rows, x_width), mf.BUFFER_ROLE_SCRATCH),
+        ("weight", mf.DTYPE_BF16, (n, k), mf.BUFFER_ROLE_WEIGHTS),
+        ("out", mf.DTYPE_F32, (rows, n), mf.BUFFER_ROLE_SCRATCH),
+    ):
+        decl = manifest.buffers.add(name=name, role=role, dtype=dtype)  # type: ignore[arg-type]
+        for size in shape:
+            decl.shape.add(size=size)
+        node.args.add(name=name, view=mf.BufferView(buffer=name, shape=list(shape)))
+    return manifest, node
+
+
+def _time_ours(cuda: Context, rows: int, n: int, k: int, gated: bool, tiles: Tiles, copies: int) -> float:
+    manifest, node = _manifest(rows, n, k, gated)
+    ctx = LoweringContext(manifest, "sm_90a", program="bench", node="proj")
+    views = {arg.name: arg.view for arg in node.args}
+    launch = _project(
+        ctx, node, views["x"], views["weight"], views["out"], residual=views["out"], gated=gated, tiles=tiles
+    )[0]
+    module = cuda.load_module(next(iter(ctx.modules.values())).data)
+    function = cuda.function(module, launch.symbol, launch.shared_bytes)
+    x = cuda.alloc(rows * (2 * k if gated else k) * 4)
+    out = cuda.alloc(rows * n * 4)
+    weights = [cuda.alloc(n * k * 2) for _ in range(copies)]
+    rng = np.random.default_rng(0)
+    cuda.upload(x, rng.standard_normal(rows * (2 * k if gated else k)).astype(np.float32))
+    for w in weights:
+        cuda.upload(w, (rng.standard_normal(n * k).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+    packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out}) for w in weights]
+    start, end = cuda.timing_event(), cuda.timing_event()
+    for pack in packs:
+        cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack)
+    cuda.synchronize()
+    repeats = 20
+    cuda.record(start)
+    for _ in range(repeats):
+        for pack in packs:
+            cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack)
+    cuda.record(end)
+    cuda.wait_event(end)
+    elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * copies)
+    for pointer in (x, out, *weights):
+        cuda.free(pointer)
+    return elapsed
+
+
+def _time_torch(rows: int, n: int, k: int, copies: int) -> float:
+    import torch
+
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    for w in weights:
+        torch.nn.functional.linear(x, w)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    repeats = 20
+    start.record()
+    for _ in range(repeats):
+        for w in weights:
+            torch.nn.functional.linear(x, w)
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) * 1000.0 / (repeats * copies)
+
+
+def _copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1b,8b")
+    parser.add_argument("--rows", default="1,8,64,256")
+    args = parser.parse_args(argv)
+    bandwidth = _copy_bandwidth()
+    cuda = Context(0)
+    print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
+    columns = (("shape", "<5"), ("proj", "<8"), ("rows", ">4"), ("N", ">6"), ("K", ">6"), ("tile", "<22"), ("us", ">8"))
+    columns += (("TB/s", ">6"), ("cuBLAS us", ">9"), ("floor us", ">8"))
+    print(" ".join(f"{name:{spec}}" for name, spec in columns))
+    for shape_name in args.shapes.split(","):
+        s = SHAPES[shape_name]
+        projections = {
+            "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, False),
+            "o": (s.hidden, s.heads * s.head_dim, False),
+            "gate_up": (2 * s.ffn, s.hidden, False),
+            "down": (s.hidden, s.ffn, True),
+            "lm_head": (s.vocab, s.hidden, False),
+        }
+        for rows in (int(r) for r in args.rows.split(",")):
+            for proj, (n, k, gated) in projections.items():
+                copies = max(2, int(np.ceil(200e6 / (n * k * 2))))
+                chosen = choose_tiles(rows, n, k)
+                cublas = _time_torch(rows, n, k, copies)
+                floor = n * k * 2 / bandwidth * 1e6
+                for tiles in dict.fromkeys((chosen, *CANDIDATES)):
+                    family = 1 if rows <= 2 else 16 if rows <= 16 else 64
+                    if min(tiles.block_m, 64) != family and tiles != chosen:
+                        continue
+                    try:
+                        us = _time_ours(cuda, rows, n, k, gated, tiles, copies)
+                    except Exception as exc:  # a tile that does not fit the chip is reported, not fatal
+                        print(f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {tiles!s:<22} failed: {exc}")
+                        continue
+                    mark = "*" if tiles == chosen else " "
+                    label = (
+                        f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
+                    )
+                    print(
+                        f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} {us:>8.1f} "
+                        f"{n * k * 2 / us / 1e6:>6.2f} {cublas:>9.1f} {floor:>8.1f}",
+                        flush=True,
+                    )
+    cuda.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""Projection kernels: ``linear`` and its fused forms, one Triton matrix kernel for all four.
+
+Owns the lowering of ``linear``, ``rmsnorm_linear``, ``linear_add`` and ``silu_mul_linear_add``.
+One kernel computes ``out[m, n] = residual[m, n] + sum_k prologue(x)[m, k] * weight[n, k]``: the
+prologue optionally normalises each row (RMS norm with its gain) or applies SwiGLU to a packed
+``[gate | up]`` row, and the residual is optional. Activations are float32 in memory and rounded
+to the weight's type for the tensor cores (bf16 products, float32 accumulation), as every bf16
+serving engine does. Each program computes a ``BLOCK_M x BLOCK_N`` tile over the whole reduction,
+so results do not depend on how many rows share the launch beyond the bf16 rounding of each row's
+own inputs (row independent), and nothing is accumulated with atomics (run-to-run identical).
+
+Tile shapes are chosen from the shape at build time (:func:`choose_tiles`): few rows (decode) get
+16-row tiles and narrow column tiles so that enough programs stream the weights; many rows
+(prefill, large decode batches) get 64/128-row tiles that run on Hopper's warpgroup matrix
+instructions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from helios_core.wire import manifest_pb2 as mf
+from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def projection_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    residual_ptr,
+    norm_ptr,
+    eps,
+    rows,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+) -> None:
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < rows
+    n_ok = offs_n < N
+    x_stride = 2 * K if GATED else K
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(
+                x_ptr + offs_m[:, None] * x_stride + offs_k[None, :],
+                mask=m_ok[:, None] & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            squares += tl.sum(xs * xs, axis=1)
+        scale = 1.0 / tl.sqrt(squares / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x_mask = m_ok[:, None] & k_ok[None, :]
+        x_offsets = offs_m[:, None] * x_stride + offs_k[None, :]
+        if GATED:
+            gate = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+            up = tl.load(x_ptr + x_offsets + K, mask=x_mask, other=0.0)
+            xs = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            xs = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+        if NORM:
+            gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0)
+            xs = (xs * scale[:, None]) * gain[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    out_offsets = offs_m[:, None] * N + offs_n[None, :]
+    if RESIDUAL:
+        acc += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+    tl.store(out_ptr + out_offsets, acc, mask=out_mask)
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def vector_projection_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    residual_ptr,
+    norm_ptr,
+    eps,
+    rows,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    ROWS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The same projection for one or two rows, on the FMA units: weights streamed once, wide loads.
+
+    The first weight tile is loaded before ``gdc_wait`` (weights are never written by a program), so
+    the weight stream starts while the previous kernel finishes; each step then loads the next tile
+    before it uses the current one.
+    """
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS_P2)
+    n_ok = offs_n < N
+    r_ok = offs_r < rows
+    x_stride = 2 * K if GATED else K
+    first_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + offs_n[:, None] * K + first_k[None, :], mask=n_ok[:, None] & (first_k[None, :] < K), other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        squares = tl.zeros([ROWS_P2], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(
+                x_ptr + offs_r[:, None] * x_stride + offs_k[None, :],
+                mask=r_ok[:, None] & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            squares += tl.sum(xs * xs, axis=1)
+        scale = 1.0 / tl.sqrt(squares / K + eps)
+    acc = tl.zeros([ROWS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        next_k = offs_k + BLOCK_K
+        w_next = tl.load(
+            w_ptr + offs_n[:, None] * K + next_k[None, :], mask=n_ok[:, None] & (next_k[None, :] < K), other=0.0
+        )
+        x_mask = r_ok[:, None] & k_ok[None, :]
+        x_offsets = offs_r[:, None] * x_stride + offs_k[None, :]
+        if GATED:
+            gate = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+            up = tl.load(x_ptr + x_offsets + K, mask=x_mask, other=0.0)
+            xs = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            xs = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+        if NORM:
+            gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0)
+            xs = (xs * scale[:, None]) * gain[None, :]
+        acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
+        w = w_next
+    result = tl.sum(acc, axis=2)
+    out_mask = r_ok[:, None] & n_ok[None, :]
+    out_offsets = offs_r[:, None] * N + offs_n[None, :]
+    if RESIDUAL:
+        result += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+    tl.store(out_ptr + out_offsets, result, mask=out_mask)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile shape and schedule of one projection (``block_m == 1``: the FMA kernel for one or two rows)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = 132) -> Tiles:
+    """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring)."""
+    if rows <= 2:
+        # Weight streaming on the FMA units: narrow row blocks give many programs in flight; long rows
+        # take wider steps with more warps (measured on an H200, docs/benchmarks.md).
+        if k >= 4096:
+            return Tiles(1, 8, 1024, 8, 1)
+        return Tiles(1, 4 if n <= 2048 else 8, min(512, max(64, next_power_of_two(k))), 4, 1)
+    if rows <= 16:
+        block_n = 128
+        while block_n > 16 and cdiv(n, block_n) < 2 * multiprocessors:
+            block_n //= 2
+        block_k = 256 if block_n <= 32 else 128
+        while block_k > 64 and block_k > k:
+            block_k //= 2
+        return Tiles(16, block_n, block_k, 4, 4 if block_n <= 32 else 3)
+    if rows <= 64:
+        block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
+        return Tiles(64, block_n, 64, 4, 4)
+    block_n = 128 if cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors else 64
+    return Tiles(128, block_n, 64, 8, 3)
+
+
+def _project(
+    ctx: LoweringContext,
+    node: mf.Node,
+    x: mf.BufferView,
+    weight: mf.BufferView,
+    out: mf.BufferView,
+    *,
+    norm: mf.BufferView | None = None,
+    residual: mf.BufferView | None = None,
+    gated: bool = False,
+    tiles: Tiles | None = None,
+) -> list[mf.KernelLaunch]:
+    w_shape = ctx.shape(weight)
+    if len(w_shape) != 2:
+        raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
+    n, k = w_shape
+    x_shape = ctx.shape(x)
+    rows = x_shape[0]
+    x_width = 1
+    for extent in x_shape[1:]:
+        x_width *= extent
+    if x_width != (2 * k if gated else k):
+        raise ctx.fail(f"x rows hold {x_width} values; the weight needs {'2 x ' if gated else ''}{k}")
+    out_shape = ctx.shape(out)
+    if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * n != _count(out_shape)):
+        raise ctx.fail(f"out {list(out_shape)} must hold {rows} rows of {n}")
+    for view, name in ((x, "x"), (out, "out"), (residual, "residual"), (norm, "norm_weight")):
+        if view is not None and ctx.dtype(view) != mf.DTYPE_F32:
+            raise ctx.fail(f"{name} must be float32")
+    if ctx.dtype(weight) not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
+        raise ctx.fail("weight must be bf16, f16 or f32")
+    chosen = tiles or choose_tiles(rows, n, k)
+    prologue: list[mf.KernelLaunch] = []
+    if chosen.block_m > 1 and (norm is not None or gated):
+        # Many rows: the row-wise prologue once into a workspace (instead of once per column tile),
+        # then the plain projection reads it.
+        staged = ctx.workspace("projection_input", mf.DTYPE_F32, rows * k)
+        staged_view = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
+        prologue = _prologue(ctx, node, x, staged_view, norm, gated, rows, k)
+        x, norm, gated = staged_view, None, False
+    eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
+    args = {
+        "x_ptr": ctx.pointer(x),
+        "w_ptr": ctx.pointer(weight),
+        "out_ptr": ctx.pointer(out),
+        "residual_ptr": ctx.pointer(residual if residual is not None else out),
+        "norm_ptr": ctx.pointer(norm if norm is not None else x),
+        "eps": ctx.f32(eps),
+        "rows": ctx.i32(rows),
+    }
+    constants: dict[str, int | bool] = {
+        "N": n,
+        "K": k,
+        "BLOCK_N": chosen.block_n,
+        "BLOCK_K": chosen.block_k,
+        "NORM": norm is not None,
+        "GATED": gated,
+        "RESIDUAL": residual is not None,
+    }
+    grid: tuple[int, ...]
+    if chosen.block_m == 1:
+        if rows > 2:
+            raise ctx.fail(f"the vector projection takes at most 2 rows, not {rows}")
+        constants["ROWS_P2"] = next_power_of_two(rows)
+        kernel, grid = vector_projection_kernel, (cdiv(n, chosen.block_n),)
+    else:
+        constants["BLOCK_M"] = chosen.block_m
+        kernel, grid = projection_kernel, (cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m))
+    launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+    return [*prologue, launch]
+
+
+def _prologue(
+    ctx: LoweringContext,
+    node: mf.Node,
+    x: mf.BufferView,
+    out: mf.BufferView,
+    norm: mf.BufferView | None,
+    gated: bool,
+    rows: int,
+    k: int,
+) -> list[mf.KernelLaunch]:
+    """The launch that writes ``rmsnorm(x)`` or SwiGLU of the packed ``[gate | up]`` rows into ``out``."""
+    if norm is not None:
+        step = mf.Node(name=node.name)
+        step.op.name, step.op.version = "rmsnorm", 1
+        step.args.add(name="x", view=x)
+        step.args.add(name="weight", view=norm)
+        step.args.add(name="out", view=out)
+        step.attributes.add(name="eps", float_value=float(ctx.attribute(node, "eps", 0.0)))
+        from ignition.kernels.lowering import LOWERINGS
+
+        return LOWERINGS[("rmsnorm", 1)](ctx, step)
+    block = min(1024, next_power_of_two(k))
+    return [
+        ctx.launch(
+            swiglu_rows_kernel,
+            {"gate_up_ptr": ctx.pointer(x), "out_ptr": ctx.pointer(out)},
+            {"WIDTH": k, "BLOCK": block},
+            (rows, cdiv(k, block)),
+            num_warps=4,
+            num_stages=1,
+        )
+    ]
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def swiglu_rows_kernel(gate_up_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    """out[r, c] = silu(gate_up[r, c]) * gate_up[r, WIDTH + c], as silu_mul computes it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < WIDTH
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    gate = tl.load(gate_up_ptr + row * 2 * WIDTH + cols, mask=ok, other=0.0)
+    up = tl.load(gate_up_ptr + row * 2 * WIDTH + WIDTH + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * WIDTH + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=ok)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for extent in shape:
+        total *= extent
+    return total
+
+
+@lowering("linear")
+def lower_linear(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    return _project(ctx, node, ctx.need(node, "x"), ctx.need(node, "weight"), ctx.need(node, "out"))
+
+
+@lowering("rmsnorm_linear")
+def lower_rmsnorm_linear(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    return _project(
+        ctx,
+        node,
+        ctx.need(node, "x"),
+        ctx.need(node, "weight"),
+        ctx.need(node, "out"),
+        norm=ctx.need(node, "norm_weight"),
+    )
+
+
+@lowering("linear_add")
+def lower_linear_add(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    return _project(
+        ctx,
+        node,
+        ctx.need(node, "x"),
+        ctx.need(node, "weight"),
+        ctx.need(node, "out"),
+        residual=ctx.need(node, "residual"),
+    )
+
+
+@lowering("silu_mul_linear_add")
+def lower_silu_mul_linear_add(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    return _project(
+        ctx,
+        node,
+        ctx.need(node, "gate_up"),
+        ctx.need(node, "weight"),
+        ctx.need(node, "out"),
+        residual=ctx.need(node, "residual"),
+        gated=True,
+    )

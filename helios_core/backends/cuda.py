@@ -1,0 +1,766 @@
+"""The CUDA backend: captured programs executed as CUDA graphs on one NVIDIA GPU.
+
+Owns, for one loaded core on one device, everything serving touches, from construction through the
+confirmed execution drain of :meth:`CudaBackend.close`: the driver context (a
+:class:`~helios_core.backends.cuda_driver.Context`, with its stream), every ``BufferDecl`` as one
+device allocation (weights uploaded once from their WEIGHTS resources, everything else zeroed), the
+modules and functions of the device's target, each execution frame's transport staging and
+completion record, one instantiated CUDA graph per program and frame, and one event per frame (its
+fence). Serving then only writes staging memory, launches graph executions and reads completion
+records: no allocation, no compilation, no capture.
+
+Transport (per frame, :func:`plan_transport`): entries of at most :data:`TRANSPORT_COPY_LIMIT`
+bytes are packed :data:`STAGING_ALIGNMENT`-aligned, in declaration order, into one pinned host block
+with a device block of the same layout; a graph starts with one host-to-device copy of the span of
+those bytes its launches reference (:func:`launch_span`). Larger entries (the grammar mask, the
+prompt histogram: large, read for a few rows only) live in one mapped pinned host block that kernels
+read directly through its device address (zero copy).
+
+Completion (per frame, :func:`plan_completion`): the COMPLETION buffers packed the same way into
+one device block and a pinned host mirror; a graph ends with one device-to-host copy of the span of
+completion bytes its launches reference.
+
+Fences: :meth:`CudaBackend.run` launches the frame's graph on the context's stream and records the
+frame's event. :meth:`CudaBackend.transport` waits for that event before handing out the staging
+arrays (the host never rewrites staging the GPU may still read) and :meth:`CudaBackend.completion`
+waits for it before handing out the mirror.
+
+Graphs are built from the node list (no stream capture): the copy-in node, then every launch of the
+device's target in node and list order, each depending on the one before (a programmatic edge when
+the launch is marked ``programmatic_wait``, programmatic launches are enabled and the previous node
+is a kernel), then the copy-out node. Launch parameters resolve buffer names to this frame's
+transport and completion addresses and to the shared buffers' addresses otherwise
+(:func:`frame_addresses`); an empty buffer name passes a null address.
+
+Buffer shapes follow the reference backend exactly (:func:`runtime_shape`): a leading
+``CACHE_PAGES`` or ``STATE_ROWS`` dimension takes the load-time extent, ``SNAPSHOT_ROWS`` the chosen
+snapshot rows (0 keeps preparation's count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from helios_core.backends.cuda_driver import Context, CudaError, GraphBuilder, HostBuffer, open_context, pack_params
+from helios_core.container.reader import CoreFile
+from helios_core.contract.prepared import PreparedContract
+from helios_core.dtypes import NUMPY_DTYPES, dtype_name
+from helios_core.errors import ContractError, HeliosError, StartupError, UnsupportedFeatureError
+from helios_core.wire import container_pb2 as cb
+from helios_core.wire import manifest_pb2 as mf
+
+__all__ = [
+    "STAGING_ALIGNMENT",
+    "TRANSPORT_COPY_LIMIT",
+    "BlockLayout",
+    "CudaBackend",
+    "Slot",
+    "TransportLayout",
+    "check_targets",
+    "frame_addresses",
+    "launch_span",
+    "plan_completion",
+    "plan_transport",
+    "reserved_device_nbytes",
+    "runtime_shape",
+]
+
+AnyArray = NDArray[Any]
+
+TRANSPORT_COPY_LIMIT = 64 * 1024
+"""Transport entries of at most this many bytes are copied to the device by each graph; larger
+entries stay in mapped host memory that kernels read in place."""
+
+STAGING_ALIGNMENT = 256
+"""Byte alignment of every entry within a staging, mapped or completion block."""
+
+_SYMBOLIC = (mf.DIM_SYMBOL_CACHE_PAGES, mf.DIM_SYMBOL_STATE_ROWS, mf.DIM_SYMBOL_SNAPSHOT_ROWS)
+
+
+# ----------------------------------------------------------------------------------------------
+# pure planning: shapes, layouts, spans, addresses (no driver involved)
+# ----------------------------------------------------------------------------------------------
+
+
+def numpy_dtype(name: str, dtype: int) -> np.dtype[Any]:
+    """The numpy storage of a wire dtype; a dtype without one is an unsupported feature."""
+    found = NUMPY_DTYPES.get(dtype)
+    if found is None:
+        raise UnsupportedFeatureError(f"buffer {name!r} has dtype {dtype_name(dtype)}, which has no numpy storage")
+    return found
+
+
+def runtime_shape(decl: mf.BufferDecl, *, cache_pages: int, state_rows: int, snapshot_rows: int) -> tuple[int, ...]:
+    """A buffer's shape at load, as the reference backend resolves it."""
+    shape = []
+    for index, dim in enumerate(decl.shape):
+        if dim.symbol in _SYMBOLIC:
+            if index != 0:
+                raise ContractError(f"buffer {decl.name!r}: only the leading dimension may be symbolic")
+            if dim.symbol == mf.DIM_SYMBOL_CACHE_PAGES:
+                shape.append(cache_pages)
+            elif dim.symbol == mf.DIM_SYMBOL_STATE_ROWS:
+                shape.append(state_rows)
+            else:  # 0 (no capacity chosen at load) keeps preparation's working-set count
+                shape.append(snapshot_rows or int(dim.size))
+        else:
+            shape.append(int(dim.size))
+    return tuple(shape)
+
+
+def _align(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One array's place in a block: byte offset, byte size, dtype and shape."""
+
+    name: str
+    offset: int
+    nbytes: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Arrays packed into one allocation, each at an aligned offset, in declaration order."""
+
+    slots: Mapping[str, Slot]
+    nbytes: int
+    """Bytes of the block (a multiple of the alignment; 0 when it holds nothing)."""
+
+
+@dataclass(frozen=True)
+class TransportLayout:
+    """One frame's transport: the copied block and the mapped block."""
+
+    copied: BlockLayout
+    mapped: BlockLayout
+
+    def slot(self, name: str) -> tuple[Slot, bool] | None:
+        """The entry's slot and whether it is mapped; None for a name that is no entry."""
+        found = self.copied.slots.get(name)
+        if found is not None:
+            return found, False
+        found = self.mapped.slots.get(name)
+        return None if found is None else (found, True)
+
+
+def plan_block(
+    arrays: Iterable[tuple[str, np.dtype[Any], tuple[int, ...]]], alignment: int = STAGING_ALIGNMENT
+) -> BlockLayout:
+    """Pack ``(name, dtype, shape)`` arrays at ``alignment``-aligned offsets, in the given order."""
+    slots: dict[str, Slot] = {}
+    cursor = 0
+    for name, dtype, shape in arrays:
+        offset = _align(cursor, alignment)
+        nbytes = math.prod(shape) * dtype.itemsize
+        slots[name] = Slot(name, offset, nbytes, dtype, shape)
+        cursor = offset + nbytes
+    return BlockLayout(slots, _align(cursor, alignment))
+
+
+def plan_transport(
+    transport: mf.Transport, *, copy_limit: int = TRANSPORT_COPY_LIMIT, alignment: int = STAGING_ALIGNMENT
+) -> TransportLayout:
+    """Place each transport entry: at most ``copy_limit`` bytes in the copied block, else mapped."""
+    copied: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
+    mapped: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
+    for entry in transport.entries:
+        dtype = numpy_dtype(entry.name, entry.dtype)
+        shape = tuple(int(s) for s in entry.shape)
+        (mapped if math.prod(shape) * dtype.itemsize > copy_limit else copied).append((entry.name, dtype, shape))
+    return TransportLayout(plan_block(copied, alignment), plan_block(mapped, alignment))
+
+
+def plan_completion(
+    decls: Sequence[mf.BufferDecl], shapes: Mapping[str, tuple[int, ...]], alignment: int = STAGING_ALIGNMENT
+) -> BlockLayout:
+    """Place each COMPLETION buffer of ``decls`` (at its runtime shape) in one block."""
+    return plan_block(
+        ((d.name, numpy_dtype(d.name, d.dtype), shapes[d.name]) for d in decls if d.role == mf.BUFFER_ROLE_COMPLETION),
+        alignment,
+    )
+
+
+def target_launches(program: mf.ProgramDecl, target: str) -> list[tuple[mf.Node, mf.KernelLaunch]]:
+    """The program's launches for ``target``, in node order and, within a node, list order."""
+    return [(node, launch) for node in program.nodes for launch in node.launches if launch.target == target]
+
+
+def launch_span(program: mf.ProgramDecl, target: str, block: BlockLayout) -> tuple[int, int] | None:
+    """The byte span ``[start, end)`` of ``block`` covering every slot that an address parameter of the
+    program's ``target`` launches names; None when they name none (or only empty slots)."""
+    start, end = None, None
+    for _node, launch in target_launches(program, target):
+        for param in launch.params:
+            if param.kind != mf.PARAM_KIND_ADDRESS or not param.buffer:
+                continue
+            slot = block.slots.get(param.buffer)
+            if slot is None or slot.nbytes == 0:
+                continue
+            start = slot.offset if start is None else min(start, slot.offset)
+            end = slot.end if end is None else max(end, slot.end)
+    if start is None or end is None:
+        return None
+    return start, end
+
+
+def frame_addresses(
+    shared: Mapping[str, int],
+    transport: TransportLayout,
+    copied_base: int,
+    mapped_base: int,
+    completion: BlockLayout,
+    completion_base: int,
+) -> dict[str, int]:
+    """Device address of every name a launch parameter of one frame may use.
+
+    Transport entries resolve into the frame's device block (copied) or the device address of its
+    mapped block; completion buffers into the frame's completion block; every other buffer to its
+    shared allocation.
+    """
+    addresses = {name: copied_base + slot.offset for name, slot in transport.copied.slots.items()}
+    addresses.update({name: mapped_base + slot.offset for name, slot in transport.mapped.slots.items()})
+    addresses.update(shared)
+    addresses.update({name: completion_base + slot.offset for name, slot in completion.slots.items()})
+    return addresses
+
+
+def check_targets(execution: mf.ExecutionManifest, architecture: str) -> None:
+    """The core must have launches for ``architecture`` on every node of every program."""
+    rebuild = f"rebuild it with `ignition build --targets reference,{architecture}`"
+    targets = list(execution.targets)
+    if architecture not in targets:
+        built = f"targets {', '.join(targets)}" if targets else "no GPU target (reference only)"
+        raise StartupError(f"the core has {built}, not this GPU's {architecture}; {rebuild}")
+    for program in list(execution.programs) + list(execution.tuning_programs):
+        if not program.nodes:
+            raise StartupError(f"program {program.name!r} has no {architecture} launches; {rebuild}")
+        for node in program.nodes:
+            if not any(launch.target == architecture for launch in node.launches):
+                raise StartupError(
+                    f"program {program.name!r} node {node.name!r} has no {architecture} launch; {rebuild}"
+                )
+
+
+def reserved_device_nbytes(
+    execution: mf.ExecutionManifest,
+    *,
+    state_rows: int,
+    snapshot_rows: int,
+    frames: int,
+    copy_limit: int = TRANSPORT_COPY_LIMIT,
+) -> int:
+    """Device bytes of everything but the cache planes: buffers, and each frame's copied transport
+    block and completion block (what a CUDA backend allocates besides its cache)."""
+    total = 0
+    shapes: dict[str, tuple[int, ...]] = {}
+    for decl in execution.buffers:
+        shape = runtime_shape(decl, cache_pages=0, state_rows=state_rows, snapshot_rows=snapshot_rows)
+        shapes[decl.name] = shape
+        if decl.role in (mf.BUFFER_ROLE_CACHE_PLANE, mf.BUFFER_ROLE_COMPLETION):
+            continue
+        total += _align(math.prod(shape) * numpy_dtype(decl.name, decl.dtype).itemsize, STAGING_ALIGNMENT)
+    transport = plan_transport(execution.transport, copy_limit=copy_limit)
+    completion = plan_completion(execution.buffers, shapes)
+    return total + frames * (transport.copied.nbytes + completion.nbytes)
+
+
+def _view(buffer: HostBuffer, slot: Slot) -> AnyArray:
+    """A numpy array of the slot's dtype and shape over ``buffer``'s bytes (no copy)."""
+    if slot.nbytes == 0:
+        return np.zeros(slot.shape, dtype=slot.dtype)
+    raw = buffer.array()[slot.offset : slot.end]
+    return raw.view(slot.dtype).reshape(slot.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# the backend
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Frame:
+    """One execution frame's staging, completion and fence."""
+
+    host: HostBuffer
+    device: int
+    mapped: HostBuffer | None
+    completion_host: HostBuffer
+    completion_device: int
+    event: Any
+    staging: dict[str, AnyArray]
+    records: dict[int, AnyArray]
+    addresses: dict[str, int]
+    in_flight: bool = False
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A frame-independent device buffer."""
+
+    address: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+
+class CudaBackend:
+    """Buffers, staging, graphs and fences of one core on one GPU.
+
+    ``context``, when given, is an open context the backend takes over (it is closed with the
+    backend); otherwise the primary context of ``device`` is opened. Construction that fails half-way
+    releases everything it made before the error propagates.
+    """
+
+    def __init__(
+        self,
+        contract: PreparedContract,
+        core: CoreFile,
+        *,
+        cache_pages: int,
+        state_rows: int,
+        frames: int = 2,
+        snapshot_rows: int = 0,
+        device: int = 0,
+        programmatic: bool = True,
+        context: Context | None = None,
+        copy_limit: int = TRANSPORT_COPY_LIMIT,
+    ) -> None:
+        if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
+            raise ValueError(
+                f"cache_pages, state_rows and frames must be positive, got {cache_pages}, {state_rows}, {frames}"
+            )
+        if snapshot_rows < 0:
+            raise ValueError(f"snapshot_rows must not be negative, got {snapshot_rows}")
+        self._closed = False
+        self._frames_count = frames
+        self._programmatic = programmatic
+        self._context: Context | None = context
+        self._shared: dict[str, _Shared] = {}
+        self._frames: list[_Frame] = []
+        self._builders: list[GraphBuilder] = []
+        self._executables: list[Any] = []
+        self._events: list[Any] = []
+        self._programs: dict[str, list[Any]] = {}
+        self._transport_spans: dict[str, tuple[int, int] | None] = {}
+        self._completion_spans: dict[str, tuple[int, int] | None] = {}
+        try:
+            if self._context is None:
+                self._context = open_context(device)
+            self._start(contract, core, cache_pages, state_rows, snapshot_rows, copy_limit)
+        except BaseException:
+            with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
+                self.close()
+            raise
+
+    # -- public surface ---------------------------------------------------------------------------
+    @property
+    def frames(self) -> int:
+        """Execution frames (each has its own transport staging, completion record and fence)."""
+        return self._frames_count
+
+    @property
+    def programs(self) -> tuple[str, ...]:
+        """Names of the runnable programs (serving and tuning)."""
+        return tuple(self._programs)
+
+    @property
+    def architecture(self) -> str:
+        """The device's target name (``sm_90a``)."""
+        return self._ctx.architecture
+
+    @property
+    def transport_layout(self) -> TransportLayout:
+        return self._transport_layout
+
+    @property
+    def completion_layout(self) -> BlockLayout:
+        return self._completion_layout
+
+    def transport(self, frame: int) -> dict[str, AnyArray]:
+        """The frame's staging arrays by entry name, once the GPU no longer reads them."""
+        state = self._frames[self._frame(frame)]
+        self._fence(state)
+        return state.staging
+
+    def completion(self, frame: int) -> dict[int, AnyArray]:
+        """The frame's completion record keyed by ``CompletionField`` value, after the frame's fence."""
+        state = self._frames[self._frame(frame)]
+        self._fence(state)
+        return dict(state.records)
+
+    def run(self, program: str, frame: int) -> None:
+        """Launch ``program``'s graph of ``frame`` and record the frame's fence; returns at once."""
+        if self._closed:
+            raise CudaError("the CUDA backend is closed")
+        variants = self._programs.get(program)
+        if variants is None:
+            raise ValueError(f"unknown program {program!r}; known: {', '.join(self._programs)}")
+        index = self._frame(frame)
+        state = self._frames[index]
+        context = self._ctx
+        context.bind()
+        state.in_flight = True
+        context.launch_graph(variants[index])
+        context.record(state.event)
+
+    def download(self, name: str, *, frame: int = 0) -> AnyArray:
+        """A copy of a buffer's device contents (after draining every frame); transport and completion
+        names read ``frame``'s copy."""
+        address, dtype, shape, host = self._locate(name, frame)
+        self.drain()
+        if address is None:
+            return np.array(host, copy=True)
+        out = np.empty(shape, dtype=dtype)
+        self._ctx.download(address, out)
+        return out
+
+    def upload(self, name: str, array: AnyArray, *, frame: int = 0) -> None:
+        """Set a buffer's contents (after draining every frame); a transport entry's staging too."""
+        address, dtype, shape, host = self._locate(name, frame)
+        values = np.ascontiguousarray(array, dtype=dtype)
+        if values.size != math.prod(shape):
+            raise ValueError(f"{name!r} holds {math.prod(shape)} elements of shape {shape}, got {values.shape}")
+        values = values.reshape(shape)
+        self.drain()
+        if host is not None:
+            host[...] = values
+        if address is not None:
+            context = self._ctx
+            context.upload(address, values)
+            context.synchronize_context()  # a pageable upload may still be in flight when the call returns
+
+    def drain(self) -> None:
+        """Wait for every frame's fence and the stream (nothing of this backend runs afterwards)."""
+        context = self._ctx
+        context.bind()
+        for state in self._frames:
+            self._fence(state)
+        context.synchronize()
+
+    def close(self) -> None:
+        """Drain (wait every frame's fence, synchronize the stream), then destroy graphs and events, unload
+        modules, free device and pinned memory and release the context. Idempotent; every step is
+        attempted, and the first failure is raised at the end."""
+        if self._closed:
+            return
+        self._closed = True
+        context = self._context
+        self._context = None
+        if context is None:
+            return
+        errors: list[HeliosError] = []
+
+        def attempt(step: Any, *args: Any) -> None:
+            try:
+                step(*args)
+            except HeliosError as exc:
+                errors.append(exc)
+
+        attempt(context.make_current)
+        for event in self._events:
+            attempt(context.wait_event, event)
+        attempt(context.synchronize)
+        for executable in self._executables:
+            attempt(context.destroy_graph, executable)
+        for builder in self._builders:
+            attempt(builder.destroy)
+        for event in self._events:
+            attempt(context.destroy_event, event)
+        for state in self._frames:
+            for host in (state.host, state.mapped, state.completion_host):
+                if host is not None:
+                    attempt(context.host_free, host)
+            attempt(context.free, state.device)
+            attempt(context.free, state.completion_device)
+        for shared in self._shared.values():
+            attempt(context.free, shared.address)
+        attempt(context.close)  # unloads the modules, frees anything left, releases the context
+        self._executables.clear()
+        self._builders.clear()
+        self._events.clear()
+        self._frames.clear()
+        self._shared.clear()
+        self._programs.clear()
+        if errors:
+            raise errors[0]
+
+    # -- serving helpers --------------------------------------------------------------------------
+    @property
+    def _ctx(self) -> Context:
+        if self._context is None:
+            raise CudaError("the CUDA backend is closed")
+        return self._context
+
+    def _frame(self, frame: int) -> int:
+        if self._closed:
+            raise CudaError("the CUDA backend is closed")
+        if not 0 <= frame < self._frames_count:
+            raise ValueError(f"frame {frame} is outside [0, {self._frames_count})")
+        return frame
+
+    def _fence(self, state: _Frame) -> None:
+        if state.in_flight:
+            context = self._ctx
+            context.bind()
+            context.wait_event(state.event)
+            state.in_flight = False
+
+    def _locate(self, name: str, frame: int) -> tuple[int | None, np.dtype[Any], tuple[int, ...], AnyArray | None]:
+        """(device address or None, dtype, shape, host array or None) of a buffer or entry."""
+        shared = self._shared.get(name)
+        if shared is not None:
+            return shared.address, shared.dtype, shared.shape, None
+        state = self._frames[self._frame(frame)]
+        slot = self._completion_layout.slots.get(name)
+        if slot is not None:
+            return state.completion_device + slot.offset, slot.dtype, slot.shape, None
+        placed = self._transport_layout.slot(name)
+        if placed is not None:
+            slot, mapped = placed
+            host = state.staging[name]
+            return (None if mapped else state.device + slot.offset), slot.dtype, slot.shape, host
+        raise ValueError(f"unknown buffer {name!r}")
+
+    # -- construction -----------------------------------------------------------------------------
+    def _start(
+        self,
+        contract: PreparedContract,
+        core: CoreFile,
+        cache_pages: int,
+        state_rows: int,
+        snapshot_rows: int,
+        copy_limit: int,
+    ) -> None:
+        context = self._ctx
+        context.bind()
+        execution = contract.execution
+        architecture = context.architecture
+        self._target = architecture
+        check_targets(execution, architecture)
+        entries = {e.name for e in execution.transport.entries}
+        for decl in execution.buffers:
+            if decl.name in entries:
+                raise ContractError(f"buffer {decl.name!r} is declared both as a buffer and as a transport entry")
+        shapes = {
+            d.name: runtime_shape(d, cache_pages=cache_pages, state_rows=state_rows, snapshot_rows=snapshot_rows)
+            for d in execution.buffers
+        }
+        functions = self._load_code(execution, core, architecture)
+        self._allocate_buffers(execution, core, shapes)
+        self._transport_layout = plan_transport(execution.transport, copy_limit=copy_limit)
+        self._completion_layout = plan_completion(execution.buffers, shapes)
+        fields: dict[int, str] = {}
+        for record in execution.completion:
+            if record.buffer not in self._completion_layout.slots:
+                raise ContractError(
+                    f"completion field {mf.CompletionField.Name(record.field)} names {record.buffer!r}, "
+                    "which is not a COMPLETION buffer"
+                )
+            fields[int(record.field)] = record.buffer
+        for frame in range(self._frames_count):
+            self._frames.append(self._allocate_frame(frame, execution.transport, fields))
+        programs = list(execution.programs) + list(execution.tuning_programs)
+        for program in programs:
+            self._transport_spans[program.name] = launch_span(program, architecture, self._transport_layout.copied)
+            self._completion_spans[program.name] = launch_span(program, architecture, self._completion_layout)
+        for program in programs:
+            self._programs[program.name] = [
+                self._build_graph(program, frame, functions) for frame in range(self._frames_count)
+            ]
+        context.synchronize_context()  # uploads and memsets ran on the legacy stream
+        self._run_tuning(execution)
+
+    def _load_code(
+        self, execution: mf.ExecutionManifest, core: CoreFile, architecture: str
+    ) -> dict[tuple[str, str], Any]:
+        """Load each module of the target once and resolve each (module, symbol) once."""
+        context = self._ctx
+        modules: dict[str, Any] = {}
+        for decl in execution.modules:
+            if decl.target != architecture:
+                continue
+            image = bytes(core.read_resource(decl.resource_id, cb.RESOURCE_KIND_MODULE))
+            if decl.format == mf.MODULE_FORMAT_PTX and not image.endswith(b"\0"):
+                image += b"\0"  # the driver reads PTX as a NUL-terminated string
+            elif decl.format not in (mf.MODULE_FORMAT_CUBIN, mf.MODULE_FORMAT_PTX):
+                raise UnsupportedFeatureError(
+                    f"module {decl.name!r} has format {int(decl.format)}, which the CUDA backend cannot load"
+                )
+            try:
+                modules[decl.name] = context.load_module(image)
+            except CudaError as exc:
+                raise CudaError(f"module {decl.name!r} ({architecture}): {exc}") from exc
+        shared_bytes: dict[tuple[str, str], int] = {}
+        where: dict[tuple[str, str], str] = {}
+        for program in list(execution.programs) + list(execution.tuning_programs):
+            for node, launch in target_launches(program, architecture):
+                key = (launch.module, launch.symbol)
+                if launch.module not in modules:
+                    raise ContractError(
+                        f"program {program.name!r} node {node.name!r}: launch names module {launch.module!r}, "
+                        f"which is not an {architecture} module of the core"
+                    )
+                _check_geometry(f"program {program.name!r} node {node.name!r}", launch)
+                shared_bytes[key] = max(shared_bytes.get(key, 0), int(launch.shared_bytes))
+                where.setdefault(key, f"program {program.name!r} node {node.name!r}")
+        functions: dict[tuple[str, str], Any] = {}
+        for key, needed in shared_bytes.items():
+            module, symbol = key
+            try:
+                functions[key] = context.function(modules[module], symbol, needed)
+            except CudaError as exc:
+                raise CudaError(
+                    f"{where[key]}: kernel {symbol!r} of module {module!r} ({needed} shared bytes): {exc}"
+                ) from exc
+        return functions
+
+    def _allocate_buffers(
+        self, execution: mf.ExecutionManifest, core: CoreFile, shapes: Mapping[str, tuple[int, ...]]
+    ) -> None:
+        """Every non-completion buffer once: weights uploaded (each resource read once), the rest zeroed."""
+        context = self._ctx
+        weights: dict[str, list[mf.BufferDecl]] = {}
+        for decl in execution.buffers:
+            if decl.role == mf.BUFFER_ROLE_COMPLETION:
+                continue
+            dtype = numpy_dtype(decl.name, decl.dtype)
+            shape = shapes[decl.name]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if decl.role == mf.BUFFER_ROLE_WEIGHTS and any(d.symbol in _SYMBOLIC for d in decl.shape):
+                raise ContractError(f"weights buffer {decl.name!r} has a symbolic dimension")
+            address = context.alloc(nbytes)
+            self._shared[decl.name] = _Shared(address, dtype, shape)
+            if decl.role == mf.BUFFER_ROLE_WEIGHTS:
+                weights.setdefault(decl.resource_id, []).append(decl)
+            else:
+                context.memset(address, nbytes)
+        for resource_id, decls in weights.items():
+            data = core.read_resource(resource_id, cb.RESOURCE_KIND_WEIGHTS)
+            for decl in decls:
+                shared = self._shared[decl.name]
+                offset = int(decl.resource_offset)
+                end = offset + math.prod(shared.shape) * shared.dtype.itemsize
+                if end > len(data):
+                    raise ContractError(
+                        f"weights buffer {decl.name!r} needs bytes [{offset}, {end}) of resource "
+                        f"{resource_id!r}, which holds {len(data)}"
+                    )
+                context.upload(shared.address, memoryview(data)[offset:end])
+            del data  # the host bytes are not kept once they are on the device
+
+    def _allocate_frame(self, frame: int, transport: mf.Transport, fields: Mapping[int, str]) -> _Frame:
+        context = self._ctx
+        layout = self._transport_layout
+        host = context.host_alloc(layout.copied.nbytes)
+        device = context.alloc(layout.copied.nbytes)
+        mapped = context.host_alloc(layout.mapped.nbytes, mapped=True) if layout.mapped.slots else None
+        completion_host = context.host_alloc(self._completion_layout.nbytes)
+        completion_device = context.alloc(self._completion_layout.nbytes)
+        context.memset(completion_device, self._completion_layout.nbytes)
+        event = context.event()
+        self._events.append(event)
+        staging = {name: _view(host, slot) for name, slot in layout.copied.slots.items()}
+        if mapped is not None:
+            staging.update({name: _view(mapped, slot) for name, slot in layout.mapped.slots.items()})
+        ordered = {e.name: staging[e.name] for e in transport.entries}  # declaration order, like the reference
+        if transport.frame_index_entry and transport.frame_index_entry in ordered:
+            ordered[transport.frame_index_entry][...] = frame
+        context.upload(device, host.array())  # the device copy starts equal to the staging
+        mirror = {name: _view(completion_host, slot) for name, slot in self._completion_layout.slots.items()}
+        records = {field: mirror[name] for field, name in fields.items()}
+        addresses = frame_addresses(
+            {name: shared.address for name, shared in self._shared.items()},
+            layout,
+            device,
+            mapped.device_pointer if mapped is not None else 0,
+            self._completion_layout,
+            completion_device,
+        )
+        return _Frame(host, device, mapped, completion_host, completion_device, event, ordered, records, addresses)
+
+    def _build_graph(self, program: mf.ProgramDecl, frame: int, functions: Mapping[tuple[str, str], Any]) -> Any:
+        """Build and instantiate the graph of ``program`` on ``frame``: copy in, launches, copy out."""
+        context = self._ctx
+        state = self._frames[frame]
+        builder = context.graph()
+        self._builders.append(builder)
+        previous: Any = None
+        previous_is_kernel = False
+        span = self._transport_spans[program.name]
+        if span is not None:
+            start, end = span
+            previous = builder.copy(state.device + start, state.host.pointer + start, end - start, None, to_device=True)
+        for node, launch in target_launches(program, self._target):
+            where = f"program {program.name!r} node {node.name!r} frame {frame}"
+            try:
+                params = pack_params(launch.params, state.addresses)
+            except CudaError as exc:
+                raise ContractError(f"{where}: {exc}") from exc
+            programmatic = self._programmatic and launch.programmatic_wait and previous_is_kernel
+            try:
+                previous = builder.kernel(
+                    functions[(launch.module, launch.symbol)],
+                    launch.grid,
+                    launch.block,
+                    int(launch.shared_bytes),
+                    params,
+                    previous,
+                    programmatic=programmatic,
+                )
+            except CudaError as exc:
+                raise CudaError(f"{where}: {exc}") from exc
+            previous_is_kernel = True
+        span = self._completion_spans[program.name]
+        if span is not None:
+            start, end = span
+            builder.copy(
+                state.completion_host.pointer + start,
+                state.completion_device + start,
+                end - start,
+                previous,
+                to_device=False,
+            )
+        try:
+            executable = builder.instantiate()
+        except CudaError as exc:
+            raise CudaError(f"program {program.name!r} frame {frame}: {exc}") from exc
+        self._executables.append(executable)
+        return executable
+
+    def _run_tuning(self, execution: mf.ExecutionManifest) -> None:
+        """Run each tuning producer once, then drain: tuned buffers are filled before serving starts."""
+        tuning = {p.name for p in execution.tuning_programs}
+        buffers = {b.name for b in execution.buffers}
+        for producer in execution.tuning:
+            if producer.program not in tuning:
+                raise ContractError(f"tuning producer {producer.program!r} has no program in the tuning catalog")
+            missing = [name for name in producer.outputs if name not in buffers]
+            if missing:
+                raise ContractError(f"tuning producer {producer.program!r} fills unknown buffers {missing}")
+            try:
+                self.run(producer.program, 0)
+                self.drain()
+            except CudaError as exc:
+                raise CudaError(f"tuning producer {producer.program!r}: {exc}") from exc
+
+
+def _check_geometry(where: str, launch: mf.KernelLaunch) -> None:
+    if len(launch.grid) != 3 or len(launch.block) != 3:
+        raise ContractError(f"{where}: a launch needs three grid and three block dimensions")
+    if any(int(g) < 1 for g in launch.grid) or any(int(b) < 1 for b in launch.block):
+        raise ContractError(f"{where}: launch grid {list(launch.grid)} and block {list(launch.block)} must be positive")

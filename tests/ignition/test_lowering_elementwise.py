@@ -1,0 +1,344 @@
+"""The elementwise and row operators lower to sm_90a launches on a machine without a GPU."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from ignition.kernels import compiler, elementwise
+from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
+
+from helios_core.wire import manifest_pb2 as mf
+
+WIRE = {
+    np.dtype(np.float32): mf.DTYPE_F32,
+    np.dtype(np.uint16): mf.DTYPE_BF16,
+    np.dtype(np.int32): mf.DTYPE_I32,
+    np.dtype(np.int64): mf.DTYPE_I64,
+    np.dtype(np.uint8): mf.DTYPE_U8,
+}
+
+
+def _manifest(
+    op: str,
+    arrays: Mapping[str, np.ndarray],
+    attributes: Mapping[str, Any],
+    weights: Sequence[str] = (),
+    symbolic: Mapping[str, int] | None = None,
+    alias: Mapping[str, str] | None = None,
+) -> tuple[mf.ExecutionManifest, mf.Node]:
+    """One node over one whole buffer per array (``alias`` points an argument at another's buffer)."""
+    manifest = mf.ExecutionManifest(abi_label="test", ranks=1, op_catalogue=1)
+    node = manifest.programs.add(name="test").nodes.add(name=op)
+    node.op.name, node.op.version = op, 1
+    for name, array in arrays.items():
+        role = mf.BUFFER_ROLE_WEIGHTS if name in weights else mf.BUFFER_ROLE_SCRATCH
+        decl = manifest.buffers.add(name=name, role=role, dtype=WIRE[array.dtype])
+        for axis, size in enumerate(array.shape):
+            symbol = (symbolic or {}).get(name, mf.DIM_SYMBOL_UNSPECIFIED) if axis == 0 else 0
+            decl.shape.add(size=int(size), symbol=symbol)  # type: ignore[arg-type]
+        buffer = (alias or {}).get(name, name)
+        node.args.add(name=name, view=mf.BufferView(buffer=buffer, shape=[int(s) for s in array.shape]))
+    for name, value in attributes.items():
+        attr = node.attributes.add(name=name)
+        if isinstance(value, int):
+            attr.int_value = value
+        elif isinstance(value, float):
+            attr.float_value = value
+        elif isinstance(value, str):
+            attr.string_value = value
+        else:
+            attr.floats.values.extend(float(v) for v in value)
+    return manifest, node
+
+
+def _lower(
+    op: str,
+    arrays: Mapping[str, np.ndarray],
+    attributes: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
+    manifest, node = _manifest(op, arrays, attributes or {}, **options)
+    context = LoweringContext(manifest, "sm_90a", program="test", node=op)
+    return context, LOWERINGS[(op, 1)](context, node)
+
+
+def _scratch_params(launch: mf.KernelLaunch) -> int:
+    digest = launch.module.rsplit(".", 1)[1]
+    for kernel in compiler._MEMORY.values():
+        if kernel.symbol == launch.symbol and kernel.digest.startswith(digest):
+            return kernel.scratch_params
+    raise AssertionError(f"no compiled kernel behind module {launch.module}")
+
+
+def _check(
+    context: LoweringContext,
+    launch: mf.KernelLaunch,
+    runtime: Sequence[str | tuple[int, Any]],
+    grid: Sequence[int] | None = None,
+) -> None:
+    """``runtime`` names each address parameter's buffer, or gives a scalar's (kind, value), in order."""
+    assert launch.target == "sm_90a"
+    assert launch.programmatic_wait
+    assert len(launch.grid) == 3 and all(g >= 1 for g in launch.grid)
+    assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535
+    if grid is not None:
+        assert list(launch.grid) == [*grid, *[1] * (3 - len(grid))]
+    assert launch.block[0] % 32 == 0 and 32 <= launch.block[0] <= 1024 and list(launch.block[1:]) == [1, 1]
+    assert launch.shared_bytes >= 0
+    assert len(launch.params) == len(runtime) + _scratch_params(launch)
+    for param, want in zip(launch.params, runtime, strict=False):
+        if isinstance(want, str):
+            assert param.kind == mf.PARAM_KIND_ADDRESS and param.buffer == want
+        else:
+            kind, value = want
+            assert param.kind == kind
+            got = param.float_value if kind == mf.PARAM_KIND_F32 else param.int_value
+            assert got == pytest.approx(value)
+    for param in launch.params[len(runtime) :]:
+        assert param.kind == mf.PARAM_KIND_ADDRESS and not param.buffer
+    module = context.modules[launch.module]
+    assert module.decl.format == mf.MODULE_FORMAT_CUBIN
+    assert module.data[:4] == b"\x7fELF"
+
+
+def f32(*shape: int) -> np.ndarray:
+    return np.zeros(shape, np.float32)
+
+
+def i32(*shape: int) -> np.ndarray:
+    return np.zeros(shape, np.int32)
+
+
+def u8(*shape: int) -> np.ndarray:
+    return np.zeros(shape, np.uint8)
+
+
+def bf16(*shape: int) -> np.ndarray:
+    return np.zeros(shape, np.uint16)
+
+
+@pytest.mark.parametrize(("vocab", "hidden", "tokens", "table"), [(500, 576, 1, f32), (97, 4096, 19, bf16)])
+def test_embedding(vocab: int, hidden: int, tokens: int, table: Any) -> None:
+    arrays = {"table": table(vocab, hidden), "ids": i32(tokens), "out": f32(tokens, hidden)}
+    context, launches = _lower("embedding", arrays, weights=["table"])
+    assert len(launches) == 1
+    _check(context, launches[0], ["table", "ids", "out"])
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (64, 4096), (3, 16384)])
+def test_rmsnorm(rows: int, hidden: int) -> None:
+    arrays = {"x": f32(rows, hidden), "weight": f32(hidden), "out": f32(rows, hidden)}
+    context, launches = _lower("rmsnorm", arrays, {"eps": 1e-5}, weights=["weight"])
+    _check(context, launches[0], ["x", "weight", "out", (mf.PARAM_KIND_F32, 1e-5)], grid=[rows])
+
+
+def test_rmsnorm_in_place_reads_and_writes_one_buffer() -> None:
+    arrays = {"x": f32(4, 576), "weight": f32(576), "out": f32(4, 576)}
+    context, launches = _lower("rmsnorm", arrays, {"eps": 1e-6}, alias={"out": "x"})
+    _check(context, launches[0], ["x", "weight", "x", (mf.PARAM_KIND_F32, 1e-6)], grid=[4])
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (7, 1536)])
+def test_silu_mul(rows: int, width: int) -> None:
+    arrays = {"gate": f32(rows, width), "up": f32(rows, width), "out": f32(rows, width)}
+    context, launches = _lower("silu_mul", arrays)
+    _check(context, launches[0], ["gate", "up", "out"])
+
+
+@pytest.mark.parametrize(("a", "b"), [((1, 576), (1, 576)), ((64, 576), (576,)), ((4, 3, 8), (4, 1, 1))])
+def test_add(a: tuple[int, ...], b: tuple[int, ...]) -> None:
+    context, launches = _lower("add", {"a": f32(*a), "b": f32(*b), "out": f32(*a)})
+    _check(context, launches[0], ["a", "b", "out"])
+
+
+def test_add_rejects_a_shape_that_does_not_broadcast() -> None:
+    with pytest.raises(LoweringError, match="broadcast"):
+        _lower("add", {"a": f32(4, 6), "b": f32(5), "out": f32(4, 6)})
+
+
+@pytest.mark.parametrize(
+    ("x", "index", "out"),
+    [(f32(64, 576), i32(8), f32(8, 576)), (f32(1, 576), i32(1), f32(1, 576)), (i32(32, 1), i32(4), i32(4, 1))],
+)
+def test_gather_rows(x: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    context, launches = _lower("gather_rows", {"x": x, "index": index, "out": out})
+    _check(context, launches[0], ["x", "index", "out"])
+
+
+def test_gather_rows_rejects_float_rows_into_integers() -> None:
+    with pytest.raises(LoweringError, match="float or integer"):
+        _lower("gather_rows", {"x": f32(4, 2), "index": i32(2), "out": i32(2, 2)})
+
+
+def test_gather_rows_compiles_no_state_row_count() -> None:
+    """Pending tokens of any state-row count share one kernel: the leading extent is not compiled in."""
+    modules = set()
+    for state_rows in (8, 40):
+        arrays = {"x": i32(state_rows, 1), "index": i32(4), "out": i32(4, 1)}
+        _, launches = _lower("gather_rows", arrays, symbolic={"x": mf.DIM_SYMBOL_STATE_ROWS})
+        modules.add(launches[0].module)
+    assert len(modules) == 1
+
+
+@pytest.mark.parametrize("lanes", [1, 8, 2500])
+def test_lane_last_index(lanes: int) -> None:
+    context, launches = _lower("lane_last_index", {"query_length": i32(lanes), "out": i32(lanes)})
+    _check(context, launches[0], ["query_length", "out"], grid=[1])
+
+
+@pytest.mark.parametrize(
+    ("arrays", "runtime"),
+    [
+        (
+            {"src": f32(256, 16, 3, 64), "src_rows": i32(1), "dst_rows": i32(1), "dst": f32(8, 16, 3, 64)},
+            ["src", "dst_rows", "src_rows", "dst"],
+        ),
+        (
+            {"src": u8(8, 1003), "src_rows": i32(1), "dst_rows": i32(1), "dst": u8(8, 1003)},
+            ["src", "dst_rows", "src_rows", "dst"],
+        ),
+        (
+            {"src": i32(4, 1), "dst_rows": i32(4), "when": u8(4), "dst": i32(16, 1)},
+            ["src", "dst_rows", "when", "dst"],
+        ),
+        ({"src": bf16(5, 7), "dst_rows": i32(2), "dst": bf16(4, 7)}, ["src", "dst_rows", "dst"]),
+    ],
+)
+def test_copy_rows(arrays: dict[str, np.ndarray], runtime: list[str]) -> None:
+    context, launches = _lower("copy_rows", arrays)
+    assert len(launches) == 1
+    _check(context, launches[0], runtime)
+
+
+def test_copy_rows_within_one_buffer_stages_through_a_workspace() -> None:
+    arrays = {"src": f32(32, 16, 3, 64), "src_rows": i32(2), "dst_rows": i32(2), "dst": f32(32, 16, 3, 64)}
+    context, launches = _lower("copy_rows", arrays, alias={"dst": "src"})
+    assert len(launches) == 2
+    _check(context, launches[0], ["src", "dst_rows", "src_rows", "workspace.copy_rows"])
+    _check(context, launches[1], ["workspace.copy_rows", "dst_rows", "src_rows", "src"])
+    staging = next(b for b in context.manifest.buffers if b.name == "workspace.copy_rows")
+    assert staging.role == mf.BUFFER_ROLE_SCRATCH and staging.shape[0].size >= 2 * 16 * 3 * 64 * 4
+
+
+def test_copy_rows_compiles_no_cache_page_count() -> None:
+    modules = set()
+    for pages in (64, 200):
+        arrays = {"src": f32(pages, 16, 2, 64), "src_rows": i32(1), "dst_rows": i32(1), "dst": f32(4, 16, 2, 64)}
+        _, launches = _lower(
+            "copy_rows", arrays, symbolic={"src": mf.DIM_SYMBOL_CACHE_PAGES, "dst": mf.DIM_SYMBOL_SNAPSHOT_ROWS}
+        )
+        modules.add(launches[0].module)
+    assert len(modules) == 1
+
+
+def test_copy_rows_rejects_mixed_dtypes() -> None:
+    with pytest.raises(LoweringError, match="differs"):
+        _lower("copy_rows", {"src": f32(4, 2), "dst_rows": i32(2), "dst": i32(4, 2)})
+
+
+@pytest.mark.parametrize(("lanes", "vocab"), [(1, 576), (8, 49152)])
+def test_init_sampling_state(lanes: int, vocab: int) -> None:
+    arrays = {
+        "prompt_histogram": u8(lanes, vocab),
+        "rows": i32(lanes),
+        "prompt_presence": u8(16, vocab),
+        "output_counts": i32(16, vocab),
+    }
+    context, launches = _lower(
+        "init_sampling_state",
+        arrays,
+        symbolic={"prompt_presence": mf.DIM_SYMBOL_STATE_ROWS, "output_counts": mf.DIM_SYMBOL_STATE_ROWS},
+    )
+    _check(context, launches[0], ["prompt_histogram", "rows", "prompt_presence", "output_counts"])
+
+
+RECORD = ["out_generation", "out_emitted", "out_consumed", "out_draft_cursor", "out_reserved", "out_sequence"]
+
+
+def _record(lanes: int) -> dict[str, np.ndarray]:
+    arrays = {name: i32(lanes) for name in RECORD[:-1]}
+    arrays["out_sequence"] = np.zeros(1, np.int64)
+    return arrays
+
+
+@pytest.mark.parametrize(("lanes", "tokens"), [(1, 1), (8, 64)])
+def test_completion_lanes(lanes: int, tokens: int) -> None:
+    arrays = {
+        "generation": i32(lanes),
+        "sample_active": u8(lanes),
+        "last_index": i32(lanes),
+        "positions": i32(tokens),
+        "submission_sequence": np.zeros(1, np.int64),
+        **_record(lanes),
+    }
+    context, launches = _lower("completion_lanes", arrays)
+    inputs = ["generation", "sample_active", "last_index", "positions", "submission_sequence"]
+    _check(context, launches[0], inputs + RECORD, grid=[1])
+
+
+def test_completion_copy_lanes() -> None:
+    arrays = {"generation": i32(1), "consumed": i32(1), "submission_sequence": np.zeros(1, np.int64), **_record(1)}
+    context, launches = _lower("completion_copy_lanes", arrays)
+    _check(context, launches[0], ["generation", "consumed", "submission_sequence", *RECORD], grid=[1])
+
+
+def test_completion_lanes_rejects_a_short_output() -> None:
+    arrays = {"generation": i32(4), "consumed": i32(4), "submission_sequence": np.zeros(1, np.int64), **_record(4)}
+    arrays["out_reserved"] = i32(3)
+    with pytest.raises(LoweringError, match="out_reserved"):
+        _lower("completion_copy_lanes", arrays)
+
+
+def test_tail_page() -> None:
+    arrays = {"page_table": i32(1, 32), "consumed": i32(1), "out": i32(1)}
+    context, launches = _lower("tail_page", arrays, {"page_tokens": 16})
+    _check(context, launches[0], ["page_table", "consumed", "out"], grid=[1])
+
+
+@pytest.mark.parametrize(
+    ("shape", "attributes"),
+    [
+        ((1, 9, 64), {"theta": 10000.0, "style": "half"}),
+        ((64, 32, 128), {"theta": 500000.0, "style": "interleaved", "frequency_band_scaling": (8.0, 1.0, 4.0, 8192.0)}),
+        ((3, 2, 80), {"theta": 10000.0, "style": "interleaved"}),
+    ],
+)
+def test_rope(shape: tuple[int, int, int], attributes: dict[str, Any]) -> None:
+    arrays = {"x": f32(*shape), "positions": i32(shape[0]), "out": f32(*shape)}
+    context, launches = _lower("rope", arrays, attributes, alias={"out": "x"})
+    theta_bits = elementwise._f64_bits(math.log2(attributes["theta"]))
+    band = attributes.get("frequency_band_scaling", (0.0, 0.0, 0.0, 0.0))
+    scalars = [(mf.PARAM_KIND_I64, theta_bits), *((mf.PARAM_KIND_I64, elementwise._f64_bits(v)) for v in band)]
+    _check(context, launches[0], ["x", "positions", "x", *scalars])
+    assert launches[0].grid[0] == shape[0]
+
+
+def test_rope_rejects_an_unknown_style() -> None:
+    with pytest.raises(LoweringError, match="style"):
+        _lower("rope", {"x": f32(1, 2, 8), "positions": i32(1), "out": f32(1, 2, 8)}, {"theta": 1e4, "style": "odd"})
+
+
+@pytest.mark.parametrize(("tokens", "kv_heads", "head_dim"), [(1, 2, 64), (16, 8, 128)])
+def test_kv_cache_write(tokens: int, kv_heads: int, head_dim: int) -> None:
+    arrays = {
+        "k": f32(tokens, kv_heads, head_dim),
+        "v": f32(tokens, kv_heads, head_dim),
+        "slots": np.zeros(tokens, np.int64),
+        "k_plane": f32(32, 16, kv_heads, head_dim),
+        "v_plane": f32(32, 16, kv_heads, head_dim),
+    }
+    symbolic = {"k_plane": mf.DIM_SYMBOL_CACHE_PAGES, "v_plane": mf.DIM_SYMBOL_CACHE_PAGES}
+    context, launches = _lower("kv_cache_write", arrays, symbolic=symbolic)
+    _check(context, launches[0], ["k", "v", "slots", "k_plane", "v_plane"])
+
+
+def test_every_operator_is_registered() -> None:
+    for op in elementwise.KERNELS:
+        assert (op, 1) in LOWERINGS
