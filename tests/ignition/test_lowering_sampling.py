@@ -68,7 +68,7 @@ def test_sample_lowers_to_three_launches(rows: int) -> None:
     ]
     _check_launch(launches[0], (rows, chunks, 1), 17)
     _check_launch(launches[1], (rows, chunks, 1), 10)
-    _check_launch(launches[2], (rows, 1, 1), 24)
+    _check_launch(launches[2], (rows, 1, 1), 26)
     assert all(module.data for module in context.modules.values())
     workspaces = {b.name for b in context.manifest.buffers if b.name.startswith("workspace.")}
     assert "workspace.sample.processed" in workspaces and "workspace.sample.weights" in workspaces

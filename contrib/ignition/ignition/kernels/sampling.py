@@ -8,28 +8,45 @@ Owns the Triton kernels and the lowerings of the ``sample``, ``apply_grammar_mas
 ``sample`` lowers to three launches that split the vocabulary into chunks of ``CHUNK`` ids:
 
 1. grid ``(B, C)``: each program applies the vocabulary limit, the penalties and the grammar mask to
-   one chunk of one row, writes the processed logits (rows that draw at random only) and the chunk's
-   maximum, its lowest arg-maximum, its sum of ``exp(l - max)`` and its top-N ``(value desc, id asc)``.
-2. grid ``(B, C)``, rows with ``temperature > 0`` only: every program merges the chunk maxima into
-   the row maximum ``M`` and writes the chunk's float64 weights ``exp((l - M) / T)``, its count and
-   mass of positive weights and of weights ``>= min_p``, and the ids of its *heavy* weights (those at
-   or above a per-row threshold chosen from a fixed sample of the row so that about
-   ``HEAVY_TARGET`` ids qualify).
-3. grid ``(B,)``: merges the partials into the argmax, the log-sum-exp and the top-N, then, for rows
-   with ``temperature > 0``, the reference's filtered draw over the order ``(w desc, id asc)``: the
-   top-k, top-p and min-p cuts and the draw are each a *search* for the first id of that order at
-   which a running count or running weight reaches a target. A search whose answer lies among the
-   heavy ids sorts them in registers; otherwise it narrows the range of weights with sampled
-   windows (each one pass over the candidates, compacting the window's ids in id order) until the
-   candidates fit in registers. Equal weights are ordered by id as the reference does. Greedy rows
-   take the argmax and never enter this path. Finally it writes the outputs (inactive rows: id -1,
-   logprob 0, top ids -1, top logprobs 0) and adds 1 to ``output_counts[rows[i], id]``.
+   one chunk of one row and writes the chunk's maximum, its lowest arg-maximum, its sum of
+   ``exp(l - max)`` and its top-N ``(value desc, id asc)`` to workspaces; rows with
+   ``temperature > 0`` also write their processed logits (workspace ``[B, V]`` float32).
+2. grid ``(B, C)``, rows with ``temperature > 0`` only (the others return at once): every program
+   merges the chunk maxima into the row maximum ``M``, writes the chunk's float64 weights
+   ``w = exp((l - M) / T)`` (workspace ``[B, V]``) and per-chunk counts and masses: of positive
+   weights, of weights ``>= min_p`` and of *heavy* weights, those at or above a per-row threshold
+   read from a fixed sample of the row so that about ``HEAVY_TARGET`` ids qualify; the ids of the
+   heavy weights go, in id order, to the chunk's stretch of a ``[B, V]`` list.
+3. grid ``(B,)``: merges the partials into the argmax, the log-sum-exp and the top-N. Greedy rows
+   take the argmax. Rows with ``temperature > 0`` run the reference's filtered draw over the order
+   ``(w desc, id asc)``: the top-k cut, the top-p cut and the draw are each a *search* for the first
+   id of that order at which a running count (top-k) or running weight (top-p: ``>=`` its target,
+   the draw: ``>``) reaches a target, and the min-p cut is a count of the second launch. The heavy
+   ids are sorted once per row (at most ``REGISTER_CANDIDATES`` of them, staged in a workspace); a
+   search whose answer lies among them is one vectorized scan. Other searches narrow a range of
+   weights: each step samples the candidates, places a window of weights around the estimated
+   answer and makes one pass over the candidates that counts and sums the weights above and inside
+   it and compacts the window's ids (in id order, into one of two ``[B, V]`` lists), until the
+   candidates fit in registers or share one weight (then the answer is found by position).
+   Equal weights are ordered by id as the reference does. Finally the row writes its outputs
+   (inactive rows: id -1, logprob 0, top ids -1, top logprobs 0) and adds 1 to
+   ``output_counts[rows[i], id]``.
 
 Arithmetic follows the reference: penalties in float32 with correctly rounded division and
-products, weights and every running sum of weights in float64, ``counter_uniform`` in uint64
-arithmetic. Reported log-probabilities are float32 from a float64 combination of float32 chunk
-partials. Every result of a row depends only on that row's inputs, and no reduction depends on
-scheduling, so results repeat exactly from run to run.
+products (no fused multiply-add), weights in float64 from the same formula, ``counter_uniform``
+bit for bit in uint64 arithmetic. Running weights are float64 sums in a parallel order rather than
+the reference's sequential one, so a draw or a top-p cut can differ from the reference only where
+its target lies within float64 rounding of a cumulative boundary. Reported log-probabilities are
+``(l - M) - log(sum exp(l - M))`` combined in float64 from float32 ``exp`` terms summed per chunk in
+float64 (about 1e-6 from the reference); top-N entries are ranked by their float32 log-probability,
+then id. Every result of a row depends only on that row's inputs and every reduction has a fixed
+order, so results repeat exactly from run to run.
+
+Where the reference raises, the kernels do not fault: an active row naming a negative state row,
+or left without a finite logit, reads like an inactive row; ``log_softmax_gather`` scores a target
+at or above ``vocab_limit`` as ``-inf``. The number of state rows is never compiled in (state rows
+are trusted to lie in range); output counts are assumed below ``2**24`` (the reference rounds them
+to float32 before the frequency penalty).
 """
 
 from __future__ import annotations
