@@ -48,10 +48,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, runtime_shape
 from helios_core.backends.cuda_driver import Context, CudaError, GraphBuilder, HostBuffer, open_context, pack_params
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
-from helios_core.dtypes import NUMPY_DTYPES, dtype_name
 from helios_core.errors import ContractError, HeliosError, StartupError, UnsupportedFeatureError
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import manifest_pb2 as mf
@@ -81,38 +81,10 @@ entries stay in mapped host memory that kernels read in place."""
 STAGING_ALIGNMENT = 256
 """Byte alignment of every entry within a staging, mapped or completion block."""
 
-_SYMBOLIC = (mf.DIM_SYMBOL_CACHE_PAGES, mf.DIM_SYMBOL_STATE_ROWS, mf.DIM_SYMBOL_SNAPSHOT_ROWS)
-
 
 # ----------------------------------------------------------------------------------------------
 # pure planning: shapes, layouts, spans, addresses (no driver involved)
 # ----------------------------------------------------------------------------------------------
-
-
-def numpy_dtype(name: str, dtype: int) -> np.dtype[Any]:
-    """The numpy storage of a wire dtype; a dtype without one is an unsupported feature."""
-    found = NUMPY_DTYPES.get(dtype)
-    if found is None:
-        raise UnsupportedFeatureError(f"buffer {name!r} has dtype {dtype_name(dtype)}, which has no numpy storage")
-    return found
-
-
-def runtime_shape(decl: mf.BufferDecl, *, cache_pages: int, state_rows: int, snapshot_rows: int) -> tuple[int, ...]:
-    """A buffer's shape at load, as the reference backend resolves it."""
-    shape = []
-    for index, dim in enumerate(decl.shape):
-        if dim.symbol in _SYMBOLIC:
-            if index != 0:
-                raise ContractError(f"buffer {decl.name!r}: only the leading dimension may be symbolic")
-            if dim.symbol == mf.DIM_SYMBOL_CACHE_PAGES:
-                shape.append(cache_pages)
-            elif dim.symbol == mf.DIM_SYMBOL_STATE_ROWS:
-                shape.append(state_rows)
-            else:  # 0 (no capacity chosen at load) keeps preparation's working-set count
-                shape.append(snapshot_rows or int(dim.size))
-        else:
-            shape.append(int(dim.size))
-    return tuple(shape)
 
 
 def _align(value: int, alignment: int) -> int:
@@ -641,7 +613,7 @@ class CudaBackend:
             dtype = numpy_dtype(decl.name, decl.dtype)
             shape = shapes[decl.name]
             nbytes = math.prod(shape) * dtype.itemsize
-            if decl.role == mf.BUFFER_ROLE_WEIGHTS and any(d.symbol in _SYMBOLIC for d in decl.shape):
+            if decl.role == mf.BUFFER_ROLE_WEIGHTS and any(d.symbol in SYMBOLIC for d in decl.shape):
                 raise ContractError(f"weights buffer {decl.name!r} has a symbolic dimension")
             address = context.alloc(nbytes)
             self._shared[decl.name] = _Shared(address, dtype, shape)

@@ -26,9 +26,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from helios_core.backends import reference_kernels as rk
+from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, runtime_shape
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
-from helios_core.dtypes import NUMPY_DTYPES, dtype_name
 from helios_core.errors import ContractError, UnsupportedFeatureError
 from helios_core.ops.catalogue import CATALOGUE, known_versions
 from helios_core.wire import container_pb2 as cb
@@ -39,8 +39,6 @@ __all__ = ["ReferenceBackend"]
 AnyArray = NDArray[Any]
 Step = Callable[[], None]
 AttrValue = int | float | str | tuple[int, ...] | tuple[float, ...]
-
-_SYMBOLIC = (mf.DIM_SYMBOL_CACHE_PAGES, mf.DIM_SYMBOL_STATE_ROWS, mf.DIM_SYMBOL_SNAPSHOT_ROWS)
 
 
 @dataclass(frozen=True)
@@ -655,28 +653,18 @@ class ReferenceBackend:
 
     @staticmethod
     def _numpy_dtype(name: str, dtype: int) -> np.dtype[Any]:
-        found = NUMPY_DTYPES.get(dtype)
-        if found is None:
-            raise UnsupportedFeatureError(f"buffer {name!r} has dtype {dtype_name(dtype)}, which has no numpy storage")
-        return found
+        return numpy_dtype(name, dtype)
 
     def _runtime_shape(self, decl: mf.BufferDecl) -> tuple[int, ...]:
-        shape = []
-        for index, dim in enumerate(decl.shape):
-            if dim.symbol in _SYMBOLIC:
-                if index != 0:
-                    raise ContractError(f"buffer {decl.name!r}: only the leading dimension may be symbolic")
-                if dim.symbol == mf.DIM_SYMBOL_SNAPSHOT_ROWS:
-                    # 0 (no capacity chosen at load) keeps preparation's working-set count.
-                    shape.append(self._snapshot_rows or int(dim.size))
-                else:
-                    shape.append(self._symbols[dim.symbol])
-            else:
-                shape.append(int(dim.size))
-        return tuple(shape)
+        return runtime_shape(
+            decl,
+            cache_pages=self._symbols[mf.DIM_SYMBOL_CACHE_PAGES],
+            state_rows=self._symbols[mf.DIM_SYMBOL_STATE_ROWS],
+            snapshot_rows=self._snapshot_rows,
+        )
 
     def _weights(self, decl: mf.BufferDecl, core: CoreFile) -> AnyArray:
-        if any(dim.symbol in _SYMBOLIC for dim in decl.shape):
+        if any(dim.symbol in SYMBOLIC for dim in decl.shape):
             raise ContractError(f"weights buffer {decl.name!r} has a symbolic dimension")
         data = self._resources.get(decl.resource_id)
         if data is None:

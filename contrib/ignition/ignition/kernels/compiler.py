@@ -14,6 +14,7 @@ from its own module is covered too; kernels call no jit function of another modu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -72,6 +73,12 @@ def _key(
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+@functools.cache
+def _module_source(module: str) -> str:
+    """A kernel module's source, read once per process (every launch of a build asks for its key)."""
+    return inspect.getsource(sys.modules[module])
+
+
 def _request_key(
     fn: Any,
     signature: Mapping[str, str],
@@ -85,9 +92,7 @@ def _request_key(
     if target not in SUPPORTED_TARGETS:
         raise KernelCompileError(f"unknown GPU target {target!r}; known: {', '.join(SUPPORTED_TARGETS)}")
     python = fn.fn if hasattr(fn, "fn") else fn
-    module = sys.modules.get(python.__module__)
-    source = inspect.getsource(module) if module is not None else inspect.getsource(python)
-    source += f"\n# kernel: {python.__name__}\n"  # one module holds several kernels
+    source = _module_source(python.__module__) + f"\n# kernel: {python.__name__}\n"  # a module holds several
     names = list(inspect.signature(python).parameters)
     full_signature: dict[str, str] = {}
     for name in names:
