@@ -1,6 +1,6 @@
 """Structured output: OpenAI ``response_format`` parsing and llguidance grammar masks.
 
-Owns three things and nothing else:
+Owns these and nothing else:
 
 * :func:`parse_response_format` validates the request's ``response_format`` (``text``,
   ``json_object``, ``json_schema``), rejecting unknown fields, and returns a typed
@@ -8,6 +8,8 @@ Owns three things and nothing else:
   format of ``tool_choice`` ``"required"`` or a named function: exactly one call in the core's
   declared tool syntax. It is never accepted from a client's ``response_format``; it travels in
   ``PreparedRequest.response_format`` as JSON and is read back with :func:`parse_prepared_format`.
+* :class:`RecipientFrames` describes the recipient-header frames a structured answer is written in;
+  it travels in the same prepared JSON (:func:`prepared_format_json`, :func:`read_prepared_format`).
 * :class:`GrammarCompiler`, built once at startup from the core's tokenizer and vocabulary
   geometry (the llguidance tokenizer conversion is the expensive part), compiles a format into an
   immutable :class:`Grammar`; schema errors surface eagerly as :class:`PromptError`.
@@ -18,12 +20,14 @@ Owns three things and nothing else:
 
 A structured answer is an opaque grammar-constrained document: the grammar constrains bytes, so
 text that happens to spell a protocol delimiter inside it is answer text. When the core reasons with
-think tags, the grammar admits the reasoning envelope before the answer (``start: reasoning?
-answer``): the open marker (omitted when the prompt already opened reasoning), free text that never
-spells the close marker (nor the terminal marker, which would end reasoning implicitly), the close
-marker, then the answer and EOS. Only the output limit bounds the reasoning. Other reasoning
-families (XTML think, recipient-header frames) keep the whole output constrained to the answer.
-Reasoning/tool parsing and presentation live elsewhere.
+think tags or XTML think, the grammar admits the reasoning envelope before the answer (``start:
+reasoning? answer``): the open marker (omitted when the prompt already opened reasoning), free text
+that never spells the close marker (nor the terminal marker, which would end reasoning implicitly),
+the close marker, then the answer and EOS. Only the output limit bounds the reasoning. On
+recipient-header cores the grammar keeps the frames (:class:`RecipientFrames`): reasoning frames and
+frames calling the registered tools, then the answer frame or a last tool frame; a required ATEM
+call may likewise follow reasoning frames. A marker is matched as the added tokens it spells (as
+text in between). Reasoning/tool parsing and presentation live elsewhere.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import llguidance
 import numpy as np
@@ -50,6 +54,8 @@ __all__ = [
     "GrammarCompiler",
     "GrammarError",
     "GrammarMatcher",
+    "PreparedFormat",
+    "RecipientFrames",
     "ResponseFormat",
     "ToolCallFormat",
     "envelope_reasoning",
@@ -149,25 +155,27 @@ _ATEM = "atem"
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# the RecipientHeaderSyntax texts a frame grammar needs; ``answer_recipient`` is the content
+# recipient a structured answer is addressed to (see :func:`_header_markers`)
+_HEADER_MARKERS = (
+    "start",
+    "assistant_role",
+    "recipient_prefix",
+    "message",
+    "end",
+    "end_of_message",
+    "reasoning_recipient",
+    "answer_recipient",
+    "generic_tool_recipient",
+    "named_tool_prefix",
+)
 _FAMILY_MARKERS: dict[str, tuple[str, ...]] = {
     _JSON_TAGS: (),
     _FUNCTION_TAGS: ("function_prefix", "function_close", "parameter_prefix", "parameter_close"),
     _ARGUMENT_TAGS: ("key_open", "key_close", "value_open", "value_close", "name_separator"),
     _DSML: ("marker", "block", "invoke", "parameter", "block_separator"),
     _XTML: ("open", "close", "separator", "block", "call_element", "arg_element"),
-    _ATEM: (
-        "prefix",
-        "block",
-        "invoke",
-        "parameter",
-        "start",
-        "assistant_role",
-        "recipient_prefix",
-        "message",
-        "end_of_message",
-        "generic_tool_recipient",
-        "named_tool_prefix",
-    ),
+    _ATEM: ("prefix", "block", "invoke", "parameter", *_HEADER_MARKERS),
 }
 # XTML attribute ``type`` of a JSON-typed value, by schema type (anything else: ``object``)
 _XTML_TYPES = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null", "array": "array"}
@@ -204,7 +212,17 @@ def _xtml_framing(block_open: str, block_close: str) -> dict[str, str] | None:
 
 
 _OPTIONAL_MARKERS = frozenset(
-    {"name_separator", "block_separator", "prefix", "generic_tool_recipient", "named_tool_prefix"}
+    {
+        "name_separator",
+        "block_separator",
+        "prefix",
+        "generic_tool_recipient",
+        "named_tool_prefix",
+        "end",
+        "reasoning_recipient",
+        "answer_recipient",
+        "recipient_prefix",
+    }
 )
 Family = Literal["json_tags", "function_tags", "argument_tags", "dsml", "xtml", "atem"]
 _UNSUPPORTED = "tool_choice 'required' is not supported for this core's tool syntax"
@@ -278,8 +296,8 @@ class ToolCallFormat:
                 raise PromptError(_UNSUPPORTED)
             framing.update(call_element=tags.call_element, arg_element=tags.arg_element)
             markers = tuple(sorted(framing.items()))
-        elif family == _ATEM:
-            frame = {name: str(getattr(header, name, "")) for name in _FAMILY_MARKERS[family][4:]}
+        elif family == _ATEM and header is not None:
+            frame = _header_markers(header)
             frame.update({name: str(getattr(tags, name)) for name in _FAMILY_MARKERS[family][:4]})
             markers = tuple(sorted(frame.items()))
         else:
@@ -328,19 +346,137 @@ class ToolCallFormat:
         )
 
 
+def _header_markers(header: ct.RecipientHeaderSyntax) -> dict[str, str]:
+    """The frame texts of ``header`` by :data:`_HEADER_MARKERS` name.
+
+    ``answer_recipient``, the content recipient a structured answer's frame is addressed to, is
+    ``user`` when the syntax declares it among its content recipients, else the last declared one
+    (``""``: a header without a recipient, which is content too).
+    """
+    texts = {name: str(getattr(header, name)) for name in _HEADER_MARKERS if name != "answer_recipient"}
+    recipients = list(header.content_recipients)
+    texts["answer_recipient"] = "user" if "user" in recipients else (recipients[-1] if recipients else "")
+    return texts
+
+
+_FRAME_REQUIRED = ("start", "assistant_role", "message", "end_of_message")
+
+
+@dataclass(frozen=True)
+class RecipientFrames:
+    """The recipient-header frames a structured answer lives in (recipient-header reasoning cores).
+
+    The grammar keeps the frames rather than constraining the whole output: any number of frames to
+    the reasoning recipient (free reasoning text) and frames calling the request's registered tools
+    (``calls``: generic or named tool recipients, one ATEM invocation each), then either the answer
+    frame, addressed to the answer recipient and holding the constrained document, or a last tool
+    frame. ``markers`` holds the :data:`_HEADER_MARKERS` texts; ``open_header`` means the prompt
+    already holds the first frame's start and role.
+    """
+
+    markers: tuple[tuple[str, str], ...]
+    calls: ToolCallFormat | None = None
+    open_header: bool = False
+
+    @classmethod
+    def from_contract(
+        cls,
+        frontend: ct.FrontendContract,
+        tools: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        open_header: bool = False,
+    ) -> RecipientFrames | None:
+        """The frames of a core with recipient-header reasoning (``None`` for any other core).
+
+        Raises:
+            PromptError: the header syntax lacks a frame text, or a tool cannot be called in the
+                core's tool syntax.
+        """
+        if frontend.reasoning_parser != ct.REASONING_PARSER_RECIPIENT_HEADER:
+            return None
+        header = frontend.reasoning_syntax.recipient_header
+        markers = _header_markers(header)
+        if not all(markers[name] for name in _FRAME_REQUIRED):
+            raise PromptError("response_format is not supported: the core's recipient header syntax is incomplete")
+        calls = None
+        if tools:
+            calls = ToolCallFormat.from_syntax(tools, None, frontend.tool_syntax, header, open_header=open_header)
+        return cls(markers=tuple(sorted(markers.items())), calls=calls, open_header=open_header)
+
+    def marker(self, name: str) -> str:
+        """The frame text ``name`` (``""`` when absent)."""
+        return dict(self.markers).get(name, "")
+
+    def to_json(self) -> dict[str, Any]:
+        """The internal JSON form carried inside ``PreparedRequest.response_format``."""
+        calls = None if self.calls is None else json.loads(self.calls.to_json())
+        return {"markers": dict(self.markers), "calls": calls, "open_header": self.open_header}
+
+    @classmethod
+    def from_json(cls, value: object) -> RecipientFrames:
+        """Read :meth:`to_json`'s form back.
+
+        Raises:
+            PromptError: malformed fields.
+        """
+        if not isinstance(value, Mapping):
+            raise PromptError("malformed prepared recipient frames")
+        markers, calls, open_header = value.get("markers"), value.get("calls"), value.get("open_header")
+        if (
+            not isinstance(markers, Mapping)
+            or set(markers) != set(_HEADER_MARKERS)
+            or not all(isinstance(text, str) for text in markers.values())
+            or not all(markers[name] for name in _FRAME_REQUIRED)
+            or not isinstance(open_header, bool)
+        ):
+            raise PromptError("malformed prepared recipient frames")
+        call_format = None
+        if calls is not None:
+            parsed = parse_prepared_format(json.dumps(calls))
+            if not isinstance(parsed, ToolCallFormat) or parsed.family != _ATEM or parsed.choice is not None:
+                raise PromptError("malformed prepared recipient frames")
+            call_format = parsed
+        return cls(
+            markers=tuple(sorted((str(k), str(v)) for k, v in markers.items())),
+            calls=call_format,
+            open_header=open_header,
+        )
+
+
 _ENVELOPE = "helios_envelope"  # internal key of the prepared JSON: the reasoning envelope to admit
+_FRAMES = "helios_frames"  # internal key of the prepared JSON: the recipient frames to keep
 
 
 def envelope_reasoning(frontend: ct.FrontendContract) -> ct.ReasoningSyntax | None:
-    """The reasoning syntax a grammar must admit before the answer: think tags only, else ``None``."""
+    """The delimited reasoning a grammar must admit before the answer, or ``None``.
+
+    Think tags use the declared open and close markers; XTML think uses them too, or (when they are
+    not declared) ``OPEN think_element SEP`` and ``CLOSE think_element SEP`` of the XTML framing,
+    as its parser does. Recipient-header reasoning lives in frames instead (:class:`RecipientFrames`).
+    """
     syntax = frontend.reasoning_syntax
+    if frontend.reasoning_parser == ct.REASONING_PARSER_XTML_THINK:
+        xtml = frontend.tool_syntax.xtml
+        framing = _xtml_framing(xtml.block_open, xtml.block_close)
+        if framing is None:
+            return None
+        element = xtml.think_element or "think"
+        return ct.ReasoningSyntax(
+            open=syntax.open or framing["open"] + element + framing["separator"],
+            close=syntax.close or framing["close"] + element + framing["separator"],
+            terminal_marker=syntax.terminal_marker,
+        )
     if frontend.reasoning_parser != ct.REASONING_PARSER_THINK_TAGS or not syntax.open or not syntax.close:
         return None
     return syntax
 
 
 def prepared_format_json(
-    value: Mapping[str, Any], reasoning: ct.ReasoningSyntax | None, *, initially_reasoning: bool = False
+    value: Mapping[str, Any],
+    reasoning: ct.ReasoningSyntax | None,
+    *,
+    initially_reasoning: bool = False,
+    frames: RecipientFrames | None = None,
 ) -> str:
     """``PreparedRequest.response_format``: the format's JSON plus the envelope the worker compiles with."""
     out = dict(value)
@@ -351,13 +487,22 @@ def prepared_format_json(
             "terminal": reasoning.terminal_marker,
             "initially_reasoning": initially_reasoning,
         }
+    if frames is not None:
+        out[_FRAMES] = frames.to_json()
     return json.dumps(out)
 
 
-def read_prepared_format(
-    text: str,
-) -> tuple[ResponseFormat | ToolCallFormat | None, ct.ReasoningSyntax | None, bool]:
-    """(format, reasoning syntax to admit or None, whether generation starts inside reasoning).
+class PreparedFormat(NamedTuple):
+    """What :func:`read_prepared_format` reads: the arguments of :meth:`GrammarCompiler.compile`."""
+
+    format: ResponseFormat | ToolCallFormat | None
+    reasoning: ct.ReasoningSyntax | None = None
+    initially_reasoning: bool = False
+    frames: RecipientFrames | None = None
+
+
+def read_prepared_format(text: str) -> PreparedFormat:
+    """The format of ``PreparedRequest.response_format`` with the envelope it is compiled in.
 
     Raises:
         PromptError: malformed JSON or fields.
@@ -366,8 +511,11 @@ def read_prepared_format(
         value = json.loads(text)
     except ValueError as exc:
         raise PromptError(f"prepared response format is not JSON: {exc}") from exc
-    if not isinstance(value, dict) or _ENVELOPE not in value:
-        return parse_prepared_format(text), None, False
+    if not isinstance(value, dict):
+        return PreparedFormat(parse_prepared_format(text))
+    frames = RecipientFrames.from_json(value.pop(_FRAMES)) if _FRAMES in value else None
+    if _ENVELOPE not in value:
+        return PreparedFormat(parse_prepared_format(json.dumps(value)), frames=frames)
     envelope = value.pop(_ENVELOPE)
     if not isinstance(envelope, Mapping):
         raise PromptError("malformed prepared reasoning envelope")
@@ -378,7 +526,7 @@ def read_prepared_format(
     if not open_ or not close:
         raise PromptError("malformed prepared reasoning envelope")
     syntax = ct.ReasoningSyntax(open=open_, close=close, terminal_marker=terminal)
-    return parse_prepared_format(json.dumps(value)), syntax, initially
+    return PreparedFormat(parse_prepared_format(json.dumps(value)), syntax, initially, frames)
 
 
 def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
@@ -397,6 +545,7 @@ def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
         raise PromptError(f"prepared response format is not JSON: {exc}") from exc
     if isinstance(value, dict):
         value.pop(_ENVELOPE, None)
+        value.pop(_FRAMES, None)
     if not isinstance(value, Mapping) or value.get("type") != _TOOL_CALL:
         return parse_response_format(value)
     tools = value.get("tools")
@@ -525,9 +674,15 @@ class GrammarCompiler:
             eos_ids=eos,
         )
         self._any_object: dict[tuple[str, str, str, bool] | None, Grammar] = {}
-        self._added: dict[str, int] = {
-            added.content: int(index) for index, added in tokenizer.get_added_tokens_decoder().items()
-        }
+        added = sorted(
+            ((token.content, int(index)) for index, token in tokenizer.get_added_tokens_decoder().items()),
+            key=lambda item: -len(item[0]),
+        )
+        # sampled added tokens by their first character, longest first
+        self._added_by_initial: dict[str, list[tuple[str, int]]] = {}
+        for content, index in added:
+            if content and index < sampled_size:
+                self._added_by_initial.setdefault(content[0], []).append((content, index))
 
     @property
     def mask_words(self) -> int:
@@ -540,12 +695,14 @@ class GrammarCompiler:
         *,
         reasoning: ct.ReasoningSyntax | None = None,
         initially_reasoning: bool = False,
+        frames: RecipientFrames | None = None,
     ) -> Grammar:
         """Compile and validate ``fmt``'s schema now (not at the first token).
 
-        ``reasoning``: the think-tag syntax of the core (see :func:`envelope_reasoning`); the
+        ``reasoning``: the delimited reasoning of the core (see :func:`envelope_reasoning`); the
         grammar then admits a reasoning envelope before the answer. ``initially_reasoning``: the
         prompt opened reasoning, so generation starts inside it (no open marker first).
+        ``frames``: the recipient-header frames a :class:`ResponseFormat` answer is written in.
 
         Raises:
             PromptError: the schema is not valid JSON or llguidance rejects it (its message).
@@ -557,10 +714,16 @@ class GrammarCompiler:
             where = "tools" if fmt.choice is None else f"tools ({fmt.choice})"
             rules = self._tool_call_rules(fmt) if fmt.family == _JSON_TAGS else self._tag_call_rules(fmt)
             return self._compile_lark(rules, where, reasoning, initially_reasoning)
+        where = "response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format"
+        if frames is not None:
+            try:
+                schema = json.dumps(dict(fmt.schema))
+            except (ValueError, TypeError) as exc:
+                raise PromptError(f"{where}: {exc}") from exc
+            return self._compile_lark(self._framed_answer_rules(frames, schema), where, None, False)
         cached = self._any_object.get(key)
         if fmt.kind == "json_object" and cached is not None:
             return cached
-        where = "response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format"
         if reasoning is None:
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(fmt.schema))
@@ -602,8 +765,11 @@ class GrammarCompiler:
             *(f"{rule}: %json {schema}" for rule, schema in alternatives),
         ]
 
-    def _tag_call_rules(self, fmt: ToolCallFormat) -> list[str]:
-        """One function-tag or argument-tag call: the name fixed, then a parameter block per property.
+    def _tag_call_bodies(self, fmt: ToolCallFormat) -> tuple[list[tuple[int, str]], list[str]]:
+        """(index and name of each callable tool, rules): rule ``call_INDEX`` is one call of that tool
+        in ``fmt``'s family (ATEM: its block, the body of a frame).
+
+        Each call: the name fixed, then a parameter block per property.
 
         Required properties come in schema order; optional ones may be skipped (in the same order).
         A string-typed value (kept verbatim by the parser) is text that never spells a marker ending
@@ -630,7 +796,7 @@ class GrammarCompiler:
         terminators = [text for text in (*ends, fmt.call_close, fmt.call_open) if text]
         wrap = '"\\n" ' if functions and fmt.wrapping_newlines else ""
         rules: list[str] = []
-        alternatives: list[str] = []
+        called: list[tuple[int, str]] = []
         for index, (name, parameters) in enumerate(fmt.tools):
             if fmt.choice is not None and name != fmt.choice:
                 continue
@@ -670,9 +836,8 @@ class GrammarCompiler:
                 close = json.dumps(f"</{invoke}>", ensure_ascii=False)
                 empty = '"\\n"'  # no parameters: an empty line
                 call = f'"\\n" {head} "\\n" {params or empty} {close} "\\n"'
-                if atem:
-                    block = f"{self._marker(fmt.call_open)} {call} {self._marker(fmt.call_close)}"
-                    call = f"{self._frame_header(fmt, name)} {block} {self._marker(m('end_of_message'))}"
+                if atem:  # the frame's body; the frame itself is written by _frame_rules
+                    call = f"{self._marker(fmt.call_open)} {call} {self._marker(fmt.call_close)}"
             elif xtml:
                 element = json.dumps(m("call_element"))
                 attributes = json.dumps(f" tool={json.dumps(name)}")
@@ -684,25 +849,30 @@ class GrammarCompiler:
                 separator = m("name_separator")
                 call = f"{json.dumps(name)} {self._marker(separator) if separator else ''} {params}"
             rules.append(f"call_{index}: {call}")
-            alternatives.append(f"call_{index}")
-        separator = json.dumps(m("block_separator")) + " " if dsml and m("block_separator") else ""
-        if xtml:
+            called.append((index, name))
+        return called, rules
+
+    def _tag_call_rules(self, fmt: ToolCallFormat) -> list[str]:
+        """``answer``: one call of ``fmt`` in its family's block (ATEM: in its recipient frame)."""
+        called, rules = self._tag_call_bodies(fmt)
+        m = fmt.marker
+        if fmt.family == _ATEM:  # reasoning frames, then the frame of the call
+            eom = self._marker(m("end_of_message"))
+            finals = [f"{self._recipient(fmt, name)} {self._marker(m('message'))} call_{i} {eom}" for i, name in called]
+            lead = [self._reasoning_frame(m)] if m("reasoning_recipient") else []
+            return [*self._frame_rules(m, fmt.open_header, lead, finals), *rules]
+        if fmt.family == _XTML:
+            open_, close_, sep = (self._marker(m(name)) for name in ("open", "close", "separator"))
             block = json.dumps(m("block"))
             answer = f"answer: {open_} {block} {sep} body {close_} {block} {sep}"
-        elif atem:
-            answer = "answer: body"
         else:
+            separator = json.dumps(m("block_separator")) + " " if fmt.family == _DSML and m("block_separator") else ""
             answer = f"answer: {separator}{self._marker(fmt.call_open)} body {self._marker(fmt.call_close)}"
-        return [
-            answer,
-            "body: " + " | ".join(alternatives),
-            *rules,
-        ]
+        return [answer, "body: " + " | ".join(f"call_{index}" for index, _ in called), *rules]
 
-    def _frame_header(self, fmt: ToolCallFormat, name: str) -> str:
-        """The assistant header of the frame calling ``name``: addressed to the generic tool
-        recipient for ``"required"`` (when declared), else to ``named_tool_prefix + name``; only the
-        recipient suffix when the prompt holds the open header."""
+    def _recipient(self, fmt: ToolCallFormat, name: str) -> str:
+        """The recipient of the frame calling ``name`` under ``tool_choice``: the generic tool
+        recipient for ``"required"`` (when declared), else ``named_tool_prefix + name``."""
         m = fmt.marker
         generic, named = m("generic_tool_recipient"), m("named_tool_prefix")
         if fmt.choice is None and generic:
@@ -711,10 +881,50 @@ class GrammarCompiler:
             recipient = named + name
         else:
             recipient = generic
-        suffix = f"{json.dumps(m('recipient_prefix') + recipient)} {self._marker(m('message'))}"
-        if fmt.open_header:
-            return suffix
-        return f"{self._marker(m('start'))} {json.dumps(m('assistant_role'))} {suffix}"
+        return json.dumps(m("recipient_prefix") + recipient)
+
+    def _reasoning_frame(self, m: Callable[[str], str]) -> str:
+        """A reasoning frame after the role: the reasoning recipient, free text, then end (or end of message)."""
+        closers = [self._marker(m(name)) for name in ("end", "end_of_message") if m(name)]
+        recipient = json.dumps(m("recipient_prefix") + m("reasoning_recipient"))
+        return f"{recipient} {self._marker(m('message'))} FRAME_TEXT? ({' | '.join(closers)})"
+
+    def _frame_rules(self, m: Callable[[str], str], open_header: bool, lead: list[str], finals: list[str]) -> list[str]:
+        """``answer``: any frames of the ``lead`` kinds, then one frame of a ``finals`` kind.
+
+        Each kind is a frame's text after the assistant role (recipient, message marker, body,
+        closer); with ``open_header`` the first frame's start and role are already in the prompt.
+        """
+        head = f"{self._marker(m('start'))} {json.dumps(m('assistant_role'))}"
+        rules = [f"final_frame: {head} final_suffix", "final_suffix: " + " | ".join(f"({k})" for k in finals)]
+        if lead:
+            rules += [f"lead_frame: {head} lead_suffix", "lead_suffix: " + " | ".join(f"({k})" for k in lead)]
+            rules.append("FRAME_TEXT: /(?s:.+)/")
+            answer = "lead_suffix lead_frame* final_frame | final_suffix" if open_header else "lead_frame* final_frame"
+        else:
+            answer = "final_suffix" if open_header else "final_frame"
+        return [f"answer: {answer}", *rules]
+
+    def _framed_answer_rules(self, frames: RecipientFrames, schema: str) -> list[str]:
+        """A structured answer in recipient-header frames: reasoning frames and frames calling the
+        registered tools (generic or named recipients), then the answer frame (the document, then an
+        optional end) or a last tool frame."""
+        m = frames.marker
+        message, eom = self._marker(m("message")), self._marker(m("end_of_message"))
+        end = f" {self._marker(m('end'))}?" if m("end") else ""
+        answer = f"{json.dumps(m('recipient_prefix') + m('answer_recipient'))} {message} answer_document{end}"
+        tools: list[str] = []
+        rules = [f"answer_document: %json {schema}"]
+        if frames.calls is not None:
+            _, call_rules = self._tag_call_bodies(frames.calls)
+            rules += call_rules
+            generic, named = m("generic_tool_recipient"), m("named_tool_prefix")
+            for index, (name, _) in enumerate(frames.calls.tools):
+                names = dict.fromkeys(r for r in (generic, named + name if named or not generic else "") if r)
+                recipients = " | ".join(json.dumps(m("recipient_prefix") + r) for r in names)
+                tools.append(f"({recipients}) {message} call_{index} {eom}")
+        lead = ([self._reasoning_frame(m)] if m("reasoning_recipient") else []) + tools
+        return [*self._frame_rules(m, frames.open_header, lead, [answer, *tools]), *rules]
 
     def _tag_value(
         self, rule: str, schema: Mapping[str, Any], terminators: list[str], rules: list[str], where: str
@@ -788,11 +998,32 @@ class GrammarCompiler:
         return Grammar(prototype=prototype, geometry=self._geometry, source=grammar)
 
     def _marker(self, text: str) -> str:
-        """A Lark term matching ``text``: the added token it names, or the literal text."""
-        token = self._added.get(text)
-        if token is not None and token < self._geometry.sampled_size:
-            return f"<[{token}]>"
-        return json.dumps(text, ensure_ascii=False)
+        """A Lark term matching ``text``: each added token it spells as that token (the longest at
+        each position), the text between them as literal text."""
+        terms: list[str] = []
+        literal = ""
+        at = 0
+        while at < len(text):
+            token = self._added_at(text, at)
+            if token is None:
+                literal += text[at]
+                at += 1
+                continue
+            if literal:
+                terms.append(json.dumps(literal, ensure_ascii=False))
+                literal = ""
+            terms.append(f"<[{token[0]}]>")
+            at += token[1]
+        if literal or not terms:
+            terms.append(json.dumps(literal, ensure_ascii=False))
+        return terms[0] if len(terms) == 1 else "(" + " ".join(terms) + ")"
+
+    def _added_at(self, text: str, at: int) -> tuple[int, int] | None:
+        """(id, length) of the longest sampled added token spelled at ``text[at:]``, or ``None``."""
+        for content, token in self._added_by_initial.get(text[at], ()):
+            if text.startswith(content, at):
+                return token, len(content)
+        return None
 
 
 @dataclass(frozen=True)

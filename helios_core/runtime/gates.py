@@ -47,13 +47,16 @@ class HostGate:
                 raise ValueError("structured output needs a grammar compiler")
             from helios_core.frontend.structured import read_prepared_format
 
-            fmt, reasoning, initially = read_prepared_format(request.response_format)
-            if fmt is not None:
-                grammar = grammar_compiler.compile(fmt, reasoning=reasoning, initially_reasoning=initially)
+            prepared = read_prepared_format(request.response_format)
+            if prepared.format is not None:
+                grammar = grammar_compiler.compile(
+                    prepared.format,
+                    reasoning=prepared.reasoning,
+                    initially_reasoning=prepared.initially_reasoning,
+                    frames=prepared.frames,
+                )
                 self._grammar = grammar.matcher()
-        self.holds_rounds = (
-            self._grammar is not None or self._string_stops is not None or self._token_stops is not None
-        )
+        self.holds_rounds = self._grammar is not None or self._string_stops is not None or self._token_stops is not None
         """Whether this request must keep one outstanding round (host-fed decisions)."""
         self.text: Callable[[int], str] = self._detokenizer.push
         """What :meth:`observe` presents for a token when the gate is :attr:`plain`: the text it completes."""
@@ -66,7 +69,6 @@ class HostGate:
     def plain(self) -> bool:
         """No grammar and no stops: the gate only detokenizes (:meth:`text`), and never stops a request."""
         return not self.holds_rounds
-
 
     def mask(self) -> npt.NDArray[np.int32] | None:
         """The grammar mask of the next round, or None when unconstrained."""

@@ -24,6 +24,7 @@ from helios_core.frontend.bootstrap import Bootstrap, PromptError, resolve_sampl
 from helios_core.frontend.stops import check_stop_compatibility, parse_string_stops, parse_token_stops
 from helios_core.frontend.structured import (
     GrammarCompiler,
+    RecipientFrames,
     ToolCallFormat,
     envelope_reasoning,
     parse_response_format,
@@ -79,7 +80,8 @@ class Frontend:
         header = syntax.recipient_header
         if header.start and header.assistant_role and tail.endswith(header.start + header.assistant_role):
             return EnvelopeState(open_header=header.assistant_role)
-        if syntax.open and tail.endswith(syntax.open):
+        opener = self.reasoning.open if self.reasoning is not None else syntax.open
+        if opener and tail.endswith(opener):
             return EnvelopeState(initially_reasoning=True)
         return CLOSED_ENVELOPE
 
@@ -267,8 +269,7 @@ def _tool_call_format(
     thinking = envelope.initially_reasoning and frontend.reasoning is not None
     if envelope != CLOSED_ENVELOPE and not (thinking or open_header):
         raise InvalidRequest(
-            "tool_choice 'required' or a named function is not supported when the prompt opens reasoning"
-            " other than think tags",
+            "tool_choice 'required' or a named function is not supported where this core's prompt leaves generation",
             "tool_choice",
         )
     if name is not None and name not in {spec.name for spec in specs}:
@@ -287,6 +288,19 @@ def _tool_call_format(
         )
     except PromptError as exc:
         raise InvalidRequest(str(exc), "tool_choice") from exc
+
+
+def _recipient_frames(frontend: Frontend, specs: Sequence[ToolSpec], envelope: EnvelopeState) -> RecipientFrames | None:
+    """The recipient-header frames a structured answer keeps (``None`` on other cores): reasoning
+    frames, frames calling the request's tools (none with ``tool_choice`` ``"none"``), the answer frame."""
+    try:
+        return RecipientFrames.from_contract(
+            frontend.bootstrap.frontend,
+            [(spec.name, spec.parameters) for spec in specs],
+            open_header=envelope.open_header is not None,
+        )
+    except PromptError as exc:
+        raise InvalidRequest(str(exc), "response_format") from exc
 
 
 def _max_tokens(frontend: Frontend, request: ChatCompletionRequest, prompt_tokens: int) -> int:
@@ -322,9 +336,14 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     format_text = None
     reasoning, initially = frontend.reasoning, envelope.initially_reasoning
     if response_format is not None:
+        frames = _recipient_frames(frontend, tool_specs, envelope)
         # an invalid schema is a 400 now
-        frontend.grammar_compiler.compile(response_format, reasoning=reasoning, initially_reasoning=initially)
-        format_text = prepared_format_json(request.response_format or {}, reasoning, initially_reasoning=initially)
+        frontend.grammar_compiler.compile(
+            response_format, reasoning=reasoning, initially_reasoning=initially, frames=frames
+        )
+        format_text = prepared_format_json(
+            request.response_format or {}, reasoning, initially_reasoning=initially, frames=frames
+        )
     elif tool_format is not None:
         if string_stops:
             raise InvalidRequest("stop cannot be combined with tool_choice 'required' or a named function", "stop")

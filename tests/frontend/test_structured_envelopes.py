@@ -185,11 +185,12 @@ def test_a_literal_close_tag_in_a_json_string_stays_answer_text(compiler: Gramma
 
 def test_the_envelope_travels_in_the_prepared_json(compiler: GrammarCompiler) -> None:
     text = prepared_format_json(json.loads(tool_format("add").to_json()), REASONING, initially_reasoning=True)
-    fmt, reasoning, initially = read_prepared_format(text)
-    assert fmt == tool_format("add") and parse_prepared_format(text) == fmt
+    fmt, reasoning, initially, frames = read_prepared_format(text)
+    assert fmt == tool_format("add") and parse_prepared_format(text) == fmt and frames is None
     assert reasoning is not None and (reasoning.open, reasoning.close, initially) == ("<think>", "</think>", True)
     plain = prepared_format_json({"type": "json_object"}, None)
-    assert read_prepared_format(plain) == (ResponseFormat(kind="json_object", schema={"type": "object"}), None, False)
+    expected = ResponseFormat(kind="json_object", schema={"type": "object"})
+    assert read_prepared_format(plain) == (expected, None, False, None)
 
 
 def test_without_reasoning_the_answer_starts_at_once(compiler: GrammarCompiler) -> None:

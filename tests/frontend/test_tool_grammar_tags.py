@@ -220,8 +220,9 @@ def test_xtml_controls_are_matched_as_their_tokens() -> None:
     assert name == "move" and valid(name, arguments), arguments
 
 
-def atem_walk(choice: str | None, seed: int, *, open_header: bool = False) -> tuple[str, list[tuple[str, Any]]]:
-    """One walk of the ATEM frame grammar (controls as tokens): its text and the parsed calls."""
+def atem_walk(choice: str | None, seed: int, *, open_header: bool = False) -> tuple[str, list[tuple[str, Any]], str]:
+    """One walk of the ATEM frame grammar (controls as tokens): the call frame's text, the parsed
+    calls and the reasoning of the frames before it."""
     tok = byte_level_tokenizer([*SPECIAL, "<|eos|>"])
     eos = tok.token_to_id("<|eos|>")
     frontend = recipient_header()
@@ -229,51 +230,49 @@ def atem_walk(choice: str | None, seed: int, *, open_header: bool = False) -> tu
     fmt = ToolCallFormat.from_syntax(TOOLS, choice, frontend.tool_syntax, header, open_header=open_header)
     assert parse_prepared_format(fmt.to_json()) == fmt
     compiler = GrammarCompiler(tok, sampled_size=eos + 1, logits_width=WIDTH, eos_token_ids=[eos])
+    start, message, end, eom = (tok.token_to_id(t) for t in ("<|start|>", "<|message|>", "<|end|>", "<|eom|>"))
     matcher = compiler.compile(fmt).matcher()
-    rng = np.random.default_rng(seed)
-    ids: list[int] = []
-    for _ in range(MAX_STEPS):
-        bits = np.unpackbits(matcher.mask().astype("<u4").view(np.uint8), bitorder="little")
-        token = int(rng.choice(np.flatnonzero(bits[: eos + 1])))
-        if token == eos:
-            break
-        matcher.advance(token)
-        ids.append(token)
-    assert matcher.finished and ids[-1] == tok.token_to_id("<|eom|>")  # the frame ends at end-of-message
-    start, message = tok.token_to_id("<|start|>"), tok.token_to_id("<|message|>")
-    assert ids.count(start) == (0 if open_header else 1) and ids.count(message) == 1  # one frame, tokens
+    ids = grammar_walks.biased_walk(
+        matcher, seed, eos=eos, sampled=eos + 1, favoured={start, end, eom, eos}, max_steps=MAX_STEPS
+    )
+    assert matcher.finished and ids[-1] == eom  # the call frame ends at end-of-message
+    frames = ids.count(message)
+    assert ids.count(start) == frames - open_header and ids.count(eom) + ids.count(end) == frames  # tokens only
     envelope = EnvelopeState(open_header=header.assistant_role) if open_header else CLOSED_ENVELOPE
     harness = FrontendHarness(tok, frontend, tools=[ToolSpec(n, s) for n, s in TOOLS], envelope=envelope)
     result = harness.run_tokens([ids])
     assert result.finish_reason == "tool_calls" and not (result.output.content or "").strip()
-    assert not result.output.reasoning
     text = tok.decode(ids, skip_special_tokens=False)
-    return text, [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls]
+    *before, call_frame = text.split("<|start|>assistant")
+    reasoning_frames = [*before[1:], *([before[0]] if open_header and before else [])]
+    assert all(frame.startswith(" to=self<|message|>") for frame in reasoning_frames), text
+    calls = [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls]
+    return call_frame, calls, result.output.reasoning or ""
 
 
 def test_atem_required_is_one_frame_to_the_generic_recipient() -> None:
-    names = set()
+    names, reasoned = set(), 0
     for seed in range(WALKS // 2):
-        text, ((name, arguments),) = atem_walk(None, seed)
-        assert text.startswith("<|start|>assistant to=functions<|message|><atem:function_calls>\n<atem:invoke name=")
+        text, ((name, arguments),), reasoning = atem_walk(None, seed)
+        assert text.startswith(" to=functions<|message|><atem:function_calls>\n<atem:invoke name=")
         assert text.endswith("</atem:invoke>\n</atem:function_calls><|eom|>")
         assert valid(name, arguments), (name, arguments, text)
         names.add(name)
+        reasoned += bool(reasoning)
     assert names == {"note", "move"}
+    assert 0 < reasoned < WALKS // 2  # reasoning frames may come first, and need not
 
 
 def test_atem_named_choice_addresses_the_named_recipient() -> None:
     for seed in range(WALKS // 3):
-        text, ((name, arguments),) = atem_walk("note", seed)
-        assert text.startswith(
-            '<|start|>assistant to=functions.note<|message|><atem:function_calls>\n<atem:invoke name="note">'
-        )
+        text, ((name, arguments),), _ = atem_walk("note", seed)
+        assert text.startswith(' to=functions.note<|message|><atem:function_calls>\n<atem:invoke name="note">')
         assert name == "note" and valid(name, arguments), arguments
 
 
 def test_atem_open_header_starts_at_the_recipient_suffix() -> None:
     for seed in range(WALKS // 3):
-        text, ((name, arguments),) = atem_walk("move", seed, open_header=True)
+        text, ((name, arguments),), _ = atem_walk("move", seed, open_header=True)
         assert text.startswith(" to=functions.move<|message|><atem:function_calls>")
         assert name == "move" and valid(name, arguments), arguments
 

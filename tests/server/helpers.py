@@ -35,7 +35,7 @@ def chat(base_url: str, **body: Any) -> httpx.Response:
 
 
 @contextmanager
-def scripted_replies(running: Any) -> Iterator[Callable[[str], None]]:
+def scripted_replies(running: Any) -> Iterator[Callable[..., None]]:
     """Make a served core 'say' a chosen text: each sampling launch's first lane gets the next scripted id.
 
     The engine, host gates, output pipeline and presentation all run for real; only the sampled ids of
@@ -57,8 +57,9 @@ def scripted_replies(running: Any) -> Iterator[Callable[[str], None]]:
             ids.reshape(ids.shape[0], -1)[0, 0] = pending.pop(0)
         return result
 
-    def say(text: str) -> None:
-        pending[:] = [*tokenizer.encode(text, add_special_tokens=False).ids, eos]
+    def say(text: str, *, end: bool = True) -> None:
+        """Script ``text`` (then EOS when ``end``; else the model continues sampling after it)."""
+        pending[:] = [*tokenizer.encode(text, add_special_tokens=False).ids, *([eos] if end else [])]
 
     backend.run = scripted_run
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from helios_core.errors import HeliosError
 from ignition.recipes.llama import Capacities
+from ignition.recipes.synthetic import TOOL_SYNTAXES
 
 RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
 
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--context", type=int, default=512, help="context tokens per request")
     build.add_argument("--extra-special", default="", help="comma-separated extra special tokens (llama-synthetic)")
     build.add_argument(
-        "--tool-syntax", choices=("none", "json-tags"), default="none", help="tool-call syntax (llama-synthetic)"
+        "--tool-syntax", choices=TOOL_SYNTAXES, default="none", help="tool-call syntax (llama-synthetic)"
     )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser

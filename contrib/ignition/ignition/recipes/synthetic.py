@@ -262,7 +262,36 @@ CHATML_JSON_TOOLS_TEMPLATE = (
 )
 """ChatML with tools in a system message and JSON-tag tool calls in assistant messages."""
 
-TOOL_SYNTAXES = ("none", "json-tags")
+RECIPIENT_HEADER_TEMPLATE = (
+    "{%- if tools %}<|start|>system<|message|>Call a tool in a frame to=functions.NAME. Tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    "<|start|>assistant to=functions.{{ call['function']['name'] }}<|message|><atem:function_calls>\n"
+    '<atem:invoke name="{{ call["function"]["name"] }}">\n{{ call["function"]["arguments"] }}\n'
+    "</atem:invoke>\n</atem:function_calls><|eom|>{% endfor %}"
+    "{%- elif message['role'] == 'tool' %}<|start|>functions to=assistant<|message|>{{ message['content'] }}<|end|>"
+    "{%- else %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] or '' }}<|end|>{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+"""Recipient-header frames; the generation prompt leaves the assistant header open."""
+
+XTML_TEMPLATE = (
+    '{%- if tools %}<|open|>message role="system"<|sep|>Tools:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|close|>message<|sep|>{% endif %}"
+    "{%- for message in messages %}<|open|>message role=\"{{ message['role'] }}\"<|sep|>"
+    "{{ message['content'] or '' }}<|close|>message<|sep|>{% endfor %}"
+    '{%- if add_generation_prompt %}<|open|>message role="assistant"<|sep|><|open|>think<|sep|>{% endif %}'
+)
+"""XTML messages; the generation prompt opens the assistant's XTML think element."""
+
+TOOL_SYNTAXES = ("none", "json-tags", "recipient-header", "xtml")
+_SYNTAX_SPECIALS = {
+    "none": (),
+    "json-tags": ("<tool_call>", "</tool_call>"),
+    "recipient-header": ("<|start|>", "<|message|>", "<|end|>", "<|eom|>"),
+    "xtml": ("<|open|>", "<|close|>", "<|sep|>"),
+}
 
 
 def json_tags_frontend() -> ct.FrontendContract:
@@ -273,6 +302,29 @@ def json_tags_frontend() -> ct.FrontendContract:
     return frontend
 
 
+def recipient_header_frontend() -> ct.FrontendContract:
+    """Recipient-header frames with ATEM calls, as the recipient-header template writes them."""
+    frontend = frontend_declarations.recipient_header()
+    frontend.template_tokens.message_end = "<|end|>"
+    frontend.template_tokens.assistant_open = "<|start|>assistant"
+    return frontend
+
+
+def xtml_frontend() -> ct.FrontendContract:
+    """XTML tool blocks and XTML think, as the XTML template writes them."""
+    frontend = frontend_declarations.xtml()
+    frontend.template_tokens.message_end = "<|close|>message<|sep|>"
+    frontend.template_tokens.assistant_open = '<|open|>message role="assistant"<|sep|>'
+    return frontend
+
+
+_SYNTAX_FRONTENDS = {
+    "json-tags": (CHATML_JSON_TOOLS_TEMPLATE, json_tags_frontend),
+    "recipient-header": (RECIPIENT_HEADER_TEMPLATE, recipient_header_frontend),
+    "xtml": (XTML_TEMPLATE, xtml_frontend),
+}
+
+
 def synthetic_declaration(
     shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = (), tool_syntax: str = "none"
 ) -> TextModelDeclaration:
@@ -281,13 +333,16 @@ def synthetic_declaration(
 
     if tool_syntax not in TOOL_SYNTAXES:
         raise ValueError(f"unknown tool syntax {tool_syntax!r}; known: {', '.join(TOOL_SYNTAXES)}")
-    if tool_syntax == "json-tags":
-        extra_special = (*extra_special, "<tool_call>", "</tool_call>")
+    extra_special = (*extra_special, *_SYNTAX_SPECIALS[tool_syntax])
 
     if shape_name not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape_name!r}; known shapes: {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
     tokenizer = byte_level_tokenizer(extra_special)
+    template, frontend = CHATML_TEMPLATE, None
+    if tool_syntax in _SYNTAX_FRONTENDS:
+        template, make_frontend = _SYNTAX_FRONTENDS[tool_syntax]
+        frontend = make_frontend()
     if tokenizer.vocab_size > shape.vocab:
         raise ValueError(f"shape {shape_name!r} has {shape.vocab} logits, the tokenizer needs {tokenizer.vocab_size}")
     return TextModelDeclaration(
@@ -295,8 +350,8 @@ def synthetic_declaration(
         shape=shape,
         weights=random_weights(shape, seed),
         tokenizer_json=tokenizer.json,
-        chat_template=CHATML_JSON_TOOLS_TEMPLATE if tool_syntax == "json-tags" else CHATML_TEMPLATE,
-        frontend=json_tags_frontend() if tool_syntax == "json-tags" else None,
+        chat_template=template,
+        frontend=frontend,
         sampled_size=tokenizer.vocab_size,
         eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
         description=f"Synthetic Llama shape {shape_name!r} with seeded random weights (seed {seed})",
