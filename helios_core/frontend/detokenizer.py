@@ -5,9 +5,19 @@ token and without ever emitting half of a UTF-8 character: a byte-level token th
 multi-byte character yields "" until the character completes. Special tokens are decoded as their
 text (reasoning and tool envelopes are matched and parsed before presentation); whether a client
 sees them is the output pipeline's decision.
+
+Two paths give the same text. For a tokenizer whose decoder is the plain byte-level one, decoding is
+the concatenation of each token's bytes, read as UTF-8 with invalid sequences replaced:
+:class:`TokenBytes` holds every token's bytes (built and checked against the tokenizer once at
+startup) and a piece costs one table lookup and an incremental UTF-8 decode. Any other tokenizer
+decodes a short window of recent ids twice per token through the tokenizer.
 """
 
 from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
@@ -16,17 +26,71 @@ _CONTEXT_TOKENS = 6
 """Tokens kept before the unread ones, so merges across the boundary decode correctly."""
 
 
-class IncrementalDetokenizer:
-    """Text pieces for ids appended one at a time."""
+def _unicode_to_byte() -> dict[str, int]:
+    """The byte-level alphabet: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes = list(printable)
+    shifted = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + shifted)
+            shifted += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+
+class TokenBytes:
+    """The bytes each token id decodes to under a plain byte-level decoder (immutable, shared)."""
+
+    def __init__(self, table: Sequence[bytes]) -> None:
+        self._table = tuple(table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, token_id: int) -> bytes:
+        return self._table[token_id] if 0 <= token_id < len(self._table) else b""
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenBytes | None:
+        """The table of ``tokenizer``, or ``None`` when its decoder is not the plain byte-level one or
+        the table does not decode every single token exactly as the tokenizer does."""
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            return None
+        alphabet = _unicode_to_byte()
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        table: list[bytes] = []
+        for token_id in range(size):
+            token = tokenizer.id_to_token(token_id)
+            if token is None:
+                table.append(b"")
+            elif all(char in alphabet for char in token):
+                table.append(bytes(alphabet[char] for char in token))
+            else:
+                table.append(token.encode("utf-8"))
+        ids = list(range(size))
+        expected = tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        if any(table[i].decode("utf-8", "replace") != text for i, text in zip(ids, expected, strict=True)):
+            return None
+        return cls(table)
+
+
+class IncrementalDetokenizer:
+    """Text pieces for ids appended one at a time (through ``token_bytes`` when given)."""
+
+    def __init__(self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None) -> None:
         self._tokenizer = tokenizer
+        self._bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
 
     def push(self, token_id: int) -> str:
         """Append ``token_id``; returns the newly complete text (possibly "")."""
+        if self._bytes is not None:
+            return self._utf8.decode(self._bytes[token_id])
         self._ids.append(token_id)
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=False)
@@ -40,6 +104,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still pending at the end (an incomplete character decodes as U+FFFD)."""
+        if self._bytes is not None:
+            return self._utf8.decode(b"", final=True)
         if self._read_offset == len(self._ids):
             return ""
         decode = self._tokenizer.decode

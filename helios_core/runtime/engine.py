@@ -28,6 +28,7 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.errors import HeliosError
+from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.completion import CompletionError, LaneResult, read_lanes
 from helios_core.runtime.gates import HostGate
@@ -93,9 +94,10 @@ class Engine:
         make_gate = None
         if tokenizer is not None:
             tok = tokenizer
+            token_bytes = TokenBytes.from_tokenizer(tokenizer)
 
             def make_gate(request: PreparedRequest) -> HostGate:
-                return HostGate(request, tok, grammar_compiler)
+                return HostGate(request, tok, grammar_compiler, token_bytes)
 
         self.scheduler = Scheduler(
             contract,

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
-from helios_core.frontend.detokenizer import IncrementalDetokenizer
+from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.messages import Piece, PreparedRequest
 
@@ -34,11 +34,15 @@ class HostGate:
     """The per-request host work between rounds."""
 
     def __init__(
-        self, request: PreparedRequest, tokenizer: Tokenizer, grammar_compiler: GrammarCompiler | None
+        self,
+        request: PreparedRequest,
+        tokenizer: Tokenizer,
+        grammar_compiler: GrammarCompiler | None,
+        token_bytes: TokenBytes | None = None,
     ) -> None:
         from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
 
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
         self._string_stops = StringStopMatcher(request.string_stops) if request.string_stops else None
         self._token_stops = TokenStopMatcher(request.token_stops) if request.token_stops else None
         self._grammar = None

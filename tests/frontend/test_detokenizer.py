@@ -6,7 +6,7 @@ import pytest
 from ignition.recipes.synthetic import byte_level_tokenizer
 from tokenizers import Tokenizer
 
-from helios_core.frontend.detokenizer import IncrementalDetokenizer
+from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +37,36 @@ def test_a_truncated_character_flushes_as_a_replacement(tokenizer: Tokenizer) ->
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.push(ids[0]) == ""
     assert detok.flush() == "\ufffd"
+
+
+def test_the_byte_table_gives_the_tokenizers_text_for_any_ids(tokenizer: Tokenizer) -> None:
+    """Random ids (invalid and truncated UTF-8 included): the table path's pieces, the window path's
+    pieces and the tokenizer's whole decoding agree."""
+    import random
+
+    table = TokenBytes.from_tokenizer(tokenizer)
+    assert table is not None and len(table) == tokenizer.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(7)
+    for _ in range(400):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randrange(1, 30))]
+        fast, window = IncrementalDetokenizer(tokenizer, table), IncrementalDetokenizer(tokenizer)
+        fast_text = "".join(fast.push(i) for i in ids) + fast.flush()
+        window_text = "".join(window.push(i) for i in ids) + window.flush()
+        assert fast_text == window_text == tokenizer.decode(ids, skip_special_tokens=False), ids
+
+
+def test_the_byte_table_withholds_a_partial_character(tokenizer: Tokenizer) -> None:
+    table = TokenBytes.from_tokenizer(tokenizer)
+    ids = tokenizer.encode("日", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer, table)
+    assert [detok.push(i) for i in ids] == ["", "", "日"] and detok.flush() == ""
+    detok = IncrementalDetokenizer(tokenizer, table)
+    assert detok.push(ids[0]) == "" and detok.flush() == "\ufffd"
+
+
+def test_other_decoders_have_no_byte_table() -> None:
+    from tokenizers import decoders, models
+
+    word_level = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    word_level.decoder = decoders.WordPiece()
+    assert TokenBytes.from_tokenizer(word_level) is None
