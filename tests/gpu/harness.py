@@ -89,10 +89,14 @@ def run_node(
     *,
     weights: Sequence[str] = (),
     alias: Mapping[str, str] | None = None,
+    repeat: int = 1,
+    reset: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
-    """Run the node on the GPU; returns every array as the device left it.
+    """Run the node on the GPU ``repeat`` times (uploading the ``reset`` arrays again before each
+    time); returns every array as the device left it.
 
-    Buffers the lowering adds (workspaces) are allocated too; ``alias`` as for :func:`lower`.
+    Buffers the lowering adds (workspaces) are allocated too, zeroed as the backend allocates them;
+    ``alias`` as for :func:`lower`.
     """
     context, launches = lower(op, arrays, attributes, weights=weights, alias=alias)
     addresses: dict[str, int] = {}
@@ -105,10 +109,15 @@ def run_node(
             else:
                 count = int(np.prod([int(d.size) for d in decl.shape]))
                 addresses[decl.name] = cuda.alloc(max(count * 8, 1))
+                cuda.memset(addresses[decl.name], max(count * 8, 1))
         functions = {name: cuda.load_module(module.data) for name, module in context.modules.items()}
-        for launch in launches:
-            function = cuda.function(functions[launch.module], launch.symbol, launch.shared_bytes)
-            cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack_params(launch.params, addresses))
+        for _ in range(repeat):
+            for name in reset:
+                cuda.upload(addresses[name], np.ascontiguousarray(arrays[name]))
+            for launch in launches:
+                function = cuda.function(functions[launch.module], launch.symbol, launch.shared_bytes)
+                params = pack_params(launch.params, addresses)
+                cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, params)
         cuda.synchronize()
         out = {}
         for name, array in arrays.items():

@@ -2,12 +2,13 @@
 
 Owns the lowering of ``paged_attention`` and ``rope_kv_cache_write``.
 
-``paged_attention`` runs in two launches (split-position attention): launch 1 gives every
-(token, KV head, position split) one program that attends the group of query heads sharing that
-KV head to its split's positions ``[s * SPLIT, (s + 1) * SPLIT)`` up to the token's own position,
-reading keys and values through the page table, and writes the split's running maximum, sum and
-unnormalised output to workspaces; launch 2 merges the splits of each (token, query head). A
-decode step therefore spreads a long context over many programs instead of walking it in one.
+``paged_attention`` runs in one launch (split-position attention): every (token, KV head, position
+split) gets one program that attends the group of query heads sharing that KV head to its split's
+positions ``[s * SPLIT, (s + 1) * SPLIT)`` up to the token's own position, reading keys and values
+through the page table, and writes the split's running maximum, sum and unnormalised output to
+workspaces; the last program of a (token, KV head) to finish (an atomic count of finished splits,
+which it resets) merges the splits of that group's query heads. A decode step therefore spreads a
+long context over many programs instead of walking it in one, without a second launch.
 Softmax is computed online in float32 (the reference subtracts the exact maximum first; the two
 agree to float32 rounding). Tokens whose row is negative (padding) get zero output.
 
@@ -45,6 +46,8 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     max_ws,
     sum_ws,
     acc_ws,
+    count_ws,
+    out_ptr,
     scale,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -54,6 +57,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     PAGE_TOKENS: tl.constexpr,
     TABLE_WIDTH: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -102,42 +106,34 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     tl.store(max_ws + out_index, running_max, mask=head_ok)
     tl.store(sum_ws + out_index, running_sum, mask=head_ok)
     tl.store(acc_ws + out_index[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
-
-
-@triton.jit  # type: ignore[misc, untyped-decorator]
-def attention_merge_kernel(  # type: ignore[no-untyped-def]
-    row_ptr,
-    max_ws,
-    sum_ws,
-    acc_ws,
-    out_ptr,
-    HEADS: tl.constexpr,
-    D: tl.constexpr,
-    SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    row = tl.load(row_ptr + token)
-    dims = tl.arange(0, D)
-    splits = tl.arange(0, SPLITS_P2)
-    ok = splits < SPLITS
-    base = (token * HEADS + head) * SPLITS
-    maxima = tl.load(max_ws + base + splits, mask=ok, other=float("-inf"))
-    sums = tl.load(sum_ws + base + splits, mask=ok, other=0.0)
-    peak = tl.max(maxima, axis=0)
-    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-    factors = tl.where(ok & (maxima > float("-inf")), tl.exp(maxima - safe_peak), 0.0)
-    total = tl.sum(sums * factors, axis=0)
-    partial = tl.load(acc_ws + (base + splits)[:, None] * D + dims[None, :], mask=ok[:, None], other=0.0)
-    merged = tl.sum(partial * factors[:, None], axis=0)
-    result = tl.where(total > 0.0, merged / tl.where(total > 0.0, total, 1.0), 0.0)
-    result = tl.where(row >= 0, result, 0.0)
-    tl.store(out_ptr + (token * HEADS + head) * D + dims, result)
+    # The last split of this (token, KV head) to finish merges all of them: every program's partials
+    # are stored before its counter increment (barrier, then a release), the merger reads them after
+    # its acquire, past L1, and resets the counter for the next launch.
+    tl.debug_barrier()
+    counter = count_ws + token * KV_HEADS + kv
+    finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if finished == SPLITS - 1:
+        splits = tl.arange(0, SPLITS_P2)
+        split_ok = splits < SPLITS
+        both = head_ok[:, None] & split_ok[None, :]
+        index = (token * HEADS + q_heads)[:, None] * SPLITS + splits[None, :]  # [GROUP_P2, SPLITS_P2]
+        maxima = tl.load(max_ws + index, mask=both, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(sum_ws + index, mask=both, other=0.0, cache_modifier=".cg")
+        peak = tl.max(maxima, axis=1)
+        safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
+        factors = tl.where(both & (maxima > float("-inf")), tl.exp(maxima - safe_peak[:, None]), 0.0)
+        total = tl.sum(sums * factors, axis=1)  # [GROUP_P2]
+        partial = tl.load(
+            acc_ws + index[:, :, None] * D + dims[None, None, :],
+            mask=both[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [GROUP_P2, SPLITS_P2, D]
+        merged = tl.sum(partial * factors[:, :, None], axis=1)
+        result = tl.where(total[:, None] > 0.0, merged / tl.where(total > 0.0, total, 1.0)[:, None], 0.0)
+        result = tl.where(row >= 0, result, 0.0)
+        tl.store(out_ptr + (token * HEADS + q_heads)[:, None] * D + dims[None, :], result, mask=head_ok[:, None])
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @lowering("paged_attention")
@@ -172,8 +168,10 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
     max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
     sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
     acc_ws = ctx.workspace("attention_acc", mf.DTYPE_F32, tokens * heads * splits * head_dim)
+    # zero at allocation; every launch leaves each counter at zero again
+    count_ws = ctx.workspace("attention_splits_done", mf.DTYPE_I32, tokens * kv_heads)
     scale = float(ctx.attribute(node, "scale", 1.0 / math.sqrt(head_dim)))
-    first = ctx.launch(
+    launch = ctx.launch(
         attention_split_kernel,
         {
             "q_ptr": ctx.pointer(q),
@@ -185,6 +183,8 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
             "max_ws": ctx.pointer(max_ws),
             "sum_ws": ctx.pointer(sum_ws),
             "acc_ws": ctx.pointer(acc_ws),
+            "count_ws": ctx.pointer(count_ws),
+            "out_ptr": ctx.pointer(out),
             "scale": ctx.f32(scale),
         },
         {
@@ -196,6 +196,7 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
             "PAGE_TOKENS": page_tokens,
             "TABLE_WIDTH": width,
             "SPLITS": splits,
+            "SPLITS_P2": next_power_of_two(splits),
             "SPLIT": split,
             "BLOCK_N": block_n,
         },
@@ -203,21 +204,7 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
         num_warps=4,
         num_stages=2,
     )
-    second = ctx.launch(
-        attention_merge_kernel,
-        {
-            "row_ptr": ctx.pointer(rows),
-            "max_ws": ctx.pointer(max_ws),
-            "sum_ws": ctx.pointer(sum_ws),
-            "acc_ws": ctx.pointer(acc_ws),
-            "out_ptr": ctx.pointer(out),
-        },
-        {"HEADS": heads, "D": head_dim, "SPLITS": splits, "SPLITS_P2": next_power_of_two(splits)},
-        (tokens, heads),
-        num_warps=1 if head_dim <= 64 else 2,
-        num_stages=1,
-    )
-    return [first, second]
+    return [launch]
 
 
 def _f64_bits(value: float) -> int:
