@@ -5,9 +5,12 @@ LM head) at 1, 8, 64 and 256 rows, times Ignition's projection kernel with each 
 (``choose_tiles``' choice marked ``*``) and PyTorch's ``F.linear`` (cuBLAS) on the same bf16
 weights, rotating over enough weight copies that the L2 cache holds none of them, and prints
 microseconds, achieved weight bandwidth and the bandwidth floor (weight bytes over the measured
-device copy bandwidth). Needs an NVIDIA GPU, Triton and PyTorch:
+device copy bandwidth). Each projection is the launch the Llama graph writes: ``[q|k|v]``,
+``[gate|up]`` and the LM head normalise their input first (``rmsnorm_linear``), the output and down
+projections add the residual, down over the SwiGLU of its packed input. Needs an NVIDIA GPU, Triton
+and PyTorch; ``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
 
-    python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256]
+    python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--compile-only]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
@@ -34,6 +38,11 @@ CANDIDATES = (
     Tiles(1, 16, 256, 4, 1),
     Tiles(1, 8, 1024, 8, 1),
     Tiles(1, 16, 512, 8, 1),
+    Tiles(1, 4, 1024, 4, 1),
+    Tiles(1, 16, 1024, 8, 1),
+    Tiles(1, 8, 2048, 8, 1),
+    Tiles(1, 32, 512, 8, 1),
+    Tiles(1, 16, 256, 8, 1),
     Tiles(16, 16, 256, 4, 4),
     Tiles(16, 32, 256, 4, 4),
     Tiles(16, 64, 128, 4, 3),
@@ -48,18 +57,22 @@ CANDIDATES = (
 )
 
 
-def _manifest(rows: int, n: int, k: int, gated: bool) -> tuple[mf.ExecutionManifest, mf.Node]:
+def _manifest(rows: int, n: int, k: int, gated: bool, normed: bool) -> tuple[mf.ExecutionManifest, mf.Node]:
     manifest = mf.ExecutionManifest()
     program = manifest.programs.add(name="bench")
     node = program.nodes.add(name="proj")
-    node.op.name = "linear_add"
+    node.op.name = "rmsnorm_linear" if normed else "linear_add"
     node.op.version = 1
+    node.attributes.add(name="eps", float_value=1e-5)
     x_width = 2 * k if gated else k
-    for name, dtype, shape, role in (
+    buffers = [
         ("x", mf.DTYPE_F32, (rows, x_width), mf.BUFFER_ROLE_SCRATCH),
         ("weight", mf.DTYPE_BF16, (n, k), mf.BUFFER_ROLE_WEIGHTS),
         ("out", mf.DTYPE_F32, (rows, n), mf.BUFFER_ROLE_SCRATCH),
-    ):
+    ]
+    if normed:
+        buffers.append(("norm", mf.DTYPE_F32, (k,), mf.BUFFER_ROLE_WEIGHTS))
+    for name, dtype, shape, role in buffers:
         decl = manifest.buffers.add(name=name, role=role, dtype=dtype)  # type: ignore[arg-type]
         for size in shape:
             decl.shape.add(size=size)
@@ -67,14 +80,58 @@ def _manifest(rows: int, n: int, k: int, gated: bool) -> tuple[mf.ExecutionManif
     return manifest, node
 
 
-def _time_ours(cuda: Context, rows: int, n: int, k: int, gated: bool, tiles: Tiles, copies: int) -> float:
-    manifest, node = _manifest(rows, n, k, gated)
+def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool]]:
+    """(N, K, gated input, normalised input) of each projection of a shape."""
+    s = SHAPES[shape_name]
+    return {
+        "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, False, True),
+        "o": (s.hidden, s.heads * s.head_dim, False, False),
+        "gate_up": (2 * s.ffn, s.hidden, False, True),
+        "down": (s.hidden, s.ffn, True, False),
+        "lm_head": (s.vocab, s.hidden, False, True),
+    }
+
+
+def _candidates(rows: int, n: int, k: int) -> list[Tiles]:
+    """``choose_tiles``' choice first, then the candidates of the same row family."""
+    chosen = choose_tiles(rows, n, k)
+    family = 1 if rows <= 2 else 16 if rows <= 16 else 64
+    return [t for t in dict.fromkeys((chosen, *CANDIDATES)) if t == chosen or min(t.block_m, 64) == family]
+
+
+def _lowered(rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles) -> tuple[Any, mf.KernelLaunch]:
+    """The compiled module and the launch of one projection as the Llama graph writes it."""
+    manifest, node = _manifest(rows, n, k, gated, normed)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="proj")
     views = {arg.name: arg.view for arg in node.args}
-    launch = _project(
-        ctx, node, views["x"], views["weight"], views["out"], residual=views["out"], gated=gated, tiles=tiles
-    )[0]
-    module = cuda.load_module(next(iter(ctx.modules.values())).data)
+    launches = _project(
+        ctx, node, views["x"], views["weight"], views["out"], residual=None if normed else views["out"],
+        norm=views["norm"] if normed else None, gated=gated, tiles=tiles,
+    )  # fmt: skip
+    if len(launches) != 1:
+        raise ValueError("timed only as one launch")
+    return next(iter(ctx.modules.values())), launches[0]
+
+
+def _compile_only(shapes: list[str], rows_list: list[int]) -> int:
+    for shape_name in shapes:
+        for rows in rows_list:
+            for proj, (n, k, gated, normed) in _projections(shape_name).items():
+                for tiles in _candidates(rows, n, k):
+                    try:
+                        _lowered(rows, n, k, gated, normed, tiles)
+                    except Exception as exc:  # reported like a tile that fails on the GPU
+                        print(f"{shape_name} {proj} {rows} {tiles}: {exc}")
+                print(f"{shape_name} {proj} rows {rows}: compiled", flush=True)
+    return 0
+
+
+def _time_ours(
+    cuda: Context, rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, copies: int
+) -> float:
+    """Microseconds of one launch of the projection (see :func:`_lowered`), weights rotated."""
+    module_data, launch = _lowered(rows, n, k, gated, normed, tiles)
+    module = cuda.load_module(module_data.data)
     function = cuda.function(module, launch.symbol, launch.shared_bytes)
     x = cuda.alloc(rows * (2 * k if gated else k) * 4)
     out = cuda.alloc(rows * n * 4)
@@ -83,7 +140,9 @@ def _time_ours(cuda: Context, rows: int, n: int, k: int, gated: bool, tiles: Til
     cuda.upload(x, rng.standard_normal(rows * (2 * k if gated else k)).astype(np.float32))
     for w in weights:
         cuda.upload(w, (rng.standard_normal(n * k).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
-    packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out}) for w in weights]
+    norm = cuda.alloc(k * 4)
+    cuda.upload(norm, np.ones(k, dtype=np.float32))
+    packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out, "norm": norm}) for w in weights]
     start, end = cuda.timing_event(), cuda.timing_event()
     for pack in packs:
         cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack)
@@ -96,7 +155,7 @@ def _time_ours(cuda: Context, rows: int, n: int, k: int, gated: bool, tiles: Til
     cuda.record(end)
     cuda.wait_event(end)
     elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * copies)
-    for pointer in (x, out, *weights):
+    for pointer in (x, out, norm, *weights):
         cuda.free(pointer)
     return elapsed
 
@@ -140,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1b,8b")
     parser.add_argument("--rows", default="1,8,64,256")
+    parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
     args = parser.parse_args(argv)
+    if args.compile_only:
+        return _compile_only(args.shapes.split(","), [int(r) for r in args.rows.split(",")])
     bandwidth = _copy_bandwidth()
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -148,26 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     columns += (("TB/s", ">6"), ("cuBLAS us", ">9"), ("floor us", ">8"))
     print(" ".join(f"{name:{spec}}" for name, spec in columns))
     for shape_name in args.shapes.split(","):
-        s = SHAPES[shape_name]
-        projections = {
-            "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, False),
-            "o": (s.hidden, s.heads * s.head_dim, False),
-            "gate_up": (2 * s.ffn, s.hidden, False),
-            "down": (s.hidden, s.ffn, True),
-            "lm_head": (s.vocab, s.hidden, False),
-        }
         for rows in (int(r) for r in args.rows.split(",")):
-            for proj, (n, k, gated) in projections.items():
+            for proj, (n, k, gated, normed) in _projections(shape_name).items():
                 copies = max(2, int(np.ceil(200e6 / (n * k * 2))))
                 chosen = choose_tiles(rows, n, k)
                 cublas = _time_torch(rows, n, k, copies)
                 floor = n * k * 2 / bandwidth * 1e6
-                for tiles in dict.fromkeys((chosen, *CANDIDATES)):
-                    family = 1 if rows <= 2 else 16 if rows <= 16 else 64
-                    if min(tiles.block_m, 64) != family and tiles != chosen:
-                        continue
+                for tiles in _candidates(rows, n, k):
                     try:
-                        us = _time_ours(cuda, rows, n, k, gated, tiles, copies)
+                        us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies)
                     except Exception as exc:  # a tile that does not fit the chip is reported, not fatal
                         print(f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {tiles!s:<22} failed: {exc}")
                         continue

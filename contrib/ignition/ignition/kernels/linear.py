@@ -113,7 +113,9 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
 
     The first weight tile is loaded before ``gdc_wait`` (weights are never written by a program), so
     the weight stream starts while the previous kernel finishes; each step then loads the next tile
-    before it uses the current one.
+    before it uses the current one. With ``NORM`` the input is read once: the sums of squares
+    accumulate beside the products with ``x * gain``, and each row's ``1 / rms`` scales its sums at
+    the end.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,17 +128,7 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if NORM:
-        squares = tl.zeros([ROWS_P2], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(
-                x_ptr + offs_r[:, None] * x_stride + offs_k[None, :],
-                mask=r_ok[:, None] & (offs_k[None, :] < K),
-                other=0.0,
-            )
-            squares += tl.sum(xs * xs, axis=1)
-        scale = 1.0 / tl.sqrt(squares / K + eps)
+    squares = tl.zeros([ROWS_P2], dtype=tl.float32)
     acc = tl.zeros([ROWS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -153,12 +145,15 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
             xs = gate / (1.0 + tl.exp(-gate)) * up
         else:
             xs = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
-        if NORM:
+        if NORM:  # the row's 1 / rms is one factor: applied to the sums after the loop
+            squares += tl.sum(xs * xs, axis=1)
             gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0)
-            xs = (xs * scale[:, None]) * gain[None, :]
+            xs = xs * gain[None, :]
         acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
         w = w_next
     result = tl.sum(acc, axis=2)
+    if NORM:
+        result = result * (1.0 / tl.sqrt(squares / K + eps))[:, None]
     out_mask = r_ok[:, None] & n_ok[None, :]
     out_offsets = offs_r[:, None] * N + offs_n[None, :]
     if RESIDUAL:
