@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from helios_core.contract import PreparedContract
+from helios_core.contract.prepared import PreparedGraph
 from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
@@ -44,54 +46,95 @@ class NullBackend:
             for _ in range(frames)
         ]
         self._fields = {int(c.field): c.buffer for c in execution.completion}
-        self._sequence_entry = execution.transport.submission_sequence_entry
+        self._completion = [
+            {field: buffers[name] for field, name in self._fields.items()} for buffers in self._completion_buffers
+        ]
         self._sampled_size = contract.sampled_size
-        self._sources: dict[str, dict[int, str]] = {
-            name: {b.source: b.destination for b in graph.contract.bindings} for name, graph in contract.graphs.items()
+        self._views = {
+            (name, frame): _ProgramViews.find(graph, self._transport[frame], self._completion[frame], execution)
+            for name, graph in contract.graphs.items()
+            for frame in range(frames)
         }
-        self._rows = {name: graph.extents.batch_capacity for name, graph in contract.graphs.items()}
 
     def transport(self, frame: int) -> Mapping[str, AnyArray]:
         return self._transport[frame]
 
     def completion(self, frame: int) -> Mapping[int, AnyArray]:
-        buffers = self._completion_buffers[frame]
-        return {field: buffers[name] for field, name in self._fields.items()}
+        return self._completion[frame]
 
     def run(self, program: str, frame: int) -> None:
-        staging = self._transport[frame]
-        out = self.completion(frame)
-        sources = self._sources[program]
-        rows = self._rows[program]
-        generation_entry = sources.get(ct.VALUE_SOURCE_GENERATION)
-        positions_entry = sources.get(ct.VALUE_SOURCE_PROMPT_POSITIONS)
-        if generation_entry is None or positions_entry is None or mf.COMPLETION_FIELD_GENERATION not in out:
+        views = self._views[(program, frame)]
+        if views is None:
             return  # a program without per-token lanes (state initialization) reports nothing
-        generations = staging[generation_entry].reshape(-1)[:rows]
-        lengths = _entry(staging, sources, ct.VALUE_SOURCE_QUERY_LENGTH, rows)
-        sampling = _entry(staging, sources, ct.VALUE_SOURCE_SAMPLING_DECISION, rows)
-        positions = staging[positions_entry].reshape(-1)
-        ends = np.cumsum(lengths.astype(np.int64))
-        consumed = np.where(lengths.astype(np.int64) > 0, positions[np.maximum(ends - 1, 0)] + 1, 0)
-        out[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:rows] = generations
-        out[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:rows] = sampling != 0
-        out[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:rows] = consumed
-        out[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:rows] = -1
-        out[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:rows] = -1
-        ids = out[mf.COMPLETION_FIELD_SAMPLED_IDS]
-        ids.reshape(ids.shape[0], -1)[:rows, 0] = np.where(sampling != 0, (consumed * 7 + 3) % self._sampled_size, -1)
-        out[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0] = staging[self._sequence_entry].reshape(-1)[0]
+        sampling = views.sampling != 0
+        lengths: npt.NDArray[np.int64] = views.lengths.astype(np.int64, copy=False)
+        ends = np.cumsum(lengths, dtype=np.int64)
+        consumed = np.where(lengths > 0, views.positions[np.maximum(ends - 1, 0)].astype(np.int64) + 1, 0)
+        views.generation_out[:] = views.generations
+        views.emitted_out[:] = sampling
+        views.consumed_out[:] = consumed
+        views.sampled_out[:] = np.where(sampling, (consumed * 7 + 3) % self._sampled_size, -1)
+        views.sequence_out[0] = views.sequence[0]
 
     def close(self) -> None:
         self._transport.clear()
         self._completion_buffers.clear()
 
 
-def _entry(staging: Mapping[str, AnyArray], sources: Mapping[int, str], source: int, rows: int) -> AnyArray:
-    name = sources.get(source)
-    if name is None:
-        return np.zeros(rows, dtype=np.int64)
-    return staging[name].reshape(-1)[:rows]
+@dataclass(frozen=True)
+class _ProgramViews:
+    """The staging entries one program's completion depends on and the completion fields it writes,
+    as flat views of one frame's arrays (found once; ``run`` only reads and writes through them)."""
+
+    rows: int
+    generations: AnyArray
+    lengths: AnyArray
+    sampling: AnyArray
+    positions: AnyArray
+    sequence: AnyArray
+    generation_out: AnyArray
+    emitted_out: AnyArray
+    consumed_out: AnyArray
+    sampled_out: AnyArray
+    sequence_out: AnyArray
+
+    @classmethod
+    def find(
+        cls,
+        graph: PreparedGraph,
+        staging: Mapping[str, AnyArray],
+        out: Mapping[int, AnyArray],
+        execution: mf.ExecutionManifest,
+    ) -> _ProgramViews | None:
+        contract = graph.contract
+        rows = int(graph.extents.batch_capacity)
+        sources = {b.source: b.destination for b in contract.bindings}
+        generation_entry = sources.get(ct.VALUE_SOURCE_GENERATION)
+        positions_entry = sources.get(ct.VALUE_SOURCE_PROMPT_POSITIONS)
+        if generation_entry is None or positions_entry is None or mf.COMPLETION_FIELD_GENERATION not in out:
+            return None
+
+        def entry(source: ct.ValueSource) -> AnyArray:
+            name = sources.get(source)
+            return np.zeros(rows, dtype=np.int64) if name is None else staging[name].reshape(-1)[:rows]
+
+        positions = staging[positions_entry].reshape(-1)
+        ids = out[mf.COMPLETION_FIELD_SAMPLED_IDS]
+        out[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:rows] = -1
+        out[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:rows] = -1
+        return cls(
+            rows=rows,
+            generations=staging[generation_entry].reshape(-1)[:rows],
+            lengths=entry(ct.VALUE_SOURCE_QUERY_LENGTH),
+            sampling=entry(ct.VALUE_SOURCE_SAMPLING_DECISION),
+            positions=positions,
+            sequence=staging[execution.transport.submission_sequence_entry].reshape(-1),
+            generation_out=out[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:rows],
+            emitted_out=out[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:rows],
+            consumed_out=out[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:rows],
+            sampled_out=ids.reshape(ids.shape[0], -1)[:rows, 0],
+            sequence_out=out[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1),
+        )
 
 
 def transport_nbytes(contract: PreparedContract) -> int:
