@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import frontend_builders as builders
 import grammar_walks
 import numpy as np
 import pytest
@@ -96,36 +97,16 @@ def allowed(mask: np.ndarray) -> np.ndarray:
 
 def walk(matcher: GrammarMatcher, seed: int, forced: list[int] | None = None) -> list[int]:
     """Sample among allowed ids until EOS; markers and EOS are favoured so reasoning ends (bounded walks)."""
-    rng = np.random.default_rng(seed)
-    ids: list[int] = []
-    pending = list(forced or [])
-    for _ in range(MAX_STEPS):
-        choices = allowed(matcher.mask())
-        assert choices.size, "the grammar allowed nothing"
-        assert (EOS in choices) == matcher.is_accepting
-        structural = [int(c) for c in choices if c in (THINK, UNTHINK, EOS)]
-        if pending and pending[0] in choices:
-            token = pending.pop(0)
-        elif structural and rng.random() < 0.15:
-            token = int(rng.choice(structural))
-        else:
-            token = int(rng.choice(choices))
-        if token == EOS:
-            assert matcher.finished or matcher.is_accepting
-            return ids
-        matcher.advance(token)
-        ids.append(token)
-    raise AssertionError(f"walk {seed} did not finish in {MAX_STEPS} steps")
+    return grammar_walks.biased_walk(
+        matcher, seed, eos=EOS, sampled=SAMPLED, favoured={THINK, UNTHINK, EOS}, max_steps=MAX_STEPS,
+        forced=forced or (),
+    )  # fmt: skip
 
 
 def harness(tokenizer: Any, *, initially: bool, structured: bool) -> FrontendHarness:
-    return FrontendHarness(
-        tokenizer,
-        json_tags(),
-        tools=[ToolSpec(name, schema) for name, schema in TOOLS],
-        envelope=EnvelopeState(initially_reasoning=initially),
-        structured_answer=structured,
-    )
+    tools = [ToolSpec(name, schema) for name, schema in TOOLS]
+    return builders.harness(tokenizer, json_tags(), tools=tools, envelope=EnvelopeState(initially_reasoning=initially),
+                            structured_answer=structured)  # fmt: skip
 
 
 @pytest.mark.parametrize("initially", [False, True])

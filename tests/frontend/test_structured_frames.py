@@ -13,7 +13,7 @@ from typing import Any
 
 import grammar_walks
 import pytest
-from frontend_builders import SPECIAL, recipient_header, xtml
+from frontend_builders import SPECIAL, harness, recipient_header, xtml
 
 from helios_core.frontend.bootstrap import PromptError
 from helios_core.frontend.structured import (
@@ -206,13 +206,9 @@ def test_other_cores_have_no_frames_and_incomplete_headers_are_refused() -> None
 
 
 def xtml_harness(tokenizer: Any, *, initially: bool, structured: bool) -> FrontendHarness:
-    return FrontendHarness(
-        tokenizer,
-        xtml(),
-        tools=[ToolSpec(n, s) for n, s in TOOLS],
-        envelope=EnvelopeState(initially_reasoning=initially),
-        structured_answer=structured,
-    )
+    tools = [ToolSpec(n, s) for n, s in TOOLS]
+    return harness(tokenizer, xtml(), tools=tools, envelope=EnvelopeState(initially_reasoning=initially),
+                   structured_answer=structured)  # fmt: skip
 
 
 def test_xtml_think_is_the_envelope_of_its_delimiters() -> None:

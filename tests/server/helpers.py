@@ -11,6 +11,20 @@ import httpx
 
 from helios_core.wire import manifest_pb2 as mf
 
+CITY_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+"""A tool whose one argument the grammar keeps short (random-weight models sample it)."""
+
 
 def sse_events(response: httpx.Response) -> list[tuple[str | None, Any]]:
     """(event name, parsed data) of every SSE event; ``[DONE]`` is returned as the string."""

@@ -23,22 +23,11 @@ from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.loading import TrustSettings
 
 from .conftest import Served, serve_fixture
-from .helpers import scripted_replies
+from .helpers import CITY_TOOL, scripted_replies
 
 NAMESPACE = "helios-tests/frames"
 MODEL = "llama-synthetic-tiny"
-CITY: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+CITY = CITY_TOOL
 ANSWER: dict[str, Any] = {
     "type": "object",
     "properties": {"temperature": {"type": "integer", "minimum": -40, "maximum": 50}},

@@ -21,7 +21,7 @@ from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.loading import TrustSettings
 
 from .conftest import Served, serve_fixture
-from .helpers import scripted_replies
+from .helpers import CITY_TOOL, scripted_replies
 
 NAMESPACE = "helios-tests/tools"
 WEATHER = {
@@ -136,18 +136,7 @@ def test_tool_choice_none_answers_in_text(served_tools: Served, script: Callable
     assert reply.choices[0].finish_reason == "stop"
 
 
-CITY: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,6}$"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+CITY = CITY_TOOL
 ADD: dict[str, Any] = {
     "type": "function",
     "function": {
