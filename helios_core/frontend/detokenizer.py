@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -51,6 +51,15 @@ class TokenBytes:
     def __getitem__(self, token_id: int) -> bytes:
         return self._table[token_id] if 0 <= token_id < len(self._table) else b""
 
+    def pusher(self, decode: Callable[[bytes], str]) -> Callable[[int], str]:
+        """``push(id)``: ``decode`` of the id's bytes (ids outside the table have none)."""
+        table, size = self._table, len(self._table)
+
+        def push(token_id: int) -> str:
+            return decode(table[token_id]) if 0 <= token_id < size else ""
+
+        return push
+
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenBytes | None:
         """The table of ``tokenizer``, or ``None`` when its decoder is not the plain byte-level one or
@@ -79,6 +88,9 @@ class TokenBytes:
 class IncrementalDetokenizer:
     """Text pieces for ids appended one at a time (through ``token_bytes`` when given)."""
 
+    push: Callable[[int], str]
+    """Append a token id; returns the newly complete text (possibly "")."""
+
     def __init__(self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None) -> None:
         self._tokenizer = tokenizer
         self._bytes = token_bytes
@@ -86,11 +98,9 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        self.push = self._push_window if token_bytes is None else token_bytes.pusher(self._utf8.decode)
 
-    def push(self, token_id: int) -> str:
-        """Append ``token_id``; returns the newly complete text (possibly "")."""
-        if self._bytes is not None:
-            return self._utf8.decode(self._bytes[token_id])
+    def _push_window(self, token_id: int) -> str:
         self._ids.append(token_id)
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=False)

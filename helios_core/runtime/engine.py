@@ -48,6 +48,7 @@ from helios_core.runtime.scheduler import Round, Scheduler
 from helios_core.runtime.stats import SchedulerStats, StatsSnapshot
 
 _STOP = object()
+_Flat = npt.NDArray[np.generic]
 
 
 class RequestStream:
@@ -108,6 +109,8 @@ class Engine:
             clock_origin_ns=model.clock_origin_ns,
         )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._owned_entries: dict[int, tuple[object, _Flat | None, _Flat | None]] = {}
+        """Per frame: the staging mapping last seen and its frame-index and sequence views."""
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._sequence = 0
@@ -214,7 +217,13 @@ class Engine:
         try:
             staging = backend.transport(frame)  # waits for the frame's previous fence on a GPU
             self.model.packers[round_.graph.name].pack(Submission(round_.lanes, sequence), frame, staging)
-            _write_transport_owned(self.model, staging, frame, sequence)
+            owned = self._owned_entries.get(frame)
+            if owned is None or owned[0] is not staging:
+                owned = self._owned_entries[frame] = (staging, *_transport_owned(self.model, staging))
+            if owned[1] is not None:
+                owned[1][0] = frame
+            if owned[2] is not None:
+                owned[2][0] = sequence
             backend.run(round_.graph.name, frame)
         except Exception as exc:  # a failed execution fails this round's requests only
             return exc
@@ -300,15 +309,15 @@ class Engine:
         )
 
 
-def _write_transport_owned(
-    model: NativeModel, staging: Mapping[str, npt.NDArray[np.generic]], frame: int, sequence: int
-) -> None:
-    """Frame index and submission sequence belong to the transport, not to value bindings."""
+def _transport_owned(model: NativeModel, staging: Mapping[str, _Flat]) -> tuple[_Flat | None, _Flat | None]:
+    """Flat views of the frame-index and submission-sequence entries of ``staging`` (``None`` where the
+    core has none): they belong to the transport, not to value bindings."""
     transport = model.contract.execution.transport
-    if transport.frame_index_entry:
-        staging[transport.frame_index_entry].reshape(-1)[0] = frame
-    if transport.submission_sequence_entry:
-        staging[transport.submission_sequence_entry].reshape(-1)[0] = sequence
+    frame_entry, sequence_entry = transport.frame_index_entry, transport.submission_sequence_entry
+    return (
+        staging[frame_entry].reshape(-1) if frame_entry else None,
+        staging[sequence_entry].reshape(-1) if sequence_entry else None,
+    )
 
 
 def _programs_writing_completion(model: NativeModel) -> frozenset[str]:
