@@ -1024,20 +1024,6 @@ class Scheduler:
         origin, plain, observe = self.clock_origin_ns, cohort.plain, cohort.observe
         check_ended = cohort.epoch != self._epoch  # else nothing ended since the cohort was formed
         append = events.append
-        if plain and not (observe or check_ended or errors or tops or finishing or eos_per_lane):
-            # The steady state of plain lanes: every lane takes its token and publishes its text, and
-            # publishes the page it completes; none ends, fails or observes this round (the general loop
-            # below does those).
-            for index, (state, token, logprob) in enumerate(zip(cohort.members, token_ids, logprobs, strict=True)):
-                state.consumed += 1
-                if index in publishing:
-                    self._publish_pages(state)
-                state.tokens.append(token)
-                gate = state.gate
-                text = "" if gate is None else gate.text(token)
-                append(TokenEvent(state.request_id, token, logprob, [(token, text)]))
-            self._advance_cohort(cohort, slots, consumed, generated, publishing)
-            return
         for index, state in enumerate(cohort.members):
             if check_ended and state.ended:
                 continue  # ended in the previous round: this lane's output is suppressed
@@ -1071,17 +1057,6 @@ class Scheduler:
             if stop or index in finishing:
                 self._end(state)
                 append(self._finished(state, "stop" if token in eos and not state.ignore_eos else "length"))
-        self._advance_cohort(cohort, slots, consumed, generated, publishing)
-
-    def _advance_cohort(
-        self,
-        cohort: _Cohort,
-        slots: npt.NDArray[np.int64],
-        consumed: npt.NDArray[np.int64],
-        generated: npt.NDArray[np.int64],
-        publishing: AbstractSet[int],
-    ) -> None:
-        """Store a completed decode round's per-slot columns and the cohort's minima."""
         # Lanes that failed or ended are retired (or fenced, then retired): their slots' values are rewritten
         # when the slot is next admitted, so every lane's may advance.
         self._consumed[slots] = consumed
@@ -1090,7 +1065,7 @@ class Scheduler:
         cohort.room -= 1
         cohort.unpublished -= 1
         if publishing:
-            cohort.unpublished = _least((self._published[slots] + 1) * self.page_tokens - consumed)
+            cohort.unpublished = _least((self._published[slots] + 1) * page_tokens - consumed)
         self._completions += 1
         cohort.counted = self._completions
 
