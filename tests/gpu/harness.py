@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from ignition.kernels import load_kernel_modules
 from ignition.kernels.lowering import LOWERINGS, LoweringContext
+from ignition.preparation.program import set_attribute
 
 from helios_core.backends import reference
 from helios_core.backends.cuda_driver import Context, pack_params
@@ -46,17 +47,7 @@ def _node(
             decl.shape.add(size=int(size))
         node.args.add(name=name, view=mf.BufferView(buffer=name, shape=[int(s) for s in array.shape]))
     for name, value in attributes.items():
-        attr = node.attributes.add(name=name)
-        if isinstance(value, bool | int):
-            attr.int_value = int(value)
-        elif isinstance(value, float):
-            attr.float_value = value
-        elif isinstance(value, str):
-            attr.string_value = value
-        elif all(isinstance(v, int) for v in value):
-            attr.ints.values.extend(int(v) for v in value)
-        else:
-            attr.floats.values.extend(float(v) for v in value)
+        set_attribute(node, name, value)
     return manifest, node
 
 

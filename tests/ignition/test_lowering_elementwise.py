@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ignition.kernels import compiler, elementwise
+from ignition.kernels import compiler, elementwise, rotary
 from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
+from ignition.preparation.program import set_attribute
 
 from helios_core.wire import manifest_pb2 as mf
 
@@ -46,15 +47,7 @@ def _manifest(
         buffer = (alias or {}).get(name, name)
         node.args.add(name=name, view=mf.BufferView(buffer=buffer, shape=[int(s) for s in array.shape]))
     for name, value in attributes.items():
-        attr = node.attributes.add(name=name)
-        if isinstance(value, int):
-            attr.int_value = value
-        elif isinstance(value, float):
-            attr.float_value = value
-        elif isinstance(value, str):
-            attr.string_value = value
-        else:
-            attr.floats.values.extend(float(v) for v in value)
+        set_attribute(node, name, value)
     return manifest, node
 
 
@@ -313,9 +306,9 @@ def test_tail_page() -> None:
 def test_rope(shape: tuple[int, int, int], attributes: dict[str, Any]) -> None:
     arrays = {"x": f32(*shape), "positions": i32(shape[0]), "out": f32(*shape)}
     context, launches = _lower("rope", arrays, attributes, alias={"out": "x"})
-    theta_bits = elementwise._f64_bits(math.log2(attributes["theta"]))
+    theta_bits = rotary.float_bits(math.log2(attributes["theta"]))
     band = attributes.get("frequency_band_scaling", (0.0, 0.0, 0.0, 0.0))
-    scalars = [(mf.PARAM_KIND_I64, theta_bits), *((mf.PARAM_KIND_I64, elementwise._f64_bits(v)) for v in band)]
+    scalars = [(mf.PARAM_KIND_I64, theta_bits), *((mf.PARAM_KIND_I64, rotary.float_bits(v)) for v in band)]
     _check(context, launches[0], ["x", "positions", "x", *scalars])
     assert launches[0].grid[0] == shape[0]
 

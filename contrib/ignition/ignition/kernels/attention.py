@@ -23,13 +23,13 @@ slot writes no cache, the queries are still written).
 from __future__ import annotations
 
 import math
-import struct
 
 import triton
 import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
+from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 SPLIT_POSITIONS = 64
 """Positions one attention program covers."""
@@ -207,11 +207,6 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
     return [launch]
 
 
-def _f64_bits(value: float) -> int:
-    bits: int = struct.unpack("<q", struct.pack("<d", float(value)))[0]
-    return bits
-
-
 def _three(ctx: LoweringContext, view: mf.BufferView, name: str) -> tuple[int, int, int]:
     shape = ctx.shape(view)
     if len(shape) != 3:
@@ -243,20 +238,9 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
     # Inverse frequencies, angles, cos and sin in float64 (the ``*_bits`` are float64 bit patterns),
     # the rotation in float32, as the reference computes them.
     pairs = tl.arange(0, D // 2)
-    exponent = (2 * pairs).to(tl.float64) / D
-    inv_freq = 1.0 / tl.exp2(exponent * log2_theta_bits.to(tl.float64, bitcast=True))
-    if SCALED:
-        factor = factor_bits.to(tl.float64, bitcast=True)
-        low = low_bits.to(tl.float64, bitcast=True)
-        high = high_bits.to(tl.float64, bitcast=True)
-        original = original_bits.to(tl.float64, bitcast=True)
-        two_pi = tl.full([], 4618760256179416344, tl.int64).to(tl.float64, bitcast=True)
-        wavelen = two_pi / inv_freq
-        smooth = (original / wavelen - low) / (high - low)
-        medium = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = tl.where(
-            wavelen < original / high, inv_freq, tl.where(wavelen > original / low, inv_freq / factor, medium)
-        )
+    inv_freq = inverse_frequencies(
+        pairs, D, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, SCALED
+    )
     token = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -322,13 +306,7 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
     style = ctx.attribute(node, "style", "")
     if style not in ("half", "interleaved"):
         raise ctx.fail(f"rope style must be 'half' or 'interleaved', got {style!r}")
-    theta = float(ctx.attribute(node, "theta", 0.0))
-    if not theta > 0.0:
-        raise ctx.fail("theta must be positive")
-    band = ctx.attribute(node, "frequency_band_scaling", None)
-    if band is not None and len(band) != 4:
-        raise ctx.fail("frequency_band_scaling needs 4 values")
-    factor, low, high, original = band if band is not None else (1.0, 1.0, 2.0, 1.0)
+    frequencies, scaled = frequency_args(ctx, node)
     launch = ctx.launch(
         rope_cache_kernel,
         {
@@ -338,11 +316,7 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
             "q_ptr": ctx.pointer(q),
             "k_ptr": ctx.pointer(k_plane),
             "v_ptr": ctx.pointer(v_plane),
-            "log2_theta_bits": ctx.i64(_f64_bits(math.log2(theta))),
-            "factor_bits": ctx.i64(_f64_bits(float(factor))),
-            "low_bits": ctx.i64(_f64_bits(float(low))),
-            "high_bits": ctx.i64(_f64_bits(float(high))),
-            "original_bits": ctx.i64(_f64_bits(float(original))),
+            **frequencies,
         },
         {
             "HEADS": heads,
@@ -350,7 +324,7 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
             "ROTATED_P2": next_power_of_two(heads + kv_heads),
             "D": head_dim,
             "HALF_PAIRS": style == "half",
-            "SCALED": band is not None,
+            "SCALED": scaled,
         },
         (tokens,),
         num_warps=4,

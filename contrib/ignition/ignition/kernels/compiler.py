@@ -8,8 +8,9 @@ the kernel source, the signature, the constants and the target, so a rebuild com
 A planning pass (:func:`planning`) records what a lowering would compile without compiling, so
 :func:`precompile` can compile every distinct kernel in parallel processes first.
 
-The key holds the source of the kernel's whole module, so a ``triton.jit`` helper the kernel calls
-from its own module is covered too; kernels call no jit function of another module.
+The key holds the source of the kernel's whole module and of every module holding a ``triton.jit``
+helper the kernel calls (directly or through other helpers), so editing a helper re-keys every kernel
+that uses it.
 """
 
 from __future__ import annotations
@@ -79,6 +80,27 @@ def _module_source(module: str) -> str:
     return inspect.getsource(sys.modules[module])
 
 
+def _helper_modules(python: Any, seen: set[Any]) -> set[str]:
+    """The modules of the ``triton.jit`` functions ``python`` calls, transitively."""
+    modules: set[str] = set()
+    for name in python.__code__.co_names:
+        value = python.__globals__.get(name)
+        helper = getattr(value, "fn", None)
+        if helper is None or not hasattr(value, "run") or helper in seen:
+            continue  # not a jit function, or one already visited
+        seen.add(helper)
+        modules.add(helper.__module__)
+        modules |= _helper_modules(helper, seen)
+    return modules
+
+
+@functools.cache
+def _kernel_source(python: Any) -> str:
+    """The source a kernel's key holds: its module, then the other modules of the helpers it calls."""
+    others = sorted(_helper_modules(python, {python}) - {python.__module__})
+    return "".join(_module_source(module) for module in [python.__module__, *others])
+
+
 def _request_key(
     fn: Any,
     signature: Mapping[str, str],
@@ -92,7 +114,7 @@ def _request_key(
     if target not in SUPPORTED_TARGETS:
         raise KernelCompileError(f"unknown GPU target {target!r}; known: {', '.join(SUPPORTED_TARGETS)}")
     python = fn.fn if hasattr(fn, "fn") else fn
-    source = _module_source(python.__module__) + f"\n# kernel: {python.__name__}\n"  # a module holds several
+    source = _kernel_source(python) + f"\n# kernel: {python.__name__}\n"  # a module holds several
     names = list(inspect.signature(python).parameters)
     full_signature: dict[str, str] = {}
     for name in names:

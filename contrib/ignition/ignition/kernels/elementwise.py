@@ -36,7 +36,6 @@ first access to a buffer other than weights, then ``gdc_launch_dependents()``.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +51,7 @@ from ignition.kernels.lowering import (
     lowering,
     next_power_of_two,
 )
+from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 FLOAT_DTYPES = frozenset({mf.DTYPE_F32, mf.DTYPE_F16, mf.DTYPE_BF16})
 """Float buffer dtypes the kernels read and write (bf16 as ``*bf16``, converted exactly)."""
@@ -433,22 +433,9 @@ def _rope_kernel(  # type: ignore[no-untyped-def]
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     pair = tl.arange(0, HALF_BLOCK)
-    exponent = (2 * pair).to(tl.float64) / HEAD_DIM
-    inv_freq = 1.0 / tl.exp2(exponent * log2_theta_bits.to(tl.float64, bitcast=True))
-    if HAS_SCALING:
-        factor = factor_bits.to(tl.float64, bitcast=True)
-        low = low_bits.to(tl.float64, bitcast=True)
-        high = high_bits.to(tl.float64, bitcast=True)
-        original = original_bits.to(tl.float64, bitcast=True)
-        two_pi = tl.full([], 4618760256179416344, tl.int64).to(tl.float64, bitcast=True)  # 2 * pi
-        wavelen = two_pi / inv_freq
-        smooth = (original / wavelen - low) / (high - low)
-        medium = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = tl.where(
-            wavelen < original / high,
-            inv_freq,
-            tl.where(wavelen > original / low, inv_freq / factor, medium),
-        )
+    inv_freq = inverse_frequencies(
+        pair, HEAD_DIM, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, HAS_SCALING
+    )
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -569,11 +556,6 @@ def _lane_block(count: int) -> tuple[int, int, list[int]]:
     block = min(next_power_of_two(count), 1024)
     num_warps = max(1, min(4, block // 256))
     return block, num_warps, [max(1, cdiv(count, block))]
-
-
-def _f64_bits(value: float) -> int:
-    bits: int = struct.unpack("<q", struct.pack("<d", float(value)))[0]
-    return bits
 
 
 def _check_index_count(ctx: LoweringContext, count: int) -> None:
@@ -966,21 +948,10 @@ def lower_rope(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     _require_numel(ctx, "positions", positions, tokens)
     _require_numel(ctx, "out", out, tokens * heads * head_dim)
     _check_index_count(ctx, tokens)
-    theta = ctx.attribute(node, "theta")
-    if not isinstance(theta, int | float) or not float(theta) > 0.0:
-        raise ctx.fail(f"attribute 'theta' must be a number > 0, got {theta!r}")
     style = ctx.attribute(node, "style")
     if style not in ("interleaved", "half"):
         raise ctx.fail(f"attribute 'style' must be 'interleaved' or 'half', got {style!r}")
-    band = ctx.attribute(node, "frequency_band_scaling")
-    scaling = (0.0, 0.0, 0.0, 0.0)
-    if band is not None:
-        if not isinstance(band, tuple) or len(band) != 4:
-            raise ctx.fail(f"attribute 'frequency_band_scaling' needs 4 values, got {band!r}")
-        factor, low, high, original = float(band[0]), float(band[1]), float(band[2]), float(round(band[3]))
-        if not (factor > 0.0 and original > 0.0 and high > low > 0.0):
-            raise ctx.fail(f"frequency_band_scaling needs factor, original_max_position > 0 and high > low > 0: {band}")
-        scaling = (factor, low, high, original)
+    frequencies, scaled = frequency_args(ctx, node)
     half_block = next_power_of_two(head_dim // 2)
     block_h = max(1, min(next_power_of_two(heads), _ROPE_TILE // (2 * half_block)))
     grid = [max(1, tokens), max(1, cdiv(heads, block_h))]
@@ -991,11 +962,7 @@ def lower_rope(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
         "x_ptr": ctx.pointer(x),
         "positions_ptr": ctx.pointer(positions),
         "out_ptr": ctx.pointer(out),
-        "log2_theta_bits": ctx.i64(_f64_bits(math.log2(float(theta)))),
-        "factor_bits": ctx.i64(_f64_bits(scaling[0])),
-        "low_bits": ctx.i64(_f64_bits(scaling[1])),
-        "high_bits": ctx.i64(_f64_bits(scaling[2])),
-        "original_bits": ctx.i64(_f64_bits(scaling[3])),
+        **frequencies,
     }
     constants = {
         "HEADS": heads,
@@ -1003,7 +970,7 @@ def lower_rope(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
         "HALF_BLOCK": half_block,
         "BLOCK_H": block_h,
         "INTERLEAVED": style == "interleaved",
-        "HAS_SCALING": band is not None,
+        "HAS_SCALING": scaled,
     }
     return [ctx.launch(_rope_kernel, args, constants, grid, num_warps=num_warps)]
 

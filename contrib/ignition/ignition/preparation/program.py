@@ -102,17 +102,22 @@ class ProgramBuilder:
         for arg_name, view in args.items():
             node.args.add(name=arg_name, view=view.to_wire())
         for attr_name, value in (attributes or {}).items():
-            attr = node.attributes.add(name=attr_name)
-            if isinstance(value, bool | int):
-                attr.int_value = int(value)
-            elif isinstance(value, float):
-                attr.float_value = value
-            elif isinstance(value, str):
-                attr.string_value = value
-            elif all(isinstance(v, int) for v in value):
-                attr.ints.values.extend(int(v) for v in value)
-            else:
-                attr.floats.values.extend(float(v) for v in value)
+            set_attribute(node, attr_name, value)
+
+
+def set_attribute(node: mf.Node, name: str, value: AttributeValue) -> None:
+    """Append attribute ``name`` to ``node``: an int (bools as 0/1), float, string, ints or floats."""
+    attr = node.attributes.add(name=name)
+    if isinstance(value, bool | int):
+        attr.int_value = int(value)
+    elif isinstance(value, float):
+        attr.float_value = value
+    elif isinstance(value, str):
+        attr.string_value = value
+    elif all(isinstance(v, int) for v in value):
+        attr.ints.values.extend(int(v) for v in value)
+    else:
+        attr.floats.values.extend(float(v) for v in value)
 
 
 class ManifestBuilder:
