@@ -16,10 +16,9 @@ decodes a short window of recent ids twice per token through the tokenizer.
 from __future__ import annotations
 
 import codecs
-import json
 from collections.abc import Callable, Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 6
@@ -64,8 +63,7 @@ class TokenBytes:
     def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenBytes | None:
         """The table of ``tokenizer``, or ``None`` when its decoder is not the plain byte-level one or
         the table does not decode every single token exactly as the tokenizer does."""
-        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
-        if decoder.get("type") != "ByteLevel":
+        if not isinstance(tokenizer.decoder, decoders.ByteLevel):
             return None
         alphabet = _unicode_to_byte()
         size = tokenizer.get_vocab_size(with_added_tokens=True)

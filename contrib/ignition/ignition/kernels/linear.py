@@ -17,6 +17,7 @@ instructions.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import triton
@@ -213,13 +214,11 @@ def _project(
     n, k = w_shape
     x_shape = ctx.shape(x)
     rows = x_shape[0]
-    x_width = 1
-    for extent in x_shape[1:]:
-        x_width *= extent
+    x_width = math.prod(x_shape[1:])
     if x_width != (2 * k if gated else k):
         raise ctx.fail(f"x rows hold {x_width} values; the weight needs {'2 x ' if gated else ''}{k}")
     out_shape = ctx.shape(out)
-    if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * n != _count(out_shape)):
+    if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * n != math.prod(out_shape)):
         raise ctx.fail(f"out {list(out_shape)} must hold {rows} rows of {n}")
     for view, name in ((x, "x"), (out, "out"), (residual, "residual"), (norm, "norm_weight")):
         if view is not None and ctx.dtype(view) != mf.DTYPE_F32:
@@ -313,13 +312,6 @@ def swiglu_rows_kernel(gate_up_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.cons
     gate = tl.load(gate_up_ptr + row * 2 * WIDTH + cols, mask=ok, other=0.0)
     up = tl.load(gate_up_ptr + row * 2 * WIDTH + WIDTH + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * WIDTH + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=ok)
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    total = 1
-    for extent in shape:
-        total *= extent
-    return total
 
 
 @lowering("linear")
