@@ -432,7 +432,7 @@ class RecipientFrames:
             raise PromptError("malformed prepared recipient frames")
         call_format = None
         if calls is not None:
-            parsed = parse_prepared_format(json.dumps(calls))
+            parsed = _prepared_format(calls)
             if not isinstance(parsed, ToolCallFormat) or parsed.family != _ATEM or parsed.choice is not None:
                 raise PromptError("malformed prepared recipient frames")
             call_format = parsed
@@ -512,10 +512,10 @@ def read_prepared_format(text: str) -> PreparedFormat:
     except ValueError as exc:
         raise PromptError(f"prepared response format is not JSON: {exc}") from exc
     if not isinstance(value, dict):
-        return PreparedFormat(parse_prepared_format(text))
+        return PreparedFormat(_prepared_format(value))
     frames = RecipientFrames.from_json(value.pop(_FRAMES)) if _FRAMES in value else None
     if _ENVELOPE not in value:
-        return PreparedFormat(parse_prepared_format(json.dumps(value)), frames=frames)
+        return PreparedFormat(_prepared_format(value), frames=frames)
     envelope = value.pop(_ENVELOPE)
     if not isinstance(envelope, Mapping):
         raise PromptError("malformed prepared reasoning envelope")
@@ -526,7 +526,7 @@ def read_prepared_format(text: str) -> PreparedFormat:
     if not open_ or not close:
         raise PromptError("malformed prepared reasoning envelope")
     syntax = ct.ReasoningSyntax(open=open_, close=close, terminal_marker=terminal)
-    return PreparedFormat(parse_prepared_format(json.dumps(value)), syntax, initially, frames)
+    return PreparedFormat(_prepared_format(value), syntax, initially, frames)
 
 
 def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
@@ -546,6 +546,11 @@ def parse_prepared_format(text: str) -> ResponseFormat | ToolCallFormat | None:
     if isinstance(value, dict):
         value.pop(_ENVELOPE, None)
         value.pop(_FRAMES, None)
+    return _prepared_format(value)
+
+
+def _prepared_format(value: object) -> ResponseFormat | ToolCallFormat | None:
+    """:func:`parse_prepared_format` of an already decoded value (without the internal envelope keys)."""
     if not isinstance(value, Mapping) or value.get("type") != _TOOL_CALL:
         return parse_response_format(value)
     tools = value.get("tools")
