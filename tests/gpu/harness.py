@@ -32,9 +32,20 @@ WIRE_DTYPES = {
 }
 
 
-def _node(
-    op: str, arrays: Mapping[str, np.ndarray], attributes: Mapping[str, Any], weights: Sequence[str]
+def one_node_manifest(
+    op: str,
+    arrays: Mapping[str, np.ndarray],
+    attributes: Mapping[str, Any],
+    weights: Sequence[str] = (),
+    *,
+    symbolic: Mapping[str, int] | None = None,
+    alias: Mapping[str, str] | None = None,
 ) -> tuple[mf.ExecutionManifest, mf.Node]:
+    """A manifest of one node over one whole buffer per array.
+
+    ``symbolic`` gives an array's leading dimension a symbol; ``alias`` points an argument at another
+    argument's buffer (``{"out": "x"}``: an in-place update).
+    """
     manifest = mf.ExecutionManifest(abi_label="test", ranks=1, op_catalogue=1)
     program = manifest.programs.add(name="test")
     node = program.nodes.add(name=op)
@@ -43,9 +54,11 @@ def _node(
     for name, array in arrays.items():
         role = mf.BUFFER_ROLE_WEIGHTS if name in weights else mf.BUFFER_ROLE_SCRATCH
         decl = manifest.buffers.add(name=name, role=role, dtype=WIRE_DTYPES[array.dtype])
-        for size in array.shape:
-            decl.shape.add(size=int(size))
-        node.args.add(name=name, view=mf.BufferView(buffer=name, shape=[int(s) for s in array.shape]))
+        for axis, size in enumerate(array.shape):
+            symbol = (symbolic or {}).get(name, mf.DIM_SYMBOL_UNSPECIFIED) if axis == 0 else 0
+            decl.shape.add(size=int(size), symbol=symbol)  # type: ignore[arg-type]
+        buffer = (alias or {}).get(name, name)
+        node.args.add(name=name, view=mf.BufferView(buffer=buffer, shape=[int(s) for s in array.shape]))
     for name, value in attributes.items():
         set_attribute(node, name, value)
     return manifest, node
@@ -64,10 +77,7 @@ def lower(
     ``alias`` binds an argument to another argument's buffer (``{"out": "x"}``: an in-place update).
     """
     load_kernel_modules()
-    manifest, node = _node(op, arrays, attributes or {}, weights)
-    for arg in node.args:
-        if alias and arg.name in alias:
-            arg.view.buffer = alias[arg.name]
+    manifest, node = one_node_manifest(op, arrays, attributes or {}, weights, alias=alias)
     context = LoweringContext(manifest, "sm_90a", program="test", node=op)
     return context, LOWERINGS[(op, 1)](context, node)
 
@@ -125,7 +135,7 @@ def reference_node(
     op: str, arrays: Mapping[str, np.ndarray], attributes: Mapping[str, Any] | None = None
 ) -> dict[str, np.ndarray]:
     """Run the node through the reference backend's adapter on copies of ``arrays``."""
-    _manifest, node = _node(op, arrays, attributes or {}, ())
+    _manifest, node = one_node_manifest(op, arrays, attributes or {})
     copies = {name: np.array(array, copy=True) for name, array in arrays.items()}
     bound = {arg.name: reference._Bound(copies[arg.name], WIRE_DTYPES[copies[arg.name].dtype]) for arg in node.args}
     attrs = {attr.name: reference._attribute_value(attr) for attr in node.attributes}

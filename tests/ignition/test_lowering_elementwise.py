@@ -13,42 +13,9 @@ pytest.importorskip("triton")
 
 from ignition.kernels import compiler, elementwise, rotary
 from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
-from ignition.preparation.program import set_attribute
 
 from helios_core.wire import manifest_pb2 as mf
-
-WIRE = {
-    np.dtype(np.float32): mf.DTYPE_F32,
-    np.dtype(np.uint16): mf.DTYPE_BF16,
-    np.dtype(np.int32): mf.DTYPE_I32,
-    np.dtype(np.int64): mf.DTYPE_I64,
-    np.dtype(np.uint8): mf.DTYPE_U8,
-}
-
-
-def _manifest(
-    op: str,
-    arrays: Mapping[str, np.ndarray],
-    attributes: Mapping[str, Any],
-    weights: Sequence[str] = (),
-    symbolic: Mapping[str, int] | None = None,
-    alias: Mapping[str, str] | None = None,
-) -> tuple[mf.ExecutionManifest, mf.Node]:
-    """One node over one whole buffer per array (``alias`` points an argument at another's buffer)."""
-    manifest = mf.ExecutionManifest(abi_label="test", ranks=1, op_catalogue=1)
-    node = manifest.programs.add(name="test").nodes.add(name=op)
-    node.op.name, node.op.version = op, 1
-    for name, array in arrays.items():
-        role = mf.BUFFER_ROLE_WEIGHTS if name in weights else mf.BUFFER_ROLE_SCRATCH
-        decl = manifest.buffers.add(name=name, role=role, dtype=WIRE[array.dtype])
-        for axis, size in enumerate(array.shape):
-            symbol = (symbolic or {}).get(name, mf.DIM_SYMBOL_UNSPECIFIED) if axis == 0 else 0
-            decl.shape.add(size=int(size), symbol=symbol)  # type: ignore[arg-type]
-        buffer = (alias or {}).get(name, name)
-        node.args.add(name=name, view=mf.BufferView(buffer=buffer, shape=[int(s) for s in array.shape]))
-    for name, value in attributes.items():
-        set_attribute(node, name, value)
-    return manifest, node
+from tests.gpu.harness import one_node_manifest
 
 
 def _lower(
@@ -57,7 +24,7 @@ def _lower(
     attributes: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
-    manifest, node = _manifest(op, arrays, attributes or {}, **options)
+    manifest, node = one_node_manifest(op, arrays, attributes or {}, **options)
     context = LoweringContext(manifest, "sm_90a", program="test", node=op)
     return context, LOWERINGS[(op, 1)](context, node)
 
