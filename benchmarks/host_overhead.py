@@ -8,17 +8,20 @@ between the ends of two consecutive round collections on the worker thread (each
 work of exactly one round): ``median us`` and ``p99 us`` in wall time, ``cpu us`` the worker thread's
 CPU time over the same intervals (what the host spent on the round, without the time another process
 or the client thread held the CPU). ``run us`` is the part spent inside the null backend's ``run`` (it
-writes the completion record: a stand-in for a launch). ``--no-text`` serves the requests without host
-gates, so nothing is detokenized. One run prints one table; the targets are 40 us per round at batch 1
-and 300 us at batch 256 on the 2-core CPU machine.
+writes the completion record: a stand-in for the device's work), and ``host us`` the median of each
+round's time less its ``run``: scheduling, packing, validation, detokenization and publishing.
+``--no-text`` serves the requests without host gates, so nothing is detokenized. ``--cpus 0`` pins the
+process (worker and client thread) to the listed CPUs. One run prints one table; the targets are 40 us
+per round at batch 1 and 300 us at batch 256 on the 2-core CPU machine.
 
-    python benchmarks/host_overhead.py [--steps 200] [--no-text]
+    python benchmarks/host_overhead.py [--steps 200] [--no-text] [--cpus 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -54,10 +57,12 @@ def build(directory: Path) -> tuple[Path, Path]:
     return core, keys["public"]
 
 
-def measure(core: Path, key: Path, batch: int, steps: int, text: bool = True) -> tuple[float, float, float, float, int]:
+def measure(
+    core: Path, key: Path, batch: int, steps: int, text: bool = True
+) -> tuple[float, float, float, float, float, int]:
     """Median and p99 wall microseconds per decode round with ``batch`` active requests, the median
-    worker CPU microseconds, the median time inside the backend's ``run`` of those rounds, and the
-    decode rounds launched."""
+    worker CPU microseconds, the median time inside the backend's ``run`` of those rounds, the median
+    of each round's time less its ``run``, and the decode rounds launched."""
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
     from helios_core.runtime.messages import PreparedRequest, SamplingParams
@@ -113,6 +118,7 @@ def measure(core: Path, key: Path, batch: int, steps: int, text: bool = True) ->
         tail[int(len(tail) * 0.99) - 1],
         statistics.median(cpu for _, cpu, _ in rounds),
         statistics.median(ran for _, _, ran in rounds),
+        statistics.median(wall - ran for wall, _, ran in rounds),
         decode_rounds,
     )
 
@@ -121,21 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="decode steps per batch size")
     parser.add_argument("--no-text", action="store_true", help="requests without host gates (no detokenization)")
+    parser.add_argument("--cpus", help="pin the process to these CPUs (comma-separated ids)")
     args = parser.parse_args(argv)
+    if args.cpus:
+        os.sched_setaffinity(0, {int(cpu) for cpu in args.cpus.split(",")})  # threads started later inherit it
     with tempfile.TemporaryDirectory() as tmp:
         core, key = build(Path(tmp))
         rows = [(batch, *measure(core, key, batch, args.steps, not args.no_text)) for batch in BATCHES]
     gates = ", no host gates" if args.no_text else ""
-    print(f"host time per decode round, null backend{gates}, {args.steps} steps, {date.today()}")
+    pinned = f", CPUs {args.cpus}" if args.cpus else ""
+    print(f"host time per decode round, null backend{gates}, {args.steps} steps{pinned}, {date.today()}")
     print(
         f"{'batch':>5} {'median us':>10} {'p99 us':>9} {'us/request':>11} {'cpu us':>7} {'run us':>7} "
-        f"{'target us':>10} {'rounds':>7}"
+        f"{'host us':>8} {'target us':>10} {'rounds':>7}"
     )
-    for batch, median, p99, cpu, ran, rounds in rows:
+    for batch, median, p99, cpu, ran, host, rounds in rows:
         target = TARGETS_US.get(batch)
         print(
             f"{batch:>5} {median:>10.1f} {p99:>9.1f} {median / batch:>11.2f} {cpu:>7.1f} {ran:>7.1f} "
-            f"{(f'{target:.0f}' if target else '-'):>10} {rounds:>7}"
+            f"{host:>8.1f} {(f'{target:.0f}' if target else '-'):>10} {rounds:>7}"
         )
     return 0
 

@@ -43,6 +43,7 @@ import contextlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -278,6 +279,8 @@ class _Frame:
     staging: dict[str, AnyArray]
     records: dict[int, AnyArray]
     addresses: dict[str, int]
+    record_view: Mapping[int, AnyArray]
+    """``records``, read-only: what :meth:`CudaBackend.completion` hands out."""
     in_flight: bool = False
 
 
@@ -369,11 +372,12 @@ class CudaBackend:
         self._fence(state)
         return state.staging
 
-    def completion(self, frame: int) -> dict[int, AnyArray]:
-        """The frame's completion record keyed by ``CompletionField`` value, after the frame's fence."""
+    def completion(self, frame: int) -> Mapping[int, AnyArray]:
+        """The frame's completion record keyed by ``CompletionField`` value, after the frame's fence (the
+        same read-only mapping every time, so a reader may keep views of it)."""
         state = self._frames[self._frame(frame)]
         self._fence(state)
-        return dict(state.records)
+        return state.record_view
 
     def run(self, program: str, frame: int) -> None:
         """Launch ``program``'s graph of ``frame`` and record the frame's fence; returns at once."""
@@ -663,7 +667,10 @@ class CudaBackend:
             self._completion_layout,
             completion_device,
         )
-        return _Frame(host, device, mapped, completion_host, completion_device, event, ordered, records, addresses)
+        return _Frame(
+            host, device, mapped, completion_host, completion_device, event, ordered, records, addresses,
+            MappingProxyType(records),
+        )  # fmt: skip
 
     def _build_graph(self, program: mf.ProgramDecl, frame: int, functions: Mapping[tuple[str, str], Any]) -> Any:
         """Build and instantiate the graph of ``program`` on ``frame``: copy in, launches, copy out."""

@@ -67,9 +67,12 @@ class NullBackend:
         if views is None:
             return  # a program without per-token lanes (state initialization) reports nothing
         sampling = views.sampling != 0
-        lengths: npt.NDArray[np.int64] = views.lengths.astype(np.int64, copy=False)
-        ends = np.cumsum(lengths, dtype=np.int64)
-        consumed = np.where(lengths > 0, views.positions[np.maximum(ends - 1, 0)].astype(np.int64) + 1, 0)
+        if views.one_token_per_row:  # decode: row i's token (if any) is packed token i
+            consumed = (views.positions[: views.rows].astype(np.int64) + 1) * (views.lengths != 0)
+        else:
+            lengths: npt.NDArray[np.int64] = views.lengths.astype(np.int64, copy=False)
+            ends = np.cumsum(lengths, dtype=np.int64)
+            consumed = np.where(lengths > 0, views.positions[np.maximum(ends - 1, 0)].astype(np.int64) + 1, 0)
         views.generation_out[:] = views.generations
         views.emitted_out[:] = sampling
         views.consumed_out[:] = consumed
@@ -87,6 +90,8 @@ class _ProgramViews:
     as flat views of one frame's arrays (found once; ``run`` only reads and writes through them)."""
 
     rows: int
+    one_token_per_row: bool
+    """A decode program: each row has at most one token, packed at the row's own index."""
     generations: AnyArray
     lengths: AnyArray
     sampling: AnyArray
@@ -124,6 +129,8 @@ class _ProgramViews:
         out[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:rows] = -1
         return cls(
             rows=rows,
+            one_token_per_row=graph.operation == ct.OPERATION_DECODE
+            and int(graph.extents.packed_token_capacity) == rows,
             generations=staging[generation_entry].reshape(-1)[:rows],
             lengths=entry(ct.VALUE_SOURCE_QUERY_LENGTH),
             sampling=entry(ct.VALUE_SOURCE_SAMPLING_DECISION),

@@ -577,6 +577,8 @@ class ReferenceBackend:
         self._transport_entries = {e.name: e for e in execution.transport.entries}
         self._transport: list[dict[str, AnyArray]] = []
         self._completion_buffers: list[dict[str, AnyArray]] = []
+        self._records: dict[int, Mapping[int, AnyArray]] = {}
+        """Per frame: the read-only completion record :meth:`completion` returns."""
         for frame in range(frames):
             staging = {
                 e.name: np.zeros(tuple(int(s) for s in e.shape), dtype=self._numpy_dtype(e.name, e.dtype))
@@ -624,10 +626,17 @@ class ReferenceBackend:
         """The frame's staging arrays by transport entry name (the packer writes into them)."""
         return self._transport[self._frame(frame)]
 
-    def completion(self, frame: int) -> dict[int, AnyArray]:
-        """The frame's completion arrays keyed by ``CompletionField`` value."""
-        buffers = self._completion_buffers[self._frame(frame)]
-        return {field: buffers[name] for field, name in self._completion_fields.items()}
+    def completion(self, frame: int) -> Mapping[int, AnyArray]:
+        """The frame's completion arrays keyed by ``CompletionField`` value (the same read-only mapping
+        every time, so a reader may keep views of it)."""
+        index = self._frame(frame)
+        record = self._records.get(index)
+        if record is None:
+            buffers = self._completion_buffers[index]
+            record = self._records[index] = MappingProxyType(
+                {field: buffers[name] for field, name in self._completion_fields.items()}
+            )
+        return record
 
     def run(self, program: str, frame: int) -> None:
         """Execute ``program``'s nodes in order against the frame's transport and completion arrays."""
@@ -642,6 +651,7 @@ class ReferenceBackend:
         self._programs.clear()
         self._transport.clear()
         self._completion_buffers.clear()
+        self._records.clear()
         self._shared.clear()
         self._resources.clear()
 

@@ -9,8 +9,9 @@ sees them is the output pipeline's decision.
 Two paths give the same text. For a tokenizer whose decoder is the plain byte-level one, decoding is
 the concatenation of each token's bytes, read as UTF-8 with invalid sequences replaced:
 :class:`TokenBytes` holds every token's bytes (built and checked against the tokenizer once at
-startup) and a piece costs one table lookup and an incremental UTF-8 decode. Any other tokenizer
-decodes a short window of recent ids twice per token through the tokenizer.
+startup) and a piece costs one table lookup: a token of whole characters has its text precomputed,
+and only the bytes of characters split across tokens pass through an incremental UTF-8 decoder. Any
+other tokenizer decodes a short window of recent ids twice per token through the tokenizer.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class TokenBytes:
 
     def __init__(self, table: Sequence[bytes]) -> None:
         self._table = tuple(table)
+        self._texts = tuple(_complete_text(token) for token in self._table)
+        """Each token's text when its bytes are whole UTF-8 characters on their own, else None."""
 
     def __len__(self) -> int:
         return len(self._table)
@@ -50,14 +53,37 @@ class TokenBytes:
     def __getitem__(self, token_id: int) -> bytes:
         return self._table[token_id] if 0 <= token_id < len(self._table) else b""
 
-    def pusher(self, decode: Callable[[bytes], str]) -> Callable[[int], str]:
-        """``push(id)``: ``decode`` of the id's bytes (ids outside the table have none)."""
-        table, size = self._table, len(self._table)
+    def stream(self) -> tuple[Callable[[int], str], Callable[[], str]]:
+        """``(push, flush)`` of one incremental decoding: ``push(id)`` returns the text the id's bytes
+        complete, read as UTF-8 with invalid sequences replaced (ids outside the table have no bytes);
+        ``flush()`` what an unfinished character leaves at the end. While no partial character is
+        pending, a token of whole characters is its precomputed text."""
+        table, texts, size = self._table, self._texts, len(self._table)
+        utf8_decode = codecs.utf_8_decode
+        pending = b""
 
         def push(token_id: int) -> str:
-            return decode(table[token_id]) if 0 <= token_id < size else ""
+            nonlocal pending
+            if not 0 <= token_id < size:
+                return ""
+            if pending:
+                data = pending + table[token_id]
+            else:
+                text = texts[token_id]
+                if text is not None:
+                    return text
+                data = table[token_id]
+            text, used = utf8_decode(data, "replace", False)
+            pending = data[used:]
+            return text
 
-        return push
+        def flush() -> str:
+            nonlocal pending
+            text = utf8_decode(pending, "replace", True)[0] if pending else ""
+            pending = b""
+            return text
+
+        return push, flush
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenBytes | None:
@@ -83,6 +109,14 @@ class TokenBytes:
         return cls(table)
 
 
+def _complete_text(token: bytes) -> str | None:
+    """``token`` decoded when it is whole UTF-8 characters, else None (its text depends on its neighbours)."""
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class IncrementalDetokenizer:
     """Text pieces for ids appended one at a time (through ``token_bytes`` when given)."""
 
@@ -91,12 +125,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None) -> None:
         self._tokenizer = tokenizer
-        self._bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self.push = self._push_window if token_bytes is None else token_bytes.pusher(self._utf8.decode)
+        self._flush_bytes: Callable[[], str] | None = None
+        if token_bytes is None:
+            self.push = self._push_window
+        else:
+            self.push, self._flush_bytes = token_bytes.stream()
 
     def _push_window(self, token_id: int) -> str:
         self._ids.append(token_id)
@@ -112,8 +148,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still pending at the end (an incomplete character decodes as U+FFFD)."""
-        if self._bytes is not None:
-            return self._utf8.decode(b"", final=True)
+        if self._flush_bytes is not None:
+            return self._flush_bytes()
         if self._read_offset == len(self._ids):
             return ""
         decode = self._tokenizer.decode

@@ -139,29 +139,64 @@ _VECTORIZED_LANES = 8
 """Batches of more lanes are checked rule by rule over all lanes at once."""
 
 
+@dataclass(frozen=True, slots=True)
+class RecordViews:
+    """Flat views of the fields of one completion record, found once per record (a frame's record
+    mapping stays the same between rounds, so its reader keeps these)."""
+
+    record: Mapping[int, npt.NDArray[np.generic]]
+    sequence: npt.NDArray[np.generic]
+    generation: npt.NDArray[np.generic]
+    reserved: npt.NDArray[np.generic]
+    cursor: npt.NDArray[np.generic]
+    consumed: npt.NDArray[np.generic]
+    emitted: npt.NDArray[np.generic]
+    ids: npt.NDArray[np.generic]
+    """The first sampled id of each lane."""
+    logprobs: npt.NDArray[np.generic] | None
+
+    @classmethod
+    def of(cls, record: Mapping[int, npt.NDArray[np.generic]]) -> RecordViews:
+        sampled = record[mf.COMPLETION_FIELD_SAMPLED_IDS]
+        logprobs = record.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+        return cls(
+            record=record,
+            sequence=record[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1),
+            generation=record[mf.COMPLETION_FIELD_GENERATION].reshape(-1),
+            reserved=record[mf.COMPLETION_FIELD_RESERVED].reshape(-1),
+            cursor=record[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1),
+            consumed=record[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1),
+            emitted=record[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1),
+            ids=sampled.reshape(sampled.shape[0], -1)[:, 0],
+            logprobs=logprobs.reshape(-1) if logprobs is not None else None,
+        )
+
+
 def read_lanes(
-    completion: Mapping[int, npt.NDArray[np.generic]],
+    completion: Mapping[int, npt.NDArray[np.generic]] | RecordViews,
     sequence: int,
     lanes: Sequence[LaneExpectation] | ExpectationBatch,
     sampled_size: int,
 ) -> Sequence[LaneResult | CompletionError]:
-    """Validate the first ``len(lanes)`` lanes of a completion record.
+    """Validate the first ``len(lanes)`` lanes of a completion record (or of its views).
 
     A wrong submission sequence fails the whole round (raises). Every other rule is checked per lane:
     a violating lane yields its CompletionError in place of a result, so only its request fails. A list
     of expectations is answered with a list, a batch with :class:`LaneResults`.
     """
-    echoed = int(completion[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0])
+    views = completion if isinstance(completion, RecordViews) else RecordViews.of(completion)
+    echoed = int(views.sequence[0])
     if echoed != sequence:
         raise CompletionError(f"completion echoes submission {echoed}, expected {sequence}")
     if isinstance(lanes, ExpectationBatch):
-        return _read_batch(completion, lanes, sampled_size)
+        return _read_batch(views, lanes, sampled_size)
+    completion = views.record
     count = len(lanes)
-    generations = completion[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:count]
-    emitted = completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:count]
-    consumed = completion[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:count]
-    cursors = completion[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:count]
-    reserved = completion[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:count]
+    generations = views.generation[:count]
+    emitted = views.emitted[:count]
+    consumed = views.consumed[:count]
+    cursors = views.cursor[:count]
+    reserved = views.reserved[:count]
     sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
     ids = sampled.reshape(sampled.shape[0], -1)[:count, 0]
     logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
@@ -199,26 +234,26 @@ def read_lanes(
     return results
 
 
-def _read_batch(
-    completion: Mapping[int, npt.NDArray[np.generic]], lanes: ExpectationBatch, sampled_size: int
-) -> LaneResults:
+def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) -> LaneResults:
     """:func:`read_lanes` of a batch: the same rules, checked over all lanes at once."""
     count = len(lanes)
     fields = [
-        completion[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[:count],
-        completion[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:count],
-        completion[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:count],
-        completion[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:count],
-        completion[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1)[:count],
+        views.generation[:count],
+        views.reserved[:count],
+        views.cursor[:count],
+        views.consumed[:count],
+        views.emitted[:count],
     ]
-    sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
-    ids: npt.NDArray[Any] = sampled.reshape(sampled.shape[0], -1)[:count, 0]
-    logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
-    logprobs = logprobs_field.reshape(-1)[:count] if logprobs_field is not None and lanes.samples else None
-    if any(f.shape[0] < count for f in fields) or ids.shape[0] < count or (
-        logprobs is not None and logprobs.shape[0] < count
+    ids: npt.NDArray[Any] = views.ids[:count]
+    logprobs = views.logprobs[:count] if views.logprobs is not None and lanes.samples else None
+    if (
+        min(fields[0].shape[0], fields[1].shape[0], fields[2].shape[0], fields[3].shape[0], fields[4].shape[0])
+        < count
+        or ids.shape[0] < count
+        or (logprobs is not None and logprobs.shape[0] < count)
     ):  # a record shorter than the lanes fails lane by lane, as the list of expectations would
-        return _as_results(read_lanes(completion, _sequence(completion), lanes.to_list(), sampled_size))
+        return _as_results(read_lanes(views, int(views.sequence[0]), lanes.to_list(), sampled_size))
+    completion = views.record
     generation, reserved, cursor, consumed, emitted = fields
     samples = lanes.samples
     if count > _VECTORIZED_LANES:
@@ -291,10 +326,6 @@ def _read_batch(
             except CompletionError as exc:
                 errors[index] = CompletionError(f"lane {index}: {exc}")
     return LaneResults(token_ids, values, errors, tops, ids if samples else None)
-
-
-def _sequence(completion: Mapping[int, npt.NDArray[np.generic]]) -> int:
-    return int(completion[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1)[0])
 
 
 def _as_results(results: Sequence[LaneResult | CompletionError]) -> LaneResults:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from tokenizers import Tokenizer
 from helios_core.errors import HeliosError
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
-from helios_core.runtime.completion import CompletionError, LaneResult, read_lanes
+from helios_core.runtime.completion import CompletionError, LaneResult, RecordViews, read_lanes
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
@@ -48,6 +49,8 @@ from helios_core.runtime.scheduler import Round, Scheduler
 from helios_core.runtime.stats import SchedulerStats, StatsSnapshot
 
 _STOP = object()
+_SNAPSHOT_INTERVAL_NS = 1_000_000
+"""While rounds follow each other, the statistics snapshot is renewed at most this often."""
 _Flat = npt.NDArray[np.generic]
 
 
@@ -111,6 +114,8 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._owned_entries: dict[int, tuple[object, _Flat | None, _Flat | None]] = {}
         """Per frame: the staging mapping last seen and its frame-index and sequence views."""
+        self._records: dict[int, RecordViews] = {}
+        """Per frame: the views of the completion record last read."""
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._sequence = 0
@@ -118,6 +123,7 @@ class Engine:
         self._shut_down = False
         self._reports_completion = _programs_writing_completion(model)
         self._snapshot: StatsSnapshot = self._take_snapshot()
+        self._snapshot_ns = 0
         self._worker = threading.Thread(target=self._run, name="helios-model-worker", daemon=True)
         self._worker.start()
 
@@ -149,7 +155,8 @@ class Engine:
         raise HeliosError("the request stream ended without a terminal event")
 
     def statistics(self) -> StatsSnapshot:
-        """The native statistics as of the last completed round."""
+        """The native statistics as of a completed round: the last one whenever the worker has no round in
+        flight, and at most a millisecond old while it chains decode rounds."""
         with self._lock:
             return self._snapshot
 
@@ -204,8 +211,11 @@ class Engine:
                 self._publish(events)
                 return
             self._publish(events)
-            with self._lock:
-                self._snapshot = self._take_snapshot()
+            now = time.monotonic_ns()
+            if now - self._snapshot_ns >= _SNAPSHOT_INTERVAL_NS:
+                self._snapshot_ns = now
+                with self._lock:
+                    self._snapshot = self._take_snapshot()
             self._drain(block=False)  # cancellations and new requests end the chain at the next plan
             round_, frame, launched = follow, 1 - frame, follow_launch
 
@@ -240,7 +250,10 @@ class Engine:
             return self.scheduler.fail_round(round_, f"execution failed: {type(exc).__name__}: {exc}")
         try:
             if round_.graph.name in self._reports_completion:
-                results = read_lanes(records, launched, round_.expectations, self._sampled_size)
+                views = self._records.get(frame)
+                if views is None or views.record is not records:
+                    views = self._records[frame] = RecordViews.of(records)
+                results = read_lanes(views, launched, round_.expectations, self._sampled_size)
             else:  # a program without a completion record (state initialization) reports nothing to check
                 results = [LaneResult(-1, 0.0) for _ in round_.members]
         except CompletionError as exc:

@@ -541,9 +541,9 @@ class _BindingWriter:
                 return
             first = staged[grown]
             if bool(np.all(counts[grown] == first + 1)) and int(first.max()) < min(width, batch.page_source.shape[1]):
-                pages = batch.page_source[batch.page_index[grown], first]
+                pages = _cells(batch.page_source, batch.page_index[grown], first)
                 if _fits(pages, dest.dtype):
-                    dest[grown, first] = pages.astype(dest.dtype) + self.offset
+                    _set_cells(dest, grown, first, pages.astype(dest.dtype) + self.offset)
                     held.count[grown] = first + 1
                     if batch.page_version is not None:
                         versions[key] = batch.page_version
@@ -584,7 +584,7 @@ class _BindingWriter:
             first = staged[grown]
             last = counts[grown]
             if bool(np.all(last - first == 1)):
-                dest[grown, first] = values[done + np.arange(grown.shape[0]), first]
+                _set_cells(dest, grown, first, _cells(values, done + np.arange(grown.shape[0]), first))
             else:
                 for row, (begin, end) in enumerate(zip(first.tolist(), last.tolist(), strict=True), done):
                     dest[int(touched[row]), begin:end] = values[row, begin:end]
@@ -642,6 +642,24 @@ def _cast_mode(column: np.dtype[np.generic], dest: np.dtype[np.generic]) -> int:
             return _DIRECT
         return _CHECKED if kind in "iu" else _PYTHON
     return _PYTHON
+
+
+def _cells(table: npt.NDArray[Any], rows: npt.NDArray[np.int64], columns: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``table[rows, columns]`` read through one flat index (numpy releases the GIL while indexing with two
+    index arrays, which hands it to other threads in the middle of a round)."""
+    if table.ndim != 2 or not table.flags.c_contiguous:
+        return cast("npt.NDArray[Any]", table[rows, columns])
+    return cast("npt.NDArray[Any]", table.reshape(-1)[rows * table.shape[1] + columns])
+
+
+def _set_cells(
+    table: npt.NDArray[Any], rows: npt.NDArray[np.int64], columns: npt.NDArray[Any], values: npt.NDArray[Any]
+) -> None:
+    """``table[rows, columns] = values`` through one flat index (see :func:`_cells`)."""
+    if table.ndim != 2 or not table.flags.c_contiguous:
+        table[rows, columns] = values
+        return
+    table.reshape(-1)[rows * table.shape[1] + columns] = values
 
 
 def _fits(values: npt.NDArray[np.int64], dtype: np.dtype[np.generic]) -> bool:

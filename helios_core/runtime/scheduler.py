@@ -179,6 +179,8 @@ class _Cohort:
     """Some member cannot be followed up: host gates, cancellation, preemption, or it ended."""
     plain: bool
     """Every member's gate is absent or plain (the token's text is all it presents)."""
+    texts: list[Callable[[int], str]]
+    """Per member, the text a token completes (its gate's detokenizer; "" without a gate)."""
     observe: bool
     """Some member observes timestamps."""
     ids: frozenset[int]
@@ -307,6 +309,7 @@ class Scheduler:
         self._page_count = np.zeros(slots, dtype=np.int64)
         self._page_starts = np.zeros((slots, width), dtype=np.int64)
         """Each page's first cache slot (page id x page_tokens)."""
+        self._page_width = width
         self._page_adds = 0
         """Pages added to running requests so far (a page table that saw this many is complete)."""
         self._completions = 0
@@ -671,6 +674,7 @@ class Scheduler:
                 for s in members
             ),
             plain=all(g is None or g.plain for g in gates),
+            texts=[_no_text if g is None else g.text for g in gates],
             observe=any(s.observe for s in members),
             ids=frozenset(id(s) for s in members),
             left=0,
@@ -698,7 +702,7 @@ class Scheduler:
             positions += ahead
             steps += ahead
         page, offset = np.divmod(positions, page_tokens)
-        cache_slots = self._page_starts[slots, page] + offset
+        cache_slots = self._page_starts.reshape(-1)[slots * self._page_width + page] + offset
         rows = dict(cohort.rows)
         rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT] = positions
         rows[ct.VALUE_SOURCE_SAMPLING_STEP] = steps
@@ -782,8 +786,9 @@ class Scheduler:
                     members[index].pages.append(page)
                 slots = np.fromiter((members[index].slot for index in needy), dtype=np.int64, count=len(needy))
                 ends = self._page_count[slots]
-                self._page_rows[slots, ends] = pages
-                self._page_starts[slots, ends] = self._page_rows[slots, ends] * self.page_tokens
+                cells = slots * self._page_width + ends  # flat cells: indexing with two arrays releases the GIL
+                self._page_rows.reshape(-1)[cells] = pages
+                self._page_starts.reshape(-1)[cells] = np.asarray(pages, dtype=np.int64) * self.page_tokens
                 self._page_count[slots] = ends + 1
                 self._page_adds += 1
                 return True
@@ -1021,41 +1026,36 @@ class Scheduler:
                 hit &= ~self._ignore_eos[slots]
                 ending = hit if ending is None else ending | hit
         finishing = _where(ending) if ending is not None else _NONE
-        origin, plain, observe = self.clock_origin_ns, cohort.plain, cohort.observe
-        check_ended = cohort.epoch != self._epoch  # else nothing ended since the cohort was formed
+        members = cohort.members
         append = events.append
-        for index, state in enumerate(cohort.members):
-            if check_ended and state.ended:
-                continue  # ended in the previous round: this lane's output is suppressed
-            if errors and index in errors:
-                append(self._fail(state, str(errors[index])))
-                continue
-            state.consumed += 1
-            if index in publishing:
-                self._publish_pages(state)
-            token = token_ids[index]
-            stamp = time.monotonic_ns() - origin if observe and state.observe else -1
-            state.tokens.append(token)
-            gate = state.gate
-            if gate is None:
-                pieces = [(token, "")]
-            elif plain:
-                pieces = [(token, gate.text(token))]
+        check_ended = cohort.epoch != self._epoch  # else nothing ended since the cohort was formed
+        skipped: set[int] = set()
+        """Lanes that failed, or whose request ended in the previous round (their output is suppressed)."""
+        gate_stops: list[int] = []
+        if cohort.plain and not errors and not check_ended and not tops and not cohort.observe:
+            # The usual round: every lane presents its token's text and nothing else can happen per lane.
+            for state, token, text, logprob in zip(members, token_ids, cohort.texts, logprobs, strict=True):
+                state.consumed += 1
+                state.tokens.append(token)
+                append(TokenEvent(state.request_id, token, logprob, [(token, text(token))], -1))
+        else:
+            self._apply_lanes(cohort, results, check_ended, skipped, gate_stops, append)
+        for index in sorted(publishing - skipped) if publishing else ():
+            self._publish_pages(members[index])
+        ends = frozenset(finishing).union(gate_stops)
+        if eos_per_lane:
+            ends = ends.union(
+                index
+                for index, (state, token) in enumerate(zip(members, token_ids, strict=True))
+                if token in eos and not state.ignore_eos
+            )
+        for index in sorted(ends - skipped) if ends else ():
+            state = members[index]
+            self._end(state)
+            if gate_stops and index in gate_stops:
+                append(self._finished(state, "stop", flush=False))
             else:
-                outcome = gate.observe(token)
-                pieces = outcome.pieces
-                if outcome.stopped:
-                    append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
-                    self._end(state)
-                    append(self._finished(state, "stop", flush=False))
-                    continue
-            if tops:
-                append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
-            else:
-                append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp))
-            stop = token in eos and not state.ignore_eos if eos_per_lane else False
-            if stop or index in finishing:
-                self._end(state)
+                token = token_ids[index]
                 append(self._finished(state, "stop" if token in eos and not state.ignore_eos else "length"))
         # Lanes that failed or ended are retired (or fenced, then retired): their slots' values are rewritten
         # when the slot is next admitted, so every lane's may advance.
@@ -1068,6 +1068,43 @@ class Scheduler:
             cohort.unpublished = _least((self._published[slots] + 1) * page_tokens - consumed)
         self._completions += 1
         cohort.counted = self._completions
+
+    def _apply_lanes(
+        self,
+        cohort: _Cohort,
+        results: LaneResults,
+        check_ended: bool,
+        skipped: set[int],
+        gate_stops: list[int],
+        append: Callable[[Event], None],
+    ) -> None:
+        """The per-lane part of :meth:`_complete_decode` when some lane fails, was ended, observes time,
+        reads top alternatives or has a gate that does more than detokenize: the token appended and its
+        event published; failed and suppressed lanes go to ``skipped``, lanes a host stop ended to
+        ``gate_stops`` (their requests end after the round's pages are published)."""
+        token_ids, logprobs, errors, tops = results.token_ids, results.logprobs, results.errors, results.tops
+        origin, plain, observe = self.clock_origin_ns, cohort.plain, cohort.observe
+        for index, (state, text) in enumerate(zip(cohort.members, cohort.texts, strict=True)):
+            if check_ended and state.ended:
+                skipped.add(index)
+                continue
+            if errors and index in errors:
+                skipped.add(index)
+                append(self._fail(state, str(errors[index])))
+                continue
+            state.consumed += 1
+            token = token_ids[index]
+            stamp = time.monotonic_ns() - origin if observe and state.observe else -1
+            state.tokens.append(token)
+            gate = state.gate
+            if gate is None or plain:
+                pieces = [(token, text(token))]
+            else:
+                outcome = gate.observe(token)
+                pieces = outcome.pieces
+                if outcome.stopped:
+                    gate_stops.append(index)
+            append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
 
     def fail_round(self, round_: Round, message: str) -> list[Event]:
         """The whole round failed: fail its requests only; nothing of the round is published."""
@@ -1138,6 +1175,11 @@ class Scheduler:
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_tokens)
+
+
+def _no_text(token: int) -> str:
+    """The text of a token of a request without a gate: none (the client detokenizes)."""
+    return ""
 
 
 def _where(mask: npt.NDArray[np.bool_]) -> AbstractSet[int]:

@@ -55,6 +55,29 @@ def test_the_byte_table_gives_the_tokenizers_text_for_any_ids(tokenizer: Tokeniz
         assert fast_text == window_text == tokenizer.decode(ids, skip_special_tokens=False), ids
 
 
+def test_the_byte_table_pieces_are_an_incremental_decode_of_the_bytes(tokenizer: Tokenizer) -> None:
+    """Piece by piece, the precomputed texts equal decoding each token's bytes incrementally, also where a
+    token of whole characters follows an unfinished character (which then decodes as a replacement)."""
+    import codecs
+    import random
+
+    table = TokenBytes.from_tokenizer(tokenizer)
+    assert table is not None
+    partial = tokenizer.encode("日", add_special_tokens=False).ids[0]
+    whole = tokenizer.encode("a", add_special_tokens=False).ids[0]
+    rng = random.Random(11)
+    cases = [[partial, whole, whole], [whole, partial, partial, whole]]
+    cases += [[rng.randrange(len(table)) for _ in range(rng.randrange(1, 30))] for _ in range(300)]
+    for ids in cases:
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        expected = [utf8.decode(table[i]) for i in ids]
+        detok = IncrementalDetokenizer(tokenizer, table)
+        assert [detok.push(i) for i in ids] == expected, ids
+        assert detok.flush() == utf8.decode(b"", final=True)
+    detok = IncrementalDetokenizer(tokenizer, table)
+    assert [detok.push(partial), detok.push(whole)] == ["", "\ufffda"]
+
+
 def test_the_byte_table_withholds_a_partial_character(tokenizer: Tokenizer) -> None:
     table = TokenBytes.from_tokenizer(tokenizer)
     ids = tokenizer.encode("日", add_special_tokens=False).ids
