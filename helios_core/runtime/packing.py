@@ -35,6 +35,7 @@ different slot or generation (a reused physical slot) invalidates it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -666,13 +667,20 @@ def _fits(values: npt.NDArray[np.int64], dtype: np.dtype[np.generic]) -> bool:
     """Whether int64 page ids convert to ``dtype`` as the same Python ints would (no wrap, no rounding)."""
     if dtype.kind not in "iu":
         return False
-    if np.can_cast(np.int64, dtype) or not values.shape[0]:
+    if not values.shape[0] or _holds_int64(dtype):
         return True
     low, high = _integer_range(dtype)
     return bool(low <= int(values.min()) and int(values.max()) <= high)
 
 
+@functools.cache
+def _holds_int64(dtype: np.dtype[np.generic]) -> bool:
+    return bool(np.can_cast(np.int64, dtype))
+
+
+@functools.cache
 def _integer_range(dtype: np.dtype[np.generic]) -> tuple[int, int]:
+    """The smallest and largest value of an integer dtype (``np.iinfo`` takes microseconds a call)."""
     info = np.iinfo(cast("np.dtype[np.integer[Any]]", dtype))
     return int(info.min), int(info.max)
 

@@ -752,7 +752,7 @@ class Scheduler:
             if self._count(cohort).room <= 1:  # a member needs the page of the position after the next
                 slots = cohort.slots
                 needy = np.flatnonzero(self._page_count[slots] * self.page_tokens - self._consumed[slots] <= 1)
-                if needy.shape[0] and not self._allocate_next(members, needy.tolist()):
+                if needy.shape[0] and not self._allocate_next(members, needy.tolist(), slots[needy]):
                     return None
             self.in_flight = cohort.ids
         else:
@@ -776,15 +776,14 @@ class Scheduler:
         follow.graph = round_.graph
         return follow
 
-    def _allocate_next(self, members: list[RequestState], needy: list[int]) -> bool:
-        """The page of the position after the next for each needy member, in member order; False (the pages
-        already given kept) as soon as one cannot be had."""
+    def _allocate_next(self, members: list[RequestState], needy: list[int], slots: npt.NDArray[np.int64]) -> bool:
+        """The page of the position after the next for each needy member (``slots`` are theirs), in member
+        order; False (the pages already given kept) as soon as one cannot be had."""
         if self.allocator.available() >= len(needy):
             pages = self.allocator.allocate(len(needy))
             if pages is not None:
                 for index, page in zip(needy, pages, strict=True):
                     members[index].pages.append(page)
-                slots = np.fromiter((members[index].slot for index in needy), dtype=np.int64, count=len(needy))
                 ends = self._page_count[slots]
                 cells = slots * self._page_width + ends  # flat cells: indexing with two arrays releases the GIL
                 self._page_rows.reshape(-1)[cells] = pages
