@@ -696,11 +696,9 @@ class Scheduler:
             return Round(cohort.graph, members, lanes, expectations, cohort)
         slots = cohort.slots
         page_tokens = self.page_tokens
-        positions = self._consumed[slots]
-        steps = self._generated[slots]
-        if ahead:
-            positions += ahead
-            steps += ahead
+        # ``array + n`` rather than ``array += n``: numpy's in-place operation with a Python int is slower.
+        positions = self._consumed[slots] + ahead
+        steps = self._generated[slots] + ahead
         page, offset = np.divmod(positions, page_tokens)
         cache_slots = self._page_starts.reshape(-1)[slots * self._page_width + page] + offset
         rows = dict(cohort.rows)
@@ -1004,10 +1002,8 @@ class Scheduler:
         self._count(cohort)
         slots = cohort.slots
         count = len(cohort.members)
-        consumed = self._consumed[slots]
-        consumed += 1
-        generated = self._generated[slots]
-        generated += 1
+        consumed = self._consumed[slots] + 1
+        generated = self._generated[slots] + 1
         page_tokens = self.page_tokens
         token_ids, logprobs, errors, tops = results.token_ids, results.logprobs, results.errors, results.tops
         publishing: AbstractSet[int] = _NONE
