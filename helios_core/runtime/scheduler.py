@@ -303,7 +303,9 @@ class Scheduler:
         self._consumed: _Ints = np.zeros(slots, dtype=positions)
         self._generated: _Ints = np.zeros(slots, dtype=positions)
         self._published = np.zeros(slots, dtype=np.int64)
-        """Complete pages published (``len(hashes)``) per slot."""
+        """Complete pages per slot that are published, or will be at the next :meth:`_publish_deferred`."""
+        self._deferred: dict[int, RequestState] = {}
+        """Running requests (by id) whose complete pages a decode round counted but did not hash yet."""
         width = max(self.pages_per_row, self._pages_for(self.context), 1)
         self._page_rows = np.zeros((slots, width), dtype=np.int64)
         self._page_count = np.zeros(slots, dtype=np.int64)
@@ -439,6 +441,8 @@ class Scheduler:
         return phases
 
     def _admit(self) -> None:
+        if self._deferred and self.waiting and self.free_slots and not self.starved:
+            self._publish_deferred()  # every complete page can be matched as a prefix
         while self.waiting and self.free_slots and not self.starved:
             state = self.waiting[0]
             if state.snapshot_row >= 0:  # reuse complete pages up to the snapshot, restore the rest
@@ -1036,7 +1040,7 @@ class Scheduler:
         else:
             self._apply_lanes(cohort, results, check_ended, skipped, gate_stops, append)
         for index in sorted(publishing - skipped) if publishing else ():
-            self._publish_pages(members[index])
+            self._defer_pages(members[index])
         ends = frozenset(finishing).union(gate_stops)
         if eos_per_lane:
             ends = ends.union(
@@ -1141,6 +1145,19 @@ class Scheduler:
             state.request_id, reason, state.prompt_len, state.generated, max(state.reused_tokens, 0), pieces
         )
 
+    def _defer_pages(self, state: RequestState) -> None:
+        """Count ``state``'s complete pages as published; they are hashed and published in the allocator
+        when another request could first reuse them: before admission matches prefixes, or when ``state``
+        releases its pages (a decode round completes about one page in every ``page_tokens`` lanes, and
+        hashing them in the round costs more than the rest of the lane's work)."""
+        self._published[state.slot] = state.consumed // self.page_tokens
+        self._deferred[id(state)] = state
+
+    def _publish_deferred(self) -> None:
+        for state in self._deferred.values():
+            self._publish_pages(state)
+        self._deferred.clear()
+
     def _publish_pages(self, state: RequestState) -> None:
         pt = self.page_tokens
         while (len(state.hashes) + 1) * pt <= state.consumed:
@@ -1161,6 +1178,8 @@ class Scheduler:
             state.preempting = False
         if state in self.running:
             self.running.remove(state)
+        if self._deferred.pop(id(state), None) is not None:
+            self._publish_pages(state)  # before its pages are released: they stay reusable
         if state.pages:
             self.allocator.release(state.pages)
             state.pages = []

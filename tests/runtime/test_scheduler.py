@@ -87,6 +87,39 @@ def test_shared_prefix_is_reused_with_identical_output(start_fixture: Callable[.
     assert_allocator_settled(running)
 
 
+def test_pages_completed_while_decoding_are_reusable_by_the_next_admission(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    """Decode rounds publish complete pages lazily: before a later admission matches prefixes (here while
+    the first request still decodes) and when the request releases them (after it finished)."""
+    running = start_fixture()
+    engine = running.engine
+    prompt = [5, 6, 7]  # 3 tokens: every later page of 4 is completed by decode rounds
+    stream = engine.submit(PreparedRequest("long", prompt, 40, GREEDY, ignore_eos=True))
+    seen: list[int] = []
+    events = iter(stream)
+    while len(seen) < 14:
+        event = next(events)
+        if isinstance(event, TokenEvent):
+            seen.append(event.token_id)
+    # "long" has consumed its prompt and 13 sampled tokens (16 positions: 4 complete pages) by now.
+    during = engine.generate(PreparedRequest("during", [*prompt, *seen], 6, GREEDY, ignore_eos=True))
+    assert during.reused_prompt_tokens == 16
+    rest = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    generated = [*seen, *rest]
+    assert len(generated) == 40
+    after = engine.generate(PreparedRequest("after", [*prompt, *generated[:30]], 6, GREEDY, ignore_eos=True))
+    assert after.reused_prompt_tokens == 32  # 33 prompt tokens: 8 complete pages below the last token
+    cold = start_fixture()
+    assert cold.engine.generate(PreparedRequest("c1", [*prompt, *seen], 6, GREEDY, ignore_eos=True)).token_ids == (
+        during.token_ids
+    )
+    assert cold.engine.generate(
+        PreparedRequest("c2", [*prompt, *generated[:30]], 6, GREEDY, ignore_eos=True)
+    ).token_ids == after.token_ids
+    assert_allocator_settled(running)
+
+
 def test_a_small_cache_completes_everything_through_preemption(start_fixture: Callable[..., RunningModel]) -> None:
     running = start_fixture(cache_pages=20)  # 4 requests x (30 + 20 tokens) need 52 pages of 4
     texts = prompts(running, 4)
