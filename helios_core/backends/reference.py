@@ -572,7 +572,7 @@ class ReferenceBackend:
             elif decl.role == mf.BUFFER_ROLE_WEIGHTS:
                 shared[decl.name] = self._weights(decl, core)
             else:
-                shared[decl.name] = np.zeros(self._runtime_shape(decl), dtype=self._numpy_dtype(decl.name, decl.dtype))
+                shared[decl.name] = np.zeros(self._runtime_shape(decl), dtype=numpy_dtype(decl.name, decl.dtype))
         self._shared = shared
         self._transport_entries = {e.name: e for e in execution.transport.entries}
         self._transport: list[dict[str, AnyArray]] = []
@@ -581,7 +581,7 @@ class ReferenceBackend:
         """Per frame: the read-only completion record :meth:`completion` returns."""
         for frame in range(frames):
             staging = {
-                e.name: np.zeros(tuple(int(s) for s in e.shape), dtype=self._numpy_dtype(e.name, e.dtype))
+                e.name: np.zeros(tuple(int(s) for s in e.shape), dtype=numpy_dtype(e.name, e.dtype))
                 for e in execution.transport.entries
             }
             frame_entry = execution.transport.frame_index_entry
@@ -590,7 +590,7 @@ class ReferenceBackend:
             self._transport.append(staging)
             self._completion_buffers.append(
                 {
-                    d.name: np.zeros(self._runtime_shape(d), dtype=self._numpy_dtype(d.name, d.dtype))
+                    d.name: np.zeros(self._runtime_shape(d), dtype=numpy_dtype(d.name, d.dtype))
                     for d in completion_decls
                 }
             )
@@ -661,10 +661,6 @@ class ReferenceBackend:
             raise ValueError(f"frame {frame} is outside [0, {self._frames})")
         return frame
 
-    @staticmethod
-    def _numpy_dtype(name: str, dtype: int) -> np.dtype[Any]:
-        return numpy_dtype(name, dtype)
-
     def _runtime_shape(self, decl: mf.BufferDecl) -> tuple[int, ...]:
         return runtime_shape(
             decl,
@@ -680,7 +676,7 @@ class ReferenceBackend:
         if data is None:
             data = core.read_resource(decl.resource_id, cb.RESOURCE_KIND_WEIGHTS)
             self._resources[decl.resource_id] = data
-        dtype = self._numpy_dtype(decl.name, decl.dtype)
+        dtype = numpy_dtype(decl.name, decl.dtype)
         shape = self._runtime_shape(decl)
         count = math.prod(shape)
         offset = int(decl.resource_offset)

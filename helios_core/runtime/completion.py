@@ -154,21 +154,36 @@ class RecordViews:
     ids: npt.NDArray[np.generic]
     """The first sampled id of each lane."""
     logprobs: npt.NDArray[np.generic] | None
+    lanes: int
+    """The lanes every field above but ``logprobs`` holds (the shortest of them)."""
 
     @classmethod
     def of(cls, record: Mapping[int, npt.NDArray[np.generic]]) -> RecordViews:
         sampled = record[mf.COMPLETION_FIELD_SAMPLED_IDS]
         logprobs = record.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+        per_lane = [
+            record[field].reshape(-1)
+            for field in (
+                mf.COMPLETION_FIELD_GENERATION,
+                mf.COMPLETION_FIELD_RESERVED,
+                mf.COMPLETION_FIELD_DRAFT_CURSOR,
+                mf.COMPLETION_FIELD_CONSUMED_TOKENS,
+                mf.COMPLETION_FIELD_EMITTED_TOKENS,
+            )
+        ]
+        ids = sampled.reshape(sampled.shape[0], -1)[:, 0]
+        generation, reserved, cursor, consumed, emitted = per_lane
         return cls(
             record=record,
             sequence=record[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1),
-            generation=record[mf.COMPLETION_FIELD_GENERATION].reshape(-1),
-            reserved=record[mf.COMPLETION_FIELD_RESERVED].reshape(-1),
-            cursor=record[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1),
-            consumed=record[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1),
-            emitted=record[mf.COMPLETION_FIELD_EMITTED_TOKENS].reshape(-1),
-            ids=sampled.reshape(sampled.shape[0], -1)[:, 0],
+            generation=generation,
+            reserved=reserved,
+            cursor=cursor,
+            consumed=consumed,
+            emitted=emitted,
+            ids=ids,
             logprobs=logprobs.reshape(-1) if logprobs is not None else None,
+            lanes=min(ids.shape[0], *(view.shape[0] for view in per_lane)),
         )
 
 
@@ -197,9 +212,8 @@ def read_lanes(
     consumed = views.consumed[:count]
     cursors = views.cursor[:count]
     reserved = views.reserved[:count]
-    sampled = completion[mf.COMPLETION_FIELD_SAMPLED_IDS]
-    ids = sampled.reshape(sampled.shape[0], -1)[:count, 0]
-    logprobs_field = completion.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+    ids = views.ids[:count]
+    logprobs_field = views.logprobs
     top_ids = completion.get(mf.COMPLETION_FIELD_TOP_IDS)
     top_logprobs = completion.get(mf.COMPLETION_FIELD_TOP_LOGPROBS)
     prompt_scores = completion.get(mf.COMPLETION_FIELD_PROMPT_SCORES)
@@ -219,7 +233,7 @@ def read_lanes(
             results.append(CompletionError(f"lane {index}: {problem}"))
             continue
         token = int(ids[index]) if lane.samples else -1
-        logprob = float(logprobs_field.reshape(-1)[index]) if logprobs_field is not None and lane.samples else 0.0
+        logprob = float(logprobs_field[index]) if logprobs_field is not None and lane.samples else 0.0
         top: list[tuple[int, float]] = []
         scores: list[float] = []
         try:
@@ -237,24 +251,18 @@ def read_lanes(
 def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) -> LaneResults:
     """:func:`read_lanes` of a batch: the same rules, checked over all lanes at once."""
     count = len(lanes)
-    fields = [
-        views.generation[:count],
-        views.reserved[:count],
-        views.cursor[:count],
-        views.consumed[:count],
-        views.emitted[:count],
-    ]
-    ids: npt.NDArray[Any] = views.ids[:count]
     logprobs = views.logprobs[:count] if views.logprobs is not None and lanes.samples else None
-    if (
-        min(fields[0].shape[0], fields[1].shape[0], fields[2].shape[0], fields[3].shape[0], fields[4].shape[0])
-        < count
-        or ids.shape[0] < count
-        or (logprobs is not None and logprobs.shape[0] < count)
+    if views.lanes < count or (
+        logprobs is not None and logprobs.shape[0] < count
     ):  # a record shorter than the lanes fails lane by lane, as the list of expectations would
         return _as_results(read_lanes(views, int(views.sequence[0]), lanes.to_list(), sampled_size))
     completion = views.record
-    generation, reserved, cursor, consumed, emitted = fields
+    ids: npt.NDArray[Any] = views.ids[:count]
+    generation = views.generation[:count]
+    reserved = views.reserved[:count]
+    cursor = views.cursor[:count]
+    consumed = views.consumed[:count]
+    emitted = views.emitted[:count]
     samples = lanes.samples
     if count > _VECTORIZED_LANES:
         bad = generation != lanes.generations

@@ -542,9 +542,9 @@ class _BindingWriter:
                 return
             first = staged[grown]
             if bool(np.all(counts[grown] == first + 1)) and int(first.max()) < min(width, batch.page_source.shape[1]):
-                pages = _cells(batch.page_source, batch.page_index[grown], first)
+                pages = cells(batch.page_source, batch.page_index[grown], first)
                 if _fits(pages, dest.dtype):
-                    _set_cells(dest, grown, first, pages.astype(dest.dtype) + self.offset)
+                    set_cells(dest, grown, first, pages.astype(dest.dtype) + self.offset)
                     held.count[grown] = first + 1
                     if batch.page_version is not None:
                         versions[key] = batch.page_version
@@ -585,7 +585,7 @@ class _BindingWriter:
             first = staged[grown]
             last = counts[grown]
             if bool(np.all(last - first == 1)):
-                _set_cells(dest, grown, first, _cells(values, done + np.arange(grown.shape[0]), first))
+                set_cells(dest, grown, first, cells(values, done + np.arange(grown.shape[0]), first))
             else:
                 for row, (begin, end) in enumerate(zip(first.tolist(), last.tolist(), strict=True), done):
                     dest[int(touched[row]), begin:end] = values[row, begin:end]
@@ -645,7 +645,7 @@ def _cast_mode(column: np.dtype[np.generic], dest: np.dtype[np.generic]) -> int:
     return _PYTHON
 
 
-def _cells(table: npt.NDArray[Any], rows: npt.NDArray[np.int64], columns: npt.NDArray[Any]) -> npt.NDArray[Any]:
+def cells(table: npt.NDArray[Any], rows: npt.NDArray[np.int64], columns: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """``table[rows, columns]`` read through one flat index (numpy releases the GIL while indexing with two
     index arrays, which hands it to other threads in the middle of a round)."""
     if table.ndim != 2 or not table.flags.c_contiguous:
@@ -653,10 +653,10 @@ def _cells(table: npt.NDArray[Any], rows: npt.NDArray[np.int64], columns: npt.ND
     return cast("npt.NDArray[Any]", table.reshape(-1)[rows * table.shape[1] + columns])
 
 
-def _set_cells(
+def set_cells(
     table: npt.NDArray[Any], rows: npt.NDArray[np.int64], columns: npt.NDArray[Any], values: npt.NDArray[Any]
 ) -> None:
-    """``table[rows, columns] = values`` through one flat index (see :func:`_cells`)."""
+    """``table[rows, columns] = values`` through one flat index (see :func:`cells`)."""
     if table.ndim != 2 or not table.flags.c_contiguous:
         table[rows, columns] = values
         return

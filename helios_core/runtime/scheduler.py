@@ -70,7 +70,7 @@ from helios_core.runtime.messages import (
     SamplingParams,
     TokenEvent,
 )
-from helios_core.runtime.packing import Column, Lane, LaneBatch
+from helios_core.runtime.packing import Column, Lane, LaneBatch, cells, set_cells
 from helios_core.runtime.pages import PageAllocator, PrefixMatch
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.wire import contract_pb2 as ct
@@ -311,7 +311,6 @@ class Scheduler:
         self._page_count = np.zeros(slots, dtype=np.int64)
         self._page_starts = np.zeros((slots, width), dtype=np.int64)
         """Each page's first cache slot (page id x page_tokens)."""
-        self._page_width = width
         self._page_adds = 0
         """Pages added to running requests so far (a page table that saw this many is complete)."""
         self._completions = 0
@@ -704,7 +703,7 @@ class Scheduler:
         positions = self._consumed[slots] + ahead
         steps = self._generated[slots] + ahead
         page, offset = np.divmod(positions, page_tokens)
-        cache_slots = self._page_starts.reshape(-1)[slots * self._page_width + page] + offset
+        cache_slots = cells(self._page_starts, slots, page) + offset
         rows = dict(cohort.rows)
         rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT] = positions
         rows[ct.VALUE_SOURCE_SAMPLING_STEP] = steps
@@ -787,9 +786,9 @@ class Scheduler:
                 for index, page in zip(needy, pages, strict=True):
                     members[index].pages.append(page)
                 ends = self._page_count[slots]
-                cells = slots * self._page_width + ends  # flat cells: indexing with two arrays releases the GIL
-                self._page_rows.reshape(-1)[cells] = pages
-                self._page_starts.reshape(-1)[cells] = np.asarray(pages, dtype=np.int64) * self.page_tokens
+                page_ids = np.asarray(pages, dtype=np.int64)
+                set_cells(self._page_rows, slots, ends, page_ids)
+                set_cells(self._page_starts, slots, ends, page_ids * self.page_tokens)
                 self._page_count[slots] = ends + 1
                 self._page_adds += 1
                 return True
