@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +39,9 @@ from helios_core.runtime.messages import (
     Event,
     ExecutionFailed,
     Finished,
+    Outgoing,
     PreparedRequest,
+    RoundTokens,
     TokenEvent,
 )
 from helios_core.runtime.native_model import NativeModel
@@ -55,17 +57,26 @@ _Flat = npt.NDArray[np.generic]
 
 
 class RequestStream:
-    """The events of one request, in order; iteration ends after the terminal event."""
+    """The events of one request, in order; iteration ends after the terminal event.
+
+    A decode round's tokens arrive as one :class:`RoundTokens` shared by the round's streams; the
+    stream yields its own lane of it as a :class:`TokenEvent`, so iteration yields events only.
+    """
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self.put: Callable[[Event], None] = self._events.put
-        """Append an event (the queue's own method: no call of ours per event)."""
+        self._events: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
+        self.put: Callable[[Outgoing], None] = self._events.put
+        """Append an event or a round's tokens (the queue's own method: no call of ours per event)."""
 
     def __iter__(self) -> Iterator[Event]:
+        request_id = self.request_id
+        get = self._events.get
         while True:
-            event = self._events.get()
+            event = get()
+            if isinstance(event, RoundTokens):
+                yield event.event(request_id)
+                continue
             yield event
             if isinstance(event, TERMINAL_EVENTS):
                 return
@@ -116,6 +127,9 @@ class Engine:
         self._records: dict[int, RecordViews] = {}
         """Per frame: the views of the completion record last read."""
         self._streams: dict[str, RequestStream] = {}
+        self._round_lanes: dict[str, int] | None = None
+        self._round_puts: list[Callable[[Outgoing], None]] = []
+        """The stream puts of the requests of ``_round_lanes`` (a cohort's lanes), in lane order."""
         self._lock = threading.Lock()
         self._sequence = 0
         self._stopping = False
@@ -238,7 +252,7 @@ class Engine:
             return exc
         return sequence
 
-    def _collect(self, round_: Round, frame: int, launched: int | Exception) -> list[Event]:
+    def _collect(self, round_: Round, frame: int, launched: int | Exception) -> Sequence[Outgoing]:
         """Validate a launched round's completion record and apply it."""
         if isinstance(launched, Exception):
             return self.scheduler.fail_round(round_, f"execution failed: {type(launched).__name__}: {launched}")
@@ -277,17 +291,33 @@ class Engine:
                 if rejection is not None:
                     self._publish([rejection])
 
-    def _publish(self, events: list[Event]) -> None:
+    def _publish(self, events: Sequence[Outgoing]) -> None:
         if not events:
             return
         streams = self._streams
         with self._lock:  # once for the round's events (a stream's put never blocks)
             for event in events:
+                if isinstance(event, RoundTokens):
+                    self._put_round(event)
+                    continue
                 stream = streams.get(event.request_id)
                 if stream is not None:
                     if type(event) is not TokenEvent and isinstance(event, TERMINAL_EVENTS):
                         del streams[event.request_id]
                     stream.put(event)
+
+    def _put_round(self, tokens: RoundTokens) -> None:
+        """Put a round's tokens on the stream of each of its requests. The puts are found once per cohort:
+        its requests are running (not ended) for as long as its rounds are delivered this way, so their
+        streams stay registered."""
+        if tokens.lanes is not self._round_lanes:
+            streams = self._streams
+            self._round_lanes = tokens.lanes
+            self._round_puts = [
+                stream.put for request_id in tokens.lanes if (stream := streams.get(request_id)) is not None
+            ]
+        for put in self._round_puts:
+            put(tokens)
 
     def _take_snapshot(self) -> StatsSnapshot:
         stats, pages, scheduler = self._stats, self.allocator, self.scheduler

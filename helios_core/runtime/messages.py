@@ -6,7 +6,9 @@ else crosses it, so the worker can run in a thread or its own process
 without either side changing. Terminal events keep distinct kinds: a normal
 finish (EOS, output limit, host stop, cancellation), an admission rejection
 and an execution failure never share a type, so no status code is ever
-derived from error text.
+derived from error text. A steady decode round's tokens cross once for the
+whole round (:class:`RoundTokens`); each request stream expands its own lane
+into the :class:`TokenEvent` it stands for, so readers see the same events.
 """
 
 from __future__ import annotations
@@ -112,3 +114,31 @@ class ExecutionFailed(msgspec.Struct, frozen=True, tag="failed", gc=False):
 
 Event = TokenEvent | PromptScores | Finished | AdmissionRejected | ExecutionFailed
 TERMINAL_EVENTS = (Finished, AdmissionRejected, ExecutionFailed)
+
+
+class RoundTokens(msgspec.Struct, frozen=True, gc=False):
+    """One decode round's tokens for every request of its cohort, delivered once per round.
+
+    The worker puts this one object on the stream of every request in ``lanes``; each stream reads
+    its own lane and yields the :class:`TokenEvent` it stands for (:meth:`event`): the lane's token,
+    its logprob and the one piece ``(token, text)``, no timestamp and no top alternatives. Building
+    the per-request events thus happens on the reader's side, not on the worker's. Only rounds whose
+    every lane presents exactly that are delivered this way; the lists are never modified.
+    """
+
+    lanes: dict[str, int]
+    """Each request's lane index (shared by the rounds of one cohort)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    texts: list[str]
+    """The text each lane's token completes."""
+
+    def event(self, request_id: str) -> TokenEvent:
+        """The TokenEvent of ``request_id``'s lane."""
+        lane = self.lanes[request_id]
+        token = self.token_ids[lane]
+        return TokenEvent(request_id, token, self.logprobs[lane], [(token, self.texts[lane])], -1)
+
+
+Outgoing = Event | RoundTokens
+"""What the worker publishes to request streams: events, or a decode round's tokens for many streams."""

@@ -65,8 +65,10 @@ from helios_core.runtime.messages import (
     ExecutionFailed,
     Finished,
     FinishReason,
+    Outgoing,
     PreparedRequest,
     PromptScores,
+    RoundTokens,
     SamplingParams,
     TokenEvent,
 )
@@ -181,6 +183,8 @@ class _Cohort:
     """Every member's gate is absent or plain (the token's text is all it presents)."""
     texts: list[Callable[[int], str]]
     """Per member, the text a token completes (its gate's detokenizer; "" without a gate)."""
+    lanes: dict[str, int]
+    """Each member's lane index by request id (read-only; the streams' key to a round's tokens)."""
     observe: bool
     """Some member observes timestamps."""
     ids: frozenset[int]
@@ -678,6 +682,7 @@ class Scheduler:
             ),
             plain=all(g is None or g.plain for g in gates),
             texts=[_no_text if g is None else g.text for g in gates],
+            lanes={s.request_id: index for index, s in enumerate(members)},
             observe=any(s.observe for s in members),
             ids=frozenset(id(s) for s in members),
             left=0,
@@ -913,9 +918,10 @@ class Scheduler:
         return np.minimum(counts, 255).astype(np.uint8)
 
     # -- completion -------------------------------------------------------------------------------
-    def complete(self, round_: Round, results: Sequence[LaneResult | CompletionError]) -> list[Event]:
-        """Apply a validated round; returns the events to publish, in order."""
-        events: list[Event] = []
+    def complete(self, round_: Round, results: Sequence[LaneResult | CompletionError]) -> list[Outgoing]:
+        """Apply a validated round; returns the events to publish, in order (a steady decode round's
+        tokens as one :class:`~helios_core.runtime.messages.RoundTokens`)."""
+        events: list[Outgoing] = []
         graph = round_.graph
         label = self._operation_names.get(graph.operation)
         if label is None:
@@ -991,7 +997,7 @@ class Scheduler:
                 events.append(self._finished(state, reason))
         return events
 
-    def _complete_decode(self, cohort: _Cohort, results: LaneResults, events: list[Event]) -> None:
+    def _complete_decode(self, cohort: _Cohort, results: LaneResults, events: list[Outgoing]) -> None:
         """:meth:`complete` of a decode round planned as a LaneBatch: the same effects, lane by lane.
 
         Every member advances by one position and one token, so the cohort's minima say whether any lane
@@ -1031,11 +1037,15 @@ class Scheduler:
         """Lanes that failed, or whose request ended in the previous round (their output is suppressed)."""
         gate_stops: list[int] = []
         if cohort.plain and not errors and not check_ended and not tops and not cohort.observe:
-            # The usual round: every lane presents its token's text and nothing else can happen per lane.
-            for state, token, text, logprob in zip(members, token_ids, cohort.texts, logprobs, strict=True):
+            # The usual round: every lane presents its token's text and nothing else can happen per lane, so
+            # the round's tokens go out once, for every stream to read its own lane.
+            texts: list[str] = []
+            text_of = texts.append
+            for state, token, text in zip(members, token_ids, cohort.texts, strict=True):
                 state.consumed += 1
                 state.tokens.append(token)
-                append(TokenEvent(state.request_id, token, logprob, [(token, text(token))], -1))
+                text_of(text(token))
+            append(RoundTokens(cohort.lanes, token_ids, logprobs, texts))
         else:
             self._apply_lanes(cohort, results, check_ended, skipped, gate_stops, append)
         for index in sorted(publishing - skipped) if publishing else ():
@@ -1074,7 +1084,7 @@ class Scheduler:
         check_ended: bool,
         skipped: set[int],
         gate_stops: list[int],
-        append: Callable[[Event], None],
+        append: Callable[[Outgoing], None],
     ) -> None:
         """The per-lane part of :meth:`_complete_decode` when some lane fails, was ended, observes time,
         reads top alternatives or has a gate that does more than detokenize: the token appended and its
