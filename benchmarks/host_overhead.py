@@ -10,9 +10,11 @@ CPU time over the same intervals (what the host spent on the round, without the 
 or the client thread held the CPU). ``run us`` is the part spent inside the null backend's ``run`` (it
 writes the completion record: a stand-in for the device's work), and ``host us`` the median of each
 round's time less its ``run``: scheduling, packing, validation, detokenization and publishing.
-``--no-text`` serves the requests without host gates, so nothing is detokenized. ``--cpus 0`` pins the
-process (worker and client thread) to the listed CPUs. One run prints one table; the targets are 40 us
-per round at batch 1 and 300 us at batch 256 on the 2-core CPU machine.
+The requests have no stops, so they have no host gate in the worker: their streams detokenize their
+tokens as the client reads them (on the client thread). ``--no-text`` serves the requests without any
+text, so nothing is detokenized anywhere. ``--cpus 0`` pins the process (worker and client thread) to
+the listed CPUs. One run prints one table; the targets are 40 us per round at batch 1 and 300 us at
+batch 256 on the 2-core CPU machine.
 
     python benchmarks/host_overhead.py [--steps 200] [--no-text] [--cpus 0]
 """
@@ -74,6 +76,7 @@ def measure(
     backend = engine.model.backend
     if not text:
         engine.scheduler.make_gate = None
+        engine.make_text = None
     collected: list[tuple[int, int, bool, int]] = []  # (wall and CPU end of the collection, decode round, run ns)
     run_ns = [0]
     original_collect = engine._collect

@@ -14,6 +14,11 @@ Every round is planned from completed observations. In steady decoding the worke
 in flight on the other execution frame while it validates and publishes the previous one (two
 frames); anything that needs completion feedback keeps one outstanding round. A round that raises
 (packing, launching, or waiting for its frame's fence) fails only its own requests.
+
+A steady decode round's tokens are put on its requests' streams as one shared
+:class:`~helios_core.runtime.messages.RoundTokens`, and an ungated request's stream detokenizes its
+tokens itself (:class:`~helios_core.runtime.gates.StreamText`): each stream builds its reader's events
+on the reader's thread, the same events, in the same order, as one per lane built by the worker.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from helios_core.errors import HeliosError
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.completion import CompletionError, LaneResult, RecordViews, read_lanes
-from helios_core.runtime.gates import HostGate
+from helios_core.runtime.gates import HostGate, StreamText, needs_gate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
@@ -60,11 +65,13 @@ class RequestStream:
     """The events of one request, in order; iteration ends after the terminal event.
 
     A decode round's tokens arrive as one :class:`RoundTokens` shared by the round's streams; the
-    stream yields its own lane of it as a :class:`TokenEvent`, so iteration yields events only.
+    stream yields its own lane of it as a :class:`TokenEvent`, so iteration yields events only. The
+    stream of a request without a host gate adds its tokens' text as it yields them (``text``).
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, text: StreamText | None = None) -> None:
         self.request_id = request_id
+        self._text = text
         self._events: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
         self.put: Callable[[Outgoing], None] = self._events.put
         """Append an event or a round's tokens (the queue's own method: no call of ours per event)."""
@@ -72,11 +79,18 @@ class RequestStream:
     def __iter__(self) -> Iterator[Event]:
         request_id = self.request_id
         get = self._events.get
+        text = self._text
+        push = text.push if text is not None else None
         while True:
             event = get()
             if isinstance(event, RoundTokens):
-                yield event.event(request_id)
+                yield event.event(request_id, push)
                 continue
+            if text is not None:
+                if isinstance(event, TokenEvent):
+                    event = text.token(event)
+                elif isinstance(event, Finished):
+                    event = text.finished(event)
             yield event
             if isinstance(event, TERMINAL_EVENTS):
                 return
@@ -106,12 +120,19 @@ class Engine:
         )
         self._stats = SchedulerStats()
         make_gate = None
+        self.make_text: Callable[[], StreamText] | None = None
+        """The text of a new ungated request's stream (None: events carry no text, as without a tokenizer)."""
         if tokenizer is not None:
             tok = tokenizer
             token_bytes = TokenBytes.from_tokenizer(tokenizer)
 
-            def make_gate(request: PreparedRequest) -> HostGate:
-                return HostGate(request, tok, grammar_compiler, token_bytes)
+            def make_gate(request: PreparedRequest) -> HostGate | None:
+                return HostGate(request, tok, grammar_compiler, token_bytes) if needs_gate(request) else None
+
+            def make_text() -> StreamText:
+                return StreamText(tok, token_bytes)
+
+            self.make_text = make_text
 
         self.scheduler = Scheduler(
             contract,
@@ -143,7 +164,9 @@ class Engine:
     # -- the engine API ---------------------------------------------------------------------------
     def submit(self, request: PreparedRequest) -> RequestStream:
         """Queue ``request``; its events arrive on the returned stream."""
-        stream = RequestStream(request.request_id)
+        make_text = self.make_text
+        text = make_text() if make_text is not None and not needs_gate(request) else None
+        stream = RequestStream(request.request_id, text)
         with self._lock:
             if request.request_id in self._streams:
                 raise HeliosError(f"request id {request.request_id!r} is already active")

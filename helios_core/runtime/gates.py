@@ -6,6 +6,10 @@ completion, then the grammar advances and yields the next mask, then token stops
 stops on incrementally decoded text (reasoning and tool envelopes included, before presentation).
 A gate reports which (id, text) pieces presentation may show, whether a host stop matched, and the
 grammar mask of the next round. A request with any gate keeps one outstanding round.
+
+A request with no stops and no structured output needs no gate in the worker (:func:`needs_gate`):
+detokenizing its tokens decides nothing about its next round, so its request stream detokenizes
+them as its reader reads them (:class:`StreamText`), with the same text and pieces a gate gives.
 """
 
 from __future__ import annotations
@@ -19,7 +23,50 @@ from tokenizers import Tokenizer
 
 from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
-from helios_core.runtime.messages import Piece, PreparedRequest
+from helios_core.runtime.messages import Finished, Piece, PreparedRequest, TokenEvent
+
+
+def needs_gate(request: PreparedRequest) -> bool:
+    """Whether ``request`` has host work in the worker: stops or a structured-output format. Without
+    them a gate would only detokenize, which its stream does instead (:class:`StreamText`)."""
+    return bool(request.string_stops or request.token_stops or request.response_format is not None)
+
+
+class StreamText:
+    """The text of one ungated request's events, added as its stream yields them (the reader's thread).
+
+    The worker publishes such a request's token events with empty text; each token's text is what a
+    gate's incremental detokenizer gives it, in order, and a normal finish (EOS, output limit) carries
+    what the detokenizer still holds, exactly as :meth:`HostGate.observe` and :meth:`HostGate.finish`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
+        self.push: Callable[[int], str] = self._detokenizer.push
+        """The text a token completes."""
+
+    def token(self, event: TokenEvent) -> TokenEvent:
+        """``event`` (published with its token's text empty) with its text."""
+        token = event.token_id
+        return TokenEvent(
+            event.request_id, token, event.logprob, [(token, self.push(token))], event.timestamp_ns, event.top
+        )
+
+    def finished(self, event: Finished) -> Finished:
+        """``event`` with what the detokenizer still holds (nothing on cancellation, as for a gate)."""
+        if event.reason == "cancelled":
+            return event
+        tail = self._detokenizer.flush()
+        if not tail:
+            return event
+        return Finished(
+            event.request_id,
+            event.reason,
+            event.prompt_tokens,
+            event.completion_tokens,
+            event.reused_prompt_tokens,
+            [*event.pieces, (-1, tail)],
+        )
 
 
 @dataclass

@@ -13,6 +13,7 @@ into the :class:`TokenEvent` it stands for, so readers see the same events.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -130,14 +131,18 @@ class RoundTokens(msgspec.Struct, frozen=True, gc=False):
     """Each request's lane index (shared by the rounds of one cohort)."""
     token_ids: list[int]
     logprobs: list[float]
-    texts: list[str]
-    """The text each lane's token completes."""
+    texts: list[str] | None
+    """The text each lane's token completes in the worker; None when every lane's is empty."""
 
-    def event(self, request_id: str) -> TokenEvent:
-        """The TokenEvent of ``request_id``'s lane."""
+    def event(self, request_id: str, text: Callable[[int], str] | None = None) -> TokenEvent:
+        """The TokenEvent of ``request_id``'s lane; its text from ``text`` when given (a stream that
+        detokenizes its request's tokens itself), else from the round."""
         lane = self.lanes[request_id]
         token = self.token_ids[lane]
-        return TokenEvent(request_id, token, self.logprobs[lane], [(token, self.texts[lane])], -1)
+        if text is not None:
+            return TokenEvent(request_id, token, self.logprobs[lane], [(token, text(token))], -1)
+        piece = self.texts[lane] if self.texts is not None else ""
+        return TokenEvent(request_id, token, self.logprobs[lane], [(token, piece)], -1)
 
 
 Outgoing = Event | RoundTokens

@@ -183,6 +183,8 @@ class _Cohort:
     """Every member's gate is absent or plain (the token's text is all it presents)."""
     texts: list[Callable[[int], str]]
     """Per member, the text a token completes (its gate's detokenizer; "" without a gate)."""
+    gated: bool
+    """Some member has a gate (else no token's text is found in the worker: their streams find it)."""
     lanes: dict[str, int]
     """Each member's lane index by request id (read-only; the streams' key to a round's tokens)."""
     observe: bool
@@ -260,7 +262,7 @@ class Scheduler:
         allocator: PageAllocator,
         stats: SchedulerStats,
         *,
-        make_gate: Callable[[PreparedRequest], HostGate] | None = None,
+        make_gate: Callable[[PreparedRequest], HostGate | None] | None = None,
         clock_origin_ns: int = 0,
     ) -> None:
         self.contract = contract
@@ -682,6 +684,7 @@ class Scheduler:
             ),
             plain=all(g is None or g.plain for g in gates),
             texts=[_no_text if g is None else g.text for g in gates],
+            gated=any(g is not None for g in gates),
             lanes={s.request_id: index for index, s in enumerate(members)},
             observe=any(s.observe for s in members),
             ids=frozenset(id(s) for s in members),
@@ -1039,12 +1042,18 @@ class Scheduler:
         if cohort.plain and not errors and not check_ended and not tops and not cohort.observe:
             # The usual round: every lane presents its token's text and nothing else can happen per lane, so
             # the round's tokens go out once, for every stream to read its own lane.
-            texts: list[str] = []
-            text_of = texts.append
-            for state, token, text in zip(members, token_ids, cohort.texts, strict=True):
-                state.consumed += 1
-                state.tokens.append(token)
-                text_of(text(token))
+            texts: list[str] | None = None
+            if cohort.gated:
+                texts = []
+                text_of = texts.append
+                for state, token, text in zip(members, token_ids, cohort.texts, strict=True):
+                    state.consumed += 1
+                    state.tokens.append(token)
+                    text_of(text(token))
+            else:  # no member has a gate: every token's text is found by its stream
+                for state, token in zip(members, token_ids, strict=True):
+                    state.consumed += 1
+                    state.tokens.append(token)
             append(RoundTokens(cohort.lanes, token_ids, logprobs, texts))
         else:
             self._apply_lanes(cohort, results, check_ended, skipped, gate_stops, append)
@@ -1201,7 +1210,7 @@ class Scheduler:
 
 
 def _no_text(token: int) -> str:
-    """The text of a token of a request without a gate: none (the client detokenizes)."""
+    """The text of a token of a request without a gate: none here (its stream, or the client, detokenizes)."""
     return ""
 
 

@@ -1,6 +1,7 @@
-"""A steady decode round's tokens cross to the request streams once per round: every stream yields
-exactly the events that completing the round lane by lane yields (plain and gated requests, EOS, the
-output limit, failed lanes, cancellation), in the same order."""
+"""A steady decode round's tokens cross to the request streams once per round, and an ungated request's
+stream detokenizes its tokens: every stream yields exactly the events that completing each round lane
+by lane with a host gate per request yields (plain and gated requests, EOS, the output limit, failed
+lanes, cancellation), in the same order."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from helios_core.frontend.detokenizer import TokenBytes
+from helios_core.runtime import engine as engine_module
 from helios_core.runtime.engine import Engine, RequestStream
+from helios_core.runtime.gates import HostGate, StreamText
 from helios_core.runtime.messages import (
     Finished,
     PreparedRequest,
@@ -95,11 +99,36 @@ def test_round_tokens_serve_the_events_of_lane_by_lane_completion(
     assert all(
         isinstance(event, TokenEvent) for events in served.values() for event in events[:-1]
     )  # every stream yields events only
-    # The oracle: the same work, every decode round planned and completed lane by lane.
+    assert any(events[-1].pieces for events in served.values() if isinstance(events[-1], Finished))
+    # The oracle: the same work, every decode round planned and completed lane by lane, and every request
+    # detokenized by a host gate in the worker.
     monkeypatch.setattr(Scheduler, "_hold_sampling", lambda self, slot, params: False)
+    monkeypatch.setattr(engine_module, "needs_gate", lambda request: True)
     expected, by_lane = _serve(start_fixture())
     assert by_lane == 0
     assert served == expected
+
+
+def test_stream_text_gives_what_a_plain_gate_gives(start_fixture: Callable[..., RunningModel]) -> None:
+    running = start_fixture()
+    tokenizer = running.bootstrap.tokenizer
+    token_bytes = TokenBytes.from_tokenizer(tokenizer)
+    request = PreparedRequest("t", [1], 40, GREEDY)
+    ids = [200, 201, 65, 195, 169, 300, 226, 130, 172, 66, 240, 159, 152, 128, 250]  # whole and split characters
+    for table in (token_bytes, None):
+        for cut in (len(ids), len(ids) - 1, len(ids) - 3):
+            gate, text = HostGate(request, tokenizer, None, table), StreamText(tokenizer, table)
+            for token in ids[:cut]:
+                assert text.token(TokenEvent("t", token, -0.5, [(token, "")], 9, [(1, -1.0)])) == TokenEvent(
+                    "t", token, -0.5, gate.observe(token).pieces, 9, [(1, -1.0)]
+                )
+            for reason in ("length", "stop"):
+                end = Finished("t", reason, 1, cut)
+                assert text.finished(end) == Finished("t", reason, 1, cut, 0, gate.finish())
+    cancelled = Finished("t", "cancelled", 1, 1)
+    text = StreamText(tokenizer, token_bytes)
+    text.push(195)
+    assert text.finished(cancelled) is cancelled
 
 
 def test_a_cancelled_request_ends_after_the_round_tokens_it_received(
