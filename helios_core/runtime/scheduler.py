@@ -32,7 +32,8 @@ page counts (a :class:`~helios_core.runtime.packing.LaneBatch`) and its expectat
 (:class:`~helios_core.runtime.completion.ExpectationBatch`). The cohort's minima (tokens left,
 positions left in its pages, positions before a page completes) decide without touching the lanes
 whether a follow-up may be planned, a page is needed or published, or an output limit is reached;
-its completion then touches each request once, for the token it appends and the event it publishes.
+its completion then touches each request once, for the token it appends, and returns the round's
+tokens as one :class:`~helios_core.runtime.messages.RoundTokens` that every member's stream reads.
 Every other round (and a decode round of a request whose sampling values the columns cannot hold
 exactly) is planned as one :class:`~helios_core.runtime.packing.Lane` per request.
 """
@@ -105,7 +106,8 @@ class RequestState:
     reused_tokens: int = -1
     cancelled: bool = False
     gate: HostGate | None = None
-    """Detokenizer, stops and grammar of this request (created at admission)."""
+    """Detokenizer, stops and grammar of this request (created at admission); None for a request without
+    stops or structured output, whose stream detokenizes its tokens."""
     ended: bool = False
     """Finished or failed while a later round of it was in flight; released after that round's fence."""
     preempting: bool = False
