@@ -220,8 +220,9 @@ def _rope_scaling(n: _Node) -> tuple[rk.RopeStyle, rk.FrequencyBandScaling | Non
     return ("interleaved" if style == "interleaved" else "half"), scaling
 
 
-def _rope_kv_cache_write(n: _Node) -> Step:
-    qkv, positions, slots = n.floats("qkv"), n.tensor("positions"), n.tensor("slots")
+def _rope_cache_step(n: _Node, qkv: Callable[[], AnyArray]) -> Step:
+    """The step that rotates and splits the packed rows ``qkv()`` (the ``rope_kv_cache_write`` part)."""
+    positions, slots = n.tensor("positions"), n.tensor("slots")
     q_out, k_plane, v_plane = n.store("q"), n.tensor("k_plane"), n.tensor("v_plane")
     theta = n.attr_float("theta")
     style, scaling = _rope_scaling(n)
@@ -238,6 +239,16 @@ def _rope_kv_cache_write(n: _Node) -> Step:
         rk.kv_cache_write(k_plane, v_plane, keys, packed[:, heads + kv_heads :], slots.reshape(-1))
 
     return step
+
+
+def _rope_kv_cache_write(n: _Node) -> Step:
+    return _rope_cache_step(n, n.floats("qkv"))
+
+
+def _rmsnorm_linear_rope_kv_cache_write(n: _Node) -> Step:
+    x, norm_weight, weight = n.floats("x"), n.floats("norm_weight"), n.floats("weight")
+    eps = n.attr_float("eps")
+    return _rope_cache_step(n, lambda: rk.linear(rk.rmsnorm(x(), norm_weight(), eps), weight()))
 
 
 def _silu_mul(n: _Node) -> Step:
@@ -505,6 +516,7 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("linear_add", 1): _linear_add,
     ("silu_mul_linear_add", 1): _silu_mul_linear_add,
     ("rope_kv_cache_write", 1): _rope_kv_cache_write,
+    ("rmsnorm_linear_rope_kv_cache_write", 1): _rmsnorm_linear_rope_kv_cache_write,
     ("add", 1): _add,
     ("gather_rows", 1): _gather_rows,
     ("lane_last_index", 1): _lane_last_index,

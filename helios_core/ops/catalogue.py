@@ -25,11 +25,19 @@ class OperatorSpec:
     attributes: tuple[str, ...] = ()
     optional_attributes: tuple[str, ...] = ()
     summary: str = ""
+    updated_inputs: tuple[str, ...] = ()
+    """Inputs the operator also writes (updated in place)."""
 
     @property
     def tensor_args(self) -> frozenset[str]:
         """Every tensor argument name a node may give."""
         return frozenset(self.inputs + self.outputs + self.optional_inputs)
+
+    @property
+    def written_args(self) -> frozenset[str]:
+        """Every argument whose buffer a node may write: outputs, updated inputs, and the optional
+        arguments (some of which are outputs)."""
+        return frozenset(self.outputs + self.updated_inputs + self.optional_inputs)
 
 
 def _spec(
@@ -41,6 +49,7 @@ def _spec(
     optional_inputs: tuple[str, ...] = (),
     attributes: tuple[str, ...] = (),
     optional_attributes: tuple[str, ...] = (),
+    updated_inputs: tuple[str, ...] = (),
     version: int = 1,
 ) -> OperatorSpec:
     return OperatorSpec(
@@ -52,6 +61,7 @@ def _spec(
         attributes=attributes,
         optional_attributes=optional_attributes,
         summary=summary,
+        updated_inputs=updated_inputs,
     )
 
 
@@ -110,6 +120,16 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         attributes=("theta", "style"),
         optional_attributes=("frequency_band_scaling",),
     ),
+    _spec(
+        "rmsnorm_linear_rope_kv_cache_write",
+        ("x", "norm_weight", "weight", "positions", "slots"),
+        ("q", "k_plane", "v_plane"),
+        "rope_kv_cache_write of rmsnorm_linear(x, norm_weight, weight): a decoder layer's attention "
+        "input (norm, packed [q | k | v] projection, rotation, cache write) as one operator; the packed "
+        "projection never reaches memory.",
+        attributes=("eps", "theta", "style"),
+        optional_attributes=("frequency_band_scaling",),
+    ),
 
     _spec("add", ("a", "b"), ("out",), "Elementwise sum (residual add)."),
     _spec(
@@ -140,6 +160,7 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "Per-request seeded sampling with penalties, filters and an optional grammar mask; "
         "increments output_counts[rows[i]] at each sampled id of an active row.",
         optional_inputs=("allowed_mask", "constrained", "logprob", "top_ids", "top_logprobs"),
+        updated_inputs=("output_counts",),
         attributes=("vocab_limit",),
         optional_attributes=("top_n",),
     ),

@@ -71,14 +71,16 @@ def lower(
     *,
     weights: Sequence[str] = (),
     alias: Mapping[str, str] | None = None,
+    written: Sequence[str] = (),
 ) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
     """The launches the operator's lowering makes for this node.
 
-    ``alias`` binds an argument to another argument's buffer (``{"out": "x"}``: an in-place update).
+    ``alias`` binds an argument to another argument's buffer (``{"out": "x"}``: an in-place update);
+    ``written`` names buffers an earlier node of the program would write (not settled for this one).
     """
     load_kernel_modules()
     manifest, node = one_node_manifest(op, arrays, attributes or {}, weights, alias=alias)
-    context = LoweringContext(manifest, "sm_90a", program="test", node=op)
+    context = LoweringContext(manifest, "sm_90a", program="test", node=op, written=set(written))
     return context, LOWERINGS[(op, 1)](context, node)
 
 
@@ -92,14 +94,15 @@ def run_node(
     alias: Mapping[str, str] | None = None,
     repeat: int = 1,
     reset: Sequence[str] = (),
+    written: Sequence[str] = (),
 ) -> dict[str, np.ndarray]:
     """Run the node on the GPU ``repeat`` times (uploading the ``reset`` arrays again before each
     time); returns every array as the device left it.
 
     Buffers the lowering adds (workspaces) are allocated too, zeroed as the backend allocates them;
-    ``alias`` as for :func:`lower`.
+    ``alias`` and ``written`` as for :func:`lower`.
     """
-    context, launches = lower(op, arrays, attributes, weights=weights, alias=alias)
+    context, launches = lower(op, arrays, attributes, weights=weights, alias=alias, written=written)
     addresses: dict[str, int] = {}
     try:
         for decl in context.manifest.buffers:

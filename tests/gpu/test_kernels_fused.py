@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ignition.kernels import linear
+from ignition.kernels.linear import Tiles
 
 from helios_core.backends.cuda_driver import Context
-from tests.gpu.harness import bf16_bits, reference_node, relative_error, run_node
+from tests.gpu.harness import bf16_bits, lower, reference_node, relative_error, run_node
 
 PROJECTIONS = [
     # rows, N, K
     (1, 1728, 576),
     (1, 3072, 2048),
+    (1, 16384, 2048),
+    (2, 2048, 8192),
     (8, 2048, 8192),
     (16, 49152, 576),
     (64, 16384, 2048),
@@ -27,10 +31,10 @@ PROJECTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), PROJECTIONS)
-@pytest.mark.parametrize("op", ["linear", "rmsnorm_linear", "linear_add", "silu_mul_linear_add"])
-def test_projection(cuda_context: Context, op: str, rows: int, n: int, k: int) -> None:
-    rng = np.random.default_rng(rows * 7919 + n + k)
+def _projection_case(
+    rng: np.random.Generator, op: str, rows: int, n: int, k: int
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Random arrays (the output poisoned) and attributes of one projection node."""
     x_width = 2 * k if op == "silu_mul_linear_add" else k
     arrays: dict[str, np.ndarray] = {
         ("gate_up" if op == "silu_mul_linear_add" else "x"): rng.standard_normal((rows, x_width)).astype(np.float32),
@@ -43,6 +47,39 @@ def test_projection(cuda_context: Context, op: str, rows: int, n: int, k: int) -
         attributes["eps"] = 1e-5
     if op in ("linear_add", "silu_mul_linear_add"):
         arrays["residual"] = rng.standard_normal((rows, n)).astype(np.float32)
+    return arrays, attributes
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), PROJECTIONS)
+@pytest.mark.parametrize("op", ["linear", "rmsnorm_linear", "linear_add", "silu_mul_linear_add"])
+def test_projection(cuda_context: Context, op: str, rows: int, n: int, k: int) -> None:
+    arrays, attributes = _projection_case(np.random.default_rng(rows * 7919 + n + k), op, rows, n, k)
+    got = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))
+    want = reference_node(op, arrays, attributes)
+    assert np.isfinite(got["out"]).all()
+    assert relative_error(got["out"], want["out"]) < 1e-2
+
+
+STREAMING = [
+    # rows, N, K, tiles
+    (1, 16384, 2048, Tiles(1, 4, 0, 4, 1, per_sm=4)),
+    (2, 3072, 2048, Tiles(1, 2, 0, 4, 1, per_sm=8)),
+    (1, 1000, 576, Tiles(1, 4, 0, 4, 1, per_sm=2)),  # K not a power of two; fewer tiles than programs * 4
+    (1, 2048, 8192, Tiles(1, 1, 0, 4, 1, per_sm=8)),
+]
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), STREAMING)
+@pytest.mark.parametrize("op", ["rmsnorm_linear", "linear_add", "silu_mul_linear_add"])
+def test_streaming_projection(
+    cuda_context: Context, monkeypatch: pytest.MonkeyPatch, op: str, rows: int, n: int, k: int, tiles: Tiles
+) -> None:
+    """The streaming kernel (a fixed grid, each program over several column tiles of whole rows)."""
+    monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
+    arrays, attributes = _projection_case(np.random.default_rng(rows * 131 + n + k), op, rows, n, k)
+    launches = lower(op, arrays, attributes, weights=("weight", "norm_weight"))[1]
+    assert [launch.symbol for launch in launches] == ["streaming_projection_kernel"]
+    assert launches[0].grid[0] == min(-(-n // tiles.block_n), 132 * tiles.per_sm)
     got = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))
     want = reference_node(op, arrays, attributes)
     assert np.isfinite(got["out"]).all()
@@ -73,9 +110,11 @@ ATTENTION = [
 ]
 
 
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "written-earlier"])
 @pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "page_tokens", "width", "rows"), ATTENTION)
 def test_paged_attention(
     cuda_context: Context,
+    settled: bool,
     tokens: int,
     heads: int,
     kv_heads: int,
@@ -101,7 +140,11 @@ def test_paged_attention(
     attributes = {"scale": head_dim**-0.5}
     # three launches over the same workspaces, the output poisoned before each: the last split to
     # finish merges, and leaves the finished-split counters at zero for the next launch
-    got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"])["out"]
+    # settled: the rows, positions and page table are read before the wait; else after it
+    written = () if settled else ("page_table", "token_row", "token_position")
+    got = run_node(
+        cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"], written=written
+    )["out"]
     want = reference_node("paged_attention", arrays, attributes)["out"]
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 1e-5 * max(1.0, float(np.abs(want).max()))
@@ -135,3 +178,59 @@ def test_rope_kv_cache_write(
     want = reference_node("rope_kv_cache_write", arrays, attributes)
     for name in ("q", "k_plane", "v_plane"):
         assert np.abs(got[name] - want[name]).max() < 1e-5, name
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "k", "scaled"),
+    [
+        (1, 32, 8, 64, 2048, True),  # the 1B shape at decode: one fused launch
+        (2, 9, 3, 64, 576, False),  # the 135M shape, two tokens: one fused launch
+        (1, 16, 4, 128, 2048, True),  # 768 tiles over 512 programs (a multiple of a head's 32 tiles)
+        (1, 32, 8, 128, 4096, False),  # the 8B shape: rows of 4096 inputs, the two launches
+        (7, 32, 8, 64, 2048, True),  # more tokens: the projection, then the rope + cache-write kernel
+    ],
+)
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "written-earlier"])
+def test_rmsnorm_linear_rope_kv_cache_write(
+    cuda_context: Context,
+    settled: bool,
+    style: str,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    k: int,
+    scaled: bool,
+) -> None:
+    rng = np.random.default_rng(tokens * 31 + heads + head_dim + k)
+    pages, page_tokens = 64, 16
+    slots = rng.permutation(pages * page_tokens)[:tokens].astype(np.int64)
+    if tokens > 1:
+        slots[tokens // 2] = -1
+    n = (heads + 2 * kv_heads) * head_dim
+    arrays = {
+        "x": rng.standard_normal((tokens, k)).astype(np.float32),
+        "norm_weight": rng.uniform(0.5, 1.5, k).astype(np.float32),
+        "weight": bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * k**-0.5),
+        "positions": rng.integers(0, 8192, tokens).astype(np.int32),
+        "slots": slots,
+        "q": np.full((tokens, heads, head_dim), np.nan, dtype=np.float32),
+        "k_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
+        "v_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
+    }
+    attributes: dict[str, object] = {"eps": 1e-5, "theta": 500000.0, "style": style}
+    if scaled:
+        attributes["frequency_band_scaling"] = [32.0, 1.0, 4.0, 8192.0]
+    op = "rmsnorm_linear_rope_kv_cache_write"
+    written = () if settled else ("positions", "slots")
+    got = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"), written=written)
+    want = reference_node(op, arrays, attributes)
+    for name in ("q", "k_plane", "v_plane"):
+        assert np.isfinite(got[name]).all(), name
+        assert relative_error(got[name], want[name]) < 1e-2, name
+    untouched = np.ones(pages * page_tokens, dtype=bool)
+    untouched[slots[slots >= 0]] = False
+    for name in ("k_plane", "v_plane"):  # the slots not written keep their bytes exactly
+        plane = got[name].reshape(pages * page_tokens, -1)
+        assert np.array_equal(plane[untouched], arrays[name].reshape(pages * page_tokens, -1)[untouched]), name

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ignition.kernels import compiler, elementwise, rotary
+from ignition.kernels import compiler, elementwise, load_kernel_modules, rotary
 from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
 
 from helios_core.wire import manifest_pb2 as mf
@@ -24,6 +24,7 @@ def _lower(
     attributes: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
+    load_kernel_modules()
     manifest, node = one_node_manifest(op, arrays, attributes or {}, **options)
     context = LoweringContext(manifest, "sm_90a", program="test", node=op)
     return context, LOWERINGS[(op, 1)](context, node)
@@ -299,6 +300,100 @@ def test_kv_cache_write(tokens: int, kv_heads: int, head_dim: int) -> None:
     _check(context, launches[0], ["k", "v", "slots", "k_plane", "v_plane"])
 
 
+def _attention_input_arrays(tokens: int, heads: int, kv_heads: int, head_dim: int, k: int) -> dict[str, np.ndarray]:
+    return {
+        "x": f32(tokens, k),
+        "norm_weight": f32(k),
+        "weight": bf16((heads + 2 * kv_heads) * head_dim, k),
+        "positions": i32(tokens),
+        "slots": np.zeros(tokens, np.int64),
+        "q": f32(tokens, heads, head_dim),
+        "k_plane": f32(32, 16, kv_heads, head_dim),
+        "v_plane": f32(32, 16, kv_heads, head_dim),
+    }
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "k", "programs"),
+    [
+        # 4-row tiles: (heads + kv heads) * head_dim / 2 rotation pairs, 2 a tile, and kv heads * head_dim
+        # value rows, 4 a tile; 768 tiles over 4 programs on each of 132 multiprocessors
+        (1, 32, 8, 64, 2048, min(40 * 32 // 2 + 8 * 64 // 4, 4 * 132)),
+        (2, 9, 3, 64, 576, 12 * 32 // 2 + 3 * 64 // 4),  # 240 tiles: a program each
+        (1, 16, 4, 128, 2048, 512),  # 768 tiles; 528 programs rounded down to a multiple of a head's 32 tiles
+    ],
+)
+def test_attention_input_is_one_launch_at_decode(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, k: int, programs: int
+) -> None:
+    arrays = _attention_input_arrays(tokens, heads, kv_heads, head_dim, k)
+    attributes = {"eps": 1e-5, "theta": 10000.0, "style": "half"}
+    context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
+    scalars = [(mf.PARAM_KIND_I64, rotary.float_bits(math.log2(10000.0))), *[(mf.PARAM_KIND_I64, 0)] * 4]
+    runtime = ["x", "weight", "norm_weight", "positions", "slots", "q", "k_plane", "v_plane"]
+    runtime += [(mf.PARAM_KIND_F32, 1e-5), (mf.PARAM_KIND_I32, tokens), *scalars]
+    assert len(launches) == 1
+    _check(context, launches[0], runtime, grid=[programs])
+
+
+def test_attention_input_of_many_tokens_projects_then_rotates() -> None:
+    arrays = _attention_input_arrays(7, 32, 8, 64, 2048)
+    attributes = {"eps": 1e-5, "theta": 10000.0, "style": "interleaved"}
+    context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
+    assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", "projection_kernel", "rope_cache_kernel"]
+    packed = launches[2].params[0]
+    assert packed.buffer == "workspace.packed_qkv" and launches[1].params[2].buffer == packed.buffer
+    assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [7 * 3072]
+
+
+def test_attention_input_rejects_a_projection_of_the_wrong_width() -> None:
+    arrays = _attention_input_arrays(1, 32, 8, 64, 2048)
+    arrays["weight"] = bf16(3000, 2048)
+    with pytest.raises(LoweringError, match="packed rows hold 3000 values, not 3072"):
+        _lower("rmsnorm_linear_rope_kv_cache_write", arrays, {"eps": 1e-5, "theta": 1e4, "style": "half"})
+
+
 def test_every_operator_is_registered() -> None:
     for op in elementwise.KERNELS:
         assert (op, 1) in LOWERINGS
+
+
+def test_a_buffer_is_settled_until_a_node_of_its_program_writes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs, updated inputs (sample's output_counts) and optional outputs end a buffer's settled state
+    for the later nodes of the same program; the next program starts with every buffer settled."""
+    from ignition.kernels import lowering
+
+    seen: list[tuple[str, str, dict[str, bool]]] = []
+
+    def recorder(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+        names = ("x", "y", "z", "counts", "ids", "logprob")
+        seen.append((ctx.program, node.name, {n: ctx.settled(mf.BufferView(buffer=n)) for n in names}))
+        return [mf.KernelLaunch(target="sm_90a")]
+
+    monkeypatch.setitem(LOWERINGS, ("add", 1), recorder)
+    monkeypatch.setitem(LOWERINGS, ("sample", 1), recorder)
+    manifest = mf.ExecutionManifest()
+    for program_name in ("first", "second"):
+        program = manifest.programs.add(name=program_name)
+        steps = [
+            ("add", "z_from_xy", {"a": "x", "b": "y", "out": "z"}),
+            ("sample", "sample", {"logits": "z", "output_counts": "counts", "ids": "ids", "logprob": "logprob"}),
+            ("add", "last", {"a": "z", "b": "y", "out": "z"}),
+        ]
+        for op, name, args in steps:
+            node = program.nodes.add(name=name)
+            node.op.name, node.op.version = op, 1
+            for arg, buffer in args.items():
+                node.args.add(name=arg, view=mf.BufferView(buffer=buffer))
+    lowering._lower_programs(LoweringContext(manifest, "sm_90a"), manifest, "sm_90a")
+    everything = dict.fromkeys(("x", "y", "z", "counts", "ids", "logprob"), True)
+    after_add = {**everything, "z": False}
+    after_sample = {**after_add, "counts": False, "ids": False, "logprob": False}
+    assert seen == [
+        ("first", "z_from_xy", everything),
+        ("first", "sample", after_add),
+        ("first", "last", after_sample),
+        ("second", "z_from_xy", everything),
+        ("second", "sample", after_add),
+        ("second", "last", after_sample),
+    ]

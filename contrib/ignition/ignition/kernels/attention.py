@@ -1,6 +1,7 @@
-"""Attention kernels: paged attention and the fused rotary-embedding + cache write.
+"""Attention kernels: paged attention, the fused rotary-embedding + cache write, and the attention input.
 
-Owns the lowering of ``paged_attention`` and ``rope_kv_cache_write``.
+Owns the lowering of ``paged_attention``, ``rope_kv_cache_write`` and
+``rmsnorm_linear_rope_kv_cache_write``.
 
 ``paged_attention`` runs in one launch (split-position attention): every (token, KV head, position
 split) gets one program that attends the group of query heads sharing that KV head to its split's
@@ -10,7 +11,10 @@ workspaces; the last program of a (token, KV head) to finish (an atomic count of
 which it resets) merges the splits of that group's query heads. A decode step therefore spreads a
 long context over many programs instead of walking it in one, without a second launch.
 Softmax is computed online in float32 (the reference subtracts the exact maximum first; the two
-agree to float32 rounding). Tokens whose row is negative (padding) get zero output.
+agree to float32 rounding). Tokens whose row is negative (padding) get zero output. When the rows,
+positions and page table are settled (no earlier node of the program writes them, see
+``lowering.py``), a program reads them and its first block's pages before ``gdc_wait``; each block
+loads the next block's pages ahead.
 
 ``rope_kv_cache_write`` gives each packed token one program: it splits the token's packed
 ``[q | k | v]`` projection, rotates the query and key heads (both pair layouts; inverse frequencies
@@ -18,6 +22,16 @@ with optional frequency-band scaling, angles, cos and sin in float64 as the refe
 in float32), writes the
 rotated queries and the key and value heads into the cache planes at the token's slot (a negative
 slot writes no cache, the queries are still written).
+
+``rmsnorm_linear_rope_kv_cache_write`` at one or two rows (decode) is one launch of
+:func:`attention_input_kernel`, which streams the weights as the streaming projection does (see
+``linear.py``: a fixed grid, each program over several tiles of whole rows), with each tile's rows
+chosen as whole rotation pairs (``PAIRS`` first members and their partners, ``D / 2`` apart in the
+half layout, adjacent in the interleaved one), so the rotation, the query store and the cache
+writes happen on the program's own sums and the packed ``[q | k | v]`` rows never reach memory.
+Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as they are. More rows
+(or input rows longer than :data:`STREAMED_INPUTS`) lower to the projection into a workspace, then
+``rope_kv_cache_write``.
 """
 
 from __future__ import annotations
@@ -28,11 +42,35 @@ import triton
 import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
+from ignition.kernels.linear import MULTIPROCESSORS, project
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 SPLIT_POSITIONS = 64
 """Positions one attention program covers."""
+
+STREAMED_INPUTS = 2048
+"""The longest input row (rounded up to a power of two) the one-launch attention input streams (longer
+rows were slower in it than the projection and the rope kernel apart, on an H200)."""
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _split_pages(  # type: ignore[no-untyped-def]
+    table_ptr,
+    row_ptr,
+    position_ptr,
+    token,
+    start,
+    PAGE_TOKENS: tl.constexpr,
+    TABLE_WIDTH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(the token's row, its position, the pages of its split's first block of positions)."""
+    row = tl.load(row_ptr + token)
+    position = tl.load(position_ptr + token)
+    offs = start + tl.arange(0, BLOCK_N)
+    page = tl.load(table_ptr + row * TABLE_WIDTH + offs // PAGE_TOKENS, mask=(row >= 0) & (offs <= position), other=0)
+    return row, position, page
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -60,16 +98,24 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     SPLITS_P2: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
+    start = split * SPLIT
+    if SETTLED:  # rows, positions and the page table: read before the wait (module docstring)
+        row, position, page = _split_pages(
+            table_ptr, row_ptr, position_ptr, token, start, PAGE_TOKENS, TABLE_WIDTH, BLOCK_N
+        )
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.load(row_ptr + token)
-    position = tl.load(position_ptr + token)
+    if not SETTLED:
+        row, position, page = _split_pages(
+            table_ptr, row_ptr, position_ptr, token, start, PAGE_TOKENS, TABLE_WIDTH, BLOCK_N
+        )
     heads = tl.arange(0, GROUP_P2)
     head_ok = heads < GROUP
     dims = tl.arange(0, D)
@@ -81,13 +127,17 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     running_max = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([GROUP_P2], dtype=tl.float32)
     acc = tl.zeros([GROUP_P2, D], dtype=tl.float32)
-    start = split * SPLIT
     stop = tl.minimum(start + SPLIT, position + 1)
     if (row >= 0) & (start <= position):
         for base in range(0, SPLIT, BLOCK_N):
             offs = start + base + tl.arange(0, BLOCK_N)
             ok = offs < stop
-            page = tl.load(table_ptr + row * TABLE_WIDTH + offs // PAGE_TOKENS, mask=ok, other=0)
+            following = offs + BLOCK_N  # the next block's pages, loaded ahead
+            next_page = tl.load(
+                table_ptr + row * TABLE_WIDTH + following // PAGE_TOKENS,
+                mask=(following < start + SPLIT) & (following <= position),
+                other=0,
+            )
             slot = page.to(tl.int64) * PAGE_TOKENS + (offs % PAGE_TOKENS)
             address = (slot * KV_HEADS + kv)[:, None] * D + dims[None, :]
             keys = tl.load(k_ptr + address, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
@@ -102,6 +152,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
             running_sum = running_sum * correction + tl.sum(weights, axis=1)
             acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
             running_max = new_max
+            page = next_page
     out_index = (token * HEADS + q_heads) * SPLITS + split
     tl.store(max_ws + out_index, running_max, mask=head_ok)
     tl.store(sum_ws + out_index, running_sum, mask=head_ok)
@@ -199,6 +250,7 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
             "SPLITS_P2": next_power_of_two(splits),
             "SPLIT": split,
             "BLOCK_N": block_n,
+            "SETTLED": ctx.settled(table, rows, positions),
         },
         (tokens, kv_heads, splits),
         num_warps=4,
@@ -238,9 +290,7 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
     # Inverse frequencies, angles, cos and sin in float64 (the ``*_bits`` are float64 bit patterns),
     # the rotation in float32, as the reference computes them.
     pairs = tl.arange(0, D // 2)
-    inv_freq = inverse_frequencies(
-        pairs, D, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, SCALED
-    )
+    inv_freq = inverse_frequencies(pairs, D, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, SCALED)
     token = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -284,21 +334,25 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
         tl.store(v_ptr + (slot * KV_HEADS + kv_heads)[:, None] * D + dims[None, :], values, mask=v_ok[:, None])
 
 
-@lowering("rope_kv_cache_write")
-def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    qkv, positions, slots = ctx.need(node, "qkv"), ctx.need(node, "positions"), ctx.need(node, "slots")
+def _rope_cache_geometry(ctx: LoweringContext, node: mf.Node, packed_width: int) -> tuple[int, int, int, int]:
+    """(tokens, heads, kv heads, head dim) of a rope + cache-write node whose packed rows hold
+    ``packed_width`` values; checks the query, plane, position and slot views and the style.
+
+    Raises:
+        the context's lowering error for a shape, dtype or style the kernels do not take.
+    """
+    positions, slots = ctx.need(node, "positions"), ctx.need(node, "slots")
     q, k_plane, v_plane = ctx.need(node, "q"), ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
     tokens, heads, head_dim = _three(ctx, q, "q")
     plane = ctx.buffer_shape(k_plane)
     if len(plane) != 4 or ctx.buffer_shape(v_plane) != plane or plane[3] != head_dim:
         raise ctx.fail(f"cache planes {list(plane)} do not hold heads of {head_dim}")
     kv_heads = plane[2]
-    qkv_shape = ctx.shape(qkv)
-    if qkv_shape[0] != tokens or math.prod(qkv_shape[1:]) != (heads + 2 * kv_heads) * head_dim:
-        raise ctx.fail(f"qkv {list(qkv_shape)} must be [{tokens}, {(heads + 2 * kv_heads) * head_dim}]")
+    if packed_width != (heads + 2 * kv_heads) * head_dim:
+        raise ctx.fail(f"packed rows hold {packed_width} values, not {(heads + 2 * kv_heads) * head_dim}")
     if head_dim != next_power_of_two(head_dim) or head_dim < 2:
         raise ctx.fail(f"head_dim {head_dim} must be a power of two")
-    for view, name in ((qkv, "qkv"), (q, "q"), (k_plane, "k_plane"), (v_plane, "v_plane")):
+    for view, name in ((q, "q"), (k_plane, "k_plane"), (v_plane, "v_plane")):
         if ctx.dtype(view) != mf.DTYPE_F32:
             raise ctx.fail(f"{name} must be float32")
     if ctx.dtype(positions) != mf.DTYPE_I32 or ctx.dtype(slots) != mf.DTYPE_I64:
@@ -306,6 +360,20 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
     style = ctx.attribute(node, "style", "")
     if style not in ("half", "interleaved"):
         raise ctx.fail(f"rope style must be 'half' or 'interleaved', got {style!r}")
+    return tokens, heads, kv_heads, head_dim
+
+
+@lowering("rope_kv_cache_write")
+def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    qkv, positions, slots = ctx.need(node, "qkv"), ctx.need(node, "positions"), ctx.need(node, "slots")
+    q, k_plane, v_plane = ctx.need(node, "q"), ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
+    qkv_shape = ctx.shape(qkv)
+    tokens, heads, kv_heads, head_dim = _rope_cache_geometry(ctx, node, math.prod(qkv_shape[1:]))
+    if qkv_shape[0] != tokens:
+        raise ctx.fail(f"qkv {list(qkv_shape)} must hold {tokens} rows")
+    if ctx.dtype(qkv) != mf.DTYPE_F32:
+        raise ctx.fail("qkv must be float32")
+    style = ctx.attribute(node, "style", "")
     frequencies, scaled = frequency_args(ctx, node)
     launch = ctx.launch(
         rope_cache_kernel,
@@ -328,6 +396,213 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
         },
         (tokens,),
         num_warps=4,
+        num_stages=1,
+    )
+    return [launch]
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _attention_input_rows(  # type: ignore[no-untyped-def]
+    tile,
+    lanes,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ROTATING: tl.constexpr,
+    HALF_PAIRS: tl.constexpr,
+):
+    """(first rows, partner rows, pair index within the head) of column tile ``tile``."""
+    pair = tile * PAIRS + lanes
+    within = pair % (D // 2)
+    if HALF_PAIRS:
+        rotated_first = (pair // (D // 2)) * D + within
+        rotated_second = rotated_first + D // 2
+    else:
+        rotated_first = (pair // (D // 2)) * D + 2 * within
+        rotated_second = rotated_first + 1
+    value_first = (HEADS + KV_HEADS) * D + (tile - ROTATING) * 2 * PAIRS + lanes
+    first = tl.where(tile < ROTATING, rotated_first, value_first)
+    second = tl.where(tile < ROTATING, rotated_second, value_first + PAIRS)
+    return first, second, within
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def attention_input_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    norm_ptr,
+    position_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    eps,
+    rows,
+    log2_theta_bits,
+    factor_bits,
+    low_bits,
+    high_bits,
+    original_bits,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    ROWS_P2: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ROTATING: tl.constexpr,
+    TILES: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    HALF_PAIRS: tl.constexpr,
+    SCALED: tl.constexpr,
+    SETTLED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """rmsnorm, the packed projection, rotation and cache write of one or two tokens (module docstring).
+
+    Column tiles below ``ROTATING`` hold ``PAIRS`` rotation pairs of the query and key rows, the
+    others ``2 * PAIRS`` value rows; program ``p`` computes tiles ``p, p + PROGRAMS, ...`` over whole
+    weight rows, as the streaming projection does (``linear.py``): its first tile loads before
+    ``gdc_wait``, each next tile before the current one is reduced. Settled positions and slots are
+    read before the wait too.
+    """
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, PAIRS)
+    ks = tl.arange(0, K_P2)
+    k_ok = ks[None, :] < K
+    first, second, within = _attention_input_rows(pid, lanes, HEADS, KV_HEADS, D, PAIRS, ROTATING, HALF_PAIRS)
+    w_first = tl.load(w_ptr + first[:, None] * K + ks[None, :], mask=k_ok, other=0.0)
+    w_second = tl.load(w_ptr + second[:, None] * K + ks[None, :], mask=k_ok, other=0.0)
+    offs_r = tl.arange(0, ROWS_P2)
+    r_ok = offs_r < rows
+    # PROGRAMS * PAIRS is a multiple of D / 2 (or each program has one tile): every tile of this program
+    # rotates the same pairs, so its factors are computed once.
+    inv_freq = inverse_frequencies(within, D, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, SCALED)
+    if SETTLED:
+        cos, sin, slot = _rotation(position_ptr, slot_ptr, offs_r, r_ok, inv_freq)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if not SETTLED:
+        cos, sin, slot = _rotation(position_ptr, slot_ptr, offs_r, r_ok, inv_freq)
+    xs = tl.load(x_ptr + offs_r[:, None] * K + ks[None, :], mask=r_ok[:, None] & k_ok, other=0.0)
+    scale = (1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps))[:, None]
+    xs = xs * tl.load(norm_ptr + ks, mask=ks < K, other=0.0)[None, :]
+    cached = r_ok[:, None] & (slot >= 0)[:, None]
+    slot_base = slot[:, None] * (KV_HEADS * D)
+    q_rows = q_ptr + offs_r[:, None] * (HEADS * D)
+    for step in range(0, tl.cdiv(TILES, PROGRAMS)):  # past the last tile: all masked
+        tile = pid + step * PROGRAMS
+        live = tile < TILES
+        next_first, next_second, _ = _attention_input_rows(
+            tile + PROGRAMS, lanes, HEADS, KV_HEADS, D, PAIRS, ROTATING, HALF_PAIRS
+        )
+        ahead = k_ok & (tile + PROGRAMS < TILES)
+        following_first = tl.load(w_ptr + next_first[:, None] * K + ks[None, :], mask=ahead, other=0.0)
+        following_second = tl.load(w_ptr + next_second[:, None] * K + ks[None, :], mask=ahead, other=0.0)
+        a = tl.sum(w_first.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2) * scale  # [ROWS_P2, PAIRS]
+        b = tl.sum(w_second.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2) * scale
+        rotating = tile < ROTATING
+        out_first = tl.where(rotating, a * cos - b * sin, a)
+        out_second = tl.where(rotating, a * sin + b * cos, b)
+        is_value = first >= (HEADS + KV_HEADS) * D
+        q_mask = (r_ok[:, None] & (first < HEADS * D)[None, :]) & live
+        tl.store(q_rows + first[None, :], out_first, mask=q_mask)
+        tl.store(q_rows + second[None, :], out_second, mask=q_mask)
+        k_mask = (cached & ((first >= HEADS * D) & ~is_value)[None, :]) & live
+        tl.store(k_ptr + slot_base + (first - HEADS * D)[None, :], out_first, mask=k_mask)
+        tl.store(k_ptr + slot_base + (second - HEADS * D)[None, :], out_second, mask=k_mask)
+        v_mask = (cached & is_value[None, :]) & live
+        tl.store(v_ptr + slot_base + (first - (HEADS + KV_HEADS) * D)[None, :], out_first, mask=v_mask)
+        tl.store(v_ptr + slot_base + (second - (HEADS + KV_HEADS) * D)[None, :], out_second, mask=v_mask)
+        w_first, w_second = following_first, following_second
+        first, second = next_first, next_second
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _rotation(position_ptr, slot_ptr, offs_r, r_ok, inv_freq):  # type: ignore[no-untyped-def]
+    """(cos, sin, slot) of each token: angles, cos and sin in float64, as the reference, then float32."""
+    angle = tl.load(position_ptr + offs_r, mask=r_ok, other=0).to(tl.float64)[:, None] * inv_freq[None, :]
+    slot = tl.load(slot_ptr + offs_r, mask=r_ok, other=-1)
+    return tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32), slot
+
+
+@lowering("rmsnorm_linear_rope_kv_cache_write")
+def lower_attention_input(
+    ctx: LoweringContext, node: mf.Node, *, multiprocessors: int = MULTIPROCESSORS
+) -> list[mf.KernelLaunch]:
+    x, norm, weight = ctx.need(node, "x"), ctx.need(node, "norm_weight"), ctx.need(node, "weight")
+    w_shape = ctx.shape(weight)
+    if len(w_shape) != 2:
+        raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
+    n, k = w_shape
+    tokens, heads, kv_heads, head_dim = _rope_cache_geometry(ctx, node, n)
+    rows = ctx.shape(x)[0]
+    if rows != tokens:
+        raise ctx.fail(f"x holds {rows} rows and q {tokens}")
+    k_p2 = next_power_of_two(k)
+    if rows > 2 or k_p2 > STREAMED_INPUTS:
+        # Many tokens: the projection into a workspace, then the rope + cache-write kernel reads it.
+        staged = ctx.workspace("packed_qkv", mf.DTYPE_F32, rows * n)
+        packed = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, n])
+        rope = mf.Node(name=node.name)
+        rope.op.name, rope.op.version = "rope_kv_cache_write", 1
+        rope.args.add(name="qkv", view=packed)
+        for name in ("positions", "slots", "q", "k_plane", "v_plane"):
+            rope.args.add(name=name, view=ctx.need(node, name))
+        rope.attributes.extend(a for a in node.attributes if a.name != "eps")
+        return [*project(ctx, node, x, weight, packed, norm=norm), *lower_rope_kv_cache_write(ctx, rope)]
+    if math.prod(ctx.shape(x)[1:]) != k:
+        raise ctx.fail(f"x rows must hold the weight's {k} inputs")
+    for view, name in ((x, "x"), (norm, "norm_weight")):
+        if ctx.dtype(view) != mf.DTYPE_F32:
+            raise ctx.fail(f"{name} must be float32")
+    if ctx.dtype(weight) not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
+        raise ctx.fail("weight must be bf16, f16 or f32")
+    # 2 pairs (4 rows) a tile on 4 warps, four programs a multiprocessor, as the streaming projection:
+    # a tile's rows, current and next, are at most 64 values a thread.
+    warps = 4
+    pairs = min(2, head_dim // 2)
+    rotating = (heads + kv_heads) * (head_dim // 2) // pairs
+    count = rotating + kv_heads * head_dim // (2 * pairs)
+    programs = min(count, 4 * multiprocessors)
+    if programs < count:  # a multiple of the tiles a head's pairs take: a program's tiles share their pairs
+        programs -= programs % max(1, head_dim // 2 // pairs)
+    positions, slots = ctx.need(node, "positions"), ctx.need(node, "slots")
+    frequencies, scaled = frequency_args(ctx, node)
+    launch = ctx.launch(
+        attention_input_kernel,
+        {
+            "x_ptr": ctx.pointer(x),
+            "w_ptr": ctx.pointer(weight),
+            "norm_ptr": ctx.pointer(norm),
+            "position_ptr": ctx.pointer(positions),
+            "slot_ptr": ctx.pointer(slots),
+            "q_ptr": ctx.pointer(ctx.need(node, "q")),
+            "k_ptr": ctx.pointer(ctx.need(node, "k_plane")),
+            "v_ptr": ctx.pointer(ctx.need(node, "v_plane")),
+            "eps": ctx.f32(float(ctx.attribute(node, "eps", 0.0))),
+            "rows": ctx.i32(rows),
+            **frequencies,
+        },
+        {
+            "K": k,
+            "K_P2": next_power_of_two(k),
+            "HEADS": heads,
+            "KV_HEADS": kv_heads,
+            "D": head_dim,
+            "ROWS_P2": next_power_of_two(rows),
+            "PAIRS": pairs,
+            "ROTATING": rotating,
+            "TILES": count,
+            "PROGRAMS": programs,
+            "HALF_PAIRS": ctx.attribute(node, "style") == "half",
+            "SCALED": scaled,
+            "SETTLED": ctx.settled(positions, slots),
+        },
+        (programs,),
+        num_warps=warps,
         num_stages=1,
     )
     return [launch]

@@ -9,10 +9,13 @@ serving engine does. Each program computes a ``BLOCK_M x BLOCK_N`` tile over the
 so results do not depend on how many rows share the launch beyond the bf16 rounding of each row's
 own inputs (row independent), and nothing is accumulated with atomics (run-to-run identical).
 
-Tile shapes are chosen from the shape at build time (:func:`choose_tiles`): few rows (decode) get
-16-row tiles and narrow column tiles so that enough programs stream the weights; many rows
-(prefill, large decode batches) get 64/128-row tiles that run on Hopper's warpgroup matrix
-instructions.
+Tile shapes are chosen from the shape at build time (:func:`choose_tiles`): one or two rows
+(decode at batch 1 and 2) run on the FMA units, in the streaming kernel (a fixed grid of a few
+programs a multiprocessor, each over several tiles of whole weight rows, the next tile loaded while
+the current one is reduced) where a row of inputs fits in registers, else one program per column
+block; up to 16 rows get 16-row tiles and narrow column tiles so that enough programs stream the
+weights; many rows (prefill, large decode batches) get 64/128-row tiles that run on Hopper's
+warpgroup matrix instructions.
 """
 
 from __future__ import annotations
@@ -162,22 +165,101 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     tl.store(out_ptr + out_offsets, result, mask=out_mask)
 
 
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def streaming_projection_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    residual_ptr,
+    norm_ptr,
+    eps,
+    rows,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    K_P2: tl.constexpr,
+    ROWS_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The one- or two-row projection with a fixed number of programs, each streaming whole weight rows.
+
+    Program ``p`` computes the column tiles ``p, p + P, p + 2P, ...`` (``P`` programs): it loads its
+    first tile of ``BLOCK_N`` whole rows before ``gdc_wait``, prepares the input once (normalised or
+    SwiGLU, kept in registers for every tile), then loads each next tile before it reduces the
+    current one, so its weight stream never waits on arithmetic.
+    """
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, K_P2)
+    k_ok = ks < K
+    offs_n = pid * BLOCK_N + lanes
+    w = tl.load(w_ptr + offs_n[:, None] * K + ks[None, :], mask=(offs_n < N)[:, None] & k_ok[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_r = tl.arange(0, ROWS_P2)
+    r_ok = offs_r < rows
+    x_mask = r_ok[:, None] & k_ok[None, :]
+    if GATED:
+        gate = tl.load(x_ptr + offs_r[:, None] * (2 * K) + ks[None, :], mask=x_mask, other=0.0)
+        up = tl.load(x_ptr + offs_r[:, None] * (2 * K) + K + ks[None, :], mask=x_mask, other=0.0)
+        xs = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        xs = tl.load(x_ptr + offs_r[:, None] * K + ks[None, :], mask=x_mask, other=0.0)
+    scale = tl.full([ROWS_P2], 1.0, dtype=tl.float32)
+    if NORM:
+        scale = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / K + eps)
+        xs = xs * tl.load(norm_ptr + ks, mask=k_ok, other=0.0)[None, :]
+    for step in range(0, tl.cdiv(tl.cdiv(N, BLOCK_N), PROGRAMS)):  # past the last tile: all masked
+        offs_n = (pid + step * PROGRAMS) * BLOCK_N + lanes
+        next_n = offs_n + PROGRAMS * BLOCK_N
+        w_next = tl.load(
+            w_ptr + next_n[:, None] * K + ks[None, :], mask=(next_n < N)[:, None] & k_ok[None, :], other=0.0
+        )
+        result = tl.sum(w.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2)
+        if NORM:
+            result = result * scale[:, None]
+        out_mask = r_ok[:, None] & (offs_n < N)[None, :]
+        out_offsets = offs_r[:, None] * N + offs_n[None, :]
+        if RESIDUAL:
+            result += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+        tl.store(out_ptr + out_offsets, result, mask=out_mask)
+        w = w_next
+
+
 @dataclass(frozen=True)
 class Tiles:
-    """Tile shape and schedule of one projection (``block_m == 1``: the FMA kernel for one or two rows)."""
+    """Tile shape and schedule of one projection.
+
+    ``block_m == 1``: an FMA kernel for one or two rows; with ``per_sm`` > 0 the streaming kernel
+    (``per_sm`` programs a multiprocessor, each over whole rows, ``block_k`` unused), else one
+    program per ``block_n`` columns stepping ``block_k`` at a time.
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    per_sm: int = 0
 
 
-def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = 132) -> Tiles:
+MULTIPROCESSORS = 132
+"""Streaming multiprocessors of the target GPU (an H200; an H100 SXM has as many)."""
+
+
+def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
     """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring)."""
     if rows <= 2:
-        # Weight streaming on the FMA units: narrow row blocks give many programs in flight; long rows
-        # take wider steps with more warps (measured on an H200, docs/benchmarks.md).
+        # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
+        # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor;
+        # longer rows to one program per column block, wider steps and more warps for long ones.
+        if next_power_of_two(k) <= 2048:
+            return Tiles(1, 4, 0, 4, 1, per_sm=4)
         if k >= 4096:
             return Tiles(1, 8, 1024, 8, 1)
         return Tiles(1, 4 if n <= 2048 else 8, min(512, max(64, next_power_of_two(k))), 4, 1)
@@ -196,7 +278,7 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = 132) -> Ti
     return Tiles(128, block_n, 64, 8, 3)
 
 
-def _project(
+def project(
     ctx: LoweringContext,
     node: mf.Node,
     x: mf.BufferView,
@@ -207,7 +289,10 @@ def _project(
     residual: mf.BufferView | None = None,
     gated: bool = False,
     tiles: Tiles | None = None,
+    multiprocessors: int = MULTIPROCESSORS,
 ) -> list[mf.KernelLaunch]:
+    """The launches of ``out = residual + prologue(x) @ weight.T`` (module docstring); ``multiprocessors``
+    sizes the streaming kernel's grid (the H200's 132 by default)."""
     w_shape = ctx.shape(weight)
     if len(w_shape) != 2:
         raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
@@ -259,6 +344,11 @@ def _project(
             raise ctx.fail(f"the vector projection takes at most 2 rows, not {rows}")
         constants["ROWS_P2"] = next_power_of_two(rows)
         kernel, grid = vector_projection_kernel, (cdiv(n, chosen.block_n),)
+        if chosen.per_sm:
+            del constants["BLOCK_K"]
+            constants["K_P2"] = next_power_of_two(k)
+            constants["PROGRAMS"] = min(cdiv(n, chosen.block_n), chosen.per_sm * multiprocessors)
+            kernel, grid = streaming_projection_kernel, (constants["PROGRAMS"],)
     else:
         constants["BLOCK_M"] = chosen.block_m
         kernel, grid = projection_kernel, (cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m))
@@ -316,12 +406,12 @@ def swiglu_rows_kernel(gate_up_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.cons
 
 @lowering("linear")
 def lower_linear(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    return _project(ctx, node, ctx.need(node, "x"), ctx.need(node, "weight"), ctx.need(node, "out"))
+    return project(ctx, node, ctx.need(node, "x"), ctx.need(node, "weight"), ctx.need(node, "out"))
 
 
 @lowering("rmsnorm_linear")
 def lower_rmsnorm_linear(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    return _project(
+    return project(
         ctx,
         node,
         ctx.need(node, "x"),
@@ -333,7 +423,7 @@ def lower_rmsnorm_linear(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelL
 
 @lowering("linear_add")
 def lower_linear_add(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    return _project(
+    return project(
         ctx,
         node,
         ctx.need(node, "x"),
@@ -345,7 +435,7 @@ def lower_linear_add(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunc
 
 @lowering("silu_mul_linear_add")
 def lower_silu_mul_linear_add(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    return _project(
+    return project(
         ctx,
         node,
         ctx.need(node, "gate_up"),

@@ -14,7 +14,10 @@ Launch conventions every kernel follows:
   scalars as ``I32``/``I64``/``F32``, then null addresses for the compiler's scratch parameters;
 * ``block = (32 * num_warps, 1, 1)``, the compiled shared memory as dynamic shared bytes;
 * a kernel compiled with ``USE_PDL`` calls ``gdc_wait()`` before its first access to any buffer but
-  weights, so its launch is marked ``programmatic_wait``.
+  weights and *settled* buffers, so its launch is marked ``programmatic_wait``. A buffer is settled
+  for a node when no earlier node of its program writes it (:meth:`LoweringContext.settled`): its
+  bytes were final before the program's first launch began (host inputs copied in by the graph's
+  first node, cache pages of earlier rounds), so reading it early cannot see a stale value.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from helios_core.ops.catalogue import lookup
 from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.compiler import CompiledKernel, compile_triton, planning, precompile
 
@@ -81,6 +85,8 @@ class LoweringContext:
     modules: dict[str, ModuleResource] = field(default_factory=dict)
     program: str = ""
     node: str = ""
+    written: set[str] = field(default_factory=set)
+    """Buffers the nodes of the current program lowered so far may write."""
 
     def __post_init__(self) -> None:
         self._dtypes: dict[str, int] = {b.name: int(b.dtype) for b in self.manifest.buffers}
@@ -109,6 +115,11 @@ class LoweringContext:
         if view.shape:
             return tuple(int(s) for s in view.shape)
         return self._shapes[view.buffer]
+
+    def settled(self, *views: mf.BufferView) -> bool:
+        """No earlier node of the program writes any of ``views``' buffers, so a kernel may read them
+        before ``gdc_wait`` (module docstring)."""
+        return not any(view.buffer in self.written for view in views)
 
     def buffer_shape(self, view: mf.BufferView) -> tuple[int, ...]:
         """The declared shape of the buffer behind ``view`` (symbolic extents at their working size)."""
@@ -288,12 +299,15 @@ def lower_manifest(manifest: mf.ExecutionManifest, target: str) -> list[ModuleRe
 def _lower_programs(context: LoweringContext, manifest: mf.ExecutionManifest, target: str) -> None:
     for program in list(manifest.programs) + list(manifest.tuning_programs):
         context.program = program.name
+        context.written = set()
         for node in program.nodes:
             context.node = node.name
             fn = LOWERINGS.get((node.op.name, int(node.op.version)))
-            if fn is None:
+            spec = lookup(node.op.name, int(node.op.version))
+            if fn is None or spec is None:
                 raise context.fail(f"no {target} kernel for operator {node.op.name} v{node.op.version}")
             launches = fn(context, node)
             if not launches:
                 raise context.fail("lowering produced no launch")
             node.launches.extend(launches)
+            context.written.update(arg.view.buffer for arg in node.args if arg.name in spec.written_args)

@@ -99,7 +99,6 @@ class _Scratch:
     logits: View
     all_logits: View
     ids: View
-    qkv: View | None = None
     gate_up: View | None = None
 
 
@@ -248,7 +247,6 @@ class LlamaProgramWriter:
             logits=buf("logits", [b, s.vocab]),
             all_logits=buf("all_logits", [max(c.prefill_tokens), s.vocab]),
             ids=buf("ids", [b, 1], mf.DTYPE_I32),
-            qkv=buf("qkv", [p, (s.heads + 2 * s.kv_heads) * s.head_dim]) if self.fused else None,
             gate_up=buf("gate_up", [p, 2 * s.ffn]) if self.fused else None,
         )
 
@@ -278,40 +276,35 @@ class LlamaProgramWriter:
         )
 
     def _fused_decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
-        """The kernel graph of every layer: six nodes, the residual stream updated in place.
+        """The kernel graph of every layer: five nodes, the residual stream updated in place.
 
-        rmsnorm + [q|k|v] projection, rope + cache write, attention, output projection + residual,
+        rmsnorm + [q|k|v] projection + rope + cache write, attention, output projection + residual,
         rmsnorm + [gate|up] projection, SwiGLU + down projection + residual.
         """
         s, sh, sc = self.shape, self.shared, self.scratch
-        if sc.qkv is None or sc.gate_up is None:
-            raise ValueError("the kernel graph needs the packed projection scratch buffers")
+        if sc.gate_up is None:
+            raise ValueError("the kernel graph needs the packed [gate|up] scratch buffer")
         p = tokens
         h = prefix(sc.h, p)
         q = prefix(sc.q, p)
         attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
-        qkv = prefix(sc.qkv, p)
         gate_up = prefix(sc.gate_up, p)
         prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h})
         for layer, lw in enumerate(self.layer_weights):
             prog.node(
-                "rmsnorm_linear",
-                {"x": h, "norm_weight": lw["attn_norm"], "weight": lw["wqkv"], "out": qkv},
-                {"eps": s.rms_eps},
-                name=f"l{layer}.qkv",
-            )
-            prog.node(
-                "rope_kv_cache_write",
+                "rmsnorm_linear_rope_kv_cache_write",
                 {
-                    "qkv": qkv,
+                    "x": h,
+                    "norm_weight": lw["attn_norm"],
+                    "weight": lw["wqkv"],
                     "positions": prefix(sh.positions, p),
                     "slots": prefix(sh.cache_slots, p),
                     "q": q,
                     "k_plane": self.k_planes[layer],
                     "v_plane": self.v_planes[layer],
                 },
-                self._rope_attributes(),
-                name=f"l{layer}.rope_cache_write",
+                {"eps": s.rms_eps, **self._rope_attributes()},
+                name=f"l{layer}.attention_input",
             )
             self._attention(prog, layer, rows, p, q, View(sc.attn.buffer, (p, s.heads, s.head_dim)))
             prog.node(
