@@ -4,9 +4,13 @@ Loads a core with the CUDA backend, stages one plausible round for each named pr
 active, greedy, a history of ``--position`` tokens per row), then prints per operator the median
 time of its launches run one at a time (each between two events, so a few microseconds of launch
 latency are included), their sum, and the median replay time of the program's CUDA graph with and
-without programmatic dependent launch. Needs an NVIDIA GPU:
+without programmatic dependent launch. With ``--ablate`` it also prints, per operator, what the
+graph loses when that operator's launches are left out (a graph of the other launches, chained as
+the program chains them): the operator's share of the replay inside the graph, launch gaps
+included. The outputs of an ablated graph are meaningless; only its time is read. Needs an NVIDIA
+GPU:
 
-    python benchmarks/program_profile.py CORE --trust-key PUB --accept NS [--programs decode_b1,decode_b64]
+    python benchmarks/program_profile.py CORE --trust-key PUB --accept NS [--programs decode_b1,decode_b64] [--ablate]
 """
 
 from __future__ import annotations
@@ -98,6 +102,51 @@ def _single_launches(
     return by_op
 
 
+def _chain(
+    backend: CudaBackend, functions: Mapping[tuple[str, str], Any], launches: list[mf.KernelLaunch]
+) -> tuple[Any, Any]:
+    """(the builder, the instantiated graph) of ``launches`` on frame 0, each after the one before
+    (programmatic edges where the launch waits programmatically), without the program's copies."""
+    addresses = backend._frames[0].addresses
+    builder = backend._ctx.graph()
+    previous: Any = None
+    for launch in launches:
+        previous = builder.kernel(
+            functions[(launch.module, launch.symbol)],
+            launch.grid,
+            launch.block,
+            int(launch.shared_bytes),
+            pack_params(launch.params, addresses),
+            previous,
+            programmatic=launch.programmatic_wait and previous is not None,
+        )
+    return builder, builder.instantiate()
+
+
+def _ablations(
+    backend: CudaBackend, functions: Mapping[tuple[str, str], Any], program: mf.ProgramDecl, repeats: int
+) -> tuple[float, dict[str, tuple[int, float]]]:
+    """(replay ms of every launch chained, {operator: (launches, ms lost without them)})."""
+    pairs = target_launches(program, backend.architecture)
+    ctx = backend._ctx
+
+    def replay(launches: list[mf.KernelLaunch]) -> float:
+        builder, executable = _chain(backend, functions, launches)
+        try:
+            return _median_ms(backend, lambda: ctx.launch_graph(executable), repeats)
+        finally:
+            ctx.destroy_graph(executable)
+            builder.destroy()
+
+    full = replay([launch for _node, launch in pairs])
+    lost: dict[str, tuple[int, float]] = {}
+    for op in dict.fromkeys(node.op.name for node, _launch in pairs):
+        kept = [launch for node, launch in pairs if node.op.name != op]
+        count = len(pairs) - len(kept)
+        lost[op] = (count, full - replay(kept) if kept else full)
+    return full, lost
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("core", type=Path)
@@ -106,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--programs", default="decode_b1")
     parser.add_argument("--position", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ablate", action="store_true", help="time the graph without each operator in turn")
     args = parser.parse_args(argv)
     verified = open_core(args.core, TrustSettings((args.trust_key,), args.accept, None), check_resources=False)
     contract = verified.contract
@@ -135,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'operator':<22} {'launches':>8} {'total us':>10} {'mean us':>9}")
             for op, times in sorted(by_op.items(), key=lambda item: -sum(item[1])):
                 print(f"{op:<22} {len(times):>8} {sum(times) * 1000:>10.1f} {statistics.mean(times) * 1000:>9.1f}")
+            if args.ablate:
+                full, lost = _ablations(backend, functions, programs[name], args.repeats)
+                print(f"\n{name}: the launches chained alone replay in {full * 1000:.1f} us; without each operator:")
+                print(f"{'operator':<36} {'launches':>8} {'us lost':>9} {'us a launch':>11}")
+                for op, (count, ms) in sorted(lost.items(), key=lambda item: -item[1][1]):
+                    print(f"{op:<36} {count:>8} {ms * 1000:>9.1f} {ms * 1000 / count:>11.2f}")
     finally:
         for each in backends.values():
             each.close()

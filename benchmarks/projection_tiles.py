@@ -4,13 +4,16 @@ For the projections of the 1B- and 8B-class Llama shapes (``[q|k|v]``, output, `
 LM head) at 1, 8, 64 and 256 rows, times Ignition's projection kernel with each candidate tile
 (``choose_tiles``' choice marked ``*``) and PyTorch's ``F.linear`` (cuBLAS) on the same bf16
 weights, rotating over enough weight copies that the L2 cache holds none of them, and prints
-microseconds, achieved weight bandwidth and the bandwidth floor (weight bytes over the measured
-device copy bandwidth). Each projection is the launch the Llama graph writes: ``[q|k|v]``,
-``[gate|up]`` and the LM head normalise their input first (``rmsnorm_linear``), the output and down
-projections add the residual, down over the SwiGLU of its packed input. Needs an NVIDIA GPU, Triton
+microseconds (launches one after another on a stream, and inside a CUDA graph joined by
+programmatic edges as a program runs them), the in-graph weight bandwidth and the bandwidth floor
+(weight bytes over the measured device copy bandwidth). Each projection is the launch the Llama
+graph writes: ``[q|k|v]``, ``[gate|up]`` and the LM head normalise their input first
+(``rmsnorm_linear``), the output and down projections add the residual, down over the SwiGLU of
+its packed input. Needs an NVIDIA GPU, Triton
 and PyTorch; ``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
 
-    python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--compile-only]
+    python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--projections gate_up,lm_head]
+        [--compile-only]
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 
 import numpy as np  # noqa: E402
-from ignition.kernels.linear import Tiles, _project, choose_tiles  # noqa: E402
+from ignition.kernels.linear import Tiles, choose_tiles, project  # noqa: E402
 from ignition.kernels.lowering import LoweringContext  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
 
@@ -43,6 +46,13 @@ CANDIDATES = (
     Tiles(1, 8, 2048, 8, 1),
     Tiles(1, 32, 512, 8, 1),
     Tiles(1, 16, 256, 8, 1),
+    Tiles(1, 4, 0, 4, 1, per_sm=4),
+    Tiles(1, 4, 0, 4, 1, per_sm=2),
+    Tiles(1, 2, 0, 4, 1, per_sm=8),
+    Tiles(1, 2, 0, 2, 1, per_sm=16),
+    Tiles(1, 8, 0, 8, 1, per_sm=2),
+    Tiles(1, 4, 0, 8, 1, per_sm=4),
+    Tiles(1, 1, 0, 4, 1, per_sm=8),
     Tiles(16, 16, 256, 4, 4),
     Tiles(16, 32, 256, 4, 4),
     Tiles(16, 64, 128, 4, 3),
@@ -96,7 +106,26 @@ def _candidates(rows: int, n: int, k: int) -> list[Tiles]:
     """``choose_tiles``' choice first, then the candidates of the same row family."""
     chosen = choose_tiles(rows, n, k)
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
-    return [t for t in dict.fromkeys((chosen, *CANDIDATES)) if t == chosen or min(t.block_m, 64) == family]
+    return [
+        t
+        for t in dict.fromkeys((chosen, *CANDIDATES))
+        if t == chosen or (min(t.block_m, 64) == family and _fits(t, k))
+    ]
+
+
+def _fits(tiles: Tiles, k: int) -> bool:
+    """A streaming tile holds its weight rows in registers twice over: at most 64 values a thread."""
+    if not tiles.per_sm:
+        return True
+    values = tiles.block_n * (1 << (k - 1).bit_length()) // (32 * tiles.num_warps)
+    return values <= 64
+
+
+def _label(tiles: Tiles, chosen: Tiles) -> str:
+    mark = "*" if tiles == chosen else " "
+    if tiles.per_sm:
+        return f"{mark}{tiles.block_m}x{tiles.block_n}xrow w{tiles.num_warps} {tiles.per_sm}/SM"
+    return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
 
 
 def _lowered(rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles) -> tuple[Any, mf.KernelLaunch]:
@@ -104,7 +133,7 @@ def _lowered(rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles)
     manifest, node = _manifest(rows, n, k, gated, normed)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="proj")
     views = {arg.name: arg.view for arg in node.args}
-    launches = _project(
+    launches = project(
         ctx, node, views["x"], views["weight"], views["out"], residual=None if normed else views["out"],
         norm=views["norm"] if normed else None, gated=gated, tiles=tiles,
     )  # fmt: skip
@@ -128,8 +157,10 @@ def _compile_only(shapes: list[str], rows_list: list[int]) -> int:
 
 def _time_ours(
     cuda: Context, rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, copies: int
-) -> float:
-    """Microseconds of one launch of the projection (see :func:`_lowered`), weights rotated."""
+) -> tuple[float, float]:
+    """Microseconds of one launch of the projection (see :func:`_lowered`), weights rotated: launched one
+    after another on the stream, and as a CUDA graph of such launches joined by programmatic edges
+    (how a program's graph runs them)."""
     module_data, launch = _lowered(rows, n, k, gated, normed, tiles)
     module = cuda.load_module(module_data.data)
     function = cuda.function(module, launch.symbol, launch.shared_bytes)
@@ -155,9 +186,28 @@ def _time_ours(
     cuda.record(end)
     cuda.wait_event(end)
     elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * copies)
+    builder = cuda.graph()
+    previous = None
+    chain = max(16, copies)
+    for index in range(chain):
+        previous = builder.kernel(
+            function, launch.grid, launch.block, launch.shared_bytes, packs[index % copies], previous,
+            programmatic=previous is not None,
+        )  # fmt: skip
+    executable = builder.instantiate()
+    cuda.launch_graph(executable)
+    cuda.synchronize()
+    cuda.record(start)
+    for _ in range(repeats):
+        cuda.launch_graph(executable)
+    cuda.record(end)
+    cuda.wait_event(end)
+    in_graph = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * chain)
+    cuda.destroy_graph(executable)
+    builder.destroy()
     for pointer in (x, out, norm, *weights):
         cuda.free(pointer)
-    return elapsed
+    return elapsed, in_graph
 
 
 def _time_torch(rows: int, n: int, k: int, copies: int) -> float:
@@ -199,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1b,8b")
     parser.add_argument("--rows", default="1,8,64,256")
+    parser.add_argument("--projections", default="qkv,o,gate_up,down,lm_head", help="which projections to time")
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
     args = parser.parse_args(argv)
     if args.compile_only:
@@ -207,28 +258,27 @@ def main(argv: list[str] | None = None) -> int:
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     columns = (("shape", "<5"), ("proj", "<8"), ("rows", ">4"), ("N", ">6"), ("K", ">6"), ("tile", "<22"), ("us", ">8"))
-    columns += (("TB/s", ">6"), ("cuBLAS us", ">9"), ("floor us", ">8"))
+    columns += (("graph us", ">8"), ("TB/s", ">6"), ("cuBLAS us", ">9"), ("floor us", ">8"))
     print(" ".join(f"{name:{spec}}" for name, spec in columns))
     for shape_name in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             for proj, (n, k, gated, normed) in _projections(shape_name).items():
+                if proj not in args.projections.split(","):
+                    continue
                 copies = max(2, int(np.ceil(200e6 / (n * k * 2))))
                 chosen = choose_tiles(rows, n, k)
                 cublas = _time_torch(rows, n, k, copies)
                 floor = n * k * 2 / bandwidth * 1e6
                 for tiles in _candidates(rows, n, k):
+                    label = _label(tiles, chosen)
                     try:
-                        us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies)
+                        us, graph_us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies)
                     except Exception as exc:  # a tile that does not fit the chip is reported, not fatal
-                        print(f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {tiles!s:<22} failed: {exc}")
+                        print(f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} failed: {exc}")
                         continue
-                    mark = "*" if tiles == chosen else " "
-                    label = (
-                        f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
-                    )
                     print(
-                        f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} {us:>8.1f} "
-                        f"{n * k * 2 / us / 1e6:>6.2f} {cublas:>9.1f} {floor:>8.1f}",
+                        f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} {us:>8.1f} {graph_us:>8.1f} "
+                        f"{n * k * 2 / graph_us / 1e6:>6.2f} {cublas:>9.1f} {floor:>8.1f}",
                         flush=True,
                     )
     cuda.close()
