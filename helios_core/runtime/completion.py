@@ -157,6 +157,17 @@ class RecordViews:
     lanes: int
     """The lanes every field above but ``logprobs`` holds (the shortest of them)."""
 
+    def head(self, count: int) -> tuple[npt.NDArray[Any], ...]:
+        """The first ``count`` lanes of generation, reserved, cursor, consumed, emitted and ids."""
+        return (
+            self.generation[:count],
+            self.reserved[:count],
+            self.cursor[:count],
+            self.consumed[:count],
+            self.emitted[:count],
+            self.ids[:count],
+        )
+
     @classmethod
     def of(cls, record: Mapping[int, npt.NDArray[np.generic]]) -> RecordViews:
         sampled = record[mf.COMPLETION_FIELD_SAMPLED_IDS]
@@ -207,12 +218,7 @@ def read_lanes(
         return _read_batch(views, lanes, sampled_size)
     completion = views.record
     count = len(lanes)
-    generations = views.generation[:count]
-    emitted = views.emitted[:count]
-    consumed = views.consumed[:count]
-    cursors = views.cursor[:count]
-    reserved = views.reserved[:count]
-    ids = views.ids[:count]
+    generations, reserved, cursors, consumed, emitted, ids = views.head(count)
     logprobs_field = views.logprobs
     top_ids = completion.get(mf.COMPLETION_FIELD_TOP_IDS)
     top_logprobs = completion.get(mf.COMPLETION_FIELD_TOP_LOGPROBS)
@@ -257,12 +263,7 @@ def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) 
     ):  # a record shorter than the lanes fails lane by lane, as the list of expectations would
         return _as_results(read_lanes(views, int(views.sequence[0]), lanes.to_list(), sampled_size))
     completion = views.record
-    ids: npt.NDArray[Any] = views.ids[:count]
-    generation = views.generation[:count]
-    reserved = views.reserved[:count]
-    cursor = views.cursor[:count]
-    consumed = views.consumed[:count]
-    emitted = views.emitted[:count]
+    generation, reserved, cursor, consumed, emitted, ids = views.head(count)
     samples = lanes.samples
     if count > _VECTORIZED_LANES:
         bad = generation != lanes.generations

@@ -29,9 +29,9 @@ slot writes no cache, the queries are still written).
 chosen as whole rotation pairs (``PAIRS`` first members and their partners, ``D / 2`` apart in the
 half layout, adjacent in the interleaved one), so the rotation, the query store and the cache
 writes happen on the program's own sums and the packed ``[q | k | v]`` rows never reach memory.
-Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as they are. More rows
-(or input rows longer than :data:`STREAMED_INPUTS`) lower to the projection into a workspace, then
-``rope_kv_cache_write``.
+Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as they are. Shapes
+the streaming projection does not take (more rows, longer input rows) lower to the projection into
+a workspace, then ``rope_kv_cache_write``.
 """
 
 from __future__ import annotations
@@ -42,16 +42,12 @@ import triton
 import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
-from ignition.kernels.linear import MULTIPROCESSORS, project
+from ignition.kernels.linear import MULTIPROCESSORS, check_projection, choose_tiles, project
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 SPLIT_POSITIONS = 64
 """Positions one attention program covers."""
-
-STREAMED_INPUTS = 2048
-"""The longest input row (rounded up to a power of two) the one-launch attention input streams (longer
-rows were slower in it than the projection and the rope kernel apart, on an H200)."""
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -533,17 +529,15 @@ def lower_attention_input(
     ctx: LoweringContext, node: mf.Node, *, multiprocessors: int = MULTIPROCESSORS
 ) -> list[mf.KernelLaunch]:
     x, norm, weight = ctx.need(node, "x"), ctx.need(node, "norm_weight"), ctx.need(node, "weight")
-    w_shape = ctx.shape(weight)
-    if len(w_shape) != 2:
-        raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
-    n, k = w_shape
+    rows, n, k = check_projection(ctx, x, weight, None, norm=norm)
     tokens, heads, kv_heads, head_dim = _rope_cache_geometry(ctx, node, n)
-    rows = ctx.shape(x)[0]
     if rows != tokens:
         raise ctx.fail(f"x holds {rows} rows and q {tokens}")
-    k_p2 = next_power_of_two(k)
-    if rows > 2 or k_p2 > STREAMED_INPUTS:
-        # Many tokens: the projection into a workspace, then the rope + cache-write kernel reads it.
+    tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors)
+    if not tiles.per_sm:
+        # Not the streaming projection's shape (more tokens, or longer input rows, which were slower in
+        # one launch than apart on an H200): the projection into a workspace, then the rope + cache-write
+        # kernel reads it.
         staged = ctx.workspace("packed_qkv", mf.DTYPE_F32, rows * n)
         packed = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, n])
         rope = mf.Node(name=node.name)
@@ -552,21 +546,13 @@ def lower_attention_input(
         for name in ("positions", "slots", "q", "k_plane", "v_plane"):
             rope.args.add(name=name, view=ctx.need(node, name))
         rope.attributes.extend(a for a in node.attributes if a.name != "eps")
-        return [*project(ctx, node, x, weight, packed, norm=norm), *lower_rope_kv_cache_write(ctx, rope)]
-    if math.prod(ctx.shape(x)[1:]) != k:
-        raise ctx.fail(f"x rows must hold the weight's {k} inputs")
-    for view, name in ((x, "x"), (norm, "norm_weight")):
-        if ctx.dtype(view) != mf.DTYPE_F32:
-            raise ctx.fail(f"{name} must be float32")
-    if ctx.dtype(weight) not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
-        raise ctx.fail("weight must be bf16, f16 or f32")
-    # 2 pairs (4 rows) a tile on 4 warps, four programs a multiprocessor, as the streaming projection:
-    # a tile's rows, current and next, are at most 64 values a thread.
-    warps = 4
-    pairs = min(2, head_dim // 2)
+        projection = project(ctx, node, x, weight, packed, norm=norm, tiles=tiles, multiprocessors=multiprocessors)
+        return [*projection, *lower_rope_kv_cache_write(ctx, rope)]
+    # The streaming projection's tiles: half its rows first members of rotation pairs, half partners.
+    pairs = min(tiles.block_n // 2, head_dim // 2)
     rotating = (heads + kv_heads) * (head_dim // 2) // pairs
     count = rotating + kv_heads * head_dim // (2 * pairs)
-    programs = min(count, 4 * multiprocessors)
+    programs = min(count, tiles.per_sm * multiprocessors)
     if programs < count:  # a multiple of the tiles a head's pairs take: a program's tiles share their pairs
         programs -= programs % max(1, head_dim // 2 // pairs)
     positions, slots = ctx.need(node, "positions"), ctx.need(node, "slots")
@@ -602,7 +588,7 @@ def lower_attention_input(
             "SETTLED": ctx.settled(positions, slots),
         },
         (programs,),
-        num_warps=warps,
-        num_stages=1,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return [launch]

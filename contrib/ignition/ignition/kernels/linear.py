@@ -278,6 +278,43 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
     return Tiles(128, block_n, 64, 8, 3)
 
 
+def check_projection(
+    ctx: LoweringContext,
+    x: mf.BufferView,
+    weight: mf.BufferView,
+    out: mf.BufferView | None,
+    *,
+    norm: mf.BufferView | None = None,
+    residual: mf.BufferView | None = None,
+    gated: bool = False,
+) -> tuple[int, int, int]:
+    """(rows, N, K) of a projection's views: an ``[N, K]`` bf16/f16/f32 weight, float32 rows of ``K``
+    inputs (``2K`` when ``gated``), and ``out`` (when given) of ``N`` per row.
+
+    Raises:
+        the context's lowering error naming the view that does not fit.
+    """
+    w_shape = ctx.shape(weight)
+    if len(w_shape) != 2:
+        raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
+    n, k = w_shape
+    x_shape = ctx.shape(x)
+    rows = x_shape[0]
+    x_width = math.prod(x_shape[1:])
+    if x_width != (2 * k if gated else k):
+        raise ctx.fail(f"x rows hold {x_width} values; the weight needs {'2 x ' if gated else ''}{k}")
+    if out is not None:
+        out_shape = ctx.shape(out)
+        if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * n != math.prod(out_shape)):
+            raise ctx.fail(f"out {list(out_shape)} must hold {rows} rows of {n}")
+    for view, name in ((x, "x"), (out, "out"), (residual, "residual"), (norm, "norm_weight")):
+        if view is not None and ctx.dtype(view) != mf.DTYPE_F32:
+            raise ctx.fail(f"{name} must be float32")
+    if ctx.dtype(weight) not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
+        raise ctx.fail("weight must be bf16, f16 or f32")
+    return rows, n, k
+
+
 def project(
     ctx: LoweringContext,
     node: mf.Node,
@@ -293,24 +330,8 @@ def project(
 ) -> list[mf.KernelLaunch]:
     """The launches of ``out = residual + prologue(x) @ weight.T`` (module docstring); ``multiprocessors``
     sizes the streaming kernel's grid (the H200's 132 by default)."""
-    w_shape = ctx.shape(weight)
-    if len(w_shape) != 2:
-        raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
-    n, k = w_shape
-    x_shape = ctx.shape(x)
-    rows = x_shape[0]
-    x_width = math.prod(x_shape[1:])
-    if x_width != (2 * k if gated else k):
-        raise ctx.fail(f"x rows hold {x_width} values; the weight needs {'2 x ' if gated else ''}{k}")
-    out_shape = ctx.shape(out)
-    if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * n != math.prod(out_shape)):
-        raise ctx.fail(f"out {list(out_shape)} must hold {rows} rows of {n}")
-    for view, name in ((x, "x"), (out, "out"), (residual, "residual"), (norm, "norm_weight")):
-        if view is not None and ctx.dtype(view) != mf.DTYPE_F32:
-            raise ctx.fail(f"{name} must be float32")
-    if ctx.dtype(weight) not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
-        raise ctx.fail("weight must be bf16, f16 or f32")
-    chosen = tiles or choose_tiles(rows, n, k)
+    rows, n, k = check_projection(ctx, x, weight, out, norm=norm, residual=residual, gated=gated)
+    chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors)
     prologue: list[mf.KernelLaunch] = []
     if chosen.block_m > 1 and (norm is not None or gated):
         # Many rows: the row-wise prologue once into a workspace (instead of once per column tile),
@@ -333,25 +354,23 @@ def project(
         "N": n,
         "K": k,
         "BLOCK_N": chosen.block_n,
-        "BLOCK_K": chosen.block_k,
         "NORM": norm is not None,
         "GATED": gated,
         "RESIDUAL": residual is not None,
     }
     grid: tuple[int, ...]
-    if chosen.block_m == 1:
-        if rows > 2:
-            raise ctx.fail(f"the vector projection takes at most 2 rows, not {rows}")
-        constants["ROWS_P2"] = next_power_of_two(rows)
-        kernel, grid = vector_projection_kernel, (cdiv(n, chosen.block_n),)
-        if chosen.per_sm:
-            del constants["BLOCK_K"]
-            constants["K_P2"] = next_power_of_two(k)
-            constants["PROGRAMS"] = min(cdiv(n, chosen.block_n), chosen.per_sm * multiprocessors)
-            kernel, grid = streaming_projection_kernel, (constants["PROGRAMS"],)
-    else:
-        constants["BLOCK_M"] = chosen.block_m
+    if chosen.block_m > 1:
+        constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k)
         kernel, grid = projection_kernel, (cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m))
+    elif rows > 2:
+        raise ctx.fail(f"the vector projection takes at most 2 rows, not {rows}")
+    elif chosen.per_sm:
+        programs = min(cdiv(n, chosen.block_n), chosen.per_sm * multiprocessors)
+        constants.update(ROWS_P2=next_power_of_two(rows), K_P2=next_power_of_two(k), PROGRAMS=programs)
+        kernel, grid = streaming_projection_kernel, (programs,)
+    else:
+        constants.update(ROWS_P2=next_power_of_two(rows), BLOCK_K=chosen.block_k)
+        kernel, grid = vector_projection_kernel, (cdiv(n, chosen.block_n),)
     launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
     return [*prologue, launch]
 
