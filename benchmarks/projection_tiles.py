@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +83,19 @@ def _manifest(rows: int, n: int, k: int, gated: bool, normed: bool) -> tuple[mf.
     ]
     if normed:
         buffers.append(("norm", mf.DTYPE_F32, (k,), mf.BUFFER_ROLE_WEIGHTS))
+    declare(manifest, node, buffers)
+    return manifest, node
+
+
+def declare(
+    manifest: mf.ExecutionManifest, node: mf.Node, buffers: Sequence[tuple[str, Any, Sequence[int], Any]]
+) -> None:
+    """Declares each ``(name, dtype, shape, role)`` buffer and passes it whole as ``node``'s argument of that name."""
     for name, dtype, shape, role in buffers:
         decl = manifest.buffers.add(name=name, role=role, dtype=dtype)  # type: ignore[arg-type]
         for size in shape:
             decl.shape.add(size=size)
         node.args.add(name=name, view=mf.BufferView(buffer=name, shape=list(shape)))
-    return manifest, node
 
 
 def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool]]:
@@ -215,34 +223,41 @@ def _time_torch(rows: int, n: int, k: int, copies: int) -> float:
 
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    for w in weights:
-        torch.nn.functional.linear(x, w)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    repeats = 20
-    start.record()
-    for _ in range(repeats):
+
+    def step() -> None:
         for w in weights:
             torch.nn.functional.linear(x, w)
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) * 1000.0 / (repeats * copies)
+
+    return torch_us(step, copies)
 
 
-def _copy_bandwidth() -> float:
+def torch_us(step: Callable[[], None], calls: int, repeats: int = 20) -> float:
+    """Microseconds a call of ``step``'s ``calls`` PyTorch calls: once untimed, then ``repeats`` times
+    between two CUDA events."""
     import torch
 
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
+    step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(10):
-        dst.copy_(src)
+    for _ in range(repeats):
+        step()
     end.record()
     torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1000.0)
+    return float(start.elapsed_time(end)) * 1000.0 / (repeats * calls)
+
+
+def copy_bandwidth(nbytes: int = 2 * 1024**3) -> float:
+    """Device-to-device copy bandwidth in bytes a second, read and write counted (PyTorch copies)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    return 2 * src.numel() / (torch_us(copy, 1, repeats=10) / 1e6)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.compile_only:
         return _compile_only(args.shapes.split(","), [int(r) for r in args.rows.split(",")])
-    bandwidth = _copy_bandwidth()
+    bandwidth = copy_bandwidth()
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     columns = (("shape", "<5"), ("proj", "<8"), ("rows", ">4"), ("N", ">6"), ("K", ">6"), ("tile", "<22"), ("us", ">8"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ignition.kernels import linear
+from ignition.kernels import attention, linear
 from ignition.kernels.linear import Tiles
 
 from helios_core.backends.cuda_driver import Context
@@ -23,6 +23,8 @@ PROJECTIONS = [
     (1, 3072, 2048),
     (1, 16384, 2048),
     (2, 2048, 8192),
+    (1, 6144, 4096),  # rows of 4096 inputs stream two weight rows a tile
+    (2, 4096, 4096),
     (8, 2048, 8192),
     (16, 49152, 576),
     (64, 16384, 2048),
@@ -149,6 +151,39 @@ def test_paged_attention(
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 1e-5 * max(1.0, float(np.abs(want).max()))
     assert (got[arrays["token_row"] < 0] == 0).all()
+
+
+@pytest.mark.parametrize("short", [64, 192])
+def test_paged_attention_short_and_split_contexts(
+    cuda_context: Context, monkeypatch: pytest.MonkeyPatch, short: int
+) -> None:
+    """Contexts on both sides of the short limit and of split boundaries, with padding tokens: one
+    program attends a short context whole, longer ones merge exactly their active splits."""
+    monkeypatch.setattr(attention, "SHORT_POSITIONS", short)
+    heads, kv_heads, head_dim, page_tokens, width, rows = 32, 8, 64, 16, 64, 4
+    positions = [0, 1, 62, 63, 64, 65, 127, 128, 191, 192, 193, 300, 1023, 5, 700]
+    tokens = len(positions)
+    rng = np.random.default_rng(short)
+    pages = rows * width + 3
+    table = rng.permutation(pages)[: rows * width].reshape(rows, width).astype(np.int32)
+    token_row = (np.arange(tokens) % rows).astype(np.int32)
+    token_row[[3, 13]] = -1  # padding
+    arrays = {
+        "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
+        "k_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
+        "v_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
+        "page_table": table,
+        "token_row": token_row,
+        "token_position": np.array(positions, np.int32),
+        "out": np.full((tokens, heads, head_dim), np.nan, dtype=np.float32),
+    }
+    attributes = {"scale": head_dim**-0.5}
+    got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"])["out"]
+    want = reference_node("paged_attention", arrays, attributes)["out"]
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() < 1e-5 * max(1.0, float(np.abs(want).max()))
+    assert (got[token_row < 0] == 0).all()
+    assert np.abs(got[token_row >= 0]).max() > 0.0
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("triton")
 
 from ignition.kernels import compiler, elementwise, load_kernel_modules, rotary
+from ignition.kernels.linear import Tiles, choose_tiles
 from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
 
 from helios_core.wire import manifest_pb2 as mf
@@ -344,6 +345,60 @@ def test_attention_input_of_many_tokens_projects_then_rotates() -> None:
     packed = launches[2].params[0]
     assert packed.buffer == "workspace.packed_qkv" and launches[1].params[2].buffer == packed.buffer
     assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [7 * 3072]
+
+
+def test_attention_input_of_4096_inputs_streams_the_projection_then_rotates() -> None:
+    arrays = _attention_input_arrays(1, 32, 8, 128, 4096)
+    attributes = {"eps": 1e-5, "theta": 1e4, "style": "half"}
+    _, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
+    assert [launch.symbol for launch in launches] == ["streaming_projection_kernel", "rope_cache_kernel"]
+    assert list(launches[0].grid) == [min(48 * 128 // 2, 8 * 132), 1, 1]  # two rows a tile, 8 programs an SM
+    assert launches[0].params[2].buffer == launches[1].params[0].buffer == "workspace.packed_qkv"
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        (1, 16384, 2048, Tiles(1, 4, 0, 4, 1, per_sm=4)),
+        (2, 1000, 576, Tiles(1, 4, 0, 4, 1, per_sm=4)),
+        (1, 28672, 4096, Tiles(1, 2, 0, 4, 1, per_sm=8)),
+        (2, 6144, 3000, Tiles(1, 2, 0, 4, 1, per_sm=8)),
+        (1, 4096, 14336, Tiles(1, 8, 1024, 8, 1)),
+        (1, 2048, 8192, Tiles(1, 8, 1024, 8, 1)),
+    ],
+)
+def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: int, k: int, tiles: Tiles) -> None:
+    assert choose_tiles(rows, n, k) == tiles
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "page_tokens", "width", "splits"),
+    [(1, 32, 8, 64, 16, 64, 16), (3, 4, 2, 8, 4, 16, 1), (2, 9, 3, 128, 16, 32, 8)],
+)
+def test_paged_attention_is_one_launch_of_a_program_per_split(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, page_tokens: int, width: int, splits: int
+) -> None:
+    """64-position splits of the page table's span (one split where the span is shorter), for every
+    (token, KV head); head sizes under 16 pad to the matrix products' tile."""
+    arrays = {
+        "q": f32(tokens, heads, head_dim),
+        "k_plane": f32(40, page_tokens, kv_heads, head_dim),
+        "v_plane": f32(40, page_tokens, kv_heads, head_dim),
+        "page_table": i32(4, width),
+        "token_row": i32(tokens),
+        "token_position": i32(tokens),
+        "out": f32(tokens, heads, head_dim),
+    }
+    symbolic = {"k_plane": mf.DIM_SYMBOL_CACHE_PAGES, "v_plane": mf.DIM_SYMBOL_CACHE_PAGES}
+    context, launches = _lower("paged_attention", arrays, {"scale": 0.125}, symbolic=symbolic)
+    (launch,) = launches
+    workspaces = ["workspace.attention_max", "workspace.attention_sum", "workspace.attention_acc"]
+    runtime = ["q", "k_plane", "v_plane", "page_table", "token_row", "token_position", *workspaces]
+    runtime += ["workspace.attention_splits_done", "out", (mf.PARAM_KIND_F32, 0.125)]
+    _check(context, launch, runtime, grid=[tokens, kv_heads, splits])
+    sizes = {decl.name: decl.shape[0].size for decl in context.manifest.buffers if decl.name.startswith("workspace.")}
+    assert sizes["workspace.attention_acc"] == tokens * heads * splits * head_dim
+    assert sizes["workspace.attention_splits_done"] == tokens * kv_heads
 
 
 def test_attention_input_rejects_a_projection_of_the_wrong_width() -> None:

@@ -6,12 +6,18 @@ Owns the lowering of ``paged_attention``, ``rope_kv_cache_write`` and
 ``paged_attention`` runs in one launch (split-position attention): every (token, KV head, position
 split) gets one program that attends the group of query heads sharing that KV head to its split's
 positions ``[s * SPLIT, (s + 1) * SPLIT)`` up to the token's own position, reading keys and values
-through the page table, and writes the split's running maximum, sum and unnormalised output to
-workspaces; the last program of a (token, KV head) to finish (an atomic count of finished splits,
-which it resets) merges the splits of that group's query heads. A decode step therefore spreads a
-long context over many programs instead of walking it in one, without a second launch.
-Softmax is computed online in float32 (the reference subtracts the exact maximum first; the two
-agree to float32 rounding). Tokens whose row is negative (padding) get zero output. When the rows,
+through the page table. A token's context reaches ``ceil((position + 1) / SPLIT)`` active splits;
+the programs of the other splits return at once. With one active split (a context of at most
+``SPLIT`` positions, or of at most ``SHORT`` where ``SHORT`` is longer: split 0 then walks it whole)
+the program writes the output itself. Otherwise each active program writes its split's running
+maximum, sum and unnormalised output to workspaces, and the last of them to finish (an atomic count
+of finished splits, which it resets) merges the active splits of that group's query heads. A decode
+step therefore spreads a long context over many programs instead of walking it in one, without a
+second launch. The group's query heads are padded to a 16-row tile and both products (``q @ K.T``
+and ``p @ V``) run on the matrix units as three TF32 products each (float32 accuracy; see
+``benchmarks/attention_splits.py`` for the measured choice against float32 FMAs). Softmax is
+computed online in float32 (the reference subtracts the exact maximum first; the two agree to
+float32 rounding). Tokens whose row is negative (padding) get zero output. When the rows,
 positions and page table are settled (no earlier node of the program writes them, see
 ``lowering.py``), a program reads them and its first block's pages before ``gdc_wait``; each block
 loads the next block's pages ahead.
@@ -47,7 +53,21 @@ from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_powe
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 SPLIT_POSITIONS = 64
-"""Positions one attention program covers."""
+"""Positions one attention program covers when a context is split."""
+
+FUSED_INPUTS = 2048
+"""The longest input rows the attention input projects, rotates and writes in one launch. Longer
+rows (the 8B shape's 4096) were slower fused than apart on an H200 (docs/benchmarks.md)."""
+
+TF32X3_PRODUCTS = True
+"""Attention's two matrix products as three TF32 products each (float32 accuracy on the matrix
+units), else as float32 FMAs (1.5 to 2.4 times slower on an H200, docs/benchmarks.md)."""
+
+SHORT_POSITIONS = 64
+"""Contexts of at most this many positions are attended by one program per (token, KV head), unsplit.
+Measured on an H200 (``benchmarks/attention_splits.py``, docs/benchmarks.md): each further block of
+64 positions walked in one program costs about what a merge of splits costs, so contexts longer than
+one split are split."""
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -93,7 +113,11 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     SPLIT: tl.constexpr,
+    SHORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEADS_M: tl.constexpr,
+    D_P: tl.constexpr,
+    TF32X3: tl.constexpr,
     SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -112,33 +136,43 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
         row, position, page = _split_pages(
             table_ptr, row_ptr, position_ptr, token, start, PAGE_TOKENS, TABLE_WIDTH, BLOCK_N
         )
-    heads = tl.arange(0, GROUP_P2)
-    head_ok = heads < GROUP
-    dims = tl.arange(0, D)
-    q_heads = kv * GROUP + heads
-    q = tl.load(
-        q_ptr + (token * HEADS + q_heads)[:, None] * D + dims[None, :], mask=head_ok[:, None], other=0.0
-    )  # [GROUP_P2, D]
-    q = q * scale
-    running_max = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
-    running_sum = tl.zeros([GROUP_P2], dtype=tl.float32)
-    acc = tl.zeros([GROUP_P2, D], dtype=tl.float32)
-    stop = tl.minimum(start + SPLIT, position + 1)
-    if (row >= 0) & (start <= position):
-        for base in range(0, SPLIT, BLOCK_N):
-            offs = start + base + tl.arange(0, BLOCK_N)
+    # A context of at most SHORT positions (and a padding token) is attended by split 0 alone;
+    # a longer one by the splits its positions reach. The others have nothing to do.
+    short = (row < 0) | (position < SHORT)
+    active = tl.cdiv(position + 1, SPLIT)
+    stop = position + 1
+    if short:
+        active = 1
+    elif stop > start + SPLIT:
+        stop = start + SPLIT
+    if row < 0:
+        stop = start
+    if split < active:
+        heads = tl.arange(0, HEADS_M)  # the group's query heads, padded to a matrix-product tile
+        head_ok = heads < GROUP
+        dims = tl.arange(0, D_P)
+        dim_ok = dims < D
+        q_rows = token * HEADS + kv * GROUP + heads
+        q = tl.load(
+            q_ptr + q_rows[:, None] * D + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :], other=0.0
+        )  # [HEADS_M, D_P]
+        q = q * scale
+        running_max = tl.full([HEADS_M], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([HEADS_M], dtype=tl.float32)
+        acc = tl.zeros([HEADS_M, D_P], dtype=tl.float32)
+        for block in range(0, tl.cdiv(stop - start, BLOCK_N)):
+            offs = start + block * BLOCK_N + tl.arange(0, BLOCK_N)
             ok = offs < stop
             following = offs + BLOCK_N  # the next block's pages, loaded ahead
             next_page = tl.load(
-                table_ptr + row * TABLE_WIDTH + following // PAGE_TOKENS,
-                mask=(following < start + SPLIT) & (following <= position),
-                other=0,
+                table_ptr + row * TABLE_WIDTH + following // PAGE_TOKENS, mask=following < stop, other=0
             )
             slot = page.to(tl.int64) * PAGE_TOKENS + (offs % PAGE_TOKENS)
             address = (slot * KV_HEADS + kv)[:, None] * D + dims[None, :]
-            keys = tl.load(k_ptr + address, mask=ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
-            values = tl.load(v_ptr + address, mask=ok[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [GROUP_P2, BLOCK_N]
+            kv_ok = ok[:, None] & dim_ok[None, :]
+            keys = tl.load(k_ptr + address, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D_P]
+            values = tl.load(v_ptr + address, mask=kv_ok, other=0.0).to(tl.float32)
+            scores = _product(q, tl.trans(keys), TF32X3)  # [HEADS_M, BLOCK_N]
             scores = tl.where(ok[None, :], scores, float("-inf"))
             block_max = tl.max(scores, axis=1)
             new_max = tl.maximum(running_max, block_max)
@@ -146,45 +180,91 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
             correction = tl.exp(running_max - safe_max)
             weights = tl.exp(scores - safe_max[:, None])
             running_sum = running_sum * correction + tl.sum(weights, axis=1)
-            acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1)
+            acc = acc * correction[:, None] + _product(weights, values, TF32X3)
             running_max = new_max
             page = next_page
-    out_index = (token * HEADS + q_heads) * SPLITS + split
-    tl.store(max_ws + out_index, running_max, mask=head_ok)
-    tl.store(sum_ws + out_index, running_sum, mask=head_ok)
-    tl.store(acc_ws + out_index[:, None] * D + dims[None, :], acc, mask=head_ok[:, None])
-    # The last split of this (token, KV head) to finish merges all of them: every program's partials
-    # are stored before its counter increment (barrier, then a release), the merger reads them after
-    # its acquire, past L1, and resets the counter for the next launch.
-    tl.debug_barrier()
-    counter = count_ws + token * KV_HEADS + kv
-    finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if finished == SPLITS - 1:
-        splits = tl.arange(0, SPLITS_P2)
-        split_ok = splits < SPLITS
-        both = head_ok[:, None] & split_ok[None, :]
-        index = (token * HEADS + q_heads)[:, None] * SPLITS + splits[None, :]  # [GROUP_P2, SPLITS_P2]
-        maxima = tl.load(max_ws + index, mask=both, other=float("-inf"), cache_modifier=".cg")
-        sums = tl.load(sum_ws + index, mask=both, other=0.0, cache_modifier=".cg")
-        peak = tl.max(maxima, axis=1)
-        safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
-        factors = tl.where(both & (maxima > float("-inf")), tl.exp(maxima - safe_peak[:, None]), 0.0)
-        total = tl.sum(sums * factors, axis=1)  # [GROUP_P2]
-        partial = tl.load(
-            acc_ws + index[:, :, None] * D + dims[None, None, :],
-            mask=both[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [GROUP_P2, SPLITS_P2, D]
-        merged = tl.sum(partial * factors[:, :, None], axis=1)
-        result = tl.where(total[:, None] > 0.0, merged / tl.where(total > 0.0, total, 1.0)[:, None], 0.0)
-        result = tl.where(row >= 0, result, 0.0)
-        tl.store(out_ptr + (token * HEADS + q_heads)[:, None] * D + dims[None, :], result, mask=head_ok[:, None])
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        mine = head_ok[:, None] & dim_ok[None, :]
+        if active == 1:  # one split: its sums are the result
+            total = tl.where(running_sum > 0.0, running_sum, 1.0)
+            result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
+            tl.store(out_ptr + q_rows[:, None] * D + dims[None, :], result, mask=mine)
+        else:
+            out_index = q_rows * SPLITS + split
+            tl.store(max_ws + out_index, running_max, mask=head_ok)
+            tl.store(sum_ws + out_index, running_sum, mask=head_ok)
+            tl.store(acc_ws + out_index[:, None] * D + dims[None, :], acc, mask=mine)
+            # The last active split of this (token, KV head) to finish merges them: every program's
+            # partials are stored before its counter increment (barrier, then a release), the merger
+            # reads them after its acquire, past L1, and resets the counter for the next launch.
+            tl.debug_barrier()
+            counter = count_ws + token * KV_HEADS + kv
+            finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if finished == active - 1:
+                _merge_splits(
+                    max_ws, sum_ws, acc_ws, out_ptr, token * HEADS + kv * GROUP, active, GROUP, GROUP_P2, D, SPLITS,
+                    SPLITS_P2,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _product(a, b, TF32X3: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``a @ b`` in float32 on the matrix units: three TF32 products (float32 accuracy), or FMAs."""
+    if TF32X3:
+        return tl.dot(a, b, input_precision="tf32x3")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _merge_splits(  # type: ignore[no-untyped-def]
+    max_ws,
+    sum_ws,
+    acc_ws,
+    out_ptr,
+    first_row,
+    active,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """Writes the group's output rows ``first_row ..`` from the partials of its ``active`` splits."""
+    heads = tl.arange(0, GROUP_P2)
+    head_ok = heads < GROUP
+    dims = tl.arange(0, D)
+    rows = first_row + heads
+    splits = tl.arange(0, SPLITS_P2)
+    both = head_ok[:, None] & (splits < active)[None, :]
+    index = rows[:, None] * SPLITS + splits[None, :]  # [GROUP_P2, SPLITS_P2]
+    maxima = tl.load(max_ws + index, mask=both, other=float("-inf"), cache_modifier=".cg")
+    sums = tl.load(sum_ws + index, mask=both, other=0.0, cache_modifier=".cg")
+    peak = tl.max(maxima, axis=1)
+    safe_peak = tl.where(peak == float("-inf"), 0.0, peak)
+    factors = tl.where(both & (maxima > float("-inf")), tl.exp(maxima - safe_peak[:, None]), 0.0)
+    total = tl.sum(sums * factors, axis=1)  # [GROUP_P2]
+    partial = tl.load(
+        acc_ws + index[:, :, None] * D + dims[None, None, :],
+        mask=both[:, :, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )  # [GROUP_P2, SPLITS_P2, D]
+    merged = tl.sum(partial * factors[:, :, None], axis=1)
+    result = tl.where(total[:, None] > 0.0, merged / tl.where(total > 0.0, total, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + rows[:, None] * D + dims[None, :], result, mask=head_ok[:, None])
 
 
 @lowering("paged_attention")
 def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    return attention_launches(ctx, node)
+
+
+def attention_launches(
+    ctx: LoweringContext, node: mf.Node, *, short_positions: int | None = None
+) -> list[mf.KernelLaunch]:
+    """The launch of one ``paged_attention`` node; ``short_positions`` (default :data:`SHORT_POSITIONS`)
+    is the longest context one program per (token, KV head) attends unsplit."""
+    short = SHORT_POSITIONS if short_positions is None else short_positions
     q, out = ctx.need(node, "q"), ctx.need(node, "out")
     k_plane, v_plane = ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
     table, rows, positions = ctx.need(node, "page_table"), ctx.need(node, "token_row"), ctx.need(node, "token_position")
@@ -211,7 +291,7 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
     span = width * page_tokens
     split = min(SPLIT_POSITIONS, next_power_of_two(span))
     splits = cdiv(span, split)
-    block_n = min(split, 64 if head_dim <= 64 else 32)
+    block_n = max(16, min(split, 64 if head_dim <= 64 else 32))
     max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
     sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
     acc_ws = ctx.workspace("attention_acc", mf.DTYPE_F32, tokens * heads * splits * head_dim)
@@ -245,7 +325,11 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
             "SPLITS": splits,
             "SPLITS_P2": next_power_of_two(splits),
             "SPLIT": split,
+            "SHORT": max(split, min(short, span)),
             "BLOCK_N": block_n,
+            "HEADS_M": max(16, next_power_of_two(group)),
+            "D_P": max(16, head_dim),
+            "TF32X3": TF32X3_PRODUCTS,
             "SETTLED": ctx.settled(table, rows, positions),
         },
         (tokens, kv_heads, splits),
@@ -534,10 +618,9 @@ def lower_attention_input(
     if rows != tokens:
         raise ctx.fail(f"x holds {rows} rows and q {tokens}")
     tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors)
-    if not tiles.per_sm:
-        # Not the streaming projection's shape (more tokens, or longer input rows, which were slower in
-        # one launch than apart on an H200): the projection into a workspace, then the rope + cache-write
-        # kernel reads it.
+    if not tiles.per_sm or next_power_of_two(k) > FUSED_INPUTS:
+        # Not the streaming projection's shape (more tokens), or longer input rows: the projection into
+        # a workspace, then the rope + cache-write kernel reads it.
         staged = ctx.workspace("packed_qkv", mf.DTYPE_F32, rows * n)
         packed = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, n])
         rope = mf.Node(name=node.name)

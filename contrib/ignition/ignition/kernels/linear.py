@@ -116,10 +116,11 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     """The same projection for one or two rows, on the FMA units: weights streamed once, wide loads.
 
     The first weight tile is loaded before ``gdc_wait`` (weights are never written by a program), so
-    the weight stream starts while the previous kernel finishes; each step then loads the next tile
-    before it uses the current one. With ``NORM`` the input is read once: the sums of squares
-    accumulate beside the products with ``x * gain``, and each row's ``1 / rms`` scales its sums at
-    the end.
+    the weight stream starts while the previous kernel finishes; each step then loads the next
+    weight tile and the next inputs (and gains) before it uses the current ones, so no step waits
+    on a load it has just issued. With ``NORM`` the input is read
+    once: the sums of squares accumulate beside the products with ``x * gain``, and each row's
+    ``1 / rms`` scales its sums at the end.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,29 +133,25 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    first, second, gain = _input_step(x_ptr, norm_ptr, offs_r, r_ok, first_k, K, x_stride, NORM, GATED)
     squares = tl.zeros([ROWS_P2], dtype=tl.float32)
     acc = tl.zeros([ROWS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        next_k = offs_k + BLOCK_K
+        next_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
         w_next = tl.load(
             w_ptr + offs_n[:, None] * K + next_k[None, :], mask=n_ok[:, None] & (next_k[None, :] < K), other=0.0
         )
-        x_mask = r_ok[:, None] & k_ok[None, :]
-        x_offsets = offs_r[:, None] * x_stride + offs_k[None, :]
+        first_next, second_next, gain_next = _input_step(
+            x_ptr, norm_ptr, offs_r, r_ok, next_k, K, x_stride, NORM, GATED
+        )
+        xs = first
         if GATED:
-            gate = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
-            up = tl.load(x_ptr + x_offsets + K, mask=x_mask, other=0.0)
-            xs = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            xs = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+            xs = first / (1.0 + tl.exp(-first)) * second
         if NORM:  # the row's 1 / rms is one factor: applied to the sums after the loop
             squares += tl.sum(xs * xs, axis=1)
-            gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0)
             xs = xs * gain[None, :]
         acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
-        w = w_next
+        w, first, second, gain = w_next, first_next, second_next, gain_next
     result = tl.sum(acc, axis=2)
     if NORM:
         result = result * (1.0 / tl.sqrt(squares / K + eps))[:, None]
@@ -163,6 +160,25 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     if RESIDUAL:
         result += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
     tl.store(out_ptr + out_offsets, result, mask=out_mask)
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _input_step(  # type: ignore[no-untyped-def]
+    x_ptr, norm_ptr, offs_r, r_ok, offs_k, K: tl.constexpr, x_stride, NORM: tl.constexpr, GATED: tl.constexpr
+):
+    """One step's inputs of the vector projection, loaded, not yet used: (x or the gate, the up
+    half or x again, the gains or ones), zero past ``K``."""
+    k_ok = offs_k < K
+    x_mask = r_ok[:, None] & k_ok[None, :]
+    x_offsets = offs_r[:, None] * x_stride + offs_k[None, :]
+    first = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+    second = first
+    if GATED:
+        second = tl.load(x_ptr + x_offsets + K, mask=x_mask, other=0.0)
+    gain = tl.full(offs_k.shape, 1.0, dtype=tl.float32)
+    if NORM:
+        gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0)
+    return first, second, gain
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -256,10 +272,13 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
     """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring)."""
     if rows <= 2:
         # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
-        # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor;
-        # longer rows to one program per column block, wider steps and more warps for long ones.
+        # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor,
+        # rows of up to 4096 two rows a tile and eight programs a multiprocessor; longer rows to one
+        # program per column block, wider steps and more warps for long ones.
         if next_power_of_two(k) <= 2048:
             return Tiles(1, 4, 0, 4, 1, per_sm=4)
+        if next_power_of_two(k) <= 4096:
+            return Tiles(1, 2, 0, 4, 1, per_sm=8)
         if k >= 4096:
             return Tiles(1, 8, 1024, 8, 1)
         return Tiles(1, 4 if n <= 2048 else 8, min(512, max(64, next_power_of_two(k))), 4, 1)

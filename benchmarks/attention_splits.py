@@ -1,0 +1,233 @@
+"""Decode attention on the GPU: the paged-attention kernel at several contexts and short-context limits.
+
+For the attention of a Llama shape (query and KV heads, head size) at one to a few decode tokens,
+times Ignition's ``paged_attention`` launch as a program lowers it, once per candidate
+``short_positions`` (contexts up to it are attended by one program per KV head, longer ones split
+into 64-position programs whose last one merges them) and way of running the two matrix products
+(three TF32 products or float32 FMAs); the lowering's choice is marked ``*``. At each context: a
+CUDA graph of one launch per layer, each over its own layer's cache planes, joined by programmatic
+edges as a program's graph joins them, with enough layers that the keys and values read come from
+HBM, not the L2 cache. Beside it: PyTorch's
+``scaled_dot_product_attention`` on float32 keys and values of the same shape in contiguous form
+(eager, one call for each of 64 layers), and the bandwidth floor (the keys and values read, over
+the measured device copy bandwidth). Needs an NVIDIA GPU, Triton and PyTorch:
+
+    python benchmarks/attention_splits.py [--shapes 1b] [--rows 1] [--contexts 32,100,160,512,1000]
+        [--short 64,128,192,256] [--products tf32x3,ieee] [--compile-only]
+
+``--compile-only`` only compiles every candidate into the kernel cache (no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
+
+import numpy as np  # noqa: E402
+from ignition.kernels import attention  # noqa: E402
+from ignition.kernels.attention import SHORT_POSITIONS, TF32X3_PRODUCTS, attention_launches  # noqa: E402
+from ignition.kernels.lowering import LoweringContext, cdiv  # noqa: E402
+from ignition.recipes.synthetic import SHAPES  # noqa: E402
+from projection_tiles import copy_bandwidth, declare, torch_us  # noqa: E402
+
+from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
+from helios_core.wire import manifest_pb2 as mf  # noqa: E402
+
+PAGE_TOKENS = 16
+SPAN = 1024
+"""Positions a row's page table reaches (the benchmark cores' context)."""
+COLD_BYTES = 128 * 1024**2
+"""Keys and values one graph replay reads at the least: enough layers that the L2 cache holds none
+of them from one replay to the next, as a decode step's weight stream evicts them."""
+MAX_LAYERS = 1024
+
+
+def _manifest(rows: int, heads: int, kv_heads: int, head_dim: int) -> tuple[mf.ExecutionManifest, mf.Node]:
+    width = SPAN // PAGE_TOKENS
+    manifest = mf.ExecutionManifest()
+    program = manifest.programs.add(name="bench")
+    node = program.nodes.add(name="attention")
+    node.op.name, node.op.version = "paged_attention", 1
+    planes = (rows * width, PAGE_TOKENS, kv_heads, head_dim)
+    buffers = [
+        ("q", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
+        ("out", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
+        ("k_plane", mf.DTYPE_F32, planes, mf.BUFFER_ROLE_CACHE_PLANE),
+        ("v_plane", mf.DTYPE_F32, planes, mf.BUFFER_ROLE_CACHE_PLANE),
+        ("page_table", mf.DTYPE_I32, (rows, width), mf.BUFFER_ROLE_TRANSPORT),
+        ("token_row", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_TRANSPORT),
+        ("token_position", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_TRANSPORT),
+    ]
+    declare(manifest, node, buffers)
+    return manifest, node
+
+
+def _lowered(
+    rows: int, heads: int, kv_heads: int, head_dim: int, short: int, tf32x3: bool
+) -> tuple[mf.ExecutionManifest, bytes, mf.KernelLaunch]:
+    """The manifest (with its workspaces), the compiled module and the launch of one attention node."""
+    manifest, node = _manifest(rows, heads, kv_heads, head_dim)
+    ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
+    attention.TF32X3_PRODUCTS = tf32x3
+    try:
+        (launch,) = attention_launches(ctx, node, short_positions=short)
+    finally:
+        attention.TF32X3_PRODUCTS = TF32X3_PRODUCTS
+    return manifest, next(iter(ctx.modules.values())).data, launch
+
+
+class Layers:
+    """Device buffers of one benchmark case: a query, an output, and every layer's cache planes."""
+
+    def __init__(self, cuda: Context, rows: int, heads: int, kv_heads: int, head_dim: int, layers: int) -> None:
+        self.cuda = cuda
+        width = SPAN // PAGE_TOKENS
+        rng = np.random.default_rng(0)
+        self.plane_bytes = rows * width * PAGE_TOKENS * kv_heads * head_dim * 4
+        self.pointers: dict[str, int] = {}
+        self.layer_planes: list[tuple[int, int]] = []
+        for _ in range(layers):
+            planes = (cuda.alloc(self.plane_bytes), cuda.alloc(self.plane_bytes))
+            for plane in planes:
+                cuda.memset(plane, self.plane_bytes, 0x3C)  # every value 0.0115: timing only
+            self.layer_planes.append(planes)
+        q_bytes = rows * heads * head_dim * 4
+        for name, nbytes in (("q", q_bytes), ("out", q_bytes), ("page_table", rows * width * 4)):
+            self.pointers[name] = cuda.alloc(nbytes)
+        self.pointers["token_row"] = cuda.alloc(rows * 4)
+        self.pointers["token_position"] = cuda.alloc(rows * 4)
+        cuda.upload(self.pointers["q"], rng.standard_normal(q_bytes // 4).astype(np.float32))
+        cuda.upload(self.pointers["page_table"], rng.permutation(rows * width).astype(np.int32))
+        cuda.upload(self.pointers["token_row"], np.arange(rows, dtype=np.int32))
+
+    def workspaces(self, manifest: mf.ExecutionManifest) -> None:
+        """Zeroed workspaces for every ``workspace.*`` buffer the lowering declared."""
+        for decl in manifest.buffers:
+            if decl.name.startswith("workspace.") and decl.name not in self.pointers:
+                nbytes = int(np.prod([d.size for d in decl.shape])) * 4
+                self.pointers[decl.name] = self.cuda.alloc(nbytes)
+                self.cuda.memset(self.pointers[decl.name], nbytes)
+
+    def close(self) -> None:
+        for pointer in self.pointers.values():
+            self.cuda.free(pointer)
+        for planes in self.layer_planes:
+            for plane in planes:
+                self.cuda.free(plane)
+
+
+def _graph_us(cuda: Context, layers: Layers, launch: mf.KernelLaunch, function: Any, position: int, rows: int) -> float:
+    """Microseconds a launch of one layer's attention, in a graph of one launch per layer."""
+    cuda.upload(layers.pointers["token_position"], np.full(rows, position, dtype=np.int32))
+    packs = [
+        pack_params(launch.params, {**layers.pointers, "k_plane": k_plane, "v_plane": v_plane})
+        for k_plane, v_plane in layers.layer_planes
+    ]
+    builder = cuda.graph()
+    previous = None
+    for pack in packs:
+        previous = builder.kernel(
+            function, launch.grid, launch.block, launch.shared_bytes, pack, previous, programmatic=previous is not None
+        )
+    executable = builder.instantiate()
+    cuda.launch_graph(executable)
+    cuda.synchronize()
+    start, end = cuda.timing_event(), cuda.timing_event()
+    repeats = 50
+    cuda.record(start)
+    for _ in range(repeats):
+        cuda.launch_graph(executable)
+    cuda.record(end)
+    cuda.wait_event(end)
+    elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * len(packs))
+    cuda.destroy_graph(executable)
+    builder.destroy()
+    return elapsed
+
+
+def _torch_us(rows: int, heads: int, kv_heads: int, head_dim: int, context: int, layers: int) -> float:
+    import torch
+
+    q = torch.randn(rows, heads, 1, head_dim, device="cuda")
+    caches = [
+        (
+            torch.randn(rows, kv_heads, context, head_dim, device="cuda"),
+            torch.randn(rows, kv_heads, context, head_dim, device="cuda"),
+        )
+        for _ in range(layers)
+    ]
+
+    def step() -> None:
+        for keys, values in caches:
+            torch.nn.functional.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+
+    return torch_us(step, layers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1b")
+    parser.add_argument("--rows", default="1")
+    parser.add_argument("--contexts", default="32,100,160,256,512,1000")
+    parser.add_argument("--short", default="64,128,192,256", help="short_positions candidates")
+    parser.add_argument("--products", default="tf32x3,ieee", help="how the two matrix products run")
+    parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if max(contexts) > SPAN:
+        raise SystemExit(f"contexts must be at most {SPAN}")
+    shorts = dict.fromkeys([SHORT_POSITIONS, *(int(s) for s in args.short.split(","))])
+    products = dict.fromkeys(["tf32x3" if TF32X3_PRODUCTS else "ieee", *args.products.split(",")])
+    if set(products) - {"tf32x3", "ieee"}:
+        raise SystemExit("--products takes tf32x3 and ieee")
+    candidates = [(short, product) for product in products for short in shorts]
+    if args.compile_only:
+        for shape_name in args.shapes.split(","):
+            shape = SHAPES[shape_name]
+            for rows in (int(r) for r in args.rows.split(",")):
+                for short, product in candidates:
+                    _lowered(rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3")
+        return 0
+    bandwidth = copy_bandwidth(1024**3)
+    cuda = Context(0)
+    print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); span {SPAN}, pages of {PAGE_TOKENS}")
+    print("shape rows context short products   graph us  torch us  floor us")
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        for rows in (int(r) for r in args.rows.split(",")):
+            touched = 2 * rows * min(contexts) * shape.kv_heads * shape.head_dim * 4
+            count = min(MAX_LAYERS, max(16, cdiv(COLD_BYTES, touched)))
+            layers = Layers(cuda, rows, shape.heads, shape.kv_heads, shape.head_dim, count)
+            lowered = []
+            for short, product in candidates:
+                manifest, module_data, launch = _lowered(
+                    rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3"
+                )
+                layers.workspaces(manifest)
+                module = cuda.load_module(module_data)
+                function = cuda.function(module, launch.symbol, launch.shared_bytes)
+                lowered.append((short, product, launch, function))
+            for context in contexts:
+                kv_bytes = 2 * rows * context * shape.kv_heads * shape.head_dim * 4
+                floor = kv_bytes / bandwidth * 1e6  # as gpu_decode's HBM roofline
+                torch_us = _torch_us(rows, shape.heads, shape.kv_heads, shape.head_dim, context, 64)
+                for short, product, launch, function in lowered:
+                    chosen = short == SHORT_POSITIONS and (product == "tf32x3") == TF32X3_PRODUCTS
+                    us = _graph_us(cuda, layers, launch, function, context - 1, rows)
+                    print(
+                        f"{shape_name:<5} {rows:>4} {context:>7} {'*' if chosen else ' '}{short:>4} {product:<8} "
+                        f"{us:>10.2f} {torch_us:>9.2f} {floor:>9.3f}",
+                        flush=True,
+                    )
+            layers.close()
+    cuda.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
