@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 
 import numpy as np  # noqa: E402
-from ignition.kernels import attention  # noqa: E402
+from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels.attention import SHORT_POSITIONS, TF32X3_PRODUCTS, attention_launches  # noqa: E402
 from ignition.kernels.lowering import LoweringContext, cdiv  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
-from projection_tiles import copy_bandwidth, declare, torch_us  # noqa: E402
+from projection_tiles import declare, torch_us  # noqa: E402
 
 from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
@@ -73,11 +73,7 @@ def _lowered(
     """The manifest (with its workspaces), the compiled module and the launch of one attention node."""
     manifest, node = _manifest(rows, heads, kv_heads, head_dim)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
-    attention.TF32X3_PRODUCTS = tf32x3
-    try:
-        (launch,) = attention_launches(ctx, node, short_positions=short)
-    finally:
-        attention.TF32X3_PRODUCTS = TF32X3_PRODUCTS
+    (launch,) = attention_launches(ctx, node, short_positions=short, tf32x3=tf32x3)
     return manifest, next(iter(ctx.modules.values())).data, launch
 
 
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 for short, product in candidates:
                     _lowered(rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3")
         return 0
-    bandwidth = copy_bandwidth(1024**3)
+    bandwidth = copy_bandwidth("cuda")
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); span {SPAN}, pages of {PAGE_TOKENS}")
     print("shape rows context short products   graph us  torch us  floor us")

@@ -6,11 +6,11 @@ LM head) at 1, 8, 64 and 256 rows, times Ignition's projection kernel with each 
 weights, rotating over enough weight copies that the L2 cache holds none of them, and prints
 microseconds (launches one after another on a stream, and inside a CUDA graph joined by
 programmatic edges as a program runs them), the in-graph weight bandwidth and the bandwidth floor
-(weight bytes over the measured device copy bandwidth). Each projection is the launch the Llama
-graph writes: ``[q|k|v]``, ``[gate|up]`` and the LM head normalise their input first
-(``rmsnorm_linear``), the output and down projections add the residual, down over the SwiGLU of
-its packed input. Needs an NVIDIA GPU, Triton
-and PyTorch; ``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
+(weight bytes over the device copy bandwidth, measured as ``gpu_decode.py`` measures it). Each
+projection is the launch the Llama graph writes: ``[q|k|v]``, ``[gate|up]`` and the LM head
+normalise their input first (``rmsnorm_linear``), the output and down projections add the
+residual, down over the SwiGLU of its packed input. Needs an NVIDIA GPU, Triton and PyTorch;
+``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
 
     python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--projections gate_up,lm_head]
         [--compile-only]
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 
 import numpy as np  # noqa: E402
+from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels.linear import Tiles, choose_tiles, project  # noqa: E402
 from ignition.kernels.lowering import LoweringContext  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
@@ -247,19 +248,6 @@ def torch_us(step: Callable[[], None], calls: int, repeats: int = 20) -> float:
     return float(start.elapsed_time(end)) * 1000.0 / (repeats * calls)
 
 
-def copy_bandwidth(nbytes: int = 2 * 1024**3) -> float:
-    """Device-to-device copy bandwidth in bytes a second, read and write counted (PyTorch copies)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-
-    def copy() -> None:
-        dst.copy_(src)
-
-    return 2 * src.numel() / (torch_us(copy, 1, repeats=10) / 1e6)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1b,8b")
@@ -269,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.compile_only:
         return _compile_only(args.shapes.split(","), [int(r) for r in args.rows.split(",")])
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda")
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     columns = (("shape", "<5"), ("proj", "<8"), ("rows", ">4"), ("N", ">6"), ("K", ">6"), ("tile", "<22"), ("us", ">8"))

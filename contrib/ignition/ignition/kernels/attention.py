@@ -260,10 +260,11 @@ def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.Kernel
 
 
 def attention_launches(
-    ctx: LoweringContext, node: mf.Node, *, short_positions: int | None = None
+    ctx: LoweringContext, node: mf.Node, *, short_positions: int | None = None, tf32x3: bool | None = None
 ) -> list[mf.KernelLaunch]:
     """The launch of one ``paged_attention`` node; ``short_positions`` (default :data:`SHORT_POSITIONS`)
-    is the longest context one program per (token, KV head) attends unsplit."""
+    is the longest context one program per (token, KV head) attends unsplit, ``tf32x3`` (default
+    :data:`TF32X3_PRODUCTS`) how its two matrix products run."""
     short = SHORT_POSITIONS if short_positions is None else short_positions
     q, out = ctx.need(node, "q"), ctx.need(node, "out")
     k_plane, v_plane = ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
@@ -329,7 +330,7 @@ def attention_launches(
             "BLOCK_N": block_n,
             "HEADS_M": max(16, next_power_of_two(group)),
             "D_P": max(16, head_dim),
-            "TF32X3": TF32X3_PRODUCTS,
+            "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
             "SETTLED": ctx.settled(table, rows, positions),
         },
         (tokens, kv_heads, splits),

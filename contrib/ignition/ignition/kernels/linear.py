@@ -118,9 +118,9 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     The first weight tile is loaded before ``gdc_wait`` (weights are never written by a program), so
     the weight stream starts while the previous kernel finishes; each step then loads the next
     weight tile and the next inputs (and gains) before it uses the current ones, so no step waits
-    on a load it has just issued. With ``NORM`` the input is read
-    once: the sums of squares accumulate beside the products with ``x * gain``, and each row's
-    ``1 / rms`` scales its sums at the end.
+    on a load it has just issued. With ``NORM`` the input is read once: the sums of squares
+    accumulate beside the products with ``x * gain``, and each row's ``1 / rms`` scales its sums at
+    the end.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -274,14 +274,12 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
         # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
         # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor,
         # rows of up to 4096 two rows a tile and eight programs a multiprocessor; longer rows to one
-        # program per column block, wider steps and more warps for long ones.
+        # program per eight columns, 1024 inputs a step on eight warps.
         if next_power_of_two(k) <= 2048:
             return Tiles(1, 4, 0, 4, 1, per_sm=4)
         if next_power_of_two(k) <= 4096:
             return Tiles(1, 2, 0, 4, 1, per_sm=8)
-        if k >= 4096:
-            return Tiles(1, 8, 1024, 8, 1)
-        return Tiles(1, 4 if n <= 2048 else 8, min(512, max(64, next_power_of_two(k))), 4, 1)
+        return Tiles(1, 8, 1024, 8, 1)
     if rows <= 16:
         block_n = 128
         while block_n > 16 and cdiv(n, block_n) < 2 * multiprocessors:
