@@ -104,6 +104,10 @@ class AdmissionRejected(msgspec.Struct, frozen=True, tag="rejected", gc=False):
 
     request_id: str
     message: str
+    param: str | None = None
+    """The request field a client changes to fit (``max_tokens``, ``messages``), when one does."""
+    permanent: bool = False
+    """Resending the same request can never succeed (a capacity of the core, not a passing shortage)."""
 
 
 class ExecutionFailed(msgspec.Struct, frozen=True, tag="failed", gc=False):

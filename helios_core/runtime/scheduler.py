@@ -342,7 +342,8 @@ class Scheduler:
         problem = self._capacity_problem(request)
         if problem is not None:
             self.stats.rejected += 1
-            return AdmissionRejected(request.request_id, problem)
+            message, param = problem
+            return AdmissionRejected(request.request_id, message, param=param, permanent=True)
         state = RequestState(
             request,
             list(request.prompt_ids),
@@ -359,28 +360,35 @@ class Scheduler:
                 state.gate = self.make_gate(request)
             except Exception as exc:  # a format preparation accepted but the worker cannot compile
                 self.stats.rejected += 1
-                return AdmissionRejected(request.request_id, f"cannot prepare the request's gates: {exc}")
+                return AdmissionRejected(
+                    request.request_id, f"cannot prepare the request's gates: {exc}", param="response_format",
+                    permanent=True,
+                )
         self.waiting.append(state)
         self.stats.received += 1
         return None
 
-    def _capacity_problem(self, request: PreparedRequest) -> str | None:
+    def _capacity_problem(self, request: PreparedRequest) -> tuple[str, str | None] | None:
+        """Why ``request`` can never fit the prepared capacities, and the field to change; None if it fits."""
         prompt = len(request.prompt_ids)
         if prompt == 0:
-            return "the prompt is empty"
+            return "the prompt is empty", "messages"
         if request.max_tokens <= 0:
-            return "max_tokens must be positive"
+            return "max_tokens must be positive", "max_tokens"
         if request.prompt_logprobs and not self.scored:
-            return "prompt logprobs are not supported by this core (no scored prefill programs)"
+            return "prompt logprobs are not supported by this core (no scored prefill programs)", "prompt_logprobs"
+        # a prompt that alone fills the context cannot be fixed by a smaller output limit
+        field = "messages" if prompt >= self.context else "max_tokens"
         total = prompt + request.max_tokens
         if total > self.context:
             return (
                 f"prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the core's context of "
-                f"{self.context} tokens"
+                f"{self.context} tokens; at most {max(self.context - prompt, 0)} output tokens fit this prompt",
+                field,
             )
         limit = min(self.pages_per_row, self.allocator.total_pages)
         if self._pages_for(total) > limit:
-            return f"the request needs {self._pages_for(total)} cache pages; at most {limit} fit"
+            return f"the request needs {self._pages_for(total)} cache pages; at most {limit} fit", field
         return None
 
     def cancel(self, request_id: str) -> None:

@@ -30,6 +30,7 @@ from litestar.exceptions import HTTPException
 
 from helios_core.errors import HeliosError
 from helios_core.frontend.bootstrap import PromptError
+from helios_core.runtime.messages import AdmissionRejected
 
 __all__ = [
     "AdmissionRefused",
@@ -61,7 +62,23 @@ class IngressFull(HeliosError):
 
 
 class AdmissionRefused(HeliosError):
-    """The model worker rejected the request: it lies outside the prepared capacities."""
+    """The model worker rejected the request: it lies outside the prepared capacities (503).
+
+    ``param`` names the request field a client changes to fit (``max_tokens``, ``messages``);
+    ``permanent`` says resending the same request can never succeed, which the response tells
+    clients with ``x-should-retry: false`` (the official OpenAI SDKs honour it) instead of
+    ``Retry-After``.
+    """
+
+    def __init__(self, message: str, param: str | None = None, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.param = param
+        self.permanent = permanent
+
+    @classmethod
+    def of(cls, event: AdmissionRejected) -> AdmissionRefused:
+        """The error of the model worker's rejection event."""
+        return cls(event.message, event.param, permanent=event.permanent)
 
 
 class RequestCancelled(HeliosError):
@@ -99,7 +116,7 @@ def error_body(exc: BaseException) -> dict[str, Any]:
     """The OpenAI-shaped error object of ``exc``: ``{"error": {message, type, param, code}}``."""
     status, kind = _classify(exc)
     message = str(exc) if isinstance(exc, HeliosError) else f"internal error ({type(exc).__name__})"
-    param = exc.param if isinstance(exc, InvalidRequest) else None
+    param = exc.param if isinstance(exc, InvalidRequest | AdmissionRefused) else None
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -120,8 +137,22 @@ def validation_error(exc: msgspec.DecodeError) -> InvalidRequest:
     return InvalidRequest(f"invalid request: {text}", param)
 
 
+RETRY_AFTER_SECONDS = 1
+"""``Retry-After`` of a transient refusal (429, a 503 that a later attempt may pass)."""
+
+
+def retry_headers(exc: BaseException) -> dict[str, str]:
+    """Headers telling a client whether and when to retry ``exc``'s response."""
+    status = status_for(exc)
+    if isinstance(exc, AdmissionRefused) and exc.permanent:
+        return {"x-should-retry": "false"}
+    if status in (429, 503):
+        return {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    return {}
+
+
 def _helios_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    return Response(error_body(exc), status_code=status_for(exc))
+    return Response(error_body(exc), status_code=status_for(exc), headers=retry_headers(exc))
 
 
 def _http_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:

@@ -163,7 +163,7 @@ class ChatService:
                         raise RequestCancelled("the request was cancelled before it finished")
                     return presenter.completion(event)
                 if isinstance(event, AdmissionRejected):
-                    raise AdmissionRefused(event.message)
+                    raise AdmissionRefused.of(event)
                 raise ExecutionError(event.message)
         finally:
             watcher.cancel()
@@ -219,7 +219,7 @@ class ChatService:
                 return sse_error(error_body(RequestCancelled("the request was cancelled before it finished"))), True
             return b"".join(presenter.stream_finish(event)), True
         if isinstance(event, AdmissionRejected):
-            return sse_error(error_body(AdmissionRefused(event.message))), True
+            return sse_error(error_body(AdmissionRefused.of(event))), True
         if isinstance(event, ExecutionFailed):
             return sse_error(error_body(ExecutionError(event.message))), True
         return sse_error(error_body(ExecutionError(f"unexpected event {type(event).__name__}"))), True
