@@ -2,7 +2,8 @@
 
 ``frames`` owns the byte framing (header, zstd frames, 4 MiB chunk commitments), ``sealing`` the
 AES-GCM chunks of ProtectedIndex 4 cores, ``keys`` the Ed25519 keys, trust store and envelopes,
-``writer`` writes cores and ``reader`` opens, verifies and streams them. Import from here.
+``limits`` the decoded-size limits of resources read whole, ``writer`` writes cores and ``reader``
+opens, verifies and streams them. Import from here.
 """
 
 from helios_core.container.frames import (
@@ -21,12 +22,14 @@ from helios_core.container.keys import (
     load_private_key,
     load_public_key,
 )
+from helios_core.container.limits import MAX_DECODED_NBYTES
 from helios_core.container.reader import CoreFile
 from helios_core.container.writer import ResourceInput, write_core
 
 __all__ = [
     "CHUNK_NBYTES",
     "FORMAT_VERSION",
+    "MAX_DECODED_NBYTES",
     "MAX_WINDOW_NBYTES",
     "CoreFile",
     "Layout",

@@ -6,9 +6,11 @@ Owns the read side of the container format (the write side is ``writer``). ``Cor
    ``CoreBody``; ``format_version`` must be 2;
 2. verifies the signed envelope (payload, or ProtectedIndex 4 or 6) with the operator's trust store,
    and only then parses the signed ``DeploymentBody`` or ``ModelIndex``;
-3. checks every resource's commitments (4 MiB chunks, digest count, sealing parameters) and the
-   unsigned ``LocationSet``: one location per resource, lengths equal to the signed stored lengths,
-   plain sibling file names, and every file (the core after its header, and each sibling file from
+3. checks every resource's commitments (4 MiB chunks, digest count, sealing parameters), the
+   decoded-length limit of its kind (``limits``: tokenizer, chat template and module are read into
+   memory whole, so an over-limit one is refused before any byte of it is read), and the unsigned
+   ``LocationSet``: one location per resource, lengths equal to the signed stored lengths, plain
+   sibling file names, and every file (the core after its header, and each sibling file from
    offset 0) exactly tiled by its resources, so no byte is unaccounted for.
 
 Resource bytes are read only after ``authorize`` accepted the signed publisher namespace. Reading
@@ -44,6 +46,7 @@ from helios_core.container.frames import (
     read_at,
 )
 from helios_core.container.keys import StrPath, TrustStore, verify_envelope
+from helios_core.container.limits import check_decoded_limit
 from helios_core.container.sealing import (
     SealedDecoder,
     check_core_key,
@@ -163,8 +166,13 @@ class CoreFile:
     # ----------------------------------------------------------------------------------- reading
 
     def read_resource(self, resource_id: str, expected_kind: int) -> bytearray:
-        """The whole decoded resource in one buffer of its signed decoded length."""
+        """The whole decoded resource in one buffer of its signed decoded length.
+
+        A capped kind (tokenizer, chat template, module) is checked against its limit before the
+        buffer is allocated; decoding never writes past the signed length.
+        """
         resource = self._readable(resource_id, expected_kind)
+        check_decoded_limit(resource.id, resource.kind, resource.decoded_nbytes)
         with _OpenedSource(self, resource) as stored:
             decoder = self._decoder(resource, stored)
             decoded = bytearray(resource.decoded_nbytes)
@@ -405,6 +413,7 @@ def _check_resources(body: SignedBody, layout: Layout) -> None:
         seen.add(resource.id)
         if resource.kind not in _KNOWN_KINDS:
             raise CoreFormatError(f"{what} has kind {resource.kind}, which this runtime does not know")
+        check_decoded_limit(resource.id, resource.kind, resource.decoded_nbytes)
         if resource.chunk_nbytes != CHUNK_NBYTES:
             raise CoreFormatError(f"{what} has chunk_nbytes {resource.chunk_nbytes}; it must be {CHUNK_NBYTES} (4 MiB)")
         expected_chunks = chunk_count(resource.stored_nbytes)

@@ -38,6 +38,7 @@ from helios_core.container.frames import (
     encode_header,
 )
 from helios_core.container.keys import sign_envelope
+from helios_core.container.limits import check_decoded_limit
 from helios_core.container.sealing import (
     DEFAULT_PLAIN_CHUNK_NBYTES,
     NONCE_PREFIX_NBYTES,
@@ -119,6 +120,7 @@ def _check_inputs(
         seen.add(resource.id)
         if resource.kind not in known_kinds:
             raise CoreFormatError(f"resource {resource.id!r} has kind {resource.kind}, not a ResourceKind")
+        check_decoded_limit(resource.id, resource.kind, len(resource.data))
         if not 0 <= resource.rank <= _UINT32_MAX:
             raise CoreFormatError(f"resource {resource.id!r} has rank {resource.rank}, not a uint32")
     for resource_id, file_name in sibling_files.items():
