@@ -240,7 +240,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bootstrap = running.bootstrap
         prompt = bootstrap.encode_prompt(messages)
         explicit = {"temperature": args.temperature, "top_p": args.top_p}
-        sampling = resolve_sampling(bootstrap.sampling_defaults, explicit, seed=args.seed)
+        sampling = resolve_sampling(
+            bootstrap.sampling_defaults, explicit, seed=args.seed, limits=bootstrap.sampling_limits
+        )
         context = running.verified.contract.serving.context_tokens
         max_tokens = args.max_tokens
         if max_tokens is None:  # the core's default output limit, within what the context leaves

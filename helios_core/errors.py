@@ -14,6 +14,7 @@ __all__ = [
     "CoreFormatError",
     "HeliosError",
     "IntegrityError",
+    "PromptError",
     "StartupError",
     "TrustError",
     "UnsupportedFeatureError",
@@ -50,3 +51,8 @@ class UnsupportedFeatureError(ContractError):
 
 class StartupError(HeliosError):
     """The runtime could not start with the given core and options."""
+
+
+class PromptError(HeliosError):
+    """A request the frontend cannot turn into a prompt or an output format: a conversation the chat
+    template cannot render, an invalid setting or schema (an invalid request)."""

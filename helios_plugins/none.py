@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from helios_core.plugin_api import GeneratedPiece, OutputDelta, ParserContext, Register, contract
 
+HELIOS_PLUGIN_API = (1, 0)
+
 
 class NoReasoning:
     """Every piece's text is content."""

@@ -22,6 +22,9 @@ Rules, in the order the parser applies them:
 * Truncated reasoning (no closer before the end) stays reasoning.
 
 Other modules may reuse ``DelimitedReasoningParser`` with other delimiters (XTML think does).
+
+Constrained output (``think_tags_envelope``): reasoning between the declared open and close
+delimiters may come before the answer or the call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 from enum import Enum
 
 from helios_core.plugin_api import (
+    DelimitedEnvelope,
+    DelimitedReasoning,
     GeneratedPiece,
     OutputDelta,
     ParserContext,
@@ -37,6 +42,8 @@ from helios_core.plugin_api import (
     contract,
     partial_suffix_length,
 )
+
+HELIOS_PLUGIN_API = (1, 0)
 
 
 class _State(Enum):
@@ -211,6 +218,19 @@ def think_tags_parser(context: ParserContext) -> DelimitedReasoningParser:
     )
 
 
+def think_tags_envelope(frontend: contract.FrontendContract) -> DelimitedEnvelope:
+    """Think-tag reasoning before the answer (none unless both delimiters are declared)."""
+    syntax = frontend.reasoning_syntax
+    if not syntax.open or not syntax.close:
+        return DelimitedEnvelope(None)
+    return DelimitedEnvelope(DelimitedReasoning(syntax.open, syntax.close, syntax.terminal_marker))
+
+
 def helios_register_reasoning_parsers(register: Register) -> None:
     """Provide the think-tag reasoning parser."""
     register(contract.REASONING_PARSER_THINK_TAGS, think_tags_parser, name="think-tags")
+
+
+def helios_register_reasoning_envelopes(register: Register) -> None:
+    """Provide the think-tag envelope."""
+    register(contract.REASONING_PARSER_THINK_TAGS, think_tags_envelope, name="think-tags")

@@ -26,6 +26,9 @@ declared by ``RecipientHeaderSyntax`` (``<|start|>assistant to=RECIPIENT<|messag
 
 ATEM only appears inside these frames, so the ATEM tool parser on the content stream passes text
 through; the calls come from the reasoning parser. The host refuses one without the other.
+
+Constrained output in these frames (the ATEM call grammar and the envelope of structured answers)
+is written by :mod:`helios_plugins.recipient_frames`; this module registers it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from helios_core.plugin_api import (
     parse_attributes,
     scan_tagged_section,
 )
+from helios_plugins.recipient_frames import atem_grammar, recipient_envelope
+
+HELIOS_PLUGIN_API = (1, 0)
 
 
 def _normalise_name(name: str) -> str:
@@ -236,9 +242,21 @@ def atem_tool_parser(context: ParserContext) -> AtemContentPassthrough:
 
 def helios_register_tool_parsers(register: Register) -> None:
     """Provide the ATEM tool parser."""
-    register(contract.TOOL_PARSER_ATEM, atem_tool_parser, name="atem")
+    register(
+        contract.TOOL_PARSER_ATEM, atem_tool_parser, name="atem", requires=contract.REASONING_PARSER_RECIPIENT_HEADER
+    )
 
 
 def helios_register_reasoning_parsers(register: Register) -> None:
     """Provide recipient-header reasoning."""
     register(contract.REASONING_PARSER_RECIPIENT_HEADER, RecipientHeaderParser, name="recipient-header")
+
+
+def helios_register_tool_grammars(register: Register) -> None:
+    """Provide the ATEM call grammar (one call frame after any reasoning frames)."""
+    register(contract.TOOL_PARSER_ATEM, atem_grammar, name="atem")
+
+
+def helios_register_reasoning_envelopes(register: Register) -> None:
+    """Provide the recipient-header envelope (structured answers in frames)."""
+    register(contract.REASONING_PARSER_RECIPIENT_HEADER, recipient_envelope, name="recipient-header")

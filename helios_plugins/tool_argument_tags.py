@@ -12,21 +12,35 @@ calls, configured by ``ArgumentTagSyntax`` (``call_open``, ``call_close``, ``key
   kept as text.
 * A missing value opener: the value starts after the key closer. A missing value closer: the value
   ends at the next key opener or the call closer. ``NAME SEP CALL_CLOSE`` is a call with ``{}``.
+
+Constrained calls (``argument_tags_grammar``): ``CALL_OPEN NAME SEP``, then per property (required
+ones; optional ones may be skipped; schema order) ``KEY_OPEN k KEY_CLOSE``, a newline,
+``VALUE_OPEN v VALUE_CLOSE`` and a newline, then ``CALL_CLOSE``.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from typing import Any
+
 from helios_core.plugin_api import (
     CallScan,
+    GrammarFragment,
+    GrammarWriter,
     ParamScan,
     ParserContext,
     Register,
     SectionScan,
     SectionToolParser,
+    ToolGrammarRequest,
     contract,
     partial_suffix_length,
     require_syntax,
+    tag_call_rules,
 )
+
+HELIOS_PLUGIN_API = (1, 0)
 
 
 class ArgumentTagParser(SectionToolParser):
@@ -106,6 +120,39 @@ class ArgumentTagParser(SectionToolParser):
             return scan
 
 
+def argument_tags_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:
+    """One call in argument tags (``None`` when a marker other than the name separator is missing)."""
+    syntax = request.frontend.tool_syntax
+    tags = syntax.argument_tags
+    texts = (tags.call_open, tags.call_close, tags.key_open, tags.key_close, tags.value_open, tags.value_close)
+    if syntax.WhichOneof("family") != "argument_tags" or not all(texts):
+        return None
+    writer = GrammarWriter()
+    ends = (tags.value_close, tags.key_open, tags.call_close, tags.call_open)
+
+    def parameter(key: str, schema: Mapping[str, Any], value: str) -> str:
+        head = f'{writer.marker(tags.key_open)} {json.dumps(key)} {writer.marker(tags.key_close)} "\\n"'
+        return f'{head} {writer.marker(tags.value_open)} {value} {writer.marker(tags.value_close)} "\\n"'
+
+    def call(name: str, parameters: str) -> str:
+        separator = writer.marker(tags.name_separator) if tags.name_separator else ""
+        return f"{json.dumps(name)} {separator} {parameters}"
+
+    called, rules = tag_call_rules(request, terminators=ends, parameter=parameter, call=call)
+    return writer.fragment(
+        [
+            f"start: {writer.marker(tags.call_open)} body {writer.marker(tags.call_close)}",
+            "body: " + " | ".join(f"call_{index}" for index, _ in called),
+            *rules,
+        ]
+    )
+
+
 def helios_register_tool_parsers(register: Register) -> None:
     """Provide the argument-tag tool parser."""
     register(contract.TOOL_PARSER_ARGUMENT_TAGS, ArgumentTagParser, name="argument-tags")
+
+
+def helios_register_tool_grammars(register: Register) -> None:
+    """Provide the argument-tag call grammar."""
+    register(contract.TOOL_PARSER_ARGUMENT_TAGS, argument_tags_grammar, name="argument-tags")

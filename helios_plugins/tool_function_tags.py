@@ -13,20 +13,35 @@ CALL_CLOSE`` calls, configured by ``FunctionTagSyntax`` (``call_open``, ``call_c
   function closer ends the call at the call closer.
 * A section whose first element is not ``<function=NAME>`` (or whose name holds a newline or never
   closes) is content. A bare ``<function=`` without the call opener is content.
+
+Constrained calls (``function_tags_grammar``): the call opener, a newline, ``<function=N>`` and a
+newline, then one ``<parameter=K>VALUE</parameter>`` line per property (required ones; optional
+ones may be skipped; schema order; ``wrapping_newlines`` puts one newline around each value),
+``</function>``, a newline and the call closer. ``plugin_api.value_rule`` writes the values.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from typing import Any
+
 from helios_core.plugin_api import (
+    GrammarFragment,
+    GrammarWriter,
     ParserContext,
     Register,
     SectionScan,
     SectionToolParser,
     StartupError,
     TagGrammar,
+    ToolGrammarRequest,
     contract,
     scan_tagged_section,
+    tag_call_rules,
 )
+
+HELIOS_PLUGIN_API = (1, 0)
 
 
 def _name(header: str) -> str | None:
@@ -72,6 +87,40 @@ class FunctionTagParser(SectionToolParser):
         return scan_tagged_section(self._grammar, text, final)
 
 
+def function_tags_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:
+    """One call in function tags (``None`` when a marker is not declared)."""
+    syntax = request.frontend.tool_syntax
+    tags = syntax.function_tags
+    texts = (tags.call_open, tags.call_close, tags.function_prefix, tags.function_close, tags.parameter_prefix)
+    if syntax.WhichOneof("family") != "function_tags" or not all(texts) or not tags.parameter_close:
+        return None
+    writer = GrammarWriter()
+    ends = (tags.parameter_close, tags.parameter_prefix, tags.function_close, tags.call_close, tags.call_open)
+    wrap = '"\\n" ' if tags.wrapping_newlines else ""
+
+    def parameter(key: str, schema: Mapping[str, Any], value: str) -> str:
+        head = f'{writer.marker(tags.parameter_prefix)} {json.dumps(key)} ">"'
+        return f'{head} {wrap}{value} {wrap}{writer.marker(tags.parameter_close)} "\\n"'
+
+    def call(name: str, parameters: str) -> str:
+        prefix, close = writer.marker(tags.function_prefix), writer.marker(tags.function_close)
+        return f'"\\n" {prefix} {json.dumps(name)} ">\\n" {parameters} {close} "\\n"'
+
+    called, rules = tag_call_rules(request, terminators=ends, parameter=parameter, call=call)
+    return writer.fragment(
+        [
+            f"start: {writer.marker(tags.call_open)} body {writer.marker(tags.call_close)}",
+            "body: " + " | ".join(f"call_{index}" for index, _ in called),
+            *rules,
+        ]
+    )
+
+
 def helios_register_tool_parsers(register: Register) -> None:
     """Provide the function-tag tool parser."""
     register(contract.TOOL_PARSER_FUNCTION_TAGS, FunctionTagParser, name="function-tags")
+
+
+def helios_register_tool_grammars(register: Register) -> None:
+    """Provide the function-tag call grammar."""
+    register(contract.TOOL_PARSER_FUNCTION_TAGS, function_tags_grammar, name="function-tags")

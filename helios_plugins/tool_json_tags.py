@@ -6,23 +6,33 @@ Owns the parser configured by ``JsonTagSyntax`` (``call_open``, ``call_close``) 
 arguments are ``{}``. A call is emitted whole when its closer arrives (its arguments are written in
 one fragment). A body that is not such an object, or a section without its closer at the end of
 output, is content, markers included.
+
+Constrained calls (``json_tags_grammar``): ``CALL_OPEN`` (as its token where it is one), the object
+``{"name": N, "arguments": <N's schema>}`` in compact JSON, ``CALL_CLOSE``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from helios_core.plugin_api import (
+    COMPACT_JSON,
     CallScan,
+    GrammarFragment,
+    GrammarWriter,
     ParserContext,
     Register,
     SectionScan,
     SectionToolParser,
     StartupError,
+    ToolGrammarRequest,
     contract,
     decode_json_value,
     dump_json,
 )
+
+HELIOS_PLUGIN_API = (1, 0)
 
 
 def _call(body: str) -> CallScan | None:
@@ -60,6 +70,38 @@ class JsonTagParser(SectionToolParser):
         return SectionScan([call], end=end + len(self._close))
 
 
+def json_tags_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:
+    """One call: ``CALL_OPEN {"name": N, "arguments": ...} CALL_CLOSE`` (``None`` without both markers)."""
+    syntax = request.frontend.tool_syntax
+    tags = syntax.json_tags
+    if syntax.WhichOneof("family") != "json_tags" or not tags.call_open or not tags.call_close:
+        return None
+    writer = GrammarWriter()
+    alternatives = []
+    for index, name, parameters in request.callable_tools():
+        arguments = dict(parameters) if parameters else {"type": "object"}
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": COMPACT_JSON,
+        }
+        alternatives.append((f"call_{index}", json.dumps(schema)))
+    return writer.fragment(
+        [
+            f"start: {writer.marker(tags.call_open)} body {writer.marker(tags.call_close)}",
+            "body: " + " | ".join(rule for rule, _ in alternatives),
+            *(f"{rule}: %json {schema}" for rule, schema in alternatives),
+        ]
+    )
+
+
 def helios_register_tool_parsers(register: Register) -> None:
     """Provide the JSON-tag tool parser."""
     register(contract.TOOL_PARSER_JSON_TAGS, JsonTagParser, name="json-tags")
+
+
+def helios_register_tool_grammars(register: Register) -> None:
+    """Provide the JSON-tag call grammar."""
+    register(contract.TOOL_PARSER_JSON_TAGS, json_tags_grammar, name="json-tags")

@@ -15,26 +15,46 @@ Several calls in a block are parallel calls. Outside the block, every other XTML
 
 Think reasoning: ``ReasoningSyntax.open`` / ``close`` (default ``OPEN think_element SEP`` /
 ``CLOSE think_element SEP``) delimit reasoning with the think-tag rules.
+
+Constrained output: ``xtml_grammar`` writes the block holding one call, its arguments typed
+``type="string"`` (verbatim), ``number``, ``boolean``, ``null``, ``array`` or ``object`` (JSON) by
+their schema; ``xtml_think_envelope`` lets reasoning between the think delimiters come first.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from helios_core.plugin_api import (
+    STRING_TYPES,
+    DelimitedEnvelope,
+    DelimitedReasoning,
+    GrammarFragment,
+    GrammarWriter,
     ParserContext,
     Register,
     SectionScan,
     SectionToolParser,
     StartupError,
     TagGrammar,
+    ToolGrammarRequest,
     contract,
     parse_attributes,
     partial_suffix_length,
     require_syntax,
     scan_tagged_section,
+    schema_type,
+    tag_call_rules,
 )
 from helios_plugins.reasoning_think_tags import DelimitedReasoningParser
+
+HELIOS_PLUGIN_API = (1, 0)
+
+# the ``type`` attribute of a JSON-typed argument, by schema type (anything else: ``object``)
+_XTML_TYPES = {"integer": "number", "number": "number", "boolean": "boolean", "null": "null", "array": "array"}
 
 
 def xtml_framing(block_open: str, block_close: str) -> tuple[str, str, str, str]:
@@ -138,9 +158,74 @@ def xtml_think_parser(context: ParserContext) -> DelimitedReasoningParser:
     )
 
 
+def xtml_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:
+    """The XTML block holding one call (``None`` when the framing or an element name is missing)."""
+    syntax = request.frontend.tool_syntax
+    xtml = syntax.xtml
+    if syntax.WhichOneof("family") != "xtml" or not xtml.call_element or not xtml.arg_element:
+        return None
+    try:
+        opening, closing, separator, block = xtml_framing(xtml.block_open, xtml.block_close)
+    except StartupError:
+        return None
+    writer = GrammarWriter()
+    open_, close_, sep = writer.marker(opening), writer.marker(closing), writer.marker(separator)
+    ends = (opening, closing, separator, xtml.block_close, xtml.block_open)
+
+    def parameter(key: str, schema: Mapping[str, Any], value: str) -> str:
+        kind = "string" if schema_type(schema) in STRING_TYPES else _XTML_TYPES.get(str(schema_type(schema)))
+        attributes = json.dumps(f' key="{key}" type="{kind or "object"}"')
+        arg = json.dumps(xtml.arg_element)
+        return f"{open_} {arg} {attributes} {sep} {value} {close_} {arg} {sep}"
+
+    def call(name: str, parameters: str) -> str:
+        element = json.dumps(xtml.call_element)
+        attributes = json.dumps(f" tool={json.dumps(name)}")
+        return f"{open_} {element} {attributes} {sep} {parameters} {close_} {element} {sep}"
+
+    called, rules = tag_call_rules(request, terminators=ends, parameter=parameter, call=call, quoted_keys=True)
+    name = json.dumps(block)
+    return writer.fragment(
+        [
+            f"start: {open_} {name} {sep} body {close_} {name} {sep}",
+            "body: " + " | ".join(f"call_{index}" for index, _ in called),
+            *rules,
+        ]
+    )
+
+
+def xtml_think_envelope(frontend: contract.FrontendContract) -> DelimitedEnvelope:
+    """XTML think reasoning before the answer: the declared delimiters, or (undeclared) the think
+    element in the XTML framing, as ``xtml_think_parser`` reads them; none without a framing."""
+    xtml = frontend.tool_syntax.xtml
+    reasoning = frontend.reasoning_syntax
+    try:
+        opening, closing, sep, _ = xtml_framing(xtml.block_open, xtml.block_close)
+    except StartupError:
+        return DelimitedEnvelope(None)
+    element = xtml.think_element or "think"
+    return DelimitedEnvelope(
+        DelimitedReasoning(
+            open=reasoning.open or opening + element + sep,
+            close=reasoning.close or closing + element + sep,
+            terminal_marker=reasoning.terminal_marker,
+        )
+    )
+
+
 def helios_register_tool_parsers(register: Register) -> None:
     """Provide the XTML tool parser."""
     register(contract.TOOL_PARSER_XTML, XtmlToolParser, name="xtml")
+
+
+def helios_register_tool_grammars(register: Register) -> None:
+    """Provide the XTML call grammar."""
+    register(contract.TOOL_PARSER_XTML, xtml_grammar, name="xtml")
+
+
+def helios_register_reasoning_envelopes(register: Register) -> None:
+    """Provide the XTML think envelope."""
+    register(contract.REASONING_PARSER_XTML_THINK, xtml_think_envelope, name="xtml-think")
 
 
 def helios_register_reasoning_parsers(register: Register) -> None:

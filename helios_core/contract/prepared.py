@@ -89,18 +89,21 @@ LENGTH_SOURCES: Final = frozenset({ct.VALUE_SOURCE_QUERY_LENGTH, ct.VALUE_SOURCE
 
 PAGED_HISTORY_KINDS: Final = frozenset({ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_PAGED_LATENT})
 
-TOOL_FAMILY_OF_PARSER: Final[Mapping[int, str | None]] = MappingProxyType(
-    {
-        ct.TOOL_PARSER_NONE: None,
-        ct.TOOL_PARSER_FUNCTION_TAGS: "function_tags",
-        ct.TOOL_PARSER_ARGUMENT_TAGS: "argument_tags",
-        ct.TOOL_PARSER_DSML: "dsml",
-        ct.TOOL_PARSER_XTML: "xtml",
-        ct.TOOL_PARSER_ATEM: "atem",
-        ct.TOOL_PARSER_JSON_TAGS: "json_tags",
-    }
-)
-"""The ToolSyntax family each built-in tool parser reads."""
+
+def _tool_families() -> Mapping[int, str | None]:
+    """Each built-in tool parser and the ``ToolSyntax.family`` field its enum name spells
+    (``TOOL_PARSER_X`` reads ``tool_syntax.x``), or ``None`` when no field is spelled (``NONE``)."""
+    fields = {descriptor.name for descriptor in ct.ToolSyntax.DESCRIPTOR.oneofs_by_name["family"].fields}
+    table: dict[int, str | None] = {}
+    for value in ct.ToolParser.values():
+        if value != ct.TOOL_PARSER_UNSPECIFIED:
+            spelled = ct.ToolParser.Name(value).removeprefix("TOOL_PARSER_").lower()
+            table[value] = spelled if spelled in fields else None
+    return MappingProxyType(table)
+
+
+TOOL_FAMILY_OF_PARSER: Final[Mapping[int, str | None]] = _tool_families()
+"""The ToolSyntax family each built-in tool parser reads, read from the contract schema."""
 
 REQUIRED_TOOL_PARSER: Final[Mapping[int, int]] = MappingProxyType(
     {

@@ -2,60 +2,103 @@
 
 Owns loading the only runtime frontend assets a core carries — tokenizer data
 and the chat template — plus the typed frontend settings and sampling
-defaults from the contract. The chat template runs in Jinja2's immutable
-sandbox with the conventions chat templates are written for (``trim_blocks``,
-``lstrip_blocks``, ``tojson``, ``raise_exception``). Helios reads no
-checkpoint config files or model cards: everything here comes from the core.
+defaults from the contract. The chat template runs in a bounded Jinja2
+immutable sandbox (:mod:`helios_core.frontend.template_sandbox`: time, output,
+value size and call depth limits, every failure a ``PromptError``), and
+prompts are encoded so client text never becomes control tokens
+(:mod:`helios_core.frontend.prompt_encoding`). Helios reads no checkpoint
+config files or model cards: everything here comes from the core.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
 from typing import Any
 
-from jinja2 import Template, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import Template
 from tokenizers import Tokenizer
 
 from helios_core.container.reader import CoreFile
 from helios_core.contract import PreparedContract
-from helios_core.errors import ContractError, HeliosError
-from helios_core.runtime.messages import SamplingParams
+from helios_core.errors import ContractError
+from helios_core.errors import PromptError as PromptError  # re-exported: callers catch it from here
+from helios_core.frontend.prompt_encoding import ClientTextShield, PromptEncoder
+from helios_core.frontend.template_sandbox import (
+    RenderLimits,
+    TemplateCompileError,
+    TemplateRenderError,
+    compile_template,
+)
+from helios_core.frontend.template_sandbox import render as render_template
+from helios_core.sampling import SamplingLimits, SamplingParams, format_bound, fresh_seed
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 
 
-class PromptError(HeliosError):
-    """A conversation the chat template cannot render (an invalid request)."""
+class SamplingError(PromptError):
+    """A sampling setting outside the values it may take; ``field`` names it (an invalid request)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 _NEUTRAL_SAMPLING = SamplingParams()
 
+_INF = float("inf")
+SAMPLING_RANGES: Mapping[str, tuple[float, float, bool]] = {
+    "temperature": (0, _INF, False),
+    "top_p": (0, 1, True),
+    "top_k": (0, _INF, False),
+    "min_p": (0, 1, False),
+    "repetition_penalty": (0, _INF, True),
+    "frequency_penalty": (-2, 2, False),
+    "presence_penalty": (-2, 2, False),
+    "seed": (0, 2**64 - 1, False),
+}
+"""Each sampling setting's meaningful values: (least, greatest, whether the least is excluded). A core
+narrows them to what its sampling inputs hold (:class:`~helios_core.sampling.SamplingLimits`)."""
 
-def _check_sampling(params: SamplingParams) -> SamplingParams:
-    """Raise PromptError naming the first out-of-range setting; return ``params`` unchanged."""
-    if params.temperature < 0:
-        raise PromptError(f"temperature must be >= 0, not {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise PromptError(f"top_p must lie in (0, 1], not {params.top_p}")
-    if params.top_k < 0:
-        raise PromptError(f"top_k must be >= 0, not {params.top_k}")
-    if not 0 <= params.min_p <= 1:
-        raise PromptError(f"min_p must lie in [0, 1], not {params.min_p}")
-    if params.repetition_penalty <= 0:
-        raise PromptError(f"repetition_penalty must be > 0, not {params.repetition_penalty}")
-    if not -2 <= params.frequency_penalty <= 2 or not -2 <= params.presence_penalty <= 2:
-        raise PromptError("frequency_penalty and presence_penalty must lie in [-2, 2]")
-    if not 0 <= params.seed < 2**64:
-        raise PromptError("seed must lie in [0, 2**64)")
+
+def sampling_range(name: str, limits: SamplingLimits | None = None) -> str:
+    """The values setting ``name`` may take on a core with ``limits``, as a message writes them."""
+    low, high, open_low = SAMPLING_RANGES[name]
+    packed = limits.bounds(name) if limits is not None else None
+    if packed is not None:
+        packed_low, packed_high, _ = packed
+        if packed_low > low or (open_low and packed_low >= low):
+            low, open_low = packed_low, False  # the smallest normal value replaces an excluded zero
+        high = min(high, packed_high)
+    upper = "inf)" if high == _INF else f"{format_bound(high)}]"
+    return f"{'(' if open_low else '['}{format_bound(low)}, {upper}"
+
+
+def _check_sampling(params: SamplingParams, limits: SamplingLimits | None = None) -> SamplingParams:
+    """Raise SamplingError naming the first setting outside its range (the meaningful values, narrowed to
+    what the core's sampling inputs hold when ``limits`` are given); return ``params`` unchanged."""
+    for name, (low, high, open_low) in SAMPLING_RANGES.items():
+        value = getattr(params, name)
+        meaningful = low < value <= high if open_low else low <= value <= high  # false for NaN
+        if not meaningful or (limits is not None and not limits.fits(name, value)):
+            raise SamplingError(f"{name} must lie in {sampling_range(name, limits)}, not {value!r}", name)
     return params
 
 
-def resolve_sampling(defaults: ct.SamplingDefaults, request: Mapping[str, Any], seed: int) -> SamplingParams:
-    """Complete sampling settings: request values over the core defaults over neutral values."""
+def resolve_sampling(
+    defaults: ct.SamplingDefaults, request: Mapping[str, Any], seed: int | None, limits: SamplingLimits | None = None
+) -> SamplingParams:
+    """Complete sampling settings: request values over the core defaults over neutral values.
+
+    ``seed`` None (a request that names no seed) draws a fresh one from the operating system's random
+    source, within what the core's seed input holds (:func:`~helios_core.sampling.fresh_seed`), so
+    unseeded requests sample independently; a given seed is kept, so seeded requests reproduce.
+
+    Raises:
+        SamplingError: a setting lies outside its meaningful range, or (with ``limits``, the core's
+            :attr:`Bootstrap.sampling_limits`) does not fit the input the core packs it into.
+    """
     values: dict[str, Any] = {}
     for name in (
         "temperature",
@@ -73,7 +116,9 @@ def resolve_sampling(defaults: ct.SamplingDefaults, request: Mapping[str, Any], 
             values[name] = getattr(defaults, name)
         else:
             values[name] = getattr(_NEUTRAL_SAMPLING, name)
-    return _check_sampling(SamplingParams(seed=seed, **values))
+    if seed is None:
+        seed = fresh_seed(limits)
+    return _check_sampling(SamplingParams(seed=seed, **values), limits)
 
 
 @dataclass(frozen=True)
@@ -89,6 +134,15 @@ class Bootstrap:
     input_vocabulary: int
     template_variables: Mapping[str, Any]
     template: Template
+    sampling_limits: SamplingLimits = field(default_factory=SamplingLimits)
+    """What the core's sampling inputs hold (see :func:`resolve_sampling`)."""
+    render_limits: RenderLimits = field(default_factory=RenderLimits)
+    """Bounds of every chat-template render (time, output, value sizes, call depth)."""
+    encoder: PromptEncoder = field(init=False, repr=False, compare=False)
+    """Encodes renderings so client text stays plain text; built from ``tokenizer``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder", PromptEncoder(self.tokenizer))
 
     @classmethod
     def load(cls, core: CoreFile, contract: PreparedContract) -> Bootstrap:
@@ -100,8 +154,8 @@ class Bootstrap:
                 f"a core carries exactly one tokenizer and one chat template; this one has {len(tokenizer_ids)} "
                 f"and {len(template_ids)}"
             )
-        tokenizer_json = bytes(core.read_resource(tokenizer_ids[0], cb.RESOURCE_KIND_TOKENIZER)).decode("utf-8")
-        template = bytes(core.read_resource(template_ids[0], cb.RESOURCE_KIND_CHAT_TEMPLATE)).decode("utf-8")
+        tokenizer_json = _read_text(core, tokenizer_ids[0], cb.RESOURCE_KIND_TOKENIZER, "tokenizer")
+        template = _read_text(core, template_ids[0], cb.RESOURCE_KIND_CHAT_TEMPLATE, "chat template")
         try:
             tokenizer = Tokenizer.from_str(tokenizer_json)
         except Exception as exc:  # the tokenizers library raises plain Exceptions
@@ -118,27 +172,46 @@ class Bootstrap:
             input_vocabulary=contract.model.input_vocabulary.size,
             template_variables=variables,
             template=compile_chat_template(template),
+            sampling_limits=SamplingLimits.of(contract),
         )
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None) -> str:
-        """Render a conversation with the generation prompt appended."""
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Any] | None = None,
+        input_chars: int | None = None,
+    ) -> str:
+        """Render a conversation with the generation prompt appended, within ``render_limits``.
+
+        ``input_chars``: characters of client text the conversation holds (it scales the output
+        limit); counted here when not given. Every render failure raises PromptError."""
         special = self.frontend.template_tokens
+        if input_chars is None:
+            counter = ClientTextShield(None)
+            counter.shield_value([list(messages), list(tools or [])])
+            input_chars = counter.input_chars
+        variables = {
+            **self.template_variables,
+            "messages": list(messages),
+            "tools": list(tools) if tools else None,
+            "add_generation_prompt": True,
+            "bos_token": special.bos,
+            "eos_token": "",
+        }
         try:
-            return self.template.render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=True,
-                bos_token=special.bos,
-                eos_token="",
-                **self.template_variables,
-            )
-        except TemplateError as exc:
+            return render_template(self.template, self.render_limits, input_chars, variables)
+        except TemplateRenderError as exc:
             raise PromptError(f"the chat template cannot render this conversation: {exc}") from exc
 
     def encode_prompt(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None) -> list[int]:
-        """Rendered and tokenized prompt ids (special tokens in the rendering encode as themselves)."""
-        text = self.render(messages, tools=tools)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Rendered and tokenized prompt ids: the template's markup encodes as control tokens, the
+        conversation's own text (messages and tools) as plain text."""
+        shield = self.encoder.shield()
+        shielded = shield.shield_value(list(messages))
+        shielded_tools = shield.shield_value(list(tools)) if tools else None
+        text = self.render(shielded, tools=shielded_tools, input_chars=shield.input_chars)
+        ids = self.encoder.encode(text, shield)
         bad = [i for i in ids if i >= self.input_vocabulary]
         if bad:
             raise PromptError(
@@ -152,25 +225,18 @@ class Bootstrap:
         return text
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
 def compile_chat_template(source: str) -> Template:
-    """Compile a chat template in the immutable sandbox chat templates are written for."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    """Compile a chat template in the bounded sandbox chat templates render in."""
     try:
-        return env.from_string(source)
-    except TemplateError as exc:
+        return compile_template(source)
+    except TemplateCompileError as exc:
         raise ContractError(f"the core's chat template does not compile: {exc}") from exc
+
+
+def _read_text(core: CoreFile, resource_id: str, kind: int, what: str) -> str:
+    """A UTF-8 text resource of the core (the reader refuses one over its kind's size limit unread)."""
+    data = core.read_resource(resource_id, kind)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ContractError(f"the core's {what} (resource {resource_id!r}) is not UTF-8 text: {exc}") from exc

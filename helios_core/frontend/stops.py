@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from helios_core.frontend.bootstrap import PromptError
+from helios_core.errors import PromptError
 
 MAX_STRING_STOPS = 4
 MAX_STRING_STOP_BYTES = 4096

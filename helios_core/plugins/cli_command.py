@@ -1,6 +1,8 @@
 """The ``helios plugins [--json]`` command: lists every plugin the host sees.
 
 Owns only the command's arguments and output; the main CLI adds it with ``add_plugins_command``.
+One line per plugin entry point: its distribution's name and version, the entry point
+(``name = module``), the status and the identifiers, then any error and conflicts.
 Exit code 0, also when a plugin failed (failures are listed); 1 when two plugins conflict.
 """
 
@@ -37,12 +39,18 @@ def run_plugins_command(args: argparse.Namespace, *, host: PluginHost | None = N
 
 
 def _line(entry: dict[str, Any]) -> str:
+    """``DIST VERSION: ENTRY = MODULE [STATUS] KIND=IDS ...``, then the error and conflicts if any.
+
+    The distribution and the entry point together name the plugin: one distribution (the built-ins'
+    ``helios`` among them) may ship several entry points.
+    """
     identifiers = entry["identifiers"]
     if isinstance(identifiers, dict):
         shown = " ".join(f"{kind}={','.join(map(str, ids))}" for kind, ids in identifiers.items()) or "-"
     else:
         shown = identifiers
-    line = f"{entry['name']} {entry['version'] or '?'} [{entry['status']}] {shown}"
+    entry_point = entry["entry_point"] or "(registered in process)"
+    line = f"{entry['name']} {entry['version'] or '?'}: {entry_point} [{entry['status']}] {shown}"
     if entry["error"]:
         line += f" error: {entry['error']}"
     for conflict in entry["conflicts"]:

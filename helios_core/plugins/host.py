@@ -1,7 +1,8 @@
 """The plugin host: loads plugins once at startup and resolves a core's frontend selections.
 
-Owns the four registries (tool parsers, reasoning parsers, image preparations, image layouts),
-each keyed by enum identifier, and the record of every plugin it saw. Nothing here runs per
+Owns the registries (tool parsers, reasoning parsers, image preparations, image layouts, and the
+optional tool grammars and reasoning envelopes keyed by their parser's identifier), each keyed by
+enum identifier, and the record of every plugin it saw. Nothing here runs per
 request: ``SelectedFrontend.pipeline`` builds a request's ``OutputPipeline`` from the factories
 resolved at startup.
 
@@ -13,9 +14,13 @@ Startup, in order:
    ``HELIOS_DISABLE_PLUGIN_AUTOLOAD=1`` (or ``autoload=False``); ``HELIOS_PLUGINS`` (or
    ``allowlist=``), a comma-separated list of distribution names, limits which ones load (set but
    empty: none).
-2. A plugin that fails to import, to register with pluggy, or raises inside a registration hook, or
-   registers an identifier outside its range, is isolated: it is recorded ``failed`` with the error,
-   its registrations are discarded, and startup continues. It becomes fatal only when the core
+2. A plugin that fails to import, to register with pluggy, or raises inside a registration hook,
+   registers an identifier outside its range, or declares a ``HELIOS_PLUGIN_API`` version this core
+   does not provide (another major, or a newer minor), is isolated: it is recorded ``failed`` with the error,
+   its registrations are discarded, and startup continues. Any ``BaseException`` a plugin raises
+   counts (``SystemExit``, ``GeneratorExit``, ``KeyboardInterrupt``, custom subclasses), except the
+   ``KeyboardInterrupt`` of an operator's Ctrl-C (SIGINT) arriving while plugins load, which stops
+   startup as it would anywhere else. It becomes fatal only when the core
    selects an identifier that no loaded plugin provides; the error then names the failed plugins
    that declare that identifier. Declarations live in a second entry-point group,
    ``helios.identifiers``, whose entries are named ``KIND.NUMBER`` (``tool_parser.100002``) and
@@ -24,37 +29,44 @@ Startup, in order:
    ``"unknown"`` and named in every missing-identifier error.
 3. Two providers of one identifier are a conflict: resolving fails naming both, unless the operator
    picks one with ``prefer={identifier: "plugin or implementation name"}``.
-4. ``resolve`` maps a ``FrontendContract`` to the selected factories, refusing zero, missing
-   identifiers and mismatched pairings, and (given a vocabulary) trial-builds the parsers so
-   unusable syntax data fails at startup rather than on a request.
+4. ``resolve`` maps a ``FrontendContract`` to the selected factories (with the grammars registered
+   for the selected parsers, if any), refusing zero, missing identifiers and mismatched pairings
+   (contract pairings, and a tool parser registered with ``requires=`` another reasoning parser),
+   and (given a vocabulary) trial-builds the parsers so unusable syntax data fails at startup
+   rather than on a request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+import pkgutil
+import signal
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, Final, Literal, Protocol
 
 import pluggy
 
 from helios_core.contract.prepared import REQUIRED_TOOL_PARSER, THIRD_PARTY_IDENTIFIERS
 from helios_core.errors import StartupError
-from helios_core.plugin_api import (
+from helios_core.plugins import frontend_contract as contract
+from helios_core.plugins import hookspecs
+from helios_core.plugins.pipeline import OutputPipeline
+from helios_core.plugins.types import (
     CLOSED_ENVELOPE,
     EnvelopeState,
-    OutputPipeline,
     ParserContext,
     ReasoningParser,
     ToolParser,
     ToolSpec,
     Vocabulary,
-    contract,
 )
-from helios_core.plugins import hookspecs
+from helios_core.plugins.version import PLUGIN_API_DECLARATION, PLUGIN_API_VERSION
 
 ENTRY_POINT_GROUP: Final = "helios"
 """Entry points of plugin modules."""
@@ -63,39 +75,40 @@ DECLARATION_GROUP: Final = "helios.identifiers"
 """Entry points ``KIND.NUMBER = module`` declaring the identifiers a distribution provides."""
 
 BUILTIN_DISTRIBUTION: Final = "helios"
-BUILTIN_MODULES: Final = (
-    "helios_plugins.none",
-    "helios_plugins.reasoning_think_tags",
-    "helios_plugins.tool_function_tags",
-    "helios_plugins.tool_argument_tags",
-    "helios_plugins.tool_dsml",
-    "helios_plugins.tool_json_tags",
-    "helios_plugins.xtml",
-    "helios_plugins.recipient_header",
-)
-"""The built-in plugin modules (registered directly only when their entry points are missing)."""
+BUILTIN_PACKAGE: Final = "helios_plugins"
+"""The package of the built-in plugins: each of its modules that defines a registration hook is a
+plugin (registered directly only when the built-in entry points are missing)."""
 
 ENV_ALLOWLIST: Final = "HELIOS_PLUGINS"
 ENV_DISABLE_AUTOLOAD: Final = "HELIOS_DISABLE_PLUGIN_AUTOLOAD"
 
-Kind = Literal["tool_parser", "reasoning_parser", "image_preparation", "image_layout"]
+Kind = Literal[
+    "tool_parser", "reasoning_parser", "image_preparation", "image_layout", "tool_grammar", "reasoning_envelope"
+]
 KINDS: Final[tuple[Kind, ...]] = ("tool_parser", "reasoning_parser", "image_preparation", "image_layout")
+"""The kinds a core selects (each by its own ``FrontendContract`` field)."""
+
+GRAMMAR_KINDS: Final[tuple[Kind, ...]] = ("tool_grammar", "reasoning_envelope")
+"""Optional kinds keyed by the identifier of the parser they belong to (``GRAMMAR_OF``)."""
+
+ALL_KINDS: Final[tuple[Kind, ...]] = KINDS + GRAMMAR_KINDS
+GRAMMAR_OF: Final[Mapping[Kind, Kind]] = {"tool_grammar": "tool_parser", "reasoning_envelope": "reasoning_parser"}
 _HOOK_OF: Final[Mapping[Kind, str]] = {
     "tool_parser": "helios_register_tool_parsers",
     "reasoning_parser": "helios_register_reasoning_parsers",
     "image_preparation": "helios_register_image_preparations",
     "image_layout": "helios_register_image_layouts",
+    "tool_grammar": "helios_register_tool_grammars",
+    "reasoning_envelope": "helios_register_reasoning_envelopes",
 }
 _ENUM_OF: Final[Mapping[Kind, Any]] = {
     "tool_parser": contract.ToolParser,
     "reasoning_parser": contract.ReasoningParser,
     "image_preparation": contract.ImagePreparation,
     "image_layout": contract.ImageLayout,
+    "tool_grammar": contract.ToolParser,
+    "reasoning_envelope": contract.ReasoningParser,
 }
-REQUIRED_REASONING_PARSER: Final[Mapping[int, int]] = {
-    contract.TOOL_PARSER_ATEM: contract.REASONING_PARSER_RECIPIENT_HEADER,
-}
-"""Tool parsers whose calls only exist inside one reasoning parser's frames."""
 
 
 class _HeliosPluginManager(pluggy.PluginManager):
@@ -138,6 +151,8 @@ class Provider:
     name: str
     factory: Callable[..., Any]
     plugin: str
+    requires: int | None = None
+    """The reasoning parser a tool parser only works with (``register(..., requires=...)``)."""
 
 
 @dataclass
@@ -155,11 +170,13 @@ class PluginRecord:
     conflicts: list[str] = field(default_factory=list)
 
     def identifiers(self) -> dict[str, list[int]] | Literal["unknown"]:
-        """Registered identifiers when loaded; otherwise declared ones or ``"unknown"``."""
+        """Registered identifiers of the selectable kinds when loaded (grammars are listed among the
+        implementations); otherwise declared ones or ``"unknown"``."""
         if self.status == "ok":
             found: dict[str, list[int]] = {}
             for provider in self.provided:
-                found.setdefault(provider.kind, []).append(provider.identifier)
+                if provider.kind in KINDS:
+                    found.setdefault(provider.kind, []).append(provider.identifier)
             return {kind: sorted(ids) for kind, ids in found.items()}
         return self.declared if self.declared is not None else "unknown"
 
@@ -186,6 +203,10 @@ class SelectedFrontend:
     reasoning_parser: Provider
     image_preparation: Provider
     image_layout: Provider
+    tool_grammar: Provider | None = None
+    """The selected tool parser's constrained call grammar (``ToolGrammarFactory``), if any."""
+    reasoning_envelope: Provider | None = None
+    """The selected reasoning parser's envelope (``ReasoningEnvelopeFactory``), if any."""
 
     def context(
         self,
@@ -226,7 +247,39 @@ def _distribution(entry_point: EntryPointLike) -> tuple[str, str | None]:
 
 
 def _describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """``Type: message`` on one line (``Type`` alone when there is no message)."""
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _operator_interrupts() -> Iterator[Callable[[], bool]]:
+    """Tell an operator's SIGINT apart from a plugin raising ``KeyboardInterrupt`` itself.
+
+    Yields a function that says whether SIGINT arrived inside the block. In the main thread the
+    block runs under a SIGINT handler that notes the signal and then does what the previous handler
+    did; a signal is never delivered to another thread, so there nothing is noted.
+    """
+    received = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield received.is_set
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_interrupt(signum: int, frame: FrameType | None) -> None:
+        if previous == signal.SIG_IGN:
+            return
+        received.set()
+        if callable(previous):
+            previous(signum, frame)  # Python's default handler raises KeyboardInterrupt
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield received.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 class PluginHost:
@@ -255,9 +308,9 @@ class PluginHost:
         self.plugin_manager: pluggy.PluginManager = _HeliosPluginManager(hookspecs.PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
-        self.registries: dict[Kind, dict[int, Provider]] = {kind: {} for kind in KINDS}
+        self.registries: dict[Kind, dict[int, Provider]] = {kind: {} for kind in ALL_KINDS}
         self.conflicts: list[str] = []
-        self._candidates: dict[Kind, dict[int, list[Provider]]] = {kind: {} for kind in KINDS}
+        self._candidates: dict[Kind, dict[int, list[Provider]]] = {kind: {} for kind in ALL_KINDS}
         self._started = False
 
     # -- loading ------------------------------------------------------------------------------
@@ -271,28 +324,31 @@ class PluginHost:
         declarations = self._declarations(entry_points)
         plugins = [ep for ep in entry_points if ep.group == ENTRY_POINT_GROUP]
         builtin = [ep for ep in plugins if _normalise(_distribution(ep)[0]) == BUILTIN_DISTRIBUTION]
-        if not builtin:
-            self._register_builtin_modules()
-        for ep in plugins:
-            dist, version = _distribution(ep)
-            is_builtin = _normalise(dist) == BUILTIN_DISTRIBUTION
-            allowed = self.allowlist is None or _normalise(dist) in self.allowlist
-            if not is_builtin and not (self.autoload and allowed):
-                continue
-            key = f"{dist}:{ep.name}"
-            record = PluginRecord(dist, version, f"{ep.name} = {ep.value}", is_builtin)
-            record.declared = declarations.get(_normalise(dist))
-            self.records[key] = record
-            try:
-                plugin = ep.load()
-                self.plugin_manager.register(plugin, name=key)
-            except Exception as exc:  # isolate any failure of third-party code
-                record.status, record.error = "failed", _describe_error(exc)
-        for plugin in self.plugin_manager.get_plugins():
-            name = self.plugin_manager.get_name(plugin) or repr(plugin)
-            if name not in self.records:
-                self.records[name] = PluginRecord(name, None, None, builtin=False)
-        self._collect()
+        with _operator_interrupts() as interrupted:
+            if not builtin:
+                self._register_builtin_modules(interrupted)
+            for ep in plugins:
+                dist, version = _distribution(ep)
+                is_builtin = _normalise(dist) == BUILTIN_DISTRIBUTION
+                allowed = self.allowlist is None or _normalise(dist) in self.allowlist
+                if not is_builtin and not (self.autoload and allowed):
+                    continue
+                key = f"{dist}:{ep.name}"
+                record = PluginRecord(dist, version, f"{ep.name} = {ep.value}", is_builtin)
+                record.declared = declarations.get(_normalise(dist))
+                self.records[key] = record
+                try:
+                    plugin = ep.load()
+                    self.plugin_manager.register(plugin, name=key)
+                except BaseException as exc:  # isolate any failure of third-party code, SystemExit included
+                    if interrupted():
+                        raise
+                    record.status, record.error = "failed", _describe_error(exc)
+            for plugin in self.plugin_manager.get_plugins():
+                name = self.plugin_manager.get_name(plugin) or repr(plugin)
+                if name not in self.records:
+                    self.records[name] = PluginRecord(name, None, None, builtin=False)
+            self._collect(interrupted)
         self._choose()
         return self
 
@@ -316,25 +372,36 @@ class PluginHost:
                 declared.setdefault(dist, {}).setdefault(kind, []).append(int(number))
         return declared
 
-    def _register_builtin_modules(self) -> None:
+    def _register_builtin_modules(self, interrupted: Callable[[], bool]) -> None:
         try:
             version: str | None = importlib.metadata.version(BUILTIN_DISTRIBUTION)
         except importlib.metadata.PackageNotFoundError:
             version = None
-        for module_name in BUILTIN_MODULES:
-            key = f"{BUILTIN_DISTRIBUTION}:{module_name.rsplit('.', 1)[-1]}"
-            record = PluginRecord(BUILTIN_DISTRIBUTION, version, module_name, builtin=True)
-            self.records[key] = record
+        package = importlib.import_module(BUILTIN_PACKAGE)
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda found: found.name):
+            entry_name, module_name = info.name, f"{BUILTIN_PACKAGE}.{info.name}"
+            key = f"{BUILTIN_DISTRIBUTION}:{entry_name}"
+            record = PluginRecord(BUILTIN_DISTRIBUTION, version, f"{entry_name} = {module_name}", builtin=True)
             try:
                 module: ModuleType = importlib.import_module(module_name)
+                if not any(callable(getattr(module, hook, None)) for hook in _HOOK_OF.values()):
+                    continue  # a helper module of the built-ins, not a plugin
+                self.records[key] = record
                 self.plugin_manager.register(module, name=key)
-            except Exception as exc:
+            except BaseException as exc:
+                if interrupted():
+                    raise
+                self.records[key] = record
                 record.status, record.error = "failed", _describe_error(exc)
 
-    def _collect(self) -> None:
+    def _collect(self, interrupted: Callable[[], bool]) -> None:
         staged: dict[str, list[Provider]] = {}
         failed: dict[str, str] = {}
-        for kind in KINDS:
+        for plugin_object in self.plugin_manager.get_plugins():
+            refusal = _api_version_refusal(plugin_object)
+            if refusal is not None:
+                failed[self.plugin_manager.get_name(plugin_object) or repr(plugin_object)] = refusal
+        for kind in ALL_KINDS:
             caller = getattr(self.plugin_manager.hook, _HOOK_OF[kind])
             for impl in caller.get_hookimpls():
                 plugin = impl.plugin_name
@@ -343,8 +410,13 @@ class PluginHost:
                 register = self._registrar(kind, plugin, staged.setdefault(plugin, []))
                 try:
                     impl.function(*[{"register": register}[arg] for arg in impl.argnames])
-                except Exception as exc:  # isolate a hook that raises
+                except BaseException as exc:  # isolate a hook that raises, SystemExit included
+                    if interrupted():
+                        raise
                     failed[plugin] = _describe_error(exc)
+        for plugin, reason in failed.items():
+            if plugin not in staged and plugin in self.records:
+                self.records[plugin].status, self.records[plugin].error = "failed", reason
         for plugin, providers in staged.items():
             record = self.records[plugin]
             if plugin in failed:
@@ -358,7 +430,7 @@ class PluginHost:
         enum = _ENUM_OF[kind]
         dist = self.records[plugin].name
 
-        def register(identifier: int, factory: Callable[..., Any], *, name: str) -> None:
+        def register(identifier: int, factory: Callable[..., Any], *, name: str, requires: int | None = None) -> None:
             if isinstance(identifier, bool) or not isinstance(identifier, int):
                 raise TypeError(f"{kind_label(kind)} identifier must be an int, not {identifier!r}")
             if identifier <= 0 or (identifier not in enum.values() and identifier not in THIRD_PARTY_IDENTIFIERS):
@@ -368,12 +440,16 @@ class PluginHost:
                 )
             if not callable(factory):
                 raise TypeError(f"{kind_label(kind)} {identifier}: factory {factory!r} is not callable")
-            into.append(Provider(kind, identifier, str(name), factory, dist))
+            if requires is not None and (
+                kind != "tool_parser" or isinstance(requires, bool) or not isinstance(requires, int)
+            ):
+                raise TypeError(f"{kind_label(kind)} {identifier}: requires= names a reasoning parser of a tool parser")
+            into.append(Provider(kind, identifier, str(name), factory, dist, requires))
 
         return register
 
     def _choose(self) -> None:
-        for kind in KINDS:
+        for kind in ALL_KINDS:
             for identifier, providers in sorted(self._candidates[kind].items()):
                 if len(providers) == 1:
                     self.registries[kind][identifier] = providers[0]
@@ -413,7 +489,7 @@ class PluginHost:
                 problems.append(self._missing(kind, identifier))
             else:
                 chosen[kind] = provider
-        problems.extend(self._pairing_problems(frontend))
+        problems.extend(self._pairing_problems(frontend, chosen.get("tool_parser")))
         if problems:
             raise StartupError("; ".join(problems))
         selected = SelectedFrontend(
@@ -422,10 +498,19 @@ class PluginHost:
             chosen["reasoning_parser"],
             chosen["image_preparation"],
             chosen["image_layout"],
+            tool_grammar=self.grammar("tool_grammar", frontend.tool_parser),
+            reasoning_envelope=self.grammar("reasoning_envelope", frontend.reasoning_parser),
         )
         if vocabulary is not None:
             self._trial(selected, vocabulary)
         return selected
+
+    def grammar(self, kind: Kind, identifier: int) -> Provider | None:
+        """The ``tool_grammar`` or ``reasoning_envelope`` registered for the parser ``identifier``."""
+        if kind not in GRAMMAR_KINDS:
+            raise ValueError(f"{kind!r} is not a grammar kind")
+        self.start()
+        return self.registries[kind].get(identifier)
 
     def _missing(self, kind: Kind, identifier: int) -> str:
         message = f"{kind_label(kind)} {identifier} is selected by the core but no installed plugin provides it"
@@ -442,7 +527,7 @@ class PluginHost:
         return message
 
     @staticmethod
-    def _pairing_problems(frontend: contract.FrontendContract) -> list[str]:
+    def _pairing_problems(frontend: contract.FrontendContract, tool: Provider | None) -> list[str]:
         problems = []
         required_tool = REQUIRED_TOOL_PARSER.get(frontend.reasoning_parser)
         if required_tool is not None and frontend.tool_parser != required_tool:
@@ -450,11 +535,11 @@ class PluginHost:
                 f"reasoning parser {contract.ReasoningParser.Name(frontend.reasoning_parser)} requires tool parser "
                 f"{contract.ToolParser.Name(required_tool)} (they share frames), not {frontend.tool_parser}"
             )
-        required_reasoning = REQUIRED_REASONING_PARSER.get(frontend.tool_parser)
+        required_reasoning = tool.requires if tool is not None else None
         if required_reasoning is not None and frontend.reasoning_parser != required_reasoning:
             problems.append(
-                f"tool parser {contract.ToolParser.Name(frontend.tool_parser)} requires reasoning parser "
-                f"{contract.ReasoningParser.Name(required_reasoning)} (its calls live in recipient frames), "
+                f"tool parser {_label(contract.ToolParser, frontend.tool_parser)} requires reasoning parser "
+                f"{_label(contract.ReasoningParser, required_reasoning)} (its calls live in that parser's frames), "
                 f"not {frontend.reasoning_parser}"
             )
         return problems
@@ -462,14 +547,17 @@ class PluginHost:
     @staticmethod
     def _trial(selected: SelectedFrontend, vocabulary: Vocabulary) -> None:
         context = selected.context(vocabulary)
-        for provider in (selected.reasoning_parser, selected.tool_parser):
-            try:
-                provider.factory(context)
-            except Exception as exc:
-                raise StartupError(
-                    f"{kind_label(provider.kind)} {provider.identifier} ({provider.name} from {provider.plugin!r}) "
-                    f"rejects the core's syntax data: {exc}"
-                ) from exc
+        with _operator_interrupts() as interrupted:
+            for provider in (selected.reasoning_parser, selected.tool_parser):
+                try:
+                    provider.factory(context)
+                except BaseException as exc:  # SystemExit and custom BaseExceptions too: a startup failure
+                    if interrupted():
+                        raise
+                    raise StartupError(
+                        f"{kind_label(provider.kind)} {provider.identifier} ({provider.name} from "
+                        f"{provider.plugin!r}) rejects the core's syntax data: {_describe_error(exc)}"
+                    ) from exc
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -477,6 +565,44 @@ class PluginHost:
         """One dict per plugin: name, version, entry point, identifiers, status and error."""
         self.start()
         return [record.as_dict() for _, record in sorted(self.records.items())]
+
+
+def _label(enum: Any, value: int) -> str:
+    """The enum name of a built-in ``value``, else the number (a third-party identifier)."""
+    return str(enum.Name(value)) if value in enum.values() else str(value)
+
+
+def _api_version_refusal(plugin: object) -> str | None:
+    """Why ``plugin``'s declared ``HELIOS_PLUGIN_API`` version cannot be served, or ``None``."""
+    declared = getattr(plugin, PLUGIN_API_DECLARATION, None)
+    if declared is None:
+        return None
+    major, minor = PLUGIN_API_VERSION
+    if (
+        not isinstance(declared, tuple)
+        or len(declared) != 2
+        or not all(isinstance(part, int) and not isinstance(part, bool) and part >= 0 for part in declared)
+    ):
+        return f"{PLUGIN_API_DECLARATION} must be a (major, minor) tuple of non-negative integers, not {declared!r}"
+    if declared[0] != major or declared[1] > minor:
+        return (
+            f"written for plugin API {declared[0]}.{declared[1]}, but this Helios provides plugin API "
+            f"{major}.{minor} (a plugin needs the same major version and at most this minor version)"
+        )
+    return None
+
+
+_INSTALLED: list[PluginHost] = []
+_INSTALLED_LOCK = threading.Lock()
+
+
+def installed_host() -> PluginHost:
+    """A started host over the installed plugins, built once per process (for callers that hold no
+    host of their own, such as a syntax's default grammar lookup)."""
+    with _INSTALLED_LOCK:
+        if not _INSTALLED:
+            _INSTALLED.append(PluginHost().start())
+        return _INSTALLED[0]
 
 
 def load_plugins(**options: Any) -> PluginHost:

@@ -13,7 +13,15 @@ returns a :class:`RequestStream`; ``Engine.cancel`` stops a request before its n
 Every round is planned from completed observations. In steady decoding the worker keeps one round
 in flight on the other execution frame while it validates and publishes the previous one (two
 frames); anything that needs completion feedback keeps one outstanding round. A round that raises
-(packing, launching, or waiting for its frame's fence) fails only its own requests.
+(launching, or waiting for its frame's fence) fails only its own requests.
+
+A fault that belongs to one request ends that request alone, and every other request goes on as if it
+had never been there: a host gate that raises (its grammar's mask or matcher, its stops, its
+detokenizer) fails its request in the scheduler, and a round whose packing raises is packed again lane
+by lane to find the requests whose values do not pack; those fail, and the round is planned again
+without them (values that do not fit the packed types are refused at preparation and at admission,
+so this is a last resort that costs nothing while packing succeeds). Only a fault of the worker
+itself fails every request.
 
 A steady decode round's tokens are put on its requests' streams as one shared
 :class:`~helios_core.runtime.messages.RoundTokens`, and an ungated request's stream detokenizes its
@@ -26,9 +34,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
@@ -37,7 +47,7 @@ from helios_core.errors import HeliosError
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.completion import CompletionError, LaneResult, RecordViews, read_lanes
-from helios_core.runtime.gates import HostGate, StreamText, needs_gate
+from helios_core.runtime.gates import HostGate, StreamText, format_param, needs_gate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
@@ -50,7 +60,7 @@ from helios_core.runtime.messages import (
     TokenEvent,
 )
 from helios_core.runtime.native_model import NativeModel
-from helios_core.runtime.packing import Submission
+from helios_core.runtime.packing import LaneBatch, Submission
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.scheduler import Round, Scheduler
 from helios_core.runtime.stats import SchedulerStats, StatsSnapshot
@@ -59,6 +69,13 @@ _STOP = object()
 _SNAPSHOT_INTERVAL_NS = 1_000_000
 """While rounds follow each other, the statistics snapshot is renewed at most this often."""
 _Flat = npt.NDArray[np.generic]
+
+
+@dataclass(frozen=True)
+class _PackFault:
+    """A round's packing raised ``error``: nothing of the round was launched."""
+
+    error: Exception
 
 
 class RequestStream:
@@ -120,6 +137,9 @@ class Engine:
         )
         self._stats = SchedulerStats()
         make_gate = None
+        self.grammar_compiler = grammar_compiler
+        """Compiles a submitted request's ``response_format`` that comes without its grammar (on the
+        submitting thread, never the worker's)."""
         self.make_text: Callable[[], StreamText] | None = None
         """The text of a new ungated request's stream (None: events carry no text, as without a tokenizer)."""
         if tokenizer is not None:
@@ -143,6 +163,19 @@ class Engine:
             clock_origin_ns=model.clock_origin_ns,
         )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.queue_capacity = model.selection.queue_capacity
+        self.capacity = self.queue_capacity + model.selection.max_active
+        """The most requests the engine holds at once (submitted, not ended, not cancelled): at most
+        ``max_active`` run and the rest wait; :meth:`submit` refuses one more at once."""
+        self._released: set[str] = set()
+        """Ids of cancelled requests whose terminal event is not published yet (they count no more)."""
+        self._refused = 0
+        """Submissions :meth:`submit` refused at the bound (counted as rejected in the statistics)."""
+        self._backlog: deque[PreparedRequest] = deque()
+        """Submissions taken from the inbox that wait for room in the scheduler's pending deque (the
+        ingress channel's tail: the deque never holds more than ``queue_capacity``)."""
+        self._outstanding = 0
+        """Launched rounds whose frames are not collected yet (the executor frames in flight)."""
         self._owned_entries: dict[int, tuple[object, _Flat | None, _Flat | None]] = {}
         """Per frame: the staging mapping last seen and its frame-index and sequence views."""
         self._records: dict[int, RecordViews] = {}
@@ -163,19 +196,67 @@ class Engine:
 
     # -- the engine API ---------------------------------------------------------------------------
     def submit(self, request: PreparedRequest) -> RequestStream:
-        """Queue ``request``; its events arrive on the returned stream."""
+        """Queue ``request``; its events arrive on the returned stream.
+
+        When the engine already holds :attr:`capacity` requests (``queue_capacity + max_active``: submitted,
+        not ended and not cancelled), the stream's only event is an :class:`AdmissionRejected` that is not
+        permanent (a later attempt may pass), put there at once; nothing is queued.
+
+        A request with a ``response_format`` and no compiled ``grammar`` (one that did not come through
+        preparation) is compiled here, on the caller's thread, so the worker never compiles; a format
+        that does not compile makes the stream's only event a permanent :class:`AdmissionRejected`.
+        """
+        format_text, compiler = request.response_format, self.grammar_compiler
+        if format_text is not None and request.grammar is None and compiler is not None:
+            compiled = self._compile(request, format_text, compiler)
+            if isinstance(compiled, AdmissionRejected):
+                refused = RequestStream(request.request_id)
+                refused.put(compiled)
+                return refused
+            request = compiled
         make_text = self.make_text
         text = make_text() if make_text is not None and not needs_gate(request) else None
         stream = RequestStream(request.request_id, text)
         with self._lock:
             if request.request_id in self._streams:
                 raise HeliosError(f"request id {request.request_id!r} is already active")
+            if len(self._streams) - len(self._released) >= self.capacity:
+                self._refused += 1
+                stream.put(
+                    AdmissionRejected(
+                        request.request_id,
+                        f"the engine holds its limit of {self.capacity} requests (queue_capacity "
+                        f"{self.queue_capacity} + max_active {self.capacity - self.queue_capacity}); retry later",
+                    )
+                )
+                return stream
             self._streams[request.request_id] = stream
         self._inbox.put(("submit", request))
         return stream
 
+    @staticmethod
+    def _compile(request: PreparedRequest, text: str, compiler: GrammarCompiler) -> PreparedRequest | AdmissionRejected:
+        """``request`` with its ``response_format`` (``text``) compiled, or without it when the format
+        constrains nothing; or why it cannot be compiled."""
+        try:
+            grammar = compiler.compile_prepared(text)
+        except Exception as exc:  # the request's own format: it alone is refused
+            return AdmissionRejected(
+                request.request_id,
+                f"cannot prepare the request's output constraints: {type(exc).__name__}: {exc}",
+                param=format_param(request),
+                permanent=True,
+            )
+        if grammar is None:
+            return msgspec.structs.replace(request, response_format=None)
+        return msgspec.structs.replace(request, grammar=grammar)
+
     def cancel(self, request_id: str) -> None:
-        """Stop a request before its next round; it finishes with reason ``cancelled``."""
+        """Stop a request before its next round; it finishes with reason ``cancelled``. From now on it no
+        longer counts against :attr:`capacity`."""
+        with self._lock:
+            if request_id in self._streams:
+                self._released.add(request_id)
         self._inbox.put(("cancel", request_id))
 
     def generate(self, request: PreparedRequest) -> GenerationResult:
@@ -210,9 +291,11 @@ class Engine:
     # -- the worker -------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            if self._stopping or not self._drain(block=self.scheduler.idle):
+            if self._stopping or not self._drain(block=self.scheduler.idle and not self._backlog):
                 self._drain(block=False)  # requests submitted before the stop still get their final event
                 self._publish(self.scheduler.cancel_all())
+                self._publish([self._cancelled_before_admission(request) for request in self._backlog])
+                self._backlog.clear()
                 return
             try:
                 self._step()
@@ -232,15 +315,21 @@ class Engine:
         scheduler = self.scheduler
         self._publish(scheduler.take_cancelled())
         round_ = scheduler.next_round()
+        self._publish(scheduler.take_faults())
         if round_ is None or not round_.members:
             return
         frame = 0
         launched = self._launch(round_, frame=frame)
+        if isinstance(launched, _PackFault):  # nothing is in flight: find the requests that do not pack
+            self._publish(self._unpackable(round_, frame, launched.error))
+            return
         while True:
             follow = None
             if isinstance(launched, int) and not self._stopping:
                 follow = scheduler.followup(round_)
             follow_launch = self._launch(follow, frame=1 - frame) if follow is not None else None
+            if isinstance(follow_launch, _PackFault):
+                follow_launch = None  # not launched: the next step plans that round again, nothing in flight
             events = self._collect(round_, frame, launched)
             if follow is None or follow_launch is None:
                 scheduler.release_fenced()  # nothing is in flight any more
@@ -255,14 +344,22 @@ class Engine:
             self._drain(block=False)  # cancellations and new requests end the chain at the next plan
             round_, frame, launched = follow, 1 - frame, follow_launch
 
-    def _launch(self, round_: Round, *, frame: int) -> int | Exception:
-        """Pack and launch a round on ``frame``; its submission sequence, or the exception it raised."""
+    def _launch(self, round_: Round, *, frame: int) -> int | Exception | _PackFault:
+        """Pack and launch a round on ``frame``; its submission sequence, the exception its launch raised,
+        or the packing fault that kept it from being launched."""
         self._sequence += 1
         sequence = self._sequence
         backend = self.model.backend
         try:
             staging = backend.transport(frame)  # waits for the frame's previous fence on a GPU
+        except Exception as exc:  # a failed execution fails this round's requests only
+            return exc
+        try:
             self.model.packers[round_.graph.name].pack(Submission(round_.lanes, sequence), frame, staging)
+        except Exception as exc:  # some lane's values do not pack: see _unpackable
+            self.model.page_table_memory.forget(frame)
+            return _PackFault(exc)
+        try:
             owned = self._owned_entries.get(frame)
             if owned is None or owned[0] is not staging:
                 owned = self._owned_entries[frame] = (staging, *_transport_owned(self.model, staging))
@@ -273,12 +370,17 @@ class Engine:
             backend.run(round_.graph.name, frame)
         except Exception as exc:  # a failed execution fails this round's requests only
             return exc
+        self._outstanding += 1
+        if round_.constrained:  # the frames in flight right after a successful constrained submission
+            stats = self._stats
+            stats.constrained_max_inflight = max(stats.constrained_max_inflight, self._outstanding)
         return sequence
 
     def _collect(self, round_: Round, frame: int, launched: int | Exception) -> Sequence[Outgoing]:
         """Validate a launched round's completion record and apply it."""
         if isinstance(launched, Exception):
             return self.scheduler.fail_round(round_, f"execution failed: {type(launched).__name__}: {launched}")
+        self._outstanding -= 1  # its frame is waited for below: no longer in flight once this returns
         backend = self.model.backend
         try:
             records = backend.completion(frame)  # waits for the frame's fence: execution errors surface here
@@ -294,25 +396,68 @@ class Engine:
                 results = [LaneResult(-1, 0.0) for _ in round_.members]
         except CompletionError as exc:
             return self.scheduler.fail_round(round_, f"execution failed: {exc}")
-        return self.scheduler.complete(round_, results)
+        try:
+            return self.scheduler.complete(round_, results)
+        except Exception as exc:  # applying this round went wrong: its requests fail, no others
+            return self.scheduler.fail_round(round_, f"internal error completing a round: {type(exc).__name__}: {exc}")
+
+    def _unpackable(self, round_: Round, frame: int, error: Exception) -> Sequence[Outgoing]:
+        """A round whose packing raised ``error``: pack each lane alone to find the requests whose values do
+        not pack, and fail those only; the round's other requests are planned again. When every lane packs
+        alone, the fault is the round's (its lanes together), and its requests fail."""
+        packer = self.model.packers[round_.graph.name]
+        lanes = round_.lanes.to_lanes() if isinstance(round_.lanes, LaneBatch) else list(round_.lanes)
+        failures: dict[int, str] = {}
+        try:
+            staging = self.model.backend.transport(frame)
+            for index, lane in enumerate(lanes):
+                try:
+                    packer.pack(Submission([lane], self._sequence), frame, staging)
+                except Exception as exc:
+                    failures[index] = f"the request's values cannot be packed: {type(exc).__name__}: {exc}"
+        finally:
+            self.model.page_table_memory.forget(frame)  # the probes wrote the frame's staging
+        if not failures:
+            return self.scheduler.fail_round(round_, f"execution failed: {type(error).__name__}: {error}")
+        return self.scheduler.fail_lanes(round_, failures)
 
     def _drain(self, *, block: bool) -> bool:
-        """Apply queued messages; False when the worker must stop."""
+        """Apply queued messages; False when the worker must stop. Submissions reach the scheduler in
+        order, while its pending deque has room; the rest wait in the backlog."""
         while True:
             try:
                 kind, payload = self._inbox.get(block=block)
             except queue.Empty:
+                self._hand_over()
                 return True
             block = False
             if kind == "stop":
                 self._stopping = True
                 return False
             if kind == "cancel" and isinstance(payload, str):
-                self.scheduler.cancel(payload)
+                waiting = next((r for r in self._backlog if r.request_id == payload), None)
+                if waiting is not None:
+                    self._backlog.remove(waiting)
+                    self._publish([self._cancelled_before_admission(waiting)])
+                else:
+                    self.scheduler.cancel(payload)
             elif kind == "submit" and isinstance(payload, PreparedRequest):
-                rejection = self.scheduler.add(payload)
-                if rejection is not None:
-                    self._publish([rejection])
+                self._backlog.append(payload)
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Give backlog requests to the scheduler, oldest first, while its pending deque has room."""
+        backlog, scheduler = self._backlog, self.scheduler
+        while backlog and scheduler.has_room:
+            rejection = scheduler.add(backlog.popleft())
+            if rejection is not None:
+                self._publish([rejection])
+
+    def _cancelled_before_admission(self, request: PreparedRequest) -> Finished:
+        """The end of a request cancelled before the scheduler took it (nothing was generated)."""
+        finished = self._stats.finished
+        finished["cancelled"] = finished.get("cancelled", 0) + 1
+        return Finished(request.request_id, "cancelled", len(request.prompt_ids), 0)
 
     def _publish(self, events: Sequence[Outgoing]) -> None:
         if not events:
@@ -327,6 +472,7 @@ class Engine:
                 if stream is not None:
                     if type(event) is not TokenEvent and isinstance(event, TERMINAL_EVENTS):
                         del streams[event.request_id]
+                        self._released.discard(event.request_id)
                     stream.put(event)
 
     def _put_round(self, tokens: RoundTokens) -> None:
@@ -347,7 +493,7 @@ class Engine:
         return StatsSnapshot(
             received=stats.received,
             admitted=stats.admitted,
-            rejected=stats.rejected,
+            rejected=stats.rejected + self._refused,
             failed=stats.failed,
             preemptions=stats.preemptions,
             snapshots=stats.snapshots,
@@ -369,7 +515,7 @@ class Engine:
             prefix_hit_pages=pages.stats.prefix_hit_pages,
             reused_tokens=pages.stats.reused_tokens,
             active_requests=len(scheduler.running),
-            waiting_requests=len(scheduler.waiting),
+            waiting_requests=len(scheduler.waiting) + len(self._backlog),
             max_active=scheduler.max_active,
         )
 

@@ -10,6 +10,16 @@ grammar mask of the next round. A request with any gate keeps one outstanding ro
 A request with no stops and no structured output needs no gate in the worker (:func:`needs_gate`):
 detokenizing its tokens decides nothing about its next round, so its request stream detokenizes
 them as its reader reads them (:class:`StreamText`), with the same text and pieces a gate gives.
+
+A gate never compiles a grammar: the request carries its compiled
+:class:`~helios_core.frontend.structured.Grammar` (``PreparedRequest.grammar``, compiled by preparation
+or by ``Engine.submit`` off the worker), and the gate only instantiates a matcher from it. A request
+with a ``response_format`` but no grammar did not pass through ``Engine.submit``; it is refused.
+
+A gate belongs to one request: whatever its grammar, stops or detokenizer raise (a schema that
+compiles but whose matcher fails on its first mask or on a token, for instance) ends that request
+alone. The scheduler catches it at each call into a gate and fails the request with
+:func:`gate_failure`'s message; :func:`format_param` names the request field a failure belongs to.
 """
 
 from __future__ import annotations
@@ -22,14 +32,45 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
-from helios_core.frontend.structured import GrammarCompiler
+from helios_core.frontend.structured import (
+    Grammar,
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+    ToolCallFormat,
+    parse_prepared_format,
+)
 from helios_core.runtime.messages import Finished, Piece, PreparedRequest, TokenEvent
+
+
+def gate_failure(exc: BaseException) -> str:
+    """The message a request fails with when its gate raised ``exc``."""
+    if isinstance(exc, GrammarError):
+        return f"structured output failed: {exc}"
+    return f"the request's output processing failed: {type(exc).__name__}: {exc}"
+
+
+def format_param(request: PreparedRequest) -> str:
+    """The request field a failure of ``request``'s structured-output format belongs to: ``tools`` for a
+    forced tool call (``tool_choice``), else ``response_format``."""
+    if request.response_format is None:
+        return "response_format"
+    try:
+        prepared = parse_prepared_format(request.response_format)
+    except Exception:  # an unreadable format is the response format's fault
+        return "response_format"
+    return "tools" if isinstance(prepared, ToolCallFormat) else "response_format"
 
 
 def needs_gate(request: PreparedRequest) -> bool:
     """Whether ``request`` has host work in the worker: stops or a structured-output format. Without
     them a gate would only detokenize, which its stream does instead (:class:`StreamText`)."""
-    return bool(request.string_stops or request.token_stops or request.response_format is not None)
+    return bool(
+        request.string_stops
+        or request.token_stops
+        or request.response_format is not None
+        or request.grammar is not None
+    )
 
 
 class StreamText:
@@ -87,26 +128,22 @@ class HostGate:
         grammar_compiler: GrammarCompiler | None,
         token_bytes: TokenBytes | None = None,
     ) -> None:
+        """``grammar_compiler``: the compiler ``request.grammar`` must come from (only checked, never run)."""
         from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
 
         self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
         self._string_stops = StringStopMatcher(request.string_stops) if request.string_stops else None
         self._token_stops = TokenStopMatcher(request.token_stops) if request.token_stops else None
-        self._grammar = None
-        if request.response_format is not None:
+        self._grammar: GrammarMatcher | None = None
+        grammar = request.grammar
+        if grammar is not None or request.response_format is not None:
             if grammar_compiler is None:
                 raise ValueError("structured output needs a grammar compiler")
-            from helios_core.frontend.structured import read_prepared_format
-
-            prepared = read_prepared_format(request.response_format)
-            if prepared.format is not None:
-                grammar = grammar_compiler.compile(
-                    prepared.format,
-                    reasoning=prepared.reasoning,
-                    initially_reasoning=prepared.initially_reasoning,
-                    frames=prepared.frames,
-                )
-                self._grammar = grammar.matcher()
+            if grammar is None:
+                raise ValueError("the request's response_format was not compiled before submission (Engine.submit)")
+            if not isinstance(grammar, Grammar) or not grammar_compiler.owns(grammar):
+                raise ValueError("the request's grammar was not compiled by this engine's grammar compiler")
+            self._grammar = grammar.matcher()
         self.holds_rounds = self._grammar is not None or self._string_stops is not None or self._token_stops is not None
         """Whether this request must keep one outstanding round (host-fed decisions)."""
         self.text: Callable[[int], str] = self._detokenizer.push

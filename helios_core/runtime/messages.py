@@ -8,30 +8,21 @@ finish (EOS, output limit, host stop, cancellation), an admission rejection
 and an execution failure never share a type, so no status code is ever
 derived from error text. A steady decode round's tokens cross once for the
 whole round (:class:`RoundTokens`); each request stream expands its own lane
-into the :class:`TokenEvent` it stands for, so readers see the same events.
+into the :class:`TokenEvent` it stands for, so readers see the same events. The request's sampling
+settings (:class:`~helios_core.sampling.SamplingParams`, re-exported here) are defined in
+:mod:`helios_core.sampling`, which the frontend imports too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
+from helios_core.sampling import SamplingParams as SamplingParams  # defined below the frontend
+
 FinishReason = Literal["stop", "length", "cancelled"]
-
-
-class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
-    """Complete per-request sampling settings (request values over core defaults)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int = 0
 
 
 class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -47,13 +38,19 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     token_stops: list[list[int]] = []
     """Validated stop token sequences (single ids are sequences of one)."""
     response_format: str | None = None
-    """A validated structured-output format as JSON text; the worker compiles it once."""
+    """A validated structured-output format as JSON text (what :attr:`grammar` was compiled from)."""
     observe_timestamps: bool = False
     """Stamp each generated token (host monotonic nanoseconds from the runtime origin)."""
     top_logprobs: int = -1
     """Top alternatives to report per generated token (0 up to the programs' ``top_n``); -1 = not requested."""
     prompt_logprobs: bool = False
     """Score every prompt token given its prefix (scored prefill; disables prefix reuse for the request)."""
+    grammar: Any = None
+    """``response_format`` compiled off the model worker: a :class:`helios_core.frontend.structured.Grammar`
+    of the engine's grammar compiler, set by preparation, else by ``Engine.submit`` on its caller's
+    thread. The worker only instantiates a matcher from it. It lives in this process alone and does not
+    encode: a request that crosses a process boundary goes without it (``msgspec.structs.replace(request,
+    grammar=None)``) and is compiled again from ``response_format`` where it is submitted."""
 
 
 Piece = tuple[int, str]

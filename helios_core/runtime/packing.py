@@ -30,7 +30,14 @@ lane's slot; PACKED_TOKEN concatenates each lane's actual token count and pads
 the rest. Page tables upload only newly assigned entries: each staging row
 remembers the slot, generation and length it holds (one memory shared by all
 packers of a model, since all graphs stage into the same frame arrays), and a
-different slot or generation (a reused physical slot) invalidates it.
+different slot or generation (a reused physical slot) invalidates it. After a
+pack that raised part way, :meth:`PageTableMemory.forget` drops what is known
+of the frame, so the next pack writes it in full.
+
+Which values of each request sampling setting pack as themselves is stated by
+:class:`~helios_core.sampling.SamplingLimits` (re-exported here): preparation and
+admission check requests against it, so packing never meets a value that would
+fail a shared round.
 """
 
 from __future__ import annotations
@@ -45,6 +52,13 @@ import numpy.typing as npt
 
 from helios_core.contract import PreparedGraph
 from helios_core.errors import UnsupportedFeatureError
+from helios_core.sampling import NONZERO_FIELDS as NONZERO_FIELDS  # re-exported for existing callers
+from helios_core.sampling import SAMPLING_FIELDS as SAMPLING_FIELDS
+from helios_core.sampling import PackedInput as PackedInput
+from helios_core.sampling import SamplingLimits as SamplingLimits
+from helios_core.sampling import format_bound as format_bound
+from helios_core.sampling import integer_range
+from helios_core.sampling import packed_input as _packed_input  # noqa: F401
 from helios_core.wire import contract_pb2 as ct
 
 Staging = Mapping[str, npt.NDArray[np.generic]]
@@ -288,6 +302,16 @@ class PageTableMemory:
             held = self.tables[key] = grown
         return held
 
+    def forget(self, frame: int) -> None:
+        """Nothing is known of what ``frame``'s staging holds (a pack raised part way): the next pack of
+        the frame writes every value, every page-table row and every padding row in full."""
+        for key in [key for key in self.tables if key[0] == frame]:
+            del self.tables[key]
+        for key in [key for key in self.page_versions if key[0] == frame]:
+            del self.page_versions[key]
+        self.batches.pop(frame, None)
+        self.invalidate(frame)
+
     def invalidate(self, frame: int) -> int:
         """A pack writes the frame's staging in full: what was remembered of batches no longer holds."""
         version = self.versions.get(frame, 0) + 1
@@ -467,7 +491,7 @@ class _BindingWriter:
         if mode == _DIRECT or (mode == _CHECKED and not column.shape[0]):
             return column
         if mode == _CHECKED:
-            low, high = _integer_range(dest.dtype) if dest.dtype.kind in "iu" else (-_EXACT, _EXACT)
+            low, high = integer_range(dest.dtype) if dest.dtype.kind in "iu" else (-_EXACT, _EXACT)
             if low <= column.min() and column.max() <= high:
                 return column
         return column.tolist()  # type: ignore[no-any-return]
@@ -669,20 +693,13 @@ def _fits(values: npt.NDArray[np.int64], dtype: np.dtype[np.generic]) -> bool:
         return False
     if not values.shape[0] or _holds_int64(dtype):
         return True
-    low, high = _integer_range(dtype)
+    low, high = integer_range(dtype)
     return bool(low <= int(values.min()) and int(values.max()) <= high)
 
 
 @functools.cache
 def _holds_int64(dtype: np.dtype[np.generic]) -> bool:
     return bool(np.can_cast(np.int64, dtype))
-
-
-@functools.cache
-def _integer_range(dtype: np.dtype[np.generic]) -> tuple[int, int]:
-    """The smallest and largest value of an integer dtype (``np.iinfo`` takes microseconds a call)."""
-    info = np.iinfo(cast("np.dtype[np.integer[Any]]", dtype))
-    return int(info.min), int(info.max)
 
 
 class GraphPacker:

@@ -18,6 +18,13 @@ readmission recomputes only what was evicted). :meth:`Scheduler.complete` applie
 round: it appends tokens, publishes complete pages, finishes requests and releases their slots and
 pages, and returns the events to publish. A failed lane fails only its request and publishes nothing.
 
+Faults of one request stay with it: a request whose prompt ids or sampling values do not fit the core
+(its input vocabulary, the packed types of :class:`~helios_core.runtime.packing.SamplingLimits`) is
+rejected at admission, and a host gate that raises while a round is planned (its mask), while a token
+is applied or while the request's end is flushed fails that request alone (planning then plans the
+round again without it; :meth:`Scheduler.take_faults`). :meth:`Scheduler.fail_lanes` fails the
+requests of chosen lanes of a round that was not launched (values that did not pack).
+
 Ownership: queues, slots and generations live here; pages live in the PageAllocator; per-request
 progress lives on RequestState (written only by this module).
 
@@ -43,7 +50,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -59,7 +66,7 @@ from helios_core.runtime.completion import (
     LaneResult,
     LaneResults,
 )
-from helios_core.runtime.gates import HostGate
+from helios_core.runtime.gates import HostGate, format_param, gate_failure
 from helios_core.runtime.messages import (
     AdmissionRejected,
     Event,
@@ -73,7 +80,7 @@ from helios_core.runtime.messages import (
     SamplingParams,
     TokenEvent,
 )
-from helios_core.runtime.packing import Column, Lane, LaneBatch, cells, set_cells
+from helios_core.runtime.packing import Column, Lane, LaneBatch, SamplingLimits, cells, set_cells
 from helios_core.runtime.pages import PageAllocator, PrefixMatch
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.wire import contract_pb2 as ct
@@ -227,6 +234,27 @@ class Round:
     cohort: _Cohort | None = None
     """The decode cohort this round was planned from."""
 
+    @property
+    def constrained(self) -> bool:
+        """Some lane of this round samples under a grammar (a constrained submission)."""
+        cohort = self.cohort
+        if cohort is not None and isinstance(self.lanes, LaneBatch):
+            return cohort.constrained  # every lane of a decode round samples
+        lanes = self.lanes.to_lanes() if isinstance(self.lanes, LaneBatch) else self.lanes
+        return any(
+            lane.sample and state.gate is not None and state.gate.constrained
+            for state, lane in zip(self.members, lanes, strict=True)
+        )
+
+
+class _GateFault(Exception):
+    """A request's host gate raised while a round was planned: that request fails, the round is replanned."""
+
+    def __init__(self, state: RequestState, error: Exception) -> None:
+        super().__init__(str(error))
+        self.state = state
+        self.error = error
+
 
 _FLOAT_PARAMS = (
     ct.VALUE_SOURCE_TEMPERATURE,
@@ -269,6 +297,8 @@ class Scheduler:
     ) -> None:
         self.contract = contract
         self.make_gate = make_gate
+        self.sampling_limits = SamplingLimits.of(contract)
+        """What the core's sampling inputs hold: a request whose values do not fit is rejected at admission."""
         self.clock_origin_ns = clock_origin_ns
         self.allocator = allocator
         self.stats = stats
@@ -276,6 +306,7 @@ class Scheduler:
         self.context = contract.serving.context_tokens
         self.eos = frozenset(contract.eos_token_ids)
         self.histogram_width = contract.histogram_width
+        self.input_vocabulary = contract.model.input_vocabulary.size
         graphs = list(selection.graphs.values())
         self.initialize = _variants(graphs, ct.OPERATION_INITIALIZE)
         self.prefills = _variants(graphs, ct.OPERATION_PREFILL)
@@ -290,6 +321,8 @@ class Scheduler:
             list(range(contract.serving.snapshot_capacity - 1, -1, -1)) if self.snapshot is not None else []
         )
         self.max_active = selection.max_active
+        self.queue_capacity = selection.queue_capacity
+        """The most requests :attr:`waiting` takes from outside (:meth:`add`); see :attr:`has_room`."""
         self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
         self.waiting: deque[RequestState] = deque()
         self.pipelining = True
@@ -335,11 +368,31 @@ class Scheduler:
         """Changes whenever membership, a running request's phase or a follow-up condition may have changed."""
         self._phases: _Phases | None = None
         self._cohort: _Cohort | None = None
+        self._faults: list[Event] = []
+        """Failures of single requests found while planning (a host gate that raised), to publish."""
 
     # -- requests --------------------------------------------------------------------------------
+    @property
+    def has_room(self) -> bool:
+        """The pending admission deque takes another request: it holds fewer than ``queue_capacity``.
+        (Preempted requests return to its front whatever it holds: they were admitted already.)"""
+        return len(self.waiting) < self.queue_capacity
+
     def add(self, request: PreparedRequest) -> AdmissionRejected | None:
-        """Queue a request, or reject it when it lies outside the prepared capacities."""
+        """Queue a request, or reject it when it lies outside the prepared capacities (permanently) or the
+        pending admission deque is full (transiently: the engine hands requests over only while
+        :attr:`has_room`, so this answers a caller that does not)."""
+        if not self.has_room:
+            self.stats.rejected += 1
+            return AdmissionRejected(
+                request.request_id,
+                f"the pending admission queue holds its limit of {self.queue_capacity} requests; retry later",
+            )
         problem = self._capacity_problem(request)
+        if problem is None:
+            unpackable = self.sampling_limits.problem(request.sampling)
+            if unpackable is not None:  # preparation refuses these; a request from elsewhere may still hold one
+                problem = unpackable[1], unpackable[0]
         if problem is not None:
             self.stats.rejected += 1
             message, param = problem
@@ -361,7 +414,9 @@ class Scheduler:
             except Exception as exc:  # a format preparation accepted but the worker cannot compile
                 self.stats.rejected += 1
                 return AdmissionRejected(
-                    request.request_id, f"cannot prepare the request's gates: {exc}", param="response_format",
+                    request.request_id,
+                    f"cannot prepare the request's output constraints: {type(exc).__name__}: {exc}",
+                    param=format_param(request),
                     permanent=True,
                 )
         self.waiting.append(state)
@@ -373,6 +428,10 @@ class Scheduler:
         prompt = len(request.prompt_ids)
         if prompt == 0:
             return "the prompt is empty", "messages"
+        vocabulary = self.input_vocabulary
+        if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocabulary:
+            outside = next(i for i in request.prompt_ids if not 0 <= i < vocabulary)
+            return f"prompt token id {outside} lies outside the input vocabulary [0, {vocabulary})", "messages"
         if request.max_tokens <= 0:
             return "max_tokens must be positive", "max_tokens"
         if request.prompt_logprobs and not self.scored:
@@ -418,7 +477,32 @@ class Scheduler:
         return events
 
     def next_round(self) -> Round | None:
-        """Admit what fits, then plan the next round (None when there is nothing to run)."""
+        """Admit what fits, then plan the next round (None when there is nothing to run).
+
+        A request whose host gate raises while the round is planned (its grammar mask) fails alone, and
+        the round is planned again without it; its failure waits in :meth:`take_faults`.
+        """
+        while True:
+            try:
+                return self._plan()
+            except _GateFault as fault:
+                self._faults.append(self._fail(fault.state, gate_failure(fault.error)))
+
+    def take_faults(self) -> list[Event]:
+        """The failures of single requests found while planning, to publish (each once)."""
+        if not self._faults:
+            return []
+        faults, self._faults = self._faults, []
+        return faults
+
+    def _mask(self, state: RequestState, gate: HostGate) -> npt.NDArray[np.int32] | None:
+        """``gate``'s mask for ``state``'s next token; a gate that raises is reported as a :class:`_GateFault`."""
+        try:
+            return gate.mask()
+        except Exception as exc:
+            raise _GateFault(state, exc) from exc
+
+    def _plan(self) -> Round | None:
         leaving = self._phases_now().leaving
         if leaving is not None and self.snapshot is not None:
             return self._state_copy_round(self.snapshot, leaving, snapshot_row=leaving.snapshot_row)
@@ -591,7 +675,9 @@ class Scheduler:
             chunk = min(state.prefill_target - state.consumed, budget - used)
             last = state.snapshot_row < 0 and state.consumed + chunk == len(state.tokens)
             positions = list(range(state.consumed, state.consumed + chunk))
-            lanes.append(self._lane(state, positions, state.tokens[state.consumed : state.consumed + chunk], last))
+            lane = self._lane(state, positions, state.tokens[state.consumed : state.consumed + chunk], last)
+            lane.mixed_prefill = mixed  # MIXED_PREFILL_ROW: 1 on the prefill rows of a mixed round
+            lanes.append(lane)
             members.append(state)
             expectations.append(self._expect(state, state.consumed + chunk, last))
             used += chunk
@@ -727,7 +813,7 @@ class Scheduler:
         rows[ct.VALUE_SOURCE_SAMPLING_STEP] = steps
         masks = None
         if cohort.constrained:
-            masks = [s.gate.mask() if s.gate is not None else None for s in members]
+            masks = [self._mask(s, s.gate) if s.gate is not None else None for s in members]
             rows[ct.VALUE_SOURCE_CONSTRAINED] = np.fromiter(
                 (mask is not None for mask in masks), dtype=np.int64, count=len(masks)
             )
@@ -790,8 +876,11 @@ class Scheduler:
                     self._add_pages(state, page)
             cohort = self._make_cohort(list(members))
             self.in_flight = cohort.ids
+        try:
+            follow = self._decode_plan(cohort, ahead=1)
+        except _GateFault:  # no follow-up: the next plan, with nothing in flight, fails that request alone
+            return None
         self.stats.pipelined_rounds += 1
-        follow = self._decode_plan(cohort, ahead=1)
         follow.graph = round_.graph
         return follow
 
@@ -921,7 +1010,7 @@ class Scheduler:
             presence_penalty=params.presence_penalty,
             seed=params.seed,
             sampling_step=state.generated + ahead,
-            grammar_mask=state.gate.mask() if sample and state.gate is not None else None,
+            grammar_mask=self._mask(state, state.gate) if sample and state.gate is not None else None,
             prompt_histogram=self._histogram(state.tokens[: state.prompt_len]) if histogram else None,
             consumed=state.consumed + ahead,
         )
@@ -957,10 +1046,8 @@ class Scheduler:
             for s, lane in zip(round_.members, lanes, strict=True)
             if lane.sample
         ]
-        if any(constrained):
-            self.stats.constrained_max_inflight = max(self.stats.constrained_max_inflight, 1)
-            if round_.graph.operation == ct.OPERATION_DECODE and not all(constrained):
-                self.stats.mixed_grammar_decode_steps += 1
+        if any(constrained) and round_.graph.operation == ct.OPERATION_DECODE and not all(constrained):
+            self.stats.mixed_grammar_decode_steps += 1
         for state, lane, result in zip(round_.members, lanes, results, strict=True):
             if state.ended:
                 continue  # ended in the previous round: this lane's output is suppressed
@@ -997,7 +1084,13 @@ class Scheduler:
             state.tokens.append(token)
             self._generated[state.slot] = state.generated
             state.pending_on_device = True
-            outcome = state.gate.observe(token) if state.gate is not None else None
+            outcome = None
+            if state.gate is not None:
+                try:
+                    outcome = state.gate.observe(token)
+                except Exception as exc:  # the request's own grammar or stops: it fails alone
+                    events.append(self._fail(state, gate_failure(exc)))
+                    continue
             pieces = outcome.pieces if outcome is not None else [(token, "")]
             events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp, result.top))
             if outcome is not None and outcome.stopped:
@@ -1017,10 +1110,8 @@ class Scheduler:
         completes a page or reaches its output limit this round; only then are those lanes found (over all
         lanes at once). EOS ids are looked up per lane in small rounds, over all lanes in large ones.
         """
-        if cohort.constrained:
-            self.stats.constrained_max_inflight = max(self.stats.constrained_max_inflight, 1)
-            if not cohort.all_constrained:
-                self.stats.mixed_grammar_decode_steps += 1
+        if cohort.constrained and not cohort.all_constrained:
+            self.stats.mixed_grammar_decode_steps += 1
         self._count(cohort)
         slots = cohort.slots
         count = len(cohort.members)
@@ -1053,18 +1144,26 @@ class Scheduler:
             # The usual round: every lane presents its token's text and nothing else can happen per lane, so
             # the round's tokens go out once, for every stream to read its own lane.
             texts: list[str] | None = None
+            broken: list[tuple[RequestState, Exception]] = []
             if cohort.gated:
                 texts = []
                 text_of = texts.append
                 for state, token, text in zip(members, token_ids, cohort.texts, strict=True):
                     state.consumed += 1
                     state.tokens.append(token)
-                    text_of(text(token))
+                    try:
+                        text_of(text(token))
+                    except Exception as exc:  # its detokenizer: the request fails alone, after this round
+                        text_of("")
+                        broken.append((state, exc))
             else:  # no member has a gate: every token's text is found by its stream
                 for state, token in zip(members, token_ids, strict=True):
                     state.consumed += 1
                     state.tokens.append(token)
             append(RoundTokens(cohort.lanes, token_ids, logprobs, texts))
+            for state, error in broken:
+                skipped.add(cohort.lanes[state.request_id])
+                append(self._fail(state, gate_failure(error)))
         else:
             self._apply_lanes(cohort, results, check_ended, skipped, gate_stops, append)
         for index in sorted(publishing - skipped) if publishing else ():
@@ -1124,14 +1223,28 @@ class Scheduler:
             stamp = time.monotonic_ns() - origin if observe and state.observe else -1
             state.tokens.append(token)
             gate = state.gate
-            if gate is None or plain:
-                pieces = [(token, text(token))]
-            else:
-                outcome = gate.observe(token)
-                pieces = outcome.pieces
-                if outcome.stopped:
-                    gate_stops.append(index)
+            try:
+                if gate is None or plain:
+                    pieces = [(token, text(token))]
+                else:
+                    outcome = gate.observe(token)
+                    pieces = outcome.pieces
+                    if outcome.stopped:
+                        gate_stops.append(index)
+            except Exception as exc:  # the request's own grammar, stops or detokenizer: it fails alone
+                skipped.add(index)
+                append(self._fail(state, gate_failure(exc)))
+                continue
             append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
+
+    def fail_lanes(self, round_: Round, failures: Mapping[int, str]) -> list[Event]:
+        """Fail the requests of ``round_``'s lanes in ``failures`` (lane index: message) only. The round was
+        not launched, so nothing of it applies: its other requests are planned again as they are."""
+        return [
+            self._fail(state, failures[index])
+            for index, state in enumerate(round_.members)
+            if index in failures and not state.ended
+        ]
 
     def fail_round(self, round_: Round, message: str) -> list[Event]:
         """The whole round failed: fail its requests only; nothing of the round is published."""
@@ -1166,9 +1279,19 @@ class Scheduler:
             return "length"
         return None
 
-    def _finished(self, state: RequestState, reason: FinishReason, *, flush: bool = True) -> Finished:
+    def _finished(
+        self, state: RequestState, reason: FinishReason, *, flush: bool = True
+    ) -> Finished | ExecutionFailed:
+        """The request's normal end, with what its gate still holds (flushed when ``flush``); a gate that
+        raises while flushing fails the request instead (it has already ended)."""
+        pieces: list[tuple[int, str]] = []
+        if flush and state.gate is not None and reason != "cancelled":
+            try:
+                pieces = state.gate.finish()
+            except Exception as exc:
+                self.stats.failed += 1
+                return ExecutionFailed(state.request_id, gate_failure(exc))
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        pieces = state.gate.finish() if flush and state.gate is not None and reason != "cancelled" else []
         return Finished(
             state.request_id, reason, state.prompt_len, state.generated, max(state.reused_tokens, 0), pieces
         )

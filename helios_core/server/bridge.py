@@ -6,7 +6,9 @@ response iterates it on a dedicated thread pool and hands every event to the loo
 never waits for a reader: a paused reader only lets its queue grow, and the queue's size is bounded
 by the request's validated output budget (its output limit, one observation per token when asked,
 and the terminal event), which admission bounds in turn. A pump ends with the terminal event,
-which every request gets (cancellation and shutdown included).
+which every request gets (cancellation and shutdown included). The server itself may put one
+:class:`Interrupt` on a response's queue (never the worker): the response then ends at once with the
+interrupt's error, as when shutdown drops the responses still running after the drain period.
 """
 
 from __future__ import annotations
@@ -14,11 +16,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from helios_core.runtime.engine import RequestStream
 from helios_core.runtime.messages import Event
 
-__all__ = ["EventBridge"]
+__all__ = ["EventBridge", "EventQueue", "Interrupt"]
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Put on a response's queue by the server: end the response now with ``message`` (a ``cancelled`` error)."""
+
+    message: str
+
+
+EventQueue = asyncio.Queue[Event | Interrupt]
+"""One response's queue: the worker's events in order, and at most one server interrupt."""
 
 
 class EventBridge:
@@ -27,9 +41,9 @@ class EventBridge:
     def __init__(self, pumps: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=pumps, thread_name_prefix="helios-event-pump")
 
-    def attach(self, stream: RequestStream, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Event]:
+    def attach(self, stream: RequestStream, loop: asyncio.AbstractEventLoop) -> EventQueue:
         """Start pumping ``stream``; its events arrive, in order, on the returned queue."""
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: EventQueue = asyncio.Queue()
         self._executor.submit(_pump, stream, loop, events)
         return events
 
@@ -38,7 +52,7 @@ class EventBridge:
         self._executor.shutdown(wait=False, cancel_futures=False)
 
 
-def _pump(stream: RequestStream, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> None:
+def _pump(stream: RequestStream, loop: asyncio.AbstractEventLoop, events: EventQueue) -> None:
     for event in stream:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to read
             loop.call_soon_threadsafe(events.put_nowait, event)

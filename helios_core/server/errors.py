@@ -8,6 +8,8 @@ error                                           status  ``error.type``
 =============================================  ======  ===========================
 ``InvalidRequest``, ``PromptError``             400     ``invalid_request_error``
 ``UnknownModel``                                404     ``not_found_error``
+body over the size limit (Litestar)             413     ``invalid_request_error``
+``UnsupportedMediaType``                        415     ``invalid_request_error``
 ``IngressFull``                                 429     ``rate_limit_error``
 ``AdmissionRefused`` (native rejection event)   503     ``admission_rejected``
 ``RequestCancelled``                            503     ``cancelled``
@@ -21,6 +23,7 @@ class only, never from error text. Changed by the server owners.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -28,21 +31,28 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
-from helios_core.errors import HeliosError
-from helios_core.frontend.bootstrap import PromptError
+from helios_core.errors import HeliosError, PromptError
 from helios_core.runtime.messages import AdmissionRejected
 
 __all__ = [
+    "REQUEST_ID_STATE",
     "AdmissionRefused",
     "ExecutionError",
     "IngressFull",
     "InvalidRequest",
     "RequestCancelled",
     "UnknownModel",
+    "UnsupportedMediaType",
     "error_body",
     "exception_handlers",
+    "log_failure",
     "status_for",
 ]
+
+_LOG = logging.getLogger(__name__)
+
+REQUEST_ID_STATE = "helios_request_id"
+"""Key of a chat request's response id (``chatcmpl-...``) on ``request.state``, set on arrival."""
 
 
 class InvalidRequest(HeliosError):
@@ -55,6 +65,10 @@ class InvalidRequest(HeliosError):
 
 class UnknownModel(HeliosError):
     """The request names a model this server does not serve (404)."""
+
+
+class UnsupportedMediaType(HeliosError):
+    """The request body is declared as something other than JSON (415)."""
 
 
 class IngressFull(HeliosError):
@@ -93,6 +107,7 @@ _TABLE: tuple[tuple[type[BaseException], int, str], ...] = (
     (InvalidRequest, 400, "invalid_request_error"),
     (PromptError, 400, "invalid_request_error"),
     (UnknownModel, 404, "not_found_error"),
+    (UnsupportedMediaType, 415, "invalid_request_error"),
     (IngressFull, 429, "rate_limit_error"),
     (AdmissionRefused, 503, "admission_rejected"),
     (RequestCancelled, 503, "cancelled"),
@@ -151,18 +166,46 @@ def retry_headers(exc: BaseException) -> dict[str, str]:
     return {}
 
 
+def log_failure(request_id: str | None, exc: BaseException) -> None:
+    """The one log line of a request that failed with a 500 or an ``execution_error`` event: its id,
+    the error class and the message on one line (the traceback only at debug level)."""
+    message = " ".join(str(exc).split())
+    if len(message) > 500:
+        message = message[:500] + "..."
+    _LOG.error("request %s failed: %s: %s", request_id or "-", type(exc).__name__, message)
+    _LOG.debug("request %s traceback", request_id or "-", exc_info=exc)
+
+
+def _request_id(request: Request[Any, Any, Any]) -> str | None:
+    value = request.state.get(REQUEST_ID_STATE)
+    return value if isinstance(value, str) else None
+
+
+def _id_header(request_id: str | None) -> dict[str, str]:
+    return {"x-request-id": request_id} if request_id is not None else {}
+
+
 def _helios_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    return Response(error_body(exc), status_code=status_for(exc), headers=retry_headers(exc))
+    request_id = _request_id(request)
+    status = status_for(exc)
+    if status == 500:
+        log_failure(request_id, exc)
+    return Response(error_body(exc), status_code=status, headers={**retry_headers(exc), **_id_header(request_id)})
 
 
 def _http_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Response[dict[str, Any]]:
+    request_id = _request_id(request)
     kind = "invalid_request_error" if exc.status_code < 500 else "execution_error"
+    if exc.status_code >= 500:
+        log_failure(request_id, exc)
     body = {"error": {"message": exc.detail, "type": kind, "param": None, "code": exc.status_code}}
-    return Response(body, status_code=exc.status_code, headers=exc.headers)
+    return Response(body, status_code=exc.status_code, headers={**(exc.headers or {}), **_id_header(request_id)})
 
 
 def _internal_handler(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    return Response(error_body(exc), status_code=500)
+    request_id = _request_id(request)
+    log_failure(request_id, exc)
+    return Response(error_body(exc), status_code=500, headers=_id_header(request_id))
 
 
 def exception_handlers() -> dict[int | type[Exception], Any]:

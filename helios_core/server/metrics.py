@@ -1,8 +1,13 @@
 """Prometheus metrics of one app, read from the engine's native statistics at scrape time.
 
 Owns the app's ``CollectorRegistry`` (one per app, never the global one) and the collector that
-turns one ``Engine.statistics()`` snapshot into metric families. Nothing is counted here: the
-worker owns every counter, so a scrape is one consistent snapshot. Labels are program names,
+turns one ``Engine.statistics()`` snapshot into metric families. The worker owns every counter
+but one correction: an output failure (the request's output pipeline or presentation raised) is
+found by the server after the worker ended the request as finished (``stop``, ``length``) or, once
+the server stopped it, ``cancelled``. :class:`OutputFailures` records those ends and the collector
+moves each from ``helios_requests_finished_total`` to ``helios_requests_failed_total``; a moved
+count never makes an exported counter go down (each exported finished count is at least the last
+one). Labels are program names,
 operations and finish reasons only — never request ids, prompt contents or token ids. The list of
 metrics and their meaning is docs/metrics.md.
 """
@@ -10,6 +15,7 @@ metrics and their meaning is docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,7 +23,7 @@ from prometheus_client.registry import Collector
 
 from helios_core.runtime.stats import StatsSnapshot
 
-__all__ = ["CONTENT_TYPE", "EngineCollector", "MetricsExporter"]
+__all__ = ["CONTENT_TYPE", "EngineCollector", "MetricsExporter", "OutputFailures"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -30,12 +36,46 @@ def _gauge(name: str, documentation: str, value: int) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
 
+@dataclass
+class OutputFailures:
+    """Requests whose output failed after the worker ended them without failure (event loop only)."""
+
+    moved: dict[str, int] = field(default_factory=dict)
+    """Per finish reason the worker counted (``stop``, ``length``, ``cancelled``), how many were output failures."""
+
+    def record(self, reason: str) -> None:
+        """One output failure of a request the worker finished with ``reason``."""
+        self.moved[reason] = self.moved.get(reason, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.moved.values())
+
+
 class EngineCollector(Collector):
     """Collects every metric family from one statistics snapshot per scrape."""
 
-    def __init__(self, statistics: Callable[[], StatsSnapshot], admitted: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        statistics: Callable[[], StatsSnapshot],
+        admitted: Callable[[], int],
+        output_failures: OutputFailures | None = None,
+    ) -> None:
         self._statistics = statistics
         self._admitted = admitted
+        self._output_failures = output_failures if output_failures is not None else OutputFailures()
+        self._finished_exported: dict[str, int] = {}
+
+    def _finished(self, snapshot: StatsSnapshot) -> dict[str, int]:
+        """Finished counts less the output failures. The server records a failure once it has seen the
+        request's terminal event, which can precede the snapshot that counts that end: such a count is
+        held at its last exported value until the snapshot catches up."""
+        finished: dict[str, int] = {}
+        for reason in sorted({*snapshot.finished, *self._output_failures.moved}):
+            value = snapshot.finished.get(reason, 0) - self._output_failures.moved.get(reason, 0)
+            finished[reason] = max(value, self._finished_exported.get(reason, 0))
+        self._finished_exported = finished
+        return finished
 
     def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         return iter(())  # families depend on the snapshot; nothing to pre-register
@@ -45,7 +85,11 @@ class EngineCollector(Collector):
         yield _counter("helios_requests_received", "Requests the model worker queued.", s.received)
         yield _counter("helios_requests_admitted", "Requests admitted to a model slot.", s.admitted)
         yield _counter("helios_requests_rejected", "Requests rejected at admission (outside capacities).", s.rejected)
-        yield _counter("helios_requests_failed", "Requests failed by execution or output errors.", s.failed)
+        yield _counter(
+            "helios_requests_failed",
+            "Requests failed by execution or output errors.",
+            s.failed + self._output_failures.total,
+        )
         yield _counter("helios_preemptions", "Requests preempted to free cache pages.", s.preemptions)
         yield _counter("helios_snapshots_published", "Snapshots committed at exact token endpoints.", s.snapshots)
         yield _counter("helios_snapshots_restored", "Snapshots restored into private writable pages.", s.restores)
@@ -57,7 +101,7 @@ class EngineCollector(Collector):
         finished = CounterMetricFamily(
             "helios_requests_finished", "Requests finished normally, by reason.", labels=["reason"]
         )
-        for reason, count in sorted(s.finished.items()):
+        for reason, count in self._finished(s).items():
             finished.add_metric([reason], count)
         yield finished
         rounds = CounterMetricFamily("helios_rounds", "Scheduling rounds, by operation.", labels=["operation"])
@@ -98,8 +142,9 @@ class MetricsExporter:
     """The app's registry and its text exposition."""
 
     def __init__(self, statistics: Callable[[], StatsSnapshot], admitted: Callable[[], int]) -> None:
+        self.output_failures = OutputFailures()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(statistics, admitted))
+        self.registry.register(EngineCollector(statistics, admitted, self.output_failures))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

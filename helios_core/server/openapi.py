@@ -1,24 +1,50 @@
-"""The OpenAPI description of the chat request body.
+"""The OpenAPI description of the chat request body and of every error response.
 
 Owns the translation of the msgspec JSON schema of
 :class:`~helios_core.server.schemas.ChatCompletionRequest` into Litestar's OpenAPI objects. The
 chat controller decodes its body itself (strict msgspec decoding; Litestar's own body parsing
 coerces types), so Litestar cannot see the body type: this module adds the request body and its
 component schemas to the generated document instead.
+
+The request schema also states the values preparation refuses where JSON Schema can say so
+(:data:`_REFUSALS`: ``messages`` not empty, ``max_tokens`` positive, the sampling ranges of
+:data:`~helios_core.frontend.bootstrap.SAMPLING_RANGES`, the stop limits, the refused OpenAI fields
+as ``null`` only). What it cannot say (the JSON nesting limit, limits of the served core such as
+its vocabulary or ``top_logprobs``, rules joining two fields) is in the field descriptions and
+docs/http-api.md. Every operation lists its error statuses with the OpenAI error object; 429 and
+503 list ``Retry-After`` and ``x-should-retry``.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, RequestBody, Schema
+from litestar.openapi.spec import (
+    OpenAPIHeader,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    RequestBody,
+    Schema,
+)
 
-from helios_core.server.schemas import ChatCompletionRequest
+from helios_core.frontend.bootstrap import SAMPLING_RANGES
+from helios_core.frontend.stops import (
+    MAX_STOP_SEQUENCE_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOKEN_SEQUENCES,
+    MAX_STRING_STOP_BYTES,
+    MAX_STRING_STOPS,
+)
+from helios_core.server.schemas import MAX_JSON_DEPTH, ChatCompletionRequest
 
-__all__ = ["ChatOperation", "chat_request_schema"]
+__all__ = ["ChatOperation", "ServerOperation", "chat_request_schema", "error_schema"]
 
 _NESTED_ONE = {"items": "items", "additionalProperties": "additional_properties"}
 _NESTED_MANY = {"anyOf": "any_of", "oneOf": "one_of", "allOf": "all_of"}
@@ -34,6 +60,11 @@ _PLAIN = {
     "maxLength": "max_length",
     "minItems": "min_items",
     "maxItems": "max_items",
+    "exclusiveMinimum": "exclusive_minimum",
+    "exclusiveMaximum": "exclusive_maximum",
+    "minProperties": "min_properties",
+    "maxProperties": "max_properties",
+    "pattern": "pattern",
 }
 
 
@@ -63,21 +94,225 @@ def _convert(node: Any, definitions: dict[str, Any]) -> Schema | bool:
     return Schema(**values)
 
 
+def _branch(node: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The member of ``node`` (a plain schema or an ``anyOf`` of alternatives) of JSON type ``kind``."""
+    for member in node.get("anyOf", [node]):
+        if member.get("type") == kind:
+            return member  # type: ignore[no-any-return]
+    raise KeyError(f"no {kind} alternative in {node!r}")
+
+
+def _merge(target: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
+def _narrow(kind: str, **constraints: Any) -> Callable[[dict[str, Any]], None]:
+    """A refusal: merge ``constraints`` into the field's ``kind`` alternative."""
+
+    def apply(node: dict[str, Any]) -> None:
+        _merge(_branch(node, kind), constraints)
+
+    return apply
+
+
+def _each(*refusals: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def apply(node: dict[str, Any]) -> None:
+        for refusal in refusals:
+            refusal(node)
+
+    return apply
+
+
+def _null_only(node: dict[str, Any]) -> None:
+    """A refusal of every value but null (a documented OpenAI field this server does not implement)."""
+    description = node.get("description")
+    node.clear()
+    node.update(type="null", description=(description + " " if description else "") + "Not supported: null only.")
+
+
+def _sampling_range(name: str) -> Callable[[dict[str, Any]], None]:
+    low, high, open_low = SAMPLING_RANGES[name]
+    kind = "integer" if name in ("top_k", "seed") else "number"
+    bounds: dict[str, Any] = {"exclusiveMinimum" if open_low else "minimum": low}
+    if high != float("inf"):
+        bounds["maximum"] = high
+    return _narrow(kind, **bounds)
+
+
+_TOOL_CHOICE_OBJECT = {
+    "properties": {
+        "type": {"enum": ["function"]},
+        "function": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+    },
+    "required": ["type", "function"],
+    "additionalProperties": False,
+}
+
+_REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "messages": lambda node: node.update(minItems=1),
+    "n": _narrow("integer", minimum=1, maximum=1),
+    "max_tokens": _narrow("integer", minimum=1),
+    "max_completion_tokens": _narrow("integer", minimum=1),
+    **{name: _sampling_range(name) for name in SAMPLING_RANGES},
+    "top_logprobs": _narrow("integer", minimum=0),
+    "prompt_logprobs": _narrow("integer", minimum=0, maximum=0),
+    "stop": _each(_narrow("string", minLength=1), _narrow("array", maxItems=MAX_STRING_STOPS, items={"minLength": 1})),
+    "stop_token_ids": _narrow("array", maxItems=MAX_STOP_TOKEN_IDS, items={"minimum": 0}),
+    "stop_token_sequences": _narrow(
+        "array",
+        maxItems=MAX_STOP_TOKEN_SEQUENCES,
+        items={"minItems": 1, "maxItems": MAX_STOP_SEQUENCE_TOKENS, "items": {"minimum": 0}},
+    ),
+    "response_format": _narrow(
+        "object",
+        properties={"type": {"enum": ["text", "json_object", "json_schema"]}},
+        required=["type"],
+    ),
+    "tool_choice": _each(
+        _narrow("string", enum=["auto", "none", "required"]), _narrow("object", **_TOOL_CHOICE_OBJECT)
+    ),
+    "store": _narrow("boolean", enum=[False]),
+    "service_tier": _narrow("string", enum=["auto", "default"]),
+    "modalities": _narrow("array", minItems=1, maxItems=1, items={"enum": ["text"]}),
+    "logit_bias": _narrow("object", maxProperties=0),
+    **{
+        name: _null_only
+        for name in (
+            "audio",
+            "prediction",
+            "reasoning_effort",
+            "verbosity",
+            "web_search_options",
+            "functions",
+            "function_call",
+        )
+    },
+}
+"""Per field, how the schema states the values preparation refuses (see the module docstring)."""
+
+_DESCRIPTIONS = {
+    "stop": f"At most {MAX_STRING_STOP_BYTES} UTF-8 bytes in all; not with token stops or response_format.",
+    "stop_token_ids": "Vocabulary ids of the served core.",
+    "top_logprobs": "Requires logprobs: true; at most the served core's limit.",
+    "stream_options": "Only with stream: true.",
+    "return_token_timestamps": "Requires return_token_ids: true.",
+}
+
+
+def _refuse(properties: dict[str, Any]) -> None:
+    for name, refusal in _REFUSALS.items():
+        refusal(properties[name])
+    for name, text in _DESCRIPTIONS.items():
+        properties[name]["description"] = text
+    for name in ("response_format", "tools", "tool_choice"):
+        properties[name]["description"] = f"Arrays and objects nest at most {MAX_JSON_DEPTH} levels deep."
+    properties["messages"]["description"] = (
+        f"At least one message. A tool call's arguments text nests at most {MAX_JSON_DEPTH} levels deep."
+    )
+
+
 @functools.cache
 def chat_request_schema() -> Schema:
-    """The chat request body's schema (ChatCompletionRequest with nested structs inlined)."""
+    """The chat request body's schema (ChatCompletionRequest with nested structs inlined, refusals stated)."""
     (root,), definitions = msgspec.json.schema_components([ChatCompletionRequest])
+    root = copy.deepcopy(definitions[root["$ref"].removeprefix("#/$defs/")] if "$ref" in root else root)
+    _refuse(root["properties"])
     schema = _convert(root, definitions)
     if isinstance(schema, bool):
         raise TypeError("the chat request schema is not an object schema")
     return schema
 
 
+@functools.cache
+def error_schema() -> Schema:
+    """The OpenAI error object every error response carries."""
+    return Schema(
+        type=OpenAPIType.OBJECT,
+        required=["error"],
+        properties={
+            "error": Schema(
+                type=OpenAPIType.OBJECT,
+                required=["message", "type", "param", "code"],
+                properties={
+                    "message": Schema(type=OpenAPIType.STRING),
+                    "type": Schema(type=OpenAPIType.STRING),
+                    "param": Schema(type=[OpenAPIType.STRING, OpenAPIType.NULL]),
+                    "code": Schema(type=OpenAPIType.INTEGER),
+                },
+            )
+        },
+    )
+
+
+_SSE_EVENT = Schema(
+    type=OpenAPIType.OBJECT,
+    description="One server-sent event: a chat.completion.chunk or [DONE] as data; the terminal error event "
+    "is named error and carries the error object.",
+    required=["data"],
+    properties={
+        "event": Schema(type=OpenAPIType.STRING, enum=["message", "error"]),
+        "data": Schema(type=OpenAPIType.STRING),
+    },
+)
+
+_RETRY_HEADERS = {
+    "Retry-After": OpenAPIHeader(
+        schema=Schema(type=OpenAPIType.INTEGER), description="Seconds before a retry may pass (transient refusals)."
+    ),
+    "x-should-retry": OpenAPIHeader(
+        schema=Schema(type=OpenAPIType.STRING, enum=["false"]),
+        description="false: the same request can never succeed (a capacity of the served core).",
+    ),
+}
+
+_CHAT_ERRORS = {
+    400: "Invalid request: malformed, unknown or ill-typed field, unsupported or out-of-range value (error.param).",
+    404: "The model is not served here.",
+    413: "The request body is larger than the server accepts.",
+    415: "The request body is not declared as application/json.",
+    429: "Every admission permit is taken (queue_capacity + max_active requests); retry after Retry-After.",
+    500: "Model execution, device or output handling failed (execution_error).",
+    503: "Outside the served core's capacities (admission_rejected), or cancelled by shutdown (cancelled).",
+}
+
+
+def _error_responses(statuses: dict[int, str]) -> dict[str, OpenAPIResponse]:
+    return {
+        str(status): OpenAPIResponse(
+            description=description,
+            content={"application/json": OpenAPIMediaType(schema=error_schema())},
+            headers=dict(_RETRY_HEADERS) if status in (429, 503) else None,
+        )
+        for status, description in statuses.items()
+    }
+
+
+@dataclasses.dataclass
+class ServerOperation(Operation):
+    """An operation of this server: Litestar's description plus the 500 every handler may answer."""
+
+    def __post_init__(self) -> None:
+        self.responses = {**(self.responses or {}), **_error_responses({500: _CHAT_ERRORS[500]})}
+
+
 @dataclasses.dataclass
 class ChatOperation(Operation):
-    """The chat operation, with the request body Litestar cannot infer."""
+    """The chat operation, with the request body Litestar cannot infer, its SSE form and its errors."""
 
     def __post_init__(self) -> None:
         self.request_body = RequestBody(
             required=True, content={"application/json": OpenAPIMediaType(schema=chat_request_schema())}
         )
+        responses = dict(self.responses or {})
+        success = responses.get("200")
+        if isinstance(success, OpenAPIResponse):
+            success.description = "A chat.completion (JSON), or a chat.completion.chunk stream when stream is true"
+            success.content = {
+                "application/json": OpenAPIMediaType(schema=Schema(type=OpenAPIType.OBJECT)),
+                "text/event-stream": OpenAPIMediaType(schema=_SSE_EVENT),
+            }
+        self.responses = {**responses, **_error_responses(_CHAT_ERRORS)}

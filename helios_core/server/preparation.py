@@ -5,9 +5,13 @@ threads: refusing unsupported fields, rendering and encoding the conversation (c
 tokenizer, input-vocabulary check), the initial envelope state, sampling (request values over core
 defaults), the output limit (default ``min(core default, context - prompt)``), string and token
 stops, and the structured-output format, compiled here once so an invalid schema is a 400 before
-anything is queued. Every invalid request raises ``PromptError`` or ``InvalidRequest`` (400). A
-request that is valid but outside the prepared capacities (context, output) is *not* refused
-here: the model worker rejects it at admission (503), as the contract says.
+anything is queued; the compiled grammar travels with the request (``PreparedRequest.grammar``), so
+the model worker never compiles. Every invalid request raises ``PromptError`` or ``InvalidRequest`` (400). A
+request that is valid but outside the prepared capacities (context, output) is rejected by the
+model worker at admission (503), as the contract says; only a prompt that *certainly* cannot fit
+the context (a lower bound on its tokens reaches it) is refused here, with the same permanent
+``AdmissionRefused``, before it is rendered or tokenized in full. Client text is shielded so it
+never encodes as control tokens (:mod:`helios_core.frontend.prompt_encoding`).
 
 :class:`Frontend` is built once per app and shared by the preparation threads: its members are
 read-only after construction (the grammar compiler serialises its own compilation).
@@ -20,21 +24,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from helios_core.frontend.bootstrap import Bootstrap, PromptError, resolve_sampling
+from helios_core.errors import PromptError
+from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling
+from helios_core.frontend.prompt_encoding import ClientTextShield, PromptTooLong, utf8_length
 from helios_core.frontend.stops import check_stop_compatibility, parse_string_stops, parse_token_stops
 from helios_core.frontend.structured import (
+    AnswerFrames,
+    Grammar,
     GrammarCompiler,
-    RecipientFrames,
+    GrammarError,
     ToolCallFormat,
+    ToolChoiceError,
+    answer_frames,
     envelope_reasoning,
     parse_response_format,
     prepared_format_json,
 )
-from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, OutputPipeline, TokenizerVocabulary, ToolSpec
+from helios_core.plugin_api import (
+    CLOSED_ENVELOPE,
+    EnvelopeState,
+    OutputPipeline,
+    TokenizerVocabulary,
+    ToolGrammarError,
+    ToolSpec,
+)
 from helios_core.plugins.host import PluginHost, SelectedFrontend
 from helios_core.runtime.messages import PreparedRequest, SamplingParams
 from helios_core.runtime.startup import RunningModel
-from helios_core.server.errors import InvalidRequest
+from helios_core.server.errors import AdmissionRefused, InvalidRequest
 from helios_core.server.schemas import (
     ChatCompletionRequest,
     Content,
@@ -64,7 +81,10 @@ class Frontend:
         self.selected: SelectedFrontend = host.resolve(running.bootstrap.frontend, self.vocabulary)
         self.supports_tools = running.bootstrap.frontend.tool_parser != ct.TOOL_PARSER_NONE
         self.logprobs_top_n, self.supports_prompt_logprobs = _logprob_capabilities(running)
-        self.reasoning = envelope_reasoning(running.bootstrap.frontend)
+        envelope = self.selected.reasoning_envelope
+        self.reasoning = envelope_reasoning(
+            running.bootstrap.frontend, envelope.factory if envelope is not None else _no_reasoning_envelope
+        )
         """The think-tag syntax structured output admits before the answer, or None (see structured)."""
         self.grammar_compiler: GrammarCompiler = running.grammar_compiler
 
@@ -142,40 +162,74 @@ class Prepared:
         )
 
 
-def _text(content: Content | None) -> str:
+def _text(content: Content | None, shield: ClientTextShield) -> str:
+    """The message text as the template sees it (control-token spellings shielded)."""
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
+        return shield.shield(content)
+    return shield.shield("".join(part.text for part in content))
 
 
-def _arguments(text: str, where: str) -> Any:
+def _text_bytes(content: Content | None) -> int:
+    """UTF-8 bytes of a message's text, without joining or encoding it."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return utf8_length(content)
+    return sum(utf8_length(part.text) for part in content)
+
+
+def _refuse_oversize_messages(frontend: Frontend, request: ChatCompletionRequest) -> None:
+    """Refuse (503, permanent) before rendering when the message text alone cannot fit the context.
+
+    Each token covers at most the vocabulary's longest entry, so the message text's UTF-8 bytes
+    divided by that length is a lower bound on the prompt's tokens."""
+    size = sum(_text_bytes(message.content) for message in request.messages)
+    bound = frontend.bootstrap.encoder.lower_bound_tokens(size)
+    if bound >= frontend.context_tokens:
+        raise AdmissionRefused(
+            f"the messages hold {size} bytes of text, at least {bound} tokens, which does not fit the core's "
+            f"context of {frontend.context_tokens} tokens",
+            "messages",
+            permanent=True,
+        )
+
+
+def _arguments(text: str, where: str, shield: ClientTextShield) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError as exc:
         raise InvalidRequest(f"{where}.function.arguments is not JSON: {exc}", "messages") from exc
+    return shield.shield_value(value)
 
 
-def _template_message(message: Message, index: int) -> dict[str, Any]:
-    """One message as chat templates expect it (OpenAI shape; tool-call arguments as objects)."""
+def _template_message(message: Message, index: int, shield: ClientTextShield) -> dict[str, Any]:
+    """One message as chat templates expect it (OpenAI shape; tool-call arguments as objects), every
+    client string shielded so its control-token spellings stay plain text."""
     if isinstance(message, SystemMessage | DeveloperMessage):
-        return {"role": "system", "content": _text(message.content)}
+        return {"role": "system", "content": _text(message.content, shield)}
     if isinstance(message, UserMessage):
-        return {"role": "user", "content": _text(message.content)}
+        return {"role": "user", "content": _text(message.content, shield)}
     if isinstance(message, ToolMessage):
-        return {"role": "tool", "content": _text(message.content), "tool_call_id": message.tool_call_id}
-    out: dict[str, Any] = {"role": "assistant", "content": _text(message.content)}
+        return {
+            "role": "tool",
+            "content": _text(message.content, shield),
+            "tool_call_id": shield.shield_value(message.tool_call_id),
+        }
+    out: dict[str, Any] = {"role": "assistant", "content": _text(message.content, shield)}
     if message.reasoning_content is not None:
-        out["reasoning_content"] = message.reasoning_content
+        out["reasoning_content"] = shield.shield(message.reasoning_content)
     if message.tool_calls:
         out["tool_calls"] = [
             {
-                "id": call.id,
+                "id": shield.shield_value(call.id),
                 "type": "function",
                 "function": {
-                    "name": call.function.name,
-                    "arguments": _arguments(call.function.arguments, f"messages[{index}].tool_calls[{position}]"),
+                    "name": shield.shield(call.function.name),
+                    "arguments": _arguments(
+                        call.function.arguments, f"messages[{index}].tool_calls[{position}]", shield
+                    ),
                 },
             }
             for position, call in enumerate(message.tool_calls)
@@ -200,10 +254,13 @@ def _sampling(frontend: Frontend, request: ChatCompletionRequest) -> SamplingPar
         "frequency_penalty": request.frequency_penalty,
         "presence_penalty": request.presence_penalty,
     }
-    seed = request.seed if request.seed is not None else 0
-    if seed < 0:
-        raise InvalidRequest(f"seed must be >= 0, not {seed}", "seed")
-    settings = resolve_sampling(frontend.bootstrap.sampling_defaults, explicit, seed=seed)
+    bootstrap = frontend.bootstrap
+    try:  # each value within its meaningful range and the type the core packs it as; no seed: a fresh one
+        settings = resolve_sampling(
+            bootstrap.sampling_defaults, explicit, seed=request.seed, limits=bootstrap.sampling_limits
+        )
+    except SamplingError as exc:
+        raise InvalidRequest(str(exc), exc.field) from exc
     return SamplingParams(
         temperature=settings.temperature,
         top_p=settings.top_p,
@@ -214,6 +271,26 @@ def _sampling(frontend: Frontend, request: ChatCompletionRequest) -> SamplingPar
         presence_penalty=settings.presence_penalty,
         seed=settings.seed,
     )
+
+
+def _first_mask(grammar: Grammar, field: str) -> None:
+    """Run ``grammar``'s matcher over its first token, as the worker will: compute the first mask, take
+    the lowest id it allows and compute the next mask. A schema that compiles but whose matcher fails at
+    once (a self-referencing ``$ref``, a ``$defs`` loop, a ``pattern`` its lexer cannot build, a mask that
+    needs more work than the compiler's :class:`~helios_core.frontend.structured.GrammarLimits` allow) is
+    then a 400 here rather than a failure in the model worker. It also warms the grammar: the worker's
+    first mask of a matcher copied from it afterwards is several times faster."""
+    matcher = grammar.matcher()
+    try:
+        mask = matcher.mask()
+        words = mask.nonzero()[0]
+        if words.shape[0]:
+            word = int(words[0])
+            bits = int(mask[word]) & 0xFFFFFFFF
+            matcher.advance(word * 32 + (bits & -bits).bit_length() - 1)
+            matcher.mask()
+    except GrammarError as exc:
+        raise InvalidRequest(f"{field}: the schema cannot be enforced: {exc}", field) from exc
 
 
 def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[ToolSpec, ...]]:
@@ -263,42 +340,68 @@ def _tool_call_format(
         raise InvalidRequest(
             "response_format cannot be combined with tool_choice 'required' or a named function", "tool_choice"
         )
-    contract = frontend.bootstrap.frontend
-    # an open recipient header is continued by the ATEM frame grammar (which starts at the recipient)
-    open_header = envelope.open_header is not None and contract.tool_syntax.WhichOneof("family") == "atem"
+    # the selected tool plugin writes the call; a syntax whose calls live in frames may continue an
+    # open frame header (its grammar then says so)
+    names = {spec.name for spec in specs}
+    fmt: ToolCallFormat | None = None
+    refused: PromptError | None = None
+    grammar = frontend.selected.tool_grammar
+    if name is None or name in names:
+        try:
+            fmt = ToolCallFormat.for_frontend(
+                [(spec.name, spec.parameters) for spec in specs],
+                name,
+                frontend.bootstrap.frontend,
+                open_header=envelope.open_header is not None,
+                grammar=grammar.factory if grammar is not None else _no_tool_grammar,
+            )
+        except (ToolChoiceError, ToolGrammarError) as exc:
+            refused = exc
     thinking = envelope.initially_reasoning and frontend.reasoning is not None
-    if envelope != CLOSED_ENVELOPE and not (thinking or open_header):
+    continues_header = fmt.open_header if fmt is not None else isinstance(refused, ToolGrammarError)
+    if envelope != CLOSED_ENVELOPE and not (thinking or continues_header):
         raise InvalidRequest(
             "tool_choice 'required' or a named function is not supported where this core's prompt leaves generation",
             "tool_choice",
         )
-    if name is not None and name not in {spec.name for spec in specs}:
+    if name is not None and name not in names:
         raise InvalidRequest(
             f"tool_choice names function {name!r}, which is not among the request's tools", "tool_choice"
         )
-    try:
-        return ToolCallFormat.from_syntax(
-            [(spec.name, spec.parameters) for spec in specs],
-            name,
-            contract.tool_syntax,
-            contract.reasoning_syntax.recipient_header
-            if contract.reasoning_parser == ct.REASONING_PARSER_RECIPIENT_HEADER
-            else None,
-            open_header=open_header,
-        )
-    except PromptError as exc:
-        raise InvalidRequest(str(exc), "tool_choice") from exc
+    if isinstance(refused, ToolGrammarError):
+        raise refused  # a tool the syntax cannot write: the schema's own 400
+    if fmt is None:
+        raise InvalidRequest(str(refused), "tool_choice") from refused
+    return fmt
 
 
-def _recipient_frames(frontend: Frontend, specs: Sequence[ToolSpec], envelope: EnvelopeState) -> RecipientFrames | None:
-    """The recipient-header frames a structured answer keeps (``None`` on other cores): reasoning
-    frames, frames calling the request's tools (none with ``tool_choice`` ``"none"``), the answer frame."""
+def _no_reasoning_envelope(frontend: ct.FrontendContract) -> None:
+    """The envelope of a reasoning parser that declares none."""
+    return None
+
+
+def _no_tool_grammar(request: object) -> None:
+    """The tool grammar of a tool parser whose plugin registered none: it constrains no call."""
+    return None
+
+
+def _recipient_frames(frontend: Frontend, specs: Sequence[ToolSpec], envelope: EnvelopeState) -> AnswerFrames | None:
+    """The frames the selected reasoning plugin writes a structured answer in (``None`` when it
+    frames none): on recipient-header cores reasoning frames, frames calling the request's tools
+    (none with ``tool_choice`` ``"none"``), the answer frame. A tool the syntax cannot write is a
+    400 of its own (``ToolGrammarError``, raised as is)."""
+    selected = frontend.selected.reasoning_envelope
+    if selected is None:
+        return None
     try:
-        return RecipientFrames.from_contract(
+        return answer_frames(
             frontend.bootstrap.frontend,
             [(spec.name, spec.parameters) for spec in specs],
             open_header=envelope.open_header is not None,
+            envelope=selected.factory,
         )
+    except ToolGrammarError:
+        raise
     except PromptError as exc:
         raise InvalidRequest(str(exc), "response_format") from exc
 
@@ -321,9 +424,12 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     if not request.messages:
         raise InvalidRequest("messages must contain at least one message", "messages")
     template_tools, tool_specs = _tools(frontend, request)
-    messages = [_template_message(message, index) for index, message in enumerate(request.messages)]
-    rendered = frontend.bootstrap.render(messages, tools=template_tools or None)
-    prompt_ids = _encode(frontend, rendered)
+    _refuse_oversize_messages(frontend, request)
+    shield = frontend.bootstrap.encoder.shield()
+    messages = [_template_message(message, index, shield) for index, message in enumerate(request.messages)]
+    shielded_tools = shield.shield_value(template_tools) if template_tools else None
+    rendered = frontend.bootstrap.render(messages, tools=shielded_tools, input_chars=shield.input_chars)
+    prompt_ids = _encode(frontend, rendered, shield)
     sampling = _sampling(frontend, request)
     top_logprobs, prompt_logprobs = _logprob_settings(frontend, request)
 
@@ -334,21 +440,24 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     response_format = parse_response_format(request.response_format)
     check_stop_compatibility(string_stops, token_stops, response_format is not None)
     format_text = None
+    grammar: Grammar | None = None  # compiled here, once: the worker only instantiates its matcher
     reasoning, initially = frontend.reasoning, envelope.initially_reasoning
     if response_format is not None:
         frames = _recipient_frames(frontend, tool_specs, envelope)
-        # an invalid schema is a 400 now
-        frontend.grammar_compiler.compile(
+        # an invalid schema is a 400 now, and so is one whose matcher cannot compute its first mask
+        grammar = frontend.grammar_compiler.compile(
             response_format, reasoning=reasoning, initially_reasoning=initially, frames=frames
         )
+        _first_mask(grammar, "response_format")
         format_text = prepared_format_json(
             request.response_format or {}, reasoning, initially_reasoning=initially, frames=frames
         )
     elif tool_format is not None:
         if string_stops:
             raise InvalidRequest("stop cannot be combined with tool_choice 'required' or a named function", "stop")
-        # an invalid tool schema is a 400 now
-        frontend.grammar_compiler.compile(tool_format, reasoning=reasoning, initially_reasoning=initially)
+        # an invalid tool schema is a 400 now, and so is one whose matcher cannot compute its first mask
+        grammar = frontend.grammar_compiler.compile(tool_format, reasoning=reasoning, initially_reasoning=initially)
+        _first_mask(grammar, "tools")
         format_text = prepared_format_json(json.loads(tool_format.to_json()), reasoning, initially_reasoning=initially)
 
     observe_ids = bool(request.return_token_ids)
@@ -365,6 +474,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         observe_timestamps=observe_times,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
     )
     include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
     return Prepared(
@@ -381,8 +491,20 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     )
 
 
-def _encode(frontend: Frontend, rendered: str) -> list[int]:
-    ids: Sequence[int] = frontend.bootstrap.tokenizer.encode(rendered, add_special_tokens=False).ids
+def _encode(frontend: Frontend, rendered: str, shield: ClientTextShield) -> list[int]:
+    """Prompt ids of ``rendered`` (client text as plain text); a prompt that certainly cannot fit the
+    context is refused (503, permanent) as soon as that is known, without tokenizing all of it."""
+    context = frontend.context_tokens
+    try:
+        ids: Sequence[int] = frontend.bootstrap.encoder.encode(rendered, shield, limit=context)
+    except PromptTooLong as exc:
+        size = f"{exc.utf8_bytes} bytes, " if exc.utf8_bytes is not None else ""
+        raise AdmissionRefused(
+            f"the prompt holds {size}at least {exc.tokens} tokens, which does not fit the core's context of "
+            f"{context} tokens",
+            "messages",
+            permanent=True,
+        ) from exc
     limit = frontend.bootstrap.input_vocabulary
     bad = [i for i in ids if not 0 <= i < limit]
     if bad:

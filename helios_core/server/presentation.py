@@ -28,6 +28,10 @@ tool parsers) and shapes the deltas:
   ``stream_options.include_usage`` (earlier chunks ``usage: null``), else on the observed terminal
   choice chunk.
 
+Every SSE ``data:`` payload is one line whatever the text: JSON escapes ``\\r``, ``\\n`` and the
+other control characters, and :func:`sse_json` also escapes U+0085, U+2028 and U+2029, which some
+line splitters (Python's ``str.splitlines``, for one) treat as line ends.
+
 Errors are not presented here: the app raises them (JSON) or turns them into one SSE error event
 through :mod:`helios_core.server.errors`.
 """
@@ -44,19 +48,32 @@ from helios_core.plugin_api import GeneratedPiece, OutputDelta, OutputPipeline, 
 from helios_core.runtime.messages import Finished, Piece, PromptScores, TokenEvent
 from helios_core.server.preparation import Frontend, Prepared
 
-__all__ = ["Presenter", "sse_data", "sse_error"]
+__all__ = ["Presenter", "sse_data", "sse_error", "sse_json"]
 
 _ENCODER = msgspec.json.Encoder()
+
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+"""UTF-8 of the characters JSON leaves raw that line splitters may break at, and their JSON escapes.
+The encoded JSON is valid UTF-8, so each byte sequence is exactly that character, inside a string."""
+
+
+def sse_json(payload: Any) -> bytes:
+    """``payload`` as JSON that is one line for every line splitter."""
+    data = _ENCODER.encode(payload)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def sse_data(payload: Any) -> bytes:
     """One SSE ``data:`` event."""
-    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
+    return b"data: " + sse_json(payload) + b"\n\n"
 
 
 def sse_error(body: dict[str, Any]) -> bytes:
     """The terminal SSE ``error`` event (no ``[DONE]`` follows it)."""
-    return b"event: error\ndata: " + _ENCODER.encode(body) + b"\n\n"
+    return b"event: error\ndata: " + sse_json(body) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -5,18 +5,25 @@ decoder made for them. Every struct forbids unknown fields and decoding is stric
 strings to numbers or of integers to booleans), so an unknown or ill-typed field is an invalid
 request naming the field. Semantic checks that need the core (stops, sampling ranges, formats,
 vocabulary ids) belong to :mod:`helios_core.server.preparation`; refusals of documented fields this
-server does not implement belong to :func:`unsupported_fields`.
+server does not implement belong to :func:`unsupported_fields`. Nesting is bounded here too:
+:func:`decode_request` refuses a field whose arrays and objects nest deeper than
+:data:`MAX_JSON_DEPTH` (a tool call's ``arguments`` text included), with a scan that does not
+recurse, so no later step (rendering, schema compilation, encoding) can exhaust the stack.
 
 Changed by the server owners when the accepted OpenAI surface changes; docs/http-api.md lists it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
 
+from helios_core.server.errors import InvalidRequest
+
 __all__ = [
+    "MAX_JSON_DEPTH",
     "AssistantMessage",
     "ChatCompletionRequest",
     "DeveloperMessage",
@@ -31,6 +38,7 @@ __all__ = [
     "ToolMessage",
     "UserMessage",
     "decode_request",
+    "json_text_depth",
     "unsupported_fields",
 ]
 
@@ -168,10 +176,108 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
 
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 
+MAX_JSON_DEPTH = 64
+"""How deep arrays and objects may nest in one request field: the field's own value is level 1, so
+``"response_format": {"json_schema": {"schema": {...}}}`` is already three levels. A tool call's
+``arguments`` text, parsed during preparation, is held to the same limit counted from its own root.
+Real JSON schemas and tool arguments stay far below it; a deeper field is a 400 naming it."""
+
+_JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[][{},]', re.DOTALL)
+"""Strings (skipped whole, escapes included) and the structural characters the depth scan needs."""
+
 
 def decode_request(body: bytes) -> ChatCompletionRequest:
-    """Strictly decode a request body; raises ``msgspec.ValidationError`` or ``msgspec.DecodeError``."""
-    return _DECODER.decode(body)
+    """Strictly decode a request body and bound its nesting.
+
+    Raises ``msgspec.ValidationError`` or ``msgspec.DecodeError`` for a malformed or ill-typed body,
+    and :class:`InvalidRequest` naming the field when one nests deeper than :data:`MAX_JSON_DEPTH`.
+    """
+    try:
+        request = _DECODER.decode(body)
+    except RecursionError:  # nesting deep enough to exhaust the decoder's stack: name the field
+        raise _too_deep(_deepest_field(body)) from None
+    problem = _nesting_problem(request)
+    if problem is not None:
+        raise _too_deep(*problem)
+    return request
+
+
+def _too_deep(field: str | None, where: str | None = None) -> InvalidRequest:
+    return InvalidRequest(
+        f"{where or field or 'the request body'} nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
+        f"at most {MAX_JSON_DEPTH} are allowed",
+        field,
+    )
+
+
+def json_text_depth(text: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text (0 for a scalar), found without
+    recursion. Brackets inside well-formed strings do not count; in malformed text every bracket
+    outside a terminated string counts, which never reports less than a parser would reach."""
+    depth = deepest = 0
+    for match in _JSON_TOKENS.finditer(text):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in (b"]", b"}"):
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _deepest_field(body: bytes) -> str | None:
+    """The first top-level field of ``body`` whose value nests deeper than MAX_JSON_DEPTH (a raw scan,
+    for bodies too deep to decode)."""
+    depth = 0
+    expect_key = False
+    field: str | None = None
+    for match in _JSON_TOKENS.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            expect_key = depth == 1 and token == b"{"
+            if depth > MAX_JSON_DEPTH + 1:  # the body's own object is one level above its fields
+                return field
+        elif token in (b"]", b"}"):
+            depth = max(depth - 1, 0)
+        elif token == b",":
+            expect_key = depth == 1
+        elif depth == 1 and expect_key:  # a string: the next top-level field's name
+            try:
+                field = msgspec.json.decode(token, type=str)
+            except msgspec.DecodeError:
+                field = None
+            expect_key = False
+    return None
+
+
+def _nesting_problem(request: ChatCompletionRequest) -> tuple[str, str | None] | None:
+    """(field, where) of the first field nesting deeper than MAX_JSON_DEPTH, or None. Iterative: the
+    decoded values are walked with an explicit stack."""
+    for field in request.__struct_fields__:
+        value = getattr(request, field)
+        if not isinstance(value, list | dict | msgspec.Struct):
+            continue
+        stack: list[tuple[Any, int]] = [(value, 1)]
+        while stack:
+            node, depth = stack.pop()
+            if depth > MAX_JSON_DEPTH:
+                return field, None
+            if isinstance(node, dict):
+                children: Any = node.values()
+            elif isinstance(node, list):
+                children = node
+            else:
+                children = [getattr(node, name) for name in node.__struct_fields__]
+            stack.extend((child, depth + 1) for child in children if isinstance(child, list | dict | msgspec.Struct))
+    for index, message in enumerate(request.messages):
+        if isinstance(message, AssistantMessage) and message.tool_calls:
+            for position, call in enumerate(message.tool_calls):
+                arguments = call.function.arguments.encode()
+                brackets = arguments.count(b"[") + arguments.count(b"{")  # a bound that skips most scans
+                if brackets > MAX_JSON_DEPTH and json_text_depth(arguments) > MAX_JSON_DEPTH:
+                    return "messages", f"messages[{index}].tool_calls[{position}].function.arguments"
+    return None
 
 
 def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:

@@ -3,16 +3,28 @@
 Owns the run options (their names, types and defaults), the precedence rule — explicit command-line
 options over the TOML config file (``--config``) over the environment (``HELIOS_<OPTION>``, e.g.
 ``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: start the model, build
-the app, run uvicorn programmatically, log one readiness line, and on SIGINT/SIGTERM drain
-connections for five seconds (uvicorn's ``timeout_graceful_shutdown``) before closing the model.
+the app, run uvicorn programmatically, log one readiness line, and on SIGINT/SIGTERM shut down:
+
+* stop accepting connections and give open ones :data:`DRAIN_SECONDS` to finish;
+* then drop what still runs: every running response ends at once with the documented terminal error
+  (a stream's ``event: error`` of type ``cancelled``, a JSON response's 503 ``cancelled``) and logs
+  one line, and its request is cancelled in the model worker;
+* connections still open :data:`FLUSH_SECONDS` later (a reader that takes nothing more) are closed
+  without further output, quietly; uvicorn's own cancellation is only a backstop after that;
+* then the model worker stops and the core is closed.
+
+Server log lines (a 500, a dropped response) go to stderr as ``helios run: LEVEL: message``.
 Startup failures are Helios errors; the CLI prints them as one line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import signal
+import sys
 import threading
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -23,9 +35,13 @@ from typing import Any
 
 from helios_core.errors import StartupError
 
-__all__ = ["RunOptions", "resolve_options", "serve"]
+__all__ = ["DRAIN_SECONDS", "FLUSH_SECONDS", "RunOptions", "draining_server", "resolve_options", "serve"]
 
 DRAIN_SECONDS = 5
+"""How long shutdown lets open connections finish before it drops the responses still running."""
+
+FLUSH_SECONDS = 1.0
+"""After the drain period: time for the dropped responses' terminal events to reach their readers."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +161,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import start
-    from helios_core.server.app import ServerSettings, create_app
+    from helios_core.server.app import ServerSettings, chat_service, create_app
 
     if options.core is None:
         raise StartupError("no core given: pass --core PATH")
@@ -162,24 +178,92 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     running = start(options.core, trust, load, backend=options.backend)
     try:
         app = create_app(running, ServerSettings(options.served_name, options.alias))
-        config = uvicorn.Config(
-            app,
-            host=options.host,
-            port=options.port,
-            log_level="warning",
-            timeout_graceful_shutdown=DRAIN_SECONDS,
-            lifespan="on",
-        )
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
         serving = running.verified.contract.serving
         names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
         line = f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
-        server = _ReadyServer(config, line, announce)
-        with _quiet_after_shutdown():
+        server = draining_server(config, chat_service(app).drop_responses, on_started=lambda: announce(line))
+        with _quiet_after_shutdown(), _server_log():
             server.run()
         if not server.started:
             raise StartupError(f"could not listen on {options.host}:{options.port}")
     finally:
         running.close()
+
+
+class _LineFormatter(logging.Formatter):
+    """``helios run: LEVEL: message`` (a traceback follows only on debug records that carry one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"helios run: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info and record.levelno <= logging.DEBUG:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+@contextlib.contextmanager
+def _server_log() -> Iterator[None]:
+    """Server log lines on stderr while serving (warnings and errors: the logger's default level)."""
+    logger = logging.getLogger("helios_core.server")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LineFormatter())
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def draining_server(
+    config: Any,
+    drop_responses: Callable[[str], int],
+    *,
+    drain_seconds: float = DRAIN_SECONDS,
+    flush_seconds: float = FLUSH_SECONDS,
+    on_started: Callable[[], None] | None = None,
+) -> Any:
+    """A uvicorn server whose shutdown drains, then drops (see the module docstring).
+
+    ``drop_responses(message)`` ends the app's running responses with their terminal errors and says how
+    many it ended (:meth:`~helios_core.server.service.ChatService.drop_responses`); ``on_started`` runs
+    once the server listens. ``config.timeout_graceful_shutdown`` is replaced by the two periods.
+    """
+    import uvicorn
+
+    config.timeout_graceful_shutdown = drain_seconds + flush_seconds + 1
+
+    class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and on_started is not None:
+                on_started()
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            loop = asyncio.get_running_loop()
+            timers = [
+                loop.call_later(drain_seconds, self._drop),
+                loop.call_later(drain_seconds + flush_seconds, self._close),
+            ]
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                for timer in timers:
+                    timer.cancel()
+
+        def _drop(self) -> None:
+            drop_responses(
+                f"the server shut down: the response was still running after the {drain_seconds:g} s drain period"
+            )
+
+        def _close(self) -> None:
+            """Abort the connections still open a flush period after the drop: their readers did not take
+            the terminal event in time, and their requests were cancelled at the drop."""
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.abort()
+
+    return DrainingServer(config)
 
 
 @contextlib.contextmanager
@@ -199,25 +283,3 @@ def _quiet_after_shutdown() -> Iterator[None]:
 
 def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     return None
-
-
-class _ReadyServer:
-    """A uvicorn server that announces one readiness line once it listens."""
-
-    def __init__(self, config: Any, line: str, announce: Callable[[str], None]) -> None:
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            async def startup(self, sockets: Any = None) -> None:
-                await super().startup(sockets=sockets)
-                if self.started:
-                    announce(line)
-
-        self._server = Server(config)
-
-    @property
-    def started(self) -> bool:
-        return bool(self._server.started)
-
-    def run(self) -> None:
-        self._server.run()

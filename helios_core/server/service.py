@@ -1,6 +1,6 @@
 """The chat service: one request's path from decoded body to delivered response.
 
-Owns the order of the request lifecycle on the server side (ARCHITECTURE.md §5) and the objects
+Owns the order of the request lifecycle on the server side (docs/index.md, "A request's path") and the objects
 that live as long as the app: admission, the preparation thread pool, the event bridge, the shared
 frontend and the metrics exporter. Per request it decodes the body strictly (``ingress_ns``), takes
 an admission permit (429 when none is left), waits for a preparation slot, prepares on a frontend
@@ -8,11 +8,18 @@ worker thread (400 on an invalid request), submits to the engine (``enqueue_ns``
 collects a JSON response or streams SSE. The permit is released when the reader releases the
 response; a dropped connection cancels the request (``Engine.cancel``). The controllers in
 :mod:`helios_core.server.app` only call into this class.
+
+The response id (``chatcmpl-...``) is made on arrival, set on ``request.state`` and sent as
+``x-request-id``, so every log line of a request names it. A body declared as anything but JSON is
+415. An output failure (presentation raising) ends the response with ``execution_error`` and is
+counted as failed (:class:`~helios_core.server.metrics.OutputFailures`). At shutdown
+:meth:`ChatService.drop_responses` ends every running response with its terminal ``cancelled`` error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,16 +32,27 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from helios_core.runtime.messages import AdmissionRejected, Event, ExecutionFailed, Finished, PromptScores, TokenEvent
+from helios_core.runtime.messages import (
+    TERMINAL_EVENTS,
+    AdmissionRejected,
+    Event,
+    ExecutionFailed,
+    Finished,
+    PromptScores,
+    TokenEvent,
+)
 from helios_core.runtime.startup import RunningModel
 from helios_core.server.admission import Admission, Permit
-from helios_core.server.bridge import EventBridge
+from helios_core.server.bridge import EventBridge, EventQueue, Interrupt
 from helios_core.server.errors import (
+    REQUEST_ID_STATE,
     AdmissionRefused,
     ExecutionError,
     RequestCancelled,
     UnknownModel,
+    UnsupportedMediaType,
     error_body,
+    log_failure,
     validation_error,
 )
 from helios_core.server.metrics import MetricsExporter
@@ -43,6 +61,8 @@ from helios_core.server.presentation import Presenter, sse_error
 from helios_core.server.schemas import ChatCompletionRequest, decode_request
 
 __all__ = ["ChatService", "ServerSettings"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,11 @@ class ChatService:
         self._bridge = EventBridge(capacity + selection.frontend_workers)
         self.metrics = MetricsExporter(running.engine.statistics, lambda: self.admission.in_use)
         self._origin_ns = running.model.clock_origin_ns
+        self._responses: dict[str, EventQueue] = {}
+        """The event queues of the responses being generated or delivered, by request id."""
+        self._drop_message: str | None = None
+        """Set once shutdown drops the responses still running (:meth:`drop_responses`)."""
+        self._settling: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
         self._preparation.shutdown(wait=False, cancel_futures=True)
@@ -95,6 +120,9 @@ class ChatService:
         return {"status": "ok", "model": self.served_name}
 
     async def chat(self, request: Request[Any, Any, Any]) -> Response[Any]:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request.state[REQUEST_ID_STATE] = request_id
+        _check_content_type(request.headers.get("content-type"))
         body = await request.body()
         try:
             chat = decode_request(body)
@@ -105,19 +133,35 @@ class ChatService:
             raise UnknownModel(f"model {chat.model!r} is not served here; GET /v1/models lists the served names")
         permit = self.admission.admit()
         try:
-            return await self._admitted(request, chat, permit, ingress_ns)
+            return await self._admitted(request, chat, permit, ingress_ns, request_id)
         except BaseException:
             permit.release()
             raise
 
+    def drop_responses(self, message: str) -> int:
+        """End every response still running, now: a stream with one terminal ``cancelled`` error event, a
+        JSON response with a 503 ``cancelled`` body; each logs one line. Later requests end the same way
+        before reaching the model. Shutdown calls this after its drain period; returns how many ended."""
+        self._drop_message = message
+        for events in self._responses.values():
+            events.put_nowait(Interrupt(message))
+        return len(self._responses)
+
     # -- one admitted request ---------------------------------------------------------------------
     async def _admitted(
-        self, request: Request[Any, Any, Any], chat: ChatCompletionRequest, permit: Permit, ingress_ns: int
+        self,
+        request: Request[Any, Any, Any],
+        chat: ChatCompletionRequest,
+        permit: Permit,
+        ingress_ns: int,
+        request_id: str,
     ) -> Response[Any]:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         async with self.admission.preparation_slot():
             prepared = await loop.run_in_executor(self._preparation, prepare, self.frontend, chat, request_id)
+        if self._drop_message is not None:
+            _LOG.warning("request %s dropped before generation: %s", request_id, self._drop_message)
+            raise RequestCancelled(self._drop_message)
         enqueue_ns = self._now_ns()
         events = self._bridge.attach(self.running.engine.submit(prepared.request), loop)
         presenter = Presenter(
@@ -129,44 +173,57 @@ class ChatService:
             ingress_ns=ingress_ns,
             enqueue_ns=enqueue_ns,
         )
+        headers = {"x-request-id": request_id}
         if prepared.stream:
             return Stream(
                 self._sse(prepared, presenter, events, permit),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             )
         body = await self._collect(request, prepared, presenter, events)
-        return Response(body, background=BackgroundTask(_release, permit))
+        return Response(body, headers=headers, background=BackgroundTask(_release, permit))
 
     async def _collect(
         self,
         request: Request[Any, Any, Any],
         prepared: Prepared,
         presenter: Presenter,
-        events: asyncio.Queue[Event],
+        events: EventQueue,
     ) -> dict[str, Any]:
         request_id = prepared.request.request_id
         watcher = asyncio.create_task(self._cancel_on_disconnect(request, request_id))
+        self._responses[request_id] = events
         finished = False
         try:
             while True:
                 event = await events.get()
-                if isinstance(event, TokenEvent):
-                    presenter.collect(event)
-                    continue
-                if isinstance(event, PromptScores):
-                    presenter.prompt_scores(event)
-                    continue
-                finished = True
+                if isinstance(event, Interrupt):
+                    _LOG.warning("request %s dropped before it finished: %s", request_id, event.message)
+                    raise RequestCancelled(event.message)
+                terminal = event if isinstance(event, TERMINAL_EVENTS) else None
+                finished = terminal is not None
+                try:
+                    if isinstance(event, TokenEvent):
+                        presenter.collect(event)
+                        continue
+                    if isinstance(event, PromptScores):
+                        presenter.prompt_scores(event)
+                        continue
+                    if isinstance(event, Finished) and event.reason != "cancelled":
+                        return presenter.completion(event)
+                except Exception as exc:  # presentation failed: the request's output error
+                    self._output_failed(events, terminal)
+                    raise ExecutionError(f"output handling failed: {type(exc).__name__}: {exc}") from exc
                 if isinstance(event, Finished):
-                    if event.reason == "cancelled":
-                        raise RequestCancelled("the request was cancelled before it finished")
-                    return presenter.completion(event)
+                    raise RequestCancelled("the request was cancelled before it finished")
                 if isinstance(event, AdmissionRejected):
                     raise AdmissionRefused.of(event)
-                raise ExecutionError(event.message)
+                if isinstance(event, ExecutionFailed):
+                    raise ExecutionError(event.message)
+                raise ExecutionError(f"unexpected event {type(event).__name__}")
         finally:
             watcher.cancel()
+            self._responses.pop(request_id, None)
             if not finished:
                 self.running.engine.cancel(request_id)
 
@@ -178,37 +235,77 @@ class ChatService:
                 return
 
     async def _sse(
-        self, prepared: Prepared, presenter: Presenter, events: asyncio.Queue[Event], permit: Permit
+        self, prepared: Prepared, presenter: Presenter, events: EventQueue, permit: Permit
     ) -> AsyncIterator[bytes]:
         request_id = prepared.request.request_id
+        self._responses[request_id] = events  # from here on a drop puts an Interrupt on the queue
         finished = False
+        reported = False
+        """Whether the response already said why it ends early (drop or output failure)."""
         try:
-            pending: Event | None = None
+            pending: Event | Interrupt | None = None
             if prepared.prompt_logprobs:  # the first chunk carries the prompt's scores: wait for them
                 pending = await events.get()
                 if isinstance(pending, PromptScores):
                     presenter.prompt_scores(pending)
                     pending = None
-            yield presenter.first_chunk()
+            if self._drop_message is None:
+                yield presenter.first_chunk()
             while not finished:
-                event = pending if pending is not None else await events.get()
+                if self._drop_message is None or pending is not None:
+                    event = pending if pending is not None else await events.get()
+                else:  # dropped before this response registered, or while its reader was behind
+                    event = Interrupt(self._drop_message)
                 pending = None
+                if isinstance(event, Interrupt):
+                    reported = True
+                    _LOG.warning("request %s dropped before it finished: %s", request_id, event.message)
+                    yield sse_error(error_body(RequestCancelled(event.message)))
+                    return
+                terminal = event if isinstance(event, TERMINAL_EVENTS) else None
                 try:
-                    chunk, finished = self._sse_event(presenter, event)
+                    chunk, finished = self._sse_event(presenter, event, request_id)
                 except Exception as exc:  # presentation failed: the request's output error, as its own event
-                    chunk, finished = sse_error(error_body(ExecutionError(f"output handling failed: {exc}"))), False
-                    yield chunk
+                    reported = True
+                    self._output_failed(events, terminal)
+                    failure = ExecutionError(f"output handling failed: {type(exc).__name__}: {exc}")
+                    log_failure(request_id, failure)
+                    yield sse_error(error_body(failure))
                     return
                 if chunk:
                     yield chunk
         finally:
+            self._responses.pop(request_id, None)
             if not finished:
                 self.running.engine.cancel(request_id)
+                if self._drop_message is not None and not reported:  # cut while a chunk was being sent
+                    _LOG.warning("request %s dropped before it finished: %s", request_id, self._drop_message)
             permit.release()
 
+    def _output_failed(self, events: EventQueue, terminal: Event | None) -> None:
+        """Count an output failure as failed, not as the end the worker counted: at once when its
+        terminal event is known, else when that event arrives (the caller stops the request)."""
+        if terminal is not None:
+            self._count_output_failure(terminal)
+            return
+        task = asyncio.get_running_loop().create_task(self._settle_output_failure(events))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_output_failure(self, events: EventQueue) -> None:
+        while True:
+            event = await events.get()
+            if isinstance(event, TERMINAL_EVENTS):
+                self._count_output_failure(event)
+                return
+
+    def _count_output_failure(self, terminal: Event) -> None:
+        if isinstance(terminal, Finished):  # an ExecutionFailed end is already counted as failed
+            self.metrics.output_failures.record(terminal.reason)
+
     @staticmethod
-    def _sse_event(presenter: Presenter, event: Event) -> tuple[bytes, bool]:
-        """The bytes one event sends, and whether it was terminal."""
+    def _sse_event(presenter: Presenter, event: Event, request_id: str) -> tuple[bytes, bool]:
+        """The bytes one event sends, and whether it was terminal (an execution error is logged)."""
         if isinstance(event, TokenEvent):
             return b"".join(presenter.stream_token(event)), False
         if isinstance(event, PromptScores):  # only ever before the first chunk, which took it
@@ -220,9 +317,23 @@ class ChatService:
             return b"".join(presenter.stream_finish(event)), True
         if isinstance(event, AdmissionRejected):
             return sse_error(error_body(AdmissionRefused.of(event))), True
-        if isinstance(event, ExecutionFailed):
-            return sse_error(error_body(ExecutionError(event.message))), True
-        return sse_error(error_body(ExecutionError(f"unexpected event {type(event).__name__}"))), True
+        failure = ExecutionError(event.message if isinstance(event, ExecutionFailed) else f"unexpected event {event!r}")
+        log_failure(request_id, failure)
+        return sse_error(error_body(failure)), True
+
+
+def _check_content_type(value: str | None) -> None:
+    """Refuse a body declared as anything but JSON (415). A missing Content-Type is read as JSON;
+    ``application/json`` may carry ``charset=utf-8`` (JSON is UTF-8), and no other charset."""
+    if not value:
+        return
+    media_type, _, parameters = value.partition(";")
+    if media_type.strip().lower() != "application/json":
+        raise UnsupportedMediaType(f"the request body must be application/json, not {media_type.strip()[:100]!r}")
+    for parameter in parameters.split(";"):
+        name, _, setting = parameter.partition("=")
+        if name.strip().lower() == "charset" and setting.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise UnsupportedMediaType(f"the request body must be UTF-8 JSON, not charset {setting.strip()[:40]!r}")
 
 
 def _release(permit: Permit) -> None:

@@ -1,14 +1,20 @@
 """The plugin host: in-process third-party identifiers, duplicates and ``prefer``, missing
-identifiers, isolation of a plugin that fails to import, the allowlist and autoload switches,
-pairing failures, hook documentation and the ``helios plugins --json`` listing."""
+identifiers, isolation of a plugin that fails to import (``SystemExit`` and other ``BaseException``s
+included), the allowlist and autoload switches, pairing failures, hook documentation and the
+``helios plugins`` listing (text and ``--json``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import inspect
 import io
 import json
+import signal
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +24,7 @@ from frontend_builders import base, function_tags, recipient_header, xtml
 from helios_core.errors import StartupError
 from helios_core.plugin_api import OutputDelta, ParserContext, Register, ToolSpec
 from helios_core.plugins import PluginHost, hookspecs
-from helios_core.plugins.cli_command import add_plugins_command
+from helios_core.plugins.cli_command import add_plugins_command, run_plugins_command
 from helios_core.testing import FrontendHarness
 from helios_core.wire import contract_pb2 as ct
 
@@ -197,7 +203,7 @@ def test_unusable_syntax_data_fails_at_startup(tokenizer: Any) -> None:
 
 def test_every_hookspec_is_typed_and_documented() -> None:
     specs = [f for name, f in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("helios_")]
-    assert len(specs) == 4
+    assert len(specs) == 6  # four selections and the two grammar hooks
     for spec in specs:
         assert inspect.getdoc(spec), spec.__name__
         assert "register" in inspect.signature(spec).parameters
@@ -222,6 +228,141 @@ def test_plugins_command_json() -> None:
     provided = {(i["kind"], i["identifier"]) for entry in builtin for i in entry["implementations"]}
     assert {("tool_parser", n) for n in range(1, 8)} <= provided
     assert {("reasoning_parser", n) for n in range(1, 5)} <= provided
+
+
+BUILTIN_LINES = [
+    "none = helios_plugins.none [ok] tool_parser=1 reasoning_parser=1 image_preparation=1 image_layout=1",
+    "reasoning_think_tags = helios_plugins.reasoning_think_tags [ok] reasoning_parser=2",
+    "recipient_header = helios_plugins.recipient_header [ok] tool_parser=6 reasoning_parser=4",
+    "tool_argument_tags = helios_plugins.tool_argument_tags [ok] tool_parser=3",
+    "tool_dsml = helios_plugins.tool_dsml [ok] tool_parser=4",
+    "tool_function_tags = helios_plugins.tool_function_tags [ok] tool_parser=2",
+    "tool_json_tags = helios_plugins.tool_json_tags [ok] tool_parser=7",
+    "xtml = helios_plugins.xtml [ok] tool_parser=5 reasoning_parser=3",
+]
+
+
+def test_plugins_command_names_each_distribution_and_entry_point() -> None:
+    host = PluginHost(entry_points=_broken_entry_points(), environ={})
+    host.plugin_manager.register(ShadowPlugin(), name="shadow-dist")
+    out = io.StringIO()
+    assert run_plugins_command(argparse.Namespace(json=False), host=host, out=out) == 1  # 1: a conflict
+    version = importlib.metadata.version("helios")
+    conflict = (
+        "conflict: tool parser 100001 is provided by both 'helios-upper' (upper) and 'shadow-dist' (shadow); "
+        "uninstall one or pick one with prefer={100001: 'helios-upper'}"
+    )
+    assert out.getvalue().splitlines() == [
+        "helios-broken 1.0: broken = helios_broken [failed] tool_parser=100002 error: ImportError: no module x",
+        f"helios-upper 1.0: upper = upper [ok] tool_parser=100001 {conflict}",
+        *(f"helios {version}: {line}" for line in BUILTIN_LINES),
+        f"shadow-dist ?: (registered in process) [ok] tool_parser=100001 {conflict}",
+    ]
+    upper = next(entry for entry in host.describe() if entry["name"] == "helios-upper")
+    assert upper["conflicts"] == [host.conflicts[0]]
+
+
+# --------------------------------------------------------------- BaseException at import
+
+
+class PluginAbort(BaseException):
+    """A custom BaseException, as a plugin might raise to stop everything."""
+
+
+class ModuleEntryPoint(FakeEntryPoint):
+    """An entry point that imports its module, as an installed one does."""
+
+    def load(self) -> Any:
+        return importlib.import_module(self.value)
+
+
+IMPORT_FAILURES = {
+    "helios_exit_plugin": ('raise SystemExit("exits on import")', "SystemExit: exits on import"),
+    "helios_exit_code_plugin": ("raise SystemExit(3)", "SystemExit: 3"),
+    "helios_abort_plugin": (
+        "class PluginAbort(BaseException):\n    pass\nraise PluginAbort('stops everything')",
+        "PluginAbort: stops everything",
+    ),
+    "helios_generator_exit_plugin": ("raise GeneratorExit", "GeneratorExit"),
+    "helios_interrupt_plugin": (
+        'raise KeyboardInterrupt("not from the operator")',
+        "KeyboardInterrupt: not from the operator",
+    ),
+}
+
+
+@pytest.fixture
+def failing_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Entry points of modules that raise a BaseException at import, then a working plugin."""
+    for module, (source, _) in IMPORT_FAILURES.items():
+        (tmp_path / f"{module}.py").write_text(source + "\n", encoding="utf-8")
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry_points: list[Any] = [
+        ModuleEntryPoint(module.removesuffix("_plugin"), module, "helios", dist(module.replace("_", "-")))
+        for module in IMPORT_FAILURES
+    ]
+    entry_points.append(FakeEntryPoint("upper", "upper", "helios", dist("helios-upper"), plugin=UpperPlugin()))
+    return entry_points
+
+
+def test_a_plugin_raising_a_base_exception_at_import_is_isolated(failing_modules: list[Any]) -> None:
+    host = PluginHost(entry_points=failing_modules, environ={})
+    assert host.resolve(third_party(100001)).tool_parser.plugin == "helios-upper"
+    by_name = {entry["name"]: entry for entry in host.describe()}
+    for module, (_, error) in IMPORT_FAILURES.items():
+        entry = by_name[module.replace("_", "-")]
+        assert (entry["status"], entry["error"], entry["identifiers"]) == ("failed", error, "unknown")
+    out = io.StringIO()
+    assert run_plugins_command(argparse.Namespace(json=False), host=host, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert (
+        "helios-exit-plugin 1.0: helios_exit = helios_exit_plugin [failed] unknown error: SystemExit: exits on import"
+    ) in lines
+    assert (
+        "helios-abort-plugin 1.0: helios_abort = helios_abort_plugin [failed] unknown "
+        "error: PluginAbort: stops everything"
+    ) in lines
+
+
+def test_a_hook_raising_a_base_exception_is_isolated() -> None:
+    class Exits:
+        def helios_register_tool_parsers(self, register: Register) -> None:
+            register(100003, lambda context: Upper(), name="half")
+            raise PluginAbort("no more")
+
+    host = PluginHost(autoload=False)
+    host.plugin_manager.register(Exits(), name="exits")
+    entry = next(e for e in host.describe() if e["name"] == "exits")
+    assert (entry["status"], entry["error"]) == ("failed", "PluginAbort: no more")
+    assert 100003 not in host.registries["tool_parser"]
+
+
+def test_a_factory_raising_system_exit_fails_startup_with_a_startup_error(tokenizer: Any) -> None:
+    class ExitingFactory:
+        def helios_register_tool_parsers(self, register: Register) -> None:
+            register(100001, self.build, name="exiting")
+
+        @staticmethod
+        def build(context: ParserContext) -> Any:
+            raise SystemExit("syntax data unusable")
+
+    with pytest.raises(StartupError) as caught:
+        FrontendHarness(tokenizer, third_party(), plugins=[ExitingFactory()])
+    assert str(caught.value).endswith("rejects the core's syntax data: SystemExit: syntax data unusable")
+
+
+def test_an_operators_interrupt_while_plugins_load_still_stops_startup() -> None:
+    class InterruptedEntryPoint(FakeEntryPoint):
+        def load(self) -> Any:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C arrives while this plugin imports
+            return UpperPlugin()
+
+    before = signal.getsignal(signal.SIGINT)
+    slow = InterruptedEntryPoint("slow", "helios_slow", "helios", dist("helios-slow"))
+    with pytest.raises(KeyboardInterrupt):
+        PluginHost(entry_points=[slow], environ={}).start()
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_parser_context_tools_lookup() -> None:

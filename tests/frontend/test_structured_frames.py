@@ -18,7 +18,6 @@ from frontend_builders import SPECIAL, harness, recipient_header, xtml
 from helios_core.frontend.bootstrap import PromptError
 from helios_core.frontend.structured import (
     GrammarCompiler,
-    RecipientFrames,
     ResponseFormat,
     ToolCallFormat,
     envelope_reasoning,
@@ -28,6 +27,7 @@ from helios_core.frontend.structured import (
 from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, ToolSpec
 from helios_core.testing import FrontendHarness, byte_level_tokenizer
 from helios_core.wire import contract_pb2 as ct
+from helios_plugins.recipient_frames import RecipientFrames
 
 WIDTH = 288
 MAX_STEPS = 800

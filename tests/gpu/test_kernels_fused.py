@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+pytest.importorskip("triton", reason="the fused kernels are Triton kernels")
+
 from ignition.kernels import attention, linear
 from ignition.kernels.linear import Tiles
 

@@ -1,17 +1,25 @@
 """Schema-driven fuzzing of the real server (schemathesis over the served OpenAPI document).
 
-The server runs on loopback over the golden fixture core (``serve_fixture``). Schemathesis loads
-``/schema/openapi.json`` from it and generates positive and negative cases for
-``POST /v1/chat/completions`` and ``GET /v1/models`` only. Every response must pass
-``not_a_server_error`` (never a 5xx), and every 4xx must carry an OpenAI-shaped error object.
-Examples are bounded (``max_examples``, no deadline) and generated output is capped by the core's
-context, so the module stays well under a minute.
+Two servers run on loopback (``serve_fixture``): the golden fixture core, and a tiny synthetic core
+whose frontend has a tool syntax (JSON tags), so tools, ``tool_choice`` and tool-call history reach
+the tool parser and the constrained tool grammar. Schemathesis loads ``/schema/openapi.json`` from
+each and generates positive and negative cases for ``POST /v1/chat/completions`` and
+``GET /v1/models``; raw bodies add what it does not produce. Every response must pass
+``not_a_server_error`` and the document's status, content-type, header and schema conformance
+checks (never a 5xx but the documented 503 refusals), and every 4xx carries an OpenAI-shaped error
+object. Requests must not affect each other: every :data:`BATCH` cases and after each test, a
+healthy request still succeeds, the engine goes idle and every admission permit is back.
+
+The example count is ``$HELIOS_FUZZ_EXAMPLES`` (default 100, which keeps the module under half a
+minute); ``tox -e fuzz`` runs 1000 per test. Output is capped by the cores' contexts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +28,15 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
+from helios_core.loading import TrustSettings  # noqa: E402
 from tests.server.conftest import Served, serve_fixture  # noqa: E402
 
 CHAT = ("/v1/chat/completions", "POST")
@@ -29,8 +44,12 @@ MODELS = ("/v1/models", "GET")
 # A prompt plus max_tokens beyond the core's context is refused by the model worker as
 # ``admission_rejected`` (503 by errors.py's table), not as a 400; allowed here, reported separately.
 DOCUMENTED_503 = ("admission_rejected",)
+EXAMPLES = int(os.environ.get("HELIOS_FUZZ_EXAMPLES") or 100)
+"""Cases per fuzz test (``tox -e fuzz`` sets 1000)."""
+BATCH = 50
+"""A healthy request is sent after every BATCH cases: earlier cases must not have broken the server."""
 FUZZ = settings(
-    max_examples=100,
+    max_examples=EXAMPLES,
     deadline=None,
     database=None,
     suppress_health_check=list(HealthCheck),
@@ -38,10 +57,85 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def fuzz_server() -> Iterator[Served]:
-    with serve_fixture(max_active=2, queue_capacity=8) as served:
+def _tools_core(tmp: Path) -> tuple[Path, TrustSettings]:
+    from ignition.build import build_core
+    from ignition.recipes.llama import Capacities
+    from ignition.recipes.synthetic import synthetic_declaration
+
+    from helios_core.container.keys import generate_keys, load_private_key
+
+    keys = generate_keys(tmp / "keys")
+    core = tmp / "tools.core"
+    caps = Capacities(
+        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=256,
+        snapshots=0,
+    )  # fmt: skip
+    namespace = "helios-tests/fuzz-tools"
+    build_core(
+        synthetic_declaration("tiny", seed=3, tool_syntax="json-tags"), core, caps=caps,
+        signing_key=load_private_key(keys["signing"]), namespace=namespace,
+    )  # fmt: skip
+    return core, TrustSettings((keys["public"],), namespace, None)
+
+
+@pytest.fixture(scope="module", params=["fixture-core", "tools-core"])
+def fuzz_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    if request.param == "fixture-core":
+        with serve_fixture(max_active=2, queue_capacity=8) as served:
+            yield served
+        return
+    pytest.importorskip("ignition")
+    core, trust = _tools_core(tmp_path_factory.mktemp("fuzz-tools"))
+    with serve_fixture(core=core, trust=trust, max_active=2, queue_capacity=8) as served:
         yield served
+
+
+class Health:
+    """Counts cases and checks, every BATCH of them, that a healthy request still succeeds."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.cases = 0
+
+    def case_done(self) -> None:
+        self.cases += 1
+        if self.cases % BATCH == 0:
+            self.check(f"after {self.cases} cases")
+
+    def check(self, when: str) -> None:
+        import httpx
+
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        url = self.served.base_url + "/v1/chat/completions"
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == 200, f"a healthy request failed {when}: {response.text[:500]}"
+        reply = response.json()
+        assert reply["object"] == "chat.completion" and reply["usage"]["prompt_tokens"] > 0, reply
+        streamed = httpx.post(url, json={**body, "stream": True}, timeout=30)
+        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n"), (
+            f"a healthy stream failed {when}: {streamed.text[-500:]}"
+        )
+
+    def settled(self) -> None:
+        """After a test: the engine is idle, every permit is back, and a healthy request succeeds."""
+        import time
+
+        self.served.wait_idle(timeout=30)
+        deadline = time.monotonic() + 10
+        while (admitted := _admitted(self.served)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert admitted == 0, f"{admitted} admission permits were never released"
+        self.check(f"after all {self.cases} cases")
+
+
+def _admitted(served: Served) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(served.base_url + "/metrics", timeout=30).text):
+        if family.name == "helios_http_admitted":
+            return float(family.samples[0].value)
+    raise AssertionError("/metrics has no helios_http_admitted")
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +167,23 @@ def _assert_not_a_server_error(status: int, body: str, request: str) -> None:
     assert status < 500, f"{status}: {body[:2000]}\nreproduce: {request}"
 
 
-def _exercise(case: Any, served: Served) -> None:
+CONFORMANCE = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
+
+
+def _exercise(case: Any, served: Served, health: Health) -> None:
     response = case.call(base_url=served.base_url, timeout=30)
     request = case.as_curl_command()
     _assert_not_a_server_error(response.status_code, response.text, request)
-    if response.status_code != 503:
-        case.validate_response(response, checks=[not_a_server_error])
+    checks = CONFORMANCE if response.status_code != 503 else CONFORMANCE[1:]  # the documented 503 refusals
+    case.validate_response(response, checks=checks)
     _assert_openai_error(response, request)
+    health.case_done()
 
 
 def test_schema_lists_the_fuzzed_operations(schema: Any) -> None:
@@ -94,24 +198,29 @@ def test_fuzz_chat_completions(schema: Any, fuzz_server: Served, mode: str) -> N
     operation = schema[CHAT[0]][CHAT[1]]
     strategy = operation.as_strategy(generation_mode=GenerationMode(mode))
 
+    health = Health(fuzz_server)
+
     @FUZZ
     @given(case=strategy)
     def run(case: Any) -> None:
-        _exercise(case, fuzz_server)
+        _exercise(case, fuzz_server, health)
 
     run()
-    fuzz_server.wait_idle(timeout=30)
+    health.settled()
 
 
 def test_fuzz_models(schema: Any, fuzz_server: Served) -> None:
     operation = schema[MODELS[0]][MODELS[1]]
 
+    health = Health(fuzz_server)
+
     @settings(FUZZ, max_examples=20)
     @given(case=operation.as_strategy())
     def run(case: Any) -> None:
-        _exercise(case, fuzz_server)
+        _exercise(case, fuzz_server, health)
 
     run()
+    health.settled()
 
 
 # Bodies schemathesis does not produce: raw bytes, wrong content types, odd-but-valid JSON.
@@ -135,9 +244,13 @@ _FIELDS = (
 )  # fmt: skip
 
 
+_FREE_FORM = ("response_format", "tool_choice", "audio", "prediction", "web_search_options", "function_call")
+"""Fields typed as any JSON: only these can hold deep nesting past the decoder's type checks."""
+
+
 @st.composite
 def _odd_bodies(draw: st.DrawFn) -> tuple[bytes, str]:
-    kind = draw(st.sampled_from(["field", "garbage", "bytes", "empty", "content-type"]))
+    kind = draw(st.sampled_from(["field", "garbage", "bytes", "empty", "content-type", "deep"]))
     content_type = "application/json"
     if kind == "field":  # one well-formed request with one field replaced by anything
         body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -149,18 +262,34 @@ def _odd_bodies(draw: st.DrawFn) -> tuple[bytes, str]:
         raw = draw(st.binary(max_size=64)) + draw(st.sampled_from([b"", b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80"]))
     elif kind == "empty":
         raw = b""
+    elif kind == "deep":  # one field nested from a little to far beyond the limit, objects or arrays
+        levels = draw(st.sampled_from([63, 64, 65, 1000, 5000]) | st.integers(min_value=1, max_value=3000))
+        opener, closer = draw(st.sampled_from([(b'{"a": ', b"}"), (b"[", b"]")]))
+        field = draw(st.sampled_from(_FREE_FORM) | st.sampled_from(_FIELDS)).encode()
+        raw = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "%s": %s%s%s}' % (
+            field,
+            opener * levels,
+            b"1",
+            closer * levels,
+        )
     else:
         raw = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
-        content_type = draw(st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "", "multipart/x"]))
+        content_type = draw(
+            st.sampled_from(
+                ["text/plain", "application/x-www-form-urlencoded", "", "multipart/x",
+                 "application/json; charset=utf-8", "application/json; charset=latin-1", "APPLICATION/JSON"]
+            )
+        )  # fmt: skip
     return raw, content_type
 
 
 def test_fuzz_raw_bodies(fuzz_server: Served) -> None:
     import httpx
 
+    health = Health(fuzz_server)
     with httpx.Client(base_url=fuzz_server.base_url, timeout=30) as client:
 
-        @settings(FUZZ, max_examples=100)
+        @FUZZ
         @given(sample=_odd_bodies())
         def run(sample: tuple[bytes, str]) -> None:
             raw, content_type = sample
@@ -169,6 +298,7 @@ def test_fuzz_raw_bodies(fuzz_server: Served) -> None:
             request = f"POST /v1/chat/completions content-type={content_type!r} body={raw[:300]!r}"
             _assert_not_a_server_error(response.status_code, response.text, request)
             _assert_openai_error(response, request)
+            health.case_done()
 
         run()
-    fuzz_server.wait_idle(timeout=30)
+    health.settled()

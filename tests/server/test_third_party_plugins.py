@@ -1,8 +1,10 @@
 """A third-party parser wheel serves a core that selects its identifier; a broken wheel stays isolated.
 
 Both distributions live in ``contrib/`` and are installed by the README's test command
-(``contrib/example-plugin``: a bracket-call tool parser under 100001; ``contrib/broken-plugin``:
-fails at import on purpose, declaring 100002).
+(``contrib/example-plugin``: a bracket-call tool parser and its call grammar under 100001;
+``contrib/broken-plugin``: fails at import on purpose, declaring 100002). The example's grammar
+serves ``tool_choice`` ``"required"`` and named functions through the grammar hook: the random-weight
+model generates under it (nothing scripted), and the example's parser reads the one call back.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib.metadata
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from ignition.build import build_core
@@ -75,6 +78,60 @@ def test_the_example_wheel_parses_tool_calls_of_a_core_that_selects_it(served_th
     assert choice.message.content == "Checking."
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+ECHO = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "parameters": {
+            "type": "object",
+            "properties": {"word": {"enum": ["yes", "no"]}},
+            "required": ["word"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "seed"), [("required", 1), ("required", 2), ({"type": "function", "function": {"name": "echo"}}, 3)]
+)
+def test_the_example_grammar_serves_a_forced_tool_choice(
+    served_third_party: Served, tool_choice: Any, seed: int
+) -> None:
+    reply = served_third_party.client.chat.completions.create(
+        model="llama-synthetic-tiny",
+        messages=[{"role": "user", "content": "Use a tool."}],
+        tools=[ADD, ECHO],  # type: ignore[list-item]
+        tool_choice=tool_choice,
+        temperature=1.0,
+        seed=seed,
+        max_tokens=64,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not (choice.message.content or "").strip()
+    (call,) = choice.message.tool_calls or []
+    arguments = json.loads(call.function.arguments)
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "echo"
+    if call.function.name == "echo":
+        assert arguments in ({"word": "yes"}, {"word": "no"})
+    else:
+        assert call.function.name == "add" and set(arguments) == {"a", "b"}
+        assert type(arguments["a"]) is int and 0 <= arguments["a"] <= 99 and type(arguments["b"]) is bool
 
 
 def test_the_broken_wheel_is_reported_and_isolated(served_third_party: Served) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from helios_core.errors import HeliosError
 from ignition.recipes.llama import Capacities
+from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
 from ignition.recipes.synthetic import TOOL_SYNTAXES
 
 RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
@@ -73,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--context", type=int, default=512, help="context tokens per request")
     build.add_argument("--extra-special", default="", help="comma-separated extra special tokens (llama-synthetic)")
     build.add_argument(
-        "--tool-syntax", choices=TOOL_SYNTAXES, default="none", help="tool-call syntax (llama-synthetic)"
+        "--tool-syntax",
+        choices=TOOL_SYNTAXES,
+        default="none",
+        help="tool-call syntax (llama-synthetic: any; smollm2-135m-instruct: none or json-tags)",
     )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
@@ -102,6 +106,11 @@ def run_build(args: argparse.Namespace) -> int:
     )
     if max(caps.decode_rows) != caps.max_rows:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
+    if args.recipe == "smollm2-135m-instruct" and args.tool_syntax not in SMOLLM2_TOOL_SYNTAXES:
+        raise HeliosError(
+            f"--tool-syntax {args.tool_syntax} is not available for smollm2-135m-instruct "
+            f"(choose {' or '.join(SMOLLM2_TOOL_SYNTAXES)})"
+        )
     if args.sign_key is None:
         key_dir = args.out.with_name(args.out.name + ".keys")
         if (key_dir / "signing.pem").exists():
@@ -125,7 +134,7 @@ def run_build(args: argparse.Namespace) -> int:
     else:
         from ignition.recipes.smollm2 import smollm2_declaration
 
-        model = smollm2_declaration(progress=progress)
+        model = smollm2_declaration(progress=progress, tool_syntax=args.tool_syntax)
 
     from ignition.build import build_core
 
