@@ -35,6 +35,10 @@ transport and completion addresses and to the shared buffers' addresses otherwis
 Buffer shapes follow the reference backend exactly (:func:`runtime_shape`): a leading
 ``CACHE_PAGES`` or ``STATE_ROWS`` dimension takes the load-time extent, ``SNAPSHOT_ROWS`` the chosen
 snapshot rows (0 keeps preparation's count).
+
+Its size: graph building, staging, fences, completion and tuning of one backend over one device
+context, which all share its buffer and graph tables; the driver bindings live in
+:mod:`~helios_core.backends.cuda_driver`.
 """
 
 from __future__ import annotations

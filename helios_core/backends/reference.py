@@ -12,6 +12,10 @@ its row-major shape, over the C-contiguous array. A view with offset 0 whose sha
 *declared* shape of a buffer with a symbolic leading dimension names the whole buffer, whatever
 extent the symbol received at load. bfloat16 stays uint16 bit patterns in the buffers; inputs are
 widened to float32 when read and float32 results are rounded to nearest even when stored.
+
+Its size: buffer allocation, program resolution, execution, transport staging and snapshots of one
+backend, which share its buffer table; the operator kernels themselves live in
+:mod:`~helios_core.backends.reference_kernels`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ Conventions
 
 Shape letters: T packed tokens, H hidden size, K/N linear in/out features, F feed-forward size,
 V vocabulary, R request rows (lanes), h/kvh query/KV heads, hd head dim.
+
+Its size: one numpy function per catalogue operator, each the executable statement of that
+operator's semantics in docs/ops.md; they share dtype and layout helpers, and splitting them by
+operator would scatter one specification over many files.
 """
 
 from __future__ import annotations

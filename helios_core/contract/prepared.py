@@ -23,6 +23,10 @@ histogram and mask geometry and every packed-token capacity implicit; version
 prefix-boundary rules and completion-cursor lag and requires every
 packed-token capacity to be explicit. Implicit values default as documented
 on :func:`_effective_extents` and :func:`_vocabulary_geometry`.
+
+Its size: every validation rule of the contract is one function here, in the order the spec lists
+them, over one decoded contract; the rules cross-reference each other's derived extents, so they
+stay in one module with one decode.
 """
 
 from __future__ import annotations

@@ -51,13 +51,17 @@ from helios_core.runtime.gates import HostGate, StreamText, format_param, needs_
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
+    Cancel,
     Event,
     ExecutionFailed,
     Finished,
     Outgoing,
     PreparedRequest,
     RoundTokens,
+    Stop,
+    Submit,
     TokenEvent,
+    WorkerMessage,
 )
 from helios_core.runtime.native_model import NativeModel
 from helios_core.runtime.packing import LaneBatch, Submission
@@ -162,7 +166,7 @@ class Engine:
             make_gate=make_gate,
             clock_origin_ns=model.clock_origin_ns,
         )
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[WorkerMessage] = queue.SimpleQueue()
         self.queue_capacity = model.selection.queue_capacity
         self.capacity = self.queue_capacity + model.selection.max_active
         """The most requests the engine holds at once (submitted, not ended, not cancelled): at most
@@ -231,7 +235,7 @@ class Engine:
                 )
                 return stream
             self._streams[request.request_id] = stream
-        self._inbox.put(("submit", request))
+        self._inbox.put(Submit(request))
         return stream
 
     @staticmethod
@@ -257,7 +261,7 @@ class Engine:
         with self._lock:
             if request_id in self._streams:
                 self._released.add(request_id)
-        self._inbox.put(("cancel", request_id))
+        self._inbox.put(Cancel(request_id))
 
     def generate(self, request: PreparedRequest) -> GenerationResult:
         """Submit and wait: the tokens and finish reason, or the rejection/failure as an error."""
@@ -284,7 +288,7 @@ class Engine:
             if self._shut_down:
                 return
             self._shut_down = True
-        self._inbox.put(("stop", None))
+        self._inbox.put(Stop())
         self._worker.join()
         self.model.close()
 
@@ -426,23 +430,23 @@ class Engine:
         order, while its pending deque has room; the rest wait in the backlog."""
         while True:
             try:
-                kind, payload = self._inbox.get(block=block)
+                message = self._inbox.get(block=block)
             except queue.Empty:
                 self._hand_over()
                 return True
             block = False
-            if kind == "stop":
+            if isinstance(message, Stop):
                 self._stopping = True
                 return False
-            if kind == "cancel" and isinstance(payload, str):
-                waiting = next((r for r in self._backlog if r.request_id == payload), None)
+            if isinstance(message, Cancel):
+                waiting = next((r for r in self._backlog if r.request_id == message.request_id), None)
                 if waiting is not None:
                     self._backlog.remove(waiting)
                     self._publish([self._cancelled_before_admission(waiting)])
                 else:
-                    self.scheduler.cancel(payload)
-            elif kind == "submit" and isinstance(payload, PreparedRequest):
-                self._backlog.append(payload)
+                    self.scheduler.cancel(message.request_id)
+            else:
+                self._backlog.append(message.request)
                 self._hand_over()
 
     def _hand_over(self) -> None:

@@ -148,3 +148,24 @@ class RoundTokens(msgspec.Struct, frozen=True, gc=False):
 
 Outgoing = Event | RoundTokens
 """What the worker publishes to request streams: events, or a decode round's tokens for many streams."""
+
+
+# -- the model worker's inbox -------------------------------------------------------------------------
+class Submit(msgspec.Struct, frozen=True, tag="submit", gc=False):
+    """A request for the worker (its stream is already registered with the engine)."""
+
+    request: PreparedRequest
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel", gc=False):
+    """Cancel a request by id (no effect when it already ended)."""
+
+    request_id: str
+
+
+class Stop(msgspec.Struct, frozen=True, tag="stop", gc=False):
+    """End the worker after the round in flight; what remains is cancelled."""
+
+
+WorkerMessage = Submit | Cancel | Stop
+"""Everything the engine's API puts on the worker's inbox."""

@@ -38,6 +38,9 @@ Which values of each request sampling setting pack as themselves is stated by
 :class:`~helios_core.sampling.SamplingLimits` (re-exported here): preparation and
 admission check requests against it, so packing never meets a value that would
 fail a shared round.
+
+Its size: one resolver per value source and indexing mode, all writing the same staging layout; a
+source's resolution, extents and staging write belong together.
 """
 
 from __future__ import annotations

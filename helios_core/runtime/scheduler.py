@@ -43,6 +43,10 @@ its completion then touches each request once, for the token it appends, and ret
 tokens as one :class:`~helios_core.runtime.messages.RoundTokens` that every member's stream reads.
 Every other round (and a decode round of a request whose sampling values the columns cannot hold
 exactly) is planned as one :class:`~helios_core.runtime.packing.Lane` per request.
+
+Its size: planning and completion of every round kind share the per-slot state and the request
+queues; splitting planning from completion behind an immutable round plan is the next structural
+change to this module.
 """
 
 from __future__ import annotations

@@ -173,3 +173,34 @@ def test_shutdown_gives_every_outstanding_request_a_final_event(start_fixture: C
         assert isinstance(finished, Finished)
         assert finished.reason in ("cancelled", "length")
     running.engine.shutdown = lambda: None  # type: ignore[method-assign]  # already stopped; the fixture closes the core
+
+
+def test_the_worker_inbox_carries_typed_messages(
+    start_fixture: Callable[..., RunningModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every message the engine's API puts on the worker's inbox is one of the typed inbox structs."""
+    import queue
+
+    from helios_core.runtime.messages import Cancel, Stop, Submit
+
+    sent: list[object] = []
+
+    class RecordingQueue(queue.Queue):  # type: ignore[type-arg]
+        def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+            sent.append(item)
+            super().put(item, block, timeout)
+
+    monkeypatch.setattr(queue, "SimpleQueue", RecordingQueue)  # the engine's inbox is made at start
+    running = start_fixture()
+    engine = running.engine
+    request = PreparedRequest("typed", _prompt(running), 3, GREEDY, ignore_eos=True)
+    events = list(engine.submit(request))
+    engine.cancel("typed")
+    engine.shutdown()
+    assert isinstance(events[-1], Finished)
+    assert not [m for m in sent if isinstance(m, tuple)]
+    inbox = [m for m in sent if isinstance(m, Submit | Cancel | Stop)]  # request streams queue their events too
+    assert [type(m) for m in inbox] == [Submit, Cancel, Stop]
+    submitted, cancelled = inbox[0], inbox[1]
+    assert isinstance(submitted, Submit) and submitted.request.request_id == "typed"
+    assert isinstance(cancelled, Cancel) and cancelled.request_id == "typed"
