@@ -168,8 +168,12 @@ class PageAllocator:
         return True
 
     def release(self, pages: Sequence[int]) -> None:
-        """Drop one reference from each page; unreferenced pages become evictable or free."""
-        for page in pages:
+        """Drop one reference from each page; unreferenced pages become evictable or free.
+
+        ``pages`` are in position order (a request's page table); they are released last page first,
+        so a prefix's deeper pages are evicted before its head and a readmitted request still matches
+        the head of its chain."""
+        for page in reversed(pages):
             if self._refcount[page] <= 0:
                 raise AllocatorError(f"page {page} is released more often than it was referenced")
             self._refcount[page] -= 1

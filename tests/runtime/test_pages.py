@@ -42,12 +42,30 @@ def test_published_pages_are_matched_claimed_and_evicted_in_release_order() -> N
     pages.release(owned)
     assert pages.eviction_order() == [2]
     pages.release(list(match.pages))
-    assert pages.eviction_order() == [2, 0, 1]
+    assert pages.eviction_order() == [2, 1, 0]  # each release frees its last page first
     pages.check()
     # Allocation uses the free page first, then evicts the least recently released.
     assert pages.allocate(2) == [3, 2]
     assert pages.stats.evicted == 1
     assert pages.match_prefix(prompt, 6).pages == (0, 1)  # page 2's content is gone
+    pages.check()
+
+
+def test_a_released_chain_loses_its_tail_first_and_keeps_matching_its_head() -> None:
+    """Releasing a request's pages last page first makes eviction take a prefix's deepest pages before
+    its head, so the same prompt readmitted under page pressure still reuses the head of its chain."""
+    pages = PageAllocator(4, 2, "id")
+    owned = pages.allocate(4)
+    prompt = tokens(8)
+    previous = None
+    for index, page in enumerate(owned):
+        previous = pages.chain_hash(previous, prompt[2 * index : 2 * index + 2])
+        assert pages.publish(page, previous)
+    pages.release(owned)
+    assert pages.eviction_order() == [3, 2, 1, 0]
+    assert pages.allocate(1) == [3]  # pressure takes the deepest page
+    match = pages.match_prefix(prompt, max_tokens=8)
+    assert (match.pages, match.tokens) == ((0, 1, 2), 6)
     pages.check()
 
 
