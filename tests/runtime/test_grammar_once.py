@@ -19,11 +19,7 @@ from typing import Any
 import llguidance
 import msgspec
 import pytest
-from ignition.build import build_core
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
 
-from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.frontend import structured
 from helios_core.frontend.structured import (
     GrammarCompiler,
@@ -38,6 +34,7 @@ from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import AdmissionRejected, Finished, PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.startup import RunningModel
 from tests.server.conftest import serve_fixture
+from tests.server.helpers import build_synthetic_core
 
 WORKER = "helios-model-worker"
 GREEDY = SamplingParams(temperature=0.0)
@@ -184,18 +181,8 @@ def test_a_gate_refuses_a_format_that_was_not_compiled(start_fixture: Callable[.
 
 @pytest.fixture(scope="module")
 def tools_core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("grammar-once")
-    keys = generate_keys(tmp / "keys")
-    core = tmp / "tools.core"
-    caps = Capacities(
-        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=1024,
-        snapshots=0,
-    )  # fmt: skip
-    build_core(
-        synthetic_declaration("tiny", seed=3, tool_syntax="json-tags"), core, caps=caps,
-        signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE,
-    )  # fmt: skip
-    return core, keys["public"]
+    built = build_synthetic_core(tmp_path_factory.mktemp("grammar-once"), NAMESPACE, tool_syntax="json-tags")
+    return built.path, built.public_key
 
 
 def test_the_worker_never_compiles_a_request_served_over_http(

@@ -1,15 +1,58 @@
-"""Helpers of the server tests: raw HTTP and SSE parsing, and scripted model replies."""
+"""Helpers of the server tests: small signed synthetic cores, raw HTTP and SSE parsing, and scripted
+model replies."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import httpx
 
+from helios_core.loading import TrustSettings
 from helios_core.wire import manifest_pb2 as mf
+
+
+class BuiltCore(NamedTuple):
+    """A signed synthetic core, the public key that verifies it and the trust settings accepting it."""
+
+    path: Path
+    public_key: Path
+    trust: TrustSettings
+
+
+def build_synthetic_core(
+    tmp: Path,
+    namespace: str,
+    *,
+    seed: int = 3,
+    tool_syntax: str = "none",
+    context: int = 1024,
+    max_rows: int = 2,
+    prefill_tokens: tuple[int, ...] = (64, 256),
+    decode_rows: tuple[int, ...] = (1, 2),
+) -> BuiltCore:
+    """Build and sign a ``tiny`` synthetic core in ``tmp`` (fresh keys, no snapshot rows)."""
+    from ignition.build import build_core
+    from ignition.recipes.llama import Capacities
+    from ignition.recipes.synthetic import synthetic_declaration
+
+    from helios_core.container.keys import generate_keys, load_private_key
+
+    keys = generate_keys(tmp / "keys")
+    core = tmp / "synthetic.core"
+    caps = Capacities(
+        max_rows=max_rows, prefill_tokens=prefill_tokens, decode_rows=decode_rows, page_tokens=16, cache_pages=128,
+        context=context, snapshots=0,
+    )  # fmt: skip
+    build_core(
+        synthetic_declaration("tiny", seed=seed, tool_syntax=tool_syntax), core, caps=caps,
+        signing_key=load_private_key(keys["signing"]), namespace=namespace,
+    )  # fmt: skip
+    return BuiltCore(core, keys["public"], TrustSettings((keys["public"],), namespace, None))
+
 
 CITY_TOOL: dict[str, Any] = {
     "type": "function",

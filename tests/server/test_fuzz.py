@@ -38,6 +38,7 @@ from schemathesis.checks import (  # noqa: E402
 
 from helios_core.loading import TrustSettings  # noqa: E402
 from tests.server.conftest import Served, serve_fixture  # noqa: E402
+from tests.server.helpers import build_synthetic_core  # noqa: E402
 
 CHAT = ("/v1/chat/completions", "POST")
 MODELS = ("/v1/models", "GET")
@@ -58,24 +59,8 @@ FUZZ = settings(
 
 
 def _tools_core(tmp: Path) -> tuple[Path, TrustSettings]:
-    from ignition.build import build_core
-    from ignition.recipes.llama import Capacities
-    from ignition.recipes.synthetic import synthetic_declaration
-
-    from helios_core.container.keys import generate_keys, load_private_key
-
-    keys = generate_keys(tmp / "keys")
-    core = tmp / "tools.core"
-    caps = Capacities(
-        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=256,
-        snapshots=0,
-    )  # fmt: skip
-    namespace = "helios-tests/fuzz-tools"
-    build_core(
-        synthetic_declaration("tiny", seed=3, tool_syntax="json-tags"), core, caps=caps,
-        signing_key=load_private_key(keys["signing"]), namespace=namespace,
-    )  # fmt: skip
-    return core, TrustSettings((keys["public"],), namespace, None)
+    built = build_synthetic_core(tmp, "helios-tests/fuzz-tools", tool_syntax="json-tags", context=256)
+    return built.path, built.trust
 
 
 @pytest.fixture(scope="module", params=["fixture-core", "tools-core"])

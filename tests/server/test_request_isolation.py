@@ -17,15 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from ignition.build import build_core
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
-
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.loading import TrustSettings
 
 from .conftest import Served, serve_fixture
-from .helpers import sse_events
+from .helpers import build_synthetic_core, sse_events
 
 NAMESPACE = "helios-tests/isolation"
 HEALTHY = ("Hello there", "hi", "What is up?")
@@ -111,19 +105,11 @@ REFUSED = [
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("isolation")
-    keys = generate_keys(tmp / "keys")
-    core = tmp / "isolation.core"
-    caps = Capacities(
-        max_rows=4, prefill_tokens=(64,), decode_rows=(1, 2, 4), page_tokens=16, cache_pages=128, context=512,
-        snapshots=0,
+    built = build_synthetic_core(
+        tmp_path_factory.mktemp("isolation"), NAMESPACE, seed=11, tool_syntax="json-tags", context=512, max_rows=4,
+        prefill_tokens=(64,), decode_rows=(1, 2, 4),
     )  # fmt: skip
-    build_core(
-        synthetic_declaration("tiny", seed=11, tool_syntax="json-tags"), core, caps=caps,
-        signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE,
-    )  # fmt: skip
-    trust = TrustSettings((keys["public"],), NAMESPACE, None)
-    with serve_fixture(core=core, trust=trust, max_active=4, queue_capacity=4) as value:
+    with serve_fixture(core=built.path, trust=built.trust, max_active=4, queue_capacity=4) as value:
         yield value
 
 

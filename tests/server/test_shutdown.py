@@ -19,12 +19,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ignition.build import build_core
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
 
-from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.server.serve import DRAIN_SECONDS
+from tests.server.helpers import build_synthetic_core
 
 from .conftest import free_port
 
@@ -35,18 +32,8 @@ STREAMS = 24
 
 @pytest.fixture(scope="module")
 def long_core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    tmp = tmp_path_factory.mktemp("shutdown")
-    keys = generate_keys(tmp / "keys")
-    core = tmp / "long.core"
-    caps = Capacities(
-        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=1024,
-        snapshots=0,
-    )  # fmt: skip
-    build_core(
-        synthetic_declaration("tiny", seed=5), core, caps=caps, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    yield core, keys["public"]
+    built = build_synthetic_core(tmp_path_factory.mktemp("shutdown"), NAMESPACE, seed=5)
+    yield built.path, built.public_key
 
 
 def _events(text: str) -> list[tuple[str | None, str]]:

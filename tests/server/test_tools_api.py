@@ -13,15 +13,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from ignition.build import build_core
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
-
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.loading import TrustSettings
 
 from .conftest import Served, serve_fixture
-from .helpers import CITY_TOOL, scripted_replies
+from .helpers import CITY_TOOL, build_synthetic_core, scripted_replies
 
 NAMESPACE = "helios-tests/tools"
 WEATHER = {
@@ -37,18 +31,8 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 
 @pytest.fixture(scope="module")
 def served_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("tools")
-    keys = generate_keys(tmp / "keys")
-    core = tmp / "tools.core"
-    caps = Capacities(
-        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=1024,
-        snapshots=0,
-    )  # fmt: skip
-    build_core(
-        synthetic_declaration("tiny", seed=3, tool_syntax="json-tags"), core, caps=caps,
-        signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE,
-    )  # fmt: skip
-    with serve_fixture(core=core, trust=TrustSettings((keys["public"],), NAMESPACE, None)) as served:
+    built = build_synthetic_core(tmp_path_factory.mktemp("tools"), NAMESPACE, tool_syntax="json-tags")
+    with serve_fixture(core=built.path, trust=built.trust) as served:
         yield served
 
 
