@@ -20,7 +20,9 @@ read-only after construction (the grammar compiler serialises its own compilatio
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -375,6 +377,18 @@ def _tool_call_format(
     return fmt
 
 
+@contextmanager
+def _naming_field(*fields: str) -> Iterator[None]:
+    """Turn a frontend ``PromptError`` into an ``InvalidRequest`` whose ``param`` is the request field
+    its message starts with (the first of ``fields`` when it names none of them)."""
+    try:
+        yield
+    except PromptError as exc:
+        text = str(exc)
+        named = [field for field in fields if re.match(re.escape(field) + r"\b", text)]
+        raise InvalidRequest(text, max(named, key=len) if named else fields[0]) from exc
+
+
 def _no_reasoning_envelope(frontend: ct.FrontendContract) -> None:
     """The envelope of a reasoning parser that declares none."""
     return None
@@ -433,12 +447,15 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     sampling = _sampling(frontend, request)
     top_logprobs, prompt_logprobs = _logprob_settings(frontend, request)
 
-    string_stops = parse_string_stops(request.stop)
-    token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
+    with _naming_field("stop", "stop_token_ids", "stop_token_sequences"):
+        string_stops = parse_string_stops(request.stop)
+        token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
     envelope = frontend.envelope(rendered)
     tool_format = _tool_call_format(frontend, request, tool_specs, envelope)
-    response_format = parse_response_format(request.response_format)
-    check_stop_compatibility(string_stops, token_stops, response_format is not None)
+    with _naming_field("response_format"):
+        response_format = parse_response_format(request.response_format)
+    with _naming_field("stop"):
+        check_stop_compatibility(string_stops, token_stops, response_format is not None)
     format_text = None
     grammar: Grammar | None = None  # compiled here, once: the worker only instantiates its matcher
     reasoning, initially = frontend.reasoning, envelope.initially_reasoning

@@ -217,7 +217,24 @@ def test_the_schema_states_what_the_server_refuses(served: Served, field: str, v
     response = chat(served.base_url, **body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == field or (error["param"] is None and error["message"].startswith(field)), error
+    assert error["param"] == field and error["message"].startswith(field), error
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_sequences": [[]]}, "stop_token_sequences"),
+        ({"stop": "x", "stop_token_ids": [1]}, "stop"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "stop": "x"}, "stop"),
+    ],
+)
+def test_stop_and_format_refusals_name_their_field(served: Served, extra: dict[str, Any], param: str) -> None:
+    response = chat(served.base_url, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
 
 
 # -- capacity refusals ------------------------------------------------------------------------------
