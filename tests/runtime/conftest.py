@@ -10,12 +10,12 @@ import pytest
 from helios_core.contract import LoadOptions
 from helios_core.loading import TrustSettings
 from helios_core.runtime.startup import RunningModel, start
+from tests.conftest import SMOL_NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "cores"
 KEYS = FIXTURES / "keys"
 NAMESPACE = "helios-fixtures/golden"
-SMOL_NAMESPACE = "helios-tests/smollm2"
 
 
 def fixture_settings() -> TrustSettings:
@@ -35,26 +35,6 @@ def start_fixture() -> Iterator[Callable[..., RunningModel]]:
     yield factory
     for model in running:
         model.close()
-
-
-@pytest.fixture(scope="session")
-def smol_core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
-    from ignition.cli import main as ignition_main
-
-    from helios_core.container.keys import generate_keys
-
-    directory = tmp_path_factory.mktemp("smollm2")
-    keys = generate_keys(directory / "keys")
-    core = directory / "smol.core"
-    code = ignition_main(
-        [
-            "build", "smollm2-135m-instruct", "--out", str(core), "--sign-key", str(keys["signing"]),
-            "--namespace", SMOL_NAMESPACE, "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "512",
-            "--quiet",
-        ]
-    )  # fmt: skip
-    assert code == 0
-    yield core, keys["public"]
 
 
 @pytest.fixture(scope="session")

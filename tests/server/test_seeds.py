@@ -23,14 +23,13 @@ from typing import Any
 import httpx
 import pytest
 
-from helios_core.container.keys import generate_keys
 from helios_core.loading import TrustSettings
+from tests.conftest import SMOL_NAMESPACE
 
 from .conftest import Served, serve_fixture
 
 pytestmark = pytest.mark.slow
 
-NAMESPACE = "helios-tests/smollm2-seeds"
 PROMPT = [{"role": "user", "content": "Write a list of ten random words."}]
 TOKENS = 24
 TIMEOUT_S = 300.0
@@ -38,20 +37,9 @@ TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from ignition.cli import main as ignition_main
-
-    directory = tmp_path_factory.mktemp("smollm2-seeds")
-    keys = generate_keys(directory / "keys")
-    core = directory / "smol.core"
-    code = ignition_main(
-        [
-            "build", "smollm2-135m-instruct", "--out", str(core), "--sign-key", str(keys["signing"]),
-            "--namespace", NAMESPACE, "--max-rows", "4", "--prefill-tokens", "64", "--context", "512", "--quiet",
-        ]
-    )  # fmt: skip
-    assert code == 0
-    with serve_fixture(core=core, trust=TrustSettings((Path(keys["public"]),), NAMESPACE, None)) as served:
+def smol(smol_core: tuple[Path, Path]) -> Iterator[Served]:
+    core, public_key = smol_core
+    with serve_fixture(core=core, trust=TrustSettings((public_key,), SMOL_NAMESPACE, None)) as served:
         yield served
 
 
