@@ -166,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from helios_core.contract import LoadOptions
-    from helios_core.frontend.structured import parse_response_format
+    from helios_core.frontend.formats import parse_response_format
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import start
 

@@ -49,15 +49,8 @@ from tokenizers import Tokenizer
 from helios_core.errors import ContractError, HeliosError, PromptError
 from helios_core.frontend.formats import (
     AnswerFrames,
-    PreparedFormat,
     ResponseFormat,
     ToolCallFormat,
-    ToolChoiceError,
-    answer_frames,
-    envelope_reasoning,
-    parse_prepared_format,
-    parse_response_format,
-    prepared_format_json,
     read_prepared_format,
 )
 from helios_core.plugins.grammar import ANSWER_RULE, GrammarFragment
@@ -65,22 +58,11 @@ from helios_core.plugins.tag_grammar import regex_literal
 from helios_core.wire import contract_pb2 as ct
 
 __all__ = [
-    "AnswerFrames",
     "Grammar",
     "GrammarCompiler",
     "GrammarError",
     "GrammarLimits",
     "GrammarMatcher",
-    "PreparedFormat",
-    "ResponseFormat",
-    "ToolCallFormat",
-    "ToolChoiceError",
-    "answer_frames",
-    "envelope_reasoning",
-    "parse_prepared_format",
-    "parse_response_format",
-    "prepared_format_json",
-    "read_prepared_format",
 ]
 
 Mask = npt.NDArray[np.int32]

@@ -32,14 +32,8 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
-from helios_core.frontend.structured import (
-    Grammar,
-    GrammarCompiler,
-    GrammarError,
-    GrammarMatcher,
-    ToolCallFormat,
-    parse_prepared_format,
-)
+from helios_core.frontend.formats import ToolCallFormat, parse_prepared_format
+from helios_core.frontend.structured import Grammar, GrammarCompiler, GrammarError, GrammarMatcher
 from helios_core.runtime.messages import Finished, Piece, PreparedRequest, TokenEvent
 
 

@@ -28,13 +28,8 @@ from typing import Any
 
 from helios_core.errors import PromptError
 from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling
-from helios_core.frontend.prompt_encoding import ClientTextShield, PromptTooLong, utf8_length
-from helios_core.frontend.stops import check_stop_compatibility, parse_string_stops, parse_token_stops
-from helios_core.frontend.structured import (
+from helios_core.frontend.formats import (
     AnswerFrames,
-    Grammar,
-    GrammarCompiler,
-    GrammarError,
     ToolCallFormat,
     ToolChoiceError,
     answer_frames,
@@ -42,6 +37,9 @@ from helios_core.frontend.structured import (
     parse_response_format,
     prepared_format_json,
 )
+from helios_core.frontend.prompt_encoding import ClientTextShield, PromptTooLong, utf8_length
+from helios_core.frontend.stops import check_stop_compatibility, parse_string_stops, parse_token_stops
+from helios_core.frontend.structured import Grammar, GrammarCompiler, GrammarError
 from helios_core.plugin_api import (
     CLOSED_ENVELOPE,
     EnvelopeState,

@@ -15,7 +15,8 @@ from frontend_builders import base
 from helios_core import plugin_api
 from helios_core.errors import StartupError
 from helios_core.frontend.bootstrap import PromptError
-from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat, ToolChoiceError, envelope_reasoning
+from helios_core.frontend.formats import ToolCallFormat, ToolChoiceError, envelope_reasoning
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.plugin_api import (
     PLUGIN_API_VERSION,
     DelimitedEnvelope,

@@ -15,13 +15,8 @@ from tokenizers import Tokenizer
 from helios_core.backends import reference_kernels as rk
 from helios_core.errors import ContractError
 from helios_core.frontend.bootstrap import PromptError
-from helios_core.frontend.structured import (
-    GrammarCompiler,
-    GrammarError,
-    GrammarMatcher,
-    ResponseFormat,
-    parse_response_format,
-)
+from helios_core.frontend.formats import ResponseFormat, parse_response_format
+from helios_core.frontend.structured import GrammarCompiler, GrammarError, GrammarMatcher
 
 SAMPLED = 259  # 256 byte tokens + <|endoftext|>, <|im_start|>, <|im_end|>
 WIDTH = 320

@@ -13,9 +13,7 @@ import numpy as np
 import pytest
 from frontend_builders import json_tags
 
-from helios_core.frontend.structured import (
-    GrammarCompiler,
-    GrammarMatcher,
+from helios_core.frontend.formats import (
     ResponseFormat,
     ToolCallFormat,
     envelope_reasoning,
@@ -23,6 +21,7 @@ from helios_core.frontend.structured import (
     prepared_format_json,
     read_prepared_format,
 )
+from helios_core.frontend.structured import GrammarCompiler, GrammarMatcher
 from helios_core.plugin_api import EnvelopeState, ToolSpec
 from helios_core.testing import FrontendHarness, byte_level_tokenizer
 

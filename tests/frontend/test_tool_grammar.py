@@ -12,13 +12,8 @@ import pytest
 from frontend_builders import base, json_tags
 
 from helios_core.frontend.bootstrap import PromptError
-from helios_core.frontend.structured import (
-    GrammarCompiler,
-    ResponseFormat,
-    ToolCallFormat,
-    parse_prepared_format,
-    parse_response_format,
-)
+from helios_core.frontend.formats import ResponseFormat, ToolCallFormat, parse_prepared_format, parse_response_format
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.plugin_api import ToolSpec
 from helios_core.testing import FrontendHarness, byte_level_tokenizer
 

@@ -14,7 +14,8 @@ import pytest
 from frontend_builders import DSML_MARK, SPECIAL, argument_tags, dsml, function_tags, recipient_header, xtml
 
 from helios_core.frontend.bootstrap import PromptError
-from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat, parse_prepared_format
+from helios_core.frontend.formats import ToolCallFormat, parse_prepared_format
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.plugin_api import CLOSED_ENVELOPE, EnvelopeState, ToolSpec
 from helios_core.testing import FrontendHarness, byte_level_tokenizer
 from helios_core.wire import contract_pb2 as ct

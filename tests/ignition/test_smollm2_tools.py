@@ -21,7 +21,7 @@ from ignition.recipes.smollm2 import (
 )
 
 from helios_core.frontend.bootstrap import compile_chat_template
-from helios_core.frontend.structured import ToolCallFormat
+from helios_core.frontend.formats import ToolCallFormat
 from helios_core.plugins.host import PluginHost
 from helios_core.wire import contract_pb2 as ct
 

@@ -21,14 +21,8 @@ import msgspec
 import pytest
 
 from helios_core.frontend import structured
-from helios_core.frontend.structured import (
-    GrammarCompiler,
-    GrammarError,
-    GrammarLimits,
-    GrammarMatcher,
-    ResponseFormat,
-    parse_response_format,
-)
+from helios_core.frontend.formats import ResponseFormat, parse_response_format
+from helios_core.frontend.structured import GrammarCompiler, GrammarError, GrammarLimits, GrammarMatcher
 from helios_core.loading import TrustSettings
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import AdmissionRejected, Finished, PreparedRequest, SamplingParams, TokenEvent

@@ -8,7 +8,8 @@ import helios_example_plugin
 import numpy as np
 import pytest
 
-from helios_core.frontend.structured import GrammarCompiler, ToolCallFormat
+from helios_core.frontend.formats import ToolCallFormat
+from helios_core.frontend.structured import GrammarCompiler
 from helios_core.plugin_api import ToolGrammarError, ToolSpec
 from helios_core.testing import FrontendHarness, byte_level_tokenizer
 from helios_core.wire import contract_pb2 as ct
