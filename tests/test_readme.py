@@ -190,35 +190,20 @@ class Session:
     outputs: list[tuple[Block, str]] = field(default_factory=list)
 
     def run_shell(self, script: str) -> str:
-        result = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", script],
-            cwd=self.folder,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT_S,
-            check=False,
-        )
-        assert result.returncode == 0, (
-            f"README command failed with exit status {result.returncode}:\n{script}\n"
-            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-        )
-        return result.stdout
+        return self._run(["bash", "-euo", "pipefail", "-c", script], "README command", script)
 
     def run_python(self, source: str, number: int) -> str:
         script = self.folder / f"readme_example_{number}.py"
         script.write_text(source)
+        return self._run([str(self.folder / ".venv" / "bin" / "python"), script.name], "README Python example", source)
+
+    def _run(self, argv: list[str], what: str, text: str) -> str:
+        """Run ``argv`` in the session's folder and environment; its stdout, or a failure quoting ``text``."""
         result = subprocess.run(
-            [str(self.folder / ".venv" / "bin" / "python"), script.name],
-            cwd=self.folder,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=COMMAND_TIMEOUT_S,
-            check=False,
+            argv, cwd=self.folder, env=self.env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False
         )
         assert result.returncode == 0, (
-            f"README Python example failed with exit status {result.returncode}:\n{source}\n"
+            f"{what} failed with exit status {result.returncode}:\n{text}\n"
             f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
         )
         return result.stdout
