@@ -1,6 +1,10 @@
-"""Sampling settings: a request's values, what a core's sampling inputs hold, and fresh seeds.
+"""Sampling settings: their one declaration, a request's values, what a core's inputs hold, fresh seeds.
 
 Owns :class:`SamplingParams` (the complete per-request settings that cross to the model worker),
+the declaration of every sampling parameter on its fields (:class:`SamplingField` metadata, read into
+:data:`SAMPLING_PARAMETERS`: the value source that packs it, its kind, neutral value, meaningful range,
+per-slot column type and sample-kernel input; packing, the scheduler's columns, the reference sampler,
+the op catalogue, bootstrap's ranges, server preparation and Ignition's bindings all derive from it),
 :class:`SamplingLimits` (from the transport dtypes and offsets a core binds its sampling sources to,
 which values of each setting pack as themselves: a float that stays finite, and normal where zero
 means nothing; an integer within its type) and :func:`fresh_seed` (the seed of a request that names
@@ -18,7 +22,7 @@ import functools
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Annotated, Any, Literal, Protocol, cast, get_type_hints
 
 import msgspec
 import numpy as np
@@ -27,18 +31,112 @@ from helios_core.dtypes import NUMPY_DTYPES, dtype_name
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
+SamplingKind = Literal["float", "int", "seed"]
+"""How a sampling parameter's values are typed: a real number, a signed integer, or the request seed."""
+
+_COLUMN_DTYPES: Mapping[str, np.dtype[Any]] = {
+    "float": np.dtype(np.float64),
+    "int": np.dtype(np.int64),
+    "seed": np.dtype(np.uint64),
+}
+"""The numpy type a per-slot column of each kind holds its values in exactly."""
+
+_EXACT_FLOAT_INT = 2**53
+"""The largest magnitude below which every integer is a float64 exactly."""
+
+_INF = float("inf")
+
+SEED_RANGE = (0, 2**64 - 1)
+"""The seeds a request may name before a core narrows them (the widest packed seed is unsigned 64-bit)."""
+
+
+@dataclass(frozen=True)
+class SamplingField:
+    """What one :class:`SamplingParams` field declares about itself (its ``Annotated`` metadata).
+
+    The field's name and default complete it into a :class:`SamplingParameter`; msgspec ignores this
+    metadata, so encoding and decoding see the plain field type.
+    """
+
+    source: int
+    """The contract value source that packs the parameter (``ct.VALUE_SOURCE_...``)."""
+    kind: SamplingKind
+    meaningful: tuple[float, float, bool]
+    """(least, greatest, whether the least is excluded) of the values that mean something."""
+    nonzero: bool = False
+    """Zero means nothing: a value packing as zero or a subnormal number does not fit."""
+    kernel_input: str | None = None
+    """The op catalogue ``sample`` input that receives it; None: the field's name."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _COLUMN_DTYPES:
+            raise ValueError(f"unknown sampling kind {self.kind!r}; known: {', '.join(_COLUMN_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class SamplingParameter:
+    """One sampling parameter, as every table that handles sampling values derives it."""
+
+    name: str
+    """The :class:`SamplingParams` field (and the request, contract-default and transport name)."""
+    source: int
+    """The contract value source that packs it."""
+    kind: SamplingKind
+    default: float
+    """The neutral value: what a request that names nothing and a core that recommends nothing get."""
+    meaningful: tuple[float, float, bool]
+    """(least, greatest, whether the least is excluded): the values a request may name before a core
+    narrows them to what its inputs hold."""
+    nonzero: bool
+    """Zero means nothing (see :data:`NONZERO_FIELDS`)."""
+    column_dtype: np.dtype[Any]
+    """The numpy type a per-slot column holds it in exactly: float64, int64 (``int``), uint64 (``seed``)."""
+    kernel_input: str
+    """The op catalogue ``sample`` input that receives it."""
+
+    def column_holds(self, value: object) -> bool:
+        """Whether a column of :attr:`column_dtype` holds ``value`` exactly as the Python value packs: a
+        float parameter a float, or an integer (or bool) of magnitude at most 2^53; an integer parameter
+        an ``int`` within the column type's range."""
+        kind = type(value)
+        if self.kind == "float":
+            return kind is float or (kind in (int, bool) and isinstance(value, int) and abs(value) <= _EXACT_FLOAT_INT)
+        if kind is not int or not isinstance(value, int):
+            return False
+        low, high = integer_range(self.column_dtype)
+        return low <= value <= high
+
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
-    """Complete per-request sampling settings (request values over core defaults)."""
+    """Complete per-request sampling settings (request values over core defaults).
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int = 0
+    Each field declares its sampling parameter (:class:`SamplingField`); adding a field here adds the
+    parameter everywhere it is handled (``docs/runtime-design.md``, *Sampling parameters*).
+    """
+
+    temperature: Annotated[
+        float, SamplingField(source=ct.VALUE_SOURCE_TEMPERATURE, kind="float", meaningful=(0, _INF, False))
+    ] = 1.0
+    top_p: Annotated[
+        float, SamplingField(source=ct.VALUE_SOURCE_TOP_P, kind="float", meaningful=(0, 1, True), nonzero=True)
+    ] = 1.0
+    top_k: Annotated[int, SamplingField(source=ct.VALUE_SOURCE_TOP_K, kind="int", meaningful=(0, _INF, False))] = 0
+    min_p: Annotated[float, SamplingField(source=ct.VALUE_SOURCE_MIN_P, kind="float", meaningful=(0, 1, False))] = 0.0
+    repetition_penalty: Annotated[
+        float,
+        SamplingField(
+            source=ct.VALUE_SOURCE_REPETITION_PENALTY, kind="float", meaningful=(0, _INF, True), nonzero=True
+        ),
+    ] = 1.0
+    frequency_penalty: Annotated[
+        float, SamplingField(source=ct.VALUE_SOURCE_FREQUENCY_PENALTY, kind="float", meaningful=(-2, 2, False))
+    ] = 0.0
+    presence_penalty: Annotated[
+        float, SamplingField(source=ct.VALUE_SOURCE_PRESENCE_PENALTY, kind="float", meaningful=(-2, 2, False))
+    ] = 0.0
+    seed: Annotated[
+        int, SamplingField(source=ct.VALUE_SOURCE_SEED_BITS, kind="seed", meaningful=(*SEED_RANGE, False))
+    ] = 0
 
 
 class BoundGraph(Protocol):
@@ -58,10 +156,6 @@ class BoundContract(Protocol):
     def transport(self) -> Mapping[str, mf.TransportEntry]: ...
 
 
-SEED_RANGE = (0, 2**64 - 1)
-"""The seeds a request may name before a core narrows them (the widest packed seed is unsigned 64-bit)."""
-
-
 @functools.cache
 def integer_range(dtype: np.dtype[np.generic]) -> tuple[int, int]:
     """The smallest and largest value of an integer dtype (``np.iinfo`` takes microseconds a call)."""
@@ -69,19 +163,49 @@ def integer_range(dtype: np.dtype[np.generic]) -> tuple[int, int]:
     return int(info.min), int(info.max)
 
 
-SAMPLING_FIELDS: Mapping[int, str] = {
-    ct.VALUE_SOURCE_TEMPERATURE: "temperature",
-    ct.VALUE_SOURCE_TOP_P: "top_p",
-    ct.VALUE_SOURCE_TOP_K: "top_k",
-    ct.VALUE_SOURCE_MIN_P: "min_p",
-    ct.VALUE_SOURCE_REPETITION_PENALTY: "repetition_penalty",
-    ct.VALUE_SOURCE_FREQUENCY_PENALTY: "frequency_penalty",
-    ct.VALUE_SOURCE_PRESENCE_PENALTY: "presence_penalty",
-    ct.VALUE_SOURCE_SEED_BITS: "seed",
-}
+def declared_parameters(settings: type[msgspec.Struct]) -> tuple[SamplingParameter, ...]:
+    """The sampling parameters ``settings`` declares, in field order: each field's :class:`SamplingField`
+    completed by its name and default.
+
+    Raises:
+        TypeError: a field carries no declaration, or more than one.
+        ValueError: two fields name the same value source.
+    """
+    hints = get_type_hints(settings, include_extras=True)
+    neutral = settings()
+    found: list[SamplingParameter] = []
+    for name in settings.__struct_fields__:
+        declared = [item for item in getattr(hints[name], "__metadata__", ()) if isinstance(item, SamplingField)]
+        if len(declared) != 1:
+            raise TypeError(f"{settings.__name__}.{name} must carry exactly one SamplingField, not {len(declared)}")
+        field_declaration = declared[0]
+        found.append(
+            SamplingParameter(
+                name=name,
+                source=field_declaration.source,
+                kind=field_declaration.kind,
+                default=getattr(neutral, name),
+                meaningful=field_declaration.meaningful,
+                nonzero=field_declaration.nonzero,
+                column_dtype=_COLUMN_DTYPES[field_declaration.kind],
+                kernel_input=field_declaration.kernel_input or name,
+            )
+        )
+    sources = [parameter.source for parameter in found]
+    if len(set(sources)) != len(sources):
+        raise ValueError(f"{settings.__name__} names a value source twice: {sources}")
+    return tuple(found)
+
+
+SAMPLING_PARAMETERS: tuple[SamplingParameter, ...] = declared_parameters(SamplingParams)
+"""Every sampling parameter, in :class:`SamplingParams` field order: the one declaration the packing row
+sources, the scheduler's per-slot columns, the reference sampler, the op catalogue's ``sample`` inputs,
+bootstrap's ranges, server preparation and Ignition's bindings derive from."""
+
+SAMPLING_FIELDS: Mapping[int, str] = {parameter.source: parameter.name for parameter in SAMPLING_PARAMETERS}
 """The request's sampling settings (``SamplingParams`` fields) by the value source that packs each."""
 
-NONZERO_FIELDS = frozenset({"top_p", "repetition_penalty"})
+NONZERO_FIELDS = frozenset(parameter.name for parameter in SAMPLING_PARAMETERS if parameter.nonzero)
 """Sampling settings for which zero means nothing: a value that packs as zero or as a subnormal number
 (which a device may flush to zero) does not fit."""
 

@@ -8,7 +8,7 @@ wire, dtypes, errors, sampling < container < ops < contract < loading < backends
 < plugins, plugin_api, testing < runtime < server < cli
 
 A package may import its own layer and the layers below. ``ops`` (the op catalogue, which imports
-nothing of Helios) sits below ``contract``, whose validation reads the catalogue.
+only the sampling declaration of the bottom layer) sits below ``contract``, whose validation reads the catalogue.
 """
 
 from __future__ import annotations

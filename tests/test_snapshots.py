@@ -22,6 +22,7 @@ from helios_core.backends.reference import ReferenceBackend
 from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.runtime.packing import GraphPacker, Lane, Submission
+from helios_core.sampling import SamplingParams
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
@@ -43,7 +44,9 @@ SNAPSHOT_ROWS = 3
 PROMPT = [11, 200, 37, 5, 150, 99, 250, 3, 71, 18]
 CONTINUATION = 8
 PLANES = [f"cache.{kind}{layer}" for layer in range(2) for kind in "kv"]
-SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}
+SAMPLING = {
+    "sampling": SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)
+}
 """Greedy, with penalties, so the continuation depends on the restored sampling state."""
 
 

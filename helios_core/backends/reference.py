@@ -35,6 +35,7 @@ from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, UnsupportedFeatureError
 from helios_core.ops.catalogue import CATALOGUE, known_versions
+from helios_core.sampling import SAMPLING_PARAMETERS
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import manifest_pb2 as mf
 
@@ -297,20 +298,7 @@ def _lane_last_index(n: _Node) -> Step:
 
 def _sample(n: _Node) -> Step:
     logits = n.floats("logits")
-    per_row = {
-        name: n.tensor(name)
-        for name in (
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-            "seed",
-            "step",
-        )
-    }
+    per_row = {name: n.tensor(name) for name in (*(p.kernel_input for p in SAMPLING_PARAMETERS), "step")}
     presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
     rows, active = n.tensor("rows").reshape(-1), n.tensor("active").reshape(-1)
     mask, constrained = n.optional("allowed_mask"), n.optional("constrained")
@@ -347,20 +335,12 @@ def _sample(n: _Node) -> Step:
         state = rows[which].astype(np.int64)
         if int(state.min()) < 0 or int(state.max()) >= state_rows:
             raise ValueError(f"{where}: an active lane names a state row outside [0, {state_rows})")
-        picked = {name: array.reshape(-1)[which] for name, array in per_row.items()}
+        picked = {name: array.reshape(-1)[which] for name, array in per_row.items()}  # by kernel input name
         result = rk.sample(
             logits()[which],
-            temperature=picked["temperature"],
-            top_k=picked["top_k"],
-            top_p=picked["top_p"],
-            min_p=picked["min_p"],
-            repetition_penalty=picked["repetition_penalty"],
-            frequency_penalty=picked["frequency_penalty"],
-            presence_penalty=picked["presence_penalty"],
+            **picked,
             prompt_presence=presence[state],
             output_counts=counts[state],
-            seed=picked["seed"],
-            step=picked["step"],
             vocab_limit=vocab_limit,
             allowed_mask=None if mask is None else mask[which],
             constrained=None if constrained is None else constrained.reshape(-1)[which],

@@ -13,7 +13,7 @@ config files or model cards: everything here comes from the core.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,14 @@ from helios_core.frontend.template_sandbox import (
     compile_template,
 )
 from helios_core.frontend.template_sandbox import render as render_template
-from helios_core.sampling import SamplingLimits, SamplingParams, format_bound, fresh_seed
+from helios_core.sampling import (
+    SAMPLING_PARAMETERS,
+    SamplingLimits,
+    SamplingParameter,
+    SamplingParams,
+    format_bound,
+    fresh_seed,
+)
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 
@@ -48,18 +55,27 @@ class SamplingError(PromptError):
 _NEUTRAL_SAMPLING = SamplingParams()
 
 _INF = float("inf")
-SAMPLING_RANGES: Mapping[str, tuple[float, float, bool]] = {
-    "temperature": (0, _INF, False),
-    "top_p": (0, 1, True),
-    "top_k": (0, _INF, False),
-    "min_p": (0, 1, False),
-    "repetition_penalty": (0, _INF, True),
-    "frequency_penalty": (-2, 2, False),
-    "presence_penalty": (-2, 2, False),
-    "seed": (0, 2**64 - 1, False),
-}
+
+
+def sampling_ranges(
+    parameters: Iterable[SamplingParameter] = SAMPLING_PARAMETERS,
+) -> dict[str, tuple[float, float, bool]]:
+    """Each declared parameter's meaningful values, by name, in declaration order."""
+    return {parameter.name: parameter.meaningful for parameter in parameters}
+
+
+def resolved_settings(parameters: Iterable[SamplingParameter] = SAMPLING_PARAMETERS) -> tuple[str, ...]:
+    """The settings :func:`resolve_sampling` takes from the request, else the core's defaults, else the
+    neutral value: every declared parameter but the seed (which has no core default)."""
+    return tuple(parameter.name for parameter in parameters if parameter.kind != "seed")
+
+
+SAMPLING_RANGES: Mapping[str, tuple[float, float, bool]] = sampling_ranges()
 """Each sampling setting's meaningful values: (least, greatest, whether the least is excluded). A core
-narrows them to what its sampling inputs hold (:class:`~helios_core.sampling.SamplingLimits`)."""
+narrows them to what its sampling inputs hold (:class:`~helios_core.sampling.SamplingLimits`). Declared
+on :class:`~helios_core.sampling.SamplingParams`."""
+
+_RESOLVED_SETTINGS = resolved_settings()
 
 
 def sampling_range(name: str, limits: SamplingLimits | None = None) -> str:
@@ -100,15 +116,7 @@ def resolve_sampling(
             :attr:`Bootstrap.sampling_limits`) does not fit the input the core packs it into.
     """
     values: dict[str, Any] = {}
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-    ):
+    for name in _RESOLVED_SETTINGS:
         explicit = request.get(name)
         if explicit is not None:
             values[name] = explicit

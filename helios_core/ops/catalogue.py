@@ -3,14 +3,19 @@
 Owns the *names, versions and signatures* of operators. Backends own their
 implementations (the reference backend's numpy functions are the semantic
 definition). A core naming an operator or version missing here fails startup.
-Documented operator by operator in ``docs/ops.md``.
+Documented operator by operator in ``docs/ops.md``. The ``sample`` operator's per-request inputs
+come from the sampling parameter declaration (:data:`helios_core.sampling.SAMPLING_PARAMETERS`),
+the only part of Helios the catalogue reads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
+
+from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,15 @@ class OperatorSpec:
         """Every argument whose buffer a node may write: outputs, updated inputs, and the optional
         arguments (some of which are outputs)."""
         return frozenset(self.outputs + self.updated_inputs + self.optional_inputs)
+
+
+def sample_inputs(parameters: Iterable[SamplingParameter] = SAMPLING_PARAMETERS) -> tuple[str, ...]:
+    """The ``sample`` operator's inputs: the logits, each per-request setting's kernel input (declaration
+    order), the sampling state and its rows, then the seed inputs, the step and the active flags."""
+    declared = tuple(parameters)
+    settings = tuple(p.kernel_input for p in declared if p.kind != "seed")
+    seeds = tuple(p.kernel_input for p in declared if p.kind == "seed")
+    return ("logits", *settings, "prompt_presence", "output_counts", "rows", *seeds, "step", "active")
 
 
 def _spec(
@@ -140,22 +154,7 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
     ),
     _spec(
         "sample",
-        (
-            "logits",
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-            "prompt_presence",
-            "output_counts",
-            "rows",
-            "seed",
-            "step",
-            "active",
-        ),
+        sample_inputs(),
         ("ids",),
         "Per-request seeded sampling with penalties, filters and an optional grammar mask; "
         "increments output_counts[rows[i]] at each sampled id of an active row.",

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -47,8 +48,7 @@ class LaneExpectation:
     """(first packed token, count) of this lane's prompt scores to read (scored prefill only)."""
 
 
-@dataclass(eq=False, slots=True)
-class ExpectationBatch:
+class ExpectationBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
     """The expectations of every lane as columns: what :class:`LaneExpectation` says, lane by lane.
 
     Every lane samples or none does (``samples``); ``top`` is None when no lane reads top alternatives.
@@ -256,15 +256,16 @@ def read_lanes(
 
 def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) -> LaneResults:
     """:func:`read_lanes` of a batch: the same rules, checked over all lanes at once."""
-    count = len(lanes)
+    count = lanes.generations.shape[0]
     logprobs = views.logprobs[:count] if views.logprobs is not None and lanes.samples else None
     if views.lanes < count or (
         logprobs is not None and logprobs.shape[0] < count
     ):  # a record shorter than the lanes fails lane by lane, as the list of expectations would
-        return _as_results(read_lanes(views, int(views.sequence[0]), lanes.to_list(), sampled_size))
+        return as_results(read_lanes(views, int(views.sequence[0]), lanes.to_list(), sampled_size))
     completion = views.record
     generation, reserved, cursor, consumed, emitted, ids = views.head(count)
     samples = lanes.samples
+    id_list: list[Any] | None = None
     if count > _VECTORIZED_LANES:
         bad = generation != lanes.generations
         bad |= reserved != -1
@@ -279,26 +280,36 @@ def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) 
         expected_generations = lanes.generations.tolist()
         expected_consumed = lanes.consumed.tolist()
         emits = 1 if samples else 0
-        suspects = [
-            index
-            for index, (g, r, c, n, e, i) in enumerate(
-                zip(
-                    generation.tolist(),
-                    reserved.tolist(),
-                    cursor.tolist(),
-                    consumed.tolist(),
-                    emitted.tolist(),
-                    ids.tolist(),
-                    strict=True,
-                )
+        generation_list, consumed_list = generation.tolist(), consumed.tolist()
+        reserved_list, cursor_list, emitted_list = reserved.tolist(), cursor.tolist(), emitted.tolist()
+        id_list = ids.tolist()
+        unset = [-1] * count
+        if (  # every lane keeps every rule (list equality compares the values as the rules below do)
+            generation_list == expected_generations
+            and consumed_list == expected_consumed
+            and reserved_list == unset
+            and cursor_list == unset
+            and emitted_list == [emits] * count
+            and (
+                not samples
+                or not count
+                or (ids.dtype.kind in "iu" and min(id_list) >= 0 and max(id_list) < sampled_size)
             )
-            if g != expected_generations[index]
-            or r != -1
-            or c != -1
-            or n != expected_consumed[index]
-            or e != emits
-            or (samples and not 0 <= i < sampled_size)
-        ]
+        ):
+            suspects = []
+        else:
+            suspects = [
+                index
+                for index, (g, r, c, n, e, i) in enumerate(
+                    zip(generation_list, reserved_list, cursor_list, consumed_list, emitted_list, id_list, strict=True)
+                )
+                if g != expected_generations[index]
+                or r != -1
+                or c != -1
+                or n != expected_consumed[index]
+                or e != emits
+                or (samples and not 0 <= i < sampled_size)
+            ]
     errors: dict[int, CompletionError] = {}
     if suspects:
         expected_generations = lanes.generations.tolist()
@@ -318,7 +329,8 @@ def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) 
                 errors[index] = CompletionError(f"lane {index}: {problem}")
     token_ids: list[int] = [-1] * count
     if samples:
-        token_ids = ids.tolist() if ids.dtype.kind in "iu" else [int(v) for v in ids.tolist()]
+        listed = id_list if id_list is not None else ids.tolist()
+        token_ids = listed if ids.dtype.kind in "iu" else [int(v) for v in listed]
     values: list[float] = [0.0] * count
     if logprobs is not None:
         values = logprobs.tolist() if logprobs.dtype.kind == "f" else [float(v) for v in logprobs.tolist()]
@@ -337,7 +349,7 @@ def _read_batch(views: RecordViews, lanes: ExpectationBatch, sampled_size: int) 
     return LaneResults(token_ids, values, errors, tops, ids if samples else None)
 
 
-def _as_results(results: Sequence[LaneResult | CompletionError]) -> LaneResults:
+def as_results(results: Sequence[LaneResult | CompletionError]) -> LaneResults:
     errors = {i: r for i, r in enumerate(results) if isinstance(r, CompletionError)}
     lanes = [r if isinstance(r, LaneResult) else LaneResult(-1, 0.0) for r in results]
     tops = {i: r.top for i, r in enumerate(lanes) if r.top}

@@ -64,9 +64,10 @@ from helios_core.runtime.messages import (
     WorkerMessage,
 )
 from helios_core.runtime.native_model import NativeModel
-from helios_core.runtime.packing import LaneBatch, Submission
+from helios_core.runtime.packing import Submission
 from helios_core.runtime.pages import PageAllocator
-from helios_core.runtime.scheduler import Round, Scheduler
+from helios_core.runtime.plan import RoundPlan
+from helios_core.runtime.scheduler import Scheduler
 from helios_core.runtime.stats import SchedulerStats, StatsSnapshot
 
 _STOP = object()
@@ -320,7 +321,7 @@ class Engine:
         self._publish(scheduler.take_cancelled())
         round_ = scheduler.next_round()
         self._publish(scheduler.take_faults())
-        if round_ is None or not round_.members:
+        if round_ is None or not len(round_):
             return
         frame = 0
         launched = self._launch(round_, frame=frame)
@@ -348,7 +349,7 @@ class Engine:
             self._drain(block=False)  # cancellations and new requests end the chain at the next plan
             round_, frame, launched = follow, 1 - frame, follow_launch
 
-    def _launch(self, round_: Round, *, frame: int) -> int | Exception | _PackFault:
+    def _launch(self, round_: RoundPlan, *, frame: int) -> int | Exception | _PackFault:
         """Pack and launch a round on ``frame``; its submission sequence, the exception its launch raised,
         or the packing fault that kept it from being launched."""
         self._sequence += 1
@@ -380,7 +381,7 @@ class Engine:
             stats.constrained_max_inflight = max(stats.constrained_max_inflight, self._outstanding)
         return sequence
 
-    def _collect(self, round_: Round, frame: int, launched: int | Exception) -> Sequence[Outgoing]:
+    def _collect(self, round_: RoundPlan, frame: int, launched: int | Exception) -> Sequence[Outgoing]:
         """Validate a launched round's completion record and apply it."""
         if isinstance(launched, Exception):
             return self.scheduler.fail_round(round_, f"execution failed: {type(launched).__name__}: {launched}")
@@ -397,7 +398,7 @@ class Engine:
                     views = self._records[frame] = RecordViews.of(records)
                 results = read_lanes(views, launched, round_.expectations, self._sampled_size)
             else:  # a program without a completion record (state initialization) reports nothing to check
-                results = [LaneResult(-1, 0.0) for _ in round_.members]
+                results = [LaneResult(-1, 0.0) for _ in range(len(round_))]
         except CompletionError as exc:
             return self.scheduler.fail_round(round_, f"execution failed: {exc}")
         try:
@@ -405,12 +406,12 @@ class Engine:
         except Exception as exc:  # applying this round went wrong: its requests fail, no others
             return self.scheduler.fail_round(round_, f"internal error completing a round: {type(exc).__name__}: {exc}")
 
-    def _unpackable(self, round_: Round, frame: int, error: Exception) -> Sequence[Outgoing]:
+    def _unpackable(self, round_: RoundPlan, frame: int, error: Exception) -> Sequence[Outgoing]:
         """A round whose packing raised ``error``: pack each lane alone to find the requests whose values do
         not pack, and fail those only; the round's other requests are planned again. When every lane packs
         alone, the fault is the round's (its lanes together), and its requests fail."""
         packer = self.model.packers[round_.graph.name]
-        lanes = round_.lanes.to_lanes() if isinstance(round_.lanes, LaneBatch) else list(round_.lanes)
+        lanes = round_.lane_list()
         failures: dict[int, str] = {}
         try:
             staging = self.model.backend.transport(frame)

@@ -11,12 +11,14 @@ A submission's lanes come in one of two forms with the same staged bytes: a
 list of :class:`Lane` objects (any round; each value written as the Python
 value it is), or a :class:`LaneBatch`, whose values are numpy columns (the
 scheduler builds one per decode round from its per-slot arrays). A batch is
-written with a few vectorized assignments per binding. When a packer stages a
-batch on a frame whose staging nobody else wrote since this packer staged a
-batch of the same constants there (the per-request values of one decode
-cohort, the same lane count), it writes only the columns that change from round
-to round (positions, cache slots, sampling steps, new page-table entries):
-every other byte it would write is already staged. A value a column cannot hand
+written with a few vectorized assignments per binding. A batch says which of
+its values are unchanged since an earlier batch (``staged_as``: the planner's
+number for one decode cohort; ``unchanged``: the sources that stay the same
+from one of its rounds to the next). When a packer stages a batch on a frame
+whose staging nobody else wrote since the same graph staged a batch of that
+number and lane count there, it writes only the other sources (positions,
+cache slots, sampling steps, new page-table entries): every other byte it would
+write is already staged. A value a column cannot hand
 to numpy exactly as the Python value would be (outside the destination's range,
 a float into an integer destination) is written from Python values, so both
 forms fail alike. Every packer of a frame's staging must share one memory
@@ -46,10 +48,12 @@ source's resolution, extents and staging write belong together.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -57,10 +61,10 @@ from helios_core.contract import PreparedGraph
 from helios_core.errors import UnsupportedFeatureError
 from helios_core.sampling import NONZERO_FIELDS as NONZERO_FIELDS  # re-exported for existing callers
 from helios_core.sampling import SAMPLING_FIELDS as SAMPLING_FIELDS
+from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter, SamplingParams, integer_range
 from helios_core.sampling import PackedInput as PackedInput
 from helios_core.sampling import SamplingLimits as SamplingLimits
 from helios_core.sampling import format_bound as format_bound
-from helios_core.sampling import integer_range
 from helios_core.sampling import packed_input as _packed_input  # noqa: F401
 from helios_core.wire import contract_pb2 as ct
 
@@ -69,9 +73,13 @@ Column = npt.NDArray[np.generic]
 """One value per lane (or per packed token) of a :class:`LaneBatch`."""
 
 
-@dataclass
+_NEUTRAL_SAMPLING = SamplingParams()
+"""The settings of a lane that names none (immutable, so every such lane shares it)."""
+
+
+@dataclass(frozen=True)
 class Lane:
-    """One request row of a submission, as the scheduler planned it."""
+    """One request row of a submission, as the scheduler planned it (never changed once planned)."""
 
     slot: int
     generation: int
@@ -85,14 +93,8 @@ class Lane:
     tokens: Sequence[int] = ()
     """Host-fed input tokens (prompt chunk, or the completed pending token); empty when device-owned."""
     sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int = 0
+    sampling: SamplingParams = _NEUTRAL_SAMPLING
+    """The request's sampling settings (packed through the value sources their declaration names)."""
     sampling_step: int = 0
     grammar_mask: npt.NDArray[np.int32] | None = None
     score_targets: Sequence[int] = ()
@@ -107,8 +109,7 @@ class Lane:
         return len(self.positions)
 
 
-@dataclass(eq=False, slots=True)
-class LaneBatch:
+class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
     """The lanes of one submission as columns.
 
     ``rows`` holds one value per lane for every per-lane source (``_ROW_SOURCES``); ``tokens`` one value
@@ -120,10 +121,11 @@ class LaneBatch:
     :class:`Lane` derives them: ``QUERY_LENGTH`` is each lane's packed-token count, ``SAMPLING_DECISION``
     and ``MIXED_PREFILL_ROW`` are 0 or 1, ``CONSTRAINED`` is 1 exactly for a lane with a grammar mask.
 
-    ``constants``, when given, is an object standing for the values of every source in
-    ``constant_sources`` (row, token or vector sources) and the lane identities: two batches with the
-    same ``constants`` object and lane count have the same values there. Columns are never modified once
-    handed over.
+    ``staged_as``, when given, names the values of every source in ``unchanged`` (row, token or vector
+    sources) and the lane identities: two batches with the same ``staged_as`` and lane count have the
+    same values there, so a packer that staged the one need write only the other sources of the next
+    (the planner numbers each decode cohort it forms; the sources outside ``unchanged`` are what changes
+    from one of its rounds to the next). Columns are never modified once handed over.
     """
 
     count: int
@@ -134,10 +136,10 @@ class LaneBatch:
     page_counts: npt.NDArray[np.int64]
     grammar_masks: Sequence[npt.NDArray[np.int32] | None] | None = None
     prompt_histograms: Sequence[npt.NDArray[np.uint8] | None] | None = None
-    constants: object | None = None
-    constant_sources: frozenset[int] = frozenset()
+    staged_as: int | None = None
+    unchanged: frozenset[int] = frozenset()
     page_version: int | None = None
-    """With ``constants``: a count of page additions (only growing); a batch of the same constants and
+    """With ``staged_as``: a count of page additions (only growing); a batch of the same ``staged_as`` and
     version has the same page tables."""
 
     def __len__(self) -> int:
@@ -166,14 +168,7 @@ class LaneBatch:
                     if ct.VALUE_SOURCE_PROMPT_TOKENS in tokens
                     else [],
                     sample=bool(rows[ct.VALUE_SOURCE_SAMPLING_DECISION][i]),
-                    temperature=rows[ct.VALUE_SOURCE_TEMPERATURE][i],
-                    top_p=rows[ct.VALUE_SOURCE_TOP_P][i],
-                    top_k=rows[ct.VALUE_SOURCE_TOP_K][i],
-                    min_p=rows[ct.VALUE_SOURCE_MIN_P][i],
-                    repetition_penalty=rows[ct.VALUE_SOURCE_REPETITION_PENALTY][i],
-                    frequency_penalty=rows[ct.VALUE_SOURCE_FREQUENCY_PENALTY][i],
-                    presence_penalty=rows[ct.VALUE_SOURCE_PRESENCE_PENALTY][i],
-                    seed=rows[ct.VALUE_SOURCE_SEED_BITS][i],
+                    sampling=SamplingParams(**{p.name: rows[p.source][i] for p in SAMPLING_PARAMETERS}),
                     sampling_step=rows[ct.VALUE_SOURCE_SAMPLING_STEP][i],
                     grammar_mask=self.grammar_masks[i] if self.grammar_masks is not None else None,
                     score_targets=tokens[ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS][start:end]
@@ -198,6 +193,13 @@ class Submission:
     sequence: int
 
 
+def sampling_row_sources(
+    parameters: Iterable[SamplingParameter] = SAMPLING_PARAMETERS,
+) -> dict[int, Callable[[Lane], float | int]]:
+    """Each sampling parameter's value source, reading the lane's setting of that name."""
+    return {parameter.source: operator.attrgetter(f"sampling.{parameter.name}") for parameter in parameters}
+
+
 _ROW_SOURCES: dict[int, Callable[[Lane], float | int]] = {
     ct.VALUE_SOURCE_SLOT: lambda lane: lane.slot,
     ct.VALUE_SOURCE_GENERATION: lambda lane: lane.generation,
@@ -208,14 +210,7 @@ _ROW_SOURCES: dict[int, Callable[[Lane], float | int]] = {
     ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT: lambda lane: lane.consumed,
     ct.VALUE_SOURCE_RESTORE_SOURCE: lambda lane: lane.restore_row,
     ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: lambda lane: lane.snapshot_row,
-    ct.VALUE_SOURCE_TEMPERATURE: lambda lane: lane.temperature,
-    ct.VALUE_SOURCE_TOP_P: lambda lane: lane.top_p,
-    ct.VALUE_SOURCE_TOP_K: lambda lane: lane.top_k,
-    ct.VALUE_SOURCE_MIN_P: lambda lane: lane.min_p,
-    ct.VALUE_SOURCE_REPETITION_PENALTY: lambda lane: lane.repetition_penalty,
-    ct.VALUE_SOURCE_FREQUENCY_PENALTY: lambda lane: lane.frequency_penalty,
-    ct.VALUE_SOURCE_PRESENCE_PENALTY: lambda lane: lane.presence_penalty,
-    ct.VALUE_SOURCE_SEED_BITS: lambda lane: lane.seed,
+    **sampling_row_sources(),
     ct.VALUE_SOURCE_SAMPLING_STEP: lambda lane: lane.sampling_step,
     ct.VALUE_SOURCE_CONSTRAINED: lambda lane: int(lane.grammar_mask is not None),
 }
@@ -280,9 +275,9 @@ class PageTableMemory:
 
     ``tables``: per (frame, page-table destination), each row's (slot, generation, pages written), or
     that it holds only padding. ``versions``: per frame, a count that changes whenever a pack writes the
-    frame's staging in full. ``batches``: per frame, the packer, the batch constants and lane count, the
-    staging and the version of the last batch staged there (the next batch of the same packer, constants
-    and count at that version writes only what changes). One instance is shared by every packer of a
+    frame's staging in full. ``batches``: per frame, the graph, the ``staged_as`` number and lane count
+    and the version of the last batch staged there (the next batch of the same graph, number and count
+    at that version writes only what changes). One instance is shared by every packer of a
     model: all graphs write the same staging arrays of a frame, so what one graph staged is what the
     next one finds.
     """
@@ -291,7 +286,7 @@ class PageTableMemory:
     page_versions: dict[tuple[int, str], int] = field(default_factory=dict)
     """Per (frame, page-table destination): the page version of the batch whose tables it holds."""
     versions: dict[int, int] = field(default_factory=dict)
-    batches: dict[int, tuple[object, object, int, object, int]] = field(default_factory=dict)
+    batches: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
 
     def held(self, frame: int, destination: str, rows: int) -> _HeldRows:
         key = (frame, destination)
@@ -525,9 +520,10 @@ class _BindingWriter:
 
     def _batch_tokens(self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, tails: bool) -> None:
         column = batch.tokens.get(self.source)
-        lengths = batch.rows[ct.VALUE_SOURCE_QUERY_LENGTH]
-        if column is None and self.source == ct.VALUE_SOURCE_TOKEN_ROW:
-            column = np.repeat(np.arange(batch.count, dtype=np.int64), lengths.astype(np.int64))
+        if column is None:
+            lengths = batch.rows[ct.VALUE_SOURCE_QUERY_LENGTH]
+            if self.source == ct.VALUE_SOURCE_TOKEN_ROW:
+                column = np.repeat(np.arange(batch.count, dtype=np.int64), lengths.astype(np.int64))
         if column is None:  # the lanes supply no values for this source
             bad = np.flatnonzero(lengths)
             if bad.shape[0]:
@@ -732,20 +728,15 @@ class GraphPacker:
             for writer in self.writers:
                 writer.write(submission, frame, staging)
             return
-        constants = lanes.constants
+        staged_as = lanes.staged_as
         last = memory.batches.get(frame)
         if (
-            constants is not None
-            and last is not None
-            and last[0] is self
-            and last[1] is constants
-            and last[2] == lanes.count
-            and last[3] is staging
-            and last[4] == memory.versions.get(frame, 0)
-            and ct.VALUE_SOURCE_QUERY_LENGTH in lanes.constant_sources
-        ):  # staged by this packer for the same lanes, and nothing else wrote this frame since
+            staged_as is not None
+            and last == (self.graph.name, staged_as, lanes.count, memory.versions.get(frame, 0))
+            and ct.VALUE_SOURCE_QUERY_LENGTH in lanes.unchanged
+        ):  # this graph staged the same lanes' unchanged values here, and nothing else wrote this frame since
             try:
-                for writer in self._changing_writers(lanes.constant_sources):
+                for writer in self._changing_writers(lanes.unchanged):
                     writer.write_batch(lanes, frame, staging, tails=False, same_lanes=True)
             except BaseException:
                 memory.batches.pop(frame, None)
@@ -755,13 +746,13 @@ class GraphPacker:
         memory.batches.pop(frame, None)
         for writer in self.writers:
             writer.write_batch(lanes, frame, staging, tails=True, same_lanes=False)
-        if lanes.page_counts.all():
-            memory.batches[frame] = (self, constants, lanes.count, staging, version)
+        if staged_as is not None and lanes.page_counts.all():
+            memory.batches[frame] = (self.graph.name, staged_as, lanes.count, version)
 
-    def _changing_writers(self, constant_sources: frozenset[int]) -> list[_BindingWriter]:
-        writers = self._changing.get(constant_sources)
+    def _changing_writers(self, unchanged: frozenset[int]) -> list[_BindingWriter]:
+        writers = self._changing.get(unchanged)
         if writers is None:
-            writers = self._changing[constant_sources] = [
-                w for w in self.writers if not w.constant_in(constant_sources)
+            writers = self._changing[unchanged] = [
+                w for w in self.writers if not w.constant_in(unchanged)
             ]
         return writers

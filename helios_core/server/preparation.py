@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from helios_core.errors import PromptError
-from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling
+from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling, resolved_settings
 from helios_core.frontend.formats import (
     AnswerFrames,
     ToolCallFormat,
@@ -51,6 +53,7 @@ from helios_core.plugin_api import (
 from helios_core.plugins.host import PluginHost, SelectedFrontend
 from helios_core.runtime.messages import PreparedRequest, SamplingParams
 from helios_core.runtime.startup import RunningModel
+from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
 from helios_core.server.errors import AdmissionRefused, InvalidRequest
 from helios_core.server.schemas import (
     ChatCompletionRequest,
@@ -244,16 +247,20 @@ def _check_unsupported(request: ChatCompletionRequest) -> None:
         raise InvalidRequest(message, field)
 
 
+def request_sampling_fields(
+    request_type: type[msgspec.Struct] = ChatCompletionRequest,
+    parameters: Iterable[SamplingParameter] = SAMPLING_PARAMETERS,
+) -> tuple[str, ...]:
+    """The sampling settings a request of ``request_type`` may name: each declared setting (but the seed,
+    passed on its own) that the request schema has a field of the same name for."""
+    return tuple(name for name in resolved_settings(parameters) if name in request_type.__struct_fields__)
+
+
+_REQUEST_SAMPLING = request_sampling_fields()
+
+
 def _sampling(frontend: Frontend, request: ChatCompletionRequest) -> SamplingParams:
-    explicit = {
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
-        "repetition_penalty": request.repetition_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "presence_penalty": request.presence_penalty,
-    }
+    explicit = {name: getattr(request, name) for name in _REQUEST_SAMPLING}
     bootstrap = frontend.bootstrap
     try:  # each value within its meaningful range and the type the core packs it as; no seed: a fresh one
         settings = resolve_sampling(
@@ -261,16 +268,7 @@ def _sampling(frontend: Frontend, request: ChatCompletionRequest) -> SamplingPar
         )
     except SamplingError as exc:
         raise InvalidRequest(str(exc), exc.field) from exc
-    return SamplingParams(
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        min_p=settings.min_p,
-        repetition_penalty=settings.repetition_penalty,
-        frequency_penalty=settings.frequency_penalty,
-        presence_penalty=settings.presence_penalty,
-        seed=settings.seed,
-    )
+    return settings
 
 
 def _first_mask(grammar: Grammar, field: str) -> None:

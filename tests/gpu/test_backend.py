@@ -147,8 +147,7 @@ def _lanes(contract: PreparedContract, graph_name: str, rng: np.random.Generator
                 page_table=pages,
                 tokens=[] if decode else [int(t) for t in rng.integers(0, contract.sampled_size, tokens)],
                 sample=True,
-                temperature=0.0,
-                seed=row,
+                sampling=SamplingParams(temperature=0.0, seed=row),
                 consumed=positions[0],
             )
         )

@@ -28,7 +28,6 @@ from helios_core.runtime.packing import (
     PageTableMemory,
     Submission,
 )
-from helios_core.runtime.scheduler import Scheduler
 from helios_core.runtime.startup import RunningModel
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
@@ -107,8 +106,8 @@ def decode_batch(
         page_source=tables,
         page_index=slots,
         page_counts=counts[slots].copy(),
-        constants=id(rows),
-        constant_sources=frozenset(rows) | {ct.VALUE_SOURCE_TOKEN_ROW, ct.VALUE_SOURCE_GRAMMAR_MASK},
+        staged_as=id(rows),
+        unchanged=frozenset(rows) | {ct.VALUE_SOURCE_TOKEN_ROW, ct.VALUE_SOURCE_GRAMMAR_MASK},
         page_version=int(counts.sum()),
     )
 
@@ -252,9 +251,13 @@ def _serve(running: RunningModel, work: list[PreparedRequest]) -> dict[str, list
     return served
 
 
-def test_columnar_decode_planning_serves_what_planning_lane_by_lane_serves(
-    start_fixture: Callable[..., RunningModel], monkeypatch: pytest.MonkeyPatch
+def test_pipelined_decode_rounds_serve_what_rounds_planned_after_each_completion_serve(
+    start_fixture: Callable[..., RunningModel],
 ) -> None:
+    """Decode rounds planned one position ahead (a follow-up per round) serve exactly the tokens, events
+    and pages of rounds each planned from the completed round before, across sampling settings, page
+    growth, preemption and readmission."""
+
     def work(running: RunningModel) -> list[PreparedRequest]:
         prompts = [
             running.bootstrap.encode_prompt([{"role": "user", "content": f"Batch rows, then {i}"}]) for i in range(6)
@@ -274,11 +277,12 @@ def test_columnar_decode_planning_serves_what_planning_lane_by_lane_serves(
     expected = _serve(columnar, work(columnar))
     stats = columnar.engine.statistics()
     assert stats.pipelined_rounds > 0 and stats.preemptions > 0
-    monkeypatch.setattr(Scheduler, "_hold_sampling", lambda self, slot, params: False)
     by_lane = start_fixture(cache_pages=24)
+    by_lane.engine.scheduler.pipelining = False
     assert _serve(by_lane, work(by_lane)) == expected
     lane_stats = by_lane.engine.statistics()
-    for name in ("rounds", "launches", "lanes", "pipelined_rounds", "preemptions", "finished", "pages_published"):
+    assert lane_stats.pipelined_rounds == 0
+    for name in ("finished", "pages_published"):
         assert getattr(lane_stats, name) == getattr(stats, name), name
     for running in (columnar, by_lane):
         pages = running.engine.allocator
@@ -305,7 +309,8 @@ def test_requests_end_at_their_limit_when_the_epoch_changes_between_pipelined_ro
         keep = drain(block=block)
         # On the worker, between two pipelined rounds, when a request has two tokens left: a queued
         # request comes and is cancelled, so the next follow-up is planned from a new cohort.
-        if any(s.max_tokens - s.generated == 2 for s in engine.scheduler.running):
+        table = engine.scheduler.table
+        if any(s.max_tokens - table.generated[s.slot] == 2 for s in engine.scheduler.running):
             name = f"q{next(queued)}"
             engine.scheduler.add(PreparedRequest(name, prompts[0], 4, greedy))
             engine.scheduler.cancel(name)

@@ -148,7 +148,7 @@ def test_one_token_prompt_has_no_scores(start_fixture: Callable[..., RunningMode
 
 def test_prompt_scores_need_scored_programs(start_fixture: Callable[..., RunningModel]) -> None:
     running = start_fixture()
-    running.engine.scheduler.scored = []  # as on a core without scored prefill programs
+    running.engine.scheduler.residency.scored_prefill = False  # as on a core without scored prefill programs
     (event,) = _events(running, PreparedRequest("x", _prompt(running), 1, GREEDY, prompt_logprobs=True))
     assert isinstance(event, AdmissionRejected) and "not supported by this core" in event.message
 

@@ -12,6 +12,7 @@ from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.errors import UnsupportedFeatureError
 from helios_core.loading import open_core
 from helios_core.runtime.packing import GraphPacker, Lane, PageTableMemory, Submission
+from helios_core.sampling import SamplingParams
 from helios_core.wire import contract_pb2 as ct
 
 from .conftest import FIXTURES, fixture_settings
@@ -40,12 +41,14 @@ def two_lanes() -> list[Lane]:
     return [
         Lane(
             slot=2, generation=5, state_row=1, positions=[0, 1, 2], cache_slots=[28, 29, 30], page_table=[7, 3],
-            tokens=[10, 11, 12], sample=True, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05,
-            repetition_penalty=1.1, frequency_penalty=0.25, presence_penalty=-0.5, seed=2**63 + 5, sampling_step=0,
+            tokens=[10, 11, 12], sample=True, sampling=SamplingParams(
+                temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.25,
+                presence_penalty=-0.5, seed=2**63 + 5,
+            ), sampling_step=0,
         ),
         Lane(
             slot=0, generation=9, state_row=3, positions=[5, 6], cache_slots=[9, 10], page_table=[1, 2, 4],
-            tokens=[20, 21], sample=False, seed=3, sampling_step=4, grammar_mask=MASK,
+            tokens=[20, 21], sample=False, sampling=SamplingParams(seed=3), sampling_step=4, grammar_mask=MASK,
         ),
     ]  # fmt: skip
 
@@ -155,7 +158,7 @@ def test_packing_refuses_what_does_not_fit(contract: PreparedContract) -> None:
         packer.pack(Submission(two_lanes(), 1), 0, staging)
     prefill = GraphPacker(contract.graphs["prefill_p16"], staging)
     broken = two_lanes()
-    broken[0].tokens = [1]
+    broken[0] = dataclasses.replace(broken[0], tokens=[1])
     with pytest.raises(ValueError, match="supplies 1 values for 'input_ids'"):
         prefill.pack(Submission(broken, 1), 0, staging)
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -27,7 +28,7 @@ from helios_core.runtime.messages import (
     SamplingParams,
     TokenEvent,
 )
-from helios_core.runtime.packing import PackedInput, SamplingLimits, _packed_input
+from helios_core.runtime.packing import LaneBatch, PackedInput, SamplingLimits, _packed_input
 from helios_core.runtime.startup import RunningModel
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
@@ -247,12 +248,26 @@ def test_a_value_that_does_not_pack_is_rejected_at_admission(
     assert events == [AdmissionRejected("bad", message, param=param, permanent=True)]
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(top_k=2**62), SamplingParams(seed=2**64 + 5)])
+def test_a_value_no_slot_column_holds_is_rejected_at_admission(running: RunningModel) -> None:
+    """Past the core's packed ranges (not checked here), a value must still fit its per-slot column exactly:
+    every round of the request packs the column's value."""
+    running.engine.scheduler.residency.sampling_limits = SamplingLimits()  # as a value no packed range foresaw
+    prompt = running.bootstrap.encode_prompt(HEALTHY[0])
+    (event,) = _read(running.engine.submit(PreparedRequest("bad", prompt, LIMIT, SamplingParams(seed=2**64 + 5))))
+    assert event == AdmissionRejected(
+        "bad",
+        "seed 18446744073709551621 does not fit the per-request uint64 sampling column",
+        param="seed",
+        permanent=True,
+    )
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(top_k=2**62), SamplingParams(top_k=-(2**40))])
 def test_a_round_that_does_not_pack_fails_only_the_requests_that_do_not_fit(
     running: RunningModel, sampling: SamplingParams
 ) -> None:
     reference = _alone(running)
-    running.engine.scheduler.sampling_limits = SamplingLimits()  # past admission, as a value no check foresaw
+    running.engine.scheduler.residency.sampling_limits = SamplingLimits()  # past admission, as a value no check foresaw
     prompt = running.bootstrap.encode_prompt(HEALTHY[0])
     healthy, events = _beside(running, PreparedRequest("bad", prompt, LIMIT, sampling))
     assert healthy == reference
@@ -265,23 +280,21 @@ def test_a_decode_round_that_does_not_pack_fails_only_that_lane(running: Running
     """The faulty value appears only once the request decodes (its lanes are planned as a batch of columns
     by then), so the round that raises is a decode round of all four requests."""
     reference = _alone(running)
-    scheduler = running.engine.scheduler
-    original = scheduler._decode_plan
+    planner = running.engine.scheduler.planner
+    original = planner._decode_plan
 
     def poisoned(cohort: Any, *, ahead: int) -> Any:
-        round_ = original(cohort, ahead=ahead)
-        lanes = round_.lanes
-        if not isinstance(lanes, list) and any(s.request_id == "bad" for s in round_.members):
-            index = [s.request_id for s in round_.members].index("bad")
+        plan = original(cohort, ahead=ahead)
+        lanes = plan.lanes
+        if isinstance(lanes, LaneBatch) and "bad" in plan.request_ids:
             rows = dict(lanes.rows)
             column = np.array(rows[ct.VALUE_SOURCE_TOP_K], dtype=np.int64)
-            column[index] = 2**40
+            column[plan.request_ids.index("bad")] = 2**40
             rows[ct.VALUE_SOURCE_TOP_K] = column
-            lanes.rows = rows
-            lanes.constants = None
-        return round_
+            plan = msgspec.structs.replace(plan, lanes=msgspec.structs.replace(lanes, rows=rows, staged_as=None))
+        return plan
 
-    scheduler._decode_plan = poisoned  # type: ignore[method-assign]
+    planner._decode_plan = poisoned  # type: ignore[method-assign]
     prompt = running.bootstrap.encode_prompt(HEALTHY[0])
     healthy, events = _beside(running, PreparedRequest("bad", prompt, LIMIT, GREEDY, ignore_eos=True))
     assert healthy == reference

@@ -20,7 +20,7 @@ from helios_core.runtime.messages import (
     SamplingParams,
     TokenEvent,
 )
-from helios_core.runtime.scheduler import Scheduler
+from helios_core.runtime.progress import RoundCompletion
 from helios_core.runtime.startup import RunningModel
 from helios_core.wire import manifest_pb2 as mf
 
@@ -64,14 +64,19 @@ def _serve(running: RunningModel) -> tuple[dict[str, list[object]], int]:
             return
         record = backend.completion(frame)
         generations = record[mf.COMPLETION_FIELD_GENERATION].reshape(-1).tolist()
-        states = {s.request_id: s for s in engine.scheduler.running if s.generation in generations}
-        eos_state, failing = states.get("eos"), states.get("failing")
-        if eos_state is not None and eos_state.generated >= 4 and "eos" not in injected:
+        table = engine.scheduler.table
+        lanes = {
+            s.request_id: (int(table.generation[s.slot]), int(table.generated[s.slot]))
+            for s in engine.scheduler.running
+            if table.generation[s.slot] in generations
+        }
+        eos_lane, failing = lanes.get("eos"), lanes.get("failing")
+        if eos_lane is not None and eos_lane[1] >= 4 and "eos" not in injected:
             injected.add("eos")  # the EOS id in the lane of the request that stops at EOS
-            record[mf.COMPLETION_FIELD_SAMPLED_IDS].reshape(-1)[generations.index(eos_state.generation)] = eos
-        if failing is not None and failing.generated >= 6 and "failing" not in injected:
+            record[mf.COMPLETION_FIELD_SAMPLED_IDS].reshape(-1)[generations.index(eos_lane[0])] = eos
+        if failing is not None and failing[1] >= 6 and "failing" not in injected:
             injected.add("failing")  # a stale generation in its lane
-            record[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[generations.index(failing.generation)] += 100
+            record[mf.COMPLETION_FIELD_GENERATION].reshape(-1)[generations.index(failing[0])] += 100
 
     delivered = [0]
     put_round = engine._put_round
@@ -100,9 +105,13 @@ def test_round_tokens_serve_the_events_of_lane_by_lane_completion(
         isinstance(event, TokenEvent) for events in served.values() for event in events[:-1]
     )  # every stream yields events only
     assert any(events[-1].pieces for events in served.values() if isinstance(events[-1], Finished))
-    # The oracle: the same work, every decode round planned and completed lane by lane, and every request
+    # The oracle: the same work, every decode round's events built lane by lane in the worker, and every request
     # detokenized by a host gate in the worker.
-    monkeypatch.setattr(Scheduler, "_hold_sampling", lambda self, slot, params: False)
+    monkeypatch.setattr(
+        RoundCompletion,
+        "_round_tokens",
+        lambda self, lanes, results, skipped, events: self._lane_events(lanes, results, False, skipped, [], events),
+    )
     monkeypatch.setattr(engine_module, "needs_gate", lambda request: True)
     expected, by_lane = _serve(start_fixture())
     assert by_lane == 0
@@ -144,8 +153,9 @@ def test_a_cancelled_request_ends_after_the_round_tokens_it_received(
         keep = drain(block=block)
         # On the worker, between two pipelined rounds: c0 is cancelled once it has generated 5 tokens.
         state = next((s for s in engine.scheduler.running if s.request_id == "c0"), None)
-        if state is not None and state.generated >= 5 and not cancelled:
-            cancelled.append(state.generated)
+        generated = int(engine.scheduler.table.generated[state.slot]) if state is not None else 0
+        if generated >= 5 and not cancelled:
+            cancelled.append(generated)
             engine.scheduler.cancel("c0")
         return keep
 

@@ -223,7 +223,7 @@ def _complete(scheduler: Scheduler, token: int) -> None:
     round_ = scheduler.next_round()
     assert round_ is not None
     lanes = round_.lanes
-    assert isinstance(lanes, list)
+    assert isinstance(lanes, tuple)
     scheduler.complete(round_, [LaneResult(token if lane.sample else -1, 0.0) for lane in lanes])
 
 
@@ -255,8 +255,8 @@ def test_a_mixed_round_packs_one_on_its_prefill_row(start_fixture: Callable[...,
     round_ = scheduler.next_round()
     assert round_ is not None
     assert round_.graph.operation == ct.OPERATION_MIXED
-    assert [state.request_id for state in round_.members] == ["a", "b", "c"]  # decode lanes first
-    assert isinstance(round_.lanes, list)
+    assert round_.request_ids == ("a", "b", "c")  # decode lanes first
+    assert isinstance(round_.lanes, tuple)
     assert [lane.mixed_prefill for lane in round_.lanes] == [False, False, True]
 
     contract = running.model.contract

@@ -10,6 +10,7 @@ record would give. The fixture core: 4 slots, a context of 64 tokens in pages of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from helios_core.loading import VerifiedCore, open_core
 from helios_core.runtime.completion import CompletionError, ExpectationBatch, LaneExpectation, LaneResult, LaneResults
 from helios_core.runtime.messages import (
     AdmissionRejected,
+    ExecutionFailed,
     Finished,
     Outgoing,
     PreparedRequest,
@@ -30,8 +32,12 @@ from helios_core.runtime.messages import (
 from helios_core.runtime.native_model import NativeModel
 from helios_core.runtime.packing import Lane, LaneBatch
 from helios_core.runtime.pages import PageAllocator
-from helios_core.runtime.scheduler import Round, Scheduler
+from helios_core.runtime.plan import RoundPlan
+from helios_core.runtime.plan import RoundPlan as Round
+from helios_core.runtime.scheduler import Scheduler
+from helios_core.runtime.slots import Phase, RequestState
 from helios_core.runtime.stats import SchedulerStats
+from helios_core.wire import contract_pb2 as ct
 
 from .conftest import FIXTURES, fixture_settings
 
@@ -79,16 +85,24 @@ def prompt_of(length: int, start: int = 1) -> list[int]:
 
 
 def lanes_of(round_: Round) -> list[Lane]:
-    return round_.lanes.to_lanes() if isinstance(round_.lanes, LaneBatch) else list(round_.lanes)
+    return round_.lane_list()
 
 
 def expectations_of(round_: Round) -> list[LaneExpectation]:
-    expectations = round_.expectations
-    return expectations.to_list() if isinstance(expectations, ExpectationBatch) else list(expectations)
+    return round_.expectation_list()
 
 
 def ids(round_: Round) -> list[str]:
-    return [state.request_id for state in round_.members]
+    return list(round_.request_ids)
+
+
+def generated_tokens(scheduler: Scheduler) -> list[list[int]]:
+    """Each running request's generated tokens, from the slot table (the one copy of its progress)."""
+    return [scheduler.table.token_list(s.slot, s.prompt_len) for s in scheduler.running]
+
+
+def page_tables(scheduler: Scheduler) -> list[list[int]]:
+    return [scheduler.table.page_list(s.slot) for s in scheduler.running]
 
 
 def shape(round_: Round) -> list[tuple[int, list[int], list[int], bool]]:
@@ -309,7 +323,7 @@ def decoding(scheduler: Scheduler, *requests: PreparedRequest) -> None:
         assert scheduler.add(prepared) is None
     step(scheduler)
     prefill, _ = step(scheduler, [100 + index for index in range(len(requests))])
-    assert prefill.graph.name == "prefill_p16" and len(prefill.members) == len(requests)
+    assert prefill.graph.name == "prefill_p16" and len(prefill) == len(requests)
 
 
 def test_a_steady_decode_round_has_a_follow_up_one_position_ahead(make_scheduler: MakeScheduler) -> None:
@@ -322,7 +336,7 @@ def test_a_steady_decode_round_has_a_follow_up_one_position_ahead(make_scheduler
     follow = scheduler.followup(decode)
     assert follow is not None
     assert follow.graph is decode.graph
-    assert follow.members == decode.members
+    assert follow.request_ids == decode.request_ids
     assert shape(follow) == [(0, [4], [], True), (1, [7], [], True)]
     assert [lane.sampling_step for lane in lanes_of(follow)] == [2, 2]
     assert [lane.consumed for lane in lanes_of(follow)] == [4, 7]
@@ -343,7 +357,7 @@ def test_a_steady_decode_round_has_a_follow_up_one_position_ahead(make_scheduler
     assert scheduler.complete(follow, results(follow, [42, 43])) == [
         RoundTokens({"a": 0, "b": 1}, [42, 43], [-0.5, -0.5], None)
     ]
-    assert [s.tokens[s.prompt_len :] for s in scheduler.running] == [[100, 40, 42], [101, 41, 43]]
+    assert generated_tokens(scheduler) == [[100, 40, 42], [101, 41, 43]]
     assert scheduler.stats.pipelined_rounds == 2
     assert scheduler.stats.launches == {"initialize": 1, "prefill_p16": 1, "decode_b2": 2}
 
@@ -398,7 +412,7 @@ def test_no_follow_up_when_a_round_needs_completion_feedback(make_scheduler: Mak
         Finished("b", "length", 3, 8, 0),  # its eighth token
     ]
     scheduler.release_fenced()
-    assert [s.tokens[s.prompt_len :] for s in scheduler.running] == [[102, 103, 104]]
+    assert generated_tokens(scheduler) == [[102, 103, 104]]
     assert scheduler.stats.pipelined_rounds == 3
 
 
@@ -431,7 +445,7 @@ def test_completion_finishes_on_eos_unless_ignored_and_on_the_output_limit(make_
     pages = scheduler.allocator
     assert pages.stats.published == 3
     assert (pages.referenced_pages, pages.evictable_pages, pages.free_pages) == (2, 2, pages.total_pages - 4)
-    assert [s.pages for s in scheduler.running] == [[1, 3]]
+    assert page_tables(scheduler) == [[1, 3]]
     pages.check()
 
     # EOS does not end "ignoring" and a token past EOS is simply appended; its output limit ends it.
@@ -492,7 +506,7 @@ def test_a_page_shortage_preempts_the_most_recent_request_which_is_readmitted_la
     assert scheduler.stats.preemptions == 1
     assert [s.request_id for s in scheduler.waiting] == ["new"]
     (new,) = scheduler.waiting
-    assert (new.slot, new.pages, new.consumed, new.pending_on_device) == (-1, [], 0, False)
+    assert (new.slot, new.generated) == (-1, 1)  # it holds no slot, so no pages and no progress
     assert new.tokens == [*prompt_of(40, start=50), 63]  # prompt and generated token kept
     assert scheduler.free_slots == [3, 2, 1]
     assert not scheduler.starved
@@ -550,3 +564,101 @@ def test_cancelled_waiting_and_running_requests_finish_and_release_slot_and_page
     pages.check()
     assert scheduler.stats.finished == {"cancelled": 2}
     assert scheduler.next_round() is None
+
+
+# -- completion: the exact state a plan and its results leave --------------------------------------------
+
+
+def progress(scheduler: Scheduler, request_id: str) -> tuple[str, int, int, list[int], list[int], int]:
+    """A running request's row of the slot table: phase, consumed endpoint, generated count, tokens,
+    page table and published pages."""
+    (state,) = [s for s in scheduler.running if s.request_id == request_id]
+    table, slot = scheduler.table, state.slot
+    return (
+        Phase(int(table.phase[slot])).name,
+        int(table.consumed[slot]),
+        int(table.generated[slot]),
+        table.token_list(slot),
+        table.page_list(slot),
+        int(table.published[slot]),
+    )
+
+
+def test_a_round_plan_is_a_frozen_value_without_request_objects(make_scheduler: MakeScheduler) -> None:
+    scheduler = make_scheduler()
+    decoding(scheduler, request("a", [1, 2, 3], 6))
+    plan = scheduler.next_round()
+    assert plan is not None and plan.decode
+    for name in RoundPlan.__struct_fields__:
+        assert not isinstance(getattr(plan, name), RequestState), name
+    with pytest.raises(AttributeError):
+        plan.cohort = 7  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        plan.lanes.count = 2  # type: ignore[union-attr,misc]
+    assert not plan.lanes.rows[ct.VALUE_SOURCE_SLOT].flags.writeable  # type: ignore[union-attr]
+    init_lane = Lane(slot=0, generation=1, state_row=0, positions=[], cache_slots=[], page_table=[0])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        init_lane.slot = 1  # type: ignore[misc]
+
+
+def test_completion_writes_the_slot_table_from_the_plan_and_results(make_scheduler: MakeScheduler) -> None:
+    scheduler = make_scheduler()
+    assert scheduler.add(request("a", prompt_of(6), 4)) is None
+    assert scheduler.add(request("b", prompt_of(3, start=20), 4)) is None
+    init = scheduler.next_round()
+    assert init is not None
+    assert progress(scheduler, "a") == ("INITIALIZE", 0, 0, prompt_of(6), [0, 1], 0)
+    assert scheduler.complete(init, results(init)) == []
+    assert progress(scheduler, "a") == ("PREFILL", 0, 0, prompt_of(6), [0, 1], 0)
+    prefill = scheduler.next_round()
+    assert prefill is not None
+    scheduler.complete(prefill, results(prefill, [40, 41]))
+    # Prompt computed, the sampled token appended and pending on the device; "a"'s first page is full.
+    assert progress(scheduler, "a") == ("DECODE", 6, 1, [*prompt_of(6), 40], [0, 1], 1)
+    assert progress(scheduler, "b") == ("DECODE", 3, 1, [*prompt_of(3, start=20), 41], [2], 0)
+    decode = scheduler.next_round()
+    assert decode is not None and decode.decode
+    scheduler.complete(decode, results(decode, [42, 43]))
+    # The decode round's positions were 6 and 3: the tokens there are computed; "b" completes its page
+    # (published when another request could first reuse it: counted here, hashed at admission or release).
+    assert progress(scheduler, "a") == ("DECODE", 7, 2, [*prompt_of(6), 40, 42], [0, 1], 1)
+    assert progress(scheduler, "b") == ("DECODE", 4, 2, [*prompt_of(3, start=20), 41, 43], [2], 1)
+    assert scheduler.table.completions == 3
+
+
+def test_a_failed_lane_leaves_the_other_lanes_state_as_a_healthy_round_would(make_scheduler: MakeScheduler) -> None:
+    scheduler = make_scheduler()
+    decoding(scheduler, request("a", [1, 2, 3], 6), request("b", [4, 5, 6], 6))
+    decode = scheduler.next_round()
+    assert decode is not None
+    answer = LaneResults([50, 51], [-0.5, -0.5], {0: CompletionError("lane 0: generation 9 is stale")}, {})
+    events = scheduler.complete(decode, answer)
+    assert events == [
+        ExecutionFailed("a", "lane 0: generation 9 is stale"),
+        token("b", 51),
+    ]
+    assert [s.request_id for s in scheduler.running] == ["b"]
+    assert progress(scheduler, "b") == ("DECODE", 4, 2, [4, 5, 6, 101, 51], [1], 1)
+    assert scheduler.table.phase[0] == Phase.FREE and 0 in scheduler.free_slots
+
+
+def test_a_request_that_ends_under_a_follow_up_is_fenced_and_its_lane_suppressed(
+    make_scheduler: MakeScheduler,
+) -> None:
+    scheduler = make_scheduler()
+    decoding(scheduler, request("a", [1, 2, 3], 8), request("b", [4, 5, 6], 8))
+    decode = scheduler.next_round()
+    assert decode is not None
+    follow = scheduler.followup(decode)
+    assert follow is not None and follow.ahead == 1
+    assert set(scheduler.in_flight) == {0, 1}
+    events = scheduler.complete(decode, results(decode, [EOS, 60]))
+    assert events == [RoundTokens({"a": 0, "b": 1}, [EOS, 60], [-0.5, -0.5], None), Finished("a", "stop", 3, 2, 0)]
+    # "a" keeps its slot and pages until the follow-up's fence, as ENDED; its follow-up lane is suppressed.
+    assert progress(scheduler, "a")[0] == "ENDED"
+    assert scheduler.followup(follow) is None  # the cohort changed
+    assert scheduler.complete(follow, results(follow, [70, 61])) == [token("b", 61)]
+    scheduler.release_fenced()
+    assert [s.request_id for s in scheduler.running] == ["b"]
+    assert scheduler.table.phase[0] == Phase.FREE
+    assert progress(scheduler, "b")[:4] == ("DECODE", 5, 3, [4, 5, 6, 101, 60, 61])

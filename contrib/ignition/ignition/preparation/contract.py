@@ -4,13 +4,17 @@ Owns the transport entries, persistent state and completion buffers that every
 paged text model shares, and the value bindings that feed them. A recipe binds
 its programs to these declarations by name; it cannot install scheduling or
 state-update code: everything here is data (bindings, views, buffers) that
-Helios' shared packing and scheduler interpret.
+Helios' shared packing and scheduler interpret. The bindings of the request
+sampling settings follow Helios' sampling parameter declaration
+(:data:`helios_core.sampling.SAMPLING_PARAMETERS`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from ignition.preparation.program import ManifestBuilder, View, binding
@@ -255,18 +259,23 @@ def packed_token_bindings(*, host_tokens: bool) -> list[ct.ValueBinding]:
     return found
 
 
+def sampling_value_bindings(parameters: Iterable[SamplingParameter] = SAMPLING_PARAMETERS) -> list[ct.ValueBinding]:
+    """Each declared sampling setting into the transport entry of its name, one per submission row.
+
+    Rows past the submission are padded with a value the sample kernel accepts: the neutral value of a
+    setting for which zero means nothing (``top_p``, ``repetition_penalty``: 1), zero for the others.
+    """
+    return [
+        binding(parameter.name, parameter.source, SUB, padding=int(parameter.default) if parameter.nonzero else 0)
+        for parameter in parameters
+    ]
+
+
 def sampling_bindings() -> list[ct.ValueBinding]:
     """Admission sampling parameters, seeds, steps and the grammar mask."""
     return [
         binding("sample_active", ct.VALUE_SOURCE_SAMPLING_DECISION, SUB, padding=0),
-        binding("temperature", ct.VALUE_SOURCE_TEMPERATURE, SUB),
-        binding("top_p", ct.VALUE_SOURCE_TOP_P, SUB, padding=1),
-        binding("top_k", ct.VALUE_SOURCE_TOP_K, SUB),
-        binding("min_p", ct.VALUE_SOURCE_MIN_P, SUB),
-        binding("repetition_penalty", ct.VALUE_SOURCE_REPETITION_PENALTY, SUB, padding=1),
-        binding("frequency_penalty", ct.VALUE_SOURCE_FREQUENCY_PENALTY, SUB),
-        binding("presence_penalty", ct.VALUE_SOURCE_PRESENCE_PENALTY, SUB),
-        binding("seed", ct.VALUE_SOURCE_SEED_BITS, SUB),
+        *sampling_value_bindings(),
         binding("sampling_step", ct.VALUE_SOURCE_SAMPLING_STEP, SUB),
         binding("grammar_mask", ct.VALUE_SOURCE_GRAMMAR_MASK, SUB, padding=-1),
         binding("constrained", ct.VALUE_SOURCE_CONSTRAINED, SUB, padding=0),

@@ -1,0 +1,562 @@
+"""Round planning: from the slot table and the queues to one immutable :class:`RoundPlan`.
+
+Owns the choice of the next round and its variant, and the decode cohort cache. :meth:`RoundPlanner.plan`
+admits waiting requests while slots and pages allow (through the residency), then chooses, from the
+phase of every running request:
+
+1. a SNAPSHOT round of a request marked for preemption (its committed state is kept);
+2. ``initialize`` for newly admitted requests (their sampling state rows);
+3. a RESTORE round of a readmitted request whose snapshot's prefix pages are prefilled;
+4. otherwise chunked prefill within the largest prefill extent, FCFS, joined by every decode-ready
+   request when a mixed program fits them (host-fed pending tokens). A request that asked for prompt
+   logprobs prefills alone on the scored-prefill variants when it is first in line;
+5. otherwise one decode round of every decode-ready request (device-owned pending tokens),
+
+each on the smallest captured variant that holds its lanes and tokens. A page shortage preempts the
+most recently admitted requests (:meth:`~helios_core.runtime.residency.Residency.ensure_page`).
+
+Decode rounds are planned from the per-slot columns alone: the decode cohort (the decode-ready requests,
+oldest first, capped at the largest decode batch) keeps its per-request columns while the slot table's
+membership count is unchanged, so a steady decode round gathers only positions, cache slots, sampling
+steps and page counts. Its minima (tokens left, positions left in its pages) say without touching the
+lanes whether a follow-up may be planned and whether a page is needed; :meth:`RoundPlanner.completed`
+advances them when a round of the cohort is applied. :meth:`RoundPlanner.followup` plans the next decode
+round of the same cohort before the previous one's completion is read (two frames in flight).
+
+The planner changes residency (admission, pages, preemption marks) but never progress: consumed
+endpoints, tokens and phases are written by completion only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.contract import PreparedContract, PreparedGraph, Selection
+from helios_core.runtime.completion import ExpectationBatch, LaneExpectation
+from helios_core.runtime.gates import HostGate
+from helios_core.runtime.packing import Column, Lane, LaneBatch
+from helios_core.runtime.plan import RoundPlan, frozen, slot_array
+from helios_core.runtime.residency import Residency
+from helios_core.runtime.slots import Phase, RequestState
+from helios_core.runtime.stats import SchedulerStats
+from helios_core.sampling import SAMPLING_PARAMETERS
+from helios_core.wire import contract_pb2 as ct
+
+_CONSTANT_TOKEN_SOURCES = frozenset(
+    {
+        ct.VALUE_SOURCE_TOKEN_ROW,
+        ct.VALUE_SOURCE_PROMPT_TOKENS,
+        ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS,
+        ct.VALUE_SOURCE_PROMPT_HISTOGRAM,
+    }
+)
+"""Sources a decode cohort's rounds supply alike: lane rows of tokens, no host tokens, no vectors."""
+
+
+class GateFault(Exception):
+    """A request's host gate raised while a round was planned: that request fails, the round is replanned."""
+
+    def __init__(self, state: RequestState, error: Exception) -> None:
+        super().__init__(str(error))
+        self.state = state
+        self.error = error
+
+
+@dataclass(eq=False, slots=True)
+class _Phases:
+    """Which running requests are in which phase, as of the table's ``membership`` count."""
+
+    membership: int
+    leaving: RequestState | None
+    fresh: list[RequestState]
+    returning: RequestState | None
+    prefill: list[RequestState]
+    decode: list[RequestState]
+
+
+@dataclass(eq=False, slots=True)
+class _Cohort:
+    """The requests of a decode round, oldest first, with their per-request columns (read-only)."""
+
+    number: int
+    """Unique per cohort formed: the ``staged_as`` of its plans' lanes."""
+    membership: int
+    """The table's membership count when formed (the cohort is current while it is unchanged)."""
+    members: list[RequestState]
+    request_ids: tuple[str, ...]
+    slots: npt.NDArray[np.int64]
+    graph: PreparedGraph | None
+    rows: dict[int, Column]
+    """Per-lane columns constant while the cohort lasts, by value source."""
+    unchanged: frozenset[int]
+    token_rows: npt.NDArray[np.int64]
+    generations: npt.NDArray[np.int64]
+    top: npt.NDArray[np.int64] | None
+    constrained: bool
+    blocked: bool
+    """Some member cannot be followed up: a host gate that holds rounds, or a cancellation."""
+    slot_set: frozenset[int]
+    step: npt.NDArray[np.signedinteger[Any]]
+    """Ones in the dtype of the table's progress columns: ``column + step`` is one position (or step) ahead."""
+    cell_base: npt.NDArray[np.int64]
+    """Each member's first cell in the flat page-start table (slot x page-table width)."""
+    page_cells: npt.NDArray[np.int64]
+    """The table's page starts as one flat view (a page's first cache slot at ``cell_base + page``)."""
+    left: int = 0
+    """Tokens the member nearest its output limit may still generate (as of ``counted``)."""
+    room: int = 0
+    """Positions the member nearest the end of its pages has left in them (as of ``pages_seen``)."""
+    counted: int = -1
+    pages_seen: int = -1
+
+
+class RoundPlanner:
+    """Plans rounds; one per scheduler."""
+
+    def __init__(
+        self, contract: PreparedContract, selection: Selection, residency: Residency, stats: SchedulerStats
+    ) -> None:
+        self.residency = residency
+        self.table = residency.table
+        self.stats = stats
+        self.page_tokens = contract.model.cache.page_tokens
+        self.histogram_width = contract.histogram_width
+        graphs = list(selection.graphs.values())
+        self.initialize = _variants(graphs, ct.OPERATION_INITIALIZE)
+        self.prefills = _variants(graphs, ct.OPERATION_PREFILL)
+        self.mixed = _variants(graphs, ct.OPERATION_MIXED)
+        self.decodes = _variants(graphs, ct.OPERATION_DECODE)
+        self.scored = _variants(graphs, ct.OPERATION_SCORED_PREFILL)
+        snapshots = _variants(graphs, ct.OPERATION_SNAPSHOT)
+        restores = _variants(graphs, ct.OPERATION_RESTORE)
+        self.snapshot = snapshots[0] if snapshots and restores else None
+        self.restore = restores[0] if snapshots and restores else None
+        self.pipelining = True
+        """Launch a follow-up decode round before the previous round's completion is read (two frames)."""
+        self._phases: _Phases | None = None
+        self._cohort: _Cohort | None = None
+        self._cohorts = itertools.count(1)
+
+    # -- choosing the round --------------------------------------------------------------------------
+    def plan(self) -> RoundPlan | None:
+        """Admit what fits, then plan the next round (None when nothing runs); raises :class:`GateFault`."""
+        leaving = self._phases_now().leaving
+        if leaving is not None and self.snapshot is not None:
+            return self._state_copy(self.snapshot, leaving, snapshot_row=leaving.snapshot_row)
+        self.residency.admit()
+        phases = self._phases_now()
+        if phases.fresh:
+            return self._initialize_round(phases.fresh)
+        returning = phases.returning
+        if returning is not None and self.restore is not None:
+            return self._state_copy(self.restore, returning, restore_row=returning.snapshot_row)
+        prefill = phases.prefill
+        if prefill and prefill[0].scoring:
+            return self._scored_round(prefill[0])
+        prefill = [s for s in prefill if not s.scoring]
+        if prefill:
+            return self._prefill_round(prefill, phases.decode)
+        if phases.decode:
+            return self._decode_round(phases.decode)
+        return None
+
+    def _phases_now(self) -> _Phases:
+        """The running requests by phase (found again only when the membership count changed)."""
+        phases = self._phases
+        membership = self.table.membership
+        if phases is None or phases.membership != membership:
+            running = self.residency.running
+            of = self.table.phase.tolist()
+            phases = self._phases = _Phases(
+                membership,
+                next((s for s in running if of[s.slot] == Phase.SNAPSHOT), None),
+                [s for s in running if of[s.slot] == Phase.INITIALIZE],
+                next((s for s in running if of[s.slot] == Phase.RESTORE), None),
+                [s for s in running if of[s.slot] == Phase.PREFILL],
+                [s for s in running if of[s.slot] == Phase.DECODE],
+            )
+        return phases
+
+    # -- lanes of one request -----------------------------------------------------------------------
+    def _mask(self, state: RequestState, gate: HostGate) -> npt.NDArray[np.int32] | None:
+        """``gate``'s mask for ``state``'s next token; a gate that raises is reported as a :class:`GateFault`."""
+        try:
+            return gate.mask()
+        except Exception as exc:
+            raise GateFault(state, exc) from exc
+
+    def _lane(
+        self,
+        state: RequestState,
+        positions: range,
+        *,
+        sample: bool,
+        histogram: bool = False,
+        mixed_prefill: bool = False,
+        score_targets: Sequence[int] = (),
+        consumed: int | None = None,
+        snapshot_row: int = -1,
+        restore_row: int = -1,
+    ) -> Lane:
+        """``state``'s lane computing ``positions`` (host-fed: their tokens are the slot's tokens there)."""
+        table, slot = self.table, state.slot
+        gate = state.gate
+        return Lane(
+            slot=slot,
+            generation=int(table.generation[slot]),
+            state_row=slot,
+            positions=list(positions),
+            cache_slots=table.cache_slots(slot, positions),
+            page_table=table.page_list(slot),
+            tokens=table.token_list(slot, positions.start, positions.stop) if positions else [],
+            sample=sample,
+            sampling=state.sampling,
+            sampling_step=int(table.generated[slot]),
+            grammar_mask=self._mask(state, gate) if sample and gate is not None else None,
+            score_targets=score_targets,
+            prompt_histogram=self._histogram(slot, state.prompt_len) if histogram else None,
+            consumed=int(table.consumed[slot]) if consumed is None else consumed,
+            mixed_prefill=mixed_prefill,
+            snapshot_row=snapshot_row,
+            restore_row=restore_row,
+        )
+
+    def _histogram(self, slot: int, prompt_len: int) -> npt.NDArray[np.uint8]:
+        prompt = self.table.tokens[slot, :prompt_len].astype(np.int64)
+        counts = np.bincount(prompt, minlength=self.histogram_width)
+        return np.minimum(counts, 255).astype(np.uint8)
+
+    def _expect(
+        self, state: RequestState, consumed: int, samples: bool, scores: tuple[int, int] = (0, 0)
+    ) -> LaneExpectation:
+        generation = int(self.table.generation[state.slot])
+        return LaneExpectation(generation, consumed, samples, state.top if samples else 0, scores)
+
+    def _lanes_plan(
+        self,
+        graph: PreparedGraph,
+        members: Sequence[RequestState],
+        lanes: list[Lane],
+        expectations: list[LaneExpectation],
+    ) -> RoundPlan:
+        constrained = any(
+            lane.sample and state.gate is not None and state.gate.constrained
+            for state, lane in zip(members, lanes, strict=True)
+        )
+        return RoundPlan(
+            graph,
+            tuple(s.request_id for s in members),
+            slot_array([s.slot for s in members]),
+            tuple(lanes),
+            tuple(expectations),
+            constrained,
+        )
+
+    # -- round kinds ---------------------------------------------------------------------------------
+    def _state_copy(
+        self, graph: PreparedGraph, state: RequestState, *, snapshot_row: int = -1, restore_row: int = -1
+    ) -> RoundPlan:
+        """A SNAPSHOT or RESTORE round of one request at its exact endpoint."""
+        endpoint = state.snapshot_endpoint
+        lane = self._lane(
+            state, range(0), sample=False, consumed=endpoint, snapshot_row=snapshot_row, restore_row=restore_row
+        )
+        return self._lanes_plan(graph, [state], [lane], [self._expect(state, endpoint, False)])
+
+    def _initialize_round(self, fresh: list[RequestState]) -> RoundPlan:
+        graph = _smallest(self.initialize, rows=1)
+        members = fresh[: graph.extents.batch_capacity]
+        lanes = [self._lane(s, range(0), sample=False, histogram=True) for s in members]
+        expectations = [self._expect(s, int(self.table.consumed[s.slot]), False) for s in members]
+        return self._lanes_plan(graph, members, lanes, expectations)
+
+    def _prefill_round(self, prefill: list[RequestState], decode: list[RequestState]) -> RoundPlan:
+        table, residency = self.table, self.residency
+        mixed = bool(decode) and bool(self.mixed)
+        variants = self.mixed if mixed else self.prefills
+        budget = max(g.extents.packed_token_capacity for g in variants)
+        rows = max(g.extents.batch_capacity for g in variants)
+        members: list[RequestState] = []
+        lanes: list[Lane] = []
+        expectations: list[LaneExpectation] = []
+        taken: set[int] = set()
+        if mixed:
+            for state in decode[: max(rows - 1, 0)]:
+                if budget - len(lanes) <= 1:
+                    break
+                if state.slot < 0 or table.phase[state.slot] != Phase.DECODE:
+                    continue  # preempted, or marked for a snapshot, while an earlier lane took a page
+                if not residency.ensure_page(state, exclude=taken):
+                    residency.starved = True
+                    break
+                # A decode lane of a mixed round feeds its completed pending token from the host.
+                consumed = int(table.consumed[state.slot])
+                lanes.append(self._lane(state, range(consumed, consumed + 1), sample=True))
+                members.append(state)
+                taken.add(state.slot)
+                expectations.append(self._expect(state, consumed + 1, True))
+        used = len(lanes)
+        for state in prefill:
+            if state.slot < 0:
+                continue  # preempted to make room for a decode lane above
+            if len(members) >= rows or used >= budget:
+                break
+            slot = state.slot
+            consumed = int(table.consumed[slot])
+            chunk = min(int(table.target[slot]) - consumed, budget - used)
+            last = state.snapshot_row < 0 and consumed + chunk == table.length(slot)
+            # MIXED_PREFILL_ROW: 1 on the prefill rows of a mixed round
+            lanes.append(self._lane(state, range(consumed, consumed + chunk), sample=last, mixed_prefill=mixed))
+            members.append(state)
+            expectations.append(self._expect(state, consumed + chunk, last))
+            used += chunk
+        graph = _smallest(variants, rows=len(lanes), tokens=used)
+        return self._lanes_plan(graph, members, lanes, expectations)
+
+    def _scored_round(self, state: RequestState) -> RoundPlan:
+        """One prefill chunk of a prompt-logprobs request, alone, on the smallest scored variant that fits.
+
+        Each packed token's score target is the next prompt token; the last prompt token has none (-1).
+        """
+        table, slot = self.table, state.slot
+        budget = max(g.extents.packed_token_capacity for g in self.scored)
+        consumed, length = int(table.consumed[slot]), table.length(slot)
+        chunk = min(length - consumed, budget)
+        last = consumed + chunk == length
+        positions = range(consumed, consumed + chunk)
+        following = table.token_list(slot, consumed + 1, min(consumed + chunk + 1, state.prompt_len))
+        targets = [following[p - consumed] if p + 1 < state.prompt_len else -1 for p in positions]
+        lane = self._lane(state, positions, sample=last, score_targets=targets)
+        expectation = self._expect(state, consumed + chunk, last, scores=(0, chunk))
+        return self._lanes_plan(_smallest(self.scored, rows=1, tokens=chunk), [state], [lane], [expectation])
+
+    # -- decode rounds -------------------------------------------------------------------------------
+    def _decode_round(self, decode: list[RequestState]) -> RoundPlan | None:
+        table, residency = self.table, self.residency
+        cohort = self._cohort
+        if cohort is None or cohort.membership != table.membership:
+            rows = max(g.extents.batch_capacity for g in self.decodes)
+            cohort = self._cohort = self._make_cohort(sorted(decode, key=lambda s: s.arrival)[:rows])
+        if self._count(cohort).room <= 0:
+            # A member needs the page of its next position: take pages (or preempt) request by request.
+            members: list[RequestState] = []
+            taken: set[int] = set()
+            page_tokens = self.page_tokens
+            served = True
+            for state in cohort.members:
+                slot = state.slot
+                if slot < 0 or table.phase[slot] != Phase.DECODE:
+                    continue  # preempted while an earlier member took a page
+                if table.consumed[slot] // page_tokens < table.page_count[slot] or residency.ensure_page(
+                    state, exclude=taken
+                ):
+                    members.append(state)
+                    taken.add(slot)
+                else:
+                    served = False
+            residency.starved = not served
+            if len(members) != len(cohort.members) or cohort.membership != table.membership:
+                cohort = self._make_cohort(members)  # this round's only: the full cohort is tried again next
+        else:
+            residency.starved = False
+        if not cohort.members:
+            return None
+        return self._decode_plan(cohort, ahead=0)
+
+    def _make_cohort(self, members: list[RequestState]) -> _Cohort:
+        """The per-request columns of a decode round's members (``members`` in lane order)."""
+        table = self.table
+        count = len(members)
+        slots = slot_array([s.slot for s in members])
+        gates = [s.gate for s in members]
+        constrained = any(g is not None and g.constrained for g in gates)
+        generations = frozen(table.generation[slots])
+        ones = frozen(np.ones(count, dtype=np.int64))
+        zeros = frozen(np.zeros(count, dtype=np.int64))
+        unset = frozen(np.full(count, -1, dtype=np.int64))
+        rows: dict[int, Column] = {
+            ct.VALUE_SOURCE_SLOT: slots,
+            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots,
+            ct.VALUE_SOURCE_GENERATION: generations,
+            ct.VALUE_SOURCE_QUERY_LENGTH: ones,
+            ct.VALUE_SOURCE_SAMPLING_DECISION: ones,
+            ct.VALUE_SOURCE_MIXED_PREFILL_ROW: zeros,
+            ct.VALUE_SOURCE_RESTORE_SOURCE: unset,
+            ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: unset,
+            ct.VALUE_SOURCE_CONSTRAINED: zeros,
+        }
+        for parameter in SAMPLING_PARAMETERS:
+            rows[parameter.source] = frozen(table.sampling[parameter.source][slots])
+        unchanged = frozenset(rows) | _CONSTANT_TOKEN_SOURCES
+        if constrained:  # masks (and whether a lane has one) are read each round
+            unchanged -= {ct.VALUE_SOURCE_CONSTRAINED}
+        else:
+            unchanged |= {ct.VALUE_SOURCE_GRAMMAR_MASK}
+        tops = [s.top for s in members]
+        return _Cohort(
+            number=next(self._cohorts),
+            membership=table.membership,
+            members=members,
+            request_ids=tuple(s.request_id for s in members),
+            slots=slots,
+            graph=_smallest(self.decodes, rows=count) if members else None,
+            rows=rows,
+            unchanged=unchanged,
+            token_rows=frozen(np.arange(count, dtype=np.int64)),
+            generations=generations,
+            top=frozen(np.asarray(tops, dtype=np.int64)) if any(tops) else None,
+            constrained=constrained,
+            blocked=any(s.cancelled or s.holds_rounds for s in members),
+            slot_set=frozenset(s.slot for s in members),
+            step=frozen(np.ones(count, dtype=table.consumed.dtype)),
+            cell_base=frozen(slots * table.page_starts.shape[1]),
+            page_cells=table.page_starts.reshape(-1),
+        )
+
+    def _count(self, cohort: _Cohort) -> _Cohort:
+        """``cohort`` with its minima current: counted again from the slot table when a round that
+        :meth:`completed` did not account for was applied since (or, for ``room``, pages were added)."""
+        table, slots = self.table, cohort.slots
+        if cohort.counted != table.completions:
+            cohort.left = _least(table.max_tokens[slots] - table.generated[slots])
+            cohort.pages_seen = -1
+            cohort.counted = table.completions
+        if cohort.pages_seen != table.page_adds:
+            cohort.room = _least(table.page_count[slots] * self.page_tokens - table.consumed[slots])
+            cohort.pages_seen = table.page_adds
+        return cohort
+
+    def completed(self, plan: RoundPlan) -> None:
+        """``plan`` was applied: a decode round of the current cohort advanced every member by one."""
+        cohort = self._cohort
+        if cohort is not None and plan.cohort == cohort.number and cohort.counted == self.table.completions - 1:
+            cohort.left -= 1
+            cohort.room -= 1
+            cohort.counted = self.table.completions
+
+    def _decode_plan(self, cohort: _Cohort, *, ahead: int) -> RoundPlan:
+        """A decode round of ``cohort``, one position (and sampling step) past the consumed endpoint when
+        ``ahead`` is 1 (a follow-up planned before the previous round's completion is read)."""
+        table = self.table
+        slots = cohort.slots
+        step = cohort.step
+        # Fancy indexing makes fresh arrays (the plan's own; the cohort's columns are frozen), so a round
+        # at the consumed endpoint adds nothing; adding the cohort's ones array is cheaper than adding a
+        # Python int, and keeps the progress columns' dtype.
+        positions = table.consumed[slots]
+        sampling_steps = table.generated[slots]
+        if ahead:
+            positions = positions + step
+            sampling_steps = sampling_steps + step
+        page, offset = np.divmod(positions, self.page_tokens)
+        rows = dict(cohort.rows)
+        rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT] = positions
+        rows[ct.VALUE_SOURCE_SAMPLING_STEP] = sampling_steps
+        masks = None
+        if cohort.constrained:
+            masks = tuple(self._mask(s, s.gate) if s.gate is not None else None for s in cohort.members)
+            rows[ct.VALUE_SOURCE_CONSTRAINED] = np.fromiter(
+                (mask is not None for mask in masks), dtype=np.int64, count=len(masks)
+            )
+        batch = LaneBatch(
+            count=len(slots),
+            rows=rows,
+            tokens={
+                ct.VALUE_SOURCE_PROMPT_POSITIONS: positions,
+                ct.VALUE_SOURCE_CACHE_SLOT: cohort.page_cells[cohort.cell_base + page] + offset,
+                ct.VALUE_SOURCE_TOKEN_ROW: cohort.token_rows,
+            },
+            page_source=table.page_view,
+            page_index=slots,
+            page_counts=table.page_count[slots],
+            grammar_masks=masks,
+            staged_as=cohort.number,
+            unchanged=cohort.unchanged,
+            page_version=table.page_adds,
+        )
+        expected = ExpectationBatch(cohort.generations, positions + step, True, cohort.top)
+        graph = cohort.graph
+        if graph is None:
+            raise RuntimeError("a decode round was planned for a cohort without members")
+        return RoundPlan(
+            graph,
+            cohort.request_ids,
+            slots,
+            batch,
+            expected,
+            cohort.constrained,
+            cohort=cohort.number,
+            ahead=ahead,
+        )
+
+    def followup(self, plan: RoundPlan) -> RoundPlan | None:
+        """The next decode round of the same cohort, planned before ``plan``'s completion is read.
+
+        Only when nothing needs completion feedback: a decode round of the current cohort whose requests
+        have no host gates that hold rounds, no cancellation, at least two tokens left, no admission
+        waiting to change phase, and pages for the next position.
+        """
+        residency = self.residency
+        if not self.pipelining or plan.cohort < 0:
+            return None
+        if residency.waiting and residency.free_slots:
+            return None
+        cohort = self._cohort
+        if cohort is None or cohort.number != plan.cohort or cohort.membership != self.table.membership:
+            return None
+        if cohort.blocked or self._count(cohort).left < 2:
+            return None
+        if cohort.room <= 1:  # a member needs the page of the position after the next
+            table, slots = self.table, cohort.slots
+            needy = np.flatnonzero(table.page_count[slots] * self.page_tokens - table.consumed[slots] <= 1)
+            if needy.shape[0] and not self._allocate_next(slots[needy]):
+                return None
+        residency.in_flight = cohort.slot_set
+        try:
+            follow = self._decode_plan(cohort, ahead=1)
+        except GateFault:  # no follow-up: the next plan, with nothing in flight, fails that request alone
+            residency.in_flight = frozenset()
+            return None
+        self.stats.pipelined_rounds += 1
+        return follow
+
+    def _allocate_next(self, slots: npt.NDArray[np.int64]) -> bool:
+        """One more page for each of ``slots``, in order; False (the pages already given kept) as soon as
+        one cannot be had."""
+        allocator, table = self.residency.allocator, self.table
+        if allocator.available() >= slots.shape[0]:
+            pages = allocator.allocate(slots.shape[0])
+            if pages is not None:
+                table.add_page_each(slots, pages)
+                return True
+        for slot in slots.tolist():
+            page = allocator.allocate(1)
+            if page is None:
+                return False
+            table.add_pages(slot, page)
+        return True
+
+
+def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:
+    """The smallest of ``values`` (a large number for none)."""
+    return int(values.min()) if values.shape[0] else 2**62
+
+
+def _variants(graphs: Iterable[PreparedGraph], operation: int) -> list[PreparedGraph]:
+    return sorted(
+        (g for g in graphs if g.operation == operation),
+        key=lambda g: (g.extents.packed_token_capacity, g.extents.batch_capacity),
+    )
+
+
+def _smallest(variants: Sequence[PreparedGraph], *, rows: int, tokens: int = 0) -> PreparedGraph:
+    for graph in variants:
+        if graph.extents.batch_capacity >= rows and graph.extents.packed_token_capacity >= tokens:
+            return graph
+    raise RuntimeError(f"no captured variant holds {rows} rows and {tokens} tokens")

@@ -1,0 +1,374 @@
+"""Round completion: a validated round's results applied to the slot table, and the events they make.
+
+Owns :class:`RoundCompletion`. :meth:`RoundCompletion.apply` takes the :class:`RoundPlan` that was
+launched and its validated results (one :class:`LaneResult` or :class:`CompletionError` per lane) and
+writes what the round did: consumed endpoints, appended tokens, phase changes, published pages,
+finished, failed and preempted requests. It returns the events to publish, in order. A lane whose
+request ended before the round's completion was read (a follow-up round's lane of a request that ended
+in the round before) is suppressed; a failed lane fails only its request.
+
+A decode plan is applied as columns: every lane advances one position and one token in a few
+vectorized writes, and the lanes that complete a page, reach their output limit or sample an EOS id
+are found over all lanes at once (for a cohort whose minima say none can, not at all). A decode round
+whose every lane presents only its token's text (no failure, no timestamps, no top alternatives, no
+host gate beyond a detokenizer) is published as one
+:class:`~helios_core.runtime.messages.RoundTokens`; otherwise each lane gets its
+:class:`~helios_core.runtime.messages.TokenEvent`. Every other plan is applied lane by lane.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from helios_core.runtime.completion import (
+    CompletionError,
+    ExpectationBatch,
+    LaneResult,
+    LaneResults,
+    as_results,
+)
+from helios_core.runtime.gates import gate_failure
+from helios_core.runtime.messages import Event, Outgoing, PromptScores, RoundTokens, TokenEvent
+from helios_core.runtime.plan import RoundPlan
+from helios_core.runtime.residency import Residency
+from helios_core.runtime.slots import Phase, RequestState
+from helios_core.runtime.stats import SchedulerStats
+from helios_core.wire import contract_pb2 as ct
+
+_NONE: frozenset[int] = frozenset()
+_PER_LANE = 16
+"""Decode rounds of at most this many lanes look EOS ids up lane by lane."""
+
+
+@dataclass(eq=False, slots=True)
+class _DecodeLanes:
+    """What completing a decode cohort's rounds needs of its requests (found once per cohort)."""
+
+    cohort: int
+    membership: int
+    """The table's membership count when found: while unchanged, no lane's request has ended."""
+    states: list[RequestState]
+    texts: list[Callable[[int], str]]
+    """Per lane, the text a token completes (its gate's detokenizer; "" without a gate)."""
+    lanes: dict[str, int]
+    plain: bool
+    gated: bool
+    observe: bool
+    some_constrained: bool
+    all_constrained: bool
+    token_base: npt.NDArray[np.int64]
+    """Per lane, where its first generated token lies in the flat token matrix (slot row + prompt length)."""
+    step: npt.NDArray[Any]
+    """Ones in the dtype of the table's progress columns (``column + step`` advances every lane by one)."""
+    eos_lanes: list[int]
+    """The lanes whose requests end at an EOS id (those that do not ignore it)."""
+    left: int = 0
+    """Tokens the lane nearest its output limit may still generate (as of ``counted``)."""
+    unpublished: int = 0
+    """Positions until the first lane completes a page (as of ``counted``)."""
+    counted: int = -1
+
+
+class RoundCompletion:
+    """Applies rounds; one per scheduler."""
+
+    def __init__(
+        self, residency: Residency, stats: SchedulerStats, eos_ids: frozenset[int], clock_origin_ns: int
+    ) -> None:
+        self.residency = residency
+        self.table = residency.table
+        self.stats = stats
+        self.eos = eos_ids
+        self._eos_ids = sorted(eos_ids)
+        self.clock_origin_ns = clock_origin_ns
+        self._operation_names: dict[int, str] = {}
+        self._decode: _DecodeLanes | None = None
+
+    def apply(self, plan: RoundPlan, results: Sequence[LaneResult | CompletionError]) -> list[Outgoing]:
+        """Apply a validated round; returns the events to publish, in order."""
+        graph = plan.graph
+        label = self._operation_names.get(graph.operation)
+        if label is None:
+            label = self._operation_names[graph.operation] = graph.operation_name
+        self.stats.count_round(graph.name, label, len(plan))
+        events: list[Outgoing] = []
+        if isinstance(plan.expectations, ExpectationBatch):
+            self._apply_decode(plan, results if isinstance(results, LaneResults) else as_results(results), events)
+        else:
+            self._apply_lanes(plan, results, events)
+        self.table.completions += 1
+        return events
+
+    def _state(self, slot: int, generation: int) -> RequestState | None:
+        """The request of a plan's lane, unless it has ended (or left the slot) since the plan."""
+        table = self.table
+        if table.generation[slot] != generation or table.phase[slot] == Phase.ENDED:
+            return None
+        return table.requests[slot]
+
+    def fail_lanes(self, plan: RoundPlan, failures: Mapping[int, str]) -> list[Event]:
+        """Fail the requests of ``plan``'s lanes in ``failures`` (lane index: message) only. The round was
+        not launched, so nothing of it applies: its other requests are planned again as they are."""
+        events: list[Event] = []
+        generations = _generations(plan)
+        for index, slot in enumerate(plan.slots.tolist()):
+            state = self._state(slot, generations[index]) if index in failures else None
+            if state is not None:
+                events.append(self.residency.fail(state, failures[index]))
+        return events
+
+    def fail_round(self, plan: RoundPlan, message: str) -> list[Event]:
+        """The whole round failed: fail its requests only; nothing of the round is published."""
+        return self.fail_lanes(plan, dict.fromkeys(range(len(plan)), message))
+
+    # -- lane by lane --------------------------------------------------------------------------------
+    def _apply_lanes(
+        self, plan: RoundPlan, results: Sequence[LaneResult | CompletionError], events: list[Outgoing]
+    ) -> None:
+        table, residency = self.table, self.residency
+        operation = plan.graph.operation
+        expectations = plan.expectation_list()
+        for slot, expectation, result in zip(plan.slots.tolist(), expectations, results, strict=True):
+            state = self._state(slot, expectation.generation)
+            if state is None:
+                continue  # ended in the previous round: this lane's output is suppressed
+            if isinstance(result, CompletionError):
+                events.append(residency.fail(state, str(result)))
+                continue
+            if operation == ct.OPERATION_INITIALIZE:
+                table.set_phase(slot, Phase.PREFILL)
+                continue
+            if operation == ct.OPERATION_SNAPSHOT:
+                residency.leave_after_snapshot(state)
+                continue
+            if operation == ct.OPERATION_RESTORE:
+                residency.free_snapshot_rows.append(state.snapshot_row)
+                state.snapshot_row = -1
+                table.consumed[slot] = state.snapshot_endpoint
+                table.set_phase(slot, Phase.DECODE)
+                self.stats.restores += 1
+                continue
+            table.consumed[slot] = expectation.consumed
+            residency.publish_pages(slot)
+            if operation == ct.OPERATION_SCORED_PREFILL and not state.scores_sent:
+                state.scores.extend(result.scores)
+                if expectation.consumed >= state.prompt_len:
+                    state.scores_sent = True
+                    events.append(PromptScores(state.request_id, state.scores[: state.prompt_len - 1]))
+            if not expectation.samples:
+                if state.snapshot_row >= 0 and expectation.consumed >= table.target[slot]:
+                    table.set_phase(slot, Phase.RESTORE)  # the snapshot's prefix pages are computed
+                continue
+            token = result.token_id
+            stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
+            table.append(slot, token)
+            if table.phase[slot] != Phase.DECODE:
+                table.set_phase(slot, Phase.DECODE)  # the last prompt chunk sampled: the token is pending
+            outcome = None
+            if state.gate is not None:
+                try:
+                    outcome = state.gate.observe(token)
+                except Exception as exc:  # the request's own grammar or stops: it fails alone
+                    events.append(residency.fail(state, gate_failure(exc)))
+                    continue
+            pieces = outcome.pieces if outcome is not None else [(token, "")]
+            events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp, result.top))
+            if outcome is not None and outcome.stopped:
+                residency.end(state)
+                events.append(residency.finished(state, "stop", flush=False))
+                continue
+            if token in self.eos and not state.ignore_eos:
+                residency.end(state)
+                events.append(residency.finished(state, "stop"))
+            elif table.generated[slot] >= state.max_tokens:
+                residency.end(state)
+                events.append(residency.finished(state, "length"))
+
+    # -- decode rounds -------------------------------------------------------------------------------
+    def _lanes_of(self, plan: RoundPlan) -> _DecodeLanes:
+        found = self._decode
+        if found is not None and found.cohort == plan.cohort:
+            return found
+        table = self.table
+        states = [table.requests[slot] for slot in plan.slots.tolist()]
+        members = [s for s in states if s is not None]
+        if len(members) != len(states):
+            raise RuntimeError("a decode round names a slot that no request holds")
+        gates = [s.gate for s in members]
+        constrained = [g is not None and g.constrained for g in gates]
+        found = self._decode = _DecodeLanes(
+            cohort=plan.cohort,
+            membership=table.membership,
+            states=members,
+            texts=[_no_text if g is None else g.text for g in gates],
+            lanes={s.request_id: index for index, s in enumerate(members)},
+            plain=all(g is None or g.plain for g in gates),
+            gated=any(g is not None for g in gates),
+            observe=any(s.observe for s in members),
+            some_constrained=any(constrained),
+            all_constrained=all(constrained),
+            token_base=plan.slots * table.tokens.shape[1] + table.prompt_len[plan.slots],
+            step=np.ones(len(members), dtype=table.consumed.dtype),
+            eos_lanes=[index for index, s in enumerate(members) if not s.ignore_eos],
+        )
+        return found
+
+    def _apply_decode(self, plan: RoundPlan, results: LaneResults, events: list[Outgoing]) -> None:
+        """Every lane advances by one position and one token; the cohort's minima say whether any lane
+        completes a page or reaches its output limit this round, and only then are those lanes found."""
+        table, residency = self.table, self.residency
+        lanes = self._lanes_of(plan)
+        if lanes.some_constrained and not lanes.all_constrained:
+            self.stats.mixed_grammar_decode_steps += 1
+        slots = plan.slots
+        count = slots.shape[0]
+        page_tokens = table.page_tokens
+        if lanes.counted != table.completions:
+            lanes.left = _least(table.max_tokens[slots] - table.generated[slots])
+            lanes.unpublished = _least((table.published[slots] + 1) * page_tokens - table.consumed[slots])
+            lanes.counted = table.completions
+        token_ids, errors, tops = results.token_ids, results.errors, results.tops
+        ids = results.ids
+        token_column = ids if ids is not None and ids.dtype.kind in "iu" else np.asarray(token_ids, dtype=np.int64)
+        # Every lane advances, the failed and suppressed ones too: their requests leave their slots, whose
+        # values are written again when the slot is next held.
+        generated = table.generated[slots]
+        table.token_cells[lanes.token_base + generated] = token_column
+        step = lanes.step  # adding an array of ones is cheaper than adding a Python int (same dtype)
+        generated = generated + step
+        table.generated[slots] = generated
+        consumed = table.consumed[slots] + step
+        table.consumed[slots] = consumed
+        publishing: AbstractSet[int] = _NONE
+        if lanes.unpublished <= 1:
+            publishing = _where((table.published[slots] + 1) * page_tokens <= consumed)
+        eos = self.eos
+        ending = generated >= table.max_tokens[slots] if lanes.left <= 1 else None
+        eos_per_lane = bool(eos) and (count <= _PER_LANE or ids is None or ids.dtype.kind not in "iu")
+        if eos and not eos_per_lane and ids is not None:
+            hit = ids == self._eos_ids[0]
+            for eos_id in self._eos_ids[1:]:
+                hit |= ids == eos_id
+            if hit.any():
+                hit &= ~table.ignore_eos[slots]
+                ending = hit if ending is None else ending | hit
+        finishing = _where(ending) if ending is not None else _NONE
+        members = lanes.states
+        skipped: set[int] = set()
+        """Lanes that failed, or whose request ended before (their output is suppressed)."""
+        gate_stops: list[int] = []
+        check_ended = lanes.membership != table.membership  # else no request of the cohort has ended
+        if lanes.plain and not errors and not check_ended and not tops and not lanes.observe:
+            self._round_tokens(lanes, results, skipped, events)
+        else:
+            self._lane_events(lanes, results, check_ended, skipped, gate_stops, events)
+        for index in sorted(publishing - skipped) if publishing else ():
+            residency.defer_pages(int(slots[index]))
+        ends = frozenset(finishing).union(gate_stops) if gate_stops else finishing
+        if eos_per_lane and lanes.eos_lanes:
+            hits = [index for index in lanes.eos_lanes if token_ids[index] in eos]
+            if hits:
+                ends = frozenset(ends).union(hits)
+        for index in sorted(ends - skipped) if ends else ():
+            state = members[index]
+            residency.end(state)
+            if gate_stops and index in gate_stops:
+                events.append(residency.finished(state, "stop", flush=False))
+            else:
+                token = token_ids[index]
+                events.append(residency.finished(state, "stop" if token in eos and not state.ignore_eos else "length"))
+        lanes.left -= 1
+        lanes.unpublished -= 1
+        if publishing:
+            lanes.unpublished = _least((table.published[slots] + 1) * page_tokens - consumed)
+        lanes.counted = table.completions + 1
+
+    def _round_tokens(
+        self, lanes: _DecodeLanes, results: LaneResults, skipped: set[int], events: list[Outgoing]
+    ) -> None:
+        """The usual round: every lane presents its token's text and nothing else can happen per lane, so
+        the round's tokens go out once, for every stream to read its own lane."""
+        texts: list[str] | None = None
+        broken: list[tuple[RequestState, Exception]] = []
+        if lanes.gated:
+            texts = []
+            text_of = texts.append
+            for state, token, text in zip(lanes.states, results.token_ids, lanes.texts, strict=True):
+                try:
+                    text_of(text(token))
+                except Exception as exc:  # its detokenizer: the request fails alone, after this round
+                    text_of("")
+                    broken.append((state, exc))
+        events.append(RoundTokens(lanes.lanes, results.token_ids, results.logprobs, texts))
+        for state, error in broken:
+            skipped.add(lanes.lanes[state.request_id])
+            events.append(self.residency.fail(state, gate_failure(error)))
+
+    def _lane_events(
+        self,
+        lanes: _DecodeLanes,
+        results: LaneResults,
+        check_ended: bool,
+        skipped: set[int],
+        gate_stops: list[int],
+        events: list[Outgoing],
+    ) -> None:
+        """One event per lane, when some lane fails, was ended, observes time, reads top alternatives or
+        has a gate that does more than detokenize: failed and suppressed lanes go to ``skipped``, lanes a
+        host stop ended to ``gate_stops`` (their requests end after the round's pages are published)."""
+        token_ids, logprobs, errors, tops = results.token_ids, results.logprobs, results.errors, results.tops
+        origin, plain, observe = self.clock_origin_ns, lanes.plain, lanes.observe
+        phase = self.table.phase
+        for index, (state, text) in enumerate(zip(lanes.states, lanes.texts, strict=True)):
+            if check_ended and (state.slot < 0 or phase[state.slot] == Phase.ENDED):
+                skipped.add(index)
+                continue
+            if errors and index in errors:
+                skipped.add(index)
+                events.append(self.residency.fail(state, str(errors[index])))
+                continue
+            token = token_ids[index]
+            stamp = time.monotonic_ns() - origin if observe and state.observe else -1
+            gate = state.gate
+            try:
+                if gate is None or plain:
+                    pieces = [(token, text(token))]
+                else:
+                    outcome = gate.observe(token)
+                    pieces = outcome.pieces
+                    if outcome.stopped:
+                        gate_stops.append(index)
+            except Exception as exc:  # the request's own grammar, stops or detokenizer: it fails alone
+                skipped.add(index)
+                events.append(self.residency.fail(state, gate_failure(exc)))
+                continue
+            events.append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
+
+
+def _generations(plan: RoundPlan) -> list[int]:
+    expectations = plan.expectations
+    if isinstance(expectations, ExpectationBatch):
+        return expectations.generations.tolist()  # type: ignore[no-any-return]
+    return [e.generation for e in expectations]
+
+
+def _no_text(token: int) -> str:
+    """The text of a token of a request without a gate: none here (its stream, or the client, detokenizes)."""
+    return ""
+
+
+def _where(mask: npt.NDArray[np.bool_]) -> AbstractSet[int]:
+    """The lane indices where ``mask`` holds."""
+    return frozenset(np.flatnonzero(mask).tolist()) if mask.any() else _NONE
+
+
+def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:
+    """The smallest of ``values`` (a large number for none)."""
+    return int(values.min()) if values.shape[0] else 2**62

@@ -1,0 +1,415 @@
+"""Request residency: the queues, slots, pages and snapshot rows requests hold, and their lifecycle.
+
+Owns the pending admission deque (:attr:`Residency.waiting`), the running list, free slots and free
+snapshot rows, and every transition of a request between them: queueing with capacity checks
+(:meth:`Residency.add`), admission with prefix reuse (:meth:`Residency.admit`), page reservation with
+preemption of younger requests (:meth:`Residency.ensure_page`), a snapshot mark, preemption,
+finishing and failing (:meth:`Residency.end`, fenced while a follow-up round of the request is in
+flight), cancellation, and page publication into the prefix index. Progress itself lives in the
+:class:`~helios_core.runtime.slots.SlotTable`; both the planner and the completion of the scheduler use
+this object for the transitions they cause.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+
+from helios_core.contract import PreparedContract
+from helios_core.runtime.gates import HostGate, format_param, gate_failure
+from helios_core.runtime.messages import (
+    AdmissionRejected,
+    Event,
+    ExecutionFailed,
+    Finished,
+    FinishReason,
+    PreparedRequest,
+)
+from helios_core.runtime.pages import PageAllocator, PrefixMatch
+from helios_core.runtime.slots import Phase, RequestState, SlotTable
+from helios_core.runtime.stats import SchedulerStats
+from helios_core.sampling import SAMPLING_PARAMETERS, SamplingLimits, SamplingParams
+
+_NOTHING: frozenset[int] = frozenset()
+_LEAVING = (Phase.SNAPSHOT, Phase.ENDED)
+"""Phases of running requests that are leaving already (never chosen to make room)."""
+
+
+class Residency:
+    """Where every queued and running request is, and what it holds."""
+
+    def __init__(
+        self,
+        contract: PreparedContract,
+        allocator: PageAllocator,
+        stats: SchedulerStats,
+        *,
+        max_active: int,
+        queue_capacity: int,
+        snapshot_rows: int,
+        scored_prefill: bool,
+        make_gate: Callable[[PreparedRequest], HostGate | None] | None,
+    ) -> None:
+        self.allocator = allocator
+        self.stats = stats
+        self.make_gate = make_gate
+        self.sampling_limits = SamplingLimits.of(contract)
+        """What the core's sampling inputs hold: a request whose values do not fit is rejected at admission."""
+        self.page_tokens = contract.model.cache.page_tokens
+        self.context = contract.serving.context_tokens
+        self.input_vocabulary = contract.model.input_vocabulary.size
+        self.scored_prefill = scored_prefill
+        self.max_active = max_active
+        self.queue_capacity = queue_capacity
+        """The most requests :attr:`waiting` takes from outside (:meth:`add`); see :attr:`has_room`."""
+        self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
+        self.table = SlotTable(max(max_active, 0), self.context, self.page_tokens, self.pages_per_row)
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        """Requests holding a slot, in admission order."""
+        self.free_slots: list[int] = list(range(max_active - 1, -1, -1))
+        self.free_snapshot_rows: list[int] = list(range(snapshot_rows - 1, -1, -1))
+        self.in_flight: AbstractSet[int] = _NOTHING
+        """Slots of requests with a follow-up round launched."""
+        self.fenced: list[RequestState] = []
+        """Requests that ended while a round of theirs was in flight (released at its fence)."""
+        self.starved = False
+        """A running request lacked a page in the last round: admit nobody until every running request is served."""
+        self.deferred: set[int] = set()
+        """Slots whose complete pages were counted as published but not hashed yet."""
+        self.cancels = False
+        """A cancellation mark may be set on a queued or running request."""
+        self._generations = itertools.count(1)
+        self._arrivals = itertools.count()
+
+    # -- queueing ------------------------------------------------------------------------------------
+    @property
+    def has_room(self) -> bool:
+        """The pending admission deque takes another request: it holds fewer than ``queue_capacity``.
+        (Preempted requests return to its front whatever it holds: they were admitted already.)"""
+        return len(self.waiting) < self.queue_capacity
+
+    def add(self, request: PreparedRequest) -> AdmissionRejected | None:
+        """Queue a request, or reject it when it lies outside the prepared capacities (permanently) or the
+        pending admission deque is full (transiently: the engine hands requests over only while
+        :attr:`has_room`, so this answers a caller that does not)."""
+        if not self.has_room:
+            self.stats.rejected += 1
+            return AdmissionRejected(
+                request.request_id,
+                f"the pending admission queue holds its limit of {self.queue_capacity} requests; retry later",
+            )
+        problem = self._capacity_problem(request)
+        sampling = request.sampling
+        if problem is None:
+            unpackable = self.sampling_limits.problem(sampling)
+            if unpackable is not None:  # preparation refuses these; a request from elsewhere may still hold one
+                problem = unpackable[1], unpackable[0]
+        if problem is None:
+            exact = _exact_sampling(sampling)
+            if isinstance(exact, tuple):
+                problem = exact
+            else:
+                sampling = exact
+        if problem is not None:
+            self.stats.rejected += 1
+            message, param = problem
+            return AdmissionRejected(request.request_id, message, param=param, permanent=True)
+        state = RequestState(
+            request,
+            request.request_id,
+            len(request.prompt_ids),
+            next(self._arrivals),
+            request.max_tokens,
+            request.ignore_eos,
+            request.observe_timestamps,
+            max(request.top_logprobs, 0),
+            sampling,
+            list(request.prompt_ids),
+        )
+        if self.make_gate is not None:
+            try:
+                state.gate = self.make_gate(request)
+            except Exception as exc:  # a format preparation accepted but the worker cannot compile
+                self.stats.rejected += 1
+                return AdmissionRejected(
+                    request.request_id,
+                    f"cannot prepare the request's output constraints: {type(exc).__name__}: {exc}",
+                    param=format_param(request),
+                    permanent=True,
+                )
+            state.holds_rounds = state.gate is not None and state.gate.holds_rounds
+        self.waiting.append(state)
+        self.stats.received += 1
+        return None
+
+    def _capacity_problem(self, request: PreparedRequest) -> tuple[str, str | None] | None:
+        """Why ``request`` can never fit the prepared capacities, and the field to change; None if it fits."""
+        prompt = len(request.prompt_ids)
+        if prompt == 0:
+            return "the prompt is empty", "messages"
+        vocabulary = self.input_vocabulary
+        if not 0 <= min(request.prompt_ids) <= max(request.prompt_ids) < vocabulary:
+            outside = next(i for i in request.prompt_ids if not 0 <= i < vocabulary)
+            return f"prompt token id {outside} lies outside the input vocabulary [0, {vocabulary})", "messages"
+        if request.max_tokens <= 0:
+            return "max_tokens must be positive", "max_tokens"
+        if request.prompt_logprobs and not self.scored_prefill:
+            return "prompt logprobs are not supported by this core (no scored prefill programs)", "prompt_logprobs"
+        # a prompt that alone fills the context cannot be fixed by a smaller output limit
+        field = "messages" if prompt >= self.context else "max_tokens"
+        total = prompt + request.max_tokens
+        if total > self.context:
+            return (
+                f"prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the core's context of "
+                f"{self.context} tokens; at most {max(self.context - prompt, 0)} output tokens fit this prompt",
+                field,
+            )
+        limit = min(self.pages_per_row, self.allocator.total_pages)
+        if self.pages_for(total) > limit:
+            return f"the request needs {self.pages_for(total)} cache pages; at most {limit} fit", field
+        return None
+
+    def requests(self) -> Iterator[RequestState]:
+        return itertools.chain(self.waiting, self.running)
+
+    def cancel(self, request_id: str) -> None:
+        for state in self.requests():
+            if state.request_id == request_id:
+                state.cancelled = True
+                self.cancels = True
+                if state.slot >= 0:
+                    self.table.cancel(state.slot)
+
+    # -- admission -----------------------------------------------------------------------------------
+    def admit(self) -> None:
+        """Give slots and pages to waiting requests, oldest first, while both last (and no running
+        request lacked a page in the last round)."""
+        if self.deferred and self.waiting and self.free_slots and not self.starved:
+            self.publish_deferred()  # every complete page can be matched as a prefix
+        while self.waiting and self.free_slots and not self.starved:
+            state = self.waiting[0]
+            tokens = state.tokens
+            if state.snapshot_row >= 0:  # reuse complete pages up to the snapshot, restore the rest
+                full = state.snapshot_endpoint - state.snapshot_endpoint % self.page_tokens
+                match = self.allocator.match_prefix(tokens, full)
+                needed = self.pages_for(state.snapshot_endpoint) - len(match.pages)
+            elif state.scoring:  # every prompt token must be computed to be scored: no prefix reuse
+                match = PrefixMatch((), (), 0)
+                needed = self.pages_for(len(tokens))
+            else:
+                match = self.allocator.match_prefix(tokens, len(tokens) - 1)
+                needed = self.pages_for(len(tokens)) - len(match.pages)
+            self.allocator.claim(match)
+            fresh = self.allocator.allocate(needed)
+            if fresh is None:
+                self.allocator.release(match.pages)
+                if not self.running:
+                    # Nothing will free pages: this request cannot run until pages are evicted or freed,
+                    # and capacity checks guarantee it fits an empty cache.
+                    raise RuntimeError("an empty cache cannot hold an admitted request")
+                return
+            self.waiting.popleft()
+            if state.reused_tokens < 0:
+                state.reused_tokens = match.tokens
+            if state.snapshot_row < 0:
+                phase = Phase.INITIALIZE
+            else:  # a snapshotted request gets its state rows back from RESTORE, not from initialization
+                phase = Phase.PREFILL if match.tokens < state.snapshot_endpoint else Phase.RESTORE
+            self.table.hold(
+                self.free_slots.pop(),
+                state,
+                generation=next(self._generations),
+                pages=[*match.pages, *fresh],
+                hashes=list(match.hashes),
+                consumed=match.tokens,
+                phase=phase,
+            )
+            self.running.append(state)
+            self.stats.admitted += 1
+
+    # -- pages ---------------------------------------------------------------------------------------
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_tokens)
+
+    def ensure_page(self, state: RequestState, exclude: AbstractSet[int]) -> bool:
+        """Make sure the page for ``state``'s next position exists, preempting younger requests (not in
+        ``exclude``, slots of requests already in the round) if needed."""
+        table = self.table
+        while table.consumed[state.slot] // self.page_tokens >= table.page_count[state.slot]:
+            page = self.allocator.allocate(1)
+            if page is not None:
+                table.add_pages(state.slot, page)
+                continue
+            others = [s for s in self.running if s is not state and s.slot not in exclude]
+            victims = [s for s in others if s.arrival > state.arrival] or others
+            victims = [s for s in victims if table.phase[s.slot] not in _LEAVING]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda s: s.arrival)
+            if table.phase[victim.slot] == Phase.DECODE and self.free_snapshot_rows:
+                # Keep the victim's exact committed state: snapshot it in the next round, then release it.
+                victim.snapshot_row = self.free_snapshot_rows.pop()
+                victim.snapshot_endpoint = int(table.consumed[victim.slot])
+                table.set_phase(victim.slot, Phase.SNAPSHOT)
+                return False
+            self.preempt(victim)
+            if state.slot < 0:
+                return False
+        return True
+
+    def defer_pages(self, slot: int) -> None:
+        """Count ``slot``'s complete pages as published; they are hashed and published in the allocator
+        when another request could first reuse them: before admission matches prefixes, or when the
+        request releases its pages (a decode round completes about one page in every ``page_tokens``
+        lanes, and hashing them in the round costs more than the rest of the lane's work)."""
+        self.table.published[slot] = int(self.table.consumed[slot]) // self.page_tokens
+        self.deferred.add(slot)
+
+    def publish_deferred(self) -> None:
+        for slot in self.deferred:
+            self.publish_pages(slot)
+        self.deferred.clear()
+
+    def publish_pages(self, slot: int) -> None:
+        """Hash and publish every complete page of ``slot`` not published yet."""
+        table, pt = self.table, self.page_tokens
+        hashes = table.hashes[slot]
+        consumed = int(table.consumed[slot])
+        if (len(hashes) + 1) * pt <= consumed:
+            row = table.tokens[slot]
+            pages = table.pages[slot]
+            while (len(hashes) + 1) * pt <= consumed:
+                index = len(hashes)
+                key = self.allocator.chain_hash(
+                    hashes[-1] if hashes else None, row[index * pt : (index + 1) * pt].tolist()
+                )
+                self.allocator.publish(int(pages[index]), key)
+                hashes.append(key)
+        table.published[slot] = len(hashes)
+
+    # -- leaving -------------------------------------------------------------------------------------
+    def retire(self, state: RequestState, *, requeue: bool = False, keep_snapshot: bool = False) -> None:
+        """Release a request's pages, slot and (unless kept) snapshot row; no round of it is in flight.
+        With ``requeue`` its tokens move back to it and it waits at the front of the queue."""
+        if not keep_snapshot and state.snapshot_row >= 0:
+            self.free_snapshot_rows.append(state.snapshot_row)
+            state.snapshot_row = -1
+        if state in self.running:
+            self.running.remove(state)
+        slot = state.slot
+        if slot >= 0:
+            if slot in self.deferred:
+                self.deferred.discard(slot)
+                self.publish_pages(slot)  # before its pages are released: they stay reusable
+            pages = self.table.release(slot, keep_tokens=requeue)
+            if pages:
+                self.allocator.release(pages)
+            self.free_slots.append(slot)
+        if requeue:
+            self.waiting.appendleft(state)
+
+    def end(self, state: RequestState) -> None:
+        """Release a finished or failed request now, or after the fence of its in-flight follow-up round."""
+        slot = state.slot
+        if slot < 0:
+            return
+        if slot in self.in_flight:
+            if self.table.phase[slot] != Phase.ENDED:
+                self.table.set_phase(slot, Phase.ENDED)
+                self.fenced.append(state)
+        else:
+            self.retire(state)
+
+    def release_fenced(self) -> None:
+        """The follow-up round's fence has passed: release what ended while it was in flight."""
+        self.in_flight = _NOTHING
+        for state in self.fenced:
+            self.retire(state)
+        self.fenced = []
+
+    def preempt(self, state: RequestState) -> None:
+        """Return a running request to the front of the queue; its published pages stay reusable."""
+        self.retire(state, requeue=True)
+        if not state.scores_sent:
+            state.scores = []  # scoring restarts with the prompt's recomputation
+        self.stats.preemptions += 1
+
+    def leave_after_snapshot(self, state: RequestState) -> None:
+        """The snapshot committed: release slot and pages; the request waits at the front of the queue."""
+        self.retire(state, requeue=True, keep_snapshot=True)
+        self.stats.preemptions += 1
+        self.stats.snapshots += 1
+
+    # -- outcomes ------------------------------------------------------------------------------------
+    def generated(self, state: RequestState) -> int:
+        return int(self.table.generated[state.slot]) if state.slot >= 0 else state.generated
+
+    def fail(self, state: RequestState, message: str) -> Event:
+        self.end(state)
+        self.stats.failed += 1
+        return ExecutionFailed(state.request_id, message)
+
+    def finished(self, state: RequestState, reason: FinishReason, *, flush: bool = True) -> Finished | ExecutionFailed:
+        """The request's normal end, with what its gate still holds (flushed when ``flush``); a gate that
+        raises while flushing fails the request instead (it has already ended)."""
+        pieces: list[tuple[int, str]] = []
+        if flush and state.gate is not None and reason != "cancelled":
+            try:
+                pieces = state.gate.finish()
+            except Exception as exc:
+                self.stats.failed += 1
+                return ExecutionFailed(state.request_id, gate_failure(exc))
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return Finished(
+            state.request_id, reason, state.prompt_len, self.generated(state), max(state.reused_tokens, 0), pieces
+        )
+
+    def take_cancelled(self) -> list[Event]:
+        """Finish every cancelled request (nothing is in flight between rounds)."""
+        if not self.cancels:
+            return []
+        self.cancels = False
+        events: list[Event] = []
+        for state in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(state)
+            events.append(self.finished(state, "cancelled"))
+        for state in [s for s in self.running if s.cancelled]:
+            self.retire(state)
+            events.append(self.finished(state, "cancelled"))
+        return events
+
+    def cancel_all(self) -> list[Event]:
+        """Finish every queued and running request as cancelled (shutdown; nothing is in flight)."""
+        for state in self.requests():
+            state.cancelled = True
+        self.cancels = True
+        return self.take_cancelled()
+
+    def fail_all(self, message: str) -> list[Event]:
+        """Fail every queued and running request (after an internal error)."""
+        events = [self.fail(state, message) for state in list(self.running)]
+        while self.waiting:
+            state = self.waiting.popleft()
+            self.stats.failed += 1
+            events.append(ExecutionFailed(state.request_id, message))
+        return events
+
+
+def _exact_sampling(params: SamplingParams) -> SamplingParams | tuple[str, str]:
+    """``params`` with every value as its per-slot column holds it (the column's type converts it exactly,
+    so every round packs the same value), or why a value has no exact column value and its field."""
+    values = {}
+    for parameter in SAMPLING_PARAMETERS:
+        value = getattr(params, parameter.name)
+        try:
+            exact = parameter.column_dtype.type(value).item()
+        except (OverflowError, TypeError, ValueError):
+            exact = None
+        if exact is None or (parameter.kind != "float" and exact != value):
+            column = parameter.column_dtype.name
+            return f"{parameter.name} {value!r} does not fit the per-request {column} sampling column", parameter.name
+        values[parameter.name] = exact
+    return SamplingParams(**values)

@@ -1,0 +1,85 @@
+"""Smoke tests of ``benchmarks/host_overhead.py``: its one-tree measurement, its JSON output, the
+baseline tree extracted with ``git archive`` and measured in a subprocess that imports that tree, and
+its refusals of bad options. Few steps, no assertions on the figures themselves."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_GIT_CHECKOUT = (ROOT / ".git").exists()
+
+
+def load_benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measure_only_prints_conditions_and_one_row_per_batch_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main(["--measure-only", "--json", "--no-pin", "--steps", "4"]) == 0
+    found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["batch"] for row in found["rows"]] == [1, 16, 64, 256]
+    assert all(row["rounds"] >= 2 and row["host_us"] > 0 for row in found["rows"])
+    assert set(found["conditions"]["threads"]) == {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"}
+    assert Path(found["conditions"]["helios_core"]) == ROOT / "helios_core"
+
+
+@pytest.mark.skipif(not IN_GIT_CHECKOUT, reason="needs the git checkout")
+def test_a_baseline_tree_is_extracted_and_measured_with_its_own_imports(tmp_path: Path) -> None:
+    benchmark = load_benchmark()
+    commit = benchmark.extract_tree("HEAD", tmp_path)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    assert commit == head.stdout.strip()
+    assert (tmp_path / "helios_core" / "runtime" / "engine.py").is_file()
+    measurement = benchmark.measure_tree(tmp_path, steps=4, text=False)
+    assert measurement.conditions["helios_core"] == str(tmp_path.resolve() / "helios_core")
+    assert measurement.conditions["ignition"] == str(tmp_path.resolve() / "contrib" / "ignition" / "ignition")
+    assert [row.batch for row in measurement.rows] == [1, 16, 64, 256]
+
+
+@pytest.mark.skipif(not IN_GIT_CHECKOUT, reason="needs the git checkout")
+def test_baseline_run_prints_one_table_with_both_trees(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main(["--baseline", "HEAD", "--repeats", "1", "--steps", "4", "--no-pin"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("baseline: HEAD (")
+    header = lines.index(next(line for line in lines if line.startswith("| batch |")))
+    assert [line.split("|")[1].strip() for line in lines[header + 2 :]] == ["1", "16", "64", "256"]
+
+
+def test_an_unknown_baseline_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main(["--baseline", "no-such-ref-for-the-benchmark", "--steps", "4", "--no-pin"]) == 1
+    error = capsys.readouterr().err
+    assert error == f"host_overhead: --baseline 'no-such-ref-for-the-benchmark' does not name a commit of {ROOT}\n"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--steps", "2"], "argument --steps: must be at least 4, got 2"),
+        (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+        (["--cpus", "0", "--no-pin"], "argument --no-pin: not allowed with argument --cpus"),
+        (["--baseline", "HEAD", "--measure-only"], "--baseline and --measure-only exclude each other"),
+    ],
+)
+def test_bad_options_are_refused_with_the_reason(
+    arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    benchmark = load_benchmark()
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.main(arguments)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message}")
