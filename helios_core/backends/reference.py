@@ -358,6 +358,82 @@ def _sample(n: _Node) -> Step:
     return step
 
 
+def _speculative_inputs(n: _Node) -> Step:
+    pending, rows = n.tensor("pending_tokens"), n.tensor("rows").reshape(-1)
+    candidates, query_length = n.tensor("candidate_ids"), n.tensor("query_length").reshape(-1)
+    ids = n.tensor("ids").reshape(-1)
+    lanes = query_length.size
+    if candidates.ndim != 2 or candidates.shape[0] != lanes:
+        raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
+    if rows.size != lanes:
+        raise n.fail(f"rows holds {rows.size} elements, the node has {lanes} lanes")
+    if not (pending.ndim == 1 or (pending.ndim == 2 and pending.shape[1] == 1)):
+        raise n.fail(f"pending_tokens {pending.shape} must be [rows] or [rows, 1]")
+    where = n.where
+
+    def step() -> None:
+        try:
+            rk.speculative_inputs(ids, pending, rows, candidates, query_length)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    return step
+
+
+def _sample_verify(n: _Node) -> Step:
+    logits = n.floats("logits")
+    settings = {p.kernel_input: n.tensor(p.kernel_input).reshape(-1) for p in SAMPLING_PARAMETERS}
+    query_length, candidates = n.tensor("query_length").reshape(-1), n.tensor("candidate_ids")
+    presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
+    per_lane = {name: n.tensor(name).reshape(-1) for name in ("rows", "step", "active")}
+    ids = n.tensor("ids")
+    results = {name: n.tensor(name).reshape(-1) for name in ("accepted", "emitted", "pending")}
+    logprob = n.optional("logprob")
+    vocab_limit = n.attr_int("vocab_limit")
+    lanes = query_length.size
+    if candidates.ndim != 2 or candidates.shape[0] != lanes:
+        raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
+    if ids.ndim != 2 or ids.shape[0] != lanes or ids.shape[1] < candidates.shape[1] + 1:
+        raise n.fail(
+            f"ids {ids.shape} must be [{lanes}, W] with W >= {candidates.shape[1] + 1} (the pending token and "
+            f"{candidates.shape[1]} candidates)"
+        )
+    if logprob is not None and logprob.size != ids.size:
+        raise n.fail(f"logprob of shape {logprob.shape} does not match ids {ids.shape}")
+    for name, array in {**settings, **per_lane, **results}.items():
+        if array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    if counts.ndim != 2 or presence.shape != counts.shape:
+        raise n.fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [rows, V]")
+    width = int(ids.shape[1])
+    logprob_out = None if logprob is None else logprob.reshape(ids.shape)
+    where = n.where
+
+    def step() -> None:
+        try:
+            result = rk.sample_verify(
+                logits(),
+                query_length=query_length,
+                candidate_ids=candidates,
+                settings=settings,
+                prompt_presence=presence,
+                output_counts=counts,
+                vocab_limit=vocab_limit,
+                width=width,
+                **per_lane,
+            )
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        ids[...] = result.ids
+        results["accepted"][...] = result.accepted
+        results["emitted"][...] = result.emitted
+        results["pending"][...] = result.pending
+        if logprob_out is not None:
+            logprob_out[...] = result.logprobs
+
+    return step
+
+
 def _apply_grammar_mask(n: _Node) -> Step:
     logits, mask, out = n.floats("logits"), n.tensor("allowed_mask"), n.store("out")
     constrained = n.tensor("constrained")
@@ -406,7 +482,7 @@ def _init_sampling_state(n: _Node) -> Step:
 
 
 def _lane_record_writer(n: _Node, inputs: Mapping[str, AnyArray]) -> Callable[[AnyArray, AnyArray], None]:
-    """The writer of a non-speculative completion record: echoes, emitted counts, consumed endpoints.
+    """The writer of the fields every completion record shares: echoes, emitted counts, consumed endpoints.
 
     Checks once that every per-lane input and output holds one element per lane.
     """
@@ -452,6 +528,44 @@ def _completion_lanes(n: _Node) -> Step:
         valid = index >= 0
         consumed[valid] = positions[index[valid]].astype(np.int64) + 1
         write(consumed, sample_active != 0)
+
+    return step
+
+
+def _completion_speculative(n: _Node) -> Step:
+    query_length = n.tensor("query_length").reshape(-1)
+    accepted, emitted = n.tensor("accepted").reshape(-1), n.tensor("emitted").reshape(-1)
+    positions = n.tensor("positions").reshape(-1)
+    out_offers, out_accepted = n.tensor("out_offers").reshape(-1), n.tensor("out_accepted").reshape(-1)
+    write = _lane_record_writer(
+        n,
+        {
+            "query_length": query_length,
+            "accepted": accepted,
+            "emitted": emitted,
+            "out_offers": out_offers,
+            "out_accepted": out_accepted,
+        },
+    )
+    where = n.where
+
+    def step() -> None:
+        try:
+            lengths, starts = rk.packed_lane_starts(query_length)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        total = int(lengths.sum())
+        if total > positions.size:
+            raise ValueError(f"{where}: query_length: {total} packed tokens exceed the {positions.size} positions")
+        has_tokens = lengths > 0
+        sampled = has_tokens & (emitted != 0)
+        unsampled = has_tokens & ~sampled
+        consumed = np.zeros(lengths.size, dtype=np.int64)
+        consumed[sampled] = positions[starts[sampled]].astype(np.int64) + accepted[sampled].astype(np.int64) + 1
+        consumed[unsampled] = positions[starts[unsampled] + lengths[unsampled] - 1].astype(np.int64) + 1
+        out_offers[...] = np.where(has_tokens, lengths - 1, 0)
+        out_accepted[...] = accepted
+        write(consumed, emitted)
 
     return step
 
@@ -510,6 +624,9 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("init_sampling_state", 1): _init_sampling_state,
     ("completion_lanes", 1): _completion_lanes,
     ("completion_copy_lanes", 1): _completion_copy_lanes,
+    ("speculative_inputs", 1): _speculative_inputs,
+    ("sample_verify", 1): _sample_verify,
+    ("completion_speculative", 1): _completion_speculative,
     ("tail_page", 1): _tail_page,
     ("log_softmax_gather", 1): _log_softmax_gather,
 }

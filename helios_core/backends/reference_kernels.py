@@ -6,8 +6,9 @@ that accelerator kernels are tested against.
 Conventions
 -----------
 * Pure functions over numpy arrays, no global state. The in-place operators
-  (:func:`kv_cache_write`, :func:`copy_rows` and its wrappers, :func:`update_output_counts`) mutate
-  only the buffers they are given.
+  (:func:`kv_cache_write`, :func:`copy_rows` and its wrappers, :func:`update_output_counts`,
+  :func:`speculative_inputs`, and :func:`sample_verify` on its ``output_counts``) mutate only the
+  buffers they are given.
 * Arithmetic is float32 unless a docstring says otherwise; float outputs are float32, id outputs int32.
 * Bad shapes, dtypes or out-of-range indices raise ``ValueError`` naming the argument.
 * Row independence: every per-token operator computes a token's output from that token's own inputs
@@ -25,7 +26,9 @@ operator would scatter one specification over many files.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
@@ -36,6 +39,7 @@ __all__ = [
     "FrequencyBandScaling",
     "RopeStyle",
     "SampleResult",
+    "VerifyResult",
     "add",
     "apply_grammar_mask",
     "apply_penalties",
@@ -51,12 +55,15 @@ __all__ = [
     "linear",
     "log_softmax",
     "log_softmax_gather",
+    "packed_lane_starts",
     "paged_attention",
     "rmsnorm",
     "rope",
     "rope_inv_freq",
     "sample",
+    "sample_verify",
     "silu_mul",
+    "speculative_inputs",
     "splitmix64",
     "unpack_allowed_mask",
     "update_output_counts",
@@ -1106,3 +1113,226 @@ def update_output_counts(output_counts: AnyArray, ids: AnyArray, active_rows: An
     if chosen.size and (int(chosen.min()) < 0 or int(chosen.max()) >= vocab):
         _fail(f"ids: active rows must hold ids in [0, {vocab})")
     counts[which, chosen] += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# speculative generation with copied proposals
+# ----------------------------------------------------------------------------------------------
+
+
+def packed_lane_starts(query_length: AnyArray) -> tuple[I64, I64]:
+    """Each lane's token count and the packed index of its first token.
+
+    Args:
+        query_length: ``[B]`` integer tokens per lane, each ``>= 0`` (a negative length raises).
+    Returns:
+        ``(lengths, starts)``, both ``[B]`` int64: ``starts[r] = lengths[0] + ... + lengths[r-1]``.
+    """
+    lengths = _int_array("query_length", query_length, 1)
+    if lengths.size and int(lengths.min()) < 0:
+        _fail(f"query_length: lane {int(np.flatnonzero(lengths < 0)[0])} has a negative length")
+    starts: I64 = np.cumsum(lengths) - lengths
+    return lengths, starts
+
+
+def _lane_vector(name: str, value: AnyArray, lanes: int) -> I64:
+    values = _int_array(name, value, 1)
+    if values.shape != (lanes,):
+        _fail(f"{name}: expected shape ({lanes},), got {values.shape}")
+    return values
+
+
+def _check_offers(lanes_with_tokens: I64, lengths: I64, capacity: int) -> None:
+    offers = lengths[lanes_with_tokens] - 1
+    if offers.size and int(offers.max()) > capacity:
+        lane = int(lanes_with_tokens[int(np.argmax(offers))])
+        _fail(f"query_length: lane {lane} offers {int(lengths[lane]) - 1} candidates, candidate_ids holds {capacity}")
+
+
+def _check_state_rows(state: I64, lanes: I64, state_rows: int) -> None:
+    named = state[lanes]
+    if named.size and (int(named.min()) < 0 or int(named.max()) >= state_rows):
+        _fail(f"rows: a lane with tokens names a state row outside [0, {state_rows})")
+
+
+def speculative_inputs(
+    ids: AnyArray, pending_tokens: AnyArray, rows: AnyArray, candidate_ids: AnyArray, query_length: AnyArray
+) -> None:
+    """Pack each lane's pending token and its copied candidates into ``ids``, in place.
+
+    Args:
+        ids: ``[P]`` writable integer packed token ids.
+        pending_tokens: ``[S]`` or ``[S, 1]`` integer state: each state row's pending token.
+        rows: ``[B]`` integer state row of each lane (read only for lanes with tokens).
+        candidate_ids: ``[B, C]`` integer copied candidates, ``C >= 0``.
+        query_length: ``[B]`` integer packed tokens of each lane (>= 0).
+
+    Lane ``r``'s block starts at ``start = query_length[0] + ... + query_length[r-1]``:
+    ``ids[start] = pending_tokens[rows[r]]`` and ``ids[start + 1 + j] = candidate_ids[r, j]`` for
+    ``j < query_length[r] - 1``. A lane of length 0 writes nothing and entries past the total are left
+    as they are. Raises (before writing anything) when a lane offers more than ``C`` candidates, the
+    total exceeds ``P``, or a lane with tokens names a state row outside ``[0, S)``.
+    """
+    out = _in_place_target("ids", ids)
+    if out.ndim != 1 or out.dtype.kind not in "iu":
+        _fail(f"ids: expected a one-dimensional integer array, got {out.dtype} {out.shape}")
+    pending = np.asarray(pending_tokens)
+    if pending.dtype.kind not in "iu" or not (pending.ndim == 1 or (pending.ndim == 2 and pending.shape[1] == 1)):
+        _fail(f"pending_tokens: expected integer [S] or [S, 1], got {pending.dtype} {pending.shape}")
+    pending_flat = pending.reshape(-1)
+    candidates = _int_array("candidate_ids", candidate_ids, 2)
+    lanes, capacity = candidates.shape
+    lengths, starts = packed_lane_starts(query_length)
+    if lengths.shape != (lanes,):
+        _fail(f"query_length: expected shape ({lanes},) for {lanes} candidate rows, got {lengths.shape}")
+    state = _lane_vector("rows", rows, lanes)
+    live = np.flatnonzero(lengths > 0)
+    _check_offers(live, lengths, capacity)
+    total = int(lengths.sum())
+    if total > out.size:
+        _fail(f"query_length: {total} packed tokens exceed the {out.size} entries of ids")
+    _check_state_rows(state, live, pending_flat.size)
+    for lane in live.tolist():
+        start, offers = int(starts[lane]), int(lengths[lane]) - 1
+        out[start] = pending_flat[state[lane]]
+        out[start + 1 : start + 1 + offers] = candidates[lane, :offers]
+
+
+class VerifyResult(NamedTuple):
+    """What :func:`sample_verify` returns."""
+
+    ids: I32
+    """``[B, W]`` emitted tokens of each lane, -1 past them."""
+    logprobs: F32
+    """``[B, W]`` log-probability of each emitted token (as :func:`sample` reports it), 0 past them."""
+    accepted: I32
+    """``[B]`` candidates each lane accepted."""
+    emitted: I32
+    """``[B]`` tokens each lane emitted: accepted + 1 on an active lane, else 0."""
+    pending: I32
+    """``[B]`` each lane's last emitted token (its next pending token), -1 on an inactive lane."""
+
+
+_VERIFY_SETTINGS: frozenset[str] = frozenset(
+    name
+    for name, parameter in inspect.signature(sample).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    and name not in ("prompt_presence", "output_counts", "step", "vocab_limit", "allowed_mask", "constrained", "top_n")
+)
+"""The per-lane settings :func:`sample_verify` passes through to :func:`sample` (and the seed)."""
+
+
+def sample_verify(
+    logits: AnyArray,
+    *,
+    query_length: AnyArray,
+    candidate_ids: AnyArray,
+    settings: Mapping[str, AnyArray],
+    prompt_presence: AnyArray,
+    output_counts: AnyArray,
+    rows: AnyArray,
+    step: AnyArray,
+    active: AnyArray,
+    vocab_limit: int,
+    width: int,
+) -> VerifyResult:
+    """Sample each lane's packed positions in order, accepting copied candidates while they match.
+
+    Args:
+        logits: ``[P, V]`` float, one row per packed token (lanes packed as :func:`speculative_inputs`).
+        query_length: ``[B]`` integer packed tokens of each lane: the pending token and
+            ``query_length[r] - 1`` candidates.
+        candidate_ids: ``[B, C]`` integer copied candidates.
+        settings: every other per-lane keyword input of :func:`sample` (temperature, top_k, top_p,
+            min_p, the penalties, seed), each ``[B]``, by :func:`sample`'s keyword name.
+        prompt_presence: ``[S, V]`` the whole state buffer, read at ``rows``.
+        output_counts: ``[S, V]`` the whole writable integer state buffer, updated in place.
+        rows: ``[B]`` integer state row of each lane (read only on active lanes).
+        step: ``[B]`` integer >= 0: the index of each lane's first token of the round.
+        active: ``[B]`` flags: lanes that sample this round.
+        vocab_limit: as :func:`sample`.
+        width: ``W >= C + 1`` columns of the per-token results.
+    Returns:
+        :class:`VerifyResult`.
+
+    For each active lane ``r`` with ``n = query_length[r] - 1`` candidates, positions ``j = 0..n`` in
+    order: token ``t_j`` is what :func:`sample` draws from ``logits[start_r + j]`` for one row with the
+    lane's settings, ``prompt_presence[rows[r]]``, ``output_counts[rows[r]]`` as it is at that moment,
+    and ``step[r] + j``; then ``output_counts[rows[r], t_j] += 1``. The lane continues to ``j + 1`` only
+    while ``j < n`` and ``t_j == candidate_ids[r, j]``. So the emitted tokens are exactly those of
+    ``accepted + 1`` one-token :func:`sample` calls at steps ``step[r]..``, and a candidate is accepted
+    with exactly the probability the target gives it. Logit rows past the last position a lane reaches
+    are never read. Inactive lanes get ids -1, logprob 0, accepted 0, emitted 0, pending -1 and leave the
+    counts untouched.
+
+    Shapes, ranges and settings are checked before anything is sampled; when sampling itself raises
+    (NaN logits, a row without a sampleable id, an invalid setting) ``output_counts`` is restored.
+    """
+    l32 = _float_array("logits", logits, 2)
+    packed = l32.shape[0]
+    candidates = _int_array("candidate_ids", candidate_ids, 2)
+    lanes, capacity = candidates.shape
+    lengths, starts = packed_lane_starts(query_length)
+    if lengths.shape != (lanes,):
+        _fail(f"query_length: expected shape ({lanes},) for {lanes} candidate rows, got {lengths.shape}")
+    if width < capacity + 1:
+        _fail(f"width: {width} cannot hold a pending token and {capacity} candidates")
+    state = _lane_vector("rows", rows, lanes)
+    steps = _lane_vector("step", step, lanes)
+    flags = _flag_array("active", active, (lanes,))
+    if set(settings) != _VERIFY_SETTINGS:
+        missing, unknown = sorted(_VERIFY_SETTINGS - set(settings)), sorted(set(settings) - _VERIFY_SETTINGS)
+        _fail(f"settings: expected exactly {sorted(_VERIFY_SETTINGS)}; missing {missing}, unknown {unknown}")
+    lane_settings = {name: _per_row(name, value, lanes, "fiu") for name, value in settings.items()}
+    counts = _in_place_target("output_counts", output_counts)
+    if counts.ndim != 2 or counts.dtype.kind not in "iu":
+        _fail(f"output_counts: expected an integer [S, V] array, got {counts.dtype} {counts.shape}")
+    presence = np.asarray(prompt_presence)
+    if presence.shape != counts.shape:
+        _fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [S, V]")
+    total = int(lengths.sum())
+    if total > packed:
+        _fail(f"query_length: {total} packed tokens exceed the {packed} rows of logits")
+    live = np.flatnonzero(flags)
+    if live.size and int(lengths[live].min()) < 1:
+        _fail(f"query_length: active lane {int(live[np.argmin(lengths[live])])} has no packed token")
+    _check_offers(live, lengths, capacity)
+    _check_state_rows(state, live, counts.shape[0])
+    if live.size and int(steps[live].min()) < 0:
+        _fail("step: must be >= 0")
+
+    ids = np.full((lanes, width), -1, dtype=np.int32)
+    logprobs = np.zeros((lanes, width), dtype=np.float32)
+    accepted = np.zeros(lanes, dtype=np.int32)
+    emitted = np.zeros(lanes, dtype=np.int32)
+    pending = np.full(lanes, -1, dtype=np.int32)
+    touched = np.unique(state[live])
+    saved = counts[touched].copy()
+    try:
+        for lane in live.tolist():
+            row, start, offers = int(state[lane]), int(starts[lane]), int(lengths[lane]) - 1
+            per_lane: dict[str, Any] = {name: value[lane : lane + 1] for name, value in lane_settings.items()}
+            position = 0
+            while True:
+                drawn = sample(
+                    l32[start + position : start + position + 1],
+                    **per_lane,
+                    prompt_presence=presence[row : row + 1],
+                    output_counts=counts[row : row + 1],
+                    step=np.array([steps[lane] + position], dtype=np.int64),
+                    vocab_limit=vocab_limit,
+                )
+                token = int(drawn.ids[0])
+                ids[lane, position] = token
+                logprobs[lane, position] = drawn.logprobs[0]
+                counts[row, token] += 1
+                if position == offers or token != int(candidates[lane, position]):
+                    break
+                position += 1
+            accepted[lane] = position
+            emitted[lane] = position + 1
+            pending[lane] = token
+    except ValueError:
+        counts[touched] = saved
+        raise
+    return VerifyResult(ids=ids, logprobs=logprobs, accepted=accepted, emitted=emitted, pending=pending)

@@ -134,6 +134,7 @@ class RuntimeCapabilities:
             ct.OPERATION_MIXED,
             ct.OPERATION_SNAPSHOT,
             ct.OPERATION_RESTORE,
+            ct.OPERATION_SPECULATIVE,
         }
     )
     operators: frozenset[tuple[str, int]] = frozenset(CATALOGUE)

@@ -217,6 +217,43 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "of each lane's last token.",
     ),
     _spec(
+        "speculative_inputs",
+        ("pending_tokens", "rows", "candidate_ids", "query_length"),
+        ("ids",),
+        "Pack each lane's block of a speculative round: ids[start] = pending_tokens[rows[r]] and "
+        "ids[start + 1 + j] = candidate_ids[r, j] for j < query_length[r] - 1, with start the sum of the "
+        "earlier lanes' query lengths; entries past the total are left as they are.",
+    ),
+    _spec(
+        "sample_verify",
+        ("logits", "query_length", "candidate_ids", *sample_inputs()[1:]),
+        ("ids", "accepted", "emitted", "pending"),
+        "Sample each active lane's packed positions in order exactly as sample does one row (step "
+        "step[r] + j, counts as they are then), continuing while the token equals the copied candidate; "
+        "writes the emitted tokens, accepted candidates, emitted count and last token, and increments "
+        "output_counts[rows[r]] at each emitted token.",
+        optional_inputs=("logprob",),
+        updated_inputs=("output_counts",),
+        attributes=("vocab_limit",),
+    ),
+    _spec(
+        "completion_speculative",
+        ("generation", "query_length", "accepted", "emitted", "positions", "submission_sequence"),
+        (
+            "out_generation",
+            "out_offers",
+            "out_accepted",
+            "out_emitted",
+            "out_consumed",
+            "out_draft_cursor",
+            "out_reserved",
+            "out_sequence",
+        ),
+        "Write the per-lane completion record of a speculative round: echoed generation, offers "
+        "(query_length - 1), accepted and emitted counts, consumed endpoint (first position + accepted + 1 "
+        "on a lane that emitted), draft cursor -1, reserved -1, echoed submission sequence.",
+    ),
+    _spec(
         "log_softmax_gather",
         ("logits", "targets"),
         ("out",),

@@ -46,6 +46,9 @@ class LaneExpectation:
     """Top alternatives to read for this lane (a sampling lane of a request that asked for them)."""
     scores: tuple[int, int] = (0, 0)
     """(first packed token, count) of this lane's prompt scores to read (scored prefill only)."""
+    offers: int = -1
+    """A speculative lane: the proposals it was given (its ceiling); -1 for every other lane. Its
+    ``consumed`` is then the endpoint before the round: the record must report ``consumed + accepted + 1``."""
 
 
 class ExpectationBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
@@ -84,6 +87,12 @@ class LaneResult:
     """(id, logprob) of the top alternatives, best first (only when the lane asked for them)."""
     scores: list[float] = field(default_factory=list)
     """Prompt target logprobs of the lane's packed tokens (only when the lane asked for them)."""
+    tokens: list[int] = field(default_factory=list)
+    """A speculative lane: every emitted id in order (accepted proposals, then the target's token)."""
+    logprobs: list[float] = field(default_factory=list)
+    """A speculative lane: the logprob of each emitted id."""
+    accepted: int = 0
+    """A speculative lane: the proposals the target accepted."""
 
 
 class LaneResults(Sequence[LaneResult | CompletionError]):
@@ -183,6 +192,8 @@ class RecordViews:
             )
         ]
         ids = sampled.reshape(sampled.shape[0], -1)[:, 0]
+        if logprobs is not None:  # the first column: a speculative core's record is [rows, widest W]
+            logprobs = logprobs.reshape(logprobs.shape[0], -1)[:, 0] if logprobs.ndim > 1 else logprobs
         generation, reserved, cursor, consumed, emitted = per_lane
         return cls(
             record=record,
@@ -223,6 +234,8 @@ def read_lanes(
     top_ids = completion.get(mf.COMPLETION_FIELD_TOP_IDS)
     top_logprobs = completion.get(mf.COMPLETION_FIELD_TOP_LOGPROBS)
     prompt_scores = completion.get(mf.COMPLETION_FIELD_PROMPT_SCORES)
+    if any(lane.offers >= 0 for lane in lanes):
+        return _read_speculative(views, lanes, sampled_size)
     results: list[LaneResult | CompletionError] = []
     for index, lane in enumerate(lanes):
         problem = _lane_problem(
@@ -408,4 +421,93 @@ def _lane_problem(
         return f"emitted {emitted} tokens, expected {expected_emitted}"
     if lane.samples and not 0 <= token < sampled_size:
         return f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
+    return None
+
+
+def _read_speculative(
+    views: RecordViews, lanes: Sequence[LaneExpectation], sampled_size: int
+) -> list[LaneResult | CompletionError]:
+    """The lanes of a speculative round: each lane's offers, accepted drafts and emitted tokens checked
+    against what it was given before any of them is used.
+
+    Per lane: the echoed generation; the reserved field -1; offers equal to the proposals the lane was
+    given (its ceiling: the program verifies exactly the host-selected length); accepted at most the
+    offers; emitted exactly accepted + 1; the consumed endpoint the endpoint before the round plus the
+    emitted tokens; the draft cursor -1 (these programs report none); every emitted id inside the
+    sampled vocabulary. A lane that breaks a rule yields its CompletionError; the others are read.
+    """
+    record = views.record
+    count = len(lanes)
+    generations, reserved, cursors, consumed, emitted, _ = views.head(count)
+    offers_field = record.get(mf.COMPLETION_FIELD_OFFERS)
+    accepted_field = record.get(mf.COMPLETION_FIELD_ACCEPTED_DRAFTS)
+    if offers_field is None or accepted_field is None:
+        raise CompletionError("a speculative program's record has no offers or accepted drafts field")
+    offers, accepted = offers_field.reshape(-1), accepted_field.reshape(-1)
+    sampled = record[mf.COMPLETION_FIELD_SAMPLED_IDS]
+    ids = sampled.reshape(sampled.shape[0], -1)
+    logprob_field = record.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+    logprob_rows = logprob_field.reshape(logprob_field.shape[0], -1) if logprob_field is not None else None
+    if min(offers.shape[0], accepted.shape[0], ids.shape[0]) < count:
+        raise CompletionError(f"the record holds fewer than the round's {count} speculative lanes")
+    results: list[LaneResult | CompletionError] = []
+    for index, lane in enumerate(lanes):
+        problem = _speculative_problem(
+            lane,
+            int(generations[index]),
+            int(reserved[index]),
+            int(cursors[index]),
+            int(consumed[index]),
+            int(emitted[index]),
+            int(offers[index]),
+            int(accepted[index]),
+            ids.shape[1],
+        )
+        tokens: list[int] = []
+        if problem is None:
+            tokens = [int(token) for token in ids[index, : int(emitted[index])]]
+            outside = [token for token in tokens if not 0 <= token < sampled_size]
+            if outside:
+                problem = f"sampled id {outside[0]} lies outside the vocabulary [0, {sampled_size})"
+        if problem is not None:
+            results.append(CompletionError(f"lane {index}: {problem}"))
+            continue
+        values = (
+            [float(v) for v in logprob_rows[index, : len(tokens)]]
+            if logprob_rows is not None and logprob_rows.shape[1] >= len(tokens)
+            else [0.0] * len(tokens)
+        )
+        results.append(
+            LaneResult(tokens[-1], values[-1], tokens=tokens, logprobs=values, accepted=int(accepted[index]))
+        )
+    return results
+
+
+def _speculative_problem(
+    lane: LaneExpectation,
+    generation: int,
+    reserved: int,
+    cursor: int,
+    consumed: int,
+    emitted: int,
+    offers: int,
+    accepted: int,
+    width: int,
+) -> str | None:
+    if generation != lane.generation:
+        return f"generation {generation} is stale (expected {lane.generation})"
+    if reserved != -1:
+        return f"the reserved model field is {reserved}, not -1"
+    if offers != lane.offers:
+        return f"offers {offers} proposals; the lane's ceiling is {lane.offers}"
+    if not 0 <= accepted <= offers:
+        return f"accepted {accepted} drafts of {offers} offered"
+    if emitted != accepted + 1:
+        return f"emitted {emitted} tokens after accepting {accepted} drafts (expected {accepted + 1})"
+    if emitted > width:
+        return f"emitted {emitted} tokens; the record holds {width} per lane"
+    if consumed != lane.consumed + emitted:
+        return f"consumed endpoint {consumed}, expected {lane.consumed + emitted}"
+    if cursor != -1:
+        return f"draft cursor {cursor} from a program without one"
     return None

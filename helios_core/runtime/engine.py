@@ -522,6 +522,12 @@ class Engine:
             active_requests=len(scheduler.running),
             waiting_requests=len(scheduler.waiting) + len(self._backlog),
             max_active=scheduler.max_active,
+            speculative_lanes=dict(stats.speculative_lanes),
+            proposals_offered=dict(stats.proposals_offered),
+            drafts_accepted=dict(stats.drafts_accepted),
+            speculative_emitted=dict(stats.speculative_emitted),
+            offered_by_position=dict(stats.offered_by_position),
+            accepted_by_position=dict(stats.accepted_by_position),
         )
 
 

@@ -103,6 +103,8 @@ class Lane:
     mixed_prefill: bool = False
     snapshot_row: int = -1
     restore_row: int = -1
+    candidates: Sequence[int] = ()
+    """Copied proposals (a speculative lane): the tokens it offers after its pending token."""
 
     @property
     def query_length(self) -> int:
@@ -213,6 +215,9 @@ _ROW_SOURCES: dict[int, Callable[[Lane], float | int]] = {
     **sampling_row_sources(),
     ct.VALUE_SOURCE_SAMPLING_STEP: lambda lane: lane.sampling_step,
     ct.VALUE_SOURCE_CONSTRAINED: lambda lane: int(lane.grammar_mask is not None),
+    ct.VALUE_SOURCE_CANDIDATE_COUNT: lambda lane: len(lane.candidates),
+    ct.VALUE_SOURCE_CANDIDATE_GENERATION: lambda lane: lane.generation,
+    ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT: lambda lane: lane.consumed,
 }
 """Sources with one value per lane."""
 
@@ -226,7 +231,12 @@ _TOKEN_SOURCES: dict[int, Callable[[Lane, int], Sequence[int]]] = {
 """Sources with one value per packed token of a lane."""
 
 _VECTOR_SOURCES = frozenset(
-    {ct.VALUE_SOURCE_PAGE_TABLE, ct.VALUE_SOURCE_GRAMMAR_MASK, ct.VALUE_SOURCE_PROMPT_HISTOGRAM}
+    {
+        ct.VALUE_SOURCE_PAGE_TABLE,
+        ct.VALUE_SOURCE_GRAMMAR_MASK,
+        ct.VALUE_SOURCE_PROMPT_HISTOGRAM,
+        ct.VALUE_SOURCE_CANDIDATE_IDS,
+    }
 )
 """Sources with one row vector per lane."""
 
@@ -413,7 +423,18 @@ class _BindingWriter:
             flat[cursor : self.packed] = self.padding
 
     def _write_vectors(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
-        masks = self.source == ct.VALUE_SOURCE_GRAMMAR_MASK
+        source = self.source
+        if source == ct.VALUE_SOURCE_CANDIDATE_IDS:
+            width = dest.shape[-1] if dest.ndim > 1 else 0
+            for row, lane in enumerate(lanes):
+                if len(lane.candidates) > width:
+                    raise ValueError(
+                        f"lane {row} offers {len(lane.candidates)} candidates; {self.destination!r} holds {width}"
+                    )
+            vectors = [np.asarray(lane.candidates, dtype=np.int64) if lane.candidates else None for lane in lanes]
+            self._write_vector_rows(vectors, dest)
+            return
+        masks = source == ct.VALUE_SOURCE_GRAMMAR_MASK
         self._write_vector_rows([lane.grammar_mask if masks else lane.prompt_histogram for lane in lanes], dest)
 
     def _write_vector_rows(

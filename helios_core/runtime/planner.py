@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from helios_core.contract import PreparedContract, PreparedGraph, Selection
 from helios_core.runtime.completion import ExpectationBatch, LaneExpectation
+from helios_core.runtime.drafting import propose
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.packing import Column, Lane, LaneBatch
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
@@ -137,6 +138,17 @@ class RoundPlanner:
         restores = _variants(graphs, ct.OPERATION_RESTORE)
         self.snapshot = snapshots[0] if snapshots and restores else None
         self.restore = restores[0] if snapshots and restores else None
+        self.speculative = sorted(
+            (
+                g
+                for g in _variants(graphs, ct.OPERATION_SPECULATIVE)
+                if g.extents.token_capacity > 1 and _copies_proposals(g)
+            ),
+            key=lambda g: (g.extents.token_capacity, g.extents.batch_capacity),
+        )
+        """Speculative programs that verify copied proposals, narrowest first (history drafting uses them)."""
+        self.drafting = selection.history_drafting and bool(self.speculative)
+        self.context = contract.serving.context_tokens
         self.pipelining = True
         """Launch a follow-up decode round before the previous round's completion is read (two frames)."""
         self._phases: _Phases | None = None
@@ -163,6 +175,10 @@ class RoundPlanner:
         if prefill:
             return self._prefill_round(prefill, phases.decode)
         if phases.decode:
+            if self.drafting:
+                speculative = self._speculative_round(phases.decode)
+                if speculative is not None:
+                    return speculative
             return self._decode_round(phases.decode)
         return None
 
@@ -203,10 +219,16 @@ class RoundPlanner:
         consumed: int | None = None,
         snapshot_row: int = -1,
         restore_row: int = -1,
+        candidates: Sequence[int] = (),
     ) -> Lane:
-        """``state``'s lane computing ``positions`` (host-fed: their tokens are the slot's tokens there)."""
+        """``state``'s lane computing ``positions`` (host-fed: their tokens are the slot's tokens there;
+        a speculative lane's are its pending token and ``candidates``)."""
         table, slot = self.table, state.slot
         gate = state.gate
+        if candidates:
+            tokens = [*table.token_list(slot, positions.start, positions.start + 1), *candidates]
+        else:
+            tokens = table.token_list(slot, positions.start, positions.stop) if positions else []
         return Lane(
             slot=slot,
             generation=int(table.generation[slot]),
@@ -214,7 +236,7 @@ class RoundPlanner:
             positions=list(positions),
             cache_slots=table.cache_slots(slot, positions),
             page_table=table.page_list(slot),
-            tokens=table.token_list(slot, positions.start, positions.stop) if positions else [],
+            tokens=tokens,
             sample=sample,
             sampling=state.sampling,
             sampling_step=int(table.generated[slot]),
@@ -225,6 +247,7 @@ class RoundPlanner:
             mixed_prefill=mixed_prefill,
             snapshot_row=snapshot_row,
             restore_row=restore_row,
+            candidates=candidates,
         )
 
     def _histogram(self, slot: int, prompt_len: int) -> npt.NDArray[np.uint8]:
@@ -335,6 +358,69 @@ class RoundPlanner:
         lane = self._lane(state, positions, sample=last, score_targets=targets)
         expectation = self._expect(state, consumed + chunk, last, scores=(0, chunk))
         return self._lanes_plan(_smallest(self.scored, rows=1, tokens=chunk), [state], [lane], [expectation])
+
+    # -- speculative rounds --------------------------------------------------------------------------
+    def _speculative_round(self, decode: list[RequestState]) -> RoundPlan | None:
+        """A round verifying history proposals of the decode-ready requests, or None when plain decode is
+        planned instead: some request cannot speculate (a grammar, or top alternatives to read), or no
+        request has a proposal.
+
+        Each lane offers what :func:`~helios_core.runtime.drafting.propose` finds after its pending token,
+        at most the widest program's W - 1, one less than its tokens left and what its context and the
+        free pages hold (proposals are optional: they never preempt). The program is the narrowest width,
+        then the fewest rows, that holds every lane.
+        """
+        table, residency = self.table, self.residency
+        widest = self.speculative[-1].extents
+        rows = max(g.extents.batch_capacity for g in self.speculative)
+        members = sorted(decode, key=lambda s: s.arrival)[:rows]
+        if any(s.top or (s.gate is not None and s.gate.constrained) for s in members):
+            return None
+        proposals: list[list[int]] = []
+        for state in members:
+            slot = state.slot
+            consumed = int(table.consumed[slot])
+            limit = min(
+                widest.token_capacity - 1,
+                state.max_tokens - int(table.generated[slot]) - 1,
+                self.context - 1 - consumed,
+            )
+            history = table.tokens[slot, : consumed + 1]
+            proposals.append(propose(history, limit) if limit > 0 else [])
+        if not any(proposals):
+            return None
+        lanes: list[Lane] = []
+        kept: list[RequestState] = []
+        expectations: list[LaneExpectation] = []
+        taken: set[int] = set()
+        page_tokens = self.page_tokens
+        for state, candidates in zip(members, proposals, strict=True):
+            slot = state.slot
+            if slot < 0 or table.phase[slot] != Phase.DECODE:
+                continue  # preempted while an earlier member took a page
+            if not residency.ensure_page(state, exclude=taken):
+                residency.starved = True
+                continue
+            consumed = int(table.consumed[slot])
+            while candidates and (consumed + len(candidates)) // page_tokens >= table.page_count[slot]:
+                page = residency.allocator.allocate(1)
+                if page is None:  # a proposal's position without a page: offer fewer
+                    candidates = candidates[: int(table.page_count[slot]) * page_tokens - consumed - 1]
+                    break
+                table.add_pages(slot, page)
+            kept.append(state)
+            taken.add(slot)
+            lanes.append(
+                self._lane(state, range(consumed, consumed + 1 + len(candidates)), sample=True, candidates=candidates)
+            )
+            expectations.append(LaneExpectation(int(table.generation[slot]), consumed, True, 0, offers=len(candidates)))
+        if not lanes or not any(lane.candidates for lane in lanes):
+            return None
+        width = 1 + max(len(lane.candidates) for lane in lanes)
+        graph = next(
+            g for g in self.speculative if g.extents.token_capacity >= width and g.extents.batch_capacity >= len(lanes)
+        )
+        return self._lanes_plan(graph, kept, lanes, expectations)
 
     # -- decode rounds -------------------------------------------------------------------------------
     def _decode_round(self, decode: list[RequestState]) -> RoundPlan | None:
@@ -500,11 +586,12 @@ class RoundPlanner:
 
         Only when nothing needs completion feedback: a decode round of the current cohort whose requests
         have no host gates that hold rounds, no cancellation, at least two tokens left, no admission
-        waiting to change phase, and pages for the next position.
+        waiting to change phase, and pages for the next position, and no history drafting (its proposals
+        continue the tokens the previous round produced).
         """
         residency = self.residency
-        if not self.pipelining or plan.cohort < 0:
-            return None
+        if not self.pipelining or plan.cohort < 0 or self.drafting:
+            return None  # history drafting reads each round's tokens before it proposes the next
         if residency.waiting and residency.free_slots:
             return None
         cohort = self._cohort
@@ -541,6 +628,12 @@ class RoundPlanner:
                 return False
             table.add_pages(slot, page)
         return True
+
+
+def _copies_proposals(graph: PreparedGraph) -> bool:
+    """Whether ``graph`` verifies host-copied proposals (binds CANDIDATE_IDS and an exact QUERY_LENGTH)."""
+    sources = {binding.source for binding in graph.contract.bindings}
+    return ct.VALUE_SOURCE_CANDIDATE_IDS in sources and ct.VALUE_SOURCE_QUERY_LENGTH in sources
 
 
 def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:

@@ -30,6 +30,7 @@ import numpy.typing as npt
 from helios_core.runtime.completion import (
     CompletionError,
     ExpectationBatch,
+    LaneExpectation,
     LaneResult,
     LaneResults,
     as_results,
@@ -155,6 +156,9 @@ class RoundCompletion:
                 table.set_phase(slot, Phase.DECODE)
                 self.stats.restores += 1
                 continue
+            if operation == ct.OPERATION_SPECULATIVE:
+                self._apply_speculative(state, expectation, result, plan.graph.extents.token_capacity, events)
+                continue
             table.consumed[slot] = expectation.consumed
             residency.publish_pages(slot)
             if operation == ct.OPERATION_SCORED_PREFILL and not state.scores_sent:
@@ -190,6 +194,47 @@ class RoundCompletion:
             elif table.generated[slot] >= state.max_tokens:
                 residency.end(state)
                 events.append(residency.finished(state, "length"))
+
+    def _apply_speculative(
+        self,
+        state: RequestState,
+        expectation: LaneExpectation,
+        result: LaneResult,
+        width: int,
+        events: list[Outgoing],
+    ) -> None:
+        """A speculative lane: its pending token and accepted proposals are committed, and each emitted
+        token is appended and published in order until one ends the request (an EOS id, a host stop, the
+        output limit); the tokens after it are dropped."""
+        table, residency, slot = self.table, self.residency, state.slot
+        tokens = result.tokens
+        table.consumed[slot] = expectation.consumed + len(tokens)
+        self.stats.count_speculation(width, expectation.offers, result.accepted, len(tokens))
+        residency.publish_pages(slot)
+        stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
+        for token, logprob in zip(tokens, result.logprobs, strict=True):
+            table.append(slot, token)
+            outcome = None
+            if state.gate is not None:
+                try:
+                    outcome = state.gate.observe(token)
+                except Exception as exc:  # the request's own grammar or stops: it fails alone
+                    events.append(residency.fail(state, gate_failure(exc)))
+                    return
+            pieces = outcome.pieces if outcome is not None else [(token, "")]
+            events.append(TokenEvent(state.request_id, token, logprob, pieces, stamp))
+            if outcome is not None and outcome.stopped:
+                residency.end(state)
+                events.append(residency.finished(state, "stop", flush=False))
+                return
+            if token in self.eos and not state.ignore_eos:
+                residency.end(state)
+                events.append(residency.finished(state, "stop"))
+                return
+            if table.generated[slot] >= state.max_tokens:
+                residency.end(state)
+                events.append(residency.finished(state, "length"))
+                return
 
     # -- decode rounds -------------------------------------------------------------------------------
     def _lanes_of(self, plan: RoundPlan) -> _DecodeLanes:

@@ -33,6 +33,27 @@ class SchedulerStats:
     mixed_grammar_decode_steps: int = 0
     constrained_max_inflight: int = 0
 
+    speculative_lanes: dict[int, int] = field(default_factory=dict)
+    """Speculative lanes by their program's width W (this and the next three are keyed alike)."""
+    proposals_offered: dict[int, int] = field(default_factory=dict)
+    drafts_accepted: dict[int, int] = field(default_factory=dict)
+    speculative_emitted: dict[int, int] = field(default_factory=dict)
+    offered_by_position: dict[int, int] = field(default_factory=dict)
+    """Proposals offered at each draft position (1 = the first proposal after the pending token)."""
+    accepted_by_position: dict[int, int] = field(default_factory=dict)
+
+    def count_speculation(self, width: int, offered: int, accepted: int, emitted: int) -> None:
+        """One speculative lane of a program of width ``width``: ``offered`` proposals, ``accepted`` of them (a prefix),
+        ``emitted`` tokens."""
+        self.speculative_lanes[width] = self.speculative_lanes.get(width, 0) + 1
+        self.proposals_offered[width] = self.proposals_offered.get(width, 0) + offered
+        self.drafts_accepted[width] = self.drafts_accepted.get(width, 0) + accepted
+        self.speculative_emitted[width] = self.speculative_emitted.get(width, 0) + emitted
+        for position in range(1, offered + 1):
+            self.offered_by_position[position] = self.offered_by_position.get(position, 0) + 1
+            if position <= accepted:
+                self.accepted_by_position[position] = self.accepted_by_position.get(position, 0) + 1
+
     def count_round(self, graph: str, operation: str, lanes: int) -> None:
         self.rounds[operation] = self.rounds.get(operation, 0) + 1
         self.launches[graph] = self.launches.get(graph, 0) + 1
@@ -68,3 +89,9 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     active_requests: int
     waiting_requests: int
     max_active: int
+    speculative_lanes: dict[int, int] = {}
+    proposals_offered: dict[int, int] = {}
+    drafts_accepted: dict[int, int] = {}
+    speculative_emitted: dict[int, int] = {}
+    offered_by_position: dict[int, int] = {}
+    accepted_by_position: dict[int, int] = {}

@@ -126,6 +126,32 @@ class EngineCollector(Collector):
         yield _gauge("helios_requests_waiting", "Requests queued for a model slot.", s.waiting_requests)
         yield _gauge("helios_max_active", "Selected model slots (max_active).", s.max_active)
         yield _gauge("helios_http_admitted", "Requests holding an HTTP admission permit.", self._admitted())
+        for name, help_text, values in (
+            ("helios_speculative_lanes", "Speculative lanes, by program width.", s.speculative_lanes),
+            ("helios_speculative_proposals_offered", "Proposals offered to the target, by width.", s.proposals_offered),
+            ("helios_speculative_drafts_accepted", "Proposals the target accepted, by width.", s.drafts_accepted),
+            ("helios_speculative_tokens_emitted", "Tokens speculative lanes emitted, by width.", s.speculative_emitted),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["width"])
+            for width, count in sorted(values.items()):
+                family.add_metric([str(width)], count)
+            yield family
+        for name, help_text, values in (
+            (
+                "helios_speculative_offered_by_position",
+                "Proposals offered at each draft position (1 is the first after the pending token).",
+                s.offered_by_position,
+            ),
+            (
+                "helios_speculative_accepted_by_position",
+                "Proposals accepted at each draft position.",
+                s.accepted_by_position,
+            ),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["position"])
+            for position, count in sorted(values.items()):
+                family.add_metric([str(position)], count)
+            yield family
         yield _counter(
             "flare_mixed_grammar_decode_steps",
             "Successful decode submissions whose lanes include constrained and unconstrained requests.",

@@ -1182,9 +1182,15 @@ def test_more_ranks_than_the_runtime_has(parts) -> None:
     check_runtime_support(parts.prepare(), RuntimeCapabilities(ranks=2))
 
 
-def test_speculative_operation_is_unsupported(parts) -> None:
+def test_speculative_operation_is_supported_and_a_runtime_without_it_refuses(parts) -> None:
     parts.add_speculative()
-    unsupported(parts, "graph 'speculative_w4' has operation speculative, which this runtime does not implement yet")
+    check_runtime_support(parts.prepare(), RuntimeCapabilities())
+    without = RuntimeCapabilities().operations - {ct.OPERATION_SPECULATIVE}
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        check_runtime_support(parts.prepare(), RuntimeCapabilities(operations=without))
+    assert "graph 'speculative_w4' has operation speculative, which this runtime does not implement yet" in str(
+        caught.value
+    )
 
 
 @pytest.mark.parametrize(

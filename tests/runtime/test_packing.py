@@ -167,10 +167,12 @@ def test_a_source_packing_cannot_supply_fails_at_startup(contract: PreparedContr
     graph = _with_bindings(
         contract.graphs["decode_b1"],
         ct.ValueBinding(
-            destination="input_ids", source=ct.VALUE_SOURCE_CANDIDATE_IDS, indexing=ct.INDEXING_PACKED_TOKEN
+            destination="input_ids",
+            source=ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT,
+            indexing=ct.INDEXING_SUBMISSION_ROW,
         ),
     )
-    with pytest.raises(UnsupportedFeatureError, match="VALUE_SOURCE_CANDIDATE_IDS"):
+    with pytest.raises(UnsupportedFeatureError, match="VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT"):
         GraphPacker(graph, poisoned_staging(contract))
 
 

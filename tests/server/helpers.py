@@ -33,8 +33,10 @@ def build_synthetic_core(
     max_rows: int = 2,
     prefill_tokens: tuple[int, ...] = (64, 256),
     decode_rows: tuple[int, ...] = (1, 2),
+    speculative_widths: tuple[int, ...] = (),
 ) -> BuiltCore:
-    """Build and sign a ``tiny`` synthetic core in ``tmp`` (fresh keys, no snapshot rows)."""
+    """Build and sign a ``tiny`` synthetic core in ``tmp`` (fresh keys, no snapshot rows; speculative
+    programs verifying copied proposals at ``speculative_widths``)."""
     from ignition.build import build_core
     from ignition.recipes.llama import Capacities
     from ignition.recipes.synthetic import synthetic_declaration
@@ -45,7 +47,7 @@ def build_synthetic_core(
     core = tmp / "synthetic.core"
     caps = Capacities(
         max_rows=max_rows, prefill_tokens=prefill_tokens, decode_rows=decode_rows, page_tokens=16, cache_pages=128,
-        context=context, snapshots=0,
+        context=context, snapshots=0, speculative_widths=speculative_widths,
     )  # fmt: skip
     build_core(
         synthetic_declaration("tiny", seed=seed, tool_syntax=tool_syntax), core, caps=caps,

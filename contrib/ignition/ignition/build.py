@@ -58,6 +58,21 @@ def default_frontend() -> ct.FrontendContract:
     )
 
 
+def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
+    """Refuse speculative programs for any target but ``reference``.
+
+    Raises:
+        ValueError: ``caps`` declares speculative widths and ``targets`` names a GPU target (no
+            kernels exist for the speculative operators yet).
+    """
+    gpu = [t for t in targets if t != "reference"]
+    if caps.speculative_widths and gpu:
+        raise ValueError(
+            "speculative programs are built for the reference target only; "
+            f"build with --targets reference, or without --speculative for {', '.join(gpu)}"
+        )
+
+
 def assemble(
     model: TextModelDeclaration,
     caps: Capacities,
@@ -72,7 +87,12 @@ def assemble(
     With GPU targets (or ``kernel_graph``) the programs are written as kernel graphs: fused
     operators over packed projection weights, six nodes a layer. GPU targets then give every node
     the launches of each target. The reference backend runs either graph.
+
+    Raises:
+        ValueError: speculative widths with GPU targets (no kernels exist for the speculative
+            operators yet).
     """
+    check_speculative_targets(caps, gpu_targets)
     builder = ManifestBuilder()
     writer = LlamaProgramWriter(
         builder,
@@ -141,6 +161,10 @@ def assemble(
         snapshot_capacity=caps.snapshots,
         max_concurrency=caps.max_rows,
     )
+    # The spec makes history drafting (copied proposals) a startup option that requires learned speculation
+    # enabled in the core, and copied-token inputs in every wider program, which these programs bind.
+    serving.speculative_widths.extend(caps.speculative_widths)
+    serving.learned_speculation = bool(caps.speculative_widths)
     serving.defaults.sampling.CopyFrom(model.sampling)
     serving.defaults.max_output_tokens = model.max_output_tokens
     serving.defaults.eos_token_ids.extend(model.eos_token_ids)

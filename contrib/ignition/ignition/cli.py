@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from helios_core.errors import HeliosError
-from ignition.recipes.llama import Capacities
+from ignition.recipes.llama import SPECULATION_KINDS, Capacities, speculative_widths
 from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
 from ignition.recipes.synthetic import TOOL_SYNTAXES
 
@@ -79,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="tool-call syntax (llama-synthetic: any; smollm2-135m-instruct: none or json-tags)",
     )
+    build.add_argument(
+        "--speculative",
+        choices=SPECULATION_KINDS,
+        help="add speculative programs (history: verify proposals copied by the server; reference target only)",
+    )
+    build.add_argument(
+        "--draft-tokens",
+        type=int,
+        help="proposals a speculative round can verify (N >= 1): widths 1, 2, 4, 8 up to N + 1",
+    )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
 
@@ -96,6 +106,13 @@ def run_build(args: argparse.Namespace) -> int:
     from helios_core.container.keys import generate_keys, load_core_key, load_private_key
 
     progress = ProgressBar(enabled=not args.quiet and sys.stderr.isatty())
+    widths: tuple[int, ...] = ()
+    if args.speculative is not None:
+        if args.draft_tokens is None:
+            raise HeliosError(f"--speculative {args.speculative} needs --draft-tokens N (N >= 1)")
+        widths = speculative_widths(args.draft_tokens)
+    elif args.draft_tokens is not None:
+        raise HeliosError("--draft-tokens needs --speculative history")
     caps = Capacities(
         max_rows=args.max_rows,
         prefill_tokens=tuple(sorted(args.prefill_tokens)),
@@ -103,7 +120,12 @@ def run_build(args: argparse.Namespace) -> int:
         page_tokens=args.page_tokens,
         cache_pages=args.cache_pages,
         context=args.context,
+        speculative_widths=widths,
     )
+    targets = tuple(t for t in args.targets.split(",") if t)
+    from ignition.build import check_speculative_targets
+
+    check_speculative_targets(caps, targets)  # before reading any weights
     if max(caps.decode_rows) != caps.max_rows:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
     if args.recipe == "smollm2-135m-instruct" and args.tool_syntax not in SMOLLM2_TOOL_SYNTAXES:
@@ -138,7 +160,6 @@ def run_build(args: argparse.Namespace) -> int:
 
     from ignition.build import build_core
 
-    targets = tuple(t for t in args.targets.split(",") if t)
     started = time.monotonic()
     serving = build_core(
         model,

@@ -4,7 +4,9 @@ Owns the transport entries, persistent state and completion buffers that every
 paged text model shares, and the value bindings that feed them. A recipe binds
 its programs to these declarations by name; it cannot install scheduling or
 state-update code: everything here is data (bindings, views, buffers) that
-Helios' shared packing and scheduler interpret. The bindings of the request
+Helios' shared packing and scheduler interpret. Speculative programs add
+copied-proposal entries (:func:`declare_speculative`) and a completion record
+as wide as their widest verification. The bindings of the request
 sampling settings follow Helios' sampling parameter declaration
 (:data:`helios_core.sampling.SAMPLING_PARAMETERS`).
 """
@@ -40,6 +42,9 @@ class TextCapacities:
     pages_per_row: int
     vocab_width: int
     top_logprobs: int = 5
+    emitted_capacity: int = 1
+    """Sampled ids (and their logprobs) per lane in the completion record: 1, or the widest speculative
+    program's W when the core has speculative programs (one record layout for every program)."""
 
 
 @dataclass(frozen=True)
@@ -127,9 +132,12 @@ def declare_paged_text(builder: ManifestBuilder, caps: TextCapacities) -> Shared
 
     done = mf.BUFFER_ROLE_COMPLETION
     n = max(caps.top_logprobs, 1)
+    e = caps.emitted_capacity
+    if e < 1:
+        raise ValueError(f"emitted_capacity must be positive, got {e}")
     completion = {
-        "out_sampled_ids": ("out_sampled_ids", mf.DTYPE_I32, [b, 1], mf.COMPLETION_FIELD_SAMPLED_IDS),
-        "out_logprobs": ("out_logprobs", mf.DTYPE_F32, [b, 1], mf.COMPLETION_FIELD_SAMPLED_LOGPROBS),
+        "out_sampled_ids": ("out_sampled_ids", mf.DTYPE_I32, [b, e], mf.COMPLETION_FIELD_SAMPLED_IDS),
+        "out_logprobs": ("out_logprobs", mf.DTYPE_F32, [b, e], mf.COMPLETION_FIELD_SAMPLED_LOGPROBS),
         "out_top_ids": ("out_top_ids", mf.DTYPE_I32, [b, n], mf.COMPLETION_FIELD_TOP_IDS),
         "out_top_logprobs": ("out_top_logprobs", mf.DTYPE_F32, [b, n], mf.COMPLETION_FIELD_TOP_LOGPROBS),
         "out_generation": ("out_generation", mf.DTYPE_I32, [b], mf.COMPLETION_FIELD_GENERATION),
@@ -300,6 +308,67 @@ def sampling_state_accesses() -> list[ct.StateAccess]:
     ]
 
 
-def target_rng() -> list[ct.RngReservation]:
-    """One target draw per sampled row per round."""
-    return [ct.RngReservation(stream="target", draws_per_row=1)]
+def target_rng(draws_per_row: int = 1) -> list[ct.RngReservation]:
+    """Target draws per sampled row per round: one, or W for a speculative program of width W."""
+    return [ct.RngReservation(stream="target", draws_per_row=draws_per_row)]
+
+
+@dataclass(frozen=True)
+class SpeculativeViews:
+    """Views of the copied-proposal declarations of speculative programs and their record fields."""
+
+    candidate_ids: dict[int, View]
+    """Per width W above one: ``candidate_ids_w{W}`` [B, W - 1], one row of copied proposals a lane."""
+    candidate_count: View
+    candidate_generation: View
+    candidate_consumed: View
+    out_offers: View
+    out_accepted: View
+
+
+def declare_speculative(builder: ManifestBuilder, caps: TextCapacities, widths: Iterable[int]) -> SpeculativeViews:
+    """Declare the copied-proposal transport entries and the offers/accepted completion fields.
+
+    Each width W above one gets its own ``candidate_ids_w{W}`` entry of W - 1 columns, so a program of
+    that width reads its lanes' proposals as contiguous ``[B, W - 1]`` rows. Count, generation and
+    consumed endpoint are one value a lane, shared by every width. The completion record's sampled ids
+    and logprobs must already be declared ``caps.emitted_capacity`` wide (:func:`declare_paged_text`).
+    """
+    b = caps.max_rows
+    ordered = sorted(set(widths))
+    if not ordered or ordered[0] < 1:
+        raise ValueError(f"speculative widths must be positive, got {ordered}")
+    if ordered[-1] > caps.emitted_capacity:
+        raise ValueError(
+            f"the widest speculative program (W = {ordered[-1]}) emits more than the completion record's "
+            f"{caps.emitted_capacity} ids a lane"
+        )
+    t = builder.transport_entry
+    done = mf.BUFFER_ROLE_COMPLETION
+    views = SpeculativeViews(
+        candidate_ids={w: t(f"candidate_ids_w{w}", mf.DTYPE_I32, [b, w - 1]) for w in ordered if w > 1},
+        candidate_count=t("candidate_count", mf.DTYPE_I32, [b]),
+        candidate_generation=t("candidate_generation", mf.DTYPE_I32, [b]),
+        candidate_consumed=t("candidate_consumed", mf.DTYPE_I32, [b]),
+        out_offers=builder.buffer("out_offers", done, mf.DTYPE_I32, [b]),
+        out_accepted=builder.buffer("out_accepted", done, mf.DTYPE_I32, [b]),
+    )
+    builder.completion(mf.COMPLETION_FIELD_OFFERS, "out_offers")
+    builder.completion(mf.COMPLETION_FIELD_ACCEPTED_DRAFTS, "out_accepted")
+    return views
+
+
+def speculative_bindings(width: int) -> list[ct.ValueBinding]:
+    """The copied proposals of a speculative program of width W (exact lengths come from QUERY_LENGTH).
+
+    ``candidate_ids_w{W}`` (-1 padding) is bound only above width one; count (0 padding), generation and
+    consumed endpoint (-1 padding) are always bound, so the runtime can check what it copied.
+    """
+    found = [
+        binding("candidate_count", ct.VALUE_SOURCE_CANDIDATE_COUNT, SUB, padding=0),
+        binding("candidate_generation", ct.VALUE_SOURCE_CANDIDATE_GENERATION, SUB, padding=-1),
+        binding("candidate_consumed", ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT, SUB, padding=-1),
+    ]
+    if width > 1:
+        found.insert(0, binding(f"candidate_ids_w{width}", ct.VALUE_SOURCE_CANDIDATE_IDS, SUB, padding=-1))
+    return found

@@ -10,7 +10,10 @@ needs arrays named as below.
 Programs: ``initialize`` (admission state), ``prefill_p{P}`` (chunked prompt
 processing; also serves mixed rounds), ``mixed_p{P}``, ``scored_prefill_p{P}``
 (prompt scores), ``resume_p{P}`` (continuing after a restore),
-``decode_b{B}`` (one token per row, device-owned pending token) and, when
+``decode_b{B}`` (one token per row, device-owned pending token),
+``speculative_w{W}_b{B}`` when speculative widths are declared (each lane's
+pending token and up to W - 1 copied proposals verified in one round; the
+completion record then holds W ids a lane for the widest W) and, when
 snapshots are declared, ``snapshot`` and ``restore``: a snapshot copies the
 partial last page of every plane into continuation storage and the sampling
 state into snapshot rows (complete pages stay shared, immutable, in the
@@ -72,14 +75,46 @@ class Capacities:
     top_logprobs: int = 5
     snapshots: int = 8
     """Snapshot rows (working set); 0 declares no snapshot or restore programs."""
+    speculative_widths: tuple[int, ...] = ()
+    """Widths W of the ``speculative_w{W}_b{B}`` programs (one per decode row count each); () for none."""
+
+    @property
+    def widest_speculation(self) -> int:
+        """The widest speculative W, 1 without speculative programs (the completion record's width)."""
+        return max(self.speculative_widths, default=1)
 
     @property
     def pages_per_row(self) -> int:
-        return -(-self.context // self.page_tokens)
+        """Pages of a lane's page-table row: the context, plus the W - 1 positions a widest speculative
+        round may reach past the last context position (every lane's full ceiling fits its row)."""
+        return -(-(self.context + self.widest_speculation - 1) // self.page_tokens)
+
+    @property
+    def speculative_packed(self) -> int:
+        """P of the largest speculative program (B x W), 0 without speculative programs."""
+        return max(self.decode_rows) * self.widest_speculation if self.speculative_widths else 0
 
     @property
     def max_packed(self) -> int:
-        return max(max(self.prefill_tokens), max(self.decode_rows))
+        return max(max(self.prefill_tokens), max(self.decode_rows), self.speculative_packed)
+
+
+SPECULATIVE_WIDTHS = (1, 2, 4, 8)
+"""The widths speculative programs are built at (those of at most N + 1 for N draft tokens)."""
+
+SPECULATION_KINDS = ("history",)
+"""Proposal sources a core's speculative programs are built for: ``history`` verifies copied proposals."""
+
+
+def speculative_widths(draft_tokens: int) -> tuple[int, ...]:
+    """The widths W in :data:`SPECULATIVE_WIDTHS` with W <= ``draft_tokens`` + 1.
+
+    Raises:
+        ValueError: ``draft_tokens`` below 1.
+    """
+    if draft_tokens < 1:
+        raise ValueError(f"--draft-tokens must be at least 1 (the proposals a round verifies), got {draft_tokens}")
+    return tuple(w for w in SPECULATIVE_WIDTHS if w <= draft_tokens + 1)
 
 
 @dataclass
@@ -100,6 +135,26 @@ class _Scratch:
     all_logits: View
     ids: View
     gate_up: View | None = None
+    sampled_ids: View | None = None
+    """[B, 1] ids a non-speculative program samples, when the completion record is wider than one id."""
+    sampled_logprob: View | None = None
+    """[B, 1] their logprobs (as ``sampled_ids``)."""
+
+
+@dataclass
+class _SpeculativeScratch:
+    """Activations of speculative programs (packed ids, verification results before the record)."""
+
+    ids: View
+    """[P] packed ids: each lane's pending token, then its copied candidates."""
+    verify_ids: View
+    """[B x W] emitted ids of a verification narrower than the record."""
+    verify_logprob: View
+    """[B x W] their logprobs."""
+    accepted: View
+    emitted: View
+    pending: View
+    """[B, 1] each lane's last emitted token, the next pending token."""
 
 
 def tensor_names(layer: int) -> dict[str, str]:
@@ -144,8 +199,13 @@ class LlamaProgramWriter:
             pages_per_row=caps.pages_per_row,
             vocab_width=shape.vocab,
             top_logprobs=caps.top_logprobs,
+            emitted_capacity=caps.widest_speculation,
         )
         self.shared = decl.declare_paged_text(builder, self.text_caps)
+        self.speculative: decl.SpeculativeViews | None = None
+        self.record_rows: dict[int, View] = {}
+        if caps.speculative_widths:
+            self._declare_speculative()
         self._declare_weights(weights, bf16)
         self._declare_cache()
         self.snapshots: decl.SnapshotViews | None = None
@@ -154,6 +214,7 @@ class LlamaProgramWriter:
         if caps.snapshots > 0:
             self._declare_continuation()
         self.scratch = self._declare_scratch()
+        self.speculative_scratch = self._declare_speculative_scratch() if self.speculative is not None else None
 
     # -- declarations --------------------------------------------------------
     def _declare_weights(self, weights: Weights, bf16: bool) -> None:
@@ -186,6 +247,27 @@ class LlamaProgramWriter:
         self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
         head = weights.get("output.weight")
         self.lm_head = w("output.weight", head, "weights.head", bf16=bf16) if head is not None else self.tok_embd
+
+    def _declare_speculative(self) -> None:
+        """Copied-proposal inputs, and the row tables that place narrower results in the wide record.
+
+        The record holds ``R = caps.widest_speculation`` ids a lane. A program whose lanes yield W < R
+        ids (decode and prefill: 1; a narrower speculative program: its W) writes them to scratch, then
+        copies lane i's W values to row ``i x R / W`` of the record viewed as ``[B x R / W, W]`` (W
+        divides R: widths are powers of two). ``record_rows[W]`` holds those row numbers (an immutable
+        int32 table in the ``constants`` resource).
+        """
+        caps = self.caps
+        widths = caps.speculative_widths
+        widest = caps.widest_speculation
+        unknown = sorted(set(widths) - set(SPECULATIVE_WIDTHS))
+        if unknown:
+            raise ValueError(f"speculative widths {unknown} are not among {SPECULATIVE_WIDTHS}")
+        self.speculative = decl.declare_speculative(self.builder, self.text_caps, widths)
+        for width in sorted({1, *widths}):
+            if width < widest:
+                rows = np.arange(caps.max_rows, dtype=np.int32) * np.int32(widest // width)  # [B]
+                self.record_rows[width] = self.builder.weight(f"layout.record_rows_w{width}", rows, "constants")
 
     def _declare_cache(self) -> None:
         s, c = self.shape, self.caps
@@ -245,9 +327,27 @@ class LlamaProgramWriter:
             last_index=buf("last_index", [b], mf.DTYPE_I32),
             last_h=buf("last_h", [b, s.hidden]),
             logits=buf("logits", [b, s.vocab]),
-            all_logits=buf("all_logits", [max(c.prefill_tokens), s.vocab]),
+            all_logits=buf("all_logits", [max(max(c.prefill_tokens), c.speculative_packed), s.vocab]),
             ids=buf("ids", [b, 1], mf.DTYPE_I32),
             gate_up=buf("gate_up", [p, 2 * s.ffn]) if self.fused else None,
+            sampled_ids=buf("sampled_ids", [b, 1], mf.DTYPE_I32) if c.widest_speculation > 1 else None,
+            sampled_logprob=buf("sampled_logprob", [b, 1]) if c.widest_speculation > 1 else None,
+        )
+
+    def _declare_speculative_scratch(self) -> _SpeculativeScratch:
+        c = self.caps
+        b, widest = c.max_rows, c.widest_speculation
+
+        def buf(name: str, shape: Sequence[int], dtype: int = mf.DTYPE_I32) -> View:
+            return self.builder.buffer(f"scratch.speculative.{name}", mf.BUFFER_ROLE_SCRATCH, dtype, shape)
+
+        return _SpeculativeScratch(
+            ids=buf("ids", [c.speculative_packed]),
+            verify_ids=buf("verify_ids", [b * widest]),
+            verify_logprob=buf("verify_logprob", [b * widest], mf.DTYPE_F32),
+            accepted=buf("accepted", [b]),
+            emitted=buf("emitted", [b]),
+            pending=buf("pending", [b, 1]),
         )
 
     # -- dataflow --------------------------------------------------------------
@@ -386,7 +486,10 @@ class LlamaProgramWriter:
         last_index = prefix(sc.last_index, r)
         last_h = prefix(sc.last_h, r)
         logits = prefix(sc.logits, r)
-        ids = prefix(sh.out_sampled_ids, r)
+        wide = sc.sampled_ids is not None and sc.sampled_logprob is not None
+        # With a record wider than one id a lane, the ids and logprobs go to scratch and then to column 0.
+        ids = prefix(sc.sampled_ids, r) if sc.sampled_ids is not None else prefix(sh.out_sampled_ids, r)
+        logprob = prefix(sc.sampled_logprob, r) if sc.sampled_logprob is not None else prefix(sh.out_logprobs, r)
         prog.node("lane_last_index", {"query_length": prefix(sh.query_length, r), "out": last_index})
         prog.node("gather_rows", {"x": prefix(sc.h, tokens), "index": last_index, "out": last_h})
         if self.fused:
@@ -421,12 +524,15 @@ class LlamaProgramWriter:
                 "allowed_mask": prefix(sh.grammar_mask, r),
                 "constrained": prefix(sh.constrained, r),
                 "ids": ids,
-                "logprob": prefix(sh.out_logprobs, r),
+                "logprob": logprob,
                 "top_ids": prefix(sh.out_top_ids, r),
                 "top_logprobs": prefix(sh.out_top_logprobs, r),
             },
             {"vocab_limit": self.sampled_size, "top_n": self.caps.top_logprobs},
         )
+        if wide:
+            self._into_record(prog, ids, sh.out_sampled_ids, "record_ids")
+            self._into_record(prog, logprob, sh.out_logprobs, "record_logprobs")
         prog.node(
             "copy_rows",
             {
@@ -452,6 +558,24 @@ class LlamaProgramWriter:
                 "out_reserved": prefix(sh.out_reserved, r),
                 "out_sequence": sh.out_sequence,
             },
+        )
+
+    def _into_record(self, prog: ProgramBuilder, values: View, record: View, name: str) -> None:
+        """Copy ``values`` [r, W] (W dividing the record's width R) to the record's first W columns.
+
+        The record [B, R] is viewed as [B x R / W, W]; lane i's row goes to row i x R / W
+        (``record_rows[W]``, see :meth:`_declare_speculative`).
+        """
+        lanes, width = values.shape
+        rows_total, record_width = record.shape
+        prog.node(
+            "copy_rows",
+            {
+                "src": values,
+                "dst_rows": prefix(self.record_rows[width], lanes),
+                "dst": View(record.buffer, (rows_total * record_width // width, width)),
+            },
+            name=name,
         )
 
     # -- programs --------------------------------------------------------------
@@ -570,9 +694,154 @@ class LlamaProgramWriter:
                     pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
                 )
             )
+        if self.speculative is not None:
+            graphs.extend(self._speculative_programs(self.speculative))
         if self.snapshots is not None:
             graphs.extend(self._snapshot_programs(self.snapshots))
         return graphs
+
+    def _speculative_programs(self, spec: decl.SpeculativeViews) -> list[ct.GraphContract]:
+        """``speculative_w{W}_b{B}``: verify copied proposals, W tokens a lane, for each decode B.
+
+        Each lane's packed block is its device-owned pending token and then its copied candidates
+        (QUERY_LENGTH, chosen by the host, says how many); the decoder runs over all P = B x W packed
+        tokens (causal within each lane's block), the LM head over every packed row, and
+        ``sample_verify`` samples each lane's positions in order while they match its candidates. The
+        last emitted token becomes the pending token. A width-one program has no candidate inputs: its
+        ``candidate_ids`` argument is an empty [B, 0] view.
+        """
+        graphs: list[ct.GraphContract] = []
+        for rows in self.caps.decode_rows:
+            for width in self.caps.speculative_widths:
+                name = f"speculative_w{width}_b{rows}"
+                prog = ProgramBuilder(name, ct.OPERATION_SPECULATIVE)
+                self._speculative_body(prog, spec, rows, width)
+                self.builder.add_program(prog)
+                bindings = (
+                    decl.lane_bindings()
+                    + decl.packed_token_bindings(host_tokens=False)
+                    + decl.sampling_bindings()
+                    + decl.speculative_bindings(width)
+                )
+                graph = self._graph(
+                    name,
+                    ct.OPERATION_SPECULATIVE,
+                    rows,
+                    rows * width,
+                    bindings,
+                    decl.sampling_state_accesses(),
+                    pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
+                )
+                graph.extents.token_capacity = width
+                graph.extents.verify_tokens = width
+                graph.extents.draft_tokens = width - 1
+                graph.confidence_width = 0
+                graph.cursor.reports_draft_cursor = False
+                del graph.rng_reservations[:]
+                graph.rng_reservations.extend(decl.target_rng(draws_per_row=width))
+                graph.logprobs.top_n = 0
+                graphs.append(graph)
+        return graphs
+
+    def _speculative_body(self, prog: ProgramBuilder, spec: decl.SpeculativeViews, rows: int, width: int) -> None:
+        s, sh, sc = self.shape, self.shared, self.scratch
+        sp = self.speculative_scratch
+        if sp is None:
+            raise ValueError("speculative programs need the speculative scratch buffers")
+        r, p = rows, rows * width
+        widest = self.caps.widest_speculation
+        packed_ids = prefix(sp.ids, p)  # [P]
+        candidates = prefix(spec.candidate_ids[width], r) if width > 1 else View(sp.accepted.buffer, (r, 0))
+        query_length = prefix(sh.query_length, r)
+        state_rows = prefix(sh.state_rows, r)
+        prog.node(
+            "speculative_inputs",
+            {
+                "pending_tokens": sh.pending_tokens,
+                "rows": state_rows,
+                "candidate_ids": candidates,
+                "query_length": query_length,
+                "ids": packed_ids,
+            },
+        )
+        self._decoder(prog, r, p, packed_ids)
+        logits = prefix(sc.all_logits, p)  # [P, V]: every packed row is verified
+        if self.fused:
+            prog.node(
+                "rmsnorm_linear",
+                {"x": prefix(sc.h, p), "norm_weight": self.out_norm, "weight": self.lm_head, "out": logits},
+                {"eps": s.rms_eps},
+                name="lm_head",
+            )
+        else:
+            normed = prefix(sc.xn, p)
+            prog.node(
+                "rmsnorm",
+                {"x": prefix(sc.h, p), "weight": self.out_norm, "out": normed},
+                {"eps": s.rms_eps},
+                name="final_norm",
+            )
+            prog.node("linear", {"x": normed, "weight": self.lm_head, "out": logits}, name="lm_head")
+        # The widest program writes the record directly; a narrower one through scratch (see _into_record).
+        if width == widest:
+            ids, logprob = prefix(sh.out_sampled_ids, r), prefix(sh.out_logprobs, r)
+        else:
+            ids, logprob = View(sp.verify_ids.buffer, (r, width)), View(sp.verify_logprob.buffer, (r, width))
+        pending = prefix(sp.pending, r)  # [B, 1]
+        prog.node(
+            "sample_verify",
+            {
+                "logits": logits,
+                "query_length": query_length,
+                "candidate_ids": candidates,
+                "temperature": prefix(sh.temperature, r),
+                "top_k": prefix(sh.top_k, r),
+                "top_p": prefix(sh.top_p, r),
+                "min_p": prefix(sh.min_p, r),
+                "repetition_penalty": prefix(sh.repetition_penalty, r),
+                "frequency_penalty": prefix(sh.frequency_penalty, r),
+                "presence_penalty": prefix(sh.presence_penalty, r),
+                "prompt_presence": sh.prompt_presence,
+                "output_counts": sh.output_counts,
+                "rows": state_rows,
+                "seed": prefix(sh.seed, r),
+                "step": prefix(sh.sampling_step, r),
+                "active": prefix(sh.sample_active, r),
+                "ids": ids,
+                "accepted": prefix(sp.accepted, r),
+                "emitted": prefix(sp.emitted, r),
+                "pending": View(pending.buffer, (r,)),
+                "logprob": logprob,
+            },
+            {"vocab_limit": self.sampled_size},
+        )
+        if width < widest:
+            self._into_record(prog, ids, sh.out_sampled_ids, "record_ids")
+            self._into_record(prog, logprob, sh.out_logprobs, "record_logprobs")
+        prog.node(
+            "copy_rows",
+            {"src": pending, "dst_rows": state_rows, "when": prefix(sh.sample_active, r), "dst": sh.pending_tokens},
+            name="store_pending_token",
+        )
+        prog.node(
+            "completion_speculative",
+            {
+                "generation": prefix(sh.generation, r),
+                "query_length": query_length,
+                "accepted": prefix(sp.accepted, r),
+                "emitted": prefix(sp.emitted, r),
+                "positions": prefix(sh.positions, p),
+                "submission_sequence": sh.submission_sequence,
+                "out_generation": prefix(sh.out_generation, r),
+                "out_offers": prefix(spec.out_offers, r),
+                "out_accepted": prefix(spec.out_accepted, r),
+                "out_emitted": prefix(sh.out_emitted, r),
+                "out_consumed": prefix(sh.out_consumed, r),
+                "out_draft_cursor": prefix(sh.out_draft_cursor, r),
+                "out_reserved": prefix(sh.out_reserved, r),
+                "out_sequence": sh.out_sequence,
+            },
+        )
 
     def _snapshot_programs(self, snap: decl.SnapshotViews) -> list[ct.GraphContract]:
         """``snapshot`` and ``restore``: one request per round, no sampling."""
