@@ -602,6 +602,165 @@ def _log_softmax_gather(n: _Node) -> Step:
     return step
 
 
+def _lane_positions(n: _Node) -> Step:
+    consumed, page_table, limit = n.tensor("consumed").reshape(-1), n.tensor("page_table"), n.tensor("limit")
+    outputs = {name: n.tensor(name).reshape(-1) for name in ("positions", "token_rows", "cache_slots")}
+    offset, page_tokens = n.attr_int("offset"), n.attr_int("page_tokens")
+    if page_table.ndim != 2:
+        raise n.fail(f"page_table {page_table.shape} must be [lanes, pages]")
+    lanes = page_table.shape[0]
+    for name, array in {"consumed": consumed, "limit": limit, **outputs}.items():
+        if array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    where = n.where
+
+    def step() -> None:
+        try:
+            found = rk.lane_positions(consumed, page_table, limit.reshape(-1), offset=offset, page_tokens=page_tokens)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        outputs["positions"][...] = found.positions
+        outputs["token_rows"][...] = found.token_rows
+        outputs["cache_slots"][...] = found.cache_slots
+
+    return step
+
+
+def _draft_argmax(n: _Node) -> Step:
+    logits = n.floats("logits")
+    ids, confidence = n.tensor("ids").reshape(-1), n.tensor("confidence").reshape(-1)
+    rows = n.optional("token_rows")
+    token_rows = None if rows is None else rows.reshape(-1)
+    vocab_limit = n.attr_int("vocab_limit")
+    lanes = n.tensor("logits").shape[0]
+    for name, array in {"ids": ids, "confidence": confidence, "token_rows": token_rows}.items():
+        if array is not None and array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    where = n.where
+
+    def step() -> None:
+        try:
+            choice = rk.draft_argmax(logits(), vocab_limit, token_rows)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        ids[...] = choice.ids
+        confidence[...] = choice.confidence
+
+    return step
+
+
+def _draft_allocate(n: _Node) -> Step:
+    confidence, ceilings = n.tensor("confidence"), n.tensor("ceilings").reshape(-1)
+    query_length = n.tensor("query_length").reshape(-1)
+    packed, width = n.attr_int("packed_capacity"), n.attr_int("token_capacity")
+    if confidence.ndim != 2 or confidence.shape[0] != ceilings.size or query_length.size != ceilings.size:
+        raise n.fail(
+            f"confidence {confidence.shape}, ceilings {ceilings.shape} and query_length {query_length.shape} "
+            "must describe the same lanes"
+        )
+    where = n.where
+
+    def step() -> None:
+        try:
+            query_length[...] = rk.draft_allocate(confidence, ceilings, packed_capacity=packed, token_capacity=width)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    return step
+
+
+def _speculative_layout(n: _Node) -> Step:
+    query_length, consumed = n.tensor("query_length").reshape(-1), n.tensor("consumed").reshape(-1)
+    page_table = n.tensor("page_table")
+    outputs = {name: n.tensor(name).reshape(-1) for name in ("positions", "token_rows", "cache_slots")}
+    page_tokens = n.attr_int("page_tokens")
+    packed = outputs["positions"].size
+    if outputs["token_rows"].size != packed or outputs["cache_slots"].size != packed:
+        raise n.fail("positions, token_rows and cache_slots must hold the same packed rows")
+    if page_table.ndim != 2 or page_table.shape[0] != query_length.size or consumed.size != query_length.size:
+        raise n.fail(
+            f"query_length {query_length.shape}, consumed {consumed.shape} and page_table {page_table.shape} "
+            "must describe the same lanes"
+        )
+    where = n.where
+
+    def step() -> None:
+        try:
+            found = rk.speculative_layout(
+                query_length, consumed, page_table, packed_capacity=packed, page_tokens=page_tokens
+            )
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        outputs["positions"][...] = found.positions
+        outputs["token_rows"][...] = found.token_rows
+        outputs["cache_slots"][...] = found.cache_slots
+
+    return step
+
+
+def _completion_self_draft(n: _Node) -> Step:
+    query_length = n.tensor("query_length").reshape(-1)
+    accepted, emitted = n.tensor("accepted").reshape(-1), n.tensor("emitted").reshape(-1)
+    consumed_before = n.tensor("consumed").reshape(-1)
+    out_offers, out_accepted = n.tensor("out_offers").reshape(-1), n.tensor("out_accepted").reshape(-1)
+    out_draft = n.tensor("out_draft_cursor").reshape(-1)
+    lag = n.attr_int("lag_tokens")
+    if lag < 0:
+        raise n.fail(f"lag_tokens must be non-negative, got {lag}")
+    write = _lane_record_writer(
+        n,
+        {
+            "query_length": query_length,
+            "accepted": accepted,
+            "emitted": emitted,
+            "consumed": consumed_before,
+            "out_offers": out_offers,
+            "out_accepted": out_accepted,
+        },
+    )
+    framed = {name: n.optional(name) for name in ("confidence", "frame_index", "out_confidence")}
+    given = [name for name, array in framed.items() if array is not None]
+    if given and len(given) != len(framed):
+        raise n.fail("confidence, frame_index and out_confidence are given together or not at all")
+    confidence, frame_index, out_confidence = framed["confidence"], framed["frame_index"], framed["out_confidence"]
+    lanes = query_length.size
+    if confidence is not None and out_confidence is not None and frame_index is not None:
+        if confidence.ndim != 2 or confidence.shape[0] != lanes:
+            raise n.fail(f"confidence {confidence.shape} must be [{lanes}, D]")
+        if out_confidence.ndim != 3 or out_confidence.shape[1] < lanes or out_confidence.shape[2] < confidence.shape[1]:
+            raise n.fail(
+                f"out_confidence {out_confidence.shape} must be [frames, request_slots >= {lanes}, "
+                f"capacity >= {confidence.shape[1]}]"
+            )
+        if frame_index.size != 1:
+            raise n.fail(f"frame_index {frame_index.shape} must hold one value")
+    where = n.where
+
+    def step() -> None:
+        try:
+            lengths, _starts = rk.packed_lane_starts(query_length)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        has_tokens = lengths > 0
+        sampled = has_tokens & (emitted != 0)
+        unsampled = has_tokens & ~sampled
+        before = consumed_before.astype(np.int64)
+        consumed = np.zeros(lengths.size, dtype=np.int64)
+        consumed[sampled] = before[sampled] + accepted[sampled].astype(np.int64) + 1
+        consumed[unsampled] = before[unsampled] + lengths[unsampled]
+        if confidence is not None and out_confidence is not None and frame_index is not None:
+            frame = int(frame_index.reshape(-1)[0])
+            if not 0 <= frame < out_confidence.shape[0]:
+                raise ValueError(f"{where}: frame_index {frame} is outside [0, {out_confidence.shape[0]})")
+            out_confidence[frame, :lanes, : confidence.shape[1]] = confidence
+        out_offers[...] = np.where(has_tokens, lengths - 1, 0)
+        out_accepted[...] = accepted
+        write(consumed, emitted)
+        out_draft[...] = np.where(has_tokens, np.maximum(consumed - lag, 0), -1)
+
+    return step
+
+
 _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("embedding", 1): _embedding,
     ("rmsnorm", 1): _rmsnorm,
@@ -629,6 +788,11 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("completion_speculative", 1): _completion_speculative,
     ("tail_page", 1): _tail_page,
     ("log_softmax_gather", 1): _log_softmax_gather,
+    ("lane_positions", 1): _lane_positions,
+    ("draft_argmax", 1): _draft_argmax,
+    ("draft_allocate", 1): _draft_allocate,
+    ("speculative_layout", 1): _speculative_layout,
+    ("completion_self_draft", 1): _completion_self_draft,
 }
 
 

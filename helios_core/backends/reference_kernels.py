@@ -36,7 +36,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "DraftChoice",
     "FrequencyBandScaling",
+    "LanePositions",
     "RopeStyle",
     "SampleResult",
     "VerifyResult",
@@ -49,9 +51,12 @@ __all__ = [
     "copy_rows",
     "copy_state_rows",
     "counter_uniform",
+    "draft_allocate",
+    "draft_argmax",
     "embedding",
     "gather_rows",
     "kv_cache_write",
+    "lane_positions",
     "linear",
     "log_softmax",
     "log_softmax_gather",
@@ -64,6 +69,7 @@ __all__ = [
     "sample_verify",
     "silu_mul",
     "speculative_inputs",
+    "speculative_layout",
     "splitmix64",
     "unpack_allowed_mask",
     "update_output_counts",
@@ -1336,3 +1342,208 @@ def sample_verify(
         counts[touched] = saved
         raise
     return VerifyResult(ids=ids, logprobs=logprobs, accepted=accepted, emitted=emitted, pending=pending)
+
+
+# ----------------------------------------------------------------------------------------------
+# self-drafting speculation (device positions, greedy drafts, confidence allocation)
+# ----------------------------------------------------------------------------------------------
+
+
+class LanePositions(NamedTuple):
+    """Per-token positions, lane rows and cache slots (:func:`lane_positions`, :func:`speculative_layout`)."""
+
+    positions: I32
+    token_rows: I32
+    cache_slots: I64
+
+
+def _page_slots(table: I64, lanes: I64, positions: I64, page_tokens: int) -> I64:
+    """Cache slots of ``positions`` of ``lanes`` (page id x page_tokens + offset); raises past the table."""
+    index = positions // page_tokens
+    if index.size and int(index.max()) >= table.shape[1]:
+        _fail(f"page_table: position {int(positions.max())} lies past the row's {table.shape[1]} pages")
+    pages = table[lanes, index]
+    if pages.size and int(pages.min()) < 0:
+        _fail("page_table: a position's page id is negative")
+    slots: I64 = pages * page_tokens + positions % page_tokens
+    return slots
+
+
+def lane_positions(
+    consumed: AnyArray, page_table: AnyArray, limit: AnyArray, *, offset: int, page_tokens: int
+) -> LanePositions:
+    """Position, token row and cache slot of each lane's token ``offset`` past its consumed endpoint.
+
+    Args:
+        consumed: ``[B]`` integer consumed endpoints (the position of each lane's pending token).
+        page_table: ``[B, pages]`` integer page ids.
+        limit: ``[B]`` integer: the positions ``consumed[r] .. consumed[r] + limit[r] - 1`` have pages.
+        offset: tokens past the endpoint (``>= 0``).
+        page_tokens: tokens per page (positive).
+
+    A lane with ``offset < limit[r]`` gets position ``consumed[r] + offset``, token row ``r`` and
+    the slot of that position in its page-table row; every other lane gets position 0, token row -1
+    and slot -1 (the padding the decoder skips). Raises on a negative endpoint of an active lane or a
+    position whose page lies past the table or is negative.
+    """
+    if page_tokens <= 0:
+        _fail(f"page_tokens: must be positive, got {page_tokens}")
+    if offset < 0:
+        _fail(f"offset: must be non-negative, got {offset}")
+    table = _int_array("page_table", page_table, 2)
+    lanes = table.shape[0]
+    ends = _lane_vector("consumed", consumed, lanes)
+    limits = _lane_vector("limit", limit, lanes)
+    active = np.flatnonzero(limits > offset)
+    if active.size and int(ends[active].min()) < 0:
+        _fail("consumed: an active lane has a negative endpoint")
+    positions = np.zeros(lanes, dtype=np.int32)
+    rows = np.full(lanes, -1, dtype=np.int32)
+    slots = np.full(lanes, -1, dtype=np.int64)
+    where = ends[active] + offset
+    slots[active] = _page_slots(table, active, where, page_tokens)
+    positions[active] = where
+    rows[active] = active
+    return LanePositions(positions=positions, token_rows=rows, cache_slots=slots)
+
+
+class DraftChoice(NamedTuple):
+    """The result of :func:`draft_argmax`."""
+
+    ids: I32
+    """``[B]`` the greedy draft token of each lane."""
+    confidence: F32
+    """``[B]`` its softmax probability under the draft (FP64 softmax rounded to FP32)."""
+
+
+def draft_argmax(logits: AnyArray, vocab_limit: int, token_rows: AnyArray | None = None) -> DraftChoice:
+    """Greedy draft tokens and the draft's probability of each.
+
+    Args:
+        logits: ``[B, V]`` float draft logits.
+        vocab_limit: ids at or past it are never chosen (``1 <= vocab_limit <= V``).
+        token_rows: optional ``[B]`` integer; a lane whose row is negative drafted nothing: its id is
+            0 (a valid embedding input) and its confidence 0.
+
+    ``ids[r]`` is the index of the largest of ``logits[r, :vocab_limit]`` (the lowest on ties) and
+    ``confidence[r] = 1 / sum_v exp(logits[r, v] - logits[r, ids[r]])`` over ``v < vocab_limit``,
+    computed in float64 from the float32 logits and rounded to float32. A drafting lane whose logits
+    below ``vocab_limit`` are not all finite raises.
+    """
+    l32 = _float_array("logits", logits, 2)
+    lanes, vocab = l32.shape
+    if not 1 <= vocab_limit <= vocab:
+        _fail(f"vocab_limit: {vocab_limit} must lie in [1, {vocab}]")
+    drafting = np.ones(lanes, dtype=bool)
+    if token_rows is not None:
+        drafting = _lane_vector("token_rows", token_rows, lanes) >= 0
+    ids = np.zeros(lanes, dtype=np.int32)
+    confidence = np.zeros(lanes, dtype=np.float32)
+    live = np.flatnonzero(drafting)
+    if live.size:
+        window = l32[live, :vocab_limit]
+        if not np.isfinite(window).all():
+            _fail("logits: a drafting lane has a non-finite logit")
+        best = np.argmax(window, axis=1)
+        wide = window.astype(np.float64)
+        top = wide[np.arange(live.size), best]
+        total = np.exp(wide - top[:, None]).sum(axis=1)
+        ids[live] = best.astype(np.int32)
+        confidence[live] = (1.0 / total).astype(np.float32)
+    return DraftChoice(ids=ids, confidence=confidence)
+
+
+def draft_allocate(confidence: AnyArray, ceilings: AnyArray, *, packed_capacity: int, token_capacity: int) -> I32:
+    """Each lane's target rows of a self-drafting round, chosen from draft confidence within P.
+
+    Args:
+        confidence: ``[B, D]`` float32: ``confidence[r, j]`` is the draft's probability of proposal
+            ``j`` of lane ``r`` (the token after its pending token and ``j`` earlier proposals).
+        ceilings: ``[B]`` integer: the most target rows lane ``r`` may take (its pending token
+            included); 0 for a lane without tokens.
+        packed_capacity: P, the most rows in total.
+        token_capacity: W, the most rows of one lane.
+
+    Every lane with a positive ceiling starts with one row (its pending token). Then rows are added
+    one at a time: a lane of length ``n`` below its cap ``min(ceiling, D + 1, W)`` offers its frontier,
+    proposal ``j = n - 1``, whose survival probability is ``confidence[r, 0] x ... x
+    confidence[r, j]`` multiplied in float64 from the float32 values. The frontier with the highest
+    survival wins, ties going to the shorter prefix and then to the lower lane; this repeats until the
+    total reaches P or no frontier remains. Only frontiers compete, so a position is never admitted
+    before its predecessor, and nothing is random. Raises on a negative ceiling, a negative or
+    non-finite confidence, a non-positive P or W, or when the lanes with tokens alone exceed P.
+    """
+    conf = _float_array("confidence", confidence, 2)
+    lanes, drafts = conf.shape
+    limits = _lane_vector("ceilings", ceilings, lanes)
+    if packed_capacity <= 0 or token_capacity <= 0:
+        _fail(f"packed_capacity {packed_capacity} and token_capacity {token_capacity} must be positive")
+    if lanes and int(limits.min()) < 0:
+        _fail(f"ceilings: lane {int(np.flatnonzero(limits < 0)[0])} has a negative ceiling")
+    if not np.isfinite(conf).all() or (conf < 0).any():
+        _fail("confidence: values must be finite and non-negative")
+    lengths = (limits > 0).astype(np.int64)
+    total = int(lengths.sum())
+    if total > packed_capacity:
+        _fail(f"ceilings: {total} lanes with tokens exceed the {packed_capacity} packed rows")
+    caps = np.minimum(limits, min(drafts + 1, token_capacity))
+    survival = np.ones(lanes, dtype=np.float64)  # of each lane's admitted prefix
+    while total < packed_capacity:
+        best: tuple[float, int, int] | None = None
+        for lane in np.flatnonzero(lengths < caps).tolist():
+            n = int(lengths[lane])
+            frontier = survival[lane] * np.float64(conf[lane, n - 1])
+            key = (-float(frontier), n, lane)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            break
+        _, n, lane = best
+        survival[lane] *= np.float64(conf[lane, n - 1])
+        lengths[lane] += 1
+        total += 1
+    return lengths.astype(np.int32)
+
+
+def speculative_layout(
+    query_length: AnyArray, consumed: AnyArray, page_table: AnyArray, *, packed_capacity: int, page_tokens: int
+) -> LanePositions:
+    """Packed positions, token rows and cache slots of a round whose lane lengths the device chose.
+
+    Args:
+        query_length: ``[B]`` integer rows of each lane (``>= 0``).
+        consumed: ``[B]`` integer consumed endpoints.
+        page_table: ``[B, pages]`` integer page ids.
+        packed_capacity: P, the packed rows to fill.
+        page_tokens: tokens per page (positive).
+
+    Lane ``r``'s block starts at ``start_r = query_length[0] + ... + query_length[r-1]``; its row
+    ``start_r + j`` gets position ``consumed[r] + j``, token row ``r`` and that position's slot (as a
+    prefill program's host layout packs lanes). Rows past the total get position 0, token row -1 and
+    slot -1 (the padding the decoder skips). Raises when the total exceeds P, an endpoint of a lane with
+    rows is negative, or a position's page lies past the table or is negative.
+    """
+    if page_tokens <= 0:
+        _fail(f"page_tokens: must be positive, got {page_tokens}")
+    table = _int_array("page_table", page_table, 2)
+    lanes = table.shape[0]
+    lengths, starts = packed_lane_starts(query_length)
+    if lengths.shape != (lanes,):
+        _fail(f"query_length: expected shape ({lanes},), got {lengths.shape}")
+    ends = _lane_vector("consumed", consumed, lanes)
+    total = int(lengths.sum())
+    if total > packed_capacity:
+        _fail(f"query_length: {total} packed rows exceed the {packed_capacity} rows")
+    live = lengths > 0
+    if live.any() and int(ends[live].min()) < 0:
+        _fail("consumed: a lane with rows has a negative endpoint")
+    lane_of = np.repeat(np.arange(lanes, dtype=np.int64), lengths)
+    within = np.arange(total, dtype=np.int64) - starts[lane_of]
+    where = ends[lane_of] + within
+    positions = np.zeros(packed_capacity, dtype=np.int32)
+    rows = np.full(packed_capacity, -1, dtype=np.int32)
+    slots = np.full(packed_capacity, -1, dtype=np.int64)
+    slots[:total] = _page_slots(table, lane_of, where, page_tokens)
+    positions[:total] = where
+    rows[:total] = lane_of
+    return LanePositions(positions=positions, token_rows=rows, cache_slots=slots)

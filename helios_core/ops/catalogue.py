@@ -254,6 +254,65 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "on a lane that emitted), draft cursor -1, reserved -1, echoed submission sequence.",
     ),
     _spec(
+        "lane_positions",
+        ("consumed", "page_table", "limit"),
+        ("positions", "token_rows", "cache_slots"),
+        "Per lane, the token offset past its consumed endpoint: position consumed[r] + offset, token row "
+        "r and that position's cache slot (page_table[r, position // page_tokens] x page_tokens + "
+        "position % page_tokens) where offset < limit[r]; else position 0, token row -1, slot -1.",
+        attributes=("offset", "page_tokens"),
+    ),
+    _spec(
+        "draft_argmax",
+        ("logits",),
+        ("ids", "confidence"),
+        "Greedy draft: ids[r] = the lowest index of the largest logits[r, :vocab_limit], confidence[r] its "
+        "softmax probability over the first vocab_limit logits (float64, rounded to float32); a lane "
+        "whose optional token_rows entry is negative gets id 0 and confidence 0.",
+        optional_inputs=("token_rows",),
+        attributes=("vocab_limit",),
+    ),
+    _spec(
+        "draft_allocate",
+        ("confidence", "ceilings"),
+        ("query_length",),
+        "Target rows per lane from draft confidence: one row per lane with a positive ceiling, then one "
+        "row at a time to the frontier (next proposal) of highest survival probability (the float64 "
+        "product of its float32 confidences; ties to the shorter prefix, then the lower lane), each lane "
+        "capped at min(ceiling, D + 1, token_capacity), until packed_capacity rows or no frontier remain.",
+        attributes=("packed_capacity", "token_capacity"),
+    ),
+    _spec(
+        "speculative_layout",
+        ("query_length", "consumed", "page_table"),
+        ("positions", "token_rows", "cache_slots"),
+        "Packed layout of device-chosen lane lengths: row start_r + j of lane r gets position consumed[r] + "
+        "j, token row r and that position's cache slot; rows past the total get position 0, token row -1, "
+        "slot -1.",
+        attributes=("page_tokens",),
+    ),
+    _spec(
+        "completion_self_draft",
+        ("generation", "query_length", "accepted", "emitted", "consumed", "submission_sequence"),
+        (
+            "out_generation",
+            "out_offers",
+            "out_accepted",
+            "out_emitted",
+            "out_consumed",
+            "out_draft_cursor",
+            "out_reserved",
+            "out_sequence",
+        ),
+        "Write the completion record of a self-drafting round: echoed generation, offers (query_length - "
+        "1), accepted and emitted counts, consumed endpoint (consumed + accepted + 1 on a lane that "
+        "emitted), draft cursor max(consumed endpoint - lag_tokens, 0), reserved -1, echoed submission "
+        "sequence; with confidence, frame_index and out_confidence, lane r's confidences go to "
+        "out_confidence[frame_index, r, :D].",
+        optional_inputs=("confidence", "frame_index", "out_confidence"),
+        attributes=("lag_tokens",),
+    ),
+    _spec(
         "log_softmax_gather",
         ("logits", "targets"),
         ("out",),

@@ -49,6 +49,12 @@ class LaneExpectation:
     offers: int = -1
     """A speculative lane: the proposals it was given (its ceiling); -1 for every other lane. Its
     ``consumed`` is then the endpoint before the round: the record must report ``consumed + accepted + 1``."""
+    offers_exact: bool = True
+    """The lane's proposals were chosen by the host (copied): the record must offer exactly ``offers``;
+    otherwise ``offers`` is a ceiling the program's own allocation stays within."""
+    cursor_lag: int = -1
+    """A speculative lane of a program that reports a draft cursor: its lag behind target consumption
+    (the cursor must be ``max(consumed - lag, 0)``); -1 for a program without one (the cursor is -1)."""
 
 
 class ExpectationBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
@@ -93,6 +99,8 @@ class LaneResult:
     """A speculative lane: the logprob of each emitted id."""
     accepted: int = 0
     """A speculative lane: the proposals the target accepted."""
+    offers: int = 0
+    """A speculative lane: the proposals the program verified (at most its ceiling)."""
 
 
 class LaneResults(Sequence[LaneResult | CompletionError]):
@@ -214,6 +222,8 @@ def read_lanes(
     sequence: int,
     lanes: Sequence[LaneExpectation] | ExpectationBatch,
     sampled_size: int,
+    *,
+    packed_capacity: int = 0,
 ) -> Sequence[LaneResult | CompletionError]:
     """Validate the first ``len(lanes)`` lanes of a completion record (or of its views).
 
@@ -235,7 +245,7 @@ def read_lanes(
     top_logprobs = completion.get(mf.COMPLETION_FIELD_TOP_LOGPROBS)
     prompt_scores = completion.get(mf.COMPLETION_FIELD_PROMPT_SCORES)
     if any(lane.offers >= 0 for lane in lanes):
-        return _read_speculative(views, lanes, sampled_size)
+        return _read_speculative(views, lanes, sampled_size, packed_capacity)
     results: list[LaneResult | CompletionError] = []
     for index, lane in enumerate(lanes):
         problem = _lane_problem(
@@ -425,13 +435,15 @@ def _lane_problem(
 
 
 def _read_speculative(
-    views: RecordViews, lanes: Sequence[LaneExpectation], sampled_size: int
+    views: RecordViews, lanes: Sequence[LaneExpectation], sampled_size: int, packed_capacity: int = 0
 ) -> list[LaneResult | CompletionError]:
     """The lanes of a speculative round: each lane's offers, accepted drafts and emitted tokens checked
     against what it was given before any of them is used.
 
-    Per lane: the echoed generation; the reserved field -1; offers equal to the proposals the lane was
-    given (its ceiling: the program verifies exactly the host-selected length); accepted at most the
+    The round: the lanes' target rows (offers plus their pending tokens) within the program's
+    ``packed_capacity`` P (when given), else the whole round fails. Per lane: the echoed generation; the
+    reserved field -1; offers equal to the proposals the lane was given when the host chose them
+    (copied), else at most its ceiling; accepted at most the
     offers; emitted exactly accepted + 1; the consumed endpoint the endpoint before the round plus the
     emitted tokens; the draft cursor -1 (these programs report none); every emitted id inside the
     sampled vocabulary. A lane that breaks a rule yields its CompletionError; the others are read.
@@ -450,6 +462,9 @@ def _read_speculative(
     logprob_rows = logprob_field.reshape(logprob_field.shape[0], -1) if logprob_field is not None else None
     if min(offers.shape[0], accepted.shape[0], ids.shape[0]) < count:
         raise CompletionError(f"the record holds fewer than the round's {count} speculative lanes")
+    rows = int(offers[:count].sum()) + count
+    if packed_capacity and rows > packed_capacity:  # the program's own allocation overran its P
+        raise CompletionError(f"the lanes' offers take {rows} target rows; the program holds {packed_capacity}")
     results: list[LaneResult | CompletionError] = []
     for index, lane in enumerate(lanes):
         problem = _speculative_problem(
@@ -478,7 +493,14 @@ def _read_speculative(
             else [0.0] * len(tokens)
         )
         results.append(
-            LaneResult(tokens[-1], values[-1], tokens=tokens, logprobs=values, accepted=int(accepted[index]))
+            LaneResult(
+                tokens[-1],
+                values[-1],
+                tokens=tokens,
+                logprobs=values,
+                accepted=int(accepted[index]),
+                offers=int(offers[index]),
+            )
         )
     return results
 
@@ -498,7 +520,7 @@ def _speculative_problem(
         return f"generation {generation} is stale (expected {lane.generation})"
     if reserved != -1:
         return f"the reserved model field is {reserved}, not -1"
-    if offers != lane.offers:
+    if offers > lane.offers or offers < 0 or (lane.offers_exact and offers != lane.offers):
         return f"offers {offers} proposals; the lane's ceiling is {lane.offers}"
     if not 0 <= accepted <= offers:
         return f"accepted {accepted} drafts of {offers} offered"
@@ -508,6 +530,8 @@ def _speculative_problem(
         return f"emitted {emitted} tokens; the record holds {width} per lane"
     if consumed != lane.consumed + emitted:
         return f"consumed endpoint {consumed}, expected {lane.consumed + emitted}"
-    if cursor != -1:
+    if lane.cursor_lag < 0 and cursor != -1:
         return f"draft cursor {cursor} from a program without one"
+    if lane.cursor_lag >= 0 and cursor != max(consumed - lane.cursor_lag, 0):
+        return f"draft cursor {cursor}, expected max({consumed} - {lane.cursor_lag}, 0)"
     return None

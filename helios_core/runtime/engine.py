@@ -396,7 +396,13 @@ class Engine:
                 views = self._records.get(frame)
                 if views is None or views.record is not records:
                     views = self._records[frame] = RecordViews.of(records)
-                results = read_lanes(views, launched, round_.expectations, self._sampled_size)
+                results = read_lanes(
+                    views,
+                    launched,
+                    round_.expectations,
+                    self._sampled_size,
+                    packed_capacity=round_.graph.extents.packed_token_capacity,
+                )
             else:  # a program without a completion record (state initialization) reports nothing to check
                 results = [LaneResult(-1, 0.0) for _ in range(len(round_))]
         except CompletionError as exc:

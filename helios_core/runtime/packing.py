@@ -105,6 +105,9 @@ class Lane:
     restore_row: int = -1
     candidates: Sequence[int] = ()
     """Copied proposals (a speculative lane): the tokens it offers after its pending token."""
+    prefix_limit: int = 0
+    """A speculative lane of a program that allocates its own prefixes: its ceiling (the most target
+    rows it may take, its pending token included)."""
 
     @property
     def query_length(self) -> int:
@@ -215,6 +218,7 @@ _ROW_SOURCES: dict[int, Callable[[Lane], float | int]] = {
     **sampling_row_sources(),
     ct.VALUE_SOURCE_SAMPLING_STEP: lambda lane: lane.sampling_step,
     ct.VALUE_SOURCE_CONSTRAINED: lambda lane: int(lane.grammar_mask is not None),
+    ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT: lambda lane: lane.prefix_limit,
     ct.VALUE_SOURCE_CANDIDATE_COUNT: lambda lane: len(lane.candidates),
     ct.VALUE_SOURCE_CANDIDATE_GENERATION: lambda lane: lane.generation,
     ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT: lambda lane: lane.consumed,

@@ -10,7 +10,9 @@ phase of every running request:
 4. otherwise chunked prefill within the largest prefill extent, FCFS, joined by every decode-ready
    request when a mixed program fits them (host-fed pending tokens). A request that asked for prompt
    logprobs prefills alone on the scored-prefill variants when it is first in line;
-5. otherwise one decode round of every decode-ready request (device-owned pending tokens),
+5. otherwise a speculative round when :class:`~helios_core.runtime.speculation.SpeculativePlanner`
+   makes one (history proposals or in-graph drafts of the decode-ready requests), else one decode
+   round of every decode-ready request (device-owned pending tokens),
 
 each on the smallest captured variant that holds its lanes and tokens. A page shortage preempts the
 most recently admitted requests (:meth:`~helios_core.runtime.residency.Residency.ensure_page`).
@@ -39,12 +41,12 @@ import numpy.typing as npt
 
 from helios_core.contract import PreparedContract, PreparedGraph, Selection
 from helios_core.runtime.completion import ExpectationBatch, LaneExpectation
-from helios_core.runtime.drafting import propose
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.packing import Column, Lane, LaneBatch
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
 from helios_core.runtime.residency import Residency
 from helios_core.runtime.slots import Phase, RequestState
+from helios_core.runtime.speculation import SpeculativePlanner
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.sampling import SAMPLING_PARAMETERS
 from helios_core.wire import contract_pb2 as ct
@@ -138,22 +140,14 @@ class RoundPlanner:
         restores = _variants(graphs, ct.OPERATION_RESTORE)
         self.snapshot = snapshots[0] if snapshots and restores else None
         self.restore = restores[0] if snapshots and restores else None
-        self.speculative = sorted(
-            (
-                g
-                for g in _variants(graphs, ct.OPERATION_SPECULATIVE)
-                if g.extents.token_capacity > 1 and _copies_proposals(g)
-            ),
-            key=lambda g: (g.extents.token_capacity, g.extents.batch_capacity),
-        )
-        """Speculative programs that verify copied proposals, narrowest first (history drafting uses them)."""
-        self.drafting = selection.history_drafting and bool(self.speculative)
         self.context = contract.serving.context_tokens
         self.pipelining = True
         """Launch a follow-up decode round before the previous round's completion is read (two frames)."""
         self._phases: _Phases | None = None
         self._cohort: _Cohort | None = None
         self._cohorts = itertools.count(1)
+        self.speculation = SpeculativePlanner(self, graphs, selection)
+        """Decides which decode rounds become speculative rounds (it reads the attributes above)."""
 
     # -- choosing the round --------------------------------------------------------------------------
     def plan(self) -> RoundPlan | None:
@@ -175,10 +169,9 @@ class RoundPlanner:
         if prefill:
             return self._prefill_round(prefill, phases.decode)
         if phases.decode:
-            if self.drafting:
-                speculative = self._speculative_round(phases.decode)
-                if speculative is not None:
-                    return speculative
+            speculative = self.speculation.plan(phases.decode)
+            if speculative is not None:
+                return speculative
             return self._decode_round(phases.decode)
         return None
 
@@ -207,7 +200,7 @@ class RoundPlanner:
         except Exception as exc:
             raise GateFault(state, exc) from exc
 
-    def _lane(
+    def lane(
         self,
         state: RequestState,
         positions: range,
@@ -261,7 +254,7 @@ class RoundPlanner:
         generation = int(self.table.generation[state.slot])
         return LaneExpectation(generation, consumed, samples, state.top if samples else 0, scores)
 
-    def _lanes_plan(
+    def lanes_plan(
         self,
         graph: PreparedGraph,
         members: Sequence[RequestState],
@@ -287,17 +280,17 @@ class RoundPlanner:
     ) -> RoundPlan:
         """A SNAPSHOT or RESTORE round of one request at its exact endpoint."""
         endpoint = state.snapshot_endpoint
-        lane = self._lane(
+        lane = self.lane(
             state, range(0), sample=False, consumed=endpoint, snapshot_row=snapshot_row, restore_row=restore_row
         )
-        return self._lanes_plan(graph, [state], [lane], [self._expect(state, endpoint, False)])
+        return self.lanes_plan(graph, [state], [lane], [self._expect(state, endpoint, False)])
 
     def _initialize_round(self, fresh: list[RequestState]) -> RoundPlan:
         graph = _smallest(self.initialize, rows=1)
         members = fresh[: graph.extents.batch_capacity]
-        lanes = [self._lane(s, range(0), sample=False, histogram=True) for s in members]
+        lanes = [self.lane(s, range(0), sample=False, histogram=True) for s in members]
         expectations = [self._expect(s, int(self.table.consumed[s.slot]), False) for s in members]
-        return self._lanes_plan(graph, members, lanes, expectations)
+        return self.lanes_plan(graph, members, lanes, expectations)
 
     def _prefill_round(self, prefill: list[RequestState], decode: list[RequestState]) -> RoundPlan:
         table, residency = self.table, self.residency
@@ -320,7 +313,7 @@ class RoundPlanner:
                     break
                 # A decode lane of a mixed round feeds its completed pending token from the host.
                 consumed = int(table.consumed[state.slot])
-                lanes.append(self._lane(state, range(consumed, consumed + 1), sample=True))
+                lanes.append(self.lane(state, range(consumed, consumed + 1), sample=True))
                 members.append(state)
                 taken.add(state.slot)
                 expectations.append(self._expect(state, consumed + 1, True))
@@ -335,12 +328,12 @@ class RoundPlanner:
             chunk = min(int(table.target[slot]) - consumed, budget - used)
             last = state.snapshot_row < 0 and consumed + chunk == table.length(slot)
             # MIXED_PREFILL_ROW: 1 on the prefill rows of a mixed round
-            lanes.append(self._lane(state, range(consumed, consumed + chunk), sample=last, mixed_prefill=mixed))
+            lanes.append(self.lane(state, range(consumed, consumed + chunk), sample=last, mixed_prefill=mixed))
             members.append(state)
             expectations.append(self._expect(state, consumed + chunk, last))
             used += chunk
         graph = _smallest(variants, rows=len(lanes), tokens=used)
-        return self._lanes_plan(graph, members, lanes, expectations)
+        return self.lanes_plan(graph, members, lanes, expectations)
 
     def _scored_round(self, state: RequestState) -> RoundPlan:
         """One prefill chunk of a prompt-logprobs request, alone, on the smallest scored variant that fits.
@@ -355,72 +348,9 @@ class RoundPlanner:
         positions = range(consumed, consumed + chunk)
         following = table.token_list(slot, consumed + 1, min(consumed + chunk + 1, state.prompt_len))
         targets = [following[p - consumed] if p + 1 < state.prompt_len else -1 for p in positions]
-        lane = self._lane(state, positions, sample=last, score_targets=targets)
+        lane = self.lane(state, positions, sample=last, score_targets=targets)
         expectation = self._expect(state, consumed + chunk, last, scores=(0, chunk))
-        return self._lanes_plan(_smallest(self.scored, rows=1, tokens=chunk), [state], [lane], [expectation])
-
-    # -- speculative rounds --------------------------------------------------------------------------
-    def _speculative_round(self, decode: list[RequestState]) -> RoundPlan | None:
-        """A round verifying history proposals of the decode-ready requests, or None when plain decode is
-        planned instead: some request cannot speculate (a grammar, or top alternatives to read), or no
-        request has a proposal.
-
-        Each lane offers what :func:`~helios_core.runtime.drafting.propose` finds after its pending token,
-        at most the widest program's W - 1, one less than its tokens left and what its context and the
-        free pages hold (proposals are optional: they never preempt). The program is the narrowest width,
-        then the fewest rows, that holds every lane.
-        """
-        table, residency = self.table, self.residency
-        widest = self.speculative[-1].extents
-        rows = max(g.extents.batch_capacity for g in self.speculative)
-        members = sorted(decode, key=lambda s: s.arrival)[:rows]
-        if any(s.top or (s.gate is not None and s.gate.constrained) for s in members):
-            return None
-        proposals: list[list[int]] = []
-        for state in members:
-            slot = state.slot
-            consumed = int(table.consumed[slot])
-            limit = min(
-                widest.token_capacity - 1,
-                state.max_tokens - int(table.generated[slot]) - 1,
-                self.context - 1 - consumed,
-            )
-            history = table.tokens[slot, : consumed + 1]
-            proposals.append(propose(history, limit) if limit > 0 else [])
-        if not any(proposals):
-            return None
-        lanes: list[Lane] = []
-        kept: list[RequestState] = []
-        expectations: list[LaneExpectation] = []
-        taken: set[int] = set()
-        page_tokens = self.page_tokens
-        for state, candidates in zip(members, proposals, strict=True):
-            slot = state.slot
-            if slot < 0 or table.phase[slot] != Phase.DECODE:
-                continue  # preempted while an earlier member took a page
-            if not residency.ensure_page(state, exclude=taken):
-                residency.starved = True
-                continue
-            consumed = int(table.consumed[slot])
-            while candidates and (consumed + len(candidates)) // page_tokens >= table.page_count[slot]:
-                page = residency.allocator.allocate(1)
-                if page is None:  # a proposal's position without a page: offer fewer
-                    candidates = candidates[: int(table.page_count[slot]) * page_tokens - consumed - 1]
-                    break
-                table.add_pages(slot, page)
-            kept.append(state)
-            taken.add(slot)
-            lanes.append(
-                self._lane(state, range(consumed, consumed + 1 + len(candidates)), sample=True, candidates=candidates)
-            )
-            expectations.append(LaneExpectation(int(table.generation[slot]), consumed, True, 0, offers=len(candidates)))
-        if not lanes or not any(lane.candidates for lane in lanes):
-            return None
-        width = 1 + max(len(lane.candidates) for lane in lanes)
-        graph = next(
-            g for g in self.speculative if g.extents.token_capacity >= width and g.extents.batch_capacity >= len(lanes)
-        )
-        return self._lanes_plan(graph, kept, lanes, expectations)
+        return self.lanes_plan(_smallest(self.scored, rows=1, tokens=chunk), [state], [lane], [expectation])
 
     # -- decode rounds -------------------------------------------------------------------------------
     def _decode_round(self, decode: list[RequestState]) -> RoundPlan | None:
@@ -586,12 +516,12 @@ class RoundPlanner:
 
         Only when nothing needs completion feedback: a decode round of the current cohort whose requests
         have no host gates that hold rounds, no cancellation, at least two tokens left, no admission
-        waiting to change phase, and pages for the next position, and no history drafting (its proposals
-        continue the tokens the previous round produced).
+        waiting to change phase, and pages for the next position, and no speculation (a speculative round
+        is planned from the endpoints the previous round reached).
         """
         residency = self.residency
-        if not self.pipelining or plan.cohort < 0 or self.drafting:
-            return None  # history drafting reads each round's tokens before it proposes the next
+        if not self.pipelining or plan.cohort < 0 or self.speculation.active:
+            return None  # speculative rounds are planned from each round's completed endpoints
         if residency.waiting and residency.free_slots:
             return None
         cohort = self._cohort
@@ -628,12 +558,6 @@ class RoundPlanner:
                 return False
             table.add_pages(slot, page)
         return True
-
-
-def _copies_proposals(graph: PreparedGraph) -> bool:
-    """Whether ``graph`` verifies host-copied proposals (binds CANDIDATE_IDS and an exact QUERY_LENGTH)."""
-    sources = {binding.source for binding in graph.contract.bindings}
-    return ct.VALUE_SOURCE_CANDIDATE_IDS in sources and ct.VALUE_SOURCE_QUERY_LENGTH in sources
 
 
 def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:

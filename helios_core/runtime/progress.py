@@ -209,7 +209,7 @@ class RoundCompletion:
         table, residency, slot = self.table, self.residency, state.slot
         tokens = result.tokens
         table.consumed[slot] = expectation.consumed + len(tokens)
-        self.stats.count_speculation(width, expectation.offers, result.accepted, len(tokens))
+        self.stats.count_speculation(width, result.offers, result.accepted, len(tokens))
         residency.publish_pages(slot)
         stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
         for token, logprob in zip(tokens, result.logprobs, strict=True):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
-from ignition.build import assemble
+from ignition.build import assemble, check_speculative_targets
 from ignition.cli import main as ignition_main
 from ignition.recipes.llama import Capacities, speculative_widths
 from ignition.recipes.synthetic import synthetic_declaration
@@ -317,16 +317,16 @@ def test_a_narrower_round_fills_its_columns_of_each_lane_s_row(core: VerifiedCor
     ("extra", "message"),
     [
         (
-            ["--speculative", "history", "--draft-tokens", "3", "--targets", "reference,sm_90a"],
-            "speculative programs are built for the reference target only; build with --targets reference, "
-            "or without --speculative for sm_90a",
+            ["--speculative", "history", "--draft-tokens", "3", "--targets", "reference,sm_80"],
+            "speculative programs are built for the targets reference, sm_90a only; "
+            "build without --speculative for sm_80",
         ),
         (
             ["--speculative", "history", "--draft-tokens", "0"],
             "--draft-tokens must be at least 1 (the proposals a round verifies), got 0",
         ),
         (["--speculative", "history"], "--speculative history needs --draft-tokens N (N >= 1)"),
-        (["--draft-tokens", "3"], "--draft-tokens needs --speculative history"),
+        (["--draft-tokens", "3"], "--draft-tokens needs --speculative history or self-draft"),
     ],
 )
 def test_the_cli_refuses_before_making_keys(
@@ -338,28 +338,31 @@ def test_the_cli_refuses_before_making_keys(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_smollm2_refuses_a_gpu_target_before_reading_its_weights(
+def test_smollm2_refuses_a_target_without_speculative_kernels_before_reading_its_weights(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "smol.core"
-    argv = ["build", "smollm2-135m-instruct", "--out", str(out), "--targets", "sm_90a"]
+    argv = ["build", "smollm2-135m-instruct", "--out", str(out), "--targets", "sm_80"]
     assert ignition_main([*argv, "--speculative", "history", "--draft-tokens", "7", "--quiet"]) == 1
-    assert "speculative programs are built for the reference target only" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "ignition: error: speculative programs are built for the targets reference, sm_90a only; "
+        "build without --speculative for sm_80\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
-def test_assemble_refuses_gpu_targets_and_validates_without_them() -> None:
+def test_assemble_refuses_targets_without_speculative_kernels() -> None:
     caps = Capacities(
         max_rows=1, prefill_tokens=(4,), decode_rows=(1,), page_tokens=4, cache_pages=8, context=16, snapshots=0,
         speculative_widths=speculative_widths(1),
     )  # fmt: skip
     model = synthetic_declaration("tiny")
     with pytest.raises(ValueError) as refused:
-        assemble(model, caps, gpu_targets=("sm_90a",))
+        assemble(model, caps, gpu_targets=("sm_80",))
     assert str(refused.value) == (
-        "speculative programs are built for the reference target only; build with --targets reference, "
-        "or without --speculative for sm_90a"
+        "speculative programs are built for the targets reference, sm_90a only; build without --speculative for sm_80"
     )
+    check_speculative_targets(caps, ("reference", "sm_90a"))  # both have kernels for the speculative operators
     serving, builder, resources = assemble(model, caps, kernel_graph=True)
     described = [cb.ExecutableResource(id=r.id, kind=r.kind, decoded_nbytes=len(r.data)) for r in resources]  # type: ignore[arg-type]
     prepared = prepare_contract(serving, builder.manifest, described)

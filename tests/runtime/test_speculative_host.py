@@ -78,9 +78,9 @@ def test_a_speculative_record_yields_every_emitted_token_per_lane() -> None:
     )
     results = read_lanes(completion, 3, [expect(1, 10, 3), expect(2, 20, 2), expect(3, 7, 0)], sampled_size=100)
     assert results == [
-        LaneResult(8, -0.25, tokens=[5, 6, 7, 8], logprobs=[-0.25] * 4, accepted=3),
-        LaneResult(9, -0.25, tokens=[9], logprobs=[-0.25], accepted=0),
-        LaneResult(4, -0.25, tokens=[4], logprobs=[-0.25], accepted=0),
+        LaneResult(8, -0.25, tokens=[5, 6, 7, 8], logprobs=[-0.25] * 4, accepted=3, offers=3),
+        LaneResult(9, -0.25, tokens=[9], logprobs=[-0.25], accepted=0, offers=2),
+        LaneResult(4, -0.25, tokens=[4], logprobs=[-0.25], accepted=0, offers=0),
     ]
 
 
@@ -102,7 +102,7 @@ def test_a_speculative_lane_that_breaks_a_rule_fails_alone(
     healthy = (2, 1, 1, 2, 22, [3, 4])
     results = read_lanes(record([lane, healthy]), 3, [expect(1, 10, 2), expect(2, 20, 1)], sampled_size=100)
     assert isinstance(results[0], CompletionError) and str(results[0]) == f"lane 0: {message}"
-    assert results[1] == LaneResult(4, -0.25, tokens=[3, 4], logprobs=[-0.25, -0.25], accepted=1)
+    assert results[1] == LaneResult(4, -0.25, tokens=[3, 4], logprobs=[-0.25, -0.25], accepted=1, offers=1)
 
 
 def test_a_draft_cursor_or_reserved_value_fails_the_lane() -> None:
@@ -143,3 +143,38 @@ def test_speculation_statistics_count_offers_acceptance_and_positions() -> None:
     )
     assert stats.offered_by_position == {1: 3, 2: 1, 3: 1}
     assert stats.accepted_by_position == {1: 2, 2: 1}
+
+
+def test_a_program_with_a_draft_cursor_must_report_it_behind_the_endpoint_by_its_lag() -> None:
+    completion = record([(1, 2, 2, 3, 13, [5, 6, 7]), (2, 2, 0, 1, 21, [9]), (3, 1, 1, 2, 2, [4, 4])])
+    completion[mf.COMPLETION_FIELD_DRAFT_CURSOR][:] = [12, 18, 0]
+    lanes = [
+        LaneExpectation(1, 10, True, 0, offers=2, cursor_lag=1),  # 13 - 1
+        LaneExpectation(2, 20, True, 0, offers=2, cursor_lag=1),  # 21 - 1 = 20, not 18
+        LaneExpectation(3, 0, True, 0, offers=1, cursor_lag=4),  # max(2 - 4, 0)
+    ]
+    results = read_lanes(completion, 3, lanes, sampled_size=100)
+    assert isinstance(results[0], LaneResult) and results[0].tokens == [5, 6, 7]
+    assert str(results[1]) == "lane 1: draft cursor 18, expected max(21 - 1, 0)"
+    assert isinstance(results[2], LaneResult) and results[2].accepted == 1
+
+
+def ceiling(generation: int, consumed: int, offers: int) -> LaneExpectation:
+    """A lane of a program that allocates its own prefixes: ``offers`` is its ceiling of proposals."""
+    return LaneExpectation(generation, consumed, True, 0, offers=offers, offers_exact=False)
+
+
+def test_an_allocating_program_may_offer_fewer_than_the_ceiling_but_never_more() -> None:
+    completion = record([(1, 1, 1, 2, 12, [5, 6]), (2, 4, 0, 1, 21, [9]), (3, 0, 0, 1, 31, [2])])
+    results = read_lanes(completion, 3, [ceiling(1, 10, 3), ceiling(2, 20, 3), ceiling(3, 30, 3)], 100)
+    assert isinstance(results[0], LaneResult) and (results[0].offers, results[0].tokens) == (1, [5, 6])
+    assert str(results[1]) == "lane 1: offers 4 proposals; the lane's ceiling is 3"
+    assert isinstance(results[2], LaneResult) and results[2].offers == 0
+
+
+def test_offers_beyond_the_programs_packed_capacity_fail_the_round() -> None:
+    completion = record([(1, 3, 0, 1, 11, [5]), (2, 3, 0, 1, 21, [6])])
+    lanes = [ceiling(1, 10, 3), ceiling(2, 20, 3)]
+    assert all(isinstance(r, LaneResult) for r in read_lanes(completion, 3, lanes, 100, packed_capacity=8))
+    with pytest.raises(CompletionError, match="the lanes' offers take 8 target rows; the program holds 6"):
+        read_lanes(completion, 3, lanes, 100, packed_capacity=6)

@@ -105,10 +105,13 @@ def test_speculative_output_is_the_output_without_speculation(
 
 
 @pytest.mark.parametrize("width", [2, 4])
-def test_every_selected_width_serves_the_same_tokens(serve: object, width: int) -> None:
-    expected = _outputs(serve(), _work(GREEDY))  # type: ignore[operator]
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.3, top_k=4, seed=21)])
+def test_every_selected_width_serves_the_same_tokens(serve: object, width: int, sampling: SamplingParams) -> None:
+    """Seeded output is reproducible whatever widths the rounds use: token k of a request always draws
+    with counter k of its stream."""
+    expected = _outputs(serve(), _work(sampling))  # type: ignore[operator]
     narrow = serve(history_drafting=True, speculative_width=width)  # type: ignore[operator]
-    assert _outputs(narrow, _work(GREEDY)) == expected
+    assert _outputs(narrow, _work(sampling)) == expected
     widths = narrow.engine.statistics().speculative_lanes
     assert widths and max(widths) <= width
 

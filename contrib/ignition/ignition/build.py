@@ -58,18 +58,30 @@ def default_frontend() -> ct.FrontendContract:
     )
 
 
+SPECULATIVE_TARGETS = ("reference", "sm_90a")
+"""Targets with kernels for every speculative operator (``speculative_inputs``, ``sample_verify``,
+``completion_speculative``)."""
+
+
 def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
-    """Refuse speculative programs for any target but ``reference``.
+    """Refuse speculative programs for a target without kernels for the speculative operators.
 
     Raises:
-        ValueError: ``caps`` declares speculative widths and ``targets`` names a GPU target (no
-            kernels exist for the speculative operators yet).
+        ValueError: ``caps`` declares speculative widths and ``targets`` names a target outside
+            :data:`SPECULATIVE_TARGETS`, or ``caps`` declares self-drafting programs and ``targets``
+            names any GPU target.
     """
     gpu = [t for t in targets if t != "reference"]
-    if caps.speculative_widths and gpu:
+    if caps.self_drafting and gpu:  # the self-drafting operators have reference implementations only
         raise ValueError(
-            "speculative programs are built for the reference target only; "
-            f"build with --targets reference, or without --speculative for {', '.join(gpu)}"
+            "self-drafting programs are built for the reference target only; "
+            f"build with --targets reference, or without --speculative self-draft for {', '.join(gpu)}"
+        )
+    unsupported = [t for t in targets if t not in SPECULATIVE_TARGETS]
+    if caps.speculative_widths and unsupported:
+        raise ValueError(
+            f"speculative programs are built for the targets {', '.join(SPECULATIVE_TARGETS)} only; "
+            f"build without --speculative for {', '.join(unsupported)}"
         )
 
 
@@ -89,8 +101,7 @@ def assemble(
     the launches of each target. The reference backend runs either graph.
 
     Raises:
-        ValueError: speculative widths with GPU targets (no kernels exist for the speculative
-            operators yet).
+        ValueError: speculative widths with a target outside :data:`SPECULATIVE_TARGETS`.
     """
     check_speculative_targets(caps, gpu_targets)
     builder = ManifestBuilder()

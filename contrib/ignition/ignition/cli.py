@@ -82,12 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--speculative",
         choices=SPECULATION_KINDS,
-        help="add speculative programs (history: verify proposals copied by the server; reference target only)",
+        help=(
+            "add speculative programs (history: verify proposals copied by the server; self-draft: draft "
+            "in the graph with the target's first layers, reference target only)"
+        ),
     )
     build.add_argument(
         "--draft-tokens",
         type=int,
         help="proposals a speculative round can verify (N >= 1): widths 1, 2, 4, 8 up to N + 1",
+    )
+    build.add_argument(
+        "--draft-layers",
+        type=int,
+        help="with --speculative self-draft: the target layers that draft (default: all but the last)",
     )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
@@ -112,7 +120,11 @@ def run_build(args: argparse.Namespace) -> int:
             raise HeliosError(f"--speculative {args.speculative} needs --draft-tokens N (N >= 1)")
         widths = speculative_widths(args.draft_tokens)
     elif args.draft_tokens is not None:
-        raise HeliosError("--draft-tokens needs --speculative history")
+        raise HeliosError("--draft-tokens needs --speculative history or self-draft")
+    if args.draft_layers is not None and args.speculative != "self-draft":
+        raise HeliosError("--draft-layers needs --speculative self-draft")
+    if args.draft_layers is not None and args.draft_layers < 1:
+        raise HeliosError(f"--draft-layers must be at least 1, got {args.draft_layers}")
     caps = Capacities(
         max_rows=args.max_rows,
         prefill_tokens=tuple(sorted(args.prefill_tokens)),
@@ -121,6 +133,9 @@ def run_build(args: argparse.Namespace) -> int:
         cache_pages=args.cache_pages,
         context=args.context,
         speculative_widths=widths,
+        speculation=args.speculative or "history",
+        draft_tokens=args.draft_tokens or 0,
+        draft_layers=args.draft_layers or 0,
     )
     targets = tuple(t for t in args.targets.split(",") if t)
     from ignition.build import check_speculative_targets
@@ -133,6 +148,14 @@ def run_build(args: argparse.Namespace) -> int:
             f"--tool-syntax {args.tool_syntax} is not available for smollm2-135m-instruct "
             f"(choose {' or '.join(SMOLLM2_TOOL_SYNTAXES)})"
         )
+    if args.recipe == "llama-synthetic" and args.draft_layers is not None:
+        from ignition.recipes.synthetic import SHAPES
+
+        shape = SHAPES.get(args.shape)
+        if shape is not None and args.draft_layers > shape.layers:
+            raise HeliosError(
+                f"--draft-layers must lie in [1, {shape.layers}] (the target's layers), got {args.draft_layers}"
+            )
     if args.sign_key is None:
         key_dir = args.out.with_name(args.out.name + ".keys")
         if (key_dir / "signing.pem").exists():

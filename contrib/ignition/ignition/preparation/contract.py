@@ -6,7 +6,8 @@ its programs to these declarations by name; it cannot install scheduling or
 state-update code: everything here is data (bindings, views, buffers) that
 Helios' shared packing and scheduler interpret. Speculative programs add
 copied-proposal entries (:func:`declare_speculative`) and a completion record
-as wide as their widest verification. The bindings of the request
+as wide as their widest verification; self-drafting programs add ceilings,
+endpoints and framed confidence storage instead (:func:`declare_self_draft`). The bindings of the request
 sampling settings follow Helios' sampling parameter declaration
 (:data:`helios_core.sampling.SAMPLING_PARAMETERS`).
 """
@@ -372,3 +373,75 @@ def speculative_bindings(width: int) -> list[ct.ValueBinding]:
     if width > 1:
         found.insert(0, binding(f"candidate_ids_w{width}", ct.VALUE_SOURCE_CANDIDATE_IDS, SUB, padding=-1))
     return found
+
+
+PROPOSAL_RNG_STREAM = "proposal"
+"""The RNG stream of proposal draws (a greedy in-graph draft reserves none)."""
+
+
+@dataclass(frozen=True)
+class SelfDraftViews:
+    """Views of the declarations of self-drafting speculative programs and their record fields."""
+
+    prefix_limit: View
+    """[B] each lane's immutable ceiling (SPECULATIVE_PREFIX_LIMIT): the most target rows it may take."""
+    consumed: View
+    """[B] each lane's consumed endpoint (CONSUMED_TOKEN_ENDPOINT): its pending token's position."""
+    frame_index: View
+    """[1] the transport-owned frame index (selects the half of ``proposal_confidence``)."""
+    out_offers: View
+    out_accepted: View
+    proposal_confidence: View
+    """[2, B, draft_capacity] FP32 framed confidence storage (COMPLETION_FIELD_PROPOSAL_CONFIDENCE)."""
+
+
+def declare_self_draft(
+    builder: ManifestBuilder, caps: TextCapacities, draft_capacity: int, *, consumed: View | None = None
+) -> SelfDraftViews:
+    """Declare the ceilings, endpoints and the offers/accepted/confidence completion fields.
+
+    ``consumed`` reuses an already declared ``[B]`` endpoint entry (snapshots declare one); without it
+    the entry ``consumed`` is declared here. ``proposal_confidence`` is ``[2, B, draft_capacity]``: one
+    half per execution frame, one row per submission lane, ``draft_capacity`` the widest D.
+    """
+    b = caps.max_rows
+    if draft_capacity < 1:
+        raise ValueError(f"draft_capacity must be positive, got {draft_capacity}")
+    frame_entry = builder.manifest.transport.frame_index_entry
+    if not frame_entry:
+        raise ValueError("the transport declares no frame index entry (declare_paged_text first)")
+    t = builder.transport_entry
+    done = mf.BUFFER_ROLE_COMPLETION
+    views = SelfDraftViews(
+        prefix_limit=t("prefix_limit", mf.DTYPE_I32, [b]),
+        consumed=consumed if consumed is not None else t("consumed", mf.DTYPE_I32, [b]),
+        frame_index=View(frame_entry, (1,)),
+        out_offers=builder.buffer("out_offers", done, mf.DTYPE_I32, [b]),
+        out_accepted=builder.buffer("out_accepted", done, mf.DTYPE_I32, [b]),
+        proposal_confidence=builder.buffer("proposal_confidence", done, mf.DTYPE_F32, [2, b, draft_capacity]),
+    )
+    builder.completion(mf.COMPLETION_FIELD_OFFERS, "out_offers")
+    builder.completion(mf.COMPLETION_FIELD_ACCEPTED_DRAFTS, "out_accepted")
+    builder.completion(mf.COMPLETION_FIELD_PROPOSAL_CONFIDENCE, "proposal_confidence")
+    return views
+
+
+def self_draft_bindings() -> list[ct.ValueBinding]:
+    """What a self-drafting program reads from the host: identity, ceilings, endpoints and pages.
+
+    ``prefix_limit`` (SPECULATIVE_PREFIX_LIMIT, 0 padding) is the program's only length source: the
+    program allocates its lanes' lengths and computes positions and cache slots from ``consumed``
+    (CONSUMED_TOKEN_ENDPOINT, 0 padding) and ``page_table`` on the device.
+    """
+    return [
+        binding("state_rows", ct.VALUE_SOURCE_LIVE_STATE_ROWS, SUB, padding=-1),
+        binding("generation", ct.VALUE_SOURCE_GENERATION, SUB, padding=-1),
+        binding("prefix_limit", ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT, SUB, padding=0),
+        binding("consumed", ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT, SUB, padding=0),
+        binding("page_table", ct.VALUE_SOURCE_PAGE_TABLE, SUB, padding=0),
+    ]
+
+
+def self_draft_rng(width: int) -> list[ct.RngReservation]:
+    """W target draws a row (verification) and no proposal draws (the draft is greedy)."""
+    return [*target_rng(draws_per_row=width), ct.RngReservation(stream=PROPOSAL_RNG_STREAM, draws_per_row=0)]

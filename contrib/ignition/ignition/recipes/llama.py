@@ -13,7 +13,10 @@ processing; also serves mixed rounds), ``mixed_p{P}``, ``scored_prefill_p{P}``
 ``decode_b{B}`` (one token per row, device-owned pending token),
 ``speculative_w{W}_b{B}`` when speculative widths are declared (each lane's
 pending token and up to W - 1 copied proposals verified in one round; the
-completion record then holds W ids a lane for the widest W) and, when
+completion record then holds W ids a lane for the widest W), or instead
+``selfdraft_w{W}_b{B}`` (the target's first layers draft in the graph, the
+device allocates each lane's verified prefix from the draft's confidence
+within the host's ceilings, and computes positions and cache slots) and, when
 snapshots are declared, ``snapshot`` and ``restore``: a snapshot copies the
 partial last page of every plane into continuation storage and the sampling
 state into snapshot rows (complete pages stay shared, immutable, in the
@@ -76,7 +79,26 @@ class Capacities:
     snapshots: int = 8
     """Snapshot rows (working set); 0 declares no snapshot or restore programs."""
     speculative_widths: tuple[int, ...] = ()
-    """Widths W of the ``speculative_w{W}_b{B}`` programs (one per decode row count each); () for none."""
+    """Widths W of the speculative programs (one per decode row count each); () for none."""
+    speculation: str = "history"
+    """The proposal source of the speculative programs (one of :data:`SPECULATION_KINDS`): ``history``
+    builds ``speculative_w{W}_b{B}`` (copied proposals), ``self-draft`` builds ``selfdraft_w{W}_b{B}``."""
+    draft_tokens: int = 0
+    """N: with ``self-draft``, the proposals every program wider than one drafts (D = N)."""
+    draft_layers: int = 0
+    """K: with ``self-draft``, the target's first K layers draft (0: every layer but the last)."""
+
+    @property
+    def self_drafting(self) -> bool:
+        """Whether the speculative programs draft in the graph (``self-draft``)."""
+        return bool(self.speculative_widths) and self.speculation == "self-draft"
+
+    @property
+    def draft_capacity(self) -> int:
+        """The widest D of any self-drafting program (the confidence storage's width), else 0."""
+        if not self.self_drafting:
+            return 0
+        return max(self_draft_draws(w, self.draft_tokens) for w in self.speculative_widths)
 
     @property
     def widest_speculation(self) -> int:
@@ -91,8 +113,13 @@ class Capacities:
 
     @property
     def speculative_packed(self) -> int:
-        """P of the largest speculative program (B x W), 0 without speculative programs."""
-        return max(self.decode_rows) * self.widest_speculation if self.speculative_widths else 0
+        """P of the largest speculative program (B x W; :func:`self_draft_packed` for self-drafting
+        programs), 0 without speculative programs."""
+        if not self.speculative_widths:
+            return 0
+        if self.self_drafting:
+            return self_draft_packed(max(self.decode_rows), self.widest_speculation)
+        return max(self.decode_rows) * self.widest_speculation
 
     @property
     def max_packed(self) -> int:
@@ -102,8 +129,21 @@ class Capacities:
 SPECULATIVE_WIDTHS = (1, 2, 4, 8)
 """The widths speculative programs are built at (those of at most N + 1 for N draft tokens)."""
 
-SPECULATION_KINDS = ("history",)
-"""Proposal sources a core's speculative programs are built for: ``history`` verifies copied proposals."""
+SPECULATION_KINDS = ("history", "self-draft")
+"""Proposal sources a core's speculative programs are built for: ``history`` verifies copied proposals,
+``self-draft`` drafts them in the graph with the target's first layers (early exit)."""
+
+
+def self_draft_packed(rows: int, width: int) -> int:
+    """P of ``selfdraft_w{W}_b{B}``: every lane's pending token plus half of the B x (W - 1) proposal
+    rows (rounded up), so the device allocation chooses which proposals to verify (P = B at width one)."""
+    return rows + (rows * (width - 1) + 1) // 2
+
+
+def self_draft_draws(width: int, draft_tokens: int) -> int:
+    """D of ``selfdraft_w{W}_b{B}``: N above width one (a narrower program drafts the full block and
+    verifies a shorter prefix), 0 at width one."""
+    return draft_tokens if width > 1 else 0
 
 
 def speculative_widths(draft_tokens: int) -> tuple[int, ...]:
@@ -139,6 +179,40 @@ class _Scratch:
     """[B, 1] ids a non-speculative program samples, when the completion record is wider than one id."""
     sampled_logprob: View | None = None
     """[B, 1] their logprobs (as ``sampled_ids``)."""
+
+
+@dataclass(frozen=True)
+class _TokenLayout:
+    """Where the decoder reads each packed token's position, lane row and cache slot: the host-fed
+    transport entries, or device-computed scratch (self-drafting programs)."""
+
+    positions: View
+    token_rows: View
+    cache_slots: View
+
+
+@dataclass
+class _SelfDraftScratch:
+    """Activations of self-drafting programs: draft steps, allocation and the device packed layout."""
+
+    step_ids: View
+    """[D x B] draft ids, step-major (step i's lanes at i x B: the next step's embedding input)."""
+    step_confidence: View
+    """[D x B] their confidences, step-major."""
+    candidate_ids: View
+    """[B x (R - 1)] the draft ids a program verifies, lane-major ([B, W - 1] for width W)."""
+    confidence: View
+    """[B x D] draft confidences, lane-major ([B, D])."""
+    step_positions: View
+    step_token_rows: View
+    step_cache_slots: View
+    """[B] one draft step's positions, lane rows and cache slots."""
+    query_length: View
+    """[B] the allocated target rows of each lane."""
+    positions: View
+    token_rows: View
+    cache_slots: View
+    """[P] the verification's packed positions, lane rows and cache slots."""
 
 
 @dataclass
@@ -203,7 +277,10 @@ class LlamaProgramWriter:
         )
         self.shared = decl.declare_paged_text(builder, self.text_caps)
         self.speculative: decl.SpeculativeViews | None = None
+        self.self_draft: decl.SelfDraftViews | None = None
+        self.draft_layers = self._draft_layers() if caps.self_drafting else 0
         self.record_rows: dict[int, View] = {}
+        self._draft_tables: dict[tuple[int, int, int], View] = {}
         if caps.speculative_widths:
             self._declare_speculative()
         self._declare_weights(weights, bf16)
@@ -213,8 +290,13 @@ class LlamaProgramWriter:
         self.continuation_v: list[View] = []
         if caps.snapshots > 0:
             self._declare_continuation()
+        if caps.self_drafting:
+            endpoint = self.snapshots.consumed if self.snapshots is not None else None
+            self.self_draft = decl.declare_self_draft(builder, self.text_caps, caps.draft_capacity, consumed=endpoint)
         self.scratch = self._declare_scratch()
-        self.speculative_scratch = self._declare_speculative_scratch() if self.speculative is not None else None
+        speculating = self.speculative is not None or self.self_draft is not None
+        self.speculative_scratch = self._declare_speculative_scratch() if speculating else None
+        self.self_draft_scratch = self._declare_self_draft_scratch() if self.self_draft is not None else None
 
     # -- declarations --------------------------------------------------------
     def _declare_weights(self, weights: Weights, bf16: bool) -> None:
@@ -263,11 +345,49 @@ class LlamaProgramWriter:
         unknown = sorted(set(widths) - set(SPECULATIVE_WIDTHS))
         if unknown:
             raise ValueError(f"speculative widths {unknown} are not among {SPECULATIVE_WIDTHS}")
-        self.speculative = decl.declare_speculative(self.builder, self.text_caps, widths)
+        if caps.speculation not in SPECULATION_KINDS:
+            raise ValueError(f"speculation {caps.speculation!r} is not among {SPECULATION_KINDS}")
+        if caps.self_drafting:
+            too_wide = [w for w in widths if w > caps.draft_tokens + 1]
+            if too_wide:
+                raise ValueError(f"self-drafting widths {too_wide} exceed draft_tokens + 1 = {caps.draft_tokens + 1}")
+        else:
+            self.speculative = decl.declare_speculative(self.builder, self.text_caps, widths)
         for width in sorted({1, *widths}):
             if width < widest:
                 rows = np.arange(caps.max_rows, dtype=np.int32) * np.int32(widest // width)  # [B]
                 self.record_rows[width] = self.builder.weight(f"layout.record_rows_w{width}", rows, "constants")
+        if caps.self_drafting:
+            draws = caps.draft_tokens
+            for lanes in caps.decode_rows:
+                for width in widths:
+                    if width > 1:
+                        self._draft_table(lanes, draws, draws)  # confidences: every step
+                        self._draft_table(lanes, draws, width - 1)  # candidates: the first W - 1 steps
+
+    def _draft_layers(self) -> int:
+        """K, the layers that draft: ``caps.draft_layers``, or every layer but the last when it is 0."""
+        layers = self.shape.layers
+        chosen = self.caps.draft_layers or max(layers - 1, 1)
+        if not 1 <= chosen <= layers:
+            raise ValueError(f"--draft-layers must lie in [1, {layers}] (the target's layers), got {chosen}")
+        return chosen
+
+    def _draft_table(self, rows: int, draws: int, columns: int) -> View:
+        """The rows a step-major ``[D, B]`` draft result moves to in a lane-major ``[B, C]`` table.
+
+        Entry ``i x B + r`` (step ``i``, lane ``r``) holds ``r x C + i`` when ``i < C``, else -1 (the
+        step is not copied): ``copy_rows`` over ``[D x B, 1]`` and ``[B x C, 1]`` views transposes.
+        """
+        key = (rows, draws, columns)
+        table = self._draft_tables.get(key)
+        if table is None:
+            steps = np.arange(draws, dtype=np.int64)[:, None]
+            lanes = np.arange(rows, dtype=np.int64)[None, :]
+            values = np.where(steps < columns, lanes * columns + steps, -1).astype(np.int32).reshape(-1)
+            table = self.builder.weight(f"layout.draft_rows_b{rows}_d{draws}_c{columns}", values, "constants")
+            self._draft_tables[key] = table
+        return table
 
     def _declare_cache(self) -> None:
         s, c = self.shape, self.caps
@@ -350,6 +470,27 @@ class LlamaProgramWriter:
             pending=buf("pending", [b, 1]),
         )
 
+    def _declare_self_draft_scratch(self) -> _SelfDraftScratch:
+        c = self.caps
+        b, draws, p = c.max_rows, c.draft_capacity, c.speculative_packed
+
+        def buf(name: str, shape: Sequence[int], dtype: int = mf.DTYPE_I32) -> View:
+            return self.builder.buffer(f"scratch.self_draft.{name}", mf.BUFFER_ROLE_SCRATCH, dtype, shape)
+
+        return _SelfDraftScratch(
+            step_ids=buf("step_ids", [max(draws, 1) * b]),
+            step_confidence=buf("step_confidence", [max(draws, 1) * b], mf.DTYPE_F32),
+            candidate_ids=buf("candidate_ids", [b * max(c.widest_speculation - 1, 1)]),
+            confidence=buf("confidence", [b * max(draws, 1)], mf.DTYPE_F32),
+            step_positions=buf("step_positions", [b]),
+            step_token_rows=buf("step_token_rows", [b]),
+            step_cache_slots=buf("step_cache_slots", [b], mf.DTYPE_I64),
+            query_length=buf("query_length", [b]),
+            positions=buf("positions", [p]),
+            token_rows=buf("token_rows", [p]),
+            cache_slots=buf("cache_slots", [p], mf.DTYPE_I64),
+        )
+
     # -- dataflow --------------------------------------------------------------
     def _rope_attributes(self) -> dict[str, float | str | list[float]]:
         s = self.shape
@@ -358,8 +499,23 @@ class LlamaProgramWriter:
             attrs["frequency_band_scaling"] = [float(x) for x in s.frequency_band_scaling]
         return attrs
 
-    def _attention(self, prog: ProgramBuilder, layer: int, rows: int, tokens: int, q: View, attn: View) -> None:
+    def _host_layout(self) -> _TokenLayout:
+        sh = self.shared
+        return _TokenLayout(positions=sh.positions, token_rows=sh.token_rows, cache_slots=sh.cache_slots)
+
+    def _attention(
+        self,
+        prog: ProgramBuilder,
+        layer: int,
+        rows: int,
+        tokens: int,
+        q: View,
+        attn: View,
+        layout: _TokenLayout | None = None,
+        label: str = "",
+    ) -> None:
         s, sh = self.shape, self.shared
+        where = layout or self._host_layout()
         prog.node(
             "paged_attention",
             {
@@ -367,21 +523,31 @@ class LlamaProgramWriter:
                 "k_plane": self.k_planes[layer],
                 "v_plane": self.v_planes[layer],
                 "page_table": prefix(sh.page_table, rows),
-                "token_row": prefix(sh.token_rows, tokens),
-                "token_position": prefix(sh.positions, tokens),
+                "token_row": prefix(where.token_rows, tokens),
+                "token_position": prefix(where.positions, tokens),
                 "out": attn,
             },
             {"scale": float(s.head_dim) ** -0.5},
-            name=f"l{layer}.attention",
+            name=f"{label}l{layer}.attention",
         )
 
-    def _fused_decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
+    def _fused_decoder(
+        self,
+        prog: ProgramBuilder,
+        rows: int,
+        tokens: int,
+        ids: View,
+        layout: _TokenLayout | None = None,
+        layers: int | None = None,
+        label: str = "",
+    ) -> None:
         """The kernel graph of every layer: five nodes, the residual stream updated in place.
 
         rmsnorm + [q|k|v] projection + rope + cache write, attention, output projection + residual,
         rmsnorm + [gate|up] projection, SwiGLU + down projection + residual.
         """
-        s, sh, sc = self.shape, self.shared, self.scratch
+        s, sc = self.shape, self.scratch
+        where = layout or self._host_layout()
         if sc.gate_up is None:
             raise ValueError("the kernel graph needs the packed [gate|up] scratch buffer")
         p = tokens
@@ -389,45 +555,59 @@ class LlamaProgramWriter:
         q = prefix(sc.q, p)
         attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
         gate_up = prefix(sc.gate_up, p)
-        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h})
-        for layer, lw in enumerate(self.layer_weights):
+        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+        for layer, lw in enumerate(self.layer_weights[:layers]):
             prog.node(
                 "rmsnorm_linear_rope_kv_cache_write",
                 {
                     "x": h,
                     "norm_weight": lw["attn_norm"],
                     "weight": lw["wqkv"],
-                    "positions": prefix(sh.positions, p),
-                    "slots": prefix(sh.cache_slots, p),
+                    "positions": prefix(where.positions, p),
+                    "slots": prefix(where.cache_slots, p),
                     "q": q,
                     "k_plane": self.k_planes[layer],
                     "v_plane": self.v_planes[layer],
                 },
                 {"eps": s.rms_eps, **self._rope_attributes()},
-                name=f"l{layer}.attention_input",
+                name=f"{label}l{layer}.attention_input",
             )
-            self._attention(prog, layer, rows, p, q, View(sc.attn.buffer, (p, s.heads, s.head_dim)))
+            self._attention(prog, layer, rows, p, q, View(sc.attn.buffer, (p, s.heads, s.head_dim)), where, label)
             prog.node(
-                "linear_add", {"x": attn2, "weight": lw["wo"], "residual": h, "out": h}, name=f"l{layer}.o_residual"
+                "linear_add",
+                {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
+                name=f"{label}l{layer}.o_residual",
             )
             prog.node(
                 "rmsnorm_linear",
                 {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
                 {"eps": s.rms_eps},
-                name=f"l{layer}.gate_up",
+                name=f"{label}l{layer}.gate_up",
             )
             prog.node(
                 "silu_mul_linear_add",
                 {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
-                name=f"l{layer}.down_residual",
+                name=f"{label}l{layer}.down_residual",
             )
 
-    def _decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
-        """Embedding and every layer over ``tokens`` packed tokens of ``rows`` lanes."""
+    def _decoder(
+        self,
+        prog: ProgramBuilder,
+        rows: int,
+        tokens: int,
+        ids: View,
+        layout: _TokenLayout | None = None,
+        layers: int | None = None,
+        label: str = "",
+    ) -> None:
+        """Embedding and the first ``layers`` layers (all by default) over ``tokens`` packed tokens of
+        ``rows`` lanes, reading positions, lane rows and cache slots from ``layout`` (the host-fed
+        transport entries by default); node names start with ``label``."""
         if self.fused:
-            self._fused_decoder(prog, rows, tokens, ids)
+            self._fused_decoder(prog, rows, tokens, ids, layout, layers, label)
             return
-        s, sh, sc = self.shape, self.shared, self.scratch
+        s, sc = self.shape, self.scratch
+        where = layout or self._host_layout()
         p = tokens
         h = prefix(sc.h, p)
         xn = prefix(sc.xn, p)
@@ -441,43 +621,46 @@ class LlamaProgramWriter:
         k2 = View(k.buffer, (p, s.kv_heads * s.head_dim))
         v2 = View(v.buffer, (p, s.kv_heads * s.head_dim))
         attn2 = View(attn.buffer, (p, s.heads * s.head_dim))
-        positions = prefix(sh.positions, p)
+        positions = prefix(where.positions, p)
         rope_attrs = self._rope_attributes()
-        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h})
-        for layer, lw in enumerate(self.layer_weights):
+        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+        for layer, lw in enumerate(self.layer_weights[:layers]):
             prog.node(
                 "rmsnorm",
                 {"x": h, "weight": lw["attn_norm"], "out": xn},
                 {"eps": s.rms_eps},
-                name=f"l{layer}.attn_norm",
+                name=f"{label}l{layer}.attn_norm",
             )
-            prog.node("linear", {"x": xn, "weight": lw["wq"], "out": q2}, name=f"l{layer}.q")
-            prog.node("linear", {"x": xn, "weight": lw["wk"], "out": k2}, name=f"l{layer}.k")
-            prog.node("linear", {"x": xn, "weight": lw["wv"], "out": v2}, name=f"l{layer}.v")
-            prog.node("rope", {"x": q, "positions": positions, "out": q}, rope_attrs, name=f"l{layer}.rope_q")
-            prog.node("rope", {"x": k, "positions": positions, "out": k}, rope_attrs, name=f"l{layer}.rope_k")
+            prog.node("linear", {"x": xn, "weight": lw["wq"], "out": q2}, name=f"{label}l{layer}.q")
+            prog.node("linear", {"x": xn, "weight": lw["wk"], "out": k2}, name=f"{label}l{layer}.k")
+            prog.node("linear", {"x": xn, "weight": lw["wv"], "out": v2}, name=f"{label}l{layer}.v")
+            prog.node("rope", {"x": q, "positions": positions, "out": q}, rope_attrs, name=f"{label}l{layer}.rope_q")
+            prog.node("rope", {"x": k, "positions": positions, "out": k}, rope_attrs, name=f"{label}l{layer}.rope_k")
             prog.node(
                 "kv_cache_write",
                 {
                     "k": k,
                     "v": v,
-                    "slots": prefix(sh.cache_slots, p),
+                    "slots": prefix(where.cache_slots, p),
                     "k_plane": self.k_planes[layer],
                     "v_plane": self.v_planes[layer],
                 },
-                name=f"l{layer}.cache_write",
+                name=f"{label}l{layer}.cache_write",
             )
-            self._attention(prog, layer, rows, p, q, attn)
-            prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"l{layer}.o")
-            prog.node("add", {"a": h, "b": o, "out": h}, name=f"l{layer}.attn_residual")
+            self._attention(prog, layer, rows, p, q, attn, where, label)
+            prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
+            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
             prog.node(
-                "rmsnorm", {"x": h, "weight": lw["ffn_norm"], "out": xn}, {"eps": s.rms_eps}, name=f"l{layer}.ffn_norm"
+                "rmsnorm",
+                {"x": h, "weight": lw["ffn_norm"], "out": xn},
+                {"eps": s.rms_eps},
+                name=f"{label}l{layer}.ffn_norm",
             )
-            prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"l{layer}.gate")
-            prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"l{layer}.up")
-            prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"l{layer}.silu_mul")
-            prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"l{layer}.down")
-            prog.node("add", {"a": h, "b": o, "out": h}, name=f"l{layer}.ffn_residual")
+            prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"{label}l{layer}.gate")
+            prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"{label}l{layer}.up")
+            prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"{label}l{layer}.silu_mul")
+            prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"{label}l{layer}.down")
+            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
 
     def _sample_and_complete(self, prog: ProgramBuilder, rows: int, tokens: int) -> None:
         """Final norm and LM head on each lane's last token, sampling, pending token, completion."""
@@ -696,6 +879,8 @@ class LlamaProgramWriter:
             )
         if self.speculative is not None:
             graphs.extend(self._speculative_programs(self.speculative))
+        if self.self_draft is not None:
+            graphs.extend(self._self_draft_programs(self.self_draft))
         if self.snapshots is not None:
             graphs.extend(self._snapshot_programs(self.snapshots))
         return graphs
@@ -842,6 +1027,243 @@ class LlamaProgramWriter:
                 "out_sequence": sh.out_sequence,
             },
         )
+
+    def _self_draft_programs(self, views: decl.SelfDraftViews) -> list[ct.GraphContract]:
+        """``selfdraft_w{W}_b{B}``: draft in the graph, allocate prefixes by confidence, verify, commit.
+
+        The target's first K layers (shared final norm and head) draft D tokens greedily, one step a
+        token; ``draft_allocate`` turns their confidences and the host's ceilings
+        (SPECULATIVE_PREFIX_LIMIT, the only length source) into lane lengths within P;
+        ``speculative_layout`` places them; the full decoder verifies every packed row and
+        ``sample_verify`` samples them as plain decode would. Positions and cache slots are computed
+        on the device from the consumed endpoints and page tables.
+        """
+        caps = self.caps
+        graphs: list[ct.GraphContract] = []
+        for rows in caps.decode_rows:
+            for width in caps.speculative_widths:
+                name = f"selfdraft_w{width}_b{rows}"
+                draws = self_draft_draws(width, caps.draft_tokens)
+                packed = self_draft_packed(rows, width)
+                prog = ProgramBuilder(name, ct.OPERATION_SPECULATIVE)
+                self._self_draft_body(prog, views, rows, width, draws, packed)
+                self.builder.add_program(prog)
+                graph = self._graph(
+                    name,
+                    ct.OPERATION_SPECULATIVE,
+                    rows,
+                    packed,
+                    decl.self_draft_bindings() + decl.sampling_bindings(),
+                    decl.sampling_state_accesses(),
+                    pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
+                )
+                graph.extents.token_capacity = width
+                graph.extents.verify_tokens = width
+                graph.extents.draft_tokens = draws
+                graph.extents.draft_capacity = caps.draft_capacity
+                graph.confidence_width = draws
+                graph.cursor.reports_draft_cursor = True
+                graph.cursor.lag_tokens = 0
+                del graph.rng_reservations[:]
+                graph.rng_reservations.extend(decl.self_draft_rng(width))
+                graph.logprobs.top_n = 0
+                graphs.append(graph)
+        return graphs
+
+    def _head(self, prog: ProgramBuilder, tokens: int, logits: View, label: str) -> None:
+        """The final norm and LM head over the first ``tokens`` rows of the residual stream."""
+        s, sc = self.shape, self.scratch
+        if self.fused:
+            prog.node(
+                "rmsnorm_linear",
+                {"x": prefix(sc.h, tokens), "norm_weight": self.out_norm, "weight": self.lm_head, "out": logits},
+                {"eps": s.rms_eps},
+                name=f"{label}lm_head",
+            )
+            return
+        normed = prefix(sc.xn, tokens)
+        prog.node(
+            "rmsnorm",
+            {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed},
+            {"eps": s.rms_eps},
+            name=f"{label}final_norm",
+        )
+        prog.node("linear", {"x": normed, "weight": self.lm_head, "out": logits}, name=f"{label}lm_head")
+
+    def _self_draft_body(
+        self, prog: ProgramBuilder, views: decl.SelfDraftViews, rows: int, width: int, draws: int, packed: int
+    ) -> None:
+        sh, sc = self.shared, self.scratch
+        sp, sd = self.speculative_scratch, self.self_draft_scratch
+        if sp is None or sd is None:
+            raise ValueError("self-drafting programs need the speculative and self-draft scratch buffers")
+        r, p = rows, packed
+        widest = self.caps.widest_speculation
+        page_tokens = self.caps.page_tokens
+        state_rows = prefix(sh.state_rows, r)
+        ceilings = prefix(views.prefix_limit, r)
+        consumed = prefix(views.consumed, r)
+        page_table = prefix(sh.page_table, r)
+        confidence = View(sd.confidence.buffer, (r, draws))  # [B, D] lane-major
+        candidates = View(sd.candidate_ids.buffer, (r, width - 1))  # [B, W - 1]: the proposals verified
+        query_length = prefix(sd.query_length, r)
+        if draws:
+            pending_ids = prefix(sc.ids, r)  # [B, 1]
+            prog.node(
+                "gather_rows",
+                {"x": sh.pending_tokens, "index": state_rows, "out": pending_ids},
+                name="load_pending_token",
+            )
+            step = _TokenLayout(
+                positions=prefix(sd.step_positions, r),
+                token_rows=prefix(sd.step_token_rows, r),
+                cache_slots=prefix(sd.step_cache_slots, r),
+            )
+            logits = prefix(sc.logits, r)  # [B, V]
+            for i in range(draws):
+                label = f"draft{i}."
+                fed = View(pending_ids.buffer, (r,)) if i == 0 else View(sd.step_ids.buffer, (r,), (i - 1) * r)
+                prog.node(
+                    "lane_positions",
+                    {
+                        "consumed": consumed,
+                        "page_table": page_table,
+                        "limit": ceilings,
+                        "positions": step.positions,
+                        "token_rows": step.token_rows,
+                        "cache_slots": step.cache_slots,
+                    },
+                    {"offset": i, "page_tokens": page_tokens},
+                    name=f"{label}positions",
+                )
+                self._decoder(prog, r, r, fed, step, self.draft_layers, label)
+                self._head(prog, r, logits, label)
+                prog.node(
+                    "draft_argmax",
+                    {
+                        "logits": logits,
+                        "token_rows": step.token_rows,
+                        "ids": View(sd.step_ids.buffer, (r,), i * r),
+                        "confidence": View(sd.step_confidence.buffer, (r,), i * r),
+                    },
+                    {"vocab_limit": self.sampled_size},
+                    name=f"{label}choose",
+                )
+            prog.node(
+                "copy_rows",
+                {
+                    "src": View(sd.step_confidence.buffer, (draws * r, 1)),
+                    "dst_rows": self._draft_table(r, draws, draws),
+                    "dst": View(sd.confidence.buffer, (r * draws, 1)),
+                },
+                name="draft_confidence",
+            )
+            prog.node(
+                "copy_rows",
+                {
+                    "src": View(sd.step_ids.buffer, (draws * r, 1)),
+                    "dst_rows": self._draft_table(r, draws, width - 1),
+                    "dst": View(sd.candidate_ids.buffer, (r * (width - 1), 1)),
+                },
+                name="draft_candidates",
+            )
+        prog.node(
+            "draft_allocate",
+            {"confidence": confidence, "ceilings": ceilings, "query_length": query_length},
+            {"packed_capacity": p, "token_capacity": width},
+        )
+        verify = _TokenLayout(
+            positions=prefix(sd.positions, p),
+            token_rows=prefix(sd.token_rows, p),
+            cache_slots=prefix(sd.cache_slots, p),
+        )
+        prog.node(
+            "speculative_layout",
+            {
+                "query_length": query_length,
+                "consumed": consumed,
+                "page_table": page_table,
+                "positions": verify.positions,
+                "token_rows": verify.token_rows,
+                "cache_slots": verify.cache_slots,
+            },
+            {"page_tokens": page_tokens},
+        )
+        packed_ids = prefix(sp.ids, p)
+        prog.node(
+            "speculative_inputs",
+            {
+                "pending_tokens": sh.pending_tokens,
+                "rows": state_rows,
+                "candidate_ids": candidates,
+                "query_length": query_length,
+                "ids": packed_ids,
+            },
+        )
+        self._decoder(prog, r, p, packed_ids, verify)
+        all_logits = prefix(sc.all_logits, p)  # [P, V]: every packed row is verified
+        self._head(prog, p, all_logits, "")
+        if width == widest:
+            ids, logprob = prefix(sh.out_sampled_ids, r), prefix(sh.out_logprobs, r)
+        else:
+            ids, logprob = View(sp.verify_ids.buffer, (r, width)), View(sp.verify_logprob.buffer, (r, width))
+        pending = prefix(sp.pending, r)  # [B, 1]
+        prog.node(
+            "sample_verify",
+            {
+                "logits": all_logits,
+                "query_length": query_length,
+                "candidate_ids": candidates,
+                "temperature": prefix(sh.temperature, r),
+                "top_k": prefix(sh.top_k, r),
+                "top_p": prefix(sh.top_p, r),
+                "min_p": prefix(sh.min_p, r),
+                "repetition_penalty": prefix(sh.repetition_penalty, r),
+                "frequency_penalty": prefix(sh.frequency_penalty, r),
+                "presence_penalty": prefix(sh.presence_penalty, r),
+                "prompt_presence": sh.prompt_presence,
+                "output_counts": sh.output_counts,
+                "rows": state_rows,
+                "seed": prefix(sh.seed, r),
+                "step": prefix(sh.sampling_step, r),
+                "active": prefix(sh.sample_active, r),
+                "ids": ids,
+                "accepted": prefix(sp.accepted, r),
+                "emitted": prefix(sp.emitted, r),
+                "pending": View(pending.buffer, (r,)),
+                "logprob": logprob,
+            },
+            {"vocab_limit": self.sampled_size},
+        )
+        if width < widest:
+            self._into_record(prog, ids, sh.out_sampled_ids, "record_ids")
+            self._into_record(prog, logprob, sh.out_logprobs, "record_logprobs")
+        prog.node(
+            "copy_rows",
+            {"src": pending, "dst_rows": state_rows, "when": prefix(sh.sample_active, r), "dst": sh.pending_tokens},
+            name="store_pending_token",
+        )
+        record = {
+            "generation": prefix(sh.generation, r),
+            "query_length": query_length,
+            "accepted": prefix(sp.accepted, r),
+            "emitted": prefix(sp.emitted, r),
+            "consumed": consumed,
+            "submission_sequence": sh.submission_sequence,
+            "out_generation": prefix(sh.out_generation, r),
+            "out_offers": prefix(views.out_offers, r),
+            "out_accepted": prefix(views.out_accepted, r),
+            "out_emitted": prefix(sh.out_emitted, r),
+            "out_consumed": prefix(sh.out_consumed, r),
+            "out_draft_cursor": prefix(sh.out_draft_cursor, r),
+            "out_reserved": prefix(sh.out_reserved, r),
+            "out_sequence": sh.out_sequence,
+        }
+        if draws:
+            record.update(
+                confidence=confidence, frame_index=views.frame_index, out_confidence=views.proposal_confidence
+            )
+        prog.node("completion_self_draft", record, {"lag_tokens": 0})
 
     def _snapshot_programs(self, snap: decl.SnapshotViews) -> list[ct.GraphContract]:
         """``snapshot`` and ``restore``: one request per round, no sampling."""
