@@ -44,6 +44,8 @@ from helios_core.runtime.stats import SchedulerStats
 from helios_core.wire import contract_pb2 as ct
 
 _NONE: frozenset[int] = frozenset()
+ACCEPTANCE_WEIGHT = 0.5
+"""The weight of a request's earlier acceptance rate against its latest round's."""
 _PER_LANE = 16
 """Decode rounds of at most this many lanes look EOS ids up lane by lane."""
 
@@ -210,6 +212,10 @@ class RoundCompletion:
         tokens = result.tokens
         table.consumed[slot] = expectation.consumed + len(tokens)
         self.stats.count_speculation(width, result.offers, result.accepted, len(tokens))
+        if result.offers:
+            state.acceptance = ACCEPTANCE_WEIGHT * state.acceptance + (1 - ACCEPTANCE_WEIGHT) * (
+                result.accepted / result.offers
+            )
         residency.publish_pages(slot)
         stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
         for token, logprob in zip(tokens, result.logprobs, strict=True):

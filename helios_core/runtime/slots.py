@@ -92,6 +92,9 @@ class RequestState:
     """Prompt scores collected so far (prompt logprobs), one per prefilled prompt token."""
     scores_sent: bool = False
     """The PromptScores event was published (later prefills, after preemption, need no scoring)."""
+    acceptance: float = 0.5
+    """How often this request's proposals have held lately (an average over its speculative rounds,
+    recent ones weighing most); the planner offers as many proposals as it makes worthwhile."""
 
     @property
     def scoring(self) -> bool:

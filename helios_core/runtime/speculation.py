@@ -2,7 +2,8 @@
 
 Owns :class:`SpeculativePlanner`, which the round planner asks before it plans a decode round. With
 history drafting on (the core's programs verify copied proposals), each eligible decode-ready request
-offers the tokens :func:`~helios_core.runtime.drafting.propose` finds in its own prompt and output;
+offers the tokens :func:`~helios_core.runtime.drafting.propose` finds in its own prompt and output
+(as many as its recent acceptance makes worthwhile, :func:`worthwhile_proposals`);
 with programs that draft in-graph and allocate prefixes (``SPECULATIVE_PREFIX_LIMIT``), each lane gets
 a ceiling. Either way a request with a grammar or top alternatives to read keeps the round a decode
 round, and speculation never preempts anyone: a proposal or ceiling that has no free page shrinks.
@@ -85,6 +86,7 @@ class SpeculativePlanner:
                 widest.token_capacity - 1,
                 state.max_tokens - int(table.generated[slot]) - 1,
                 self.context - 1 - consumed,
+                worthwhile_proposals(state.acceptance, widest.token_capacity - 1),
             )
             history = table.tokens[slot, : consumed + 1]
             proposals.append(propose(history, limit) if limit > 0 else [])
@@ -187,6 +189,21 @@ class SpeculativePlanner:
         if cursor.reports_draft_cursor:
             expectations = [dataclasses.replace(e, cursor_lag=cursor.lag_tokens) for e in expectations]
         return self.planner.lanes_plan(graph, kept, lanes, expectations)
+
+
+WORTHWHILE = 0.2
+"""A proposal is offered while the chance that it and every proposal before it holds is at least this: a
+verified row costs a fraction of a decode step, a row that does not hold costs it for nothing."""
+
+
+def worthwhile_proposals(acceptance: float, widest: int) -> int:
+    """How many proposals a request whose proposals hold with probability ``acceptance`` each (its recent
+    rate) should offer: the most ``k`` (at most ``widest``) with ``acceptance ** k >= WORTHWHILE``, and at
+    least one, so the rate keeps being measured."""
+    count = 1
+    while count < widest and acceptance ** (count + 1) >= WORTHWHILE:
+        count += 1
+    return count
 
 
 def _copies_proposals(graph: PreparedGraph) -> bool:

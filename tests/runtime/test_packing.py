@@ -168,11 +168,11 @@ def test_a_source_packing_cannot_supply_fails_at_startup(contract: PreparedContr
         contract.graphs["decode_b1"],
         ct.ValueBinding(
             destination="input_ids",
-            source=ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT,
+            source=ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS,
             indexing=ct.INDEXING_SUBMISSION_ROW,
         ),
     )
-    with pytest.raises(UnsupportedFeatureError, match="VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT"):
+    with pytest.raises(UnsupportedFeatureError, match="VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS"):
         GraphPacker(graph, poisoned_staging(contract))
 
 

@@ -178,3 +178,22 @@ def test_offers_beyond_the_programs_packed_capacity_fail_the_round() -> None:
     assert all(isinstance(r, LaneResult) for r in read_lanes(completion, 3, lanes, 100, packed_capacity=8))
     with pytest.raises(CompletionError, match="the lanes' offers take 8 target rows; the program holds 6"):
         read_lanes(completion, 3, lanes, 100, packed_capacity=6)
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "widest", "expected"),
+    [
+        (0.0, 7, 1),  # at least one, so the rate keeps being measured
+        (0.31, 7, 1),  # 0.31**2 < 0.2
+        (0.5, 7, 2),  # 0.25 >= 0.2 > 0.125
+        (0.8, 7, 7),  # 0.8**7 = 0.21
+        (0.8, 3, 3),  # never past the widest program
+        (1.0, 7, 7),
+    ],
+)
+def test_a_request_offers_as_many_proposals_as_its_acceptance_makes_worthwhile(
+    acceptance: float, widest: int, expected: int
+) -> None:
+    from helios_core.runtime.speculation import worthwhile_proposals
+
+    assert worthwhile_proposals(acceptance, widest) == expected
