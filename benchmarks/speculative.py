@@ -69,6 +69,8 @@ class Plan:
     timeout_s: float
     budget_s: float
     seed: int
+    kind: str = "history"
+    """``history`` (copied proposals, served with --history-drafting) or ``self-draft`` (in-graph drafts)."""
 
     @property
     def max_rows(self) -> int:
@@ -108,6 +110,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         timeout_s=args.timeout,
         budget_s=args.budget,
         seed=args.seed,
+        kind=args.kind,
     )
     if not batches or min(batches) <= 0 or plan.prompt <= 0 or plan.tokens < 4 or plan.draft_tokens < 1:
         raise SystemExit("batches, prompt and --draft-tokens must be positive and --tokens at least 4")
@@ -127,10 +130,11 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
             "--max-rows", str(plan.max_rows), "--decode-rows", ",".join(map(str, plan.decode_rows)),
             "--prefill-tokens", ",".join(map(str, plan.prefill_variants)), "--context", str(plan.context),
             "--page-tokens", str(plan.page_tokens), "--namespace", NAMESPACE, "--seed", str(plan.seed),
-            "--speculative", "history", "--draft-tokens", str(plan.draft_tokens),
+            "--speculative", plan.kind, "--draft-tokens", str(plan.draft_tokens),
         )  # fmt: skip
         targets = "-".join(t.replace("_", "") for t in plan.targets)
-        name = f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}-d{plan.draft_tokens}.core"
+        kind = "" if plan.kind == "history" else "-selfdraft"
+        name = f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}-d{plan.draft_tokens}{kind}.core"
         specs.append(CoreSpec(shape, str(directory / name), (*arguments, "--sign-key", str(signing_key))))
     return specs
 
@@ -188,7 +192,11 @@ def _start(spec: CoreSpec, public_key: Path, plan: Plan, *, drafting: bool) -> A
     per_request = -(-(plan.workload_prompt + plan.tokens + plan.draft_tokens + 1) // plan.page_tokens) + 1
     pages = int(plan.max_rows * per_request * 1.1) + per_request
     options = LoadOptions(
-        max_active=plan.max_rows, queue_capacity=plan.max_rows, cache_pages=pages, history_drafting=drafting
+        max_active=plan.max_rows,
+        queue_capacity=plan.max_rows,
+        cache_pages=pages,
+        history_drafting=drafting and plan.kind == "history",
+        speculative_width=None if drafting else 1,  # width one: plain decode rounds only
     )
     return start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
 
@@ -342,6 +350,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for one wave of requests")
     parser.add_argument("--budget", type=float, default=540.0, help="start no new phase after this many seconds")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of the cores")
+    parser.add_argument(
+        "--kind",
+        choices=("history", "self-draft"),
+        default="history",
+        help="speculation measured: history drafting, or the core's in-graph draft (first layers, greedy)",
+    )
     return parser.parse_args(argv)
 
 

@@ -231,6 +231,110 @@ def test_a_lane_without_candidates_samples_one_token() -> None:
     assert (got["accepted"][0], got["emitted"][0], got["pending"][0]) == (0, 1, plan.plain[0][0])
 
 
+def _masks(rng: np.random.Generator, rows: int) -> np.ndarray:
+    """``[rows, 1]`` int32 grammar masks allowing about half of the sampled ids (always at least two)."""
+    allowed = rng.random((rows, VOCAB)) < 0.5
+    allowed[:, VOCAB - 2 :] = False
+    allowed[np.arange(rows), rng.integers(0, VOCAB - 2, rows)] = True
+    allowed[np.arange(rows), rng.integers(0, VOCAB - 2, rows)] = True
+    bits = (allowed.astype(np.uint64) << np.arange(VOCAB, dtype=np.uint64)).sum(axis=1)
+    words: np.ndarray = bits.astype(np.uint32).view(np.int32).reshape(rows, 1)
+    return words
+
+
+def _masked_decode(plan: Round, lane: int, masks: np.ndarray, tokens: int) -> tuple[list[int], list[float]]:
+    """One-token ``sample`` nodes of ``lane`` under its packed rows' masks, as constrained decode runs."""
+    counts, start = plan.counts.copy(), int(plan.starts[lane])
+    found: tuple[list[int], list[float]] = ([], [])
+    for offset in range(tokens):
+        ids, logprob = np.zeros((1, 1), np.int32), np.zeros((1, 1), np.float32)
+        arrays = {
+            "logits": plan.logits[start + offset : start + offset + 1].copy(),
+            **{name: plan.settings[name][lane : lane + 1].copy() for name in SETTINGS},
+            "prompt_presence": plan.presence,
+            "output_counts": counts,
+            "rows": plan.rows[lane : lane + 1].copy(),
+            "step": np.array([plan.step[lane] + offset], np.int64),
+            "active": np.ones(1, np.uint8),
+            "allowed_mask": masks[start + offset : start + offset + 1].copy(),
+            "constrained": np.ones(1, np.uint8),
+            "ids": ids,
+            "logprob": logprob,
+        }
+        _node("sample", arrays, vocab_limit=VOCAB - 2)()
+        found[0].append(int(ids[0, 0]))
+        found[1].append(float(logprob[0, 0]))
+    return found
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verify_samples_each_position_of_a_constrained_lane_under_its_mask_row(temperature: float) -> None:
+    """Lanes 0 and 2 are constrained (lane 0 accepts every candidate, lane 2 stops at its second), lane 1
+    is not: its rows of the mask (which would change its tokens) are never applied."""
+    plan = Round(temperature, offers=(4, 3, 2))
+    masks = _masks(np.random.default_rng(17), plan.logits.shape[0])
+    constrained = np.array([1, 0, 1], np.uint8)
+    full = _masked_decode(plan, 0, masks, 5)[0]
+    stopping = _masked_decode(plan, 2, masks, 3)[0]
+    candidates = np.full((3, plan.capacity), -7, np.int32)
+    candidates[0, :4] = full[:4]
+    candidates[1, :3] = plan.plain[1][:3]
+    candidates[2, :2] = [stopping[0], _mismatch(stopping[1])]
+    outputs = {
+        "ids": np.full((3, plan.width), 99, np.int32),
+        "accepted": np.full(3, 99, np.int32),
+        "emitted": np.full(3, 99, np.int32),
+        "pending": np.full(3, 99, np.int32),
+        "logprob": np.full((3, plan.width), 99.0, np.float32),
+    }
+    counts = plan.counts.copy()
+    arrays = {
+        "logits": plan.logits,
+        "query_length": plan.query_length,
+        "candidate_ids": candidates,
+        **plan.settings,
+        "prompt_presence": plan.presence,
+        "output_counts": counts,
+        "rows": plan.rows,
+        "step": plan.step,
+        "active": np.ones(3, np.uint8),
+        "allowed_mask": masks,
+        "constrained": constrained,
+        **outputs,
+    }
+    _node("sample_verify", arrays, vocab_limit=VOCAB - 2)()
+    assert outputs["accepted"].tolist() == [4, 3, 1]
+    for lane, expected in ((0, _masked_decode(plan, 0, masks, 5)), (2, _masked_decode(plan, 2, masks, 2))):
+        emitted = len(expected[0])
+        assert outputs["ids"][lane].tolist() == expected[0] + [-1] * (plan.width - emitted)
+        assert outputs["logprob"][lane].tolist() == expected[1] + [0.0] * (plan.width - emitted)
+    assert outputs["ids"][1].tolist() == plan.plain[1] + [-1]
+    # the masks matter: the constrained lanes' tokens are not those of unmasked decode
+    assert full != plan.plain[0]
+    # every emitted token of a constrained lane is allowed by its position's mask row
+    for lane in (0, 2):
+        for position, token in enumerate(outputs["ids"][lane][: outputs["emitted"][lane]].tolist()):
+            word = int(masks[plan.starts[lane] + position, 0]) & 0xFFFFFFFF
+            assert (word >> token) & 1
+
+
+def test_verify_checks_its_grammar_inputs() -> None:
+    plan = Round(0.0, offers=(2, 1))
+    masks = np.full((plan.logits.shape[0], 1), -1, np.int32)
+    with pytest.raises(ValueError, match="allowed_mask and constrained must be given together"):
+        _verify_kernel(plan, allowed_mask=masks)
+    flags = np.ones(2, np.uint8)
+    with pytest.raises(ValueError, match=r"allowed_mask: expected \[>= 5, >= 1\] words"):
+        _verify_kernel(plan, allowed_mask=masks[:4], constrained=flags)
+    with pytest.raises(ValueError, match="allowed_mask: expected int32 words, got dtype uint8"):
+        _verify_kernel(plan, allowed_mask=masks.astype(np.uint8), constrained=flags)
+    no_token = np.zeros_like(masks)
+    before = plan.counts.copy()
+    with pytest.raises(ValueError, match="row 0 has no sampleable id after masking"):
+        _verify_kernel(plan, allowed_mask=no_token, constrained=flags)
+    assert np.array_equal(plan.counts, before)
+
+
 def _verify_kernel(plan: Round, **overrides: Any) -> rk.VerifyResult:
     arguments: dict[str, Any] = {
         "query_length": plan.query_length,
@@ -306,6 +410,11 @@ def test_verify_node_checks_its_shapes_at_load() -> None:
         ({"pending": np.zeros(3, np.int32)}, "pending holds 3 elements, the node has 2 lanes"),
         ({"top_k": np.zeros(1, np.int32)}, "top_k holds 1 elements, the node has 2 lanes"),
         ({"prompt_presence": np.zeros((3, VOCAB), np.uint8)}, "prompt_presence .* must be equal"),
+        ({"allowed_mask": np.zeros((7, 1), np.int32)}, "allowed_mask and constrained must be given together"),
+        (
+            {"allowed_mask": np.zeros((7, 1), np.int32), "constrained": np.zeros(3, np.uint8)},
+            "constrained holds 3 elements, the node has 2 lanes",
+        ),
     ]
     for change, message in cases:
         with pytest.raises(ContractError, match=f"node sample_verify: {message}"):
@@ -434,7 +543,7 @@ def test_catalogue_signatures() -> None:
     assert (inputs.inputs, inputs.outputs) == (("pending_tokens", "rows", "candidate_ids", "query_length"), ("ids",))
     assert verify.inputs == ("logits", "query_length", "candidate_ids", *sample_inputs()[1:])
     assert verify.outputs == ("ids", "accepted", "emitted", "pending")
-    assert verify.optional_inputs == ("logprob",)
+    assert verify.optional_inputs == ("allowed_mask", "constrained", "logprob")
     assert (verify.updated_inputs, verify.attributes) == (("output_counts",), ("vocab_limit",))
     assert completion.inputs == (
         "generation",

@@ -7,7 +7,8 @@ folder are test material only.
 
 Fixtures: payload format 2 with contract versions 1, 2 and 3; logical-resource
 cores with ProtectedIndex 6 and 4; a core with an unfamiliar execution-ABI
-label. All are the tiny synthetic Llama shape with seeded weights.
+label; a core whose attention is a sliding window of 8 tokens. All are the tiny
+synthetic Llama shape with seeded weights.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ FIXTURES = ROOT / "tests" / "fixtures" / "cores"
 NAMESPACE = "helios-fixtures/golden"
 CAPACITIES = Capacities(
     max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64, snapshots=0
+)
+WINDOWED = Capacities(
+    max_rows=4,
+    prefill_tokens=(16,),
+    decode_rows=(1, 2, 4),
+    page_tokens=4,
+    cache_pages=32,
+    context=64,
+    snapshots=0,
+    window=8,
 )
 
 
@@ -109,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     future.CopyFrom(manifest)
     future.abi_label = "helios-exec-99-unfamiliar"
     write("abi-label.core", serving, future, "payload")
+    windowed, windowed_builder, windowed_resources = assemble(model, WINDOWED)
+    if windowed_resources != resources:
+        raise SystemExit("the windowed core's resources differ from the others'")
+    write("sliding-window.core", windowed, windowed_builder.manifest, "payload")
     return 0
 
 

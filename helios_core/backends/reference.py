@@ -3,7 +3,8 @@
 Owns the device-buffer stand-ins of one loaded core (every ``BufferDecl`` allocated once as a numpy
 array, symbolic leading dimensions fixed at construction), the weights (numpy views over the
 decoded WEIGHTS resources, read once each), the per-frame transport staging arrays and completion
-records, and program execution: each program's nodes are resolved once into closures over bound
+records, the tuning producers (each run once at construction, before any serving program can
+run), and program execution: each program's nodes are resolved once into closures over bound
 views and the operator implementations of :mod:`helios_core.backends.reference_kernels`, so
 :meth:`ReferenceBackend.run` only calls them in list order.
 
@@ -33,7 +34,7 @@ from helios_core.backends import reference_kernels as rk
 from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, runtime_shape
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
-from helios_core.errors import ContractError, UnsupportedFeatureError
+from helios_core.errors import ContractError, StartupError, UnsupportedFeatureError
 from helios_core.ops.catalogue import CATALOGUE, known_versions
 from helios_core.sampling import SAMPLING_PARAMETERS
 from helios_core.wire import container_pb2 as cb
@@ -182,10 +183,11 @@ def _kv_cache_write(n: _Node) -> Step:
 def _paged_attention(n: _Node) -> Step:
     q, k_plane, v_plane = n.floats("q"), n.tensor("k_plane"), n.tensor("v_plane")
     page_table, token_row, token_position = n.tensor("page_table"), n.tensor("token_row"), n.tensor("token_position")
-    out, scale = n.store("out"), n.attr_float("scale")
-    return lambda: out(
-        rk.paged_attention(q(), k_plane, v_plane, page_table, token_row.reshape(-1), token_position.reshape(-1), scale)
-    )
+    out, scale, window = n.store("out"), n.attr_float("scale"), n.attr_int("window", 0)
+    if window < 0:
+        raise n.fail(f"window must be 0 (unlimited) or positive, got {window}")
+    rows, positions = token_row.reshape(-1), token_position.reshape(-1)
+    return lambda: out(rk.paged_attention(q(), k_plane, v_plane, page_table, rows, positions, scale, window=window))
 
 
 def _rmsnorm_linear(n: _Node) -> Step:
@@ -389,10 +391,17 @@ def _sample_verify(n: _Node) -> Step:
     ids = n.tensor("ids")
     results = {name: n.tensor(name).reshape(-1) for name in ("accepted", "emitted", "pending")}
     logprob = n.optional("logprob")
+    mask, constrained = n.optional("allowed_mask"), n.optional("constrained")
+    if (mask is None) != (constrained is None):
+        raise n.fail("allowed_mask and constrained must be given together")
     vocab_limit = n.attr_int("vocab_limit")
     lanes = query_length.size
     if candidates.ndim != 2 or candidates.shape[0] != lanes:
         raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
+    if mask is not None and mask.ndim != 2:
+        raise n.fail(f"allowed_mask {mask.shape} must be [packed rows, words]")
+    if constrained is not None and constrained.size != lanes:
+        raise n.fail(f"constrained holds {constrained.size} elements, the node has {lanes} lanes")
     if ids.ndim != 2 or ids.shape[0] != lanes or ids.shape[1] < candidates.shape[1] + 1:
         raise n.fail(
             f"ids {ids.shape} must be [{lanes}, W] with W >= {candidates.shape[1] + 1} (the pending token and "
@@ -420,6 +429,8 @@ def _sample_verify(n: _Node) -> Step:
                 output_counts=counts,
                 vocab_limit=vocab_limit,
                 width=width,
+                allowed_mask=mask,
+                constrained=None if constrained is None else constrained.reshape(-1),
                 **per_lane,
             )
         except ValueError as error:
@@ -649,6 +660,96 @@ def _draft_argmax(n: _Node) -> Step:
     return step
 
 
+def _draft_sample(n: _Node) -> Step:
+    logits = n.floats("logits")
+    per_lane = {name: n.tensor(name).reshape(-1) for name in ("temperature", "top_k", "top_p", "min_p", "seed", "step")}
+    ids, confidence = n.tensor("ids").reshape(-1), n.tensor("confidence").reshape(-1)
+    draft_probabilities = n.tensor("draft_probabilities")
+    rows = n.optional("token_rows")
+    token_rows = None if rows is None else rows.reshape(-1)
+    vocab_limit, draft_index = n.attr_int("vocab_limit"), n.attr_int("draft_index")
+    lanes, vocab = n.tensor("logits").shape
+    for name, array in {**per_lane, "ids": ids, "confidence": confidence, "token_rows": token_rows}.items():
+        if array is not None and array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    if draft_probabilities.ndim != 3 or draft_probabilities.shape[0] != lanes or draft_probabilities.shape[2] != vocab:
+        raise n.fail(f"draft_probabilities {draft_probabilities.shape} must be [{lanes}, D, {vocab}]")
+    if not 0 <= draft_index < draft_probabilities.shape[1]:
+        raise n.fail(f"draft_index {draft_index} lies outside the {draft_probabilities.shape[1]} draft rows")
+    where = n.where
+
+    def step() -> None:
+        try:
+            choice = rk.draft_sample(
+                logits(), **per_lane, draft_index=draft_index, vocab_limit=vocab_limit, token_rows=token_rows
+            )
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        ids[...] = choice.ids
+        confidence[...] = choice.confidence
+        draft_probabilities[:, draft_index, :] = choice.probabilities
+
+    return step
+
+
+def _sample_verify_sampled(n: _Node) -> Step:
+    logits = n.floats("logits")
+    settings = {p.kernel_input: n.tensor(p.kernel_input).reshape(-1) for p in SAMPLING_PARAMETERS}
+    query_length, candidates = n.tensor("query_length").reshape(-1), n.tensor("candidate_ids")
+    draft_probabilities = n.tensor("draft_probabilities")
+    presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
+    per_lane = {name: n.tensor(name).reshape(-1) for name in ("rows", "step", "active")}
+    ids = n.tensor("ids")
+    results = {name: n.tensor(name).reshape(-1) for name in ("accepted", "emitted", "pending")}
+    logprob = n.optional("logprob")
+    vocab_limit = n.attr_int("vocab_limit")
+    lanes = query_length.size
+    if candidates.ndim != 2 or candidates.shape[0] != lanes:
+        raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
+    if draft_probabilities.ndim != 3 or draft_probabilities.shape[0] != lanes:
+        raise n.fail(f"draft_probabilities {draft_probabilities.shape} must be [{lanes}, D, V]")
+    if ids.ndim != 2 or ids.shape[0] != lanes or ids.shape[1] < candidates.shape[1] + 1:
+        raise n.fail(
+            f"ids {ids.shape} must be [{lanes}, W] with W >= {candidates.shape[1] + 1} (the pending token and "
+            f"{candidates.shape[1]} candidates)"
+        )
+    if logprob is not None and logprob.size != ids.size:
+        raise n.fail(f"logprob of shape {logprob.shape} does not match ids {ids.shape}")
+    for name, array in {**settings, **per_lane, **results}.items():
+        if array.size != lanes:
+            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+    if counts.ndim != 2 or presence.shape != counts.shape:
+        raise n.fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [rows, V]")
+    width = int(ids.shape[1])
+    logprob_out = None if logprob is None else logprob.reshape(ids.shape)
+    where = n.where
+
+    def step() -> None:
+        try:
+            result = rk.sample_verify_sampled(
+                logits(),
+                query_length=query_length,
+                candidate_ids=candidates,
+                draft_probabilities=draft_probabilities,
+                settings=settings,
+                prompt_presence=presence,
+                output_counts=counts,
+                vocab_limit=vocab_limit,
+                width=width,
+                **per_lane,
+            )
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+        ids[...] = result.ids
+        results["accepted"][...] = result.accepted
+        results["emitted"][...] = result.emitted
+        results["pending"][...] = result.pending
+        if logprob_out is not None:
+            logprob_out[...] = result.logprobs
+
+    return step
+
+
 def _draft_allocate(n: _Node) -> Step:
     confidence, ceilings = n.tensor("confidence"), n.tensor("ceilings").reshape(-1)
     query_length = n.tensor("query_length").reshape(-1)
@@ -790,6 +891,8 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("log_softmax_gather", 1): _log_softmax_gather,
     ("lane_positions", 1): _lane_positions,
     ("draft_argmax", 1): _draft_argmax,
+    ("draft_sample", 1): _draft_sample,
+    ("sample_verify_sampled", 1): _sample_verify_sampled,
     ("draft_allocate", 1): _draft_allocate,
     ("speculative_layout", 1): _speculative_layout,
     ("completion_self_draft", 1): _completion_self_draft,
@@ -882,6 +985,7 @@ class ReferenceBackend:
         self._programs: dict[str, list[list[Step]]] = {}
         for program in list(execution.programs) + list(execution.tuning_programs):
             self._programs[program.name] = [self._resolve(program, frame) for frame in range(frames)]
+        self._run_tuning(execution)
 
     # -- public surface ---------------------------------------------------------
     @property
@@ -933,6 +1037,21 @@ class ReferenceBackend:
         self._resources.clear()
 
     # -- construction -----------------------------------------------------------
+    def _run_tuning(self, execution: mf.ExecutionManifest) -> None:
+        """Run each tuning producer once on frame 0, in catalog order: the tuned buffers hold their values
+        before the constructor returns, so before any serving program that binds them can run."""
+        tuning = {p.name for p in execution.tuning_programs}
+        for producer in execution.tuning:
+            if producer.program not in tuning:
+                raise ContractError(f"tuning producer {producer.program!r} has no program in the tuning catalog")
+            missing = [name for name in producer.outputs if name not in self._shared]
+            if missing:
+                raise ContractError(f"tuning producer {producer.program!r} fills unknown buffers {missing}")
+            try:
+                self.run(producer.program, 0)
+            except (ValueError, FloatingPointError, IndexError) as exc:
+                raise StartupError(f"tuning producer {producer.program!r}: {exc}") from exc
+
     def _frame(self, frame: int) -> int:
         if not 0 <= frame < self._frames:
             raise ValueError(f"frame {frame} is outside [0, {self._frames})")

@@ -7,8 +7,8 @@ Conventions
 -----------
 * Pure functions over numpy arrays, no global state. The in-place operators
   (:func:`kv_cache_write`, :func:`copy_rows` and its wrappers, :func:`update_output_counts`,
-  :func:`speculative_inputs`, and :func:`sample_verify` on its ``output_counts``) mutate only the
-  buffers they are given.
+  :func:`speculative_inputs`, and :func:`sample_verify` and :func:`sample_verify_sampled` on their
+  ``output_counts``) mutate only the buffers they are given.
 * Arithmetic is float32 unless a docstring says otherwise; float outputs are float32, id outputs int32.
 * Bad shapes, dtypes or out-of-range indices raise ``ValueError`` naming the argument.
 * Row independence: every per-token operator computes a token's output from that token's own inputs
@@ -36,7 +36,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "PROPOSAL_STREAM_KEY",
+    "RESIDUAL_STREAM_KEY",
     "DraftChoice",
+    "DraftSample",
     "FrequencyBandScaling",
     "LanePositions",
     "RopeStyle",
@@ -53,6 +56,7 @@ __all__ = [
     "counter_uniform",
     "draft_allocate",
     "draft_argmax",
+    "draft_sample",
     "embedding",
     "gather_rows",
     "kv_cache_write",
@@ -66,11 +70,14 @@ __all__ = [
     "rope",
     "rope_inv_freq",
     "sample",
+    "sample_probabilities",
     "sample_verify",
+    "sample_verify_sampled",
     "silu_mul",
     "speculative_inputs",
     "speculative_layout",
     "splitmix64",
+    "stream_uniform",
     "unpack_allowed_mask",
     "update_output_counts",
 ]
@@ -528,6 +535,8 @@ def paged_attention(
     token_row: AnyArray,
     token_position: AnyArray,
     scale: float,
+    *,
+    window: int = 0,
 ) -> F32:
     """Causal grouped-query attention over paged KV cache planes (prefill, decode or mixed).
 
@@ -537,11 +546,15 @@ def paged_attention(
             ``kvh``; query head ``j`` reads KV head ``j // (h // kvh)``.
         page_table: ``[R, max_pages]`` integer: position ``p`` of request row ``r`` lives at page
             ``page_table[r, p // page_tokens]``, offset ``p % page_tokens``. Only the entries a
-            token needs are read (and must be valid page ids).
+            token needs are read (and must be valid page ids); with a window, entries of pages wholly
+            before every token's window are never read (they may hold anything, such as -1).
         token_row: ``[T]`` integer request row of each token; < 0 marks padding (output zeros).
         token_position: ``[T]`` integer position of each token; it attends to positions
             ``0..token_position[t]`` of its row (its own K/V must already be written).
         scale: multiplies ``q . k`` (usually ``1/sqrt(hd)``).
+        window: 0 for unlimited causal attention; a positive ``N`` limits each token to positions
+            ``max(token_position[t] - N + 1, 0)..token_position[t]`` (the last ``N`` positions, its own
+            included: sliding-window attention).
     Returns:
         ``[T, h, hd]`` float32.
 
@@ -576,6 +589,8 @@ def paged_attention(
                 f"token_position: {int(pos_of[active].max())} exceeds the page table's "
                 f"{max_pages} pages of {page_tokens} tokens"
             )
+    if window < 0:
+        _fail(f"window: must be 0 (unlimited) or positive, got {window}")
     k_arr, v_arr = np.asarray(k_plane), np.asarray(v_plane)
     num_pages = k_arr.shape[0]
     scale32 = np.float32(scale)
@@ -584,15 +599,21 @@ def paged_attention(
     for row in np.unique(row_of[active]):
         members = np.flatnonzero(row_of == row)
         length = int(pos_of[members].max()) + 1
-        pages = table[row, : -(-length // page_tokens)]
+        lowest = max(int(pos_of[members].min()) - window + 1, 0) if window else 0
+        first_page = lowest // page_tokens  # pages before it lie outside every member's window
+        base = first_page * page_tokens
+        pages = table[row, first_page : -(-length // page_tokens)]
         if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
             _fail(f"page_table: row {int(row)} names a page outside [0, {num_pages})")
-        keys = _heads_major(k_arr, pages, length)  # [kvh, length, hd]
-        values = _heads_major(v_arr, pages, length)
+        keys = _heads_major(k_arr, pages, length - base)  # [kvh, length - base, hd]: positions base..length-1
+        values = _heads_major(v_arr, pages, length - base)
         for t in members:
             n = int(pos_of[t]) + 1
-            # each [n, hd] slice is a contiguous matrix whatever `length` is
-            out[t] = _attend_one(queries[t], keys[:, :n], values[:, :n], scale32).reshape(heads, head_dim)
+            start = max(n - window, 0) if window else 0
+            # each [start:n, hd] slice is a contiguous matrix whatever `length` is
+            out[t] = _attend_one(
+                queries[t], keys[:, start - base : n - base], values[:, start - base : n - base], scale32
+            ).reshape(heads, head_dim)
     return out
 
 
@@ -919,8 +940,33 @@ def _top_n(values: F32, n: int) -> NDArray[np.intp]:
     return ordered
 
 
-def _sample_row(logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
-    """Draw one id from one row of processed logits (temperature > 0); see :func:`sample`."""
+class _KeptRow(NamedTuple):
+    """The ids one processed row keeps after temperature and the filters (step 5 of :func:`sample`)."""
+
+    weights: F64
+    """``[V]`` ``exp((l - max l) / temperature)`` in float64 (the top id weighs exactly 1.0)."""
+    positive: int
+    """How many weights are positive."""
+    order: NDArray[np.intp]
+    """A prefix of the (weight desc, id asc) order long enough to decide the cut."""
+    prefix_count: int
+    """The prefix length asked of :func:`_weights_prefix` for ``order``."""
+    keep: int
+    """Kept ids: ``order[:keep]``, or every positive id when ``keep == positive``."""
+    total: float
+    """The kept weights summed in id order."""
+
+    def kept_weights(self) -> F64:
+        """``[V]`` the kept weights, 0 elsewhere."""
+        if self.keep == self.positive:
+            return self.weights.copy()
+        kept = np.zeros_like(self.weights)
+        kept[self.order[: self.keep]] = self.weights[self.order[: self.keep]]
+        return kept
+
+
+def _kept_row(logits: F32, temperature: float, top_k: int, top_p: float, min_p: float) -> _KeptRow:
+    """Apply temperature, top_k, top_p and min_p to one row of processed logits (temperature > 0)."""
     l64 = logits.astype(np.float64)
     with np.errstate(over="ignore"):  # a tiny temperature may push (l - max) / t to -inf
         weights: F64 = np.exp((l64 - l64.max()) / temperature)  # the top id weighs exactly 1.0
@@ -958,7 +1004,7 @@ def _sample_row(logits: F32, temperature: float, top_k: int, top_p: float, min_p
         if not (k_on or p_on or m_on):
             keep = positive
         elif cuts:
-            keep = min(cuts)
+            keep = min(cuts)  # with a filter on, keep <= size: the prefix holds every kept id
         else:
             count = min(positive, count * 16)
             continue
@@ -968,13 +1014,97 @@ def _sample_row(logits: F32, temperature: float, top_k: int, top_p: float, min_p
             kept = np.zeros_like(weights)
             kept[order[:keep]] = ordered[:keep]
             total = float(kept.sum())  # kept mass, summed in id order
+        return _KeptRow(weights=weights, positive=positive, order=order, prefix_count=count, keep=keep, total=total)
+
+
+def _sample_row(logits: F32, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+    """Draw one id from one row of processed logits (temperature > 0); see :func:`sample`."""
+    row = _kept_row(logits, temperature, top_k, top_p, min_p)
+    order, count, keep, positive = row.order, row.prefix_count, row.keep, row.positive
+    while True:
+        size = order.size
+        complete = size >= positive
+        cumulative = np.cumsum(row.weights[order])  # sequential, so every prefix is path independent
         within = min(keep, size)
-        index = int(np.searchsorted(cumulative[:within], u * total, side="right"))
+        index = int(np.searchsorted(cumulative[:within], u * row.total, side="right"))
         if index < within:
             return int(order[index])
         if keep <= size or complete:
             return int(order[within - 1])  # rounding left the target past the last kept id
-        count = min(positive, count * 16)
+        count = min(positive, count * 16)  # no filter: a longer prefix of every positive id
+        order = _weights_prefix(row.weights, count, positive)
+
+
+class _Filters(NamedTuple):
+    """Validated per-row temperature and filters of :func:`sample` (float64 / int64)."""
+
+    temperature: F64
+    top_k: I64
+    top_p: F64
+    min_p: F64
+
+
+def _sampling_filters(
+    l32: F32, temperature: AnyArray, top_k: AnyArray, top_p: AnyArray, min_p: AnyArray, *, vocab_limit: int, top_n: int
+) -> _Filters:
+    """Check the logits, vocab_limit, top_n and the per-row settings as :func:`sample` does, in its order."""
+    rows, vocab = l32.shape
+    if not np.all(l32 < np.inf):
+        _fail("logits: contains NaN or +inf")
+    if not 1 <= vocab_limit <= vocab:
+        _fail(f"vocab_limit: must be in [1, {vocab}], got {vocab_limit}")
+    if not 0 <= top_n <= vocab:
+        _fail(f"top_n: must be in [0, {vocab}], got {top_n}")
+    temps = _per_row("temperature", temperature, rows, "fiu").astype(np.float64)
+    ks = _per_row("top_k", top_k, rows, "iu").astype(np.int64)
+    ps = _per_row("top_p", top_p, rows, "fiu").astype(np.float64)
+    mins = _per_row("min_p", min_p, rows, "fiu").astype(np.float64)
+    if not (np.all(np.isfinite(temps)) and np.all(temps >= 0)):
+        _fail("temperature: must be finite and >= 0")
+    if np.any(ks < 0):
+        _fail("top_k: must be >= 0")
+    if not (np.all(ps > 0) and np.all(ps <= 1)):
+        _fail("top_p: must lie in (0, 1]")
+    if not (np.all(mins >= 0) and np.all(mins <= 1)):
+        _fail("min_p: must lie in [0, 1]")
+    return _Filters(temperature=temps, top_k=ks, top_p=ps, min_p=mins)
+
+
+def _processed_logits(
+    l32: F32,
+    penalties: tuple[AnyArray, AnyArray, AnyArray],
+    prompt_presence: AnyArray,
+    output_counts: AnyArray,
+    *,
+    vocab_limit: int,
+    allowed_mask: AnyArray | None,
+    constrained: AnyArray | None,
+) -> F32:
+    """Steps 0-2 of :func:`sample`: the vocabulary limit, the penalties (repetition, frequency,
+    presence) and the grammar mask; raises when a row is left without a finite logit."""
+    limited = l32.copy()
+    limited[:, vocab_limit:] = -np.inf
+    processed = apply_penalties(limited, *penalties, prompt_presence, output_counts)
+    if (allowed_mask is None) != (constrained is None):
+        _fail("allowed_mask and constrained must be given together")
+    if allowed_mask is not None and constrained is not None:
+        processed = apply_grammar_mask(processed, allowed_mask, constrained)
+    finite = np.isfinite(processed.max(axis=1))
+    if not finite.all():
+        _fail(f"sample: row {int(np.flatnonzero(~finite)[0])} has no sampleable id after masking")
+    return processed
+
+
+def _distribution_row(processed: F32, temperature: float, top_k: int, top_p: float, min_p: float) -> F64:
+    """``[V]`` float64: the probability of each id of one processed row under steps 4-5 of :func:`sample`
+    (one-hot at the argmax at temperature 0, else the kept weights over their id-order sum)."""
+    if temperature == 0.0:
+        one_hot = np.zeros(processed.size, dtype=np.float64)
+        one_hot[int(np.argmax(processed))] = 1.0
+        return one_hot
+    row = _kept_row(processed, temperature, top_k, top_p, min_p)
+    probabilities: F64 = row.kept_weights() / row.total
+    return probabilities
 
 
 def sample(
@@ -1044,41 +1174,22 @@ def sample(
        shares the batch.
     """
     l32 = _float_array("logits", logits, 2)
-    rows, vocab = l32.shape
-    if not np.all(l32 < np.inf):
-        _fail("logits: contains NaN or +inf")
-    if not 1 <= vocab_limit <= vocab:
-        _fail(f"vocab_limit: must be in [1, {vocab}], got {vocab_limit}")
-    if not 0 <= top_n <= vocab:
-        _fail(f"top_n: must be in [0, {vocab}], got {top_n}")
-    temps = _per_row("temperature", temperature, rows, "fiu").astype(np.float64)
-    ks = _per_row("top_k", top_k, rows, "iu").astype(np.int64)
-    ps = _per_row("top_p", top_p, rows, "fiu").astype(np.float64)
-    mins = _per_row("min_p", min_p, rows, "fiu").astype(np.float64)
-    if not (np.all(np.isfinite(temps)) and np.all(temps >= 0)):
-        _fail("temperature: must be finite and >= 0")
-    if np.any(ks < 0):
-        _fail("top_k: must be >= 0")
-    if not (np.all(ps > 0) and np.all(ps <= 1)):
-        _fail("top_p: must lie in (0, 1]")
-    if not (np.all(mins >= 0) and np.all(mins <= 1)):
-        _fail("min_p: must lie in [0, 1]")
+    rows = l32.shape[0]
+    filters = _sampling_filters(l32, temperature, top_k, top_p, min_p, vocab_limit=vocab_limit, top_n=top_n)
+    temps, ks, ps, mins = filters
     seeds = _per_row("seed", seed, rows, "iu")
     steps = _per_row("step", step, rows, "iu")
     uniforms = counter_uniform(seeds, steps)  # [R]
 
-    limited = l32.copy()
-    limited[:, vocab_limit:] = -np.inf
-    processed = apply_penalties(
-        limited, repetition_penalty, frequency_penalty, presence_penalty, prompt_presence, output_counts
+    processed = _processed_logits(
+        l32,
+        (repetition_penalty, frequency_penalty, presence_penalty),
+        prompt_presence,
+        output_counts,
+        vocab_limit=vocab_limit,
+        allowed_mask=allowed_mask,
+        constrained=constrained,
     )
-    if (allowed_mask is None) != (constrained is None):
-        _fail("allowed_mask and constrained must be given together")
-    if allowed_mask is not None and constrained is not None:
-        processed = apply_grammar_mask(processed, allowed_mask, constrained)
-    finite = np.isfinite(processed.max(axis=1))
-    if not finite.all():
-        _fail(f"sample: row {int(np.flatnonzero(~finite)[0])} has no sampleable id after masking")
     raw_logprobs = log_softmax(processed)  # [R, V]
 
     ids = np.empty(rows, dtype=np.int32)
@@ -1241,6 +1352,8 @@ def sample_verify(
     active: AnyArray,
     vocab_limit: int,
     width: int,
+    allowed_mask: AnyArray | None = None,
+    constrained: AnyArray | None = None,
 ) -> VerifyResult:
     """Sample each lane's packed positions in order, accepting copied candidates while they match.
 
@@ -1258,6 +1371,9 @@ def sample_verify(
         active: ``[B]`` flags: lanes that sample this round.
         vocab_limit: as :func:`sample`.
         width: ``W >= C + 1`` columns of the per-token results.
+        allowed_mask: ``[P, words]`` int32 grammar bitmasks, one per packed row (as :func:`sample`
+            takes them); position ``j`` of lane ``r`` samples with row ``start_r + j``.
+        constrained: ``[B]`` flags: the masks apply to the lanes where set (both or neither given).
     Returns:
         :class:`VerifyResult`.
 
@@ -1269,7 +1385,9 @@ def sample_verify(
     ``accepted + 1`` one-token :func:`sample` calls at steps ``step[r]..``, and a candidate is accepted
     with exactly the probability the target gives it. Logit rows past the last position a lane reaches
     are never read. Inactive lanes get ids -1, logprob 0, accepted 0, emitted 0, pending -1 and leave the
-    counts untouched.
+    counts untouched. With ``allowed_mask``, position ``j`` of a lane whose ``constrained`` flag is set
+    samples under mask row ``start_r + j`` exactly as one-token :func:`sample` with that mask; the
+    other lanes sample unmasked.
 
     Shapes, ranges and settings are checked before anything is sampled; when sampling itself raises
     (NaN logits, a row without a sampleable id, an invalid setting) ``output_counts`` is restored.
@@ -1306,6 +1424,18 @@ def sample_verify(
     _check_state_rows(state, live, counts.shape[0])
     if live.size and int(steps[live].min()) < 0:
         _fail("step: must be >= 0")
+    if (allowed_mask is None) != (constrained is None):
+        _fail("allowed_mask and constrained must be given together")
+    masks: NDArray[Any] | None = None
+    mask_flags = np.zeros(lanes, dtype=np.bool_)
+    if allowed_mask is not None and constrained is not None:
+        masks = np.asarray(allowed_mask)
+        words = -(-l32.shape[1] // 32)
+        if masks.dtype not in (np.int32, np.uint32):
+            _fail(f"allowed_mask: expected int32 words, got dtype {masks.dtype}")
+        if masks.ndim != 2 or masks.shape[0] < total or masks.shape[1] < words:
+            _fail(f"allowed_mask: expected [>= {total}, >= {words}] words (a row a packed token), got {masks.shape}")
+        mask_flags = _flag_array("constrained", constrained, (lanes,))
 
     ids = np.full((lanes, width), -1, dtype=np.int32)
     logprobs = np.zeros((lanes, width), dtype=np.float32)
@@ -1318,15 +1448,19 @@ def sample_verify(
         for lane in live.tolist():
             row, start, offers = int(state[lane]), int(starts[lane]), int(lengths[lane]) - 1
             per_lane: dict[str, Any] = {name: value[lane : lane + 1] for name, value in lane_settings.items()}
+            grammar = masks is not None and bool(mask_flags[lane])
             position = 0
             while True:
+                here = start + position
                 drawn = sample(
-                    l32[start + position : start + position + 1],
+                    l32[here : here + 1],
                     **per_lane,
                     prompt_presence=presence[row : row + 1],
                     output_counts=counts[row : row + 1],
                     step=np.array([steps[lane] + position], dtype=np.int64),
                     vocab_limit=vocab_limit,
+                    allowed_mask=masks[here : here + 1] if grammar and masks is not None else None,
+                    constrained=np.ones(1, dtype=np.uint8) if grammar else None,
                 )
                 token = int(drawn.ids[0])
                 ids[lane, position] = token
@@ -1547,3 +1681,365 @@ def speculative_layout(
     positions[:total] = where
     rows[:total] = lane_of
     return LanePositions(positions=positions, token_rows=rows, cache_slots=slots)
+
+
+# ----------------------------------------------------------------------------------------------
+# self-drafting speculation with sampled drafts
+# ----------------------------------------------------------------------------------------------
+
+PROPOSAL_STREAM_KEY = 0x70726F706F73616C
+"""The ASCII bytes of ``proposal``: the proposal stream of seed ``s`` is keyed by ``splitmix64(s, key)``."""
+RESIDUAL_STREAM_KEY = 0x726573696475616C
+"""The ASCII bytes of ``residual``: the target stream's second draw of a verified position."""
+
+
+def stream_uniform(seed: AnyArray, step: AnyArray, stream_key: int) -> F64:
+    """``counter_uniform(splitmix64(seed, stream_key), step)``: the uniform of counter ``step`` on the stream
+    of ``seed`` that ``stream_key`` names (a counter-based stream of its own, like ``counter_uniform``'s)."""
+    keyed = splitmix64(np.asarray(seed), np.asarray(stream_key, dtype=np.uint64))
+    return counter_uniform(keyed, step)
+
+
+def sample_probabilities(
+    logits: AnyArray,
+    *,
+    temperature: AnyArray,
+    top_k: AnyArray,
+    top_p: AnyArray,
+    min_p: AnyArray,
+    repetition_penalty: AnyArray,
+    frequency_penalty: AnyArray,
+    presence_penalty: AnyArray,
+    prompt_presence: AnyArray,
+    output_counts: AnyArray,
+    vocab_limit: int,
+    allowed_mask: AnyArray | None = None,
+    constrained: AnyArray | None = None,
+) -> F64:
+    """``[R, V]`` float64: the distribution :func:`sample` draws each row's id from.
+
+    The same inputs (less the seed, step and top_n) and the same checks, processing (vocabulary limit,
+    penalties, grammar mask) and filters as :func:`sample`: at temperature 0 one-hot at the id
+    :func:`sample` picks; otherwise each kept id's weight ``exp((l - max l) / temperature)`` over the kept
+    weights summed in id order, 0 for every other id. :func:`sample`'s draw gives each kept id exactly
+    this probability up to the float64 rounding of its running sums.
+    """
+    l32 = _float_array("logits", logits, 2)
+    filters = _sampling_filters(l32, temperature, top_k, top_p, min_p, vocab_limit=vocab_limit, top_n=0)
+    processed = _processed_logits(
+        l32,
+        (repetition_penalty, frequency_penalty, presence_penalty),
+        prompt_presence,
+        output_counts,
+        vocab_limit=vocab_limit,
+        allowed_mask=allowed_mask,
+        constrained=constrained,
+    )
+    out = np.empty(l32.shape, dtype=np.float64)
+    for r in range(l32.shape[0]):
+        out[r] = _distribution_row(
+            processed[r],
+            float(filters.temperature[r]),
+            int(filters.top_k[r]),
+            float(filters.top_p[r]),
+            float(filters.min_p[r]),
+        )
+    return out
+
+
+def _draw_in_id_order(weights: F64, u: float) -> int:
+    """The first id whose running sum (in id order, float64) of non-negative ``weights`` exceeds ``u``
+    times their total, or the last id of positive weight when rounding leaves none."""
+    cumulative = np.cumsum(weights)
+    index = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    if index < weights.size:
+        return index
+    return int(np.flatnonzero(weights > 0)[-1])
+
+
+class DraftSample(NamedTuple):
+    """The result of :func:`draft_sample`."""
+
+    ids: I32
+    """``[B]`` the sampled draft token of each lane."""
+    confidence: F32
+    """``[B]`` the draft's probability of it (see :func:`draft_sample`)."""
+    probabilities: F32
+    """``[B, V]`` each lane's draft distribution q, the row verification reads."""
+
+
+def draft_sample(
+    logits: AnyArray,
+    *,
+    temperature: AnyArray,
+    top_k: AnyArray,
+    top_p: AnyArray,
+    min_p: AnyArray,
+    seed: AnyArray,
+    step: AnyArray,
+    draft_index: int,
+    vocab_limit: int,
+    token_rows: AnyArray | None = None,
+) -> DraftSample:
+    """Sampled draft tokens: draft token ``draft_index`` of each lane drawn from the draft's distribution.
+
+    Args:
+        logits: ``[B, V]`` float draft logits.
+        temperature, top_k, top_p, min_p: ``[B]`` the lanes' settings, as :func:`sample` takes them.
+        seed: ``[B]`` uint64; step: ``[B]`` integer >= 0, the index of each lane's first token of the round.
+        draft_index: which draft token of the round this is (``>= 0``).
+        vocab_limit: ids at or past it are never drafted (``1 <= vocab_limit <= V``).
+        token_rows: optional ``[B]`` integer; a lane whose row is negative drafted nothing: id 0,
+            confidence 0 and a zero probability row (its logits and settings are not read).
+
+    Lane ``r``'s draft distribution ``q`` is :func:`sample_probabilities` of its logits with its
+    temperature and filters but no penalties and no grammar mask, rounded to float32: that float32 row
+    is both what the id is drawn from and what ``probabilities[r]`` hands to
+    :func:`sample_verify_sampled`. At temperature > 0 the id is the first whose running float64 sum of
+    ``q`` (in id order) exceeds ``u`` times the row's sum, with ``u = stream_uniform(seed[r], step[r] +
+    draft_index, PROPOSAL_STREAM_KEY)`` (one proposal draw per drafted token; the target stream is not
+    touched), and ``confidence[r] = q[id]``. At temperature 0 the draft is greedy: ``id`` the lowest
+    index of the largest of ``logits[r, :vocab_limit]``, ``q`` one-hot at it, no draw, and the
+    confidence is :func:`draft_argmax`'s (the temperature-one softmax probability of the id), since a
+    one-hot row says nothing about how likely the target is to agree. A drafting lane whose logits
+    below ``vocab_limit`` are not all finite, or whose settings are invalid, raises.
+    """
+    l32 = _float_array("logits", logits, 2)
+    lanes, vocab = l32.shape
+    if not 1 <= vocab_limit <= vocab:
+        _fail(f"vocab_limit: {vocab_limit} must lie in [1, {vocab}]")
+    if draft_index < 0:
+        _fail(f"draft_index: must be non-negative, got {draft_index}")
+    per_lane = {
+        "temperature": _per_row("temperature", temperature, lanes, "fiu"),
+        "top_k": _per_row("top_k", top_k, lanes, "iu"),
+        "top_p": _per_row("top_p", top_p, lanes, "fiu"),
+        "min_p": _per_row("min_p", min_p, lanes, "fiu"),
+    }
+    seeds = _per_row("seed", seed, lanes, "iu")
+    steps = _per_row("step", step, lanes, "iu")
+    drafting = np.ones(lanes, dtype=bool)
+    if token_rows is not None:
+        drafting = _lane_vector("token_rows", token_rows, lanes) >= 0
+    ids = np.zeros(lanes, dtype=np.int32)
+    confidence = np.zeros(lanes, dtype=np.float32)
+    probabilities = np.zeros((lanes, vocab), dtype=np.float32)
+    live = np.flatnonzero(drafting)
+    if live.size == 0:
+        return DraftSample(ids=ids, confidence=confidence, probabilities=probabilities)
+    if not np.isfinite(l32[live, :vocab_limit]).all():
+        _fail("logits: a drafting lane has a non-finite logit")
+    if int(steps[live].min()) < 0:
+        _fail("step: must be >= 0")
+    window = l32[live]
+    chosen = [value[live] for value in per_lane.values()]
+    filters = _sampling_filters(window, *chosen, vocab_limit=vocab_limit, top_n=0)
+    uniforms = stream_uniform(seeds[live], steps[live].astype(np.int64) + draft_index, PROPOSAL_STREAM_KEY)
+    limited = window.copy()
+    limited[:, vocab_limit:] = -np.inf
+    for k, lane in enumerate(live.tolist()):
+        temperature_k = float(filters.temperature[k])
+        if temperature_k == 0.0:
+            greedy = draft_argmax(l32[lane : lane + 1], vocab_limit)
+            ids[lane], confidence[lane] = greedy.ids[0], greedy.confidence[0]
+            probabilities[lane, int(greedy.ids[0])] = 1.0
+            continue
+        q = _distribution_row(
+            limited[k], temperature_k, int(filters.top_k[k]), float(filters.top_p[k]), float(filters.min_p[k])
+        ).astype(np.float32)
+        token = _draw_in_id_order(q.astype(np.float64), float(uniforms[k]))
+        ids[lane], confidence[lane] = token, q[token]
+        probabilities[lane] = q
+    return DraftSample(ids=ids, confidence=confidence, probabilities=probabilities)
+
+
+def sample_verify_sampled(
+    logits: AnyArray,
+    *,
+    query_length: AnyArray,
+    candidate_ids: AnyArray,
+    draft_probabilities: AnyArray,
+    settings: Mapping[str, AnyArray],
+    prompt_presence: AnyArray,
+    output_counts: AnyArray,
+    rows: AnyArray,
+    step: AnyArray,
+    active: AnyArray,
+    vocab_limit: int,
+    width: int,
+) -> VerifyResult:
+    """Verify sampled drafts: accept each candidate with probability ``min(1, p/q)``, else emit a residual draw.
+
+    Args:
+        logits: ``[P, V]`` float, one row per packed token (lanes packed as :func:`speculative_inputs`).
+        query_length: ``[B]`` integer: each lane's pending token and ``query_length[r] - 1`` candidates.
+        candidate_ids: ``[B, C]`` integer drafted candidates (in ``[0, V)`` where offered).
+        draft_probabilities: ``[B, D >= C, V]`` float: row ``[r, j]`` is the distribution candidate ``j``
+            of lane ``r`` was drawn from (:func:`draft_sample`'s probabilities); it is used as
+            ``q_j = row / sum(row)`` in float64 and must be finite, non-negative and of positive sum
+            where read.
+        settings, prompt_presence, output_counts, rows, step, active, vocab_limit, width: as
+            :func:`sample_verify`.
+    Returns:
+        :class:`VerifyResult`.
+
+    For each active lane ``r`` with ``n = query_length[r] - 1`` candidates ``x_j``, positions ``j =
+    0..n`` in order, with ``p_j`` :func:`sample_probabilities` of ``logits[start_r + j]`` (the lane's
+    settings, ``output_counts[rows[r]]`` as it is at that moment):
+
+    * ``j == n`` (every candidate accepted; or no candidate): the bonus token is what :func:`sample`
+      draws for that row at step ``step[r] + n``.
+    * temperature 0: the token is what :func:`sample` draws (the argmax), accepted iff it equals
+      ``x_j``. The rule below degenerates to exactly this with a one-hot ``q``.
+    * otherwise, with ``u = counter_uniform(seed, step[r] + j)`` (the target stream's draw of that
+      token): ``x_j`` is accepted iff ``u * q_j(x_j) < p_j(x_j)``, that is with probability ``min(1,
+      p_j(x_j) / q_j(x_j))``. At a rejection the token is drawn in id order from ``max(0, p_j - q_j)``
+      (from ``p_j`` should rounding leave that zero) with the second draw of the same counter,
+      ``stream_uniform(seed, step[r] + j, RESIDUAL_STREAM_KEY)``, and the lane stops.
+
+    Each emitted token is written to ``ids[r, j]``, its log-probability as :func:`sample` reports it to
+    ``logprobs[r, j]``, and counted in ``output_counts[rows[r]]``. With ``x_j ~ q_j`` every emitted token
+    is distributed exactly as plain sampling from ``p_j`` would give it. Inactive lanes and the checks
+    before sampling are as :func:`sample_verify`'s; a failure while sampling restores ``output_counts``.
+    """
+    l32 = _float_array("logits", logits, 2)
+    packed, vocab = l32.shape
+    candidates = _int_array("candidate_ids", candidate_ids, 2)
+    lanes, capacity = candidates.shape
+    lengths, starts = packed_lane_starts(query_length)
+    if lengths.shape != (lanes,):
+        _fail(f"query_length: expected shape ({lanes},) for {lanes} candidate rows, got {lengths.shape}")
+    if width < capacity + 1:
+        _fail(f"width: {width} cannot hold a pending token and {capacity} candidates")
+    drafts = _float_array("draft_probabilities", draft_probabilities, 3)
+    if drafts.shape[0] != lanes or drafts.shape[1] < capacity or drafts.shape[2] != vocab:
+        _fail(f"draft_probabilities: expected [{lanes}, >= {capacity}, {vocab}], got {drafts.shape}")
+    state = _lane_vector("rows", rows, lanes)
+    steps = _lane_vector("step", step, lanes)
+    flags = _flag_array("active", active, (lanes,))
+    if set(settings) != _VERIFY_SETTINGS:
+        missing, unknown = sorted(_VERIFY_SETTINGS - set(settings)), sorted(set(settings) - _VERIFY_SETTINGS)
+        _fail(f"settings: expected exactly {sorted(_VERIFY_SETTINGS)}; missing {missing}, unknown {unknown}")
+    lane_settings = {name: _per_row(name, value, lanes, "fiu") for name, value in settings.items()}
+    counts = _in_place_target("output_counts", output_counts)
+    if counts.ndim != 2 or counts.dtype.kind not in "iu":
+        _fail(f"output_counts: expected an integer [S, V] array, got {counts.dtype} {counts.shape}")
+    presence = np.asarray(prompt_presence)
+    if presence.shape != counts.shape:
+        _fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [S, V]")
+    if int(lengths.sum()) > packed:
+        _fail(f"query_length: {int(lengths.sum())} packed tokens exceed the {packed} rows of logits")
+    live = np.flatnonzero(flags)
+    if live.size and int(lengths[live].min()) < 1:
+        _fail(f"query_length: active lane {int(live[np.argmin(lengths[live])])} has no packed token")
+    _check_offers(live, lengths, capacity)
+    _check_state_rows(state, live, counts.shape[0])
+    if live.size and int(steps[live].min()) < 0:
+        _fail("step: must be >= 0")
+    for lane in live.tolist():
+        offered = candidates[lane, : int(lengths[lane]) - 1]
+        if offered.size and (int(offered.min()) < 0 or int(offered.max()) >= vocab):
+            _fail(f"candidate_ids: lane {lane} offers an id outside [0, {vocab})")
+
+    ids = np.full((lanes, width), -1, dtype=np.int32)
+    logprobs = np.zeros((lanes, width), dtype=np.float32)
+    accepted = np.zeros(lanes, dtype=np.int32)
+    emitted = np.zeros(lanes, dtype=np.int32)
+    pending = np.full(lanes, -1, dtype=np.int32)
+    touched = np.unique(state[live])
+    saved = counts[touched].copy()
+    penalty_names = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    try:
+        for lane in live.tolist():
+            row, start, offers = int(state[lane]), int(starts[lane]), int(lengths[lane]) - 1
+            per_lane: dict[str, Any] = {name: value[lane : lane + 1] for name, value in lane_settings.items()}
+            greedy = float(per_lane["temperature"][0]) == 0.0
+            position = 0
+            while True:
+                here = l32[start + position : start + position + 1]
+                counter = np.array([steps[lane] + position], dtype=np.int64)
+                state_row: dict[str, Any] = {
+                    "prompt_presence": presence[row : row + 1],
+                    "output_counts": counts[row : row + 1],
+                }
+                if position == offers or greedy:
+                    drawn = sample(here, **per_lane, **state_row, step=counter, vocab_limit=vocab_limit)
+                    token, logprob = int(drawn.ids[0]), float(drawn.logprobs[0])
+                    taken = position < offers and token == int(candidates[lane, position])
+                else:
+                    token, logprob, taken = _verify_sampled_position(
+                        here,
+                        per_lane,
+                        tuple(per_lane[name] for name in penalty_names),
+                        state_row,
+                        drafts[lane, position].astype(np.float64),
+                        int(candidates[lane, position]),
+                        int(counter[0]),
+                        vocab_limit,
+                    )
+                ids[lane, position] = token
+                logprobs[lane, position] = logprob
+                counts[row, token] += 1
+                if not taken:
+                    break
+                position += 1
+            accepted[lane] = position
+            emitted[lane] = position + 1
+            pending[lane] = token
+    except ValueError:
+        counts[touched] = saved
+        raise
+    return VerifyResult(ids=ids, logprobs=logprobs, accepted=accepted, emitted=emitted, pending=pending)
+
+
+def _verify_sampled_position(
+    logits: F32,
+    per_lane: Mapping[str, AnyArray],
+    penalties: tuple[AnyArray, ...],
+    state_row: Mapping[str, AnyArray],
+    draft: F64,
+    candidate: int,
+    counter: int,
+    vocab_limit: int,
+) -> tuple[int, float, bool]:
+    """One position of :func:`sample_verify_sampled` at temperature > 0: (token, its logprob, accepted)."""
+    filters = _sampling_filters(
+        logits,
+        per_lane["temperature"],
+        per_lane["top_k"],
+        per_lane["top_p"],
+        per_lane["min_p"],
+        vocab_limit=vocab_limit,
+        top_n=0,
+    )
+    processed = _processed_logits(
+        logits,
+        (penalties[0], penalties[1], penalties[2]),
+        state_row["prompt_presence"],
+        state_row["output_counts"],
+        vocab_limit=vocab_limit,
+        allowed_mask=None,
+        constrained=None,
+    )
+    target = _distribution_row(
+        processed[0],
+        float(filters.temperature[0]),
+        int(filters.top_k[0]),
+        float(filters.top_p[0]),
+        float(filters.min_p[0]),
+    )
+    mass = float(draft.sum()) if np.isfinite(draft).all() and (draft >= 0).all() else 0.0
+    if not mass > 0.0:
+        _fail("draft_probabilities: a verified row is not finite and non-negative with a positive sum")
+    proposal = draft / mass
+    seed = per_lane["seed"]
+    if float(counter_uniform(seed, np.array([counter]))[0]) * proposal[candidate] < target[candidate]:
+        token, taken = candidate, True
+    else:
+        residual = np.maximum(target - proposal, 0.0)
+        if not residual.sum() > 0.0:
+            residual = target  # p = q up to rounding: a rejection has probability 0 in exact arithmetic
+        u = float(stream_uniform(seed, np.array([counter]), RESIDUAL_STREAM_KEY)[0])
+        token, taken = _draw_in_id_order(residual, u), False
+    logprob = float(log_softmax(processed)[0, token])
+    return token, logprob, taken

@@ -31,6 +31,7 @@ stay in one module with one decode.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
@@ -79,6 +80,17 @@ FLOAT_SOURCES: Final = frozenset(
 )
 """Sources whose values are floating point; every other non-image source is integral."""
 
+COMPLETION_FED_SOURCES: Final = frozenset(
+    {
+        ct.VALUE_SOURCE_PENDING_TOKEN,
+        ct.VALUE_SOURCE_CANDIDATE_IDS,
+        ct.VALUE_SOURCE_CANDIDATE_COUNT,
+        ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS,
+    }
+)
+"""Sources whose values are the tokens an earlier round sampled (the completed pending token, proposals
+copied from the history): the host knows them only once that round's completion record is read."""
+
 IMAGE_SOURCES: Final = frozenset(
     {
         ct.VALUE_SOURCE_IMAGE_FEATURE_INDICES,
@@ -123,7 +135,9 @@ class RuntimeCapabilities:
     """What this runtime implements; startup compares the core against it."""
 
     ranks: int = 1
-    history_kinds: frozenset[int] = frozenset({ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_CONTINUATION})
+    history_kinds: frozenset[int] = frozenset(
+        {ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_SLIDING_WINDOW, ct.HISTORY_KIND_CONTINUATION}
+    )
     operations: frozenset[int] = frozenset(
         {
             ct.OPERATION_INITIALIZE,
@@ -172,6 +186,14 @@ class PreparedGraph:
     """QUERY_LENGTH or SPECULATIVE_PREFIX_LIMIT when bound, else None."""
     input_destinations: frozenset[str]
     """Transport entries this graph's own bindings write (completion dependencies derive from these)."""
+
+    @functools.cached_property
+    def completion_dependencies(self) -> frozenset[int]:
+        """The value sources of this graph's own bindings that need an earlier round's completion record
+        (:data:`COMPLETION_FED_SOURCES`: a host-owned pending token, copied proposals). A round of a graph
+        with any is planned only from completed observations: never ahead of the round before it. Derived
+        from this graph's inputs alone, never from another operation's."""
+        return frozenset(b.source for b in self.contract.bindings if b.source in COMPLETION_FED_SOURCES)
 
     @property
     def operation_name(self) -> str:
@@ -530,7 +552,7 @@ def _check_views(
         region_names.add(region.name)
         if not _known(ct.HistoryKind, region.kind):
             problems.add(f"history region {region.name!r} has unknown kind {region.kind}")
-        if region.kind in PAGED_HISTORY_KINDS:
+        if region.kind in PAGED_HISTORY_KINDS or (region.kind == ct.HISTORY_KIND_SLIDING_WINDOW and region.planes):
             if region.tokens_per_record < 1:
                 problems.add(f"history region {region.name!r}: tokens_per_record must be at least 1")
             for plane in region.planes:
@@ -806,6 +828,32 @@ def _check_programs(
                 problems.add(f"{where} ({spec.name}) lacks attributes {sorted(missing_attrs)}")
 
 
+def _check_attention_windows(model: ct.ModelContract, execution: mf.ExecutionManifest, problems: _Problems) -> None:
+    """Attention over a sliding-window region's planes attends within its declared extent: the runtime
+    releases pages outside the extent, so an attention that reads further would read released pages."""
+    windows = {
+        plane: region
+        for region in model.cache.regions
+        if region.kind == ct.HISTORY_KIND_SLIDING_WINDOW
+        for plane in region.planes
+    }
+    if not windows:
+        return
+    for program in execution.programs:
+        for node in program.nodes:
+            if node.op.name != "paged_attention":
+                continue
+            region = next((windows[a.view.buffer] for a in node.args if a.view.buffer in windows), None)
+            if region is None:
+                continue
+            window = next((a.int_value for a in node.attributes if a.name == "window"), 0)
+            if not 0 < window <= region.window_tokens:
+                problems.add(
+                    f"program {program.name!r} node {node.name!r}: attention over sliding-window region "
+                    f"{region.name!r} has window {window}, which must lie in [1, {region.window_tokens}]"
+                )
+
+
 def _check_launches(
     where: str,
     node: mf.Node,
@@ -942,6 +990,7 @@ def prepare_contract(
     _check_pending_token_producers(list(model.graphs), problems)
     _check_tuning(list(model.graphs), model, execution, buffers, transport, views, problems)
     _check_programs(execution, buffers, transport, problems)
+    _check_attention_windows(model, execution, problems)
     _check_serving(serving, list(prepared_graphs.values()), problems)
     problems.raise_if_any()
     return PreparedContract(

@@ -20,6 +20,11 @@ Owns turning a rendered chat template into prompt token ids:
   ``limit`` stops once the prompt certainly holds at least ``limit`` tokens (:class:`PromptTooLong`):
   a long template segment is encoded by prefixes of doubling length, cut before a space, so a
   prompt far above the limit is never tokenized in full.
+* **Raw prompts.** :meth:`PromptEncoder.encode_raw` encodes a legacy completions prompt: no chat
+  template, no shielding (the client writes the model's whole input, as it could with token ids),
+  the tokenizer's own special-token handling: added-token spellings encode as those tokens and the
+  post-processor adds what it adds to any input (a BOS, for tokenizers configured so). The same
+  bounded cost applies.
 """
 
 from __future__ import annotations
@@ -160,6 +165,19 @@ class PromptEncoder:
                 raise PromptTooLong(len(ids), limit or 0)
             ids.extend(self._encode_literal(text) if literal else self._encode_template(text, remaining))
         return ids
+
+    def encode_raw(self, text: str, *, limit: int | None = None) -> list[int]:
+        """Ids of a raw prompt as the tokenizer encodes a model input (see the module docstring).
+
+        With ``limit``, raises PromptTooLong as soon as the prompt certainly holds ``limit`` or more
+        tokens, as :meth:`encode` does."""
+        if limit is not None:
+            size = utf8_length(text)
+            bound = self.lower_bound_tokens(size)
+            if bound >= limit:
+                raise PromptTooLong(bound, limit, size)
+            self._probe(text, limit)
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def prompt_bytes(self, rendered: str, shield: ClientTextShield | None = None) -> int:
         """UTF-8 bytes of the prompt ``rendered`` stands for (each placeholder counted as its text)."""

@@ -15,7 +15,9 @@ Owns these and nothing else:
 * :class:`GrammarMatcher`, one per request, produces the per-step allowed-token bitmask in the
   layout the sampling kernels read (``int32 [mask_words]``; bit ``b`` of word ``w`` allows id
   ``32*w + b``, LSB first; ids at or above the sampled vocabulary size are never allowed; EOS ids
-  are allowed exactly when the grammar accepts termination) and advances on sampled tokens.
+  are allowed exactly when the grammar accepts termination) and advances on sampled tokens; for a
+  speculative round it also gives the masks along a run of proposals from a copy of its state
+  (:meth:`GrammarMatcher.masks_along`), never advancing its own.
 
 Composition, knowing no syntax family: a tool call is the fragment its tool plugin wrote
 (``ToolCallFormat.grammar``); a structured answer is its JSON schema (``%json``). When the core's
@@ -409,19 +411,52 @@ class GrammarMatcher:
             self._mask = self._compute()
         return self._mask
 
-    def _compute(self) -> Mask:
+    def _compute(self, matcher: Any = None) -> Mask:
+        """The mask of ``matcher`` (this request's own when None) in the kernels' layout."""
         g = self._geometry
         scratch = self._scratch
-        self._matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-        if self._matcher.is_error():
-            raise GrammarError(f"grammar matcher failed: {_first_line(self._matcher.get_error())}")
+        matcher = self._matcher if matcher is None else matcher
+        matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        if matcher.is_error():
+            raise GrammarError(f"grammar matcher failed: {_first_line(matcher.get_error())}")
         out: Mask = np.bitwise_and(scratch[: g.mask_words], g.keep)
-        if self._matcher.is_accepting():
+        if matcher.is_accepting():
             np.bitwise_or(out, g.eos, out=out)
         else:
             np.bitwise_and(out, g.not_eos, out=out)
         out.flags.writeable = False
         return out
+
+    def masks_along(self, tokens: Sequence[int]) -> list[Mask]:
+        """The masks a speculative lane's positions sample under, without advancing this matcher.
+
+        ``masks[0]`` is :meth:`mask`; ``masks[j]`` the mask after ``tokens[:j]`` were consumed. The walk
+        stops before the first token that is an EOS id, lies outside the sampled vocabulary, is not
+        allowed where it stands, or leaves a state the matcher cannot continue from (an error, or no id
+        allowed): ``len(masks) - 1`` is how many of ``tokens`` may be offered. A copy of the matcher
+        advances; this request's grammar state (and its cached mask) is untouched.
+        """
+        masks = [self.mask()]
+        if not tokens:
+            return masks
+        g = self._geometry
+        copy = self._matcher.deep_copy()
+        for token_id in tokens:
+            token = int(token_id)
+            if not 0 <= token < g.sampled_size or token in g.eos_ids:
+                break
+            if not (int(masks[-1][token >> 5]) >> (token & 31)) & 1:
+                break
+            if not copy.consume_token(token):
+                break
+            try:
+                following = self._compute(copy)
+            except GrammarError:
+                break
+            if not following.any():
+                break
+            masks.append(following)
+        return masks
 
     def advance(self, token_id: int) -> None:
         """Consume the sampled ``token_id``.

@@ -101,8 +101,9 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "paged_attention",
         ("q", "k_plane", "v_plane", "page_table", "token_row", "token_position"),
         ("out",),
-        "Causal grouped-query attention over paged cache planes.",
+        "Causal grouped-query attention over paged cache planes (optionally limited to a sliding window).",
         attributes=("scale",),
+        optional_attributes=("window",),
     ),
     _spec("silu_mul", ("gate", "up"), ("out",), "silu(gate) * up."),
     _spec(
@@ -231,8 +232,9 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "Sample each active lane's packed positions in order exactly as sample does one row (step "
         "step[r] + j, counts as they are then), continuing while the token equals the copied candidate; "
         "writes the emitted tokens, accepted candidates, emitted count and last token, and increments "
-        "output_counts[rows[r]] at each emitted token.",
-        optional_inputs=("logprob",),
+        "output_counts[rows[r]] at each emitted token. With allowed_mask ([P, words], a row a packed "
+        "token) and constrained ([B]), position j of a constrained lane samples under mask row start + j.",
+        optional_inputs=("allowed_mask", "constrained", "logprob"),
         updated_inputs=("output_counts",),
         attributes=("vocab_limit",),
     ),
@@ -270,6 +272,33 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "softmax probability over the first vocab_limit logits (float64, rounded to float32); a lane "
         "whose optional token_rows entry is negative gets id 0 and confidence 0.",
         optional_inputs=("token_rows",),
+        attributes=("vocab_limit",),
+    ),
+    _spec(
+        "draft_sample",
+        ("logits", "temperature", "top_k", "top_p", "min_p", "seed", "step", "draft_probabilities"),
+        ("ids", "confidence"),
+        "Sampled draft: lane r's draft distribution q (softmax of logits[r, :vocab_limit] at its temperature "
+        "with its top_k/top_p/min_p, no penalties, rounded to float32) goes to draft_probabilities[r, "
+        "draft_index]; ids[r] is drawn from q with the proposal stream's counter step[r] + draft_index, "
+        "confidence[r] = q[ids[r]]; temperature 0 drafts greedily as draft_argmax (one-hot q, no draw); a "
+        "lane whose optional token_rows entry is negative gets id 0, confidence 0 and a zero row.",
+        optional_inputs=("token_rows",),
+        updated_inputs=("draft_probabilities",),
+        attributes=("vocab_limit", "draft_index"),
+    ),
+    _spec(
+        "sample_verify_sampled",
+        ("logits", "query_length", "candidate_ids", "draft_probabilities", *sample_inputs()[1:]),
+        ("ids", "accepted", "emitted", "pending"),
+        "Verify sampled drafts: per active lane, position j < n accepts candidate x_j with probability "
+        "min(1, p_j(x_j) / q_j(x_j)) (p_j the distribution sample draws from with the counts then, q_j "
+        "draft_probabilities[r, j] normalised; target counter step[r] + j), else emits a draw from "
+        "max(0, p_j - q_j) (the counter's second draw) and stops; position n emits sample's bonus token; "
+        "temperature 0 matches the argmax exactly. Writes tokens, accepted and emitted counts and the last "
+        "token, and increments output_counts[rows[r]] at each emitted token.",
+        optional_inputs=("logprob",),
+        updated_inputs=("output_counts",),
         attributes=("vocab_limit",),
     ),
     _spec(

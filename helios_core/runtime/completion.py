@@ -3,8 +3,9 @@
 Owns the rules a completion record must satisfy: the echoed submission
 sequence, each lane's echoed generation, emitted counts, the consumed-token
 endpoint the scheduler expects, sampled ids inside the sampled vocabulary,
-the draft cursor (-1 where a program has none) and the reserved model field
-(always -1). A violation raises :class:`CompletionError` for the round; the
+the draft cursor (-1 where a program has none), the reserved model field
+(always -1) and, where the record has one, the program's status word (0 is
+success; any other value fails every lane of the round). A violation raises :class:`CompletionError` for the round; the
 caller fails the affected requests and publishes nothing from that round.
 
 Expectations come as a list of :class:`LaneExpectation` or as an
@@ -173,6 +174,8 @@ class RecordViews:
     logprobs: npt.NDArray[np.generic] | None
     lanes: int
     """The lanes every field above but ``logprobs`` holds (the shortest of them)."""
+    status: npt.NDArray[np.generic] | None = None
+    """The program's status word (``COMPLETION_FIELD_STATUS``, 0 = success), when the record has one."""
 
     def head(self, count: int) -> tuple[npt.NDArray[Any], ...]:
         """The first ``count`` lanes of generation, reserved, cursor, consumed, emitted and ids."""
@@ -214,6 +217,7 @@ class RecordViews:
             ids=ids,
             logprobs=logprobs.reshape(-1) if logprobs is not None else None,
             lanes=min(ids.shape[0], *(view.shape[0] for view in per_lane)),
+            status=status.reshape(-1) if (status := record.get(mf.COMPLETION_FIELD_STATUS)) is not None else None,
         )
 
 
@@ -227,11 +231,15 @@ def read_lanes(
 ) -> Sequence[LaneResult | CompletionError]:
     """Validate the first ``len(lanes)`` lanes of a completion record (or of its views).
 
-    A wrong submission sequence fails the whole round (raises). Every other rule is checked per lane:
+    A nonzero program status word (when the record has one) or a wrong submission sequence fails the
+    whole round (raises); the status is checked first, since a failed program's other fields mean
+    nothing. Every other rule is checked per lane:
     a violating lane yields its CompletionError in place of a result, so only its request fails. A list
     of expectations is answered with a list, a batch with :class:`LaneResults`.
     """
     views = completion if isinstance(completion, RecordViews) else RecordViews.of(completion)
+    if views.status is not None and views.status.shape[0] and int(views.status[0]) != 0:
+        raise CompletionError(f"the program reports status {int(views.status[0])} (0 is success)")
     echoed = int(views.sequence[0])
     if echoed != sequence:
         raise CompletionError(f"completion echoes submission {echoed}, expected {sequence}")

@@ -5,7 +5,9 @@ grammar matcher, in the order the spec fixes: the token is stamped (when observe
 completion, then the grammar advances and yields the next mask, then token stops, then string
 stops on incrementally decoded text (reasoning and tool envelopes included, before presentation).
 A gate reports which (id, text) pieces presentation may show, whether a host stop matched, and the
-grammar mask of the next round. A request with any gate keeps one outstanding round.
+grammar mask of the next round (or, for a speculative round, the mask of each position along the
+proposals, :meth:`HostGate.masks_along`, which leaves the grammar state alone). A request with any
+gate keeps one outstanding round.
 
 A request with no stops and no structured output needs no gate in the worker (:func:`needs_gate`):
 detokenizing its tokens decides nothing about its next round, so its request stream detokenizes
@@ -24,7 +26,7 @@ alone. The scheduler catches it at each call into a gate and fails the request w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,6 +157,19 @@ class HostGate:
     def mask(self) -> npt.NDArray[np.int32] | None:
         """The grammar mask of the next round, or None when unconstrained."""
         return None if self._grammar is None else self._grammar.mask()
+
+    def masks_along(self, candidates: Sequence[int]) -> list[npt.NDArray[np.int32]]:
+        """The grammar masks of a speculative round offering ``candidates`` after the pending token.
+
+        Position ``j`` samples under ``masks[j]``: the mask of the next round after the grammar accepted
+        ``candidates[:j]`` (``masks[0]`` is :meth:`mask`). The list stops at the first candidate the
+        grammar does not allow there (or an EOS id), so ``len(masks) - 1`` candidates may be offered.
+        Empty when the request has no grammar. The request's grammar state is unchanged: only
+        :meth:`observe` advances it, on the tokens the round emits.
+        """
+        if self._grammar is None:
+            return []
+        return self._grammar.masks_along(candidates)
 
     def observe(self, token_id: int) -> GateOutcome:
         """Advance every gate by one sampled token."""

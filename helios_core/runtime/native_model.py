@@ -13,6 +13,9 @@ take (a quarter of the host memory available for a host backend; 90% of the
 device memory left free after every other buffer for the CUDA backend) and by
 the operator's ``cache_pages`` option.
 
+State rows are partitioned by request: ``Selection.state_rows_per_request`` (the largest any selected
+graph declares) rows per slot, and as many per snapshot.
+
 Backends: ``reference`` (numpy), ``cuda`` (one NVIDIA GPU), ``null`` (host
 overhead measurement) and ``auto``, which is ``cuda`` when a GPU is present and
 the core has kernels for its architecture, else ``reference``.
@@ -229,7 +232,10 @@ class NativeModel:
         staging = backend.transport(0)
         self.page_table_memory = PageTableMemory()
         self.packers: Mapping[str, GraphPacker] = MappingProxyType(
-            {name: GraphPacker(graph, staging, self.page_table_memory) for name, graph in selection.graphs.items()}
+            {
+                name: GraphPacker(graph, staging, self.page_table_memory, eos_ids=contract.eos_token_ids)
+                for name, graph in selection.graphs.items()
+            }
         )
 
     @classmethod
@@ -247,7 +253,7 @@ class NativeModel:
         check_runtime_support(contract, capabilities or RuntimeCapabilities())
         state_rows = selection.max_active * selection.state_rows_per_request
         frames = max(contract.execution.transport.frames, 1)
-        snapshot_rows = contract.serving.snapshot_capacity
+        snapshot_rows = contract.serving.snapshot_capacity * selection.state_rows_per_request
         backend = resolve_backend(backend, contract)
         executor: Backend
         if backend == "cuda":
@@ -303,7 +309,7 @@ class NativeModel:
             page_tokens=self.contract.model.cache.page_tokens,
             pages_per_request=pages_per_request(self.contract),
             state_rows=self.state_rows,
-            snapshot_rows=self.contract.serving.snapshot_capacity,
+            snapshot_rows=self.contract.serving.snapshot_capacity * self.selection.state_rows_per_request,
             max_active=self.selection.max_active,
             programs=programs,
         )

@@ -29,8 +29,11 @@ writes each lane's value in submission order and initializes the remaining
 rows of the request capacity with the padding; ACTIVE_ROW writes live rows
 only and leaves the inactive tail untouched; PHYSICAL_REQUEST_ROW writes at the
 lane's slot; PACKED_TOKEN concatenates each lane's actual token count and pads
-the rest. Page tables upload only newly assigned entries: each staging row
-remembers the slot, generation and length it holds (one memory shared by all
+the rest. ``EOS_IDS`` writes the core's EOS ids (given to :class:`GraphPacker`), then the padding, once
+(SCALAR) or as each lane's row. ``PENDING_TOKEN`` is a lane's host-fed token (for a decode lane its
+completed pending token) and ``OUTPUT_LIMIT`` the output tokens the lane may still generate; a decode
+batch carries either as a column only when its graph binds it. Page tables upload only newly
+assigned entries: each staging row remembers the slot, generation and length it holds (one memory shared by all
 packers of a model, since all graphs stage into the same frame arrays), and a
 different slot or generation (a reused physical slot) invalidates it. After a
 pack that raised part way, :meth:`PageTableMemory.forget` drops what is known
@@ -100,11 +103,16 @@ class Lane:
     score_targets: Sequence[int] = ()
     prompt_histogram: npt.NDArray[np.uint8] | None = None
     consumed: int = 0
+    output_limit: int = 0
+    """Output tokens the request may still generate before this round samples (``OUTPUT_LIMIT``)."""
     mixed_prefill: bool = False
     snapshot_row: int = -1
     restore_row: int = -1
     candidates: Sequence[int] = ()
     """Copied proposals (a speculative lane): the tokens it offers after its pending token."""
+    candidate_masks: Sequence[npt.NDArray[np.int32] | None] = ()
+    """A constrained speculative lane: one grammar mask a packed position (CANDIDATE_GRAMMAR_MASKS), the
+    mask its position samples under (None: every id, the padding); empty for an unconstrained lane."""
     prefix_limit: int = 0
     """A speculative lane of a program that allocates its own prefixes: its ceiling (the most target
     rows it may take, its pending token included)."""
@@ -171,6 +179,8 @@ class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
                     page_table=self.page_source[index[i], : counts[i]].tolist(),
                     tokens=tokens[ct.VALUE_SOURCE_PROMPT_TOKENS][start:end]
                     if ct.VALUE_SOURCE_PROMPT_TOKENS in tokens
+                    else tokens[ct.VALUE_SOURCE_PENDING_TOKEN][start:end]
+                    if ct.VALUE_SOURCE_PENDING_TOKEN in tokens
                     else [],
                     sample=bool(rows[ct.VALUE_SOURCE_SAMPLING_DECISION][i]),
                     sampling=SamplingParams(**{p.name: rows[p.source][i] for p in SAMPLING_PARAMETERS}),
@@ -181,6 +191,7 @@ class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
                     else (),
                     prompt_histogram=self.prompt_histograms[i] if self.prompt_histograms is not None else None,
                     consumed=rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT][i],
+                    output_limit=rows[ct.VALUE_SOURCE_OUTPUT_LIMIT][i] if ct.VALUE_SOURCE_OUTPUT_LIMIT in rows else 0,
                     mixed_prefill=bool(rows[ct.VALUE_SOURCE_MIXED_PREFILL_ROW][i]),
                     snapshot_row=rows[ct.VALUE_SOURCE_SNAPSHOT_DESTINATION][i],
                     restore_row=rows[ct.VALUE_SOURCE_RESTORE_SOURCE][i],
@@ -217,11 +228,12 @@ _ROW_SOURCES: dict[int, Callable[[Lane], float | int]] = {
     ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: lambda lane: lane.snapshot_row,
     **sampling_row_sources(),
     ct.VALUE_SOURCE_SAMPLING_STEP: lambda lane: lane.sampling_step,
-    ct.VALUE_SOURCE_CONSTRAINED: lambda lane: int(lane.grammar_mask is not None),
+    ct.VALUE_SOURCE_CONSTRAINED: lambda lane: int(lane.grammar_mask is not None or bool(lane.candidate_masks)),
     ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT: lambda lane: lane.prefix_limit,
     ct.VALUE_SOURCE_CANDIDATE_COUNT: lambda lane: len(lane.candidates),
     ct.VALUE_SOURCE_CANDIDATE_GENERATION: lambda lane: lane.generation,
     ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT: lambda lane: lane.consumed,
+    ct.VALUE_SOURCE_OUTPUT_LIMIT: lambda lane: lane.output_limit,
 }
 """Sources with one value per lane."""
 
@@ -231,6 +243,7 @@ _TOKEN_SOURCES: dict[int, Callable[[Lane, int], Sequence[int]]] = {
     ct.VALUE_SOURCE_CACHE_SLOT: lambda lane, _: lane.cache_slots,
     ct.VALUE_SOURCE_TOKEN_ROW: lambda lane, row: [row] * lane.query_length,
     ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS: lambda lane, _: lane.score_targets,
+    ct.VALUE_SOURCE_PENDING_TOKEN: lambda lane, _: lane.tokens,
 }
 """Sources with one value per packed token of a lane."""
 
@@ -244,8 +257,16 @@ _VECTOR_SOURCES = frozenset(
 )
 """Sources with one row vector per lane."""
 
+_PACKED_VECTOR_SOURCES = frozenset({ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS})
+"""Sources with one row vector per packed token of a lane (packed-token indexing only)."""
+
 _SUBMISSION_SOURCES = frozenset(
-    {ct.VALUE_SOURCE_LIVE_ROW_COUNT, ct.VALUE_SOURCE_CONSTANT, ct.VALUE_SOURCE_INACTIVE_PADDING}
+    {
+        ct.VALUE_SOURCE_LIVE_ROW_COUNT,
+        ct.VALUE_SOURCE_CONSTANT,
+        ct.VALUE_SOURCE_INACTIVE_PADDING,
+        ct.VALUE_SOURCE_EOS_IDS,
+    }
 )
 
 _EXACT_FLOAT_INT = 2**53
@@ -335,10 +356,25 @@ class _BindingWriter:
     """One value binding, resolved against its destination's shape and dtype."""
 
     def __init__(
-        self, binding: ct.ValueBinding, graph: PreparedGraph, staging: Staging, memory: PageTableMemory
+        self,
+        binding: ct.ValueBinding,
+        graph: PreparedGraph,
+        staging: Staging,
+        memory: PageTableMemory,
+        eos_ids: Sequence[int] = (),
     ) -> None:
         source = binding.source
-        supplied = source in _ROW_SOURCES or source in _TOKEN_SOURCES or source in _VECTOR_SOURCES
+        if source in _PACKED_VECTOR_SOURCES and binding.indexing != ct.INDEXING_PACKED_TOKEN:
+            raise UnsupportedFeatureError(
+                f"graph {graph.name!r} binds {ct.ValueSource.Name(source)} with "  # type: ignore[arg-type]
+                f"{ct.Indexing.Name(binding.indexing)}; packing supplies it per packed token only"  # type: ignore[arg-type]
+            )
+        supplied = (
+            source in _ROW_SOURCES
+            or source in _TOKEN_SOURCES
+            or source in _VECTOR_SOURCES
+            or source in _PACKED_VECTOR_SOURCES
+        )
         if not supplied and source not in _SUBMISSION_SOURCES:
             name = ct.ValueSource.Name(source)  # type: ignore[arg-type]
             raise UnsupportedFeatureError(
@@ -356,6 +392,9 @@ class _BindingWriter:
         self._cast_dtype: np.dtype[np.generic] | None = None
         self._cast_dest: np.dtype[np.generic] | None = None
         self._cast_mode = _PYTHON
+        self.eos_ids: npt.NDArray[np.generic] | None = None
+        if source == ct.VALUE_SOURCE_EOS_IDS:
+            self.eos_ids = _eos_vector(binding, graph, staging[binding.destination], eos_ids)
 
     def constant_in(self, sources: frozenset[int]) -> bool:
         """Whether what this writer stages for a batch depends only on ``sources`` and the lane count."""
@@ -377,12 +416,17 @@ class _BindingWriter:
         if source == ct.VALUE_SOURCE_INACTIVE_PADDING:
             dest.reshape(-1)[:] = self.padding
             return
+        if source == ct.VALUE_SOURCE_EOS_IDS:
+            self._write_eos(dest, len(lanes), [lane.slot for lane in lanes])
+            return
         if source in (ct.VALUE_SOURCE_CONSTANT, ct.VALUE_SOURCE_LIVE_ROW_COUNT):
             value = self.binding.constant if source == ct.VALUE_SOURCE_CONSTANT else len(lanes)
             dest.reshape(-1)[0] = value + self.offset
             return
         if source in _TOKEN_SOURCES:
             self._write_tokens(lanes, dest)
+        elif source in _PACKED_VECTOR_SOURCES:
+            self._write_packed_vectors([lane.candidate_masks for lane in lanes], lanes, dest)
         elif source == ct.VALUE_SOURCE_PAGE_TABLE:
             self._write_page_tables([(lane.slot, lane.generation, lane.page_table) for lane in lanes], dest, frame)
         elif source in _VECTOR_SOURCES:
@@ -426,6 +470,34 @@ class _BindingWriter:
         if self.indexing != ct.INDEXING_ACTIVE_ROW:
             flat[cursor : self.packed] = self.padding
 
+    def _write_packed_vectors(
+        self,
+        vectors: Sequence[Sequence[npt.NDArray[np.generic] | None]],
+        lanes: Sequence[Lane],
+        dest: npt.NDArray[np.generic],
+    ) -> None:
+        """Each lane's rows (one a packed token, none for a lane without them) in packed order; rows
+        without a vector and rows past the lanes' tokens hold the padding."""
+        total = sum(lane.query_length for lane in lanes)
+        if total > self.packed:
+            raise ValueError(f"{total} packed tokens exceed the program's capacity {self.packed}")
+        cursor = 0
+        for row, (lane, rows) in enumerate(zip(lanes, vectors, strict=True)):
+            length = lane.query_length
+            if rows and len(rows) != length:
+                raise ValueError(
+                    f"lane {row} supplies {len(rows)} values for {self.destination!r}, but its query length is {length}"
+                )
+            for index in range(length):
+                vector = rows[index] if rows else None
+                if vector is None:
+                    dest[cursor + index] = self.padding
+                else:
+                    dest[cursor + index, : len(vector)] = vector
+                    dest[cursor + index, len(vector) :] = self.padding
+            cursor += length
+        dest[cursor : self.packed] = self.padding
+
     def _write_vectors(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
         source = self.source
         if source == ct.VALUE_SOURCE_CANDIDATE_IDS:
@@ -452,6 +524,24 @@ class _BindingWriter:
                 dest[row, len(vector) :] = self.padding
         if self.indexing == ct.INDEXING_SUBMISSION_ROW:
             dest[len(vectors) : self.rows] = self.padding
+
+    def _write_eos(self, dest: npt.NDArray[np.generic], count: int, slots: Sequence[int]) -> None:
+        """The core's EOS ids: once from element 0 (SCALAR), else as the row of every lane (its submission
+        row, or its slot with PHYSICAL_REQUEST_ROW); the rest of a row, and with SUBMISSION_ROW every row
+        past the lanes, is padding."""
+        row = self.eos_ids
+        if row is None:
+            raise RuntimeError(f"{self.destination!r} binds EOS_IDS without resolved ids")
+        if self.indexing == ct.INDEXING_SCALAR:
+            dest.reshape(-1)[:] = row
+            return
+        rows = dest.reshape(dest.shape[0], -1)
+        if self.indexing == ct.INDEXING_PHYSICAL_REQUEST_ROW:
+            rows[list(slots)] = row
+            return
+        rows[:count] = row
+        if self.indexing == ct.INDEXING_SUBMISSION_ROW:
+            rows[count : self.rows] = self.padding
 
     def _write_page_tables(
         self, tables: Sequence[tuple[int, int, Sequence[int]]], dest: npt.NDArray[np.generic], frame: int
@@ -488,6 +578,8 @@ class _BindingWriter:
             self._batch_rows(batch, dest, tails)
         elif source in _TOKEN_SOURCES:
             self._batch_tokens(batch, dest, frame, tails)
+        elif source in _PACKED_VECTOR_SOURCES:  # a batch's lanes have no per-position vectors
+            dest[: self.packed] = self.padding
         elif source == ct.VALUE_SOURCE_PAGE_TABLE:
             self._batch_page_tables(batch, dest, frame, same_lanes)
         elif source in _VECTOR_SOURCES:
@@ -500,6 +592,8 @@ class _BindingWriter:
                 dest[batch.count : self.rows] = self.padding
         elif source == ct.VALUE_SOURCE_INACTIVE_PADDING:
             dest.reshape(-1)[:] = self.padding
+        elif source == ct.VALUE_SOURCE_EOS_IDS:
+            self._write_eos(dest, batch.count, batch.rows[ct.VALUE_SOURCE_SLOT].tolist())
         else:
             value = self.binding.constant if source == ct.VALUE_SOURCE_CONSTANT else batch.count
             dest.reshape(-1)[0] = value + self.offset
@@ -711,6 +805,35 @@ def set_cells(
     table.reshape(-1)[rows * table.shape[1] + columns] = values
 
 
+def _eos_vector(
+    binding: ct.ValueBinding, graph: PreparedGraph, dest: npt.NDArray[np.generic], eos_ids: Sequence[int]
+) -> npt.NDArray[np.generic]:
+    """What an EOS_IDS binding writes per row (or once, SCALAR): the ids, then the binding's padding."""
+    where = f"graph {graph.name!r} binds EOS_IDS to {binding.destination!r}"
+    if not eos_ids:
+        raise ValueError(f"{where}, but its packer was given no EOS ids")
+    indexing = binding.indexing
+    if indexing == ct.INDEXING_SCALAR:
+        width = dest.size
+    elif indexing in (ct.INDEXING_SUBMISSION_ROW, ct.INDEXING_ACTIVE_ROW, ct.INDEXING_PHYSICAL_REQUEST_ROW):
+        width = dest.size // dest.shape[0] if dest.ndim > 1 else 0
+    else:
+        name = ct.Indexing.Name(indexing) if indexing in ct.Indexing.values() else str(indexing)
+        raise UnsupportedFeatureError(f"{where} with {name} indexing, which packing does not supply")
+    if width < len(eos_ids):
+        raise UnsupportedFeatureError(
+            f"{where}, whose {'entries' if indexing == ct.INDEXING_SCALAR else 'rows'} hold {width} values; "
+            f"the core has {len(eos_ids)} EOS ids"
+        )
+    low, high = integer_range(dest.dtype) if dest.dtype.kind in "iu" else (-_EXACT, _EXACT)
+    values = [int(v) for v in eos_ids]
+    if not all(low <= v <= high for v in (*values, binding.padding)):
+        raise UnsupportedFeatureError(f"{where}, whose dtype {dest.dtype} cannot hold the EOS ids or padding")
+    row = np.full(width, binding.padding, dtype=dest.dtype)
+    row[: len(values)] = values
+    return row
+
+
 def _fits(values: npt.NDArray[np.int64], dtype: np.dtype[np.generic]) -> bool:
     """Whether int64 page ids convert to ``dtype`` as the same Python ints would (no wrap, no rounding)."""
     if dtype.kind not in "iu":
@@ -729,14 +852,22 @@ def _holds_int64(dtype: np.dtype[np.generic]) -> bool:
 class GraphPacker:
     """The resolved bindings of one graph."""
 
-    def __init__(self, graph: PreparedGraph, staging: Staging, memory: PageTableMemory | None = None) -> None:
+    def __init__(
+        self,
+        graph: PreparedGraph,
+        staging: Staging,
+        memory: PageTableMemory | None = None,
+        *,
+        eos_ids: Sequence[int] = (),
+    ) -> None:
+        """``eos_ids``: the core's EOS ids, which an ``EOS_IDS`` binding stages."""
         self.graph = graph
         missing = [b.destination for b in graph.contract.bindings if b.destination not in staging]
         if missing:
             raise UnsupportedFeatureError(f"graph {graph.name!r} binds destinations without staging: {missing}")
         shared = memory if memory is not None else PageTableMemory()
         self.memory = shared
-        self.writers = [_BindingWriter(b, graph, staging, shared) for b in graph.contract.bindings]
+        self.writers = [_BindingWriter(b, graph, staging, shared, eos_ids) for b in graph.contract.bindings]
         self._changing: dict[frozenset[int], list[_BindingWriter]] = {}
 
     def pack(self, submission: Submission, frame: int, staging: Staging) -> None:

@@ -12,7 +12,8 @@ phase of every running request:
    logprobs prefills alone on the scored-prefill variants when it is first in line;
 5. otherwise a speculative round when :class:`~helios_core.runtime.speculation.SpeculativePlanner`
    makes one (history proposals or in-graph drafts of the decode-ready requests), else one decode
-   round of every decode-ready request (device-owned pending tokens),
+   round of every decode-ready request (device-owned pending tokens, or host-owned ones fed from the
+   slot table's token at each consumed endpoint),
 
 each on the smallest captured variant that holds its lanes and tokens. A page shortage preempts the
 most recently admitted requests (:meth:`~helios_core.runtime.residency.Residency.ensure_page`).
@@ -117,6 +118,11 @@ class _Cohort:
     """Positions the member nearest the end of its pages has left in them (as of ``pages_seen``)."""
     counted: int = -1
     pages_seen: int = -1
+    limits: bool = False
+    """Its graph binds ``OUTPUT_LIMIT``: each round stages what every member may still generate."""
+    pending: bool = False
+    """Its graph binds ``PENDING_TOKEN`` (a host-owned pending token): each round stages the token at
+    every member's consumed endpoint, which only a completed round has written."""
 
 
 class RoundPlanner:
@@ -141,6 +147,8 @@ class RoundPlanner:
         self.snapshot = snapshots[0] if snapshots and restores else None
         self.restore = restores[0] if snapshots and restores else None
         self.context = contract.serving.context_tokens
+        self.state_rows_per_request = selection.state_rows_per_request
+        """State rows (and snapshot rows) per request: slot ``s`` owns rows ``s x this`` onwards."""
         self.pipelining = True
         """Launch a follow-up decode round before the previous round's completion is read (two frames)."""
         self._phases: _Phases | None = None
@@ -218,6 +226,7 @@ class RoundPlanner:
         a speculative lane's are its pending token and ``candidates``)."""
         table, slot = self.table, state.slot
         gate = state.gate
+        per_request = self.state_rows_per_request
         if candidates:
             tokens = [*table.token_list(slot, positions.start, positions.start + 1), *candidates]
         else:
@@ -225,7 +234,7 @@ class RoundPlanner:
         return Lane(
             slot=slot,
             generation=int(table.generation[slot]),
-            state_row=slot,
+            state_row=slot * per_request,
             positions=list(positions),
             cache_slots=table.cache_slots(slot, positions),
             page_table=table.page_list(slot),
@@ -237,9 +246,10 @@ class RoundPlanner:
             score_targets=score_targets,
             prompt_histogram=self._histogram(slot, state.prompt_len) if histogram else None,
             consumed=int(table.consumed[slot]) if consumed is None else consumed,
+            output_limit=int(table.max_tokens[slot]) - int(table.generated[slot]),
             mixed_prefill=mixed_prefill,
-            snapshot_row=snapshot_row,
-            restore_row=restore_row,
+            snapshot_row=snapshot_row * per_request if snapshot_row >= 0 else -1,
+            restore_row=restore_row * per_request if restore_row >= 0 else -1,
             candidates=candidates,
         )
 
@@ -396,9 +406,10 @@ class RoundPlanner:
         ones = frozen(np.ones(count, dtype=np.int64))
         zeros = frozen(np.zeros(count, dtype=np.int64))
         unset = frozen(np.full(count, -1, dtype=np.int64))
+        per_request = self.state_rows_per_request
         rows: dict[int, Column] = {
             ct.VALUE_SOURCE_SLOT: slots,
-            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots,
+            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots if per_request == 1 else frozen(slots * per_request),
             ct.VALUE_SOURCE_GENERATION: generations,
             ct.VALUE_SOURCE_QUERY_LENGTH: ones,
             ct.VALUE_SOURCE_SAMPLING_DECISION: ones,
@@ -415,13 +426,15 @@ class RoundPlanner:
         else:
             unchanged |= {ct.VALUE_SOURCE_GRAMMAR_MASK}
         tops = [s.top for s in members]
+        graph = _smallest(self.decodes, rows=count) if members else None
+        bound = {b.source for b in graph.contract.bindings} if graph is not None else set()
         return _Cohort(
             number=next(self._cohorts),
             membership=table.membership,
             members=members,
             request_ids=tuple(s.request_id for s in members),
             slots=slots,
-            graph=_smallest(self.decodes, rows=count) if members else None,
+            graph=graph,
             rows=rows,
             unchanged=unchanged,
             token_rows=frozen(np.arange(count, dtype=np.int64)),
@@ -433,6 +446,8 @@ class RoundPlanner:
             step=frozen(np.ones(count, dtype=table.consumed.dtype)),
             cell_base=frozen(slots * table.page_starts.shape[1]),
             page_cells=table.page_starts.reshape(-1),
+            limits=ct.VALUE_SOURCE_OUTPUT_LIMIT in bound,
+            pending=ct.VALUE_SOURCE_PENDING_TOKEN in bound,
         )
 
     def _count(self, cohort: _Cohort) -> _Cohort:
@@ -474,6 +489,15 @@ class RoundPlanner:
         rows = dict(cohort.rows)
         rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT] = positions
         rows[ct.VALUE_SOURCE_SAMPLING_STEP] = sampling_steps
+        if cohort.limits:
+            rows[ct.VALUE_SOURCE_OUTPUT_LIMIT] = table.max_tokens[slots] - sampling_steps
+        tokens: dict[int, Column] = {
+            ct.VALUE_SOURCE_PROMPT_POSITIONS: positions,
+            ct.VALUE_SOURCE_CACHE_SLOT: cohort.page_cells[cohort.cell_base + page] + offset,
+            ct.VALUE_SOURCE_TOKEN_ROW: cohort.token_rows,
+        }
+        if cohort.pending:  # the completed pending token: planned at the consumed endpoint only (never ahead)
+            tokens[ct.VALUE_SOURCE_PENDING_TOKEN] = table.token_cells[slots * table.tokens.shape[1] + positions]
         masks = None
         if cohort.constrained:
             masks = tuple(self._mask(s, s.gate) if s.gate is not None else None for s in cohort.members)
@@ -483,11 +507,7 @@ class RoundPlanner:
         batch = LaneBatch(
             count=len(slots),
             rows=rows,
-            tokens={
-                ct.VALUE_SOURCE_PROMPT_POSITIONS: positions,
-                ct.VALUE_SOURCE_CACHE_SLOT: cohort.page_cells[cohort.cell_base + page] + offset,
-                ct.VALUE_SOURCE_TOKEN_ROW: cohort.token_rows,
-            },
+            tokens=tokens,
             page_source=table.page_view,
             page_index=slots,
             page_counts=table.page_count[slots],
@@ -516,8 +536,9 @@ class RoundPlanner:
 
         Only when nothing needs completion feedback: a decode round of the current cohort whose requests
         have no host gates that hold rounds, no cancellation, at least two tokens left, no admission
-        waiting to change phase, and pages for the next position, and no speculation (a speculative round
-        is planned from the endpoints the previous round reached).
+        waiting to change phase, and pages for the next position, whose graph has no completion
+        dependencies (a host-owned pending token: the host feeds the token the previous round samples),
+        and no speculation (a speculative round is planned from the endpoints the previous round reached).
         """
         residency = self.residency
         if not self.pipelining or plan.cohort < 0 or self.speculation.active:
@@ -527,6 +548,8 @@ class RoundPlanner:
         cohort = self._cohort
         if cohort is None or cohort.number != plan.cohort or cohort.membership != self.table.membership:
             return None
+        if cohort.graph is None or cohort.graph.completion_dependencies:
+            return None  # its inputs need the previous round's completion record
         if cohort.blocked or self._count(cohort).left < 2:
             return None
         if cohort.room <= 1:  # a member needs the page of the position after the next

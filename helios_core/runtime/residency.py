@@ -5,9 +5,10 @@ snapshot rows, and every transition of a request between them: queueing with cap
 (:meth:`Residency.add`), admission with prefix reuse (:meth:`Residency.admit`), page reservation with
 preemption of younger requests (:meth:`Residency.ensure_page`), a snapshot mark, preemption,
 finishing and failing (:meth:`Residency.end`, fenced while a follow-up round of the request is in
-flight), cancellation, and page publication into the prefix index. Progress itself lives in the
-:class:`~helios_core.runtime.slots.SlotTable`; both the planner and the completion of the scheduler use
-this object for the transitions they cause.
+flight), cancellation, page publication into the prefix index, and, with a sliding-window history,
+the release of pages no later round attends (:meth:`Residency.release_outside_window`). Progress
+itself lives in the :class:`~helios_core.runtime.slots.SlotTable`; both the planner and the completion
+of the scheduler use this object for the transitions they cause.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
+
+import numpy as np
 
 from helios_core.contract import PreparedContract
 from helios_core.runtime.gates import HostGate, format_param, gate_failure
@@ -31,6 +34,7 @@ from helios_core.runtime.pages import PageAllocator, PrefixMatch
 from helios_core.runtime.slots import Phase, RequestState, SlotTable
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.sampling import SAMPLING_PARAMETERS, SamplingLimits, SamplingParams
+from helios_core.wire import contract_pb2 as ct
 
 _NOTHING: frozenset[int] = frozenset()
 _LEAVING = (Phase.SNAPSHOT, Phase.ENDED)
@@ -65,6 +69,8 @@ class Residency:
         self.queue_capacity = queue_capacity
         """The most requests :attr:`waiting` takes from outside (:meth:`add`); see :attr:`has_room`."""
         self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
+        self.window = history_window(contract.model.cache)
+        """The sliding-window extent in tokens every page-table view's history declares; 0 for unlimited."""
         self.table = SlotTable(max(max_active, 0), self.context, self.page_tokens, self.pages_per_row)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -229,6 +235,8 @@ class Residency:
             )
             self.running.append(state)
             self.stats.admitted += 1
+            if self.window:  # matched pages before the first window are not attended
+                self._release_window(state.slot)
 
     # -- pages ---------------------------------------------------------------------------------------
     def pages_for(self, tokens: int) -> int:
@@ -259,6 +267,37 @@ class Residency:
             if state.slot < 0:
                 return False
         return True
+
+    def release_outside_window(self) -> None:
+        """With a sliding-window history, release every running request's pages that no later round
+        attends (after a round's completion; rounds in flight compute positions past the committed
+        endpoint, so they attend no released page)."""
+        if not self.window:
+            return
+        table = self.table
+        slots = np.array([state.slot for state in self.running], dtype=np.int64)
+        if not slots.shape[0]:
+            return
+        first_needed = np.maximum(table.consumed[slots].astype(np.int64) - (self.window - 1), 0) // self.page_tokens
+        for slot in slots[first_needed > table.released[slots]].tolist():
+            self._release_window(slot)
+
+    def _release_window(self, slot: int) -> None:
+        """Release ``slot``'s pages wholly before the window of its next position.
+
+        The next position ``c`` (the consumed endpoint) attends positions ``c - window + 1 .. c``, and every
+        later position attends a window that starts later still, so page ``i`` is released once
+        ``(i + 1) * page_tokens <= c - window + 1``. Complete pages are published first, while still held
+        (a later request may reuse them as an exact prefix: their content depends only on the tokens of
+        the prefix their chain hash covers); the row's hashes then cover every released page."""
+        table = self.table
+        first_needed = max(int(table.consumed[slot]) - (self.window - 1), 0) // self.page_tokens
+        if first_needed <= int(table.released[slot]):
+            return
+        self.publish_pages(slot)
+        pages = table.release_leading(slot, first_needed)
+        if pages:
+            self.allocator.release(pages)
 
     def defer_pages(self, slot: int) -> None:
         """Count ``slot``'s complete pages as published; they are hashed and published in the allocator
@@ -396,6 +435,16 @@ class Residency:
             self.stats.failed += 1
             events.append(ExecutionFailed(state.request_id, message))
         return events
+
+
+def history_window(cache: ct.CacheContract) -> int:
+    """The sliding-window extent of the histories ``cache``'s page-table views address: the largest
+    ``window_tokens`` when every addressed region is a sliding window, else 0 (no page is released early)."""
+    regions = {region.name: region for region in cache.regions}
+    viewed = [regions[view.region] for view in cache.page_table_views if view.region in regions]
+    if not viewed or any(region.kind != ct.HISTORY_KIND_SLIDING_WINDOW for region in viewed):
+        return 0
+    return max(region.window_tokens for region in viewed)
 
 
 def _exact_sampling(params: SamplingParams) -> SamplingParams | tuple[str, str]:

@@ -183,6 +183,8 @@ class Scheduler:
         tokens as one :class:`~helios_core.runtime.messages.RoundTokens`)."""
         events = self.completion.apply(plan, results)
         self.planner.completed(plan)
+        if self.residency.window:
+            self.residency.release_outside_window()
         return events
 
     def fail_lanes(self, plan: RoundPlan, failures: Mapping[int, str]) -> list[Event]:

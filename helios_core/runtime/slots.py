@@ -12,6 +12,10 @@ cancellation) goes through a method here that counts :attr:`SlotTable.membership
 decode cohort is current exactly while that count is unchanged. Page additions are counted in
 :attr:`SlotTable.page_adds` (a page table that saw that count is complete).
 
+With a sliding-window history a row's leading pages are released while the request runs
+(:meth:`SlotTable.release_leading`, counted in :attr:`SlotTable.released`); the row keeps their former
+ids, so positions still index it directly.
+
 The token matrix is ``slots x context`` (as an input batch of vLLM keeps it): appending a decode
 round's tokens is one vectorized write, and prefill chunks, page hashes and prompt histograms read
 slices of a row.
@@ -132,6 +136,10 @@ class SlotTable:
         self.page_starts = np.zeros((slots, width), dtype=np.int64)
         """Each page's first cache slot (page id x page_tokens)."""
         self.page_count = np.zeros(slots, dtype=np.int64)
+        self.released = np.zeros(slots, dtype=np.int64)
+        """Leading pages of each row released while the request runs (with a sliding-window history:
+        wholly before every window a later round attends). Their entries keep their former page ids, so
+        row indices stay positions // page_tokens and packed rows never change; attention never reads them."""
         self.published = np.zeros(slots, dtype=np.int64)
         """Complete pages whose hashes are known (or will be at the next deferred publication)."""
         self.sampling = {p.source: np.zeros(slots, dtype=p.column_dtype) for p in SAMPLING_PARAMETERS}
@@ -177,6 +185,7 @@ class SlotTable:
         self.hashes[slot] = hashes
         self.published[slot] = len(hashes)
         self.page_count[slot] = 0
+        self.released[slot] = 0
         self.add_pages(slot, pages)
         for parameter in SAMPLING_PARAMETERS:
             self.sampling[parameter.source][slot] = getattr(state.sampling, parameter.name)
@@ -189,7 +198,7 @@ class SlotTable:
         """Free ``slot``: its page ids (to release), and its tokens moved back to the request when
         ``keep_tokens`` (it will wait for a slot again)."""
         state = self.requests[slot]
-        pages = self.page_list(slot)
+        pages = self.held_pages(slot)
         if state is not None:
             state.generated = int(self.generated[slot])
             if keep_tokens:
@@ -198,6 +207,7 @@ class SlotTable:
         self.requests[slot] = None
         self.hashes[slot] = []
         self.page_count[slot] = 0
+        self.released[slot] = 0
         self.published[slot] = 0
         self.phase[slot] = Phase.FREE
         self.membership += 1
@@ -230,7 +240,22 @@ class SlotTable:
         self.page_adds += 1
 
     def page_list(self, slot: int) -> list[int]:
+        """``slot``'s page-table row as packed: every entry up to its page count (released ones included)."""
         return self.pages[slot, : int(self.page_count[slot])].tolist()  # type: ignore[no-any-return]
+
+    def held_pages(self, slot: int) -> list[int]:
+        """The pages ``slot`` still references (its row after the released leading pages), in position order."""
+        start, end = int(self.released[slot]), int(self.page_count[slot])
+        return self.pages[slot, start:end].tolist()  # type: ignore[no-any-return]
+
+    def release_leading(self, slot: int, count: int) -> list[int]:
+        """Mark ``slot``'s first ``count`` pages released; the page ids it held among them, to release."""
+        start = int(self.released[slot])
+        end = min(count, int(self.page_count[slot]))
+        if end <= start:
+            return []
+        self.released[slot] = end
+        return self.pages[slot, start:end].tolist()  # type: ignore[no-any-return]
 
     def cache_slots(self, slot: int, positions: range) -> list[int]:
         """The cache slot (page id x page_tokens + offset) of each of ``positions`` of ``slot``."""

@@ -4,9 +4,13 @@ Owns :class:`SpeculativePlanner`, which the round planner asks before it plans a
 history drafting on (the core's programs verify copied proposals), each eligible decode-ready request
 offers the tokens :func:`~helios_core.runtime.drafting.propose` finds in its own prompt and output
 (as many as its recent acceptance makes worthwhile, :func:`worthwhile_proposals`);
-with programs that draft in-graph and allocate prefixes (``SPECULATIVE_PREFIX_LIMIT``), each lane gets
-a ceiling. Either way a request with a grammar or top alternatives to read keeps the round a decode
-round, and speculation never preempts anyone: a proposal or ceiling that has no free page shrinks.
+a request with a grammar offers the prefix of them its grammar allows, each position with the mask
+the grammar gives after the proposals before it (:meth:`~helios_core.runtime.gates.HostGate.masks_along`,
+which leaves the request's grammar state alone: only the emitted tokens advance it).
+With programs that draft in-graph and allocate prefixes (``SPECULATIVE_PREFIX_LIMIT``), each lane gets
+a ceiling, and a request with a grammar keeps the round a decode round. Either way a request with top
+alternatives to read keeps the round a decode round, and speculation never preempts anyone: a proposal
+or ceiling that has no free page shrinks.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
 
 from helios_core.contract import PreparedGraph, Selection
 from helios_core.runtime.completion import LaneExpectation
@@ -48,11 +55,8 @@ class SpeculativePlanner:
             key=lambda g: (g.extents.token_capacity, g.extents.batch_capacity),
         )
         """Programs that draft in-graph and allocate prefixes within ceilings, narrowest first."""
-
-    @property
-    def active(self) -> bool:
+        self.active = self.drafting or bool(self.self_drafting)
         """Decode rounds may become speculative rounds (so each is planned from completed endpoints)."""
-        return self.drafting or bool(self.self_drafting)
 
     def plan(self, decode: list[RequestState]) -> RoundPlan | None:
         """A speculative round of the decode-ready requests, or None to plan a decode round."""
@@ -64,19 +68,24 @@ class SpeculativePlanner:
 
     def _history_round(self, decode: list[RequestState]) -> RoundPlan | None:
         """A round verifying history proposals of the decode-ready requests, or None when plain decode is
-        planned instead: some request cannot speculate (a grammar, or top alternatives to read), or no
-        request has a proposal.
+        planned instead: some request cannot speculate (top alternatives to read), or no request has a
+        proposal.
 
         Each lane offers what :func:`~helios_core.runtime.drafting.propose` finds after its pending token,
         at most the widest program's W - 1, one less than its tokens left and what its context and the
-        free pages hold (proposals are optional: they never preempt). The program is the narrowest width,
-        then the fewest rows, that holds every lane.
+        free pages hold (proposals are optional: they never preempt). A request with a grammar offers only
+        the proposals its grammar allows in turn, and its lane carries one mask a position (the gate's
+        :meth:`~helios_core.runtime.gates.HostGate.masks_along`), so each emitted token is the one
+        constrained decode would sample. The program is the narrowest width, then the fewest rows, that
+        holds every lane.
         """
+        from helios_core.runtime.planner import GateFault  # the planner imports this module
+
         table, residency = self.table, self.residency
         widest = self.speculative[-1].extents
         rows = max(g.extents.batch_capacity for g in self.speculative)
         members = sorted(decode, key=lambda s: s.arrival)[:rows]
-        if any(s.top or (s.gate is not None and s.gate.constrained) for s in members):
+        if any(s.top for s in members):
             return None
         proposals: list[list[int]] = []
         for state in members:
@@ -92,12 +101,26 @@ class SpeculativePlanner:
             proposals.append(propose(history, limit) if limit > 0 else [])
         if not any(proposals):
             return None
+        masks: list[list[npt.NDArray[np.int32]]] = []
+        for index, state in enumerate(members):
+            gate = state.gate
+            if gate is None or not gate.constrained:
+                masks.append([])
+                continue
+            try:
+                along = gate.masks_along(proposals[index])
+            except Exception as exc:  # the request's own grammar: it fails alone
+                raise GateFault(state, exc) from exc
+            proposals[index] = proposals[index][: len(along) - 1]  # only what the grammar allows in turn
+            masks.append(along)
+        if not any(proposals):
+            return None
         lanes: list[Lane] = []
         kept: list[RequestState] = []
         expectations: list[LaneExpectation] = []
         taken: set[int] = set()
         page_tokens = self.page_tokens
-        for state, candidates in zip(members, proposals, strict=True):
+        for state, candidates, along in zip(members, proposals, masks, strict=True):
             slot = state.slot
             if slot < 0 or table.phase[slot] != Phase.DECODE:
                 continue  # preempted while an earlier member took a page
@@ -113,11 +136,12 @@ class SpeculativePlanner:
                 table.add_pages(slot, page)
             kept.append(state)
             taken.add(slot)
-            lanes.append(
-                self.planner.lane(
-                    state, range(consumed, consumed + 1 + len(candidates)), sample=True, candidates=candidates
-                )
+            lane = self.planner.lane(
+                state, range(consumed, consumed + 1 + len(candidates)), sample=True, candidates=candidates
             )
+            if along:  # a constrained lane: one mask a position
+                lane = dataclasses.replace(lane, candidate_masks=along[: len(candidates) + 1])
+            lanes.append(lane)
             expectations.append(LaneExpectation(int(table.generation[slot]), consumed, True, 0, offers=len(candidates)))
         if not lanes or not any(lane.candidates for lane in lanes):
             return None

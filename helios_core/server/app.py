@@ -1,6 +1,7 @@
 """The Litestar app factory and its thin controllers.
 
-Owns the routes and nothing else: ``POST /v1/chat/completions``, ``GET /v1/models``,
+Owns the routes and nothing else: ``POST /v1/chat/completions``, ``POST /v1/completions`` (the
+legacy completions API: a raw prompt, no chat template), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` and the OpenAPI document at Litestar's default path
 (``/schema``, JSON at ``/schema/openapi.json``), which lists every error status with the OpenAI
 error object (:mod:`helios_core.server.openapi`). Each controller calls one method of
@@ -19,7 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from helios_core.runtime.startup import RunningModel
 from helios_core.server.errors import exception_handlers
 from helios_core.server.metrics import CONTENT_TYPE
-from helios_core.server.openapi import ChatOperation, ServerOperation
+from helios_core.server.openapi import ChatOperation, CompletionOperation, ServerOperation
 from helios_core.server.service import ChatService, ServerSettings
 
 __all__ = ["MAX_BODY_BYTES", "ServerSettings", "chat_service", "create_app"]
@@ -42,6 +43,16 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     return await _service(request).chat(request)
 
 
+@post(
+    "/v1/completions",
+    status_code=200,
+    operation_class=CompletionOperation,
+    summary="Create a completion (OpenAI legacy)",
+)
+async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    return await _service(request).completions(request)
+
+
 @get("/v1/models", operation_class=ServerOperation, summary="The served model name and its aliases")
 async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return _service(request).models()
@@ -61,7 +72,7 @@ def create_app(running: RunningModel, settings: ServerSettings | None = None) ->
     """An app serving ``running``; the caller closes ``running`` after the app shuts down."""
     service = ChatService(running, settings or ServerSettings())
     return Litestar(
-        route_handlers=[chat_completions, list_models, health, metrics],
+        route_handlers=[chat_completions, completions, list_models, health, metrics],
         exception_handlers=exception_handlers(),
         openapi_config=OpenAPIConfig(title="Helios", version="1"),
         request_max_body_size=MAX_BODY_BYTES,

@@ -52,7 +52,7 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 
 REQUEST_ID_STATE = "helios_request_id"
-"""Key of a chat request's response id (``chatcmpl-...``) on ``request.state``, set on arrival."""
+"""Key of a request's response id (``chatcmpl-...``, ``cmpl-...``) on ``request.state``, set on arrival."""
 
 
 class InvalidRequest(HeliosError):
@@ -138,8 +138,9 @@ def error_body(exc: BaseException) -> dict[str, Any]:
 def validation_error(exc: msgspec.DecodeError) -> InvalidRequest:
     """An InvalidRequest naming the field msgspec complained about.
 
-    msgspec says ``... - at `$.field...``` for an ill-typed field and ``Object contains unknown
-    field `name``` for an unknown one; ``param`` is that top-level field.
+    msgspec says ``... - at `$.field...``` for an ill-typed field, ``Object contains unknown
+    field `name``` for an unknown one and ``Object missing required field `name``` for a missing
+    one; ``param`` is that top-level field.
     """
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
@@ -149,6 +150,8 @@ def validation_error(exc: msgspec.DecodeError) -> InvalidRequest:
         param = re.split(r"[.\[`]", text.rsplit("`$.", 1)[1], maxsplit=1)[0]
     elif "unknown field `" in text:
         param = text.split("unknown field `", 1)[1].split("`", 1)[0]
+    elif "missing required field `" in text:
+        param = text.split("missing required field `", 1)[1].split("`", 1)[0]
     return InvalidRequest(f"invalid request: {text}", param)
 
 

@@ -1,8 +1,9 @@
-"""The OpenAPI description of the chat request body and of every error response.
+"""The OpenAPI description of the chat and completions request bodies and of every error response.
 
-Owns the translation of the msgspec JSON schema of
-:class:`~helios_core.server.schemas.ChatCompletionRequest` into Litestar's OpenAPI objects. The
-chat controller decodes its body itself (strict msgspec decoding; Litestar's own body parsing
+Owns the translation of the msgspec JSON schemas of
+:class:`~helios_core.server.schemas.ChatCompletionRequest` and
+:class:`~helios_core.server.schemas.CompletionRequest` into Litestar's OpenAPI objects. The
+controllers decode their bodies themselves (strict msgspec decoding; Litestar's own body parsing
 coerces types), so Litestar cannot see the body type: this module adds the request body and its
 component schemas to the generated document instead.
 
@@ -42,9 +43,16 @@ from helios_core.frontend.stops import (
     MAX_STRING_STOP_BYTES,
     MAX_STRING_STOPS,
 )
-from helios_core.server.schemas import MAX_JSON_DEPTH, ChatCompletionRequest
+from helios_core.server.schemas import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 
-__all__ = ["ChatOperation", "ServerOperation", "chat_request_schema", "error_schema"]
+__all__ = [
+    "ChatOperation",
+    "CompletionOperation",
+    "ServerOperation",
+    "chat_request_schema",
+    "completion_request_schema",
+    "error_schema",
+]
 
 _NESTED_ONE = {"items": "items", "additionalProperties": "additional_properties"}
 _NESTED_MANY = {"anyOf": "any_of", "oneOf": "one_of", "allOf": "all_of"}
@@ -227,6 +235,43 @@ def chat_request_schema() -> Schema:
     return schema
 
 
+_COMPLETION_REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "prompt": _each(_narrow("string", minLength=1), _narrow("array", minItems=1)),
+    "n": _narrow("integer", minimum=1, maximum=1),
+    "best_of": _narrow("integer", minimum=1, maximum=1),
+    "max_tokens": _narrow("integer", minimum=1),
+    **{name: _sampling_range(name) for name in SAMPLING_RANGES},
+    "logprobs": _narrow("integer", minimum=0),
+    "stop": _REFUSALS["stop"],
+    "logit_bias": _REFUSALS["logit_bias"],
+    "suffix": _null_only,
+}
+
+_COMPLETION_DESCRIPTIONS = {
+    "prompt": "A string (encoded raw, without the chat template), a list of token ids, or a one-element list of "
+    "either; several prompts are refused.",
+    "logprobs": "Top alternatives per token (legacy form), at most the served core's limit; with echo only 0.",
+    "stop": _DESCRIPTIONS["stop"].replace("; not with token stops or response_format", ""),
+    "stream_options": _DESCRIPTIONS["stream_options"],
+}
+
+
+@functools.cache
+def completion_request_schema() -> Schema:
+    """The legacy completions request body's schema (CompletionRequest, refusals stated)."""
+    (root,), definitions = msgspec.json.schema_components([CompletionRequest])
+    root = copy.deepcopy(definitions[root["$ref"].removeprefix("#/$defs/")] if "$ref" in root else root)
+    properties = root["properties"]
+    for name, refusal in _COMPLETION_REFUSALS.items():
+        refusal(properties[name])
+    for name, text in _COMPLETION_DESCRIPTIONS.items():
+        properties[name]["description"] = text
+    schema = _convert(root, definitions)
+    if isinstance(schema, bool):
+        raise TypeError("the completions request schema is not an object schema")
+    return schema
+
+
 @functools.cache
 def error_schema() -> Schema:
     """The OpenAI error object every error response carries."""
@@ -311,6 +356,25 @@ class ChatOperation(Operation):
         success = responses.get("200")
         if isinstance(success, OpenAPIResponse):
             success.description = "A chat.completion (JSON), or a chat.completion.chunk stream when stream is true"
+            success.content = {
+                "application/json": OpenAPIMediaType(schema=Schema(type=OpenAPIType.OBJECT)),
+                "text/event-stream": OpenAPIMediaType(schema=_SSE_EVENT),
+            }
+        self.responses = {**responses, **_error_responses(_CHAT_ERRORS)}
+
+
+@dataclasses.dataclass
+class CompletionOperation(Operation):
+    """The legacy completions operation: its request body, its SSE form and its errors."""
+
+    def __post_init__(self) -> None:
+        self.request_body = RequestBody(
+            required=True, content={"application/json": OpenAPIMediaType(schema=completion_request_schema())}
+        )
+        responses = dict(self.responses or {})
+        success = responses.get("200")
+        if isinstance(success, OpenAPIResponse):
+            success.description = "A text_completion (JSON), or a text_completion stream when stream is true"
             success.content = {
                 "application/json": OpenAPIMediaType(schema=Schema(type=OpenAPIType.OBJECT)),
                 "text/event-stream": OpenAPIMediaType(schema=_SSE_EVENT),

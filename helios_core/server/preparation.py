@@ -1,4 +1,4 @@
-"""Request preparation: from a decoded chat request to a PreparedRequest and its output plan.
+"""Request preparation: from a decoded chat or completions request to a PreparedRequest and its output plan.
 
 Owns the CPU work between HTTP decoding and the model queue, run on a pool of ``frontend_workers``
 threads: refusing unsupported fields, rendering and encoding the conversation (chat template,
@@ -15,6 +15,12 @@ never encodes as control tokens (:mod:`helios_core.frontend.prompt_encoding`).
 
 :class:`Frontend` is built once per app and shared by the preparation threads: its members are
 read-only after construction (the grammar compiler serialises its own compilation).
+
+A legacy completions request (:func:`prepare_completion`) takes the same path without the chat
+template: its ``prompt`` string is encoded raw (:meth:`PromptEncoder.encode_raw
+<helios_core.frontend.prompt_encoding.PromptEncoder.encode_raw>`), or its token ids are checked
+against the input vocabulary, and sampling, the output limit and string stops resolve exactly as
+for chat. Its problems name ``prompt`` where chat's name ``messages``.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import msgspec
 
 from helios_core.errors import PromptError
 from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling, resolved_settings
+from helios_core.frontend.detokenizer import IncrementalDetokenizer
 from helios_core.frontend.formats import (
     AnswerFrames,
     ToolCallFormat,
@@ -57,17 +64,19 @@ from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
 from helios_core.server.errors import AdmissionRefused, InvalidRequest
 from helios_core.server.schemas import (
     ChatCompletionRequest,
+    CompletionRequest,
     Content,
     DeveloperMessage,
     Message,
     SystemMessage,
     ToolMessage,
     UserMessage,
+    completion_unsupported_fields,
     unsupported_fields,
 )
 from helios_core.wire import contract_pb2 as ct
 
-__all__ = ["Frontend", "Prepared", "prepare"]
+__all__ = ["Frontend", "Prepared", "prepare", "prepare_completion"]
 
 
 class Frontend:
@@ -156,7 +165,12 @@ class Prepared:
     logprobs: bool = False
     """Present ``choices[0].logprobs`` (the request's ``top_logprobs`` is on ``request``)."""
     prompt_logprobs: bool = False
-    """Present ``prompt_logprobs`` (JSON top level; SSE first chunk)."""
+    """Present ``prompt_logprobs`` (JSON top level; SSE first chunk); for an echoed completion, the
+    prompt tokens' logprobs."""
+    echo: str | None = None
+    """A completion's echoed prompt text (presented before the generated text), None without echo."""
+    prompt_field: str = "messages"
+    """The request field the prompt comes from: an admission rejection naming the prompt names it."""
 
     def pipeline(self, frontend: Frontend) -> OutputPipeline:
         """A fresh output pipeline (reasoning and tool parsers) for this request."""
@@ -259,8 +273,13 @@ def request_sampling_fields(
 _REQUEST_SAMPLING = request_sampling_fields()
 
 
-def _sampling(frontend: Frontend, request: ChatCompletionRequest) -> SamplingParams:
-    explicit = {name: getattr(request, name) for name in _REQUEST_SAMPLING}
+_COMPLETION_SAMPLING = request_sampling_fields(CompletionRequest)
+
+
+def _sampling(
+    frontend: Frontend, request: ChatCompletionRequest | CompletionRequest, names: Sequence[str] = _REQUEST_SAMPLING
+) -> SamplingParams:
+    explicit = {name: getattr(request, name) for name in names}
     bootstrap = frontend.bootstrap
     try:  # each value within its meaningful range and the type the core packs it as; no seed: a fresh one
         settings = resolve_sampling(
@@ -418,9 +437,14 @@ def _recipient_frames(frontend: Frontend, specs: Sequence[ToolSpec], envelope: E
 
 def _max_tokens(frontend: Frontend, request: ChatCompletionRequest, prompt_tokens: int) -> int:
     explicit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    return _output_limit(frontend, explicit, field, prompt_tokens)
+
+
+def _output_limit(frontend: Frontend, explicit: int | None, field: str, prompt_tokens: int) -> int:
+    """The request's output limit: ``explicit`` (positive, else 400 naming ``field``) or the default."""
     if explicit is not None:
         if explicit <= 0:
-            field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
             raise InvalidRequest(f"{field} must be positive, not {explicit}", field)
         return explicit
     # The core default within what the context leaves; a prompt that fills the context keeps one
@@ -525,3 +549,133 @@ def _encode(frontend: Frontend, rendered: str, shield: ClientTextShield) -> list
     if not ids:
         raise PromptError("the rendered prompt is empty")
     return list(ids)
+
+
+_PROMPT_SHAPES = "prompt must be a string, a list of token ids, or a one-element list of either"
+
+
+def _completion_prompt(frontend: Frontend, prompt: str | list[int | str | list[int]]) -> tuple[list[int], str]:
+    """(prompt ids, prompt text) of a completions ``prompt``. A string is encoded raw; ids are checked
+    against the input vocabulary and their text is their decoding (special tokens kept)."""
+    if isinstance(prompt, list):
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        if all(isinstance(item, int) for item in prompt):
+            return _completion_ids(frontend, [item for item in prompt if isinstance(item, int)])
+        if len(prompt) > 1:
+            if all(isinstance(item, str | list) for item in prompt):
+                raise InvalidRequest(
+                    f"prompt: {len(prompt)} prompts in one request are not supported by this server "
+                    "(send one request per prompt)",
+                    "prompt",
+                )
+            raise InvalidRequest(_PROMPT_SHAPES, "prompt")
+        (only,) = prompt
+        if isinstance(only, list):
+            return _completion_ids(frontend, only)
+        if not isinstance(only, str):  # unreachable: a one-element list of ints is ids
+            raise InvalidRequest(_PROMPT_SHAPES, "prompt")
+        prompt = only
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    context = frontend.context_tokens
+    try:
+        ids = frontend.bootstrap.encoder.encode_raw(prompt, limit=context)
+    except PromptTooLong as exc:
+        raise _prompt_beyond_context(exc.tokens, context, exc.utf8_bytes) from exc
+    if not ids:
+        raise InvalidRequest("prompt encodes to no tokens", "prompt")
+    _check_vocabulary(frontend, ids)
+    if len(ids) >= context:
+        raise _prompt_beyond_context(len(ids), context, None)
+    return ids, prompt
+
+
+def _completion_ids(frontend: Frontend, ids: list[int]) -> tuple[list[int], str]:
+    if not ids:
+        raise InvalidRequest("prompt must not be empty", "prompt")
+    _check_vocabulary(frontend, ids)
+    if len(ids) >= frontend.context_tokens:
+        raise _prompt_beyond_context(len(ids), frontend.context_tokens, None)
+    text: str = frontend.bootstrap.tokenizer.decode(ids, skip_special_tokens=False)
+    return ids, text
+
+
+def _check_vocabulary(frontend: Frontend, ids: Sequence[int]) -> None:
+    limit = frontend.bootstrap.input_vocabulary
+    bad = [i for i in ids if not 0 <= i < limit]
+    if bad:
+        raise InvalidRequest(f"prompt token ids {bad[:5]} lie outside the input vocabulary [0, {limit})", "prompt")
+
+
+def _prompt_beyond_context(tokens: int, context: int, utf8_bytes: int | None) -> AdmissionRefused:
+    size = f"{utf8_bytes} bytes, " if utf8_bytes is not None else ""
+    return AdmissionRefused(
+        f"the prompt holds {size}at least {tokens} tokens, which does not fit the core's context of {context} tokens",
+        "prompt",
+        permanent=True,
+    )
+
+
+def prompt_pieces(frontend: Frontend, ids: Sequence[int]) -> list[str]:
+    """The text each prompt id completes (special tokens kept; a token ending inside a character
+    completes ""), so the pieces concatenate to the prompt's decoding."""
+    detokenizer = IncrementalDetokenizer(frontend.bootstrap.tokenizer)
+    pieces = [detokenizer.push(token_id) for token_id in ids]
+    if pieces:
+        pieces[-1] += detokenizer.flush()
+    return pieces
+
+
+def _completion_logprobs(frontend: Frontend, request: CompletionRequest) -> tuple[int, bool]:
+    """(top_logprobs for the PreparedRequest, -1 when logprobs are off; whether prompt scores are needed)."""
+    if request.logprobs is None:
+        return -1, False
+    if frontend.logprobs_top_n is None:
+        raise InvalidRequest("logprobs are not supported by this core", "logprobs")
+    if request.logprobs > frontend.logprobs_top_n:
+        raise InvalidRequest(
+            f"logprobs={request.logprobs} exceeds this core's limit of {frontend.logprobs_top_n}", "logprobs"
+        )
+    scored = bool(request.echo)
+    if scored and not frontend.supports_prompt_logprobs:
+        raise InvalidRequest("echo with logprobs is not supported by this core (no prompt scoring)", "echo")
+    return request.logprobs, scored
+
+
+def prepare_completion(frontend: Frontend, request: CompletionRequest, request_id: str) -> Prepared:
+    """Validate and prepare a legacy completions ``request`` (runs on a preparation thread)."""
+    problems = completion_unsupported_fields(request)
+    if problems:
+        field, message = problems[0]
+        raise InvalidRequest(message, field)
+    prompt_ids, prompt_text = _completion_prompt(frontend, request.prompt)
+    sampling = _sampling(frontend, request, _COMPLETION_SAMPLING)
+    top_logprobs, scored = _completion_logprobs(frontend, request)
+    with _naming_field("stop"):
+        string_stops = parse_string_stops(request.stop)
+    prepared = PreparedRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_tokens=_output_limit(frontend, request.max_tokens, "max_tokens", len(prompt_ids)),
+        sampling=sampling,
+        ignore_eos=bool(request.ignore_eos),
+        string_stops=list(string_stops),
+        top_logprobs=top_logprobs,
+        prompt_logprobs=scored,
+    )
+    include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
+    return Prepared(
+        request=prepared,
+        tools=(),
+        envelope=CLOSED_ENVELOPE,
+        structured=False,
+        stream=bool(request.stream),
+        include_usage=include_usage,
+        return_token_ids=False,
+        return_token_timestamps=False,
+        logprobs=top_logprobs >= 0,
+        prompt_logprobs=scored,
+        echo=prompt_text if request.echo else None,
+        prompt_field="prompt",
+    )

@@ -1,6 +1,7 @@
-"""Presentation: engine events to OpenAI ``chat.completion`` JSON and ``chat.completion.chunk`` SSE.
+"""Presentation: engine events to OpenAI ``chat.completion`` and ``text_completion`` JSON and SSE.
 
-Owns one :class:`Presenter` per response. It feeds each token event's released pieces (EOS pieces
+Owns one presenter per response: :class:`Presenter` for chat, :class:`CompletionPresenter` for legacy
+completions (described at the end). The chat :class:`Presenter` It feeds each token event's released pieces (EOS pieces
 dropped, they are termination, not text) through the request's ``OutputPipeline`` (reasoning and
 tool parsers) and shapes the deltas:
 
@@ -32,6 +33,20 @@ Every SSE ``data:`` payload is one line whatever the text: JSON escapes ``\\r``,
 other control characters, and :func:`sse_json` also escapes U+0085, U+2028 and U+2029, which some
 line splitters (Python's ``str.splitlines``, for one) treat as line ends.
 
+Legacy completions (:class:`CompletionPresenter`) present plain text: the released pieces (EOS
+pieces dropped) concatenate, no reasoning or tool parser runs. ``choices[0]`` is ``{index, text,
+logprobs, finish_reason}`` (``length`` at the output limit, else ``stop``); with echo the prompt text
+comes first (JSON: in ``text``; SSE: one chunk before the generated text). Logprobs take the legacy
+form ``{tokens, token_logprobs, top_logprobs, text_offset}``: one position per presented token (its
+presented text, so the tokens concatenate to the generated text), ``top_logprobs`` a dict of the
+alternatives' texts (the tokenizer's decoding of each id) and the sampled token's presented text,
+``text_offset`` the character offset of the token's text in the choice's whole text (echo
+included). Echoed prompt tokens come first: the text each prompt id completes, ``null`` logprob and
+top dict for the first, then each token's logprob given its prefix (its dict holds only itself).
+In SSE the positions ride on the chunk carrying their text (those whose text is empty on the next
+text chunk, or the terminal chunk); chunks are ``text_completion`` objects and the usage chunk
+(``choices: []``) follows the terminal chunk when ``stream_options.include_usage``.
+
 Errors are not presented here: the app raises them (JSON) or turns them into one SSE error event
 through :mod:`helios_core.server.errors`.
 """
@@ -39,16 +54,16 @@ through :mod:`helios_core.server.errors`.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from tokenizers import Tokenizer
 
 from helios_core.plugin_api import GeneratedPiece, OutputDelta, OutputPipeline, ParsedOutput
 from helios_core.runtime.messages import Finished, Piece, PromptScores, TokenEvent
-from helios_core.server.preparation import Frontend, Prepared
+from helios_core.server.preparation import Frontend, Prepared, prompt_pieces
 
-__all__ = ["Presenter", "sse_data", "sse_error", "sse_json"]
+__all__ = ["CompletionPresenter", "Presenter", "ResponsePresenter", "sse_data", "sse_error", "sse_json"]
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -79,8 +94,8 @@ def sse_error(body: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-class Presenter:
-    """Turns one request's events into its OpenAI response."""
+class _EventPresenter:
+    """What every response's presenter shares: observed tokens, logprob matching, usage."""
 
     def __init__(
         self,
@@ -94,7 +109,6 @@ class Presenter:
         enqueue_ns: int,
     ) -> None:
         self._prepared = prepared
-        self._pipeline: OutputPipeline = prepared.pipeline(frontend)
         self._hidden_ids = frozenset() if prepared.request.ignore_eos else frontend.eos_token_ids
         self._id = response_id
         self._created = created
@@ -104,15 +118,11 @@ class Presenter:
         self.token_ids: list[int] = []
         self.timestamps: list[int] = []
         self._last_token: int | None = None
-        self._calls_started: set[int] = set()
         self._tokenizer: Tokenizer = frontend.bootstrap.tokenizer
         self._unpresented: deque[TokenEvent] = deque()
         """Observed token events whose pieces are not presented yet (logprobs only)."""
-        self._logprobs: list[dict[str, Any]] = []
-        """JSON: every entry; SSE: entries not yet sent on a chunk."""
         self._prompt_logprobs: list[float | None] | None = None
 
-    # -- shared -----------------------------------------------------------------------------------
     def _pieces(self, pieces: list[Piece]) -> list[GeneratedPiece]:
         return [GeneratedPiece(token_id, text) for token_id, text in pieces if token_id not in self._hidden_ids]
 
@@ -127,6 +137,58 @@ class Presenter:
         """Take the prompt's scores (before the first token)."""
         self._prompt_logprobs = [None, *event.scores]
 
+    def _presented_event(self, token_id: int) -> TokenEvent | None:
+        """The observed event of a presented piece's token (events are matched in order; an event no
+        presented piece claims, a token swallowed by a stop, is passed over), None if there is none."""
+        while self._unpresented:
+            candidate = self._unpresented.popleft()
+            if candidate.token_id == token_id:
+                return candidate
+        return None
+
+    def _alternative_text(self, token_id: int) -> str:
+        """An alternative's text: the tokenizer's decoding of its single id (special tokens kept)."""
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _usage(self, finished: Finished) -> dict[str, Any]:
+        return {
+            "prompt_tokens": finished.prompt_tokens,
+            "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
+        }
+
+
+class Presenter(_EventPresenter):
+    """Turns one chat request's events into its OpenAI response."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        frontend: Frontend,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        ingress_ns: int,
+        enqueue_ns: int,
+    ) -> None:
+        super().__init__(
+            prepared,
+            frontend,
+            response_id=response_id,
+            created=created,
+            model=model,
+            ingress_ns=ingress_ns,
+            enqueue_ns=enqueue_ns,
+        )
+        self._pipeline: OutputPipeline = prepared.pipeline(frontend)
+        self._calls_started: set[int] = set()
+        self._logprobs: list[dict[str, Any]] = []
+        """JSON: every entry; SSE: entries not yet sent on a chunk."""
+
+    # -- shared -----------------------------------------------------------------------------------
     def _present_logprobs(self, pieces: list[Piece]) -> None:
         """Queue the logprob entries of the presented pieces (matched to their token events in order)."""
         if not self._prepared.logprobs:
@@ -134,19 +196,11 @@ class Presenter:
         for token_id, text in pieces:
             if token_id < 0:
                 continue  # released tail text of earlier tokens, not a token
-            event = None
-            while self._unpresented:
-                candidate = self._unpresented.popleft()
-                if candidate.token_id == token_id:
-                    event = candidate
-                    break
+            event = self._presented_event(token_id)
             if event is None or token_id in self._hidden_ids:
                 continue
             entry = _logprob_entry(text, event.logprob)
-            entry["top_logprobs"] = [
-                _logprob_entry(self._tokenizer.decode([alt], skip_special_tokens=False), logprob)
-                for alt, logprob in event.top
-            ]
+            entry["top_logprobs"] = [_logprob_entry(self._alternative_text(alt), logprob) for alt, logprob in event.top]
             self._logprobs.append(entry)
 
     def _choice_logprobs(self) -> dict[str, Any] | None:
@@ -163,14 +217,6 @@ class Presenter:
         if hint == "tool_calls" and ended_by_eos:
             return "tool_calls"
         return "stop"
-
-    def _usage(self, finished: Finished) -> dict[str, Any]:
-        return {
-            "prompt_tokens": finished.prompt_tokens,
-            "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
-        }
 
     def _performance(self, finished: Finished) -> dict[str, int]:
         return {
@@ -315,6 +361,173 @@ class Presenter:
                     calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
             out["tool_calls"] = calls
         return out
+
+
+class _Position(NamedTuple):
+    """One token's place in legacy logprobs."""
+
+    token: str
+    logprob: float | None
+    top: dict[str, float] | None
+    offset: int
+
+
+class CompletionPresenter(_EventPresenter):
+    """Turns one legacy completions request's events into its ``text_completion`` response."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        frontend: Frontend,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        ingress_ns: int,
+        enqueue_ns: int,
+    ) -> None:
+        super().__init__(
+            prepared,
+            frontend,
+            response_id=response_id,
+            created=created,
+            model=model,
+            ingress_ns=ingress_ns,
+            enqueue_ns=enqueue_ns,
+        )
+        self._frontend = frontend
+        self._echo = prepared.echo or ""
+        self._texts: list[str] = []
+        """The generated text presented so far, piece by piece."""
+        self._length = len(self._echo)
+        """Characters of the choice's text so far (the echo included): the next token's offset."""
+        self._positions: list[_Position] = []
+        """JSON: every generated position; SSE: positions not yet sent on a chunk."""
+
+    def _feed(self, pieces: list[Piece]) -> str:
+        """Present ``pieces``: their text (EOS pieces dropped), their logprob positions queued."""
+        texts: list[str] = []
+        for token_id, text in pieces:
+            event = self._presented_event(token_id) if self._prepared.logprobs and token_id >= 0 else None
+            if token_id in self._hidden_ids:
+                continue
+            if event is not None:
+                self._positions.append(_Position(text, event.logprob, self._top(text, event), self._length))
+            texts.append(text)
+            self._length += len(text)
+        joined = "".join(texts)
+        self._texts.append(joined)
+        return joined
+
+    def _top(self, text: str, event: TokenEvent) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for alternative, logprob in event.top:
+            top.setdefault(self._alternative_text(alternative), logprob)
+        top.setdefault(text, event.logprob)
+        return top
+
+    def _prompt_positions(self) -> list[_Position]:
+        """The echoed prompt's positions (echo with logprobs only; the scores arrived first)."""
+        scores = self._prompt_logprobs
+        if scores is None:
+            return []
+        positions = []
+        offset = 0
+        for piece, score in zip(prompt_pieces(self._frontend, self._prepared.request.prompt_ids), scores, strict=True):
+            positions.append(_Position(piece, score, None if score is None else {piece: score}, offset))
+            offset += len(piece)
+        return positions
+
+    def _take_logprobs(self) -> dict[str, Any] | None:
+        """The queued positions in legacy form (None when none are queued)."""
+        if not self._positions:
+            return None
+        positions, self._positions = self._positions, []
+        return _legacy_logprobs(positions)
+
+    def _finish_reason(self, finished: Finished) -> str:
+        return "length" if finished.reason == "length" else "stop"
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def collect(self, event: TokenEvent) -> None:
+        """Non-stream: take one token event."""
+        self._observe(event)
+        self._feed(event.pieces)
+
+    def completion(self, finished: Finished) -> dict[str, Any]:
+        """Non-stream: the ``text_completion`` object after the terminal event."""
+        self._feed(finished.pieces)
+        logprobs = None
+        if self._prepared.logprobs:
+            logprobs = _legacy_logprobs([*self._prompt_positions(), *self._positions])
+        choice = {
+            "index": 0,
+            "text": self._echo + "".join(self._texts),
+            "logprobs": logprobs,
+            "finish_reason": self._finish_reason(finished),
+        }
+        return {
+            "id": self._id,
+            "object": "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "usage": self._usage(finished),
+        }
+
+    # -- SSE --------------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        chunk: dict[str, Any] = {
+            "id": self._id,
+            "object": "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
+        if self._prepared.include_usage:
+            chunk["usage"] = None
+        chunk.update(extra)
+        return sse_data(chunk)
+
+    @staticmethod
+    def _choice(text: str, logprobs: dict[str, Any] | None, finish_reason: str | None = None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def first_chunk(self) -> bytes:
+        """The echoed prompt's chunk (with its logprobs when asked); nothing without echo."""
+        if self._prepared.echo is None:
+            return b""
+        logprobs = _legacy_logprobs(self._prompt_positions()) if self._prepared.logprobs else None
+        return self._chunk([self._choice(self._echo, logprobs)])
+
+    def stream_token(self, event: TokenEvent) -> list[bytes]:
+        """The chunk of one token event's released text (none while nothing is released)."""
+        self._observe(event)
+        text = self._feed(event.pieces)
+        return [self._chunk([self._choice(text, self._take_logprobs())])] if text else []
+
+    def stream_finish(self, finished: Finished) -> list[bytes]:
+        """The last chunks: remaining text, the terminal choice chunk, usage, ``[DONE]``."""
+        text = self._feed(finished.pieces)
+        out = [self._chunk([self._choice(text, self._take_logprobs())])] if text else []
+        out.append(self._chunk([self._choice("", self._take_logprobs(), self._finish_reason(finished))]))
+        if self._prepared.include_usage:
+            out.append(self._chunk([], usage=self._usage(finished)))
+        out.append(SSE_DONE)
+        return out
+
+
+ResponsePresenter = Presenter | CompletionPresenter
+"""The presenter of any response the service delivers."""
+
+
+def _legacy_logprobs(positions: list[_Position]) -> dict[str, Any]:
+    return {
+        "tokens": [position.token for position in positions],
+        "token_logprobs": [position.logprob for position in positions],
+        "top_logprobs": [position.top for position in positions],
+        "text_offset": [position.offset for position in positions],
+    }
 
 
 def _logprob_entry(text: str, logprob: float) -> dict[str, Any]:

@@ -1,14 +1,16 @@
-"""The OpenAI chat-completions request schema of the HTTP server.
+"""The OpenAI request schemas of the HTTP server: chat completions and legacy completions.
 
-Owns the msgspec Structs a ``POST /v1/chat/completions`` body decodes into, and the one strict
-decoder made for them. Every struct forbids unknown fields and decoding is strict (no coercion of
+Owns the msgspec Structs a ``POST /v1/chat/completions`` or ``POST /v1/completions`` body decodes
+into, and the strict decoder made for each. Every struct forbids unknown fields and decoding is strict (no coercion of
 strings to numbers or of integers to booleans), so an unknown or ill-typed field is an invalid
 request naming the field. Semantic checks that need the core (stops, sampling ranges, formats,
 vocabulary ids) belong to :mod:`helios_core.server.preparation`; refusals of documented fields this
 server does not implement belong to :func:`unsupported_fields`. Nesting is bounded here too:
 :func:`decode_request` refuses a field whose arrays and objects nest deeper than
 :data:`MAX_JSON_DEPTH` (a tool call's ``arguments`` text included), with a scan that does not
-recurse, so no later step (rendering, schema compilation, encoding) can exhaust the stack.
+recurse, so no later step (rendering, schema compilation, encoding) can exhaust the stack. The
+completions ``prompt`` decodes as a string or a list of ids, strings or id lists; which of those
+shapes a request may use is preparation's decision (:func:`helios_core.server.preparation.prepare_completion`).
 
 Changed by the server owners when the accepted OpenAI surface changes; docs/http-api.md lists it.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "AssistantMessage",
     "ChatCompletionRequest",
+    "CompletionRequest",
     "DeveloperMessage",
     "FunctionCall",
     "FunctionDefinition",
@@ -37,6 +40,8 @@ __all__ = [
     "ToolCallMessage",
     "ToolMessage",
     "UserMessage",
+    "completion_unsupported_fields",
+    "decode_completion_request",
     "decode_request",
     "json_text_depth",
     "unsupported_fields",
@@ -174,7 +179,45 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     """vLLM-style: 0 returns each prompt token's logprob given its prefix; alternatives (> 0) are refused."""
 
 
+class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A legacy completions request (``POST /v1/completions``): the OpenAI fields plus the sampling
+    extensions chat accepts. ``None`` means "absent" everywhere.
+
+    ``prompt`` is a string, a list of token ids, or a one-element list of either; anything else the
+    union admits (several prompts, a list mixing ids and strings) is refused at preparation.
+    """
+
+    prompt: str | list[int | str | list[int]]
+    model: str | None = None
+    # sampling and limits
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    # output shape
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    """Legacy form: how many top alternatives per token (0: the sampled token's logprob only)."""
+    echo: bool | None = None
+    # bookkeeping OpenAI accepts and this server ignores
+    user: str | None = None
+    # documented OpenAI fields this server refuses unless neutral
+    n: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+_COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 
 MAX_JSON_DEPTH = 64
 """How deep arrays and objects may nest in one request field: the field's own value is level 1, so
@@ -200,6 +243,15 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
     if problem is not None:
         raise _too_deep(*problem)
     return request
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    """Strictly decode a legacy completions body (errors as :func:`decode_request`). Its fields nest at
+    most three levels (``prompt`` as a list of id lists), so only the decoder's own depth guard applies."""
+    try:
+        return _COMPLETION_DECODER.decode(body)
+    except RecursionError:
+        raise _too_deep(_deepest_field(body)) from None
 
 
 def _too_deep(field: str | None, where: str | None = None) -> InvalidRequest:
@@ -334,4 +386,31 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
         refuse("tool_choice", f"tool_choice={choice!r} (only 'auto', 'none', 'required' or a named function)")
     if request.return_token_timestamps and not request.return_token_ids:
         problems.append(("return_token_timestamps", "return_token_timestamps requires return_token_ids=true"))
+    return problems
+
+
+def completion_unsupported_fields(request: CompletionRequest) -> list[tuple[str, str]]:
+    """(field, message) for every completions field whose value this server does not implement."""
+    problems: list[tuple[str, str]] = []
+
+    def refuse(field: str, what: str) -> None:
+        problems.append((field, f"{field}: {what} is not supported by this server"))
+
+    if request.n is not None and request.n != 1:
+        refuse("n", f"n={request.n} (only one choice per request)")
+    if request.best_of is not None and request.best_of != 1:
+        refuse("best_of", f"best_of={request.best_of} (only one candidate per request)")
+    if request.suffix is not None:
+        refuse("suffix", "a suffix (insertion)")
+    if request.logit_bias:
+        refuse("logit_bias", "a non-empty logit_bias")
+    if request.logprobs is not None and request.logprobs < 0:
+        problems.append(("logprobs", f"logprobs must be >= 0, not {request.logprobs}"))
+    if request.echo and request.logprobs is not None and request.logprobs > 0:
+        refuse(
+            "echo",
+            f"echo with logprobs={request.logprobs} (prompt tokens have no top alternatives; use logprobs=0)",
+        )
+    if request.stream_options is not None and not request.stream:
+        problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     return problems

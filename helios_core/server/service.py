@@ -1,5 +1,10 @@
 """The chat service: one request's path from decoded body to delivered response.
 
+It serves both generating endpoints, chat completions and legacy completions: the two differ only in
+their request struct and decoder, their preparation function and their presenter (an
+:class:`_Endpoint`); admission, the preparation pool, submission, cancellation on disconnect,
+metrics and errors are one path.
+
 Owns the order of the request lifecycle on the server side (docs/index.md, "A request's path") and the objects
 that live as long as the app: admission, the preparation thread pool, the event bridge, the shared
 frontend and the metrics exporter. Per request it decodes the body strictly (``ingress_ns``), takes
@@ -9,11 +14,12 @@ collects a JSON response or streams SSE. The permit is released when the reader 
 response; a dropped connection cancels the request (``Engine.cancel``). The controllers in
 :mod:`helios_core.server.app` only call into this class.
 
-The response id (``chatcmpl-...``) is made on arrival, set on ``request.state`` and sent as
-``x-request-id``, so every log line of a request names it. A body declared as anything but JSON is
-415. An output failure (presentation raising) ends the response with ``execution_error`` and is
-counted as failed (:class:`~helios_core.server.metrics.OutputFailures`). At shutdown
-:meth:`ChatService.drop_responses` ends every running response with its terminal ``cancelled`` error.
+The response id (``chatcmpl-...``, ``cmpl-...`` for legacy completions) is made on arrival, set on
+``request.state`` and sent as ``x-request-id``, so every log line of a request names it. A body
+declared as anything but JSON is 415. An output failure (presentation raising) ends the response
+with ``execution_error`` and is counted as failed (:class:`~helios_core.server.metrics.OutputFailures`).
+At shutdown :meth:`ChatService.drop_responses` ends every running response with its terminal
+``cancelled`` error.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,9 +62,14 @@ from helios_core.server.errors import (
     validation_error,
 )
 from helios_core.server.metrics import MetricsExporter
-from helios_core.server.preparation import Frontend, Prepared, prepare
-from helios_core.server.presentation import Presenter, sse_error
-from helios_core.server.schemas import ChatCompletionRequest, decode_request
+from helios_core.server.preparation import Frontend, Prepared, prepare, prepare_completion
+from helios_core.server.presentation import CompletionPresenter, Presenter, ResponsePresenter, sse_error
+from helios_core.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_completion_request,
+    decode_request,
+)
 
 __all__ = ["ChatService", "ServerSettings"]
 
@@ -73,6 +84,23 @@ class ServerSettings:
     """Overrides the core's served name."""
     aliases: tuple[str, ...] = field(default=())
     """Added to the core's aliases."""
+
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """What distinguishes one generating endpoint: id prefix, decoding, preparation, presentation."""
+
+    id_prefix: str
+    decode: Callable[[bytes], GenerationRequest]
+    prepare: Callable[[Frontend, Any, str], Prepared]
+    presenter: type[Presenter] | type[CompletionPresenter]
+
+
+_CHAT = _Endpoint("chatcmpl-", decode_request, prepare, Presenter)
+_COMPLETIONS = _Endpoint("cmpl-", decode_completion_request, prepare_completion, CompletionPresenter)
 
 
 class ChatService:
@@ -120,20 +148,28 @@ class ChatService:
         return {"status": "ok", "model": self.served_name}
 
     async def chat(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        """``POST /v1/chat/completions``."""
+        return await self._generate(request, _CHAT)
+
+    async def completions(self, request: Request[Any, Any, Any]) -> Response[Any]:
+        """``POST /v1/completions`` (legacy completions: a raw prompt, no chat template)."""
+        return await self._generate(request, _COMPLETIONS)
+
+    async def _generate(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> Response[Any]:
+        request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
         request.state[REQUEST_ID_STATE] = request_id
         _check_content_type(request.headers.get("content-type"))
         body = await request.body()
         try:
-            chat = decode_request(body)
+            decoded = endpoint.decode(body)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise validation_error(exc) from exc
         ingress_ns = self._now_ns()
-        if chat.model is not None and chat.model not in self.names:
-            raise UnknownModel(f"model {chat.model!r} is not served here; GET /v1/models lists the served names")
+        if decoded.model is not None and decoded.model not in self.names:
+            raise UnknownModel(f"model {decoded.model!r} is not served here; GET /v1/models lists the served names")
         permit = self.admission.admit()
         try:
-            return await self._admitted(request, chat, permit, ingress_ns, request_id)
+            return await self._admitted(request, endpoint, decoded, permit, ingress_ns, request_id)
         except BaseException:
             permit.release()
             raise
@@ -151,25 +187,28 @@ class ChatService:
     async def _admitted(
         self,
         request: Request[Any, Any, Any],
-        chat: ChatCompletionRequest,
+        endpoint: _Endpoint,
+        decoded: GenerationRequest,
         permit: Permit,
         ingress_ns: int,
         request_id: str,
     ) -> Response[Any]:
         loop = asyncio.get_running_loop()
         async with self.admission.preparation_slot():
-            prepared = await loop.run_in_executor(self._preparation, prepare, self.frontend, chat, request_id)
+            prepared = await loop.run_in_executor(
+                self._preparation, endpoint.prepare, self.frontend, decoded, request_id
+            )
         if self._drop_message is not None:
             _LOG.warning("request %s dropped before generation: %s", request_id, self._drop_message)
             raise RequestCancelled(self._drop_message)
         enqueue_ns = self._now_ns()
         events = self._bridge.attach(self.running.engine.submit(prepared.request), loop)
-        presenter = Presenter(
+        presenter = endpoint.presenter(
             prepared,
             self.frontend,
             response_id=request_id,
             created=int(time.time()),
-            model=chat.model or self.served_name,
+            model=decoded.model or self.served_name,
             ingress_ns=ingress_ns,
             enqueue_ns=enqueue_ns,
         )
@@ -187,7 +226,7 @@ class ChatService:
         self,
         request: Request[Any, Any, Any],
         prepared: Prepared,
-        presenter: Presenter,
+        presenter: ResponsePresenter,
         events: EventQueue,
     ) -> dict[str, Any]:
         request_id = prepared.request.request_id
@@ -217,7 +256,7 @@ class ChatService:
                 if isinstance(event, Finished):
                     raise RequestCancelled("the request was cancelled before it finished")
                 if isinstance(event, AdmissionRejected):
-                    raise AdmissionRefused.of(event)
+                    raise _refusal(event, prepared)
                 if isinstance(event, ExecutionFailed):
                     raise ExecutionError(event.message)
                 raise ExecutionError(f"unexpected event {type(event).__name__}")
@@ -235,7 +274,7 @@ class ChatService:
                 return
 
     async def _sse(
-        self, prepared: Prepared, presenter: Presenter, events: EventQueue, permit: Permit
+        self, prepared: Prepared, presenter: ResponsePresenter, events: EventQueue, permit: Permit
     ) -> AsyncIterator[bytes]:
         request_id = prepared.request.request_id
         self._responses[request_id] = events  # from here on a drop puts an Interrupt on the queue
@@ -249,8 +288,9 @@ class ChatService:
                 if isinstance(pending, PromptScores):
                     presenter.prompt_scores(pending)
                     pending = None
-            if self._drop_message is None:
-                yield presenter.first_chunk()
+            first = presenter.first_chunk() if self._drop_message is None else b""
+            if first:  # a completion without echo has no opening chunk
+                yield first
             while not finished:
                 if self._drop_message is None or pending is not None:
                     event = pending if pending is not None else await events.get()
@@ -264,7 +304,7 @@ class ChatService:
                     return
                 terminal = event if isinstance(event, TERMINAL_EVENTS) else None
                 try:
-                    chunk, finished = self._sse_event(presenter, event, request_id)
+                    chunk, finished = self._sse_event(presenter, event, prepared)
                 except Exception as exc:  # presentation failed: the request's output error, as its own event
                     reported = True
                     self._output_failed(events, terminal)
@@ -304,8 +344,9 @@ class ChatService:
             self.metrics.output_failures.record(terminal.reason)
 
     @staticmethod
-    def _sse_event(presenter: Presenter, event: Event, request_id: str) -> tuple[bytes, bool]:
+    def _sse_event(presenter: ResponsePresenter, event: Event, prepared: Prepared) -> tuple[bytes, bool]:
         """The bytes one event sends, and whether it was terminal (an execution error is logged)."""
+        request_id = prepared.request.request_id
         if isinstance(event, TokenEvent):
             return b"".join(presenter.stream_token(event)), False
         if isinstance(event, PromptScores):  # only ever before the first chunk, which took it
@@ -316,7 +357,7 @@ class ChatService:
                 return sse_error(error_body(RequestCancelled("the request was cancelled before it finished"))), True
             return b"".join(presenter.stream_finish(event)), True
         if isinstance(event, AdmissionRejected):
-            return sse_error(error_body(AdmissionRefused.of(event))), True
+            return sse_error(error_body(_refusal(event, prepared))), True
         failure = ExecutionError(event.message if isinstance(event, ExecutionFailed) else f"unexpected event {event!r}")
         log_failure(request_id, failure)
         return sse_error(error_body(failure)), True
@@ -334,6 +375,15 @@ def _check_content_type(value: str | None) -> None:
         name, _, setting = parameter.partition("=")
         if name.strip().lower() == "charset" and setting.strip().strip('"').lower() not in ("utf-8", "utf8"):
             raise UnsupportedMediaType(f"the request body must be UTF-8 JSON, not charset {setting.strip()[:40]!r}")
+
+
+def _refusal(event: AdmissionRejected, prepared: Prepared) -> AdmissionRefused:
+    """The error of the model worker's rejection, naming the request's own prompt field (the worker
+    names the prompt ``messages``; a completion's is ``prompt``)."""
+    refusal = AdmissionRefused.of(event)
+    if refusal.param == "messages":
+        refusal.param = prepared.prompt_field
+    return refusal
 
 
 def _release(permit: Permit) -> None:

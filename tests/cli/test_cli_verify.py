@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "cores"
 KEYS = FIXTURES / "keys"
 NAMESPACE = "helios-fixtures/golden"
-CORES = ["payload-v3", "contract-v2", "contract-v1", "logical-v6", "logical-v4", "abi-label"]
+CORES = ["payload-v3", "contract-v2", "contract-v1", "logical-v6", "logical-v4", "abi-label", "sliding-window"]
 
 
 def verify(core: Path, *, key: Path = KEYS / "signing.pub.pem", accept: str = NAMESPACE) -> list[str]:

@@ -1154,10 +1154,49 @@ def test_operator_with_unknown_version_is_a_runtime_question(parts) -> None:
     unsupported(parts, "program 'decode_b4' node 'l0.attn_norm' uses operator rmsnorm version 7 (known versions: [1])")
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [ct.HISTORY_KIND_SLIDING_WINDOW, ct.HISTORY_KIND_PAGED_LATENT, ct.HISTORY_KIND_RECURRENT],
-)
+def _window_attention(parts, window: int | None) -> None:
+    """Set (or, with None, remove) the window attribute of every attention node."""
+    for program in parts.execution.programs:
+        for node in program.nodes:
+            if node.op.name == "paged_attention":
+                kept = [a for a in node.attributes if a.name != "window"]
+                del node.attributes[:]
+                node.attributes.extend(kept)
+                if window is not None:
+                    node.attributes.add(name="window", int_value=window)
+
+
+def test_a_sliding_window_history_is_implemented(parts) -> None:
+    region = parts.region("kv")
+    region.kind = ct.HISTORY_KIND_SLIDING_WINDOW
+    region.window_tokens = 16
+    _window_attention(parts, 16)
+    check_runtime_support(parts.prepare(), RuntimeCapabilities())
+
+
+@pytest.mark.parametrize(("window", "shown"), [(None, 0), (0, 0), (17, 17)])
+def test_attention_over_a_sliding_window_must_stay_inside_it(parts, window: int | None, shown: int) -> None:
+    region = parts.region("kv")
+    region.kind = ct.HISTORY_KIND_SLIDING_WINDOW
+    region.window_tokens = 16
+    _window_attention(parts, window)
+    rejects(
+        parts,
+        f"program 'decode_b1' node 'l0.attention': attention over sliding-window region 'kv' has window {shown}, "
+        "which must lie in [1, 16]",
+    )
+
+
+def test_a_sliding_window_region_with_planes_checks_them_as_cache_planes(parts) -> None:
+    region = parts.region("kv")
+    region.kind = ct.HISTORY_KIND_SLIDING_WINDOW
+    region.window_tokens = 16
+    _window_attention(parts, 16)
+    region.planes.append("scratch.h")
+    rejects(parts, "history region 'kv' names 'scratch.h', which is not a cache plane")
+
+
+@pytest.mark.parametrize("kind", [ct.HISTORY_KIND_PAGED_LATENT, ct.HISTORY_KIND_RECURRENT])
 def test_unimplemented_history_kinds(parts, kind: int) -> None:
     region = parts.region("kv")
     region.kind = kind

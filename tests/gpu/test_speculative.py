@@ -5,7 +5,9 @@ The core is built once per module by Ignition (``llama-synthetic --shape tiny``,
 
 (a) Every speculative program runs one round on both backends from identical random state and
 staging, with lanes that accept every proposal (proposals are the reference's own greedy tokens),
-refuse one in the middle, offer fewer proposals than the width, or are inactive. The records must
+refuse one in the middle, offer fewer proposals than the width, or are inactive; the first lane of each
+program is constrained (one random grammar mask a packed position, as history drafting stages a
+request with a grammar). The records must
 agree exactly, except that from the first position where the reference decided its greedy token by
 less than twice the largest difference between the two backends' logits of that row, a lane may
 differ (bf16 arithmetic may then pick the other token; what follows depends on it).
@@ -101,7 +103,27 @@ def _randomize_state(
         gpu.upload(decl.name, values)
 
 
-def _lane(row: int, candidates: list[int], sampling: SamplingParams, *, sample: bool = True) -> Lane:
+def _random_masks(rng: np.random.Generator, count: int, words: int, sampled: int) -> list[np.ndarray]:
+    """``count`` int32 grammar masks of ``words`` words, each allowing about half of the sampled ids."""
+    allowed = rng.random((count, words * 32)) < 0.5
+    allowed[:, sampled:] = False
+    packed = np.packbits(allowed, axis=1, bitorder="little")  # bit b of byte k: id 8k + b
+    return [np.ascontiguousarray(row).view("<u4").astype(np.uint32).view(np.int32) for row in packed]
+
+
+def _allowed(mask: np.ndarray, sampled: int) -> np.ndarray:
+    bits = np.unpackbits(mask.astype("<u4").view(np.uint8), bitorder="little")
+    return bits[:sampled].astype(bool)
+
+
+def _lane(
+    row: int,
+    candidates: list[int],
+    sampling: SamplingParams,
+    *,
+    sample: bool = True,
+    masks: list[np.ndarray] | None = None,
+) -> Lane:
     start = 5 + 3 * row
     positions = list(range(start, start + 1 + len(candidates)))
     pages = [row * 8 + j for j in range(positions[-1] // PAGE_TOKENS + 1)]
@@ -117,6 +139,7 @@ def _lane(row: int, candidates: list[int], sampling: SamplingParams, *, sample: 
         sampling_step=start,
         consumed=start,
         candidates=candidates,
+        candidate_masks=masks[: len(positions)] if masks is not None else (),
     )
 
 
@@ -164,10 +187,14 @@ def test_every_speculative_program_matches_the_reference(verified: VerifiedCore)
             ]
             state = {buffer: np.array(ref.buffers[buffer], copy=True) for buffer in persistent}
             settings = [PENALIZED if row % 3 == 2 else SamplingParams(temperature=0.0, seed=row) for row in range(rows)]
+            words = ref.transport(0)["candidate_grammar_mask"].shape[1]
+            masks = [
+                _random_masks(rng, width, words, contract.sampled_size) if row == 0 else None for row in range(rows)
+            ]
             # Proposals: the reference's own greedy tokens, found one position at a time.
             proposals = [[int(t) for t in rng.integers(0, 200, width - 1)] for _ in range(rows)]
             for position in range(width - 1):
-                lanes = [_lane(row, proposals[row], settings[row]) for row in range(rows)]
+                lanes = [_lane(row, proposals[row], settings[row], masks=masks[row]) for row in range(rows)]
                 record = _round(contract, ref, name, lanes, sequence, state)
                 for row in range(rows):
                     proposals[row][position] = int(record[mf.COMPLETION_FIELD_SAMPLED_IDS][row, position])
@@ -178,7 +205,8 @@ def test_every_speculative_program_matches_the_reference(verified: VerifiedCore)
                     offered[1] = (offered[1] + 1) % 200  # refused in the middle
                 if row % 4 == 3:
                     offered = offered[: (width - 1) // 2]  # fewer proposals than the width
-                lanes.append(_lane(row, offered, settings[row], sample=not (rows > 1 and row == rows - 1)))
+                sample = not (rows > 1 and row == rows - 1)
+                lanes.append(_lane(row, offered, settings[row], sample=sample, masks=masks[row]))
             want = _round(contract, ref, name, lanes, sequence, state)
             want_logits = np.array(ref.buffers["scratch.all_logits"], copy=True)
             got = _round(contract, gpu, name, lanes, sequence, state)
@@ -199,8 +227,14 @@ def test_every_speculative_program_matches_the_reference(verified: VerifiedCore)
                     continue
                 same = True
                 for position in range(emitted):
-                    expected = want_logits[start + position, :sampled]
-                    deviation = float(np.abs(got_logits[start + position, :sampled] - expected).max())
+                    # a constrained position decides among the ids its mask allows
+                    allowed = (
+                        _allowed(lane.candidate_masks[position], sampled)  # type: ignore[arg-type]
+                        if lane.candidate_masks
+                        else np.ones(sampled, dtype=bool)
+                    )
+                    expected = want_logits[start + position, :sampled][allowed]
+                    deviation = float(np.abs(got_logits[start + position, :sampled][allowed] - expected).max())
                     top_two = np.sort(expected)[-2:]
                     if float(top_two[1] - top_two[0]) <= 2 * deviation:
                         break  # a near tie: this position and what follows may differ
@@ -220,6 +254,9 @@ def test_every_speculative_program_matches_the_reference(verified: VerifiedCore)
                     logprobs = got[mf.COMPLETION_FIELD_SAMPLED_LOGPROBS][row, :emitted]
                     assert np.isfinite(logprobs).all() and (logprobs <= 0.0).all(), (name, row)
                     assert int(gpu.download("pending_tokens")[row, 0]) == want_ids[emitted - 1], name
+                    if lane.candidate_masks:  # every emitted token is one its position's mask allows
+                        for position, token in enumerate(got_ids[:emitted]):
+                            assert _allowed(lane.candidate_masks[position], sampled)[token], (name, position)  # type: ignore[arg-type]
                 assert same, (name, row, got_ids, want_ids)
                 start += lane.query_length
         assert compared >= len(names)  # most lanes are decided at every position

@@ -84,6 +84,58 @@ def test_sample_verify_samples_each_position_with_the_sample_kernels() -> None:
     assert workspaces["workspace.verify.active"].dtype == mf.DTYPE_U8
 
 
+def test_constrained_verification_hands_each_position_its_mask_rows() -> None:
+    """With the grammar inputs, every position's ``sample`` launches read the ``[B, words]`` mask workspace
+    (which the begin and step launches fill from rows ``start_r + j``) and the node's own flags."""
+    width, words = 4, VOCAB // 32
+    arrays = {
+        **_verify_arrays(width),
+        "allowed_mask": np.zeros((LANES * width, words), np.int32),
+        "constrained": np.ones(LANES, np.uint8),
+    }
+    context, launches = lower("sample_verify", arrays, {"vocab_limit": VOCAB})
+    symbols = [launch.symbol for launch in launches]
+    assert symbols == ["_verify_begin_kernel", *[*SAMPLE_SYMBOLS, "_verify_step_kernel"] * width]
+    for launch in launches:
+        named = {p.buffer for p in launch.params if p.buffer}
+        if launch.symbol == "_sample_chunk_kernel":  # the masked logits: the workspace rows, the lanes' flags
+            assert {"workspace.verify.allowed_mask", "constrained"} <= named
+            assert "allowed_mask" not in named
+        elif launch.symbol in ("_verify_begin_kernel", "_verify_step_kernel"):  # the row copies
+            assert {"allowed_mask", "constrained", "workspace.verify.allowed_mask"} <= named
+    workspaces = {b.name: b for b in context.manifest.buffers if b.name.startswith("workspace.verify")}
+    mask_workspace = workspaces["workspace.verify.allowed_mask"]
+    assert (int(mask_workspace.shape[0].size), mask_workspace.dtype) == (LANES * words, mf.DTYPE_I32)
+    # without the grammar inputs no mask workspace is declared and the launches are the same kernels
+    plain_context, plain = lower("sample_verify", _verify_arrays(width), {"vocab_limit": VOCAB})
+    assert [launch.symbol for launch in plain] == symbols
+    assert not any(b.name == "workspace.verify.allowed_mask" for b in plain_context.manifest.buffers)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"allowed_mask": np.zeros((8, VOCAB // 32), np.int32)}, "allowed_mask and constrained must be given"),
+        (
+            {"allowed_mask": np.zeros((7, VOCAB // 32), np.int32), "constrained": np.ones(LANES, np.uint8)},
+            r"allowed_mask: expected \[>= 8, >= 1536\] words",
+        ),
+        (
+            {"allowed_mask": np.zeros((8, VOCAB // 32), np.float32), "constrained": np.ones(LANES, np.uint8)},
+            "allowed_mask: dtype",
+        ),
+        (
+            {"allowed_mask": np.zeros((8, VOCAB // 32), np.int32), "constrained": np.ones(LANES + 1, np.uint8)},
+            "constrained: expected 2 elements",
+        ),
+    ],
+)
+def test_sample_verify_rejects_bad_grammar_inputs(change: dict[str, Any], message: str) -> None:
+    arrays = {**_verify_arrays(4), **change}
+    with pytest.raises(LoweringError, match=message):
+        lower("sample_verify", arrays, {"vocab_limit": VOCAB})
+
+
 def test_width_one_runs_one_position_without_candidates() -> None:
     _, launches = lower("sample_verify", _verify_arrays(1), {"vocab_limit": VOCAB})
     assert [launch.symbol for launch in launches] == ["_verify_begin_kernel", *SAMPLE_SYMBOLS, "_verify_step_kernel"]

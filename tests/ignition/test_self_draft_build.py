@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
+from ignition.build import check_speculative_targets
 from ignition.cli import main as ignition_main
-from ignition.recipes.llama import self_draft_packed
+from ignition.recipes.llama import Capacities, self_draft_packed
 
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.reference import ReferenceBackend
@@ -362,9 +363,14 @@ def test_a_narrower_program_drafts_the_full_block_and_fills_its_columns(core: Ve
     ("extra", "message"),
     [
         (
-            ["--targets", "reference,sm_90a"],
-            "self-drafting programs are built for the reference target only; build with --targets reference, "
-            "or without --speculative self-draft for sm_90a",
+            ["--targets", "reference,sm_90a", "--draft-sampling", "sampled"],
+            "self-drafting programs with sampled drafts are built for the reference target only; build with "
+            "--targets reference, or with --draft-sampling greedy for sm_90a",
+        ),
+        (
+            ["--targets", "reference,sm_80"],
+            "speculative programs are built for the targets reference, sm_90a only; build without --speculative "
+            "for sm_80",
         ),
         (["--draft-layers", "0"], "--draft-layers must be at least 1, got 0"),
     ],
@@ -376,6 +382,20 @@ def test_the_cli_refuses_before_making_keys(
     assert ignition_main(["build", "llama-synthetic", "--out", str(out), *BUILD_ARGS, *extra]) == 1
     assert capsys.readouterr().err == f"ignition: error: {message}\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_greedy_self_drafting_is_accepted_for_sm_90a_and_sampled_drafts_are_not() -> None:
+    """Greedy self-drafting operators have sm_90a kernels; the sampled ones (``draft_sample``,
+    ``sample_verify_sampled``) have reference kernels only."""
+    greedy = Capacities(speculative_widths=(1, 2, 4), speculation="self-draft", draft_tokens=3)
+    check_speculative_targets(greedy, ("reference", "sm_90a"))
+    check_speculative_targets(greedy, ("sm_90a",))
+    sampled = Capacities(
+        speculative_widths=(1, 2, 4), speculation="self-draft", draft_tokens=3, draft_sampling="sampled"
+    )
+    check_speculative_targets(sampled, ("reference",))
+    with pytest.raises(ValueError, match=r"^self-drafting programs with sampled drafts are built for the reference"):
+        check_speculative_targets(sampled, ("sm_90a",))
 
 
 def test_draft_layers_needs_self_drafting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -117,6 +117,7 @@ def test_bindings_are_decode_s_plus_copied_proposals_and_packed_positions(core: 
             "candidate_count": (ct.VALUE_SOURCE_CANDIDATE_COUNT, SUB, 0),
             "candidate_generation": (ct.VALUE_SOURCE_CANDIDATE_GENERATION, SUB, -1),
             "candidate_consumed": (ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT, SUB, -1),
+            "candidate_grammar_mask": (ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS, PACKED, -1),
         }
         if width > 1:
             candidates[f"candidate_ids_w{width}"] = (ct.VALUE_SOURCE_CANDIDATE_IDS, SUB, -1)
@@ -126,6 +127,7 @@ def test_bindings_are_decode_s_plus_copied_proposals_and_packed_positions(core: 
         assert bound["cache_slots"] == (ct.VALUE_SOURCE_CACHE_SLOT, PACKED, -1)
         assert bound["token_rows"] == (ct.VALUE_SOURCE_TOKEN_ROW, PACKED, -1)
         assert "input_ids" not in bound
+        assert bound["constrained"] == (ct.VALUE_SOURCE_CONSTRAINED, SUB, 0)  # decode's, which lanes masks bind
     sources = [b.source for b in graphs["speculative_w1_b2"].bindings]
     assert ct.VALUE_SOURCE_CANDIDATE_IDS not in sources
 
@@ -139,6 +141,7 @@ def test_transport_record_and_page_rows_hold_the_widest_round(core: VerifiedCore
     for name in ("candidate_count", "candidate_generation", "candidate_consumed"):
         assert entries[name] == [MAX_ROWS]
     assert entries["positions"] == [MAX_ROWS * 4]  # P of speculative_w4_b2 exceeds the prefill's 8
+    assert entries["candidate_grammar_mask"] == [MAX_ROWS * 4, 10]  # a mask row a packed token: 320 ids
     # every lane's full ceiling (W - 1 positions past the last context position) has a page
     pages_per_row = -(-(CONTEXT + 4 - 1) // PAGE_TOKENS)
     assert entries["page_table"] == [MAX_ROWS, pages_per_row]
@@ -160,6 +163,8 @@ def test_the_program_packs_device_ids_and_verifies_every_packed_row(core: Verifi
     assert args["logits"][1] == [MAX_ROWS * 4, 320]
     assert args["candidate_ids"] == ("candidate_ids_w4", [MAX_ROWS, 3])
     assert args["ids"] == ("out_sampled_ids", [MAX_ROWS, 4])  # the widest writes the record directly
+    assert args["allowed_mask"] == ("candidate_grammar_mask", [MAX_ROWS * 4, 10])
+    assert args["constrained"] == ("constrained", [MAX_ROWS])
     narrow = list(_program(core, "speculative_w1_b2").nodes)
     verify = next(n for n in narrow if n.op.name == "sample_verify")
     assert [list(a.view.shape) for a in verify.args if a.name == "candidate_ids"] == [[MAX_ROWS, 0]]
@@ -188,6 +193,7 @@ PADDING = {
     "candidate_ids_w4": -1,
     "candidate_generation": -1,
     "candidate_consumed": -1,
+    "candidate_grammar_mask": -1,
 }
 STATE_ROW, GENERATION = 2, 17
 PAGES = [5, 9, 1, 14, 3, 20, 7, 11, 2]
@@ -255,8 +261,11 @@ def _greedy_decode(core: VerifiedCore, count: int) -> list[int]:
     return tokens
 
 
-def _verify(core: VerifiedCore, program: str, candidates: list[int]) -> Mapping[int, npt.NDArray[np.generic]]:
-    """Prefill, then one round of ``program`` offering ``candidates`` after the pending token (frame 1)."""
+def _verify(
+    core: VerifiedCore, program: str, candidates: list[int], masks: npt.NDArray[np.int32] | None = None
+) -> Mapping[int, npt.NDArray[np.generic]]:
+    """Prefill, then one round of ``program`` offering ``candidates`` after the pending token (frame 1);
+    with ``masks`` (a row per packed token of lane 0) the lane is constrained."""
     backend = ReferenceBackend(core.contract, core.core, cache_pages=CACHE_PAGES, state_rows=STATE_ROWS)
     _prefill(backend)
     record = backend.completion(1)
@@ -270,6 +279,9 @@ def _verify(core: VerifiedCore, program: str, candidates: list[int]) -> Mapping[
     transport["candidate_count"][0] = len(candidates)
     transport["candidate_generation"][0] = GENERATION
     transport["candidate_consumed"][0] = len(PROMPT)
+    if masks is not None:
+        transport["candidate_grammar_mask"][: len(masks)] = masks
+        transport["constrained"][0] = 1
     backend.run(program, 1)
     assert int(backend.buffers["pending_tokens"][STATE_ROW, 0]) == int(
         record[mf.COMPLETION_FIELD_SAMPLED_IDS][0, int(record[mf.COMPLETION_FIELD_EMITTED_TOKENS][0]) - 1]
@@ -306,6 +318,29 @@ def test_a_narrower_round_fills_its_columns_of_each_lane_s_row(core: VerifiedCor
     width_one = _verify(core, "speculative_w1_b1", [])
     assert int(width_one[mf.COMPLETION_FIELD_SAMPLED_IDS][0, 0]) == greedy[1]
     assert int(width_one[mf.COMPLETION_FIELD_OFFERS][0]) == 0
+
+
+def _allowing(*tokens: int) -> npt.NDArray[np.int32]:
+    """Mask rows (10 words, 320 ids) each allowing exactly one token."""
+    rows = np.zeros((len(tokens), 10), np.uint32)
+    for row, token in enumerate(tokens):
+        rows[row, token // 32] = np.uint32(1) << np.uint32(token % 32)
+    return rows.view(np.int32)
+
+
+def test_a_constrained_lane_samples_each_position_under_its_own_mask_row(core: VerifiedCore) -> None:
+    greedy = _greedy_decode(core, 4)
+    forced = [(token + 1) % 256 for token in greedy[1:5]]  # never the greedy token
+    record = _verify(core, "speculative_w4_b2", forced[:3], _allowing(*forced))
+    assert record[mf.COMPLETION_FIELD_SAMPLED_IDS][0].tolist() == forced
+    assert int(record[mf.COMPLETION_FIELD_ACCEPTED_DRAFTS][0]) == 3
+    # a proposal the position's mask refuses ends the lane with the mask's token
+    refused = _verify(core, "speculative_w4_b2", [forced[0], greedy[2], forced[2]], _allowing(*forced))
+    assert refused[mf.COMPLETION_FIELD_SAMPLED_IDS][0].tolist() == [forced[0], forced[1], -1, -1]
+    assert int(refused[mf.COMPLETION_FIELD_ACCEPTED_DRAFTS][0]) == 1
+    # the mask rows of an unconstrained lane are padding: its tokens are greedy decode's
+    plain = _verify(core, "speculative_w4_b2", greedy[1:4])
+    assert plain[mf.COMPLETION_FIELD_SAMPLED_IDS][0].tolist() == greedy[1:5]
 
 
 # ----------------------------------------------------------------------------------------------

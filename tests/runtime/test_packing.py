@@ -168,12 +168,67 @@ def test_a_source_packing_cannot_supply_fails_at_startup(contract: PreparedContr
         contract.graphs["decode_b1"],
         ct.ValueBinding(
             destination="input_ids",
+            source=ct.VALUE_SOURCE_IMAGE_FEATURE_SLOT,
+            indexing=ct.INDEXING_PACKED_TOKEN,
+        ),
+    )
+    with pytest.raises(UnsupportedFeatureError, match="binds VALUE_SOURCE_IMAGE_FEATURE_SLOT, which this runtime"):
+        GraphPacker(graph, poisoned_staging(contract))
+    per_lane = _with_bindings(
+        contract.graphs["decode_b1"],
+        ct.ValueBinding(
+            destination="grammar_mask",
             source=ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS,
             indexing=ct.INDEXING_SUBMISSION_ROW,
         ),
     )
-    with pytest.raises(UnsupportedFeatureError, match="VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS"):
-        GraphPacker(graph, poisoned_staging(contract))
+    with pytest.raises(
+        UnsupportedFeatureError,
+        match="binds VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS with INDEXING_SUBMISSION_ROW; packing supplies it per "
+        "packed token only",
+    ):
+        GraphPacker(per_lane, poisoned_staging(contract))
+
+
+def _candidate_mask_packer(contract: PreparedContract) -> tuple[GraphPacker, dict[str, np.ndarray]]:
+    """``prefill_p16`` binding per-position masks into a [16, 10] entry and CONSTRAINED per lane."""
+    staging = poisoned_staging(contract)
+    staging["candidate_masks"] = np.full((16, 10), POISON, dtype=np.int32)
+    graph = _with_bindings(
+        contract.graphs["prefill_p16"],
+        ct.ValueBinding(
+            destination="candidate_masks",
+            source=ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS,
+            indexing=ct.INDEXING_PACKED_TOKEN,
+            padding=-1,
+        ),
+        ct.ValueBinding(
+            destination="constrained", source=ct.VALUE_SOURCE_CONSTRAINED, indexing=ct.INDEXING_SUBMISSION_ROW
+        ),
+    )
+    return GraphPacker(graph, staging), staging
+
+
+def test_candidate_grammar_masks_are_staged_a_row_a_packed_token(contract: PreparedContract) -> None:
+    packer, staging = _candidate_mask_packer(contract)
+    first, second = MASK, MASK[:7] + 100  # a shorter row is padded like GRAMMAR_MASK's
+    constrained = dataclasses.replace(two_lanes()[0], candidate_masks=[first, None, second])
+    plain = dataclasses.replace(two_lanes()[1], grammar_mask=None)
+    packer.pack(Submission([constrained, plain], 1), 0, staging)
+    rows = staging["candidate_masks"].tolist()
+    assert rows[0] == MASK.tolist()
+    assert rows[1] == [-1] * 10  # None: every id
+    assert rows[2] == (MASK[:7] + 100).tolist() + [-1] * 3
+    assert rows[3:] == [[-1] * 10] * 13  # the unconstrained lane's two tokens and the rows past the lanes
+    assert staging["constrained"].tolist() == [1, 0, 0, 0]
+
+
+def test_candidate_grammar_masks_must_cover_every_packed_token(contract: PreparedContract) -> None:
+    packer, staging = _candidate_mask_packer(contract)
+    short = dataclasses.replace(two_lanes()[0], candidate_masks=[MASK, MASK])
+    message = r"^lane 0 supplies 2 values for 'candidate_masks', but its query length is 3$"
+    with pytest.raises(ValueError, match=message):
+        packer.pack(Submission([short], 1), 0, staging)
 
 
 def test_page_table_memory_is_shared_by_every_graph_of_a_frame(contract: PreparedContract) -> None:

@@ -1,16 +1,21 @@
 """History drafting end to end on the reference backend: the output with speculation is the output
 without it, token for token, greedy and sampled, under concurrency, preemption and prefix reuse; stops
-inside an accepted run cut exactly there; validation failures stay with their request."""
+inside an accepted run cut exactly there; validation failures stay with their request. Requests with a
+grammar (a JSON schema response format, a required tool call) speculate too, under one mask a position,
+and serve exactly what constrained decode serves."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from helios_core.contract import LoadOptions
 from helios_core.errors import StartupError
+from helios_core.frontend.formats import ToolCallFormat
 from helios_core.loading import TrustSettings
 from helios_core.runtime.messages import ExecutionFailed, Finished, PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.startup import RunningModel, start
@@ -36,7 +41,8 @@ def speculative_core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tr
         snapshots=0, speculative_widths=speculative_widths(3),
     )  # fmt: skip
     build_core(
-        synthetic_declaration("tiny", seed=5), core, caps=caps, signing_key=load_private_key(keys["signing"]),
+        synthetic_declaration("tiny", seed=5, tool_syntax="json-tags"), core, caps=caps,
+        signing_key=load_private_key(keys["signing"]),
         namespace=NAMESPACE,
     )  # fmt: skip
     return core, TrustSettings((keys["public"],), NAMESPACE, None)
@@ -168,3 +174,68 @@ def test_an_offer_above_its_ceiling_fails_only_that_request(serve: object) -> No
 def test_history_drafting_needs_a_core_that_speculates(serve: object) -> None:
     with pytest.raises(StartupError, match="history drafting needs a speculative width above one"):
         serve(history_drafting=True, speculative_width=1)  # type: ignore[operator]
+
+
+# -- requests with a grammar ---------------------------------------------------------------------------
+
+ITEM: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"const": "abc"}, "n": {"enum": [1, 2]}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+REPEATING: dict[str, Any] = {"type": "array", "items": ITEM, "minItems": 2, "maxItems": 2}
+"""A document that repeats itself: history proposals copy the earlier items."""
+JSON_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "items", "schema": REPEATING}})
+
+
+def _structured(sampling: SamplingParams, model: RunningModel) -> list[PreparedRequest]:
+    """Two JSON-schema requests, a required tool call and an unconstrained request in one batch."""
+    tool = ToolCallFormat.for_frontend(
+        [("record", {**REPEATING, "minItems": 4, "maxItems": 4})], None, model.bootstrap.frontend
+    )
+    return [
+        PreparedRequest("json0", PROMPTS[0], 150, sampling, response_format=JSON_FORMAT),
+        PreparedRequest("json1", PROMPTS[1], 150, sampling, response_format=JSON_FORMAT),
+        PreparedRequest("tool", PROMPTS[2], 140, sampling, grammar=model.grammar_compiler.compile(tool)),
+        PreparedRequest("free", PROMPTS[3], 40, sampling, ignore_eos=True),
+    ]
+
+
+def _document(events: list[object]) -> str:
+    """The text a request served before the EOS token that ended it."""
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.reason == "stop", finished
+    return "".join(text for event in events[:-2] for _, text in event[2])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.7, seed=13)])
+def test_constrained_requests_speculate_and_serve_the_constrained_decode_output(
+    serve: object, sampling: SamplingParams
+) -> None:
+    plain = serve()  # type: ignore[operator]
+    expected = _outputs(plain, _structured(sampling, plain))
+    drafting = serve(history_drafting=True)  # type: ignore[operator]
+    backend = drafting.engine.model.backend
+    original_run = backend.run
+    constrained = {"offers": 0, "accepted": 0}
+
+    def record(program: str, frame: int) -> None:  # what the constrained lanes of each round were offered
+        original_run(program, frame)
+        if program.startswith("speculative"):
+            flags = backend.transport(frame)["constrained"].reshape(-1).astype(bool)
+            completion = backend.completion(frame)
+            constrained["offers"] += int(completion[mf.COMPLETION_FIELD_OFFERS].reshape(-1)[flags].sum())
+            constrained["accepted"] += int(completion[mf.COMPLETION_FIELD_ACCEPTED_DRAFTS].reshape(-1)[flags].sum())
+
+    backend.run = record  # type: ignore[method-assign]
+    served = _outputs(drafting, _structured(sampling, drafting))
+    assert served == expected
+    for request_id in ("json0", "json1"):
+        document = json.loads(_document(served[request_id]))
+        assert len(document) == 2 and all(item["name"] == "abc" and item["n"] in (1, 2) for item in document)
+    call = _document(served["tool"])
+    assert call.startswith("<tool_call>") and call.endswith("</tool_call>")
+    arguments = json.loads(call.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    assert arguments["name"] == "record" and len(arguments["arguments"]) == 4
+    assert constrained["offers"] > 0 and constrained["accepted"] > 0  # the constrained lanes speculated

@@ -59,8 +59,10 @@ def default_frontend() -> ct.FrontendContract:
 
 
 SPECULATIVE_TARGETS = ("reference", "sm_90a")
-"""Targets with kernels for every speculative operator (``speculative_inputs``, ``sample_verify``,
-``completion_speculative``)."""
+"""Targets with kernels for every speculative operator: those of copied proposals
+(``speculative_inputs``, ``sample_verify``, ``completion_speculative``) and those of greedy
+self-drafting (``lane_positions``, ``draft_argmax``, ``draft_allocate``, ``speculative_layout``,
+``completion_self_draft``)."""
 
 
 def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
@@ -68,14 +70,15 @@ def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
 
     Raises:
         ValueError: ``caps`` declares speculative widths and ``targets`` names a target outside
-            :data:`SPECULATIVE_TARGETS`, or ``caps`` declares self-drafting programs and ``targets``
-            names any GPU target.
+            :data:`SPECULATIVE_TARGETS`, or ``caps`` declares self-drafting programs with sampled
+            drafts (``draft_sample``, ``sample_verify_sampled``: reference kernels only) and
+            ``targets`` names any GPU target.
     """
     gpu = [t for t in targets if t != "reference"]
-    if caps.self_drafting and gpu:  # the self-drafting operators have reference implementations only
+    if caps.self_drafting and caps.draft_sampling == "sampled" and gpu:
         raise ValueError(
-            "self-drafting programs are built for the reference target only; "
-            f"build with --targets reference, or without --speculative self-draft for {', '.join(gpu)}"
+            "self-drafting programs with sampled drafts are built for the reference target only; "
+            f"build with --targets reference, or with --draft-sampling greedy for {', '.join(gpu)}"
         )
     unsupported = [t for t in targets if t not in SPECULATIVE_TARGETS]
     if caps.speculative_widths and unsupported:
@@ -83,6 +86,28 @@ def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
             f"speculative programs are built for the targets {', '.join(SPECULATIVE_TARGETS)} only; "
             f"build without --speculative for {', '.join(unsupported)}"
         )
+
+
+def check_window(caps: Capacities, targets: Sequence[str]) -> None:
+    """Refuse a sliding window the build cannot honour.
+
+    Raises:
+        ValueError: ``caps.window`` is negative, or positive with a GPU target (the GPU attention kernel
+            attends to every position) or with self-drafting programs (their draft cursor is not
+            windowed yet).
+    """
+    if caps.window < 0:
+        raise ValueError(f"--window must be 0 (unlimited) or positive, got {caps.window}")
+    if not caps.window:
+        return
+    gpu = [t for t in targets if t != "reference"]
+    if gpu:
+        raise ValueError(
+            "sliding-window attention (--window) is built for the reference target only; "
+            f"build with --targets reference, or without --window for {', '.join(gpu)}"
+        )
+    if caps.self_drafting:
+        raise ValueError("sliding-window attention (--window) cannot be combined with --speculative self-draft")
 
 
 def assemble(
@@ -141,6 +166,8 @@ def assemble(
     identity.update(b"bf16" if bf16 else b"f32")
     identity.update(b"kernel-graph" if kernel_graph or gpu_targets else b"operator-graph")
     identity.update(f"page_tokens={caps.page_tokens}".encode())
+    if caps.window:  # windowed attention stores different keys and values for the same tokens
+        identity.update(f"window={caps.window}".encode())
 
     shape = model.shape
     contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
@@ -150,7 +177,12 @@ def assemble(
     contract_model.vocabulary.mask_words = -(-shape.vocab // 32)
     contract_model.input_vocabulary.size = model.sampled_size
     contract_model.cache.page_tokens = caps.page_tokens
-    region = contract_model.cache.regions.add(name="kv", kind=ct.HISTORY_KIND_PAGED_KV, tokens_per_record=1)
+    if caps.window:  # the same paged planes, of which attention reads only the last window_tokens positions
+        region = contract_model.cache.regions.add(
+            name="kv", kind=ct.HISTORY_KIND_SLIDING_WINDOW, tokens_per_record=1, window_tokens=caps.window
+        )
+    else:
+        region = contract_model.cache.regions.add(name="kv", kind=ct.HISTORY_KIND_PAGED_KV, tokens_per_record=1)
     region.planes.extend(v.buffer for v in writer.k_planes + writer.v_planes)
     contract_model.cache.page_table_views.add(
         buffer="page_table", page_offset=0, region="kv", pages_per_row=caps.pages_per_row
@@ -202,6 +234,7 @@ def build_core(
     unknown = [t for t in targets if t != "reference" and t not in SUPPORTED_TARGETS]
     if unknown:
         raise ValueError(f"unknown targets {unknown}; known: reference, {', '.join(SUPPORTED_TARGETS)}")
+    check_window(caps, targets)
     gpu_targets = [t for t in targets if t != "reference"]
     serving, builder, resources = assemble(model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress)
     # Validate with the serving runtime's own rules before signing anything.

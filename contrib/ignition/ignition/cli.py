@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from helios_core.errors import HeliosError
-from ignition.recipes.llama import SPECULATION_KINDS, Capacities, speculative_widths
+from ignition.recipes.llama import DRAFT_SAMPLING_KINDS, SPECULATION_KINDS, Capacities, speculative_widths
 from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
 from ignition.recipes.synthetic import TOOL_SYNTAXES
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SPECULATION_KINDS,
         help=(
             "add speculative programs (history: verify proposals copied by the server; self-draft: draft "
-            "in the graph with the target's first layers, reference target only)"
+            "in the graph with the target's first layers)"
         ),
     )
     build.add_argument(
@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-layers",
         type=int,
         help="with --speculative self-draft: the target layers that draft (default: all but the last)",
+    )
+    build.add_argument(
+        "--draft-sampling",
+        choices=DRAFT_SAMPLING_KINDS,
+        help=(
+            "with --speculative self-draft: greedy drafts (default) or drafts sampled from the draft's "
+            "distribution and verified by speculative sampling (reference target only)"
+        ),
+    )
+    build.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="sliding-window attention: every layer attends to the last N positions (reference target only)",
     )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
@@ -123,6 +137,8 @@ def run_build(args: argparse.Namespace) -> int:
         raise HeliosError("--draft-tokens needs --speculative history or self-draft")
     if args.draft_layers is not None and args.speculative != "self-draft":
         raise HeliosError("--draft-layers needs --speculative self-draft")
+    if args.draft_sampling is not None and args.speculative != "self-draft":
+        raise HeliosError("--draft-sampling needs --speculative self-draft")
     if args.draft_layers is not None and args.draft_layers < 1:
         raise HeliosError(f"--draft-layers must be at least 1, got {args.draft_layers}")
     caps = Capacities(
@@ -136,11 +152,14 @@ def run_build(args: argparse.Namespace) -> int:
         speculation=args.speculative or "history",
         draft_tokens=args.draft_tokens or 0,
         draft_layers=args.draft_layers or 0,
+        draft_sampling=args.draft_sampling or "greedy",
+        window=args.window,
     )
     targets = tuple(t for t in args.targets.split(",") if t)
-    from ignition.build import check_speculative_targets
+    from ignition.build import check_speculative_targets, check_window
 
     check_speculative_targets(caps, targets)  # before reading any weights
+    check_window(caps, targets)
     if max(caps.decode_rows) != caps.max_rows:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
     if args.recipe == "smollm2-135m-instruct" and args.tool_syntax not in SMOLLM2_TOOL_SYNTAXES:

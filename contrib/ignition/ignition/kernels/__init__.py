@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-KERNEL_MODULES = ("elementwise", "linear", "attention", "sampling", "speculative")
+KERNEL_MODULES = ("elementwise", "linear", "attention", "sampling", "speculative", "self_draft")
 """Modules whose import registers lowering functions."""
 
 

@@ -15,14 +15,17 @@ is the one one-token ``sample`` would draw. Its launches, in order:
 1. grid ``(B, V / GATHER_BLOCK)``: every lane's start, the outputs' initial values (ids -1, logprob 0,
    accepted 0, emitted 0, pending -1), per-position RNG counters ``step[r] + j`` and the position-0
    flags (active, has a packed token, a state row >= 0, its block within the logits); each lane
-   active at position 0 copies its logits row ``start_r`` into a ``[B, V]`` workspace.
+   active at position 0 copies its logits row ``start_r`` into a ``[B, V]`` workspace (and, with the
+   grammar inputs, a constrained lane its mask row ``start_r`` into a ``[B, words]`` mask workspace).
 2. for each position ``j``: the three ``sample`` launches over the workspace rows with the
    position's flags and counters (the finishing launch adds the drawn token to ``output_counts``,
    so the next position samples with the counts as they are then), then one launch, grid ``(B,
    V / GATHER_BLOCK)`` (``(B, 1)`` at the last position), that records the drawn token of every
    lane active at ``j`` (``ids[r, j]``, ``logprob[r, j]``, ``accepted = j``, ``emitted = j + 1``,
    ``pending``), sets the lane's flag for ``j + 1`` when ``j`` is below its candidate count and the
-   token equals ``candidate_ids[r, j]``, and copies row ``start_r + j + 1`` for those lanes.
+   token equals ``candidate_ids[r, j]``, and copies row ``start_r + j + 1`` (logits, and the mask row
+   of a constrained lane) for those lanes. Each position's ``sample`` launches read the mask
+   workspace with the node's own ``constrained`` flags.
 
 A lane that stops verifying is inactive at every later position: the ``sample`` launches return at
 once for it and no logits row past its last reached position is read.
@@ -66,6 +69,7 @@ LANE_TILE = 2048
 _INTS = (mf.DTYPE_I32, mf.DTYPE_I64)
 _FLAGS = (mf.DTYPE_U8, mf.DTYPE_I32)
 _FLOATS = (mf.DTYPE_F32, mf.DTYPE_F16, mf.DTYPE_BF16)
+_WORDS = (mf.DTYPE_I32, mf.DTYPE_U32)
 _RECORD_OUTPUTS = (
     "out_generation",
     "out_offers",
@@ -208,6 +212,9 @@ def _verify_begin_kernel(
     steps: tl.tensor,
     flags: tl.tensor,
     scratch: tl.tensor,
+    masks: tl.tensor,
+    constrained: tl.tensor,
+    mask_scratch: tl.tensor,
     ids: tl.tensor,
     logprob: tl.tensor,
     accepted: tl.tensor,
@@ -220,13 +227,17 @@ def _verify_begin_kernel(
     POSITIONS: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_LOGPROB: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK_L: tl.constexpr,
     COL_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
     """Program ``(r, c)``: lane r's start and position-0 flag; c == 0 also initializes the lane's
-    outputs and counters; an active lane copies chunk c of its first logits row into scratch row r."""
+    outputs and counters (and copies a constrained lane's first mask row into mask scratch row r); an
+    active lane copies chunk c of its first logits row into scratch row r."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     if USE_PDL:
@@ -252,6 +263,13 @@ def _verify_begin_kernel(
         first_step = tl.load(step + r).to(tl.int64)
         tl.store(steps + col * STRIDE + r, first_step + col, mask=col < POSITIONS)
         tl.store(flags + r, live.to(tl.uint8))
+        if HAS_MASK:  # noqa: SIM102 (the constant prunes the load)
+            if live & (tl.load(constrained + r) != 0):
+                for first_word in range(0, WORDS, BLOCK_W):
+                    words = first_word + tl.arange(0, BLOCK_W)
+                    inside = words < WORDS
+                    row = tl.load(masks + start * WORDS + words, mask=inside, other=0)
+                    tl.store(mask_scratch + r.to(tl.int64) * WORDS + words, row, mask=inside)
     if live:
         offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
         valid = offs < V
@@ -269,6 +287,9 @@ def _verify_step_kernel(
     drawn: tl.tensor,
     drawn_logprob: tl.tensor,
     scratch: tl.tensor,
+    masks: tl.tensor,
+    constrained: tl.tensor,
+    mask_scratch: tl.tensor,
     ids: tl.tensor,
     logprob: tl.tensor,
     accepted: tl.tensor,
@@ -281,11 +302,15 @@ def _verify_step_kernel(
     CAPACITY: tl.constexpr,
     HAS_NEXT: tl.constexpr,
     HAS_LOGPROB: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    WORDS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
     """Program ``(r, c)`` after position ``j``'s draw: c == 0 records lane r's token and its flag for
-    j + 1; a lane that goes on copies chunk c of logits row ``start + j + 1`` into scratch row r."""
+    j + 1 (and copies a constrained lane's mask row ``start + j + 1`` into mask scratch row r); a lane
+    that goes on copies chunk c of logits row ``start + j + 1`` into scratch row r."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     if USE_PDL:
@@ -309,6 +334,14 @@ def _verify_step_kernel(
             tl.store(pending + r, token)
         if HAS_NEXT:
             tl.store(flags + here + STRIDE, go_on.to(tl.uint8))
+            if HAS_MASK:  # noqa: SIM102 (the constant prunes the load)
+                if go_on & (tl.load(constrained + r) != 0):
+                    next_row = tl.load(starts + r) + j + 1
+                    for first_word in range(0, WORDS, BLOCK_W):
+                        words = first_word + tl.arange(0, BLOCK_W)
+                        inside = words < WORDS
+                        row = tl.load(masks + next_row * WORDS + words, mask=inside, other=0)
+                        tl.store(mask_scratch + r.to(tl.int64) * WORDS + words, row, mask=inside)
     if HAS_NEXT:
         offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
         valid = (offs < V) & go_on
@@ -449,6 +482,9 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
     if logprob_view is not None and _numel(ctx.shape(logprob_view)) != lanes * width:
         raise ctx.fail(f"logprob: expected {lanes * width} elements, got shape {list(ctx.shape(logprob_view))}")
     positions = capacity + 1
+    mask_view, constrained_view = ctx.arg(node, "allowed_mask"), ctx.arg(node, "constrained")
+    if (mask_view is None) != (constrained_view is None):
+        raise ctx.fail("allowed_mask and constrained must be given together")
     outputs = {
         "ids": _typed(ctx, ids_view, "ids", (mf.DTYPE_I32,)),
         "accepted": _per_lane(ctx, node, "accepted", lanes, (mf.DTYPE_I32,)),
@@ -466,6 +502,27 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
     flags = ctx.workspace("verify.active", mf.DTYPE_U8, positions * stride)
     drawn = ctx.workspace("verify.ids", mf.DTYPE_I32, positions * stride)
     drawn_logprob = ctx.workspace("verify.logprob", mf.DTYPE_F32, positions * stride)
+    grammar: dict[str, KernelArg] = {"masks": outputs["ids"], "constrained": outputs["ids"]}  # never read without
+    mask_words, mask_scratch_view = 1, None
+    if mask_view is not None and constrained_view is not None:
+        mask_shape = ctx.shape(mask_view)
+        if len(mask_shape) != 2 or mask_shape[0] < packed or mask_shape[1] * 32 < vocab:
+            raise ctx.fail(
+                f"allowed_mask: expected [>= {packed}, >= {cdiv(vocab, 32)}] words (a row a packed token), "
+                f"got shape {list(mask_shape)}"
+            )
+        mask_words = int(mask_shape[1])
+        grammar = {
+            "masks": _typed(ctx, mask_view, "allowed_mask", _WORDS),
+            "constrained": _per_lane(ctx, node, "constrained", lanes, _FLAGS),
+        }
+        mask_scratch_view = ctx.workspace("verify.allowed_mask", mf.DTYPE_I32, lanes * mask_words)
+    grammar["mask_scratch"] = ctx.pointer(mask_scratch_view) if mask_scratch_view is not None else outputs["ids"]
+    mask_constants = {
+        "HAS_MASK": mask_scratch_view is not None,
+        "WORDS": mask_words,
+        "BLOCK_W": min(next_power_of_two(mask_words), 1024),
+    }
     chunks = cdiv(vocab, min(GATHER_BLOCK, next_power_of_two(vocab)))
     block_v = min(GATHER_BLOCK, next_power_of_two(vocab))
     block_l, _ = _lane_walk(lanes)
@@ -482,6 +539,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                 "steps": ctx.pointer(steps),
                 "flags": ctx.pointer(flags),
                 "scratch": ctx.pointer(scratch_view),
+                **grammar,
                 "ids": outputs["ids"],
                 "logprob": outputs["logprob"],
                 "accepted": outputs["accepted"],
@@ -489,6 +547,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                 "pending": outputs["pending"],
             },
             {
+                **mask_constants,
                 "LANES": lanes,
                 "STRIDE": stride,
                 "V": vocab,
@@ -515,6 +574,11 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
         views["ids"] = _row_view(drawn, position, stride, [lanes, 1])
         if logprob_view is not None:
             views["logprob"] = _row_view(drawn_logprob, position, stride, [lanes, 1])
+        if mask_scratch_view is not None and constrained_view is not None:
+            views["allowed_mask"] = mf.BufferView(
+                buffer=mask_scratch_view.buffer, element_offset=0, shape=[lanes, mask_words]
+            )
+            views["constrained"] = constrained_view
         for name, view in views.items():
             sample.args.add(name=name, view=view)
         for attr in node.attributes:
@@ -534,6 +598,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                     "drawn": ctx.pointer(drawn),
                     "drawn_logprob": ctx.pointer(drawn_logprob),
                     "scratch": ctx.pointer(scratch_view),
+                    **grammar,
                     "ids": outputs["ids"],
                     "logprob": outputs["logprob"],
                     "accepted": outputs["accepted"],
@@ -542,6 +607,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                     "position": ctx.i32(position),
                 },
                 {
+                    **mask_constants,
                     "STRIDE": stride,
                     "V": vocab,
                     "WIDTH": width,

@@ -323,6 +323,9 @@ class SpeculativeViews:
     candidate_count: View
     candidate_generation: View
     candidate_consumed: View
+    candidate_grammar_mask: View
+    """``candidate_grammar_mask`` [B x W_max, mask words]: one grammar mask a packed token
+    (CANDIDATE_GRAMMAR_MASKS), the mask each position of a constrained lane samples under."""
     out_offers: View
     out_accepted: View
 
@@ -332,7 +335,8 @@ def declare_speculative(builder: ManifestBuilder, caps: TextCapacities, widths: 
 
     Each width W above one gets its own ``candidate_ids_w{W}`` entry of W - 1 columns, so a program of
     that width reads its lanes' proposals as contiguous ``[B, W - 1]`` rows. Count, generation and
-    consumed endpoint are one value a lane, shared by every width. The completion record's sampled ids
+    consumed endpoint are one value a lane, shared by every width; ``candidate_grammar_mask`` holds one
+    int32 mask row a packed token of the widest program (``B x W`` rows). The completion record's sampled ids
     and logprobs must already be declared ``caps.emitted_capacity`` wide (:func:`declare_paged_text`).
     """
     b = caps.max_rows
@@ -346,11 +350,13 @@ def declare_speculative(builder: ManifestBuilder, caps: TextCapacities, widths: 
         )
     t = builder.transport_entry
     done = mf.BUFFER_ROLE_COMPLETION
+    words = -(-caps.vocab_width // 32)
     views = SpeculativeViews(
         candidate_ids={w: t(f"candidate_ids_w{w}", mf.DTYPE_I32, [b, w - 1]) for w in ordered if w > 1},
         candidate_count=t("candidate_count", mf.DTYPE_I32, [b]),
         candidate_generation=t("candidate_generation", mf.DTYPE_I32, [b]),
         candidate_consumed=t("candidate_consumed", mf.DTYPE_I32, [b]),
+        candidate_grammar_mask=t("candidate_grammar_mask", mf.DTYPE_I32, [b * ordered[-1], words]),
         out_offers=builder.buffer("out_offers", done, mf.DTYPE_I32, [b]),
         out_accepted=builder.buffer("out_accepted", done, mf.DTYPE_I32, [b]),
     )
@@ -363,12 +369,16 @@ def speculative_bindings(width: int) -> list[ct.ValueBinding]:
     """The copied proposals of a speculative program of width W (exact lengths come from QUERY_LENGTH).
 
     ``candidate_ids_w{W}`` (-1 padding) is bound only above width one; count (0 padding), generation and
-    consumed endpoint (-1 padding) are always bound, so the runtime can check what it copied.
+    consumed endpoint (-1 padding) are always bound, so the runtime can check what it copied. The
+    per-position grammar masks (CANDIDATE_GRAMMAR_MASKS, one row a packed token) pad with -1, every id
+    allowed, as GRAMMAR_MASK does; ``constrained`` (CONSTRAINED, from :func:`sampling_bindings`) says
+    which lanes they apply to.
     """
     found = [
         binding("candidate_count", ct.VALUE_SOURCE_CANDIDATE_COUNT, SUB, padding=0),
         binding("candidate_generation", ct.VALUE_SOURCE_CANDIDATE_GENERATION, SUB, padding=-1),
         binding("candidate_consumed", ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT, SUB, padding=-1),
+        binding("candidate_grammar_mask", ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS, PACKED, padding=-1),
     ]
     if width > 1:
         found.insert(0, binding(f"candidate_ids_w{width}", ct.VALUE_SOURCE_CANDIDATE_IDS, SUB, padding=-1))
@@ -445,3 +455,15 @@ def self_draft_bindings() -> list[ct.ValueBinding]:
 def self_draft_rng(width: int) -> list[ct.RngReservation]:
     """W target draws a row (verification) and no proposal draws (the draft is greedy)."""
     return [*target_rng(draws_per_row=width), ct.RngReservation(stream=PROPOSAL_RNG_STREAM, draws_per_row=0)]
+
+
+def sampled_self_draft_rng(width: int, draws: int) -> list[ct.RngReservation]:
+    """A sampled draft's reservations: 2W - 1 target draws a row (a verified position's acceptance draw
+    and its residual draw, W - 1 of each, and the bonus token's draw) and D proposal draws (one a
+    drafted token), none for width one."""
+    if width <= 1:
+        return self_draft_rng(width)
+    return [
+        *target_rng(draws_per_row=2 * width - 1),
+        ct.RngReservation(stream=PROPOSAL_RNG_STREAM, draws_per_row=draws),
+    ]

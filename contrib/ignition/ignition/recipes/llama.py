@@ -87,6 +87,13 @@ class Capacities:
     """N: with ``self-draft``, the proposals every program wider than one drafts (D = N)."""
     draft_layers: int = 0
     """K: with ``self-draft``, the target's first K layers draft (0: every layer but the last)."""
+    window: int = 0
+    """N: every attention layer attends only to the last N positions, the query's own included (sliding-
+    window attention; the cache declares a sliding-window history of N tokens); 0 for unlimited."""
+    draft_sampling: str = "greedy"
+    """With ``self-draft``, how the draft chooses its tokens (one of :data:`DRAFT_SAMPLING_KINDS`):
+    ``greedy`` (``draft_argmax``, verified by ``sample_verify``) or ``sampled`` (``draft_sample`` from the
+    draft's distribution at the request's settings, verified by ``sample_verify_sampled``)."""
 
     @property
     def self_drafting(self) -> bool:
@@ -128,6 +135,10 @@ class Capacities:
 
 SPECULATIVE_WIDTHS = (1, 2, 4, 8)
 """The widths speculative programs are built at (those of at most N + 1 for N draft tokens)."""
+
+DRAFT_SAMPLING_KINDS = ("greedy", "sampled")
+"""How a self-drafting program's draft chooses its tokens: ``greedy`` takes the draft's argmax, ``sampled``
+draws from the draft's distribution (exact speculative sampling at any temperature)."""
 
 SPECULATION_KINDS = ("history", "self-draft")
 """Proposal sources a core's speculative programs are built for: ``history`` verifies copied proposals,
@@ -213,6 +224,9 @@ class _SelfDraftScratch:
     token_rows: View
     cache_slots: View
     """[P] the verification's packed positions, lane rows and cache slots."""
+    draft_probabilities: View | None = None
+    """[B x D, V] the sampled draft's distribution of each drafted token, lane-major ([B, D, V]); only
+    for ``--draft-sampling sampled``."""
 
 
 @dataclass
@@ -489,6 +503,11 @@ class LlamaProgramWriter:
             positions=buf("positions", [p]),
             token_rows=buf("token_rows", [p]),
             cache_slots=buf("cache_slots", [p], mf.DTYPE_I64),
+            draft_probabilities=(
+                buf("draft_probabilities", [b * max(draws, 1), self.shape.vocab], mf.DTYPE_F32)
+                if c.draft_sampling == "sampled"
+                else None
+            ),
         )
 
     # -- dataflow --------------------------------------------------------------
@@ -516,6 +535,9 @@ class LlamaProgramWriter:
     ) -> None:
         s, sh = self.shape, self.shared
         where = layout or self._host_layout()
+        attributes: dict[str, float | int] = {"scale": float(s.head_dim) ** -0.5}
+        if self.caps.window:
+            attributes["window"] = self.caps.window
         prog.node(
             "paged_attention",
             {
@@ -527,7 +549,7 @@ class LlamaProgramWriter:
                 "token_position": prefix(where.positions, tokens),
                 "out": attn,
             },
-            {"scale": float(s.head_dim) ** -0.5},
+            attributes,
             name=f"{label}l{layer}.attention",
         )
 
@@ -891,8 +913,10 @@ class LlamaProgramWriter:
         Each lane's packed block is its device-owned pending token and then its copied candidates
         (QUERY_LENGTH, chosen by the host, says how many); the decoder runs over all P = B x W packed
         tokens (causal within each lane's block), the LM head over every packed row, and
-        ``sample_verify`` samples each lane's positions in order while they match its candidates. The
-        last emitted token becomes the pending token. A width-one program has no candidate inputs: its
+        ``sample_verify`` samples each lane's positions in order while they match its candidates, a
+        constrained lane's position j under its grammar mask row (``candidate_grammar_mask``,
+        CANDIDATE_GRAMMAR_MASKS: one row a packed token, -1 padding; CONSTRAINED says which lanes).
+        The last emitted token becomes the pending token. A width-one program has no candidate inputs: its
         ``candidate_ids`` argument is an empty [B, 0] view.
         """
         graphs: list[ct.GraphContract] = []
@@ -992,6 +1016,8 @@ class LlamaProgramWriter:
                 "seed": prefix(sh.seed, r),
                 "step": prefix(sh.sampling_step, r),
                 "active": prefix(sh.sample_active, r),
+                "allowed_mask": prefix(spec.candidate_grammar_mask, p),
+                "constrained": prefix(sh.constrained, r),
                 "ids": ids,
                 "accepted": prefix(sp.accepted, r),
                 "emitted": prefix(sp.emitted, r),
@@ -1031,11 +1057,14 @@ class LlamaProgramWriter:
     def _self_draft_programs(self, views: decl.SelfDraftViews) -> list[ct.GraphContract]:
         """``selfdraft_w{W}_b{B}``: draft in the graph, allocate prefixes by confidence, verify, commit.
 
-        The target's first K layers (shared final norm and head) draft D tokens greedily, one step a
-        token; ``draft_allocate`` turns their confidences and the host's ceilings
-        (SPECULATIVE_PREFIX_LIMIT, the only length source) into lane lengths within P;
+        The target's first K layers (shared final norm and head) draft D tokens, one step a token:
+        greedily (``draft_argmax``), or with ``--draft-sampling sampled`` drawn from the draft's
+        distribution (``draft_sample``); ``draft_allocate`` turns their confidences and the host's
+        ceilings (SPECULATIVE_PREFIX_LIMIT, the only length source) into lane lengths within P;
         ``speculative_layout`` places them; the full decoder verifies every packed row and
-        ``sample_verify`` samples them as plain decode would. Positions and cache slots are computed
+        ``sample_verify`` samples them as plain decode would (``sample_verify_sampled`` accepts a sampled
+        draft's tokens by speculative sampling, so the emitted tokens follow the target's distribution
+        exactly). Positions and cache slots are computed
         on the device from the consumed endpoints and page tables.
         """
         caps = self.caps
@@ -1065,7 +1094,10 @@ class LlamaProgramWriter:
                 graph.cursor.reports_draft_cursor = True
                 graph.cursor.lag_tokens = 0
                 del graph.rng_reservations[:]
-                graph.rng_reservations.extend(decl.self_draft_rng(width))
+                if caps.draft_sampling == "sampled":
+                    graph.rng_reservations.extend(decl.sampled_self_draft_rng(width, draws))
+                else:
+                    graph.rng_reservations.extend(decl.self_draft_rng(width))
                 graph.logprobs.top_n = 0
                 graphs.append(graph)
         return graphs
@@ -1089,6 +1121,48 @@ class LlamaProgramWriter:
             name=f"{label}final_norm",
         )
         prog.node("linear", {"x": normed, "weight": self.lm_head, "out": logits}, name=f"{label}lm_head")
+
+    def _draft_choice(
+        self, prog: ProgramBuilder, rows: int, draws: int, index: int, logits: View, token_rows: View, label: str
+    ) -> None:
+        """Draft step ``index``'s token choice: ``draft_argmax`` (greedy), or ``draft_sample`` drawing from the
+        draft's distribution with the request's settings and proposal stream, its row of q kept in
+        ``draft_probabilities`` for verification (``--draft-sampling sampled``)."""
+        sh, sd = self.shared, self.self_draft_scratch
+        if sd is None:
+            raise ValueError("self-drafting programs need the self-draft scratch buffers")
+        r = rows
+        outputs = {
+            "logits": logits,
+            "token_rows": token_rows,
+            "ids": View(sd.step_ids.buffer, (r,), index * r),
+            "confidence": View(sd.step_confidence.buffer, (r,), index * r),
+        }
+        if sd.draft_probabilities is None:
+            prog.node("draft_argmax", outputs, {"vocab_limit": self.sampled_size}, name=f"{label}choose")
+            return
+        settings = {name: prefix(getattr(sh, name), r) for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
+        prog.node(
+            "draft_sample",
+            {
+                **outputs,
+                **settings,
+                "step": prefix(sh.sampling_step, r),
+                "draft_probabilities": View(sd.draft_probabilities.buffer, (r, draws, self.shape.vocab)),
+            },
+            {"vocab_limit": self.sampled_size, "draft_index": index},
+            name=f"{label}choose",
+        )
+
+    def _verifier(self, rows: int, draws: int) -> tuple[str, dict[str, View]]:
+        """The verifying operator of a self-drafting program and its draft-specific arguments:
+        ``sample_verify_sampled`` with the drafted distributions for a sampled draft that drafts,
+        ``sample_verify`` otherwise (a greedy draft, or width one: nothing to verify but the bonus)."""
+        sd = self.self_draft_scratch
+        if sd is None or sd.draft_probabilities is None or not draws:
+            return "sample_verify", {}
+        view = View(sd.draft_probabilities.buffer, (rows, draws, self.shape.vocab))
+        return "sample_verify_sampled", {"draft_probabilities": view}
 
     def _self_draft_body(
         self, prog: ProgramBuilder, views: decl.SelfDraftViews, rows: int, width: int, draws: int, packed: int
@@ -1138,17 +1212,7 @@ class LlamaProgramWriter:
                 )
                 self._decoder(prog, r, r, fed, step, self.draft_layers, label)
                 self._head(prog, r, logits, label)
-                prog.node(
-                    "draft_argmax",
-                    {
-                        "logits": logits,
-                        "token_rows": step.token_rows,
-                        "ids": View(sd.step_ids.buffer, (r,), i * r),
-                        "confidence": View(sd.step_confidence.buffer, (r,), i * r),
-                    },
-                    {"vocab_limit": self.sampled_size},
-                    name=f"{label}choose",
-                )
+                self._draft_choice(prog, r, draws, i, logits, step.token_rows, label)
             prog.node(
                 "copy_rows",
                 {
@@ -1208,12 +1272,14 @@ class LlamaProgramWriter:
         else:
             ids, logprob = View(sp.verify_ids.buffer, (r, width)), View(sp.verify_logprob.buffer, (r, width))
         pending = prefix(sp.pending, r)  # [B, 1]
+        verifier, drafted = self._verifier(r, draws)
         prog.node(
-            "sample_verify",
+            verifier,
             {
                 "logits": all_logits,
                 "query_length": query_length,
                 "candidate_ids": candidates,
+                **drafted,
                 "temperature": prefix(sh.temperature, r),
                 "top_k": prefix(sh.top_k, r),
                 "top_p": prefix(sh.top_p, r),
