@@ -280,6 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
+    "vllm_metrics",
 )  # fmt: skip
 
 
@@ -317,6 +318,12 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--history-drafting", action="store_true", default=None, help="enable history drafting")
     run.add_argument("--served-name", help="model name clients use (default: the core's)")
     run.add_argument("--alias", action="append", metavar="NAME", help="another accepted model name (repeatable)")
+    run.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        default=None,
+        help="also export the gateway load gauges under vLLM's metric names (vllm:num_requests_waiting, ...)",
+    )
     run.set_defaults(handler=cmd_run)
 
 

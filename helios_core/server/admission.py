@@ -1,17 +1,24 @@
 """HTTP admission: the bound on requests inside the server.
 
-Owns the ingress permits and the preparation slots, both on the event loop (no threads touch
-them). At most ``queue_capacity + max_active`` requests hold a permit at once, counting CPU
+Owns the ingress permits and the preparation slots, both on the event loop (no other thread
+touches them but the ended mark below, under its lock). At most ``queue_capacity + max_active``
+requests hold a permit at once, counting CPU
 preparation, queued generation and responses awaiting delivery; when none is left a request fails
 immediately with :class:`~helios_core.server.errors.IngressFull` (429). A permit is released when
 the reader releases the response (after the last byte was sent, or the connection dropped), not
 when generation ends, which bounds retained output by admitted requests and their limits. Admitted
 requests then wait asynchronously for one of ``frontend_workers`` preparation slots.
+
+A permit also records when its request's model work ended (the terminal event reached the server's
+event pump, on a pump thread): :attr:`Admission.ended` counts permits whose generation ended but whose
+response is still being delivered. The load gauges (:mod:`helios_core.server.metrics`) read it to
+tell responses awaiting delivery from requests waiting for a model slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,11 +33,25 @@ class Permit:
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
         self._held = True
+        self._ended = False
+
+    def generation_ended(self) -> None:
+        """The request's model work ended (any thread; idempotent): its response only awaits delivery now."""
+        admission = self._admission
+        with admission._ended_lock:
+            if self._held and not self._ended:
+                self._ended = True
+                admission.ended += 1
 
     def release(self) -> None:
-        if self._held:
+        admission = self._admission
+        with admission._ended_lock:
+            if not self._held:
+                return
             self._held = False
-            self._admission._release()
+            if self._ended:
+                admission.ended -= 1
+        admission._release()
 
 
 class Admission:
@@ -41,6 +62,9 @@ class Admission:
             raise ValueError("admission capacity and preparation slots must be positive")
         self.capacity = capacity
         self.in_use = 0
+        self.ended = 0
+        """Permits whose request's model work ended while the response is still delivered."""
+        self._ended_lock = threading.Lock()
         self._preparation = asyncio.Semaphore(preparation_slots)
 
     def admit(self) -> Permit:

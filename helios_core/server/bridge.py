@@ -9,17 +9,19 @@ and the terminal event), which admission bounds in turn. A pump ends with the te
 which every request gets (cancellation and shutdown included). The server itself may put one
 :class:`Interrupt` on a response's queue (never the worker): the response then ends at once with the
 interrupt's error, as when shutdown drops the responses still running after the drain period.
+A pump calls its ``on_end`` callback as soon as it sees the terminal event, before handing it on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from helios_core.runtime.engine import RequestStream
-from helios_core.runtime.messages import Event
+from helios_core.runtime.messages import TERMINAL_EVENTS, Event
 
 __all__ = ["EventBridge", "EventQueue", "Interrupt"]
 
@@ -41,10 +43,16 @@ class EventBridge:
     def __init__(self, pumps: int) -> None:
         self._executor = ThreadPoolExecutor(max_workers=pumps, thread_name_prefix="helios-event-pump")
 
-    def attach(self, stream: RequestStream, loop: asyncio.AbstractEventLoop) -> EventQueue:
-        """Start pumping ``stream``; its events arrive, in order, on the returned queue."""
+    def attach(
+        self,
+        stream: RequestStream,
+        loop: asyncio.AbstractEventLoop,
+        on_end: Callable[[], None] | None = None,
+    ) -> EventQueue:
+        """Start pumping ``stream``; its events arrive, in order, on the returned queue. ``on_end`` runs on
+        the pump thread when the terminal event arrives, before the event is handed to the loop."""
         events: EventQueue = asyncio.Queue()
-        self._executor.submit(_pump, stream, loop, events)
+        self._executor.submit(_pump, stream, loop, events, on_end)
         return events
 
     def close(self) -> None:
@@ -52,7 +60,14 @@ class EventBridge:
         self._executor.shutdown(wait=False, cancel_futures=False)
 
 
-def _pump(stream: RequestStream, loop: asyncio.AbstractEventLoop, events: EventQueue) -> None:
+def _pump(
+    stream: RequestStream,
+    loop: asyncio.AbstractEventLoop,
+    events: EventQueue,
+    on_end: Callable[[], None] | None,
+) -> None:
     for event in stream:
+        if on_end is not None and isinstance(event, TERMINAL_EVENTS):
+            on_end()
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to read
             loop.call_soon_threadsafe(events.put_nowait, event)

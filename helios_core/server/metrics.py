@@ -10,6 +10,13 @@ count never makes an exported counter go down (each exported finished count is a
 one). Labels are program names,
 operations and finish reasons only — never request ids, prompt contents or token ids. The list of
 metrics and their meaning is docs/metrics.md.
+
+The load gauges an inference gateway scrapes (``helios_num_requests_waiting``,
+``helios_num_requests_running``, ``helios_kv_cache_usage_ratio``, ``helios_cache_config_info``, and
+with ``vllm_metrics`` the same values under vLLM's names) are not read from the snapshot, which is only
+taken between rounds and so is as old as the longest round: a :class:`LoadReading` is read live at
+scrape time (sizes of the worker's lists and the server's permit counts, no lock the worker holds),
+so these values are never older than the scrape.
 """
 
 from __future__ import annotations
@@ -23,7 +30,15 @@ from prometheus_client.registry import Collector
 
 from helios_core.runtime.stats import StatsSnapshot
 
-__all__ = ["CONTENT_TYPE", "EngineCollector", "MetricsExporter", "OutputFailures"]
+__all__ = [
+    "CONTENT_TYPE",
+    "HELIOS_LOAD_NAMES",
+    "VLLM_LOAD_NAMES",
+    "EngineCollector",
+    "LoadReading",
+    "MetricsExporter",
+    "OutputFailures",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,6 +49,57 @@ def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
 
 def _gauge(name: str, documentation: str, value: int) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+HELIOS_LOAD_NAMES = (
+    "helios_num_requests_waiting",
+    "helios_num_requests_running",
+    "helios_kv_cache_usage_ratio",
+    "helios_cache_config_info",
+)
+"""The gateway gauges' names: waiting, running, cache usage, cache configuration."""
+
+VLLM_LOAD_NAMES = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+)
+"""The same gauges under vLLM's names (the defaults of the gateway's metric flags), when enabled."""
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """The gateway's load values at one scrape."""
+
+    waiting: int
+    """Requests admitted over HTTP that hold no model slot (preparing, queued, preempted)."""
+    running: int
+    """Requests holding a model slot (prefill or decode)."""
+    undelivered: int
+    """Requests whose model work ended while their response is still delivered."""
+    kv_cache_usage: float
+    """``1 - (free + evictable) / total`` pages, in [0, 1]: idle cached pages count as free."""
+    page_tokens: int
+    pages_total: int
+
+
+def _load_families(reading: LoadReading, vllm_metrics: bool) -> Iterator[GaugeMetricFamily]:
+    """The gateway gauges, one series each; with ``vllm_metrics`` also under vLLM's names."""
+    names = [HELIOS_LOAD_NAMES, VLLM_LOAD_NAMES] if vllm_metrics else [HELIOS_LOAD_NAMES]
+    for waiting, running, usage, info in names:
+        yield GaugeMetricFamily(
+            waiting, "Requests admitted over HTTP without a model slot (preparing, queued, preempted).", reading.waiting
+        )
+        yield GaugeMetricFamily(running, "Requests holding a model slot.", reading.running)
+        yield GaugeMetricFamily(
+            usage, "Fraction of cache pages in use (0..1); idle cached pages count as free.", reading.kv_cache_usage
+        )
+        config = GaugeMetricFamily(
+            info, "Cache configuration: tokens per page and physical pages.", labels=["block_size", "num_gpu_blocks"]
+        )
+        config.add_metric([str(reading.page_tokens), str(reading.pages_total)], 1)
+        yield config
 
 
 @dataclass
@@ -60,9 +126,13 @@ class EngineCollector(Collector):
         statistics: Callable[[], StatsSnapshot],
         admitted: Callable[[], int],
         output_failures: OutputFailures | None = None,
+        load: Callable[[], LoadReading] | None = None,
+        vllm_metrics: bool = False,
     ) -> None:
         self._statistics = statistics
         self._admitted = admitted
+        self._load = load
+        self._vllm_metrics = vllm_metrics
         self._output_failures = output_failures if output_failures is not None else OutputFailures()
         self._finished_exported: dict[str, int] = {}
 
@@ -81,6 +151,8 @@ class EngineCollector(Collector):
         return iter(())  # families depend on the snapshot; nothing to pre-register
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        if self._load is not None:
+            yield from _load_families(self._load(), self._vllm_metrics)
         s = self._statistics()
         yield _counter("helios_requests_received", "Requests the model worker queued.", s.received)
         yield _counter("helios_requests_admitted", "Requests admitted to a model slot.", s.admitted)
@@ -167,10 +239,19 @@ class EngineCollector(Collector):
 class MetricsExporter:
     """The app's registry and its text exposition."""
 
-    def __init__(self, statistics: Callable[[], StatsSnapshot], admitted: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        statistics: Callable[[], StatsSnapshot],
+        admitted: Callable[[], int],
+        load: Callable[[], LoadReading] | None = None,
+        *,
+        vllm_metrics: bool = False,
+    ) -> None:
         self.output_failures = OutputFailures()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(statistics, admitted, self.output_failures))
+        self.registry.register(
+            EngineCollector(statistics, admitted, self.output_failures, load=load, vllm_metrics=vllm_metrics)
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

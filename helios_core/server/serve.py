@@ -64,6 +64,8 @@ class RunOptions:
     history_drafting: bool = False
     served_name: str | None = None
     alias: tuple[str, ...] = ()
+    vllm_metrics: bool = False
+    """Also export the gateway load gauges under vLLM's metric names."""
 
 
 _BACKENDS = ("auto", "reference", "cuda")
@@ -85,7 +87,7 @@ def _convert(name: str, value: Any, source: str) -> Any:
         if value not in _BACKENDS:
             raise StartupError(f"{where} must be one of {', '.join(_BACKENDS)}, not {value!r}")
         return value
-    if name == "history_drafting":
+    if name in ("history_drafting", "vllm_metrics"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -177,7 +179,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     )
     running = start(options.core, trust, load, backend=options.backend)
     try:
-        app = create_app(running, ServerSettings(options.served_name, options.alias))
+        app = create_app(running, ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics))
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
         serving = running.verified.contract.serving
         names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])

@@ -61,7 +61,7 @@ from helios_core.server.errors import (
     log_failure,
     validation_error,
 )
-from helios_core.server.metrics import MetricsExporter
+from helios_core.server.metrics import LoadReading, MetricsExporter
 from helios_core.server.preparation import Frontend, Prepared, prepare, prepare_completion
 from helios_core.server.presentation import CompletionPresenter, Presenter, ResponsePresenter, sse_error
 from helios_core.server.schemas import (
@@ -84,6 +84,8 @@ class ServerSettings:
     """Overrides the core's served name."""
     aliases: tuple[str, ...] = field(default=())
     """Added to the core's aliases."""
+    vllm_metrics: bool = False
+    """Also export the gateway load gauges under vLLM's metric names (docs/metrics.md)."""
 
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
@@ -118,7 +120,12 @@ class ChatService:
         self.frontend = Frontend(running)
         self._preparation = ThreadPoolExecutor(selection.frontend_workers, thread_name_prefix="helios-frontend")
         self._bridge = EventBridge(capacity + selection.frontend_workers)
-        self.metrics = MetricsExporter(running.engine.statistics, lambda: self.admission.in_use)
+        self.metrics = MetricsExporter(
+            running.engine.statistics,
+            lambda: self.admission.in_use,
+            self.load,
+            vllm_metrics=settings.vllm_metrics,
+        )
         self._origin_ns = running.model.clock_origin_ns
         self._responses: dict[str, EventQueue] = {}
         """The event queues of the responses being generated or delivered, by request id."""
@@ -132,6 +139,19 @@ class ChatService:
 
     def _now_ns(self) -> int:
         return time.monotonic_ns() - self._origin_ns
+
+    def load(self) -> LoadReading:
+        """The gateway's load values now (event loop thread). Read live, never from the worker's
+        snapshot: list sizes and counters only, no lock the worker holds. A request between the two
+        reads (leaving its slot as its terminal event is on the way) may count once as waiting."""
+        engine = self.running.engine
+        pages = engine.allocator
+        running = len(engine.scheduler.running)
+        undelivered = self.admission.ended
+        waiting = max(0, self.admission.in_use - running - undelivered)
+        total = pages.total_pages
+        usage = min(1.0, max(0.0, 1.0 - (pages.free_pages + pages.evictable_pages) / total))
+        return LoadReading(waiting, running, undelivered, usage, pages.page_tokens, total)
 
     # -- endpoints --------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
@@ -202,7 +222,7 @@ class ChatService:
             _LOG.warning("request %s dropped before generation: %s", request_id, self._drop_message)
             raise RequestCancelled(self._drop_message)
         enqueue_ns = self._now_ns()
-        events = self._bridge.attach(self.running.engine.submit(prepared.request), loop)
+        events = self._bridge.attach(self.running.engine.submit(prepared.request), loop, permit.generation_ended)
         presenter = endpoint.presenter(
             prepared,
             self.frontend,

@@ -59,8 +59,10 @@ def retained(monkeypatch: pytest.MonkeyPatch) -> Retained:
         record.peak_permits = max(record.peak_permits, self.in_use)
         return permit
 
-    def attach(self: EventBridge, stream: Any, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
-        queue = real_attach(self, stream, loop)
+    def attach(
+        self: EventBridge, stream: Any, loop: asyncio.AbstractEventLoop, on_end: Any = None
+    ) -> asyncio.Queue[Any]:
+        queue = real_attach(self, stream, loop, on_end)
         record.queues.append(weakref.ref(queue))
         record.peak_queues = max(record.peak_queues, record.live_queues())
         return queue
