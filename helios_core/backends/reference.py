@@ -382,65 +382,113 @@ def _speculative_inputs(n: _Node) -> Step:
     return step
 
 
+@dataclass
+class _Verify:
+    """What both verification nodes read and write (their shapes checked), and how they store a result."""
+
+    node: _Node
+    logits: Callable[[], AnyArray]
+    settings: dict[str, AnyArray]
+    query_length: AnyArray
+    candidates: AnyArray
+    presence: AnyArray
+    counts: AnyArray
+    per_lane: dict[str, AnyArray]
+    ids: AnyArray
+    results: dict[str, AnyArray]
+    logprob_out: AnyArray | None
+    vocab_limit: int
+
+    @property
+    def lanes(self) -> int:
+        return int(self.query_length.size)
+
+    @property
+    def width(self) -> int:
+        return int(self.ids.shape[1])
+
+    def check(self) -> None:
+        """The shape rules every verification node shares (after its own input checks)."""
+        n, lanes, candidates, ids = self.node, self.lanes, self.candidates, self.ids
+        if ids.ndim != 2 or ids.shape[0] != lanes or ids.shape[1] < candidates.shape[1] + 1:
+            raise n.fail(
+                f"ids {ids.shape} must be [{lanes}, W] with W >= {candidates.shape[1] + 1} (the pending token and "
+                f"{candidates.shape[1]} candidates)"
+            )
+        logprob = n.optional("logprob")
+        if logprob is not None and logprob.size != ids.size:
+            raise n.fail(f"logprob of shape {logprob.shape} does not match ids {ids.shape}")
+        for name, array in {**self.settings, **self.per_lane, **self.results}.items():
+            if array.size != lanes:
+                raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
+        if self.counts.ndim != 2 or self.presence.shape != self.counts.shape:
+            raise n.fail(
+                f"prompt_presence {self.presence.shape} and output_counts {self.counts.shape} must be equal [rows, V]"
+            )
+        self.logprob_out = None if logprob is None else logprob.reshape(ids.shape)
+
+    def store(self, result: rk.VerifyResult) -> None:
+        self.ids[...] = result.ids
+        self.results["accepted"][...] = result.accepted
+        self.results["emitted"][...] = result.emitted
+        self.results["pending"][...] = result.pending
+        if self.logprob_out is not None:
+            self.logprob_out[...] = result.logprobs
+
+
+def _verify_node(n: _Node) -> _Verify:
+    """The inputs and outputs both verification nodes share; checks the candidates' rows."""
+    verify = _Verify(
+        node=n,
+        logits=n.floats("logits"),
+        settings={p.kernel_input: n.tensor(p.kernel_input).reshape(-1) for p in SAMPLING_PARAMETERS},
+        query_length=n.tensor("query_length").reshape(-1),
+        candidates=n.tensor("candidate_ids"),
+        presence=n.tensor("prompt_presence"),
+        counts=n.tensor("output_counts"),
+        per_lane={name: n.tensor(name).reshape(-1) for name in ("rows", "step", "active")},
+        ids=n.tensor("ids"),
+        results={name: n.tensor(name).reshape(-1) for name in ("accepted", "emitted", "pending")},
+        logprob_out=None,
+        vocab_limit=n.attr_int("vocab_limit"),
+    )
+    candidates, lanes = verify.candidates, verify.lanes
+    if candidates.ndim != 2 or candidates.shape[0] != lanes:
+        raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
+    return verify
+
+
 def _sample_verify(n: _Node) -> Step:
-    logits = n.floats("logits")
-    settings = {p.kernel_input: n.tensor(p.kernel_input).reshape(-1) for p in SAMPLING_PARAMETERS}
-    query_length, candidates = n.tensor("query_length").reshape(-1), n.tensor("candidate_ids")
-    presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
-    per_lane = {name: n.tensor(name).reshape(-1) for name in ("rows", "step", "active")}
-    ids = n.tensor("ids")
-    results = {name: n.tensor(name).reshape(-1) for name in ("accepted", "emitted", "pending")}
-    logprob = n.optional("logprob")
     mask, constrained = n.optional("allowed_mask"), n.optional("constrained")
     if (mask is None) != (constrained is None):
         raise n.fail("allowed_mask and constrained must be given together")
-    vocab_limit = n.attr_int("vocab_limit")
-    lanes = query_length.size
-    if candidates.ndim != 2 or candidates.shape[0] != lanes:
-        raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
+    v = _verify_node(n)
     if mask is not None and mask.ndim != 2:
         raise n.fail(f"allowed_mask {mask.shape} must be [packed rows, words]")
-    if constrained is not None and constrained.size != lanes:
-        raise n.fail(f"constrained holds {constrained.size} elements, the node has {lanes} lanes")
-    if ids.ndim != 2 or ids.shape[0] != lanes or ids.shape[1] < candidates.shape[1] + 1:
-        raise n.fail(
-            f"ids {ids.shape} must be [{lanes}, W] with W >= {candidates.shape[1] + 1} (the pending token and "
-            f"{candidates.shape[1]} candidates)"
-        )
-    if logprob is not None and logprob.size != ids.size:
-        raise n.fail(f"logprob of shape {logprob.shape} does not match ids {ids.shape}")
-    for name, array in {**settings, **per_lane, **results}.items():
-        if array.size != lanes:
-            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
-    if counts.ndim != 2 or presence.shape != counts.shape:
-        raise n.fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [rows, V]")
-    width = int(ids.shape[1])
-    logprob_out = None if logprob is None else logprob.reshape(ids.shape)
+    if constrained is not None and constrained.size != v.lanes:
+        raise n.fail(f"constrained holds {constrained.size} elements, the node has {v.lanes} lanes")
+    v.check()
+    lane_flags = None if constrained is None else constrained.reshape(-1)
     where = n.where
 
     def step() -> None:
         try:
             result = rk.sample_verify(
-                logits(),
-                query_length=query_length,
-                candidate_ids=candidates,
-                settings=settings,
-                prompt_presence=presence,
-                output_counts=counts,
-                vocab_limit=vocab_limit,
-                width=width,
+                v.logits(),
+                query_length=v.query_length,
+                candidate_ids=v.candidates,
+                settings=v.settings,
+                prompt_presence=v.presence,
+                output_counts=v.counts,
+                vocab_limit=v.vocab_limit,
+                width=v.width,
                 allowed_mask=mask,
-                constrained=None if constrained is None else constrained.reshape(-1),
-                **per_lane,
+                constrained=lane_flags,
+                **v.per_lane,
             )
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from error
-        ids[...] = result.ids
-        results["accepted"][...] = result.accepted
-        results["emitted"][...] = result.emitted
-        results["pending"][...] = result.pending
-        if logprob_out is not None:
-            logprob_out[...] = result.logprobs
+        v.store(result)
 
     return step
 
@@ -693,59 +741,30 @@ def _draft_sample(n: _Node) -> Step:
 
 
 def _sample_verify_sampled(n: _Node) -> Step:
-    logits = n.floats("logits")
-    settings = {p.kernel_input: n.tensor(p.kernel_input).reshape(-1) for p in SAMPLING_PARAMETERS}
-    query_length, candidates = n.tensor("query_length").reshape(-1), n.tensor("candidate_ids")
     draft_probabilities = n.tensor("draft_probabilities")
-    presence, counts = n.tensor("prompt_presence"), n.tensor("output_counts")
-    per_lane = {name: n.tensor(name).reshape(-1) for name in ("rows", "step", "active")}
-    ids = n.tensor("ids")
-    results = {name: n.tensor(name).reshape(-1) for name in ("accepted", "emitted", "pending")}
-    logprob = n.optional("logprob")
-    vocab_limit = n.attr_int("vocab_limit")
-    lanes = query_length.size
-    if candidates.ndim != 2 or candidates.shape[0] != lanes:
-        raise n.fail(f"candidate_ids {candidates.shape} must be [lanes, capacity] for {lanes} lanes")
-    if draft_probabilities.ndim != 3 or draft_probabilities.shape[0] != lanes:
-        raise n.fail(f"draft_probabilities {draft_probabilities.shape} must be [{lanes}, D, V]")
-    if ids.ndim != 2 or ids.shape[0] != lanes or ids.shape[1] < candidates.shape[1] + 1:
-        raise n.fail(
-            f"ids {ids.shape} must be [{lanes}, W] with W >= {candidates.shape[1] + 1} (the pending token and "
-            f"{candidates.shape[1]} candidates)"
-        )
-    if logprob is not None and logprob.size != ids.size:
-        raise n.fail(f"logprob of shape {logprob.shape} does not match ids {ids.shape}")
-    for name, array in {**settings, **per_lane, **results}.items():
-        if array.size != lanes:
-            raise n.fail(f"{name} holds {array.size} elements, the node has {lanes} lanes")
-    if counts.ndim != 2 or presence.shape != counts.shape:
-        raise n.fail(f"prompt_presence {presence.shape} and output_counts {counts.shape} must be equal [rows, V]")
-    width = int(ids.shape[1])
-    logprob_out = None if logprob is None else logprob.reshape(ids.shape)
+    v = _verify_node(n)
+    if draft_probabilities.ndim != 3 or draft_probabilities.shape[0] != v.lanes:
+        raise n.fail(f"draft_probabilities {draft_probabilities.shape} must be [{v.lanes}, D, V]")
+    v.check()
     where = n.where
 
     def step() -> None:
         try:
             result = rk.sample_verify_sampled(
-                logits(),
-                query_length=query_length,
-                candidate_ids=candidates,
+                v.logits(),
+                query_length=v.query_length,
+                candidate_ids=v.candidates,
                 draft_probabilities=draft_probabilities,
-                settings=settings,
-                prompt_presence=presence,
-                output_counts=counts,
-                vocab_limit=vocab_limit,
-                width=width,
-                **per_lane,
+                settings=v.settings,
+                prompt_presence=v.presence,
+                output_counts=v.counts,
+                vocab_limit=v.vocab_limit,
+                width=v.width,
+                **v.per_lane,
             )
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from error
-        ids[...] = result.ids
-        results["accepted"][...] = result.accepted
-        results["emitted"][...] = result.emitted
-        results["pending"][...] = result.pending
-        if logprob_out is not None:
-            logprob_out[...] = result.logprobs
+        v.store(result)
 
     return step
 
