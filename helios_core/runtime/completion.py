@@ -416,6 +416,15 @@ def _read_scores(field_: npt.NDArray[np.generic] | None, start: int, count: int)
     return [float(v) for v in flat[start : start + count]]
 
 
+def _echo_problem(lane: LaneExpectation, generation: int, reserved: int) -> str | None:
+    """The rules every lane's record keeps: its echoed generation and the reserved model field (-1)."""
+    if generation != lane.generation:
+        return f"generation {generation} is stale (expected {lane.generation})"
+    if reserved != -1:
+        return f"the reserved model field is {reserved}, not -1"
+    return None
+
+
 def _lane_problem(
     lane: LaneExpectation,
     generation: int,
@@ -426,10 +435,9 @@ def _lane_problem(
     token: int,
     sampled_size: int,
 ) -> str | None:
-    if generation != lane.generation:
-        return f"generation {generation} is stale (expected {lane.generation})"
-    if reserved != -1:
-        return f"the reserved model field is {reserved}, not -1"
+    echo = _echo_problem(lane, generation, reserved)
+    if echo is not None:
+        return echo
     if cursor != -1:
         return f"draft cursor {cursor} from a program without one"
     if consumed != lane.consumed:
@@ -524,10 +532,9 @@ def _speculative_problem(
     accepted: int,
     width: int,
 ) -> str | None:
-    if generation != lane.generation:
-        return f"generation {generation} is stale (expected {lane.generation})"
-    if reserved != -1:
-        return f"the reserved model field is {reserved}, not -1"
+    echo = _echo_problem(lane, generation, reserved)
+    if echo is not None:
+        return echo
     if offers > lane.offers or offers < 0 or (lane.offers_exact and offers != lane.offers):
         return f"offers {offers} proposals; the lane's ceiling is {lane.offers}"
     if not 0 <= accepted <= offers:
