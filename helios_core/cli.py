@@ -280,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
-    "vllm_metrics",
+    "vllm_metrics", "kv_events_config", "shutdown_timeout",
 )  # fmt: skip
 
 
@@ -319,11 +319,15 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--served-name", help="model name clients use (default: the core's)")
     run.add_argument("--alias", action="append", metavar="NAME", help="another accepted model name (repeatable)")
     run.add_argument(
+        "--shutdown-timeout", type=float, metavar="SECONDS", help="drain after SIGTERM before dropping (default 30)"
+    )
+    run.add_argument(
         "--vllm-metrics",
         action="store_true",
         default=None,
         help="also export the gateway load gauges under vLLM's metric names (vllm:num_requests_waiting, ...)",
     )
+    run.add_argument("--kv-events-config", metavar="JSON", help="publish KV-cache events over ZeroMQ (vLLM's JSON)")
     run.set_defaults(handler=cmd_run)
 
 

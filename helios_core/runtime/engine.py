@@ -276,6 +276,10 @@ class Engine:
                 raise HeliosError(event.message)
         raise HeliosError("the request stream ended without a terminal event")
 
+    def worker_alive(self) -> bool:
+        """Whether the model worker thread still runs (False once it stopped or died)."""
+        return self._worker.is_alive()
+
     def statistics(self) -> StatsSnapshot:
         """The native statistics as of a completed round: the last one whenever the worker has no round in
         flight, and at most a millisecond old while it chains decode rounds."""

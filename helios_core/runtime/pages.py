@@ -13,6 +13,14 @@ its consumed endpoint, so a page that was complete when published is never writt
 reuse is keyed by a hash chain over the cache identity and the token ids of each complete page, so
 a match is exact for the whole prefix up to that page. Running out of pages is a return value
 (``None``), not an exception.
+
+Listeners of the prefix index (:class:`PageEventSink`, attached with :meth:`PageAllocator.attach_events`)
+hear every change of the set of reusable pages: a page published into the index with its key, its
+parent's key and its exact token ids (only complete pages are ever published), a published page
+evicted, and the whole index cleared when the listener is attached and detached. Nothing is announced
+twice: a page whose key already has a page is not published, and every announced page that leaves the
+index is announced as removed. The listener is called on the model worker's thread and must return at
+once (the KV-cache event publisher only puts the event on a bounded queue).
 """
 
 from __future__ import annotations
@@ -22,12 +30,27 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from helios_core.errors import HeliosError
 
 
 class AllocatorError(HeliosError):
     """A page operation that breaks the allocator's rules (a bug in the caller)."""
+
+
+class PageEventSink(Protocol):
+    """A listener of the prefix index; every call is made on the model worker's thread and is O(1)."""
+
+    def page_stored(self, key: bytes, parent: bytes | None, tokens: Sequence[int], page_tokens: int) -> None:
+        """A complete page holding ``tokens`` was published under ``key`` after the page keyed ``parent``
+        (None: the first page of a prefix)."""
+
+    def page_removed(self, key: bytes) -> None:
+        """The page published under ``key`` (announced by :meth:`page_stored`) left the prefix index."""
+
+    def all_cleared(self) -> None:
+        """Forget every page announced before: the index starts empty (attaching) or ends (detaching)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,9 @@ class PageAllocator:
         self._hash_of: dict[int, bytes] = {}
         self._page_of: dict[bytes, int] = {}
         self.stats = PageStats()
+        self._events: PageEventSink | None = None
+        self._unannounced: set[int] = set()
+        """Pages published before the listener was attached: their eviction is not announced."""
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -88,6 +114,10 @@ class PageAllocator:
 
     def refcount(self, page: int) -> int:
         return self._refcount[page]
+
+    def published_keys(self) -> frozenset[bytes]:
+        """The keys of every page in the prefix index."""
+        return frozenset(self._page_of)
 
     def eviction_order(self) -> list[int]:
         """Evictable pages, next victim first."""
@@ -119,8 +149,14 @@ class PageAllocator:
                 page = free.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                key = self._hash_of.pop(page)
+                del self._page_of[key]
                 self.stats.evicted += 1
+                if self._events is not None:
+                    if page in self._unannounced:
+                        self._unannounced.discard(page)
+                    else:
+                        self._events.page_removed(key)
             refcount[page] = 1
             pages.append(page)
         self._referenced += count
@@ -156,16 +192,48 @@ class PageAllocator:
         self.stats.prefix_hit_pages += len(match.pages)
         self.stats.reused_tokens += match.tokens
 
-    def publish(self, page: int, key: bytes) -> bool:
-        """Record a referenced, complete page under ``key``; False when the key already has a page."""
+    def publish(
+        self, page: int, key: bytes, *, parent: bytes | None = None, tokens: Sequence[int] | None = None
+    ) -> bool:
+        """Record a referenced, complete page under ``key``; False when the key already has a page.
+
+        ``key`` is :meth:`chain_hash` of (``parent``, ``tokens``): the attached listener hears both. A
+        caller that publishes without ``tokens`` cannot be announced; with a listener attached that is
+        an AllocatorError (a bug in the caller)."""
         if self._refcount[page] <= 0:
             raise AllocatorError(f"page {page} is published while nobody references it")
         if key in self._page_of or page in self._hash_of:
             return False
+        events = self._events
+        if events is not None and (tokens is None or len(tokens) != self.page_tokens):
+            raise AllocatorError(
+                f"page {page} is published without its {self.page_tokens} token ids while a listener is attached"
+            )
         self._page_of[key] = page
         self._hash_of[page] = key
         self.stats.published += 1
+        if events is not None and tokens is not None:
+            events.page_stored(key, parent, tokens, self.page_tokens)
         return True
+
+    # -- listeners ------------------------------------------------------------------------------
+    def attach_events(self, sink: PageEventSink) -> None:
+        """Announce every later change of the prefix index to ``sink``, after an ``all_cleared``.
+
+        Attach before the engine serves requests. Pages published before are not announced (so their
+        eviction is not either)."""
+        if self._events is not None:
+            raise AllocatorError("a prefix-index listener is attached already")
+        self._unannounced = set(self._hash_of)
+        sink.all_cleared()
+        self._events = sink
+
+    def detach_events(self) -> None:
+        """Stop announcing, ending with ``all_cleared`` (at exit, once the model worker has stopped)."""
+        sink, self._events = self._events, None
+        self._unannounced = set()
+        if sink is not None:
+            sink.all_cleared()
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference from each page; unreferenced pages become evictable or free.

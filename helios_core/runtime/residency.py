@@ -322,10 +322,10 @@ class Residency:
             pages = table.pages[slot]
             while (len(hashes) + 1) * pt <= consumed:
                 index = len(hashes)
-                key = self.allocator.chain_hash(
-                    hashes[-1] if hashes else None, row[index * pt : (index + 1) * pt].tolist()
-                )
-                self.allocator.publish(int(pages[index]), key)
+                parent = hashes[-1] if hashes else None
+                page_tokens = row[index * pt : (index + 1) * pt].tolist()
+                key = self.allocator.chain_hash(parent, page_tokens)
+                self.allocator.publish(int(pages[index]), key, parent=parent, tokens=page_tokens)
                 hashes.append(key)
         table.published[slot] = len(hashes)
 

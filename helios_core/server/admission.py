@@ -13,18 +13,31 @@ A permit also records when its request's model work ended (the terminal event re
 event pump, on a pump thread): :attr:`Admission.ended` counts permits whose generation ended but whose
 response is still being delivered. The load gauges (:mod:`helios_core.server.metrics`) read it to
 tell responses awaiting delivery from requests waiting for a model slot.
+
+Each refusal names when to retry (:meth:`Admission.retry_after_ms`, sent as ``Retry-After`` and
+``retry-after-ms``): the requests waiting beyond the model slots (at least one) times the mean time a
+permit was held over the last :data:`SERVICE_SAMPLES` released permits (arrival to last byte), divided
+by ``max_active``, clamped to 1..60 s; before any permit was released the mean is one second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from helios_core.server.errors import IngressFull
+from helios_core.server.errors import IngressFull, clamp_retry_after_ms
 
-__all__ = ["Admission", "Permit"]
+__all__ = ["SERVICE_SAMPLES", "Admission", "Permit"]
+
+SERVICE_SAMPLES = 32
+"""How many of the latest released permits' hold times the retry estimate averages."""
+
+_DEFAULT_SERVICE_S = 1.0
+"""The mean hold time assumed before any permit was released."""
 
 
 class Permit:
@@ -34,6 +47,7 @@ class Permit:
         self._admission = admission
         self._held = True
         self._ended = False
+        self._admitted_s = time.monotonic()
 
     def generation_ended(self) -> None:
         """The request's model work ended (any thread; idempotent): its response only awaits delivery now."""
@@ -51,16 +65,20 @@ class Permit:
             self._held = False
             if self._ended:
                 admission.ended -= 1
-        admission._release()
+        admission._release(time.monotonic() - self._admitted_s)
 
 
 class Admission:
     """Ingress permits (``capacity``) and preparation slots (``preparation_slots``)."""
 
-    def __init__(self, capacity: int, preparation_slots: int) -> None:
-        if capacity <= 0 or preparation_slots <= 0:
-            raise ValueError("admission capacity and preparation slots must be positive")
+    def __init__(self, capacity: int, preparation_slots: int, max_active: int | None = None) -> None:
+        if capacity <= 0 or preparation_slots <= 0 or (max_active is not None and max_active <= 0):
+            raise ValueError("admission capacity, preparation slots and max_active must be positive")
         self.capacity = capacity
+        self.max_active = max_active if max_active is not None else capacity
+        """The model slots: permits beyond them wait for one (the retry estimate's divisor)."""
+        self._service_s: deque[float] = deque(maxlen=SERVICE_SAMPLES)
+        """Hold times (seconds) of the latest released permits."""
         self.in_use = 0
         self.ended = 0
         """Permits whose request's model work ended while the response is still delivered."""
@@ -71,7 +89,8 @@ class Admission:
         """Take a permit now, or raise IngressFull."""
         if self.in_use >= self.capacity:
             raise IngressFull(
-                f"the server holds its limit of {self.capacity} requests (queue_capacity + max_active); retry later"
+                f"the server holds its limit of {self.capacity} requests (queue_capacity + max_active); retry later",
+                self.retry_after_ms(),
             )
         self.in_use += 1
         return Permit(self)
@@ -82,5 +101,13 @@ class Admission:
         async with self._preparation:
             yield
 
-    def _release(self) -> None:
+    def retry_after_ms(self) -> int:
+        """When a refused request may try again (milliseconds, 1..60 s; see the module docstring)."""
+        samples = list(self._service_s)
+        mean_s = sum(samples) / len(samples) if samples else _DEFAULT_SERVICE_S
+        waiting = max(1, self.in_use - self.max_active)
+        return clamp_retry_after_ms(1000.0 * waiting * mean_s / self.max_active)
+
+    def _release(self, held_s: float) -> None:
         self.in_use -= 1
+        self._service_s.append(held_s)

@@ -12,6 +12,7 @@ body over the size limit (Litestar)             413     ``invalid_request_error`
 ``UnsupportedMediaType``                        415     ``invalid_request_error``
 ``IngressFull``                                 429     ``rate_limit_error``
 ``AdmissionRefused`` (native rejection event)   503     ``admission_rejected``
+``NotReady`` (starting or draining)             503     ``not_ready``
 ``RequestCancelled``                            503     ``cancelled``
 ``ExecutionError`` and any other error          500     ``execution_error``
 =============================================  ======  ===========================
@@ -19,6 +20,12 @@ body over the size limit (Litestar)             413     ``invalid_request_error`
 After SSE headers are sent the status is already 200: the same classes become one terminal
 ``error`` event (no ``[DONE]``) whose ``error.type`` keeps the distinction. Statuses are chosen by
 class only, never from error text. Changed by the server owners.
+
+Retry headers (:func:`retry_headers`): every 429 and every 503 a later attempt may pass carries
+``Retry-After`` (whole seconds) and ``retry-after-ms``, both from the error's ``retry_after_ms``
+(the admission estimate, :meth:`~helios_core.server.admission.Admission.retry_after_ms`; one second
+where none was given), clamped to 1..60 s; a permanent refusal carries ``x-should-retry: false``
+instead, and a draining server's refusal also ``Connection: close``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ __all__ = [
     "ExecutionError",
     "IngressFull",
     "InvalidRequest",
+    "NotReady",
     "RequestCancelled",
     "UnknownModel",
     "UnsupportedMediaType",
@@ -72,7 +80,24 @@ class UnsupportedMediaType(HeliosError):
 
 
 class IngressFull(HeliosError):
-    """Every admission permit is taken (queue_capacity + max_active requests are in the server)."""
+    """Every admission permit is taken (queue_capacity + max_active requests are in the server).
+
+    ``retry_after_ms`` is the admission's estimate of when a permit frees (None: the default)."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class NotReady(HeliosError):
+    """The server is not serving: still starting (warm-up) or draining for shutdown (503).
+
+    ``closing`` (draining) asks the client to close the connection (``Connection: close``)."""
+
+    def __init__(self, message: str, *, closing: bool = False) -> None:
+        super().__init__(message)
+        self.closing = closing
+        self.retry_after_ms: int | None = None
 
 
 class AdmissionRefused(HeliosError):
@@ -88,6 +113,8 @@ class AdmissionRefused(HeliosError):
         super().__init__(message)
         self.param = param
         self.permanent = permanent
+        self.retry_after_ms: int | None = None
+        """When a transient refusal may pass (set by the server from its admission estimate)."""
 
     @classmethod
     def of(cls, event: AdmissionRejected) -> AdmissionRefused:
@@ -110,6 +137,7 @@ _TABLE: tuple[tuple[type[BaseException], int, str], ...] = (
     (UnsupportedMediaType, 415, "invalid_request_error"),
     (IngressFull, 429, "rate_limit_error"),
     (AdmissionRefused, 503, "admission_rejected"),
+    (NotReady, 503, "not_ready"),
     (RequestCancelled, 503, "cancelled"),
     (ExecutionError, 500, "execution_error"),
 )
@@ -155,18 +183,33 @@ def validation_error(exc: msgspec.DecodeError) -> InvalidRequest:
     return InvalidRequest(f"invalid request: {text}", param)
 
 
-RETRY_AFTER_SECONDS = 1
-"""``Retry-After`` of a transient refusal (429, a 503 that a later attempt may pass)."""
+MIN_RETRY_AFTER_MS = 1_000
+"""The shortest retry delay a refusal names (``Retry-After`` is whole seconds, at least 1)."""
+
+MAX_RETRY_AFTER_MS = 60_000
+"""The longest retry delay a refusal names (the official OpenAI clients ignore longer ones)."""
+
+
+def clamp_retry_after_ms(value: float) -> int:
+    """``value`` milliseconds as a retry delay: whole milliseconds within 1..60 s."""
+    if value != value:  # NaN: no estimate
+        return MIN_RETRY_AFTER_MS
+    return int(min(max(value, MIN_RETRY_AFTER_MS), MAX_RETRY_AFTER_MS))
 
 
 def retry_headers(exc: BaseException) -> dict[str, str]:
-    """Headers telling a client whether and when to retry ``exc``'s response."""
+    """Headers telling a client whether and when to retry ``exc``'s response (module docstring)."""
     status = status_for(exc)
     if isinstance(exc, AdmissionRefused) and exc.permanent:
         return {"x-should-retry": "false"}
-    if status in (429, 503):
-        return {"Retry-After": str(RETRY_AFTER_SECONDS)}
-    return {}
+    if status not in (429, 503):
+        return {}
+    estimate = getattr(exc, "retry_after_ms", None)
+    milliseconds = clamp_retry_after_ms(estimate if isinstance(estimate, int | float) else MIN_RETRY_AFTER_MS)
+    headers = {"Retry-After": str(-(-milliseconds // 1000)), "retry-after-ms": str(milliseconds)}
+    if isinstance(exc, NotReady) and exc.closing:
+        headers["Connection"] = "close"
+    return headers
 
 
 def log_failure(request_id: str | None, exc: BaseException) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "HELIOS_LOAD_NAMES",
     "VLLM_LOAD_NAMES",
     "EngineCollector",
+    "KvEventCounters",
     "LoadReading",
     "MetricsExporter",
     "OutputFailures",
@@ -234,6 +235,25 @@ class EngineCollector(Collector):
             "Maximum outstanding executor frames right after a successful constrained submission.",
             s.constrained_max_inflight,
         )
+
+
+class KvEventCounters(Collector):
+    """The KV-cache event publisher's counters (registered by ``helios run`` when events are enabled)."""
+
+    def __init__(self, dropped: Callable[[], int], published: Callable[[], int]) -> None:
+        self._dropped = dropped
+        self._published = published
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter(())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield _counter(
+            "helios_kv_events_dropped",
+            "KV-cache events dropped because the publisher's queue was full.",
+            self._dropped(),
+        )
+        yield _counter("helios_kv_events_published", "KV-cache events sent on the ZeroMQ socket.", self._published())
 
 
 class MetricsExporter:

@@ -13,7 +13,9 @@ The request schema also states the values preparation refuses where JSON Schema 
 as ``null`` only). What it cannot say (the JSON nesting limit, limits of the served core such as
 its vocabulary or ``top_logprobs``, rules joining two fields) is in the field descriptions and
 docs/http-api.md. Every operation lists its error statuses with the OpenAI error object; 429 and
-503 list ``Retry-After`` and ``x-should-retry``.
+503 list ``Retry-After``, ``retry-after-ms`` and ``x-should-retry``. The render operations take the
+same bodies as their generating endpoints and answer the prompt token ids; ``GET /ready`` and
+``GET /v1/models`` list their 503 (not ready).
 """
 
 from __future__ import annotations
@@ -306,7 +308,12 @@ _SSE_EVENT = Schema(
 
 _RETRY_HEADERS = {
     "Retry-After": OpenAPIHeader(
-        schema=Schema(type=OpenAPIType.INTEGER), description="Seconds before a retry may pass (transient refusals)."
+        schema=Schema(type=OpenAPIType.INTEGER),
+        description="Whole seconds before a retry may pass (transient refusals; 1..60).",
+    ),
+    "retry-after-ms": OpenAPIHeader(
+        schema=Schema(type=OpenAPIType.INTEGER),
+        description="The same delay in milliseconds (1000..60000), read first by the official OpenAI clients.",
     ),
     "x-should-retry": OpenAPIHeader(
         schema=Schema(type=OpenAPIType.STRING, enum=["false"]),
@@ -321,8 +328,24 @@ _CHAT_ERRORS = {
     415: "The request body is not declared as application/json.",
     429: "Every admission permit is taken (queue_capacity + max_active requests); retry after Retry-After.",
     500: "Model execution, device or output handling failed (execution_error).",
-    503: "Outside the served core's capacities (admission_rejected), or cancelled by shutdown (cancelled).",
+    503: "Outside the served core's capacities (admission_rejected), cancelled by shutdown (cancelled), or the "
+    "server is starting or draining (not_ready; draining also sends Connection: close).",
 }
+
+_NOT_READY = {503: "The server is starting (warm-up) or draining for shutdown (not_ready)."}
+
+_RENDER_SUCCESS = Schema(
+    type=OpenAPIType.OBJECT,
+    description="The prompt token ids the same request would prefill; nothing is generated.",
+    required=["id", "object", "model", "prompt_token_ids", "num_prompt_tokens"],
+    properties={
+        "id": Schema(type=OpenAPIType.STRING),
+        "object": Schema(type=OpenAPIType.STRING, enum=["render"]),
+        "model": Schema(type=OpenAPIType.STRING),
+        "prompt_token_ids": Schema(type=OpenAPIType.ARRAY, items=Schema(type=OpenAPIType.INTEGER)),
+        "num_prompt_tokens": Schema(type=OpenAPIType.INTEGER),
+    },
+)
 
 
 def _error_responses(statuses: dict[int, str]) -> dict[str, OpenAPIResponse]:
@@ -342,6 +365,43 @@ class ServerOperation(Operation):
 
     def __post_init__(self) -> None:
         self.responses = {**(self.responses or {}), **_error_responses({500: _CHAT_ERRORS[500]})}
+
+
+@dataclasses.dataclass
+class ProbeOperation(Operation):
+    """``GET /ready`` and ``GET /v1/models``: a server operation that is 503 until the server is ready."""
+
+    def __post_init__(self) -> None:
+        errors = _error_responses({500: _CHAT_ERRORS[500], **_NOT_READY})
+        self.responses = {**(self.responses or {}), **errors}
+
+
+def _render(operation: Operation, request_schema: Schema) -> None:
+    operation.request_body = RequestBody(
+        required=True, content={"application/json": OpenAPIMediaType(schema=request_schema)}
+    )
+    responses = dict(operation.responses or {})
+    success = responses.get("200")
+    if isinstance(success, OpenAPIResponse):
+        success.description = "The prompt token ids"
+        success.content = {"application/json": OpenAPIMediaType(schema=_RENDER_SUCCESS)}
+    operation.responses = {**responses, **_error_responses(_CHAT_ERRORS)}
+
+
+@dataclasses.dataclass
+class ChatRenderOperation(Operation):
+    """``POST /v1/chat/completions/render``: the chat request body and errors, the render result."""
+
+    def __post_init__(self) -> None:
+        _render(self, chat_request_schema())
+
+
+@dataclasses.dataclass
+class CompletionRenderOperation(Operation):
+    """``POST /v1/completions/render``: the completion request body and errors, the render result."""
+
+    def __post_init__(self) -> None:
+        _render(self, completion_request_schema())
 
 
 @dataclasses.dataclass

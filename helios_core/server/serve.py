@@ -2,16 +2,26 @@
 
 Owns the run options (their names, types and defaults), the precedence rule — explicit command-line
 options over the TOML config file (``--config``) over the environment (``HELIOS_<OPTION>``, e.g.
-``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: start the model, build
-the app, run uvicorn programmatically, log one readiness line, and on SIGINT/SIGTERM shut down:
+``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: start the model
+(verify the core, build its programs, back its cache storage), build the app, run uvicorn
+programmatically, make one warm-up generation through the engine while ``/ready`` answers 503, then
+mark the app ready and log one readiness line; and on SIGINT/SIGTERM shut down:
 
-* stop accepting connections and give open ones :data:`DRAIN_SECONDS` to finish;
+* readiness drops at once (``/ready`` 503) while the listening socket stays open: new requests are
+  answered 503 ``not_ready`` with ``Retry-After`` and ``Connection: close``, and the requests already
+  admitted go on, for at most ``--shutdown-timeout`` seconds (:data:`DEFAULT_SHUTDOWN_TIMEOUT`), or
+  less once none is left;
 * then drop what still runs: every running response ends at once with the documented terminal error
   (a stream's ``event: error`` of type ``cancelled``, a JSON response's 503 ``cancelled``) and logs
-  one line, and its request is cancelled in the model worker;
+  one line, and its request is cancelled in the model worker; the listening socket closes;
 * connections still open :data:`FLUSH_SECONDS` later (a reader that takes nothing more) are closed
   without further output, quietly; uvicorn's own cancellation is only a backstop after that;
-* then the model worker stops and the core is closed.
+* a second signal during all this closes every connection at once;
+* then the model worker stops and the core is closed; with ``--kv-events-config`` the KV-cache event
+  publisher (attached to the page allocator before serving) then sends its last ``AllBlocksCleared``.
+
+An app driven without a drain callback (``draining_server`` without ``in_flight``) keeps the older
+order: stop accepting at once, drop after the drain period.
 
 Server log lines (a 500, a dropped response) go to stderr as ``helios run: LEVEL: message``.
 Startup failures are Helios errors; the CLI prints them as one line.
@@ -22,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -31,14 +42,31 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from helios_core.errors import StartupError
+from helios_core.errors import HeliosError, StartupError
 
-__all__ = ["DRAIN_SECONDS", "FLUSH_SECONDS", "RunOptions", "draining_server", "resolve_options", "serve"]
+if TYPE_CHECKING:
+    from helios_core.server.readiness import Readiness
+
+__all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "DRAIN_SECONDS",
+    "FLUSH_SECONDS",
+    "RunOptions",
+    "draining_server",
+    "resolve_options",
+    "serve",
+]
+
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+"""``--shutdown-timeout``: the longest drain of admitted requests after SIGTERM before they are dropped."""
 
 DRAIN_SECONDS = 5
-"""How long shutdown lets open connections finish before it drops the responses still running."""
+"""The drain period of :func:`draining_server` when none is given."""
+
+_DRAIN_POLL_SECONDS = 0.02
+"""How often the drain checks whether admitted requests are left (and whether a second signal came)."""
 
 FLUSH_SECONDS = 1.0
 """After the drain period: time for the dropped responses' terminal events to reach their readers."""
@@ -66,6 +94,10 @@ class RunOptions:
     alias: tuple[str, ...] = ()
     vllm_metrics: bool = False
     """Also export the gateway load gauges under vLLM's metric names."""
+    kv_events_config: str | None = None
+    """KV-cache event publishing, vLLM's JSON (:mod:`helios_core.server.kv_events`); None: off."""
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    """Seconds admitted requests may still run after SIGTERM before they are dropped."""
 
 
 _BACKENDS = ("auto", "reference", "cuda")
@@ -87,6 +119,12 @@ def _convert(name: str, value: Any, source: str) -> Any:
         if value not in _BACKENDS:
             raise StartupError(f"{where} must be one of {', '.join(_BACKENDS)}, not {value!r}")
         return value
+    if name == "shutdown_timeout":
+        return _seconds(value, where)
+    if name == "kv_events_config":
+        from helios_core.server.kv_events import config_text
+
+        return config_text(value, where)
     if name in ("history_drafting", "vllm_metrics"):
         if isinstance(value, bool):
             return value
@@ -113,6 +151,19 @@ def _convert(name: str, value: Any, source: str) -> Any:
         except ValueError:
             pass
     raise StartupError(f"{where} must be an integer, not {value!r}")
+
+
+def _seconds(value: Any, where: str) -> float:
+    """A non-negative, finite number of seconds (a number or its string)."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise StartupError(f"{where} must be a number of seconds, not {value!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise StartupError(f"{where} must be a number of seconds, not {value!r}") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise StartupError(f"{where} must be a finite number of seconds of at least 0, not {value!r}")
+    return seconds
 
 
 def _config_values(path: Path) -> dict[str, Any]:
@@ -151,6 +202,8 @@ def resolve_options(
     for name, value in explicit.items():
         if value is not None and value != () and value != [] and value is not False:
             values[name] = tuple(value) if isinstance(value, list) else value
+    if "shutdown_timeout" in values:  # an explicit value is checked as the others are
+        values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "shutdown-timeout")
     if values.get("core") is None:
         raise StartupError("no core given: pass --core PATH (or set core in --config, or $HELIOS_CORE)")
     return RunOptions(**values)
@@ -164,6 +217,8 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import start
     from helios_core.server.app import ServerSettings, chat_service, create_app
+    from helios_core.server.kv_events import KvEventPublisher, default_topic, parse_kv_events_config
+    from helios_core.server.readiness import Readiness
 
     if options.core is None:
         raise StartupError("no core given: pass --core PATH")
@@ -177,20 +232,50 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         history_drafting=options.history_drafting,
         cache_pages=options.cache_pages,
     )
+    kv_config = parse_kv_events_config(options.kv_events_config) if options.kv_events_config else None
     running = start(options.core, trust, load, backend=options.backend)
+    kv_events: KvEventPublisher | None = None
     try:
-        app = create_app(running, ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics))
+        readiness = Readiness()
+        readiness.starting("the warm-up generation is running")
+        settings = ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics)
+        app = create_app(running, settings, readiness)
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
         serving = running.verified.contract.serving
         names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
         line = f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
-        server = draining_server(config, chat_service(app).drop_responses, on_started=lambda: announce(line))
+        service = chat_service(app)
+        if kv_config is not None and kv_config.enabled:
+            topic = kv_config.topic or default_topic(options.host, options.port, service.served_name)
+            kv_events = KvEventPublisher(kv_config, topic)
+            kv_events.attach(running.engine.allocator)
+            service.metrics.registry.register(kv_events.counters())
+
+        def on_ready() -> None:
+            readiness.mark_ready()
+            announce(line)
+
+        server = draining_server(
+            config,
+            service.drop_responses,
+            drain_seconds=options.shutdown_timeout,
+            on_started=on_ready,
+            warm_up=service.warm_up,
+            in_flight=lambda: service.admission.in_use,
+            readiness=readiness,
+        )
         with _quiet_after_shutdown(), _server_log():
             server.run()
         if not server.started:
             raise StartupError(f"could not listen on {options.host}:{options.port}")
+        if server.startup_failure is not None:
+            raise server.startup_failure
     finally:
-        running.close()
+        try:
+            running.close()
+        finally:
+            if kv_events is not None:
+                kv_events.close()  # after the model worker stopped: the last event is AllBlocksCleared
 
 
 class _LineFormatter(logging.Formatter):
@@ -223,34 +308,94 @@ def draining_server(
     drain_seconds: float = DRAIN_SECONDS,
     flush_seconds: float = FLUSH_SECONDS,
     on_started: Callable[[], None] | None = None,
+    warm_up: Callable[[], None] | None = None,
+    in_flight: Callable[[], int] | None = None,
+    readiness: Readiness | None = None,
 ) -> Any:
     """A uvicorn server whose shutdown drains, then drops (see the module docstring).
 
     ``drop_responses(message)`` ends the app's running responses with their terminal errors and says how
-    many it ended (:meth:`~helios_core.server.service.ChatService.drop_responses`); ``on_started`` runs
-    once the server listens. ``config.timeout_graceful_shutdown`` is replaced by the two periods.
+    many it ended (:meth:`~helios_core.server.service.ChatService.drop_responses`). Once the server
+    listens, ``warm_up`` (if any) runs on its own thread and then ``on_started`` runs on the event loop;
+    a warm-up that raises stops the server and is kept as ``startup_failure``. With ``in_flight`` (how
+    many admitted requests are still held) shutdown first marks ``readiness`` draining and waits, still
+    listening, until none is held or ``drain_seconds`` passed; without it shutdown stops accepting at
+    once and drops after ``drain_seconds``. A second signal closes every connection at once.
+    ``config.timeout_graceful_shutdown`` is replaced by the periods.
     """
     import uvicorn
 
-    config.timeout_graceful_shutdown = drain_seconds + flush_seconds + 1
+    config.timeout_graceful_shutdown = (0 if in_flight is not None else drain_seconds) + flush_seconds + 1
 
     class DrainingServer(uvicorn.Server):
+        startup_failure: HeliosError | None = None
+        """Why the warm-up failed (the server then stopped), or None."""
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
-            if self.started and on_started is not None:
+            if not self.started:
+                return
+            if warm_up is None:
+                if on_started is not None:
+                    on_started()
+                return
+            loop = asyncio.get_running_loop()
+            thread = threading.Thread(target=self._warm_up, args=(loop, warm_up), name="helios-warm-up", daemon=True)
+            thread.start()
+
+        def _warm_up(self, loop: asyncio.AbstractEventLoop, work: Callable[[], None]) -> None:
+            """On the warm-up thread (never the loop: the generation blocks until the engine answers)."""
+            failure: HeliosError | None = None
+            try:
+                work()
+            except HeliosError as exc:
+                failure = exc
+            except Exception as exc:  # any failure of the warm-up is a startup failure
+                failure = StartupError(f"the warm-up generation failed: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server already stopped
+                loop.call_soon_threadsafe(self._warmed, failure)
+
+        def _warmed(self, failure: HeliosError | None) -> None:
+            if failure is not None:
+                self.startup_failure = failure
+                self.should_exit = True
+            elif not self.should_exit and on_started is not None:
                 on_started()
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.should_exit:  # a second signal: close everything now
+                self.force_exit = True
+            super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets: Any = None) -> None:
             loop = asyncio.get_running_loop()
-            timers = [
-                loop.call_later(drain_seconds, self._drop),
-                loop.call_later(drain_seconds + flush_seconds, self._close),
-            ]
+            drop_after = drain_seconds
+            forcing = loop.create_task(self._close_when_forced())
             try:
-                await super().shutdown(sockets=sockets)
+                if in_flight is not None:
+                    if readiness is not None:
+                        readiness.drain("shutdown began")
+                    deadline = loop.time() + drain_seconds
+                    while in_flight() > 0 and not self.force_exit and loop.time() < deadline:
+                        await asyncio.sleep(_DRAIN_POLL_SECONDS)
+                    drop_after = 0.0
+                timers = [
+                    loop.call_later(drop_after, self._drop),
+                    loop.call_later(drop_after + flush_seconds, self._close),
+                ]
+                try:
+                    await super().shutdown(sockets=sockets)
+                finally:
+                    for timer in timers:
+                        timer.cancel()
             finally:
-                for timer in timers:
-                    timer.cancel()
+                forcing.cancel()
+
+        async def _close_when_forced(self) -> None:
+            while not self.force_exit:
+                await asyncio.sleep(_DRAIN_POLL_SECONDS)
+            self._drop()
+            self._close()
 
         def _drop(self) -> None:
             drop_responses(

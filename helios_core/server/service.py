@@ -20,6 +20,13 @@ declared as anything but JSON is 415. An output failure (presentation raising) e
 with ``execution_error`` and is counted as failed (:class:`~helios_core.server.metrics.OutputFailures`).
 At shutdown :meth:`ChatService.drop_responses` ends every running response with its terminal
 ``cancelled`` error.
+
+Every inference route (and ``GET /v1/models``) first asks the app's
+:class:`~helios_core.server.readiness.Readiness` (503 ``not_ready`` while starting or draining);
+``GET /health`` reports the model worker thread's liveness. :meth:`ChatService.warm_up` is the
+startup generation ``helios run`` makes through the engine before it reports ready, and
+:meth:`ChatService.render` serves the render endpoints: the exact prompt token ids the request's
+own preparation produces (the same function as generation, the same errors), without generating.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from helios_core.errors import StartupError
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
@@ -54,9 +62,11 @@ from helios_core.server.errors import (
     REQUEST_ID_STATE,
     AdmissionRefused,
     ExecutionError,
+    NotReady,
     RequestCancelled,
     UnknownModel,
     UnsupportedMediaType,
+    clamp_retry_after_ms,
     error_body,
     log_failure,
     validation_error,
@@ -64,6 +74,7 @@ from helios_core.server.errors import (
 from helios_core.server.metrics import LoadReading, MetricsExporter
 from helios_core.server.preparation import Frontend, Prepared, prepare, prepare_completion
 from helios_core.server.presentation import CompletionPresenter, Presenter, ResponsePresenter, sse_error
+from helios_core.server.readiness import Readiness
 from helios_core.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -104,19 +115,24 @@ class _Endpoint:
 _CHAT = _Endpoint("chatcmpl-", decode_request, prepare, Presenter)
 _COMPLETIONS = _Endpoint("cmpl-", decode_completion_request, prepare_completion, CompletionPresenter)
 
+WARM_UP_PROMPT = "Hello"
+"""The text whose first token is the warm-up generation's one-token prompt (a prompt shorter than a
+cache page leaves no reusable prefix behind)."""
+
 
 class ChatService:
     """Everything the HTTP controllers call (see the module docstring)."""
 
-    def __init__(self, running: RunningModel, settings: ServerSettings) -> None:
+    def __init__(self, running: RunningModel, settings: ServerSettings, readiness: Readiness | None = None) -> None:
         self.running = running
+        self.readiness = readiness if readiness is not None else Readiness.ready()
         serving = running.verified.contract.serving
         self.served_name = settings.served_name or serving.served_name
         self.aliases = tuple(dict.fromkeys(a for a in (*serving.aliases, *settings.aliases) if a != self.served_name))
         self.names = frozenset((self.served_name, *self.aliases))
         selection = running.model.selection
         capacity = selection.queue_capacity + selection.max_active
-        self.admission = Admission(capacity, selection.frontend_workers)
+        self.admission = Admission(capacity, selection.frontend_workers, selection.max_active)
         self.frontend = Frontend(running)
         self._preparation = ThreadPoolExecutor(selection.frontend_workers, thread_name_prefix="helios-frontend")
         self._bridge = EventBridge(capacity + selection.frontend_workers)
@@ -155,6 +171,7 @@ class ChatService:
 
     # -- endpoints --------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
+        self.readiness.check()
         created = int(time.time())
         return {
             "object": "list",
@@ -164,8 +181,35 @@ class ChatService:
             ],
         }
 
-    def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.served_name}
+    def health(self) -> Response[dict[str, Any]]:
+        """``GET /health``: liveness. 200 while the model worker thread runs, 503 once it stopped."""
+        if self.running.engine.worker_alive():
+            return Response({"status": "ok", "model": self.served_name}, status_code=200)
+        body = {"status": "dead", "model": self.served_name, "reason": "the model worker stopped"}
+        return Response(body, status_code=503)
+
+    def ready(self) -> dict[str, Any]:
+        """``GET /ready``: 200 once warmed up and while the worker runs; else 503 ``not_ready``."""
+        self.readiness.check()
+        if not self.running.engine.worker_alive():
+            raise NotReady("the model worker stopped")
+        return {"status": "ready", "model": self.served_name}
+
+    def warm_up(self) -> None:
+        """One real one-token generation through the engine (blocking; helios run calls it once on a
+        thread before it reports ready). Raises StartupError when it does not finish normally."""
+        tokenizer = self.running.bootstrap.tokenizer
+        first: list[int | str | list[int]] = [*tokenizer.encode(WARM_UP_PROMPT, add_special_tokens=False).ids[:1]]
+        request = CompletionRequest(prompt=first or [0], max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            prepared = prepare_completion(self.frontend, request, f"warmup-{uuid.uuid4().hex}")
+            result = self.running.engine.generate(prepared.request)
+        except Exception as exc:
+            raise StartupError(f"the warm-up generation failed: {type(exc).__name__}: {exc}") from exc
+        if result.finish_reason not in ("length", "stop") or len(result.token_ids) != 1:
+            raise StartupError(
+                f"the warm-up generation ended with {result.finish_reason!r} after {len(result.token_ids)} tokens"
+            )
 
     async def chat(self, request: Request[Any, Any, Any]) -> Response[Any]:
         """``POST /v1/chat/completions``."""
@@ -175,9 +219,44 @@ class ChatService:
         """``POST /v1/completions`` (legacy completions: a raw prompt, no chat template)."""
         return await self._generate(request, _COMPLETIONS)
 
-    async def _generate(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> Response[Any]:
+    async def render_chat(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        """``POST /v1/chat/completions/render``."""
+        return await self.render(request, _CHAT)
+
+    async def render_completion(self, request: Request[Any, Any, Any]) -> dict[str, Any]:
+        """``POST /v1/completions/render``."""
+        return await self.render(request, _COMPLETIONS)
+
+    async def render(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> dict[str, Any]:
+        """The prompt token ids generation would prefill for this body: the endpoint's own decoding and
+        preparation run (the same errors as generating), under an admission permit and a preparation
+        slot, and nothing is submitted."""
+        decoded, _, permit, request_id = await self._admit(request, endpoint)
+        try:
+            loop = asyncio.get_running_loop()
+            async with self.admission.preparation_slot():
+                prepared = await loop.run_in_executor(
+                    self._preparation, endpoint.prepare, self.frontend, decoded, request_id
+                )
+        finally:
+            permit.release()
+        prompt_ids = list(prepared.request.prompt_ids)
+        return {
+            "id": request_id,
+            "object": "render",
+            "model": decoded.model or self.served_name,
+            "prompt_token_ids": prompt_ids,
+            "num_prompt_tokens": len(prompt_ids),
+        }
+
+    async def _admit(
+        self, request: Request[Any, Any, Any], endpoint: _Endpoint
+    ) -> tuple[GenerationRequest, int, Permit, str]:
+        """Readiness, the response id, strict decoding, the model name and an admission permit, in that
+        order: (decoded request, ingress time, permit, request id)."""
         request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex}"
         request.state[REQUEST_ID_STATE] = request_id
+        self.readiness.check()
         _check_content_type(request.headers.get("content-type"))
         body = await request.body()
         try:
@@ -187,7 +266,10 @@ class ChatService:
         ingress_ns = self._now_ns()
         if decoded.model is not None and decoded.model not in self.names:
             raise UnknownModel(f"model {decoded.model!r} is not served here; GET /v1/models lists the served names")
-        permit = self.admission.admit()
+        return decoded, ingress_ns, self.admission.admit(), request_id
+
+    async def _generate(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> Response[Any]:
+        decoded, ingress_ns, permit, request_id = await self._admit(request, endpoint)
         try:
             return await self._admitted(request, endpoint, decoded, permit, ingress_ns, request_id)
         except BaseException:
@@ -276,7 +358,7 @@ class ChatService:
                 if isinstance(event, Finished):
                     raise RequestCancelled("the request was cancelled before it finished")
                 if isinstance(event, AdmissionRejected):
-                    raise _refusal(event, prepared)
+                    raise _refusal(event, prepared, self.admission.retry_after_ms())
                 if isinstance(event, ExecutionFailed):
                     raise ExecutionError(event.message)
                 raise ExecutionError(f"unexpected event {type(event).__name__}")
@@ -397,10 +479,11 @@ def _check_content_type(value: str | None) -> None:
             raise UnsupportedMediaType(f"the request body must be UTF-8 JSON, not charset {setting.strip()[:40]!r}")
 
 
-def _refusal(event: AdmissionRejected, prepared: Prepared) -> AdmissionRefused:
+def _refusal(event: AdmissionRejected, prepared: Prepared, retry_after_ms: int | None = None) -> AdmissionRefused:
     """The error of the model worker's rejection, naming the request's own prompt field (the worker
-    names the prompt ``messages``; a completion's is ``prompt``)."""
+    names the prompt ``messages``; a completion's is ``prompt``), with when a transient one may pass."""
     refusal = AdmissionRefused.of(event)
+    refusal.retry_after_ms = None if retry_after_ms is None else clamp_retry_after_ms(retry_after_ms)
     if refusal.param == "messages":
         refusal.param = prepared.prompt_field
     return refusal

@@ -160,7 +160,7 @@ def test_openapi_lists_every_error_status_with_the_error_object(served: Served) 
         assert schema["required"] == ["error"]
         assert schema["properties"]["error"]["required"] == ["message", "type", "param", "code"]
     for status in ("429", "503"):
-        assert set(operation["responses"][status]["headers"]) == {"Retry-After", "x-should-retry"}
+        assert set(operation["responses"][status]["headers"]) == {"Retry-After", "retry-after-ms", "x-should-retry"}
     assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
 
 

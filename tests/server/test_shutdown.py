@@ -59,7 +59,7 @@ def test_sigterm_ends_streams_past_the_drain_with_one_error_event_and_one_log_li
     command = [
         sys.executable, "-m", "helios_core.cli", "run", "--core", str(core), "--trust-key", str(public_key),
         "--accept", NAMESPACE, "--port", str(port), "--backend", "reference", "--max-active", "1",
-        "--queue-capacity", str(STREAMS),
+        "--queue-capacity", str(STREAMS), "--shutdown-timeout", str(DRAIN_SECONDS),
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     bodies: dict[int, str] = {}

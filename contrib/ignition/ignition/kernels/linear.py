@@ -6,20 +6,24 @@ prologue optionally normalises each row (RMS norm with its gain) or applies SwiG
 ``[gate | up]`` row, and the residual is optional. Activations are float32 in memory and rounded
 to the weight's type for the tensor cores (bf16 products, float32 accumulation), as every bf16
 serving engine does. Each program computes a ``BLOCK_M x BLOCK_N`` tile over the whole reduction,
-so results do not depend on how many rows share the launch beyond the bf16 rounding of each row's
-own inputs (row independent), and nothing is accumulated with atomics (run-to-run identical).
+or, where the output tiles alone would leave multiprocessors idle (a few rows, or narrow outputs),
+over one of ``split`` equal parts of it: each part stores a partial tile, and the last part of a
+tile to finish adds the partials in part order and stores the result. Nothing is accumulated in an
+order that depends on timing, so a launch repeats bit for bit; how many parts a projection has
+depends on its row count, so a row's last bits may differ between launches of different row counts.
 
 Tile shapes are chosen from the shape at build time (:func:`choose_tiles`): one or two rows
 (decode at batch 1 and 2) run on the FMA units, in the streaming kernel (a fixed grid of a few
 programs a multiprocessor, each over several tiles of whole weight rows, the next tile loaded while
 the current one is reduced) where a row of inputs fits in registers, else one program per column
-block; up to 16 rows get 16-row tiles and narrow column tiles so that enough programs stream the
-weights; many rows (prefill, large decode batches) get 64/128-row tiles that run on Hopper's
-warpgroup matrix instructions.
+block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles and more rows (prefill, large decode
+batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions; each with the
+reduction split so that about two programs a multiprocessor stream the weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -36,62 +40,68 @@ def projection_kernel(  # type: ignore[no-untyped-def]
     w_ptr,
     out_ptr,
     residual_ptr,
-    norm_ptr,
-    eps,
+    partial_ptr,
+    counter_ptr,
     rows,
     N: tl.constexpr,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    GATED: tl.constexpr,
+    SPLIT: tl.constexpr,
+    K_SPLIT: tl.constexpr,
     RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
+    """One ``BLOCK_M x BLOCK_N`` tile of ``x @ weight.T (+ residual)`` over the reduction steps of
+    split ``program_id(2)`` (the RMS norm or SwiGLU of the inputs, if any, is staged before).
+
+    With ``SPLIT`` > 1 each split stores its partial tile to ``partial_ptr``; the last split of a
+    tile to finish (an atomic count in ``counter_ptr``) adds the partials in split order (so the
+    result does not depend on which finished last), adds the residual, stores the tile and resets
+    the count for the next launch.
+    """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < rows
     n_ok = offs_n < N
-    x_stride = 2 * K if GATED else K
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if NORM:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(
-                x_ptr + offs_m[:, None] * x_stride + offs_k[None, :],
-                mask=m_ok[:, None] & (offs_k[None, :] < K),
-                other=0.0,
-            )
-            squares += tl.sum(xs * xs, axis=1)
-        scale = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        x_mask = m_ok[:, None] & k_ok[None, :]
-        x_offsets = offs_m[:, None] * x_stride + offs_k[None, :]
-        if GATED:
-            gate = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
-            up = tl.load(x_ptr + x_offsets + K, mask=x_mask, other=0.0)
-            xs = gate / (1.0 + tl.exp(-gate)) * up
-        else:
-            xs = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
-        if NORM:
-            gain = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0)
-            xs = (xs * scale[:, None]) * gain[None, :]
+        xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_offsets = offs_m[:, None] * N + offs_n[None, :]
-    if RESIDUAL:
-        acc += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
-    tl.store(out_ptr + out_offsets, acc, mask=out_mask)
+    if SPLIT == 1:
+        if RESIDUAL:
+            acc += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+        tl.store(out_ptr + out_offsets, acc, mask=out_mask)
+    else:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(partial_ptr + (tile * SPLIT + pid_k) * (BLOCK_M * BLOCK_N) + block, acc)
+        # every thread's partial is stored before the count (barrier, then a release); the last split
+        # reads the partials after its acquire, past L1
+        tl.debug_barrier()
+        counter = counter_ptr + tile
+        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if finished == SPLIT - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for split in range(SPLIT):
+                part = partial_ptr + (tile * SPLIT + split) * (BLOCK_M * BLOCK_N)
+                total += tl.load(part + block, cache_modifier=".cg")
+            if RESIDUAL:
+                total += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+            tl.store(out_ptr + out_offsets, total, mask=out_mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -262,6 +272,9 @@ class Tiles:
     num_warps: int
     num_stages: int
     per_sm: int = 0
+    split: int = 1
+    """Matrix tiles only: the reduction split into this many parts, each a program (see
+    :func:`projection_kernel`), where the tiles alone would leave multiprocessors idle."""
 
 
 MULTIPROCESSORS = 132
@@ -281,18 +294,27 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
             return Tiles(1, 2, 0, 4, 1, per_sm=8)
         return Tiles(1, 8, 1024, 8, 1)
     if rows <= 16:
-        block_n = 128
-        while block_n > 16 and cdiv(n, block_n) < 2 * multiprocessors:
-            block_n //= 2
-        block_k = 256 if block_n <= 32 else 128
-        while block_k > 64 and block_k > k:
-            block_k //= 2
-        return Tiles(16, block_n, block_k, 4, 4 if block_n <= 32 else 3)
+        block_n = 128 if cdiv(n, 128) >= SPLIT_PROGRAMS * multiprocessors else 64
+        return _split_reduction(Tiles(16, block_n, 128, 4, 4), rows, n, k, multiprocessors)
     if rows <= 64:
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
-        return Tiles(64, block_n, 64, 4, 4)
+        return _split_reduction(Tiles(64, block_n, 64, 4, 4), rows, n, k, multiprocessors)
     block_n = 128 if cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors else 64
-    return Tiles(128, block_n, 64, 8, 3)
+    return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
+
+
+SPLIT_PROGRAMS = 2
+"""Programs a multiprocessor the split reduction aims for where the output tiles are fewer."""
+
+
+def _split_reduction(tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int) -> Tiles:
+    """``tiles`` with the reduction split so that about ``SPLIT_PROGRAMS`` programs a multiprocessor
+    stream the weights (few rows or narrow outputs leave most multiprocessors idle otherwise); every
+    split but the last gets the same whole number of ``block_k`` steps."""
+    count = cdiv(rows, tiles.block_m) * cdiv(n, tiles.block_n)
+    steps = cdiv(k, tiles.block_k)
+    wanted = max(1, min(cdiv(SPLIT_PROGRAMS * multiprocessors, count), steps))
+    return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
 
 
 def check_projection(
@@ -351,37 +373,36 @@ def project(
     chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors)
     prologue: list[mf.KernelLaunch] = []
     if chosen.block_m > 1 and (norm is not None or gated):
-        # Many rows: the row-wise prologue once into a workspace (instead of once per column tile),
-        # then the plain projection reads it.
+        # Matrix tiles: the row-wise prologue once into a workspace (instead of once per column tile),
+        # then the plain projection reads it. (Run in the projection's steps instead, as measured on
+        # an H200, it made 8-row projections about 1.5x slower: a row reduction every step.)
         staged = ctx.workspace("projection_input", mf.DTYPE_F32, rows * k)
         staged_view = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
         prologue = _prologue(ctx, node, x, staged_view, norm, gated, rows, k)
         x, norm, gated = staged_view, None, False
-    eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
-    args = {
-        "x_ptr": ctx.pointer(x),
-        "w_ptr": ctx.pointer(weight),
-        "out_ptr": ctx.pointer(out),
-        "residual_ptr": ctx.pointer(residual if residual is not None else out),
-        "norm_ptr": ctx.pointer(norm if norm is not None else x),
-        "eps": ctx.f32(eps),
-        "rows": ctx.i32(rows),
-    }
-    constants: dict[str, int | bool] = {
-        "N": n,
-        "K": k,
-        "BLOCK_N": chosen.block_n,
-        "NORM": norm is not None,
-        "GATED": gated,
-        "RESIDUAL": residual is not None,
-    }
     grid: tuple[int, ...]
+    constants: dict[str, int | bool] = {"N": n, "K": k, "BLOCK_N": chosen.block_n, "RESIDUAL": residual is not None}
+    args = {"x_ptr": ctx.pointer(x), "w_ptr": ctx.pointer(weight), "out_ptr": ctx.pointer(out)}
+    args["residual_ptr"] = ctx.pointer(residual if residual is not None else out)
     if chosen.block_m > 1:
-        constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k)
-        kernel, grid = projection_kernel, (cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m))
-    elif rows > 2:
+        tiles_n, tiles_m = cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m)
+        partials, counters = out, out  # never touched without a split
+        if chosen.split > 1:
+            area = tiles_n * tiles_m * chosen.split * chosen.block_m * chosen.block_n
+            partials = ctx.workspace("projection_partials", mf.DTYPE_F32, area)
+            counters = ctx.workspace("projection_splits_done", mf.DTYPE_I32, tiles_n * tiles_m)
+        args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
+        k_split = cdiv(cdiv(k, chosen.block_k), chosen.split) * chosen.block_k
+        constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split)
+        kernel, grid = projection_kernel, (tiles_n, tiles_m, chosen.split)
+        launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+        return [*prologue, launch]
+    eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
+    args.update(norm_ptr=ctx.pointer(norm if norm is not None else x), eps=ctx.f32(eps), rows=ctx.i32(rows))
+    constants.update(NORM=norm is not None, GATED=gated)
+    if rows > 2:
         raise ctx.fail(f"the vector projection takes at most 2 rows, not {rows}")
-    elif chosen.per_sm:
+    if chosen.per_sm:
         programs = min(cdiv(n, chosen.block_n), chosen.per_sm * multiprocessors)
         constants.update(ROWS_P2=next_power_of_two(rows), K_P2=next_power_of_two(k), PROGRAMS=programs)
         kernel, grid = streaming_projection_kernel, (programs,)
