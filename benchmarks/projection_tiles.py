@@ -29,6 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 
 import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
+from ignition.kernels import load_kernel_modules  # noqa: E402
 from ignition.kernels.linear import Tiles, choose_tiles, project  # noqa: E402
 from ignition.kernels.lowering import LoweringContext  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
@@ -66,6 +67,20 @@ CANDIDATES = (
     Tiles(128, 64, 64, 4, 3),
     Tiles(128, 128, 64, 8, 3),
     Tiles(128, 256, 64, 8, 3),
+    *(
+        Tiles(m, n, k, warps, stages, split=split)
+        for m, n, k, warps, stages in (
+            (16, 64, 128, 4, 4),
+            (16, 128, 128, 4, 4),
+            (16, 64, 256, 4, 3),
+            (64, 64, 64, 4, 4),
+            (64, 128, 64, 4, 4),
+            (64, 64, 128, 4, 3),
+            (128, 64, 64, 8, 3),
+            (128, 128, 64, 8, 3),
+        )
+        for split in (2, 4, 8)
+    ),
 )
 
 
@@ -116,9 +131,7 @@ def _candidates(rows: int, n: int, k: int) -> list[Tiles]:
     chosen = choose_tiles(rows, n, k)
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
     return [
-        t
-        for t in dict.fromkeys((chosen, *CANDIDATES))
-        if t == chosen or (min(t.block_m, 64) == family and _fits(t, k))
+        t for t in dict.fromkeys((chosen, *CANDIDATES)) if t == chosen or (min(t.block_m, 64) == family and _fits(t, k))
     ]
 
 
@@ -134,11 +147,16 @@ def _label(tiles: Tiles, chosen: Tiles) -> str:
     mark = "*" if tiles == chosen else " "
     if tiles.per_sm:
         return f"{mark}{tiles.block_m}x{tiles.block_n}xrow w{tiles.num_warps} {tiles.per_sm}/SM"
-    return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
+    split = f" /{tiles.split}" if tiles.split > 1 else ""
+    return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}"
 
 
-def _lowered(rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles) -> tuple[Any, mf.KernelLaunch]:
-    """The compiled module and the launch of one projection as the Llama graph writes it."""
+def _lowered(
+    rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles
+) -> tuple[Any, mf.KernelLaunch, dict[str, int]]:
+    """The compiled module and the launch of one projection as the Llama graph writes it, and the
+    elements of each workspace it uses."""
+    load_kernel_modules()  # the staged prologue's lowerings
     manifest, node = _manifest(rows, n, k, gated, normed)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="proj")
     views = {arg.name: arg.view for arg in node.args}
@@ -146,15 +164,21 @@ def _lowered(rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles)
         ctx, node, views["x"], views["weight"], views["out"], residual=None if normed else views["out"],
         norm=views["norm"] if normed else None, gated=gated, tiles=tiles,
     )  # fmt: skip
-    if len(launches) != 1:
-        raise ValueError("timed only as one launch")
-    return next(iter(ctx.modules.values())), launches[0]
+    # matrix tiles stage the norm or SwiGLU in a launch before: only the projection's launch is timed
+    workspaces = {
+        d.name: int(np.prod([int(s.size) for s in d.shape]))
+        for d in manifest.buffers
+        if d.name.startswith("workspace.")
+    }
+    return ctx.modules[launches[-1].module], launches[-1], workspaces
 
 
-def _compile_only(shapes: list[str], rows_list: list[int]) -> int:
+def _compile_only(shapes: list[str], rows_list: list[int], projections: list[str]) -> int:
     for shape_name in shapes:
         for rows in rows_list:
             for proj, (n, k, gated, normed) in _projections(shape_name).items():
+                if proj not in projections:
+                    continue
                 for tiles in _candidates(rows, n, k):
                     try:
                         _lowered(rows, n, k, gated, normed, tiles)
@@ -170,8 +194,13 @@ def _time_ours(
     """Microseconds of one launch of the projection (see :func:`_lowered`), weights rotated: launched one
     after another on the stream, and as a CUDA graph of such launches joined by programmatic edges
     (how a program's graph runs them)."""
-    module_data, launch = _lowered(rows, n, k, gated, normed, tiles)
+    module_data, launch, workspaces = _lowered(rows, n, k, gated, normed, tiles)
     module = cuda.load_module(module_data.data)
+    scratch = {name: cuda.alloc(max(count * 4, 4)) for name, count in workspaces.items()}
+    for name, count in workspaces.items():
+        cuda.memset(scratch[name], max(count * 4, 4))
+    if "workspace.projection_input" in scratch:  # the staged prologue's output is the projection's input
+        cuda.upload(scratch["workspace.projection_input"], np.ones(rows * k, dtype=np.float32))
     function = cuda.function(module, launch.symbol, launch.shared_bytes)
     x = cuda.alloc(rows * (2 * k if gated else k) * 4)
     out = cuda.alloc(rows * n * 4)
@@ -182,7 +211,7 @@ def _time_ours(
         cuda.upload(w, (rng.standard_normal(n * k).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
     norm = cuda.alloc(k * 4)
     cuda.upload(norm, np.ones(k, dtype=np.float32))
-    packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out, "norm": norm}) for w in weights]
+    packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out, "norm": norm, **scratch}) for w in weights]
     start, end = cuda.timing_event(), cuda.timing_event()
     for pack in packs:
         cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack)
@@ -214,7 +243,7 @@ def _time_ours(
     in_graph = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * chain)
     cuda.destroy_graph(executable)
     builder.destroy()
-    for pointer in (x, out, norm, *weights):
+    for pointer in (x, out, norm, *weights, *scratch.values()):
         cuda.free(pointer)
     return elapsed, in_graph
 
@@ -256,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
     args = parser.parse_args(argv)
     if args.compile_only:
-        return _compile_only(args.shapes.split(","), [int(r) for r in args.rows.split(",")])
+        rows = [int(r) for r in args.rows.split(",")]
+        return _compile_only(args.shapes.split(","), rows, args.projections.split(","))
     bandwidth = copy_bandwidth("cuda")
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")

@@ -141,6 +141,10 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
         kind = "" if plan.kind == "history" else "-selfdraft"
         name = f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}-d{plan.draft_tokens}{kind}.core"
         specs.append(CoreSpec(shape, str(directory / name), (*arguments, "--sign-key", str(signing_key))))
+        if plan.kind == "self-draft":  # the same draft with room for every ceiling: fixed-width speculation
+            fixed = name.replace(".core", "-fixed.core")
+            arguments = (*arguments, "--proposal-budget", "full", "--sign-key", str(signing_key))
+            specs.append(CoreSpec(f"{shape} fixed width", str(directory / fixed), arguments))
     return specs
 
 

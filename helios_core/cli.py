@@ -280,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
-    "vllm_metrics", "kv_events_config", "shutdown_timeout",
+    "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages",
 )  # fmt: skip
 
 
@@ -308,6 +308,9 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--frontend-workers", type=int, help="request preparation threads (default: the core's)")
     run.add_argument("--event-capacity", type=int, help="minimum per-response event budget (default: the core's)")
     run.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
+    run.add_argument(
+        "--offload-pages", type=int, metavar="N", help="host-memory pages evicted cache pages move to (default 0: off)"
+    )
     run.add_argument(
         "--trust-key", type=Path, action="append", metavar="PEM", help="trusted publisher key (repeatable)"
     )

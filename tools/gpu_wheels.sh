@@ -39,6 +39,8 @@ WHEELS=(
     llguidance==1.9.1      # structured output
     uvicorn==0.54.0        # the ASGI server of helios run
     protobuf==7.36.2       # wire schema runtime (see above)
+    pyzmq==27.3.0          # KV-cache events (helios_core.server.kv_events)
+    msgpack==1.2.4         # KV-cache event payloads
 )
 
 PLATFORMS=()

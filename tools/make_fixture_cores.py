@@ -7,8 +7,11 @@ folder are test material only.
 
 Fixtures: payload format 2 with contract versions 1, 2 and 3; logical-resource
 cores with ProtectedIndex 6 and 4; a core with an unfamiliar execution-ABI
-label; a core whose attention is a sliding window of 8 tokens. All are the tiny
-synthetic Llama shape with seeded weights.
+label; a core whose attention is a sliding window of 8 tokens (all the tiny
+synthetic Llama shape with seeded weights); the tiny ``recurrent-synthetic``
+shape, whose history is a recurrent region of state rows; and the tiny
+``latent-synthetic`` shape, whose history is a paged-latent region read through a
+page-table view shifted by one column.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ sys.path.insert(0, str(ROOT / "contrib" / "ignition"))
 sys.path.insert(0, str(ROOT))
 
 from ignition.build import assemble  # noqa: E402
+from ignition.recipes.latent import assemble_latent, latent_declaration  # noqa: E402
 from ignition.recipes.llama import Capacities  # noqa: E402
+from ignition.recipes.recurrent import assemble_recurrent, recurrent_declaration  # noqa: E402
 from ignition.recipes.synthetic import synthetic_declaration  # noqa: E402
 
 from helios_core.container.keys import generate_keys, load_core_key, load_private_key  # noqa: E402
-from helios_core.container.writer import write_core  # noqa: E402
+from helios_core.container.writer import ResourceInput, write_core  # noqa: E402
 from helios_core.wire import contract_pb2 as ct  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
 
@@ -45,6 +50,12 @@ WINDOWED = Capacities(
     context=64,
     snapshots=0,
     window=8,
+)
+RECURRENT = Capacities(
+    max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64, snapshots=2
+)
+LATENT = Capacities(
+    max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64, snapshots=0
 )
 
 
@@ -92,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     serving, builder, resources = assemble(model, CAPACITIES)
     manifest = builder.manifest
 
-    def write(name: str, contract: ct.ServingContract, execution: mf.ExecutionManifest, layout: str) -> None:
+    def write(
+        name: str,
+        contract: ct.ServingContract,
+        execution: mf.ExecutionManifest,
+        layout: str,
+        written: list[ResourceInput] | None = None,
+    ) -> None:
         path = FIXTURES / name
         if path.exists() and not args.force:
             print(f"kept {path.name} (exists)")
@@ -102,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             namespace=NAMESPACE,
             contract=contract,
             execution=execution,
-            resources=resources,
+            resources=resources if written is None else written,
             signing_key=signing,
             layout=layout,  # type: ignore[arg-type]
             core_key=core_key if layout == "logical-v4" else None,
@@ -124,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     if windowed_resources != resources:
         raise SystemExit("the windowed core's resources differ from the others'")
     write("sliding-window.core", windowed, windowed_builder.manifest, "payload")
+    recurrent, recurrent_builder, recurrent_resources = assemble_recurrent(
+        recurrent_declaration("tiny", seed=7), RECURRENT
+    )
+    write("recurrent-tiny.core", recurrent, recurrent_builder.manifest, "payload", recurrent_resources)
+    latent, latent_builder, latent_resources = assemble_latent(
+        latent_declaration("tiny", seed=7, page_offset=1), LATENT
+    )
+    write("latent-tiny.core", latent, latent_builder.manifest, "payload", latent_resources)
     return 0
 
 

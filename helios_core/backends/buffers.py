@@ -1,12 +1,14 @@
 """Buffer storage rules shared by the backends: the numpy dtype of a wire dtype, a buffer's shape at load.
 
 Owns how a ``BufferDecl`` becomes storage: symbolic leading extents (cache pages, state rows,
-snapshot rows) resolved to the physical capacities chosen at load, and the element type. Every
+snapshot rows) resolved to the physical capacities chosen at load, the element type, and which buffers
+hold per-page storage (what a page's copy to the host tier moves). Every
 backend allocates through these two functions, so their buffers agree exactly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -43,3 +45,9 @@ def runtime_shape(decl: mf.BufferDecl, *, cache_pages: int, state_rows: int, sna
         else:
             shape.append(int(dim.size))
     return tuple(shape)
+
+
+def paged_buffers(decls: Iterable[mf.BufferDecl]) -> list[str]:
+    """Names of the buffers holding per-page storage (leading dimension ``CACHE_PAGES``), in declaration
+    order: what a page's copy to and from the host tier moves."""
+    return [d.name for d in decls if d.shape and d.shape[0].symbol == mf.DIM_SYMBOL_CACHE_PAGES]

@@ -32,6 +32,15 @@ is a kernel), then the copy-out node. Launch parameters resolve buffer names to 
 transport and completion addresses and to the shared buffers' addresses otherwise
 (:func:`frame_addresses`); an empty buffer name passes a null address.
 
+Host tier of cache pages (:meth:`CudaBackend.reserve_host_pages`, once, at load): one page-locked host
+block of ``count`` slots, each holding one page of every buffer with a ``CACHE_PAGES`` leading
+dimension (its planes at :data:`STAGING_ALIGNMENT`-aligned offsets). :meth:`CudaBackend.copy_page_to_host`
+and :meth:`CudaBackend.copy_page_to_device` enqueue one asynchronous copy per plane on the stream the
+graphs run on and return at once: stream order places each copy after every round launched before it
+and before every round launched after, and each round's frame fence (recorded after its graph) covers
+the copies enqueued before that round; :meth:`CudaBackend.drain` and :meth:`CudaBackend.close`
+synchronize the stream, so no copy outlives the backend.
+
 Buffer shapes follow the reference backend exactly (:func:`runtime_shape`): a leading
 ``CACHE_PAGES`` or ``STATE_ROWS`` dimension takes the load-time extent, ``SNAPSHOT_ROWS`` the chosen
 snapshot rows (0 keeps preparation's count).
@@ -53,7 +62,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, runtime_shape
+from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
 from helios_core.backends.cuda_driver import Context, CudaError, GraphBuilder, HostBuffer, open_context, pack_params
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
@@ -337,6 +346,14 @@ class CudaBackend:
         self._programs: dict[str, list[Any]] = {}
         self._transport_spans: dict[str, tuple[int, int] | None] = {}
         self._completion_spans: dict[str, tuple[int, int] | None] = {}
+        self._paged = paged_buffers(contract.execution.buffers)
+        self._host_pages: HostBuffer | None = None
+        """The host tier's page slots (:meth:`reserve_host_pages`)."""
+        self._host_page_count = 0
+        self._host_slot_bytes = 0
+        self._page_planes: list[tuple[int, int, int]] = []
+        """Per paged buffer: (device address, bytes per page, offset within a host slot)."""
+        self._cache_pages = cache_pages
         try:
             if self._context is None:
                 self._context = open_context(device)
@@ -424,6 +441,55 @@ class CudaBackend:
             context.upload(address, values)
             context.synchronize_context()  # a pageable upload may still be in flight when the call returns
 
+    # -- the host tier of cache pages -------------------------------------------------------------
+    def reserve_host_pages(self, count: int) -> None:
+        """Page-locked host slots for ``count`` pages of every buffer with a ``CACHE_PAGES`` leading
+        dimension, once, at load."""
+        if count <= 0 or self._host_page_count:
+            raise ValueError(f"host pages are reserved once, a positive count; got {count}")
+        planes: list[tuple[int, int, int]] = []
+        offset = 0
+        for name in self._paged:
+            shared = self._shared[name]
+            nbytes = math.prod(shared.shape[1:]) * shared.dtype.itemsize
+            planes.append((shared.address, nbytes, offset))
+            offset = _align(offset + nbytes, STAGING_ALIGNMENT)
+        context = self._ctx
+        context.bind()
+        self._host_pages = context.host_alloc(count * offset)
+        self._page_planes = planes
+        self._host_slot_bytes = offset
+        self._host_page_count = count
+
+    def copy_page_to_host(self, page: int, slot: int) -> None:
+        """Enqueue the copy of device page ``page`` of every paged buffer into host slot ``slot``."""
+        host = self._check_page_copy(page, slot)
+        context = self._ctx
+        context.bind()
+        base = host.pointer + slot * self._host_slot_bytes
+        for address, nbytes, offset in self._page_planes:
+            context.copy_to_host_async(base + offset, address + page * nbytes, nbytes)
+
+    def copy_page_to_device(self, slot: int, page: int) -> None:
+        """Enqueue the copy of host slot ``slot`` into device page ``page`` of every paged buffer."""
+        host = self._check_page_copy(page, slot)
+        context = self._ctx
+        context.bind()
+        base = host.pointer + slot * self._host_slot_bytes
+        for address, nbytes, offset in self._page_planes:
+            context.copy_to_device_async(address + page * nbytes, base + offset, nbytes)
+
+    def _check_page_copy(self, page: int, slot: int) -> HostBuffer:
+        if self._closed:
+            raise CudaError("the CUDA backend is closed")
+        if self._host_pages is None:
+            raise ValueError("no host pages are reserved")
+        if not (0 <= page < self._cache_pages and 0 <= slot < self._host_page_count):
+            raise ValueError(
+                f"page {page} or host slot {slot} is outside [0, {self._cache_pages}) or [0, {self._host_page_count})"
+            )
+        return self._host_pages
+
     def drain(self) -> None:
         """Wait for every frame's fence and the stream (nothing of this backend runs afterwards)."""
         context = self._ctx
@@ -467,6 +533,9 @@ class CudaBackend:
                     attempt(context.host_free, host)
             attempt(context.free, state.device)
             attempt(context.free, state.completion_device)
+        if self._host_pages is not None:
+            attempt(context.host_free, self._host_pages)
+            self._host_pages = None
         for shared in self._shared.values():
             attempt(context.free, shared.address)
         attempt(context.close)  # unloads the modules, frees anything left, releases the context

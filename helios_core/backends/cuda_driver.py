@@ -246,6 +246,22 @@ class Context:
         if out.nbytes:
             check(self._cu.cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
 
+    def copy_to_host_async(self, host_pointer: int, device_pointer: int, nbytes: int) -> None:
+        """Device-to-host copy of ``nbytes`` into page-locked host memory, enqueued on the context's stream
+        (ordered after everything enqueued there before; returns at once)."""
+        if nbytes:
+            check(
+                self._cu.cuMemcpyDtoHAsync(host_pointer, device_pointer, int(nbytes), self.stream), "cuMemcpyDtoHAsync"
+            )
+
+    def copy_to_device_async(self, device_pointer: int, host_pointer: int, nbytes: int) -> None:
+        """Host-to-device copy of ``nbytes`` from page-locked host memory, enqueued on the context's stream
+        (ordered before everything enqueued there after; returns at once)."""
+        if nbytes:
+            check(
+                self._cu.cuMemcpyHtoDAsync(device_pointer, host_pointer, int(nbytes), self.stream), "cuMemcpyHtoDAsync"
+            )
+
     def memset(self, pointer: int, nbytes: int, value: int = 0) -> None:
         if nbytes:
             check(self._cu.cuMemsetD8(pointer, value, nbytes), "cuMemsetD8")

@@ -5,7 +5,8 @@ program the handful of transport entries its completion depends on, found throug
 value bindings (generation, sampling decision, query length, positions). ``run`` echoes the
 submission sequence and generations, reports one emitted token per sampling lane, the consumed
 endpoint after the round, -1 cursors and reserved fields, and a deterministic sampled id. Host cost
-(scheduling, packing, validation) can then be measured without a model.
+(scheduling, packing, validation) can then be measured without a model. Page copies to and from the
+host tier copy nothing (there are no cache planes) but check their host slot.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class NullBackend:
 
     def __init__(self, contract: PreparedContract, *, frames: int = 2) -> None:
         self._frames = frames
+        self._host_page_count = 0
         execution = contract.execution
         self._transport = [
             {e.name: np.zeros(tuple(e.shape), dtype=NUMPY_DTYPES[e.dtype]) for e in execution.transport.entries}
@@ -78,6 +80,22 @@ class NullBackend:
         views.consumed_out[:] = consumed
         views.sampled_out[:] = np.where(sampling, (consumed * 7 + 3) % self._sampled_size, -1)
         views.sequence_out[0] = views.sequence[0]
+
+    # -- the host tier of cache pages (no cache planes here: only the slot bookkeeping is checked) --------
+    def reserve_host_pages(self, count: int) -> None:
+        if count <= 0:
+            raise ValueError(f"host pages are reserved in a positive count; got {count}")
+        self._host_page_count = count
+
+    def copy_page_to_host(self, page: int, slot: int) -> None:
+        self._check_slot(slot)
+
+    def copy_page_to_device(self, slot: int, page: int) -> None:
+        self._check_slot(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self._host_page_count:
+            raise ValueError(f"host slot {slot} is outside the reserved host pages")
 
     def close(self) -> None:
         self._transport.clear()

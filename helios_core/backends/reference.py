@@ -31,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from helios_core.backends import reference_kernels as rk
-from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, runtime_shape
+from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, StartupError, UnsupportedFeatureError
@@ -188,6 +188,37 @@ def _paged_attention(n: _Node) -> Step:
         raise n.fail(f"window must be 0 (unlimited) or positive, got {window}")
     rows, positions = token_row.reshape(-1), token_position.reshape(-1)
     return lambda: out(rk.paged_attention(q(), k_plane, v_plane, page_table, rows, positions, scale, window=window))
+
+
+def _latent_cache_write(n: _Node) -> Step:
+    latent, slots, plane = n.floats("latent"), n.tensor("slots"), n.tensor("plane")
+    ratio = n.attr_int("tokens_per_record")
+    if plane.dtype.kind != "f" or plane.ndim != 3:
+        raise n.fail(f"the latent plane must be a float [pages, records, d_c] array, got {plane.dtype} {plane.shape}")
+    if ratio < 1:
+        raise n.fail(f"tokens_per_record must be at least 1, got {ratio}")
+    return lambda: rk.latent_cache_write(plane, latent(), slots.reshape(-1), ratio)
+
+
+def _latent_attention(n: _Node) -> Step:
+    q, plane, w_uk, w_uv = n.floats("q"), n.tensor("plane"), n.floats("w_uk"), n.floats("w_uv")
+    page_table, token_row, token_position = n.tensor("page_table"), n.tensor("token_row"), n.tensor("token_position")
+    out, scale, ratio = n.store("out"), n.attr_float("scale"), n.attr_int("tokens_per_record")
+    page_offset = n.attr_int("page_offset", 0)
+    if ratio < 1:
+        raise n.fail(f"tokens_per_record must be at least 1, got {ratio}")
+    if page_offset < 0:
+        raise n.fail(f"page_offset must be 0 or positive, got {page_offset}")
+    rows, positions = token_row.reshape(-1), token_position.reshape(-1)
+
+    def step() -> None:
+        out(
+            rk.latent_attention(
+                q(), plane, w_uk(), w_uv(), page_table, rows, positions, scale, ratio, page_offset=page_offset
+            )
+        )
+
+    return step
 
 
 def _rmsnorm_linear(n: _Node) -> Step:
@@ -881,6 +912,25 @@ def _completion_self_draft(n: _Node) -> Step:
     return step
 
 
+def _recurrence_state(n: _Node) -> AnyArray:
+    state = n.tensor("state")
+    if state.dtype != np.float32 or state.ndim != 2:
+        raise n.fail(f"state must be a float32 [rows, width] buffer, got {state.dtype} {state.shape}")
+    return state
+
+
+def _gated_recurrence_scan(n: _Node) -> Step:
+    gate, x, out = n.floats("gate"), n.floats("x"), n.store("out")
+    token_row, rows, state = n.tensor("token_row").reshape(-1), n.tensor("rows").reshape(-1), _recurrence_state(n)
+    return lambda: out(rk.gated_recurrence_scan(gate(), x(), token_row, rows, state))
+
+
+def _gated_recurrence_step(n: _Node) -> Step:
+    gate, x, out = n.floats("gate"), n.floats("x"), n.store("out")
+    rows, state = n.tensor("rows").reshape(-1), _recurrence_state(n)
+    return lambda: out(rk.gated_recurrence_step(gate(), x(), rows, state))
+
+
 _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("embedding", 1): _embedding,
     ("rmsnorm", 1): _rmsnorm,
@@ -888,6 +938,8 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("rope", 1): _rope,
     ("kv_cache_write", 1): _kv_cache_write,
     ("paged_attention", 1): _paged_attention,
+    ("latent_cache_write", 1): _latent_cache_write,
+    ("latent_attention", 1): _latent_attention,
     ("silu_mul", 1): _silu_mul,
     ("rmsnorm_linear", 1): _rmsnorm_linear,
     ("linear_add", 1): _linear_add,
@@ -915,6 +967,8 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("draft_allocate", 1): _draft_allocate,
     ("speculative_layout", 1): _speculative_layout,
     ("completion_self_draft", 1): _completion_self_draft,
+    ("gated_recurrence_scan", 1): _gated_recurrence_scan,
+    ("gated_recurrence_step", 1): _gated_recurrence_step,
 }
 
 
@@ -1001,6 +1055,10 @@ class ReferenceBackend:
                     "which is not a COMPLETION buffer"
                 )
             self._completion_fields[int(record.field)] = record.buffer
+        self._paged = paged_buffers(execution.buffers)
+        self._host_pages: dict[str, AnyArray] = {}
+        """The host tier's page slots, per paged buffer (:meth:`reserve_host_pages`)."""
+        self._host_page_count = 0
         self._programs: dict[str, list[list[Step]]] = {}
         for program in list(execution.programs) + list(execution.tuning_programs):
             self._programs[program.name] = [self._resolve(program, frame) for frame in range(frames)]
@@ -1046,8 +1104,40 @@ class ReferenceBackend:
         for step in variants[self._frame(frame)]:
             step()
 
+    # -- the host tier of cache pages ---------------------------------------------
+    def reserve_host_pages(self, count: int) -> None:
+        """Host slots for ``count`` pages of every buffer with a ``CACHE_PAGES`` leading dimension (plain
+        numpy memory), once, at load."""
+        if count <= 0 or self._host_page_count:
+            raise ValueError(f"host pages are reserved once, a positive count; got {count}")
+        self._host_pages = {
+            name: np.zeros((count, *self._shared[name].shape[1:]), dtype=self._shared[name].dtype)
+            for name in self._paged
+        }
+        self._host_page_count = count
+
+    def copy_page_to_host(self, page: int, slot: int) -> None:
+        """Copy device page ``page`` of every paged buffer into host slot ``slot`` (at once)."""
+        self._check_page_copy(page, slot)
+        for name, host in self._host_pages.items():
+            host[slot] = self._shared[name][page]
+
+    def copy_page_to_device(self, slot: int, page: int) -> None:
+        """Copy host slot ``slot`` into device page ``page`` of every paged buffer (at once)."""
+        self._check_page_copy(page, slot)
+        for name, host in self._host_pages.items():
+            self._shared[name][page] = host[slot]
+
+    def _check_page_copy(self, page: int, slot: int) -> None:
+        if not self._host_page_count:
+            raise ValueError("no host pages are reserved")
+        pages = self._symbols[mf.DIM_SYMBOL_CACHE_PAGES]
+        if not (0 <= page < pages and 0 <= slot < self._host_page_count):
+            raise ValueError(f"page {page} or host slot {slot} is outside [0, {pages}) or [0, {self._host_page_count})")
+
     def close(self) -> None:
         """Release every array and resource buffer (nothing is in flight on the CPU)."""
+        self._host_pages.clear()
         self._programs.clear()
         self._transport.clear()
         self._completion_buffers.clear()

@@ -58,14 +58,19 @@ __all__ = [
     "draft_argmax",
     "draft_sample",
     "embedding",
+    "gated_recurrence_scan",
+    "gated_recurrence_step",
     "gather_rows",
     "kv_cache_write",
     "lane_positions",
+    "latent_attention",
+    "latent_cache_write",
     "linear",
     "log_softmax",
     "log_softmax_gather",
     "packed_lane_starts",
     "paged_attention",
+    "recurrence_gate",
     "rmsnorm",
     "rope",
     "rope_inv_freq",
@@ -618,6 +623,153 @@ def paged_attention(
 
 
 # ----------------------------------------------------------------------------------------------
+# paged-latent histories
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_latent_plane(plane: AnyArray, tokens_per_record: int) -> tuple[int, int, int]:
+    if tokens_per_record < 1:
+        _fail(f"tokens_per_record: must be at least 1, got {tokens_per_record}")
+    if plane.ndim != 3 or plane.dtype.kind != "f":
+        _fail(f"plane: expected float [num_pages, records_per_page, d_c], got {plane.dtype} {plane.shape}")
+    pages, records, width = plane.shape
+    return int(pages), int(records), int(width)
+
+
+def latent_cache_write(plane: AnyArray, latent: AnyArray, slot: AnyArray, tokens_per_record: int) -> None:
+    """Store packed tokens' latents into a paged-latent plane, in place.
+
+    Args:
+        plane: ``[num_pages, page_tokens / R, d_c]`` float, C-contiguous, writable (``R`` =
+            ``tokens_per_record``; a page holds ``page_tokens`` logical tokens as ``page_tokens / R``
+            records).
+        latent: ``[T, d_c]`` float.
+        slot: ``[T]`` integer token slot ``page_id * page_tokens + offset``, or < 0 to skip the token.
+        tokens_per_record: R >= 1.
+
+    Record ``slot // R`` holds the mean of the latents of its R tokens: the token at ``slot % R == 0``
+    sets it to ``latent / R``, each later token adds its ``latent / R``, in packed order (positions
+    ascend within a lane), in float32. With R = 1 each record is its token's latent.
+    """
+    target = _in_place_target("plane", plane)
+    pages, records, width = _check_latent_plane(target, tokens_per_record)
+    if not target.flags.c_contiguous:
+        _fail("plane: must be C-contiguous")
+    values = _float_array("latent", latent, 2)
+    tokens = values.shape[0]
+    if values.shape != (tokens, width):
+        _fail(f"latent: expected [T, {width}], got {values.shape}")
+    slots = _int_array("slot", slot, 1)
+    if slots.shape != (tokens,):
+        _fail(f"slot: expected shape ({tokens},), got {slots.shape}")
+    keep = np.flatnonzero(slots >= 0)
+    capacity = pages * records * tokens_per_record
+    if keep.size and int(slots[keep].max()) >= capacity:
+        page_tokens = records * tokens_per_record
+        _fail(f"slot: {int(slots[keep].max())} is out of range for {pages} pages of {page_tokens} tokens")
+    if np.unique(slots[keep]).size != keep.size:
+        _fail("slot: two tokens write the same slot")
+    flat = target.reshape(pages * records, width)
+    if tokens_per_record == 1:
+        flat[slots[keep]] = values[keep]
+        return
+    share = np.float32(1.0 / tokens_per_record)
+    for token in keep.tolist():
+        record, within = divmod(int(slots[token]), tokens_per_record)
+        part = values[token] * share
+        flat[record] = part if within == 0 else flat[record] + part
+
+
+def latent_attention(
+    q: AnyArray,
+    plane: AnyArray,
+    w_uk: AnyArray,
+    w_uv: AnyArray,
+    page_table: AnyArray,
+    token_row: AnyArray,
+    token_position: AnyArray,
+    scale: float,
+    tokens_per_record: int,
+    *,
+    page_offset: int = 0,
+) -> F32:
+    """Causal attention over a paged-latent history (compressed latent keys and values).
+
+    Args:
+        q: ``[T, h, hd]`` float queries.
+        plane: ``[num_pages, page_tokens / R, d_c]`` float latent records (see :func:`latent_cache_write`).
+        w_uk, w_uv: ``[h * hd, d_c]`` float up-projections: record ``c`` has keys ``linear(c, w_uk)``
+            and values ``linear(c, w_uv)``, viewed ``[h, hd]``.
+        page_table: ``[R_rows, columns]`` integer: record ``i`` of request row ``r`` lives in page
+            ``page_table[r, page_offset + i // (page_tokens / R)]`` (a view shifted by ``page_offset``
+            columns); only the entries a token needs are read.
+        token_row: ``[T]`` integer request row; < 0 marks padding (output zeros).
+        token_position: ``[T]`` integer position; a token at position ``p`` attends to the records
+            ``0 .. (p + 1) // R - 1`` of its row: those whose R tokens all lie at or before ``p``. A token
+            that sees no record (``p + 1 < R``) gets zeros.
+        scale: multiplies ``q . k``.
+        tokens_per_record: R >= 1.
+        page_offset: the page-table column of the lane's first page (>= 0).
+    Returns:
+        ``[T, h, hd]`` float32.
+
+    Per token, in float32, from contiguous copies of its row's visible records: keys and values are
+    up-projected with :func:`linear` (row independent), then ``softmax(q . k * scale) @ v`` per head as
+    :func:`paged_attention` computes it, so a token's result does not depend on its batch.
+    """
+    q32 = _float_array("q", q, 3)
+    tokens, heads, head_dim = q32.shape
+    latent_plane = np.asarray(plane)
+    pages, records, width = _check_latent_plane(latent_plane, tokens_per_record)
+    up_k = _float_array("w_uk", w_uk, 2)
+    up_v = _float_array("w_uv", w_uv, 2)
+    if up_k.shape != (heads * head_dim, width) or up_v.shape != up_k.shape:
+        _fail(f"w_uk/w_uv: expected [{heads * head_dim}, {width}], got {up_k.shape} and {up_v.shape}")
+    if page_offset < 0:
+        _fail(f"page_offset: must be 0 or positive, got {page_offset}")
+    table = _int_array("page_table", page_table, 2)
+    rows, columns = table.shape
+    row_of = _int_array("token_row", token_row, 1)
+    pos_of = _int_array("token_position", token_position, 1)
+    if row_of.shape != (tokens,) or pos_of.shape != (tokens,):
+        _fail(f"token_row/token_position: expected shape ({tokens},), got {row_of.shape}, {pos_of.shape}")
+    active = row_of >= 0
+    if active.any():
+        if int(row_of[active].max()) >= rows:
+            _fail(f"token_row: {int(row_of[active].max())} is out of range for {rows} page-table rows")
+        if int(pos_of[active].min()) < 0:
+            _fail("token_position: an active token has a negative position")
+        visible = (int(pos_of[active].max()) + 1) // tokens_per_record
+        if page_offset + -(-visible // records) > columns:
+            _fail(
+                f"token_position: {int(pos_of[active].max())} needs more than the page table's "
+                f"{columns - page_offset} pages after column {page_offset}"
+            )
+    scale32 = np.float32(scale)
+    out = np.zeros((tokens, heads, head_dim), dtype=np.float32)
+    flat = latent_plane.reshape(pages * records, width)
+    for row in np.unique(row_of[active]):
+        members = np.flatnonzero(row_of == row)
+        count = (int(pos_of[members].max()) + 1) // tokens_per_record
+        if count == 0:
+            continue
+        page_ids = table[row, page_offset : page_offset + -(-count // records)]
+        if int(page_ids.min()) < 0 or int(page_ids.max()) >= pages:
+            _fail(f"page_table: row {int(row)} names a page outside [0, {pages})")
+        index = (page_ids[:, None] * records + np.arange(records)[None, :]).reshape(-1)[:count]
+        latents = np.ascontiguousarray(flat[index], dtype=np.float32)  # [count, d_c]
+        keys = np.ascontiguousarray(linear(latents, up_k).reshape(count, heads, head_dim).transpose(1, 0, 2))
+        values = np.ascontiguousarray(linear(latents, up_v).reshape(count, heads, head_dim).transpose(1, 0, 2))
+        for t in members:
+            n = (int(pos_of[t]) + 1) // tokens_per_record
+            if n == 0:
+                continue
+            query = q32[t].reshape(heads, 1, head_dim)
+            out[t] = _attend_one(query, keys[:, :n], values[:, :n], scale32).reshape(heads, head_dim)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # row copies (page copies, state snapshots and restores)
 # ----------------------------------------------------------------------------------------------
 
@@ -704,6 +856,114 @@ def tail_page(page_table: AnyArray, consumed: AnyArray, page_tokens: int) -> I32
         if int(index.max()) >= table.shape[1]:
             _fail(f"consumed: endpoint {int(ends[partial].max())} lies past the page table's {table.shape[1]} pages")
         out[partial] = table[partial, index]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# gated linear recurrence (recurrent histories)
+# ----------------------------------------------------------------------------------------------
+
+
+def recurrence_gate(gate: AnyArray) -> F32:
+    """``sigmoid(gate)`` in float32, evaluated without overflow: with ``e = exp(-|gate|)``, ``1 / (1 + e)``
+    where ``gate >= 0`` and ``e / (1 + e)`` elsewhere."""
+    g = _float_array("gate", gate)
+    e = np.exp(-np.abs(g))
+    one = np.float32(1.0)
+    result: F32 = np.where(g >= 0, one / (one + e), e / (one + e)).astype(np.float32)
+    return result
+
+
+def _recurrence_state(state: AnyArray, width: int) -> AnyArray:
+    target = _in_place_target("state", state)
+    if target.dtype != np.float32 or target.ndim != 2 or target.shape[1] != width:
+        _fail(f"state: expected a float32 [rows, {width}] array, got {target.dtype} {target.shape}")
+    return target
+
+
+def _recurrence_rows(rows: AnyArray, lanes: int, state_rows: int) -> I64:
+    index = _int_array("rows", rows, 1)
+    if index.size != lanes:
+        _fail(f"rows: expected {lanes} lanes, got {index.size}")
+    used = index[index >= 0]
+    if used.size and int(used.max()) >= state_rows:
+        _fail(f"rows: {int(used.max())} is out of range for {state_rows} state rows")
+    if np.unique(used).size != used.size:
+        _fail("rows: a state row appears twice")
+    return index
+
+
+def gated_recurrence_scan(gate: AnyArray, x: AnyArray, token_row: AnyArray, rows: AnyArray, state: AnyArray) -> F32:
+    """A gated linear recurrence over packed tokens, each lane's tokens in packed order; ``state`` in place.
+
+    Args:
+        gate: ``[T, D]`` gate pre-activations.
+        x: ``[T, D]`` inputs.
+        token_row: ``[T]`` each token's lane (negative: a padding token, skipped).
+        rows: ``[R]`` each lane's state row (negative: the lane is skipped).
+        state: ``[S, D]`` float32 recurrent state rows, read and written in place.
+
+    For each lane ``r`` with ``rows[r] >= 0`` and its tokens ``t`` (``token_row[t] == r``) in increasing
+    ``t``: ``a = recurrence_gate(gate[t])``, ``s = a * s + (1 - a) * x[t]`` (float32; the product
+    ``(1 - a) * x[t]`` is rounded before the sum), ``out[t] = s``, starting from ``s = state[rows[r]]``;
+    the last ``s`` is written back to ``state[rows[r]]``. Every other output row is zero.
+    """
+    g = _float_array("gate", gate, 2)
+    inputs = _float_array("x", x, 2)
+    if inputs.shape != g.shape:
+        _fail(f"x: shape {inputs.shape} differs from gate's {g.shape}")
+    tokens, width = g.shape
+    lanes_of = _int_array("token_row", token_row, 1)
+    if lanes_of.size != tokens:
+        _fail(f"token_row: expected {tokens} tokens, got {lanes_of.size}")
+    target = _recurrence_state(state, width)
+    index = _recurrence_rows(rows, int(np.asarray(rows).size), target.shape[0])
+    if lanes_of.size and int(lanes_of.max()) >= index.size:
+        _fail(f"token_row: lane {int(lanes_of.max())} is out of range for {index.size} lanes")
+    decay = recurrence_gate(g)  # [T, D]
+    drive = ((np.float32(1.0) - decay) * inputs).astype(np.float32)  # [T, D]
+    out = np.zeros((tokens, width), dtype=np.float32)
+    for lane in np.unique(lanes_of[lanes_of >= 0]).tolist():
+        row = int(index[lane])
+        if row < 0:
+            continue
+        s = target[row].copy()  # [D]
+        for t in np.flatnonzero(lanes_of == lane).tolist():
+            s = decay[t] * s + drive[t]
+            out[t] = s
+        target[row] = s
+    return out
+
+
+def gated_recurrence_step(gate: AnyArray, x: AnyArray, rows: AnyArray, state: AnyArray) -> F32:
+    """One token a lane of the gated linear recurrence (decode); ``state`` in place.
+
+    Args:
+        gate: ``[R, D]`` gate pre-activations, one row a lane.
+        x: ``[R, D]`` inputs.
+        rows: ``[R]`` each lane's state row (negative: the lane is skipped, its output row is zero).
+        state: ``[S, D]`` float32 recurrent state rows.
+
+    ``a = recurrence_gate(gate[i])``, ``state[rows[i]] = a * state[rows[i]] + (1 - a) * x[i]`` and
+    ``out[i]`` the new row: the arithmetic of one :func:`gated_recurrence_scan` token, so a lane's state
+    does not depend on whether its tokens came one a round or in a packed block.
+    """
+    g = _float_array("gate", gate, 2)
+    inputs = _float_array("x", x, 2)
+    if inputs.shape != g.shape:
+        _fail(f"x: shape {inputs.shape} differs from gate's {g.shape}")
+    lanes, width = g.shape
+    target = _recurrence_state(state, width)
+    index = _recurrence_rows(rows, lanes, target.shape[0])
+    decay = recurrence_gate(g)
+    drive = ((np.float32(1.0) - decay) * inputs).astype(np.float32)
+    out = np.zeros((lanes, width), dtype=np.float32)
+    live = np.flatnonzero(index >= 0)
+    if live.size:
+        state_rows = index[live]
+        updated = (decay[live] * target[state_rows] + drive[live]).astype(np.float32)
+        target[state_rows] = updated
+        out[live] = updated
     return out
 
 

@@ -1,5 +1,6 @@
 """The prepared contract: decoding, validation and load-time selection."""
 
+from helios_core.contract.boundaries import PrefixBoundaries, PromptLayout, PromptMessage
 from helios_core.contract.prepared import (
     EXPORTED_CONTRACT_VERSION,
     SUPPORTED_CONTRACT_VERSIONS,
@@ -17,8 +18,11 @@ __all__ = [
     "SUPPORTED_CONTRACT_VERSIONS",
     "THIRD_PARTY_IDENTIFIERS",
     "LoadOptions",
+    "PrefixBoundaries",
     "PreparedContract",
     "PreparedGraph",
+    "PromptLayout",
+    "PromptMessage",
     "RuntimeCapabilities",
     "Selection",
     "check_runtime_support",

@@ -32,6 +32,7 @@ stay in one module with one decode.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from collections import Counter
@@ -136,7 +137,13 @@ class RuntimeCapabilities:
 
     ranks: int = 1
     history_kinds: frozenset[int] = frozenset(
-        {ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_SLIDING_WINDOW, ct.HISTORY_KIND_CONTINUATION}
+        {
+            ct.HISTORY_KIND_PAGED_KV,
+            ct.HISTORY_KIND_PAGED_LATENT,
+            ct.HISTORY_KIND_SLIDING_WINDOW,
+            ct.HISTORY_KIND_RECURRENT,
+            ct.HISTORY_KIND_CONTINUATION,
+        }
     )
     operations: frozenset[int] = frozenset(
         {
@@ -186,6 +193,9 @@ class PreparedGraph:
     """QUERY_LENGTH or SPECULATIVE_PREFIX_LIMIT when bound, else None."""
     input_destinations: frozenset[str]
     """Transport entries this graph's own bindings write (completion dependencies derive from these)."""
+    page_table_views: tuple[ct.PageTableView, ...] = ()
+    """The cache's page-table views over this graph's ``PAGE_TABLE`` destinations, by page offset: each
+    places a lane's pages at its own columns of the destination row (packing reads these)."""
 
     @functools.cached_property
     def completion_dependencies(self) -> frozenset[int]:
@@ -555,16 +565,22 @@ def _check_views(
         if region.kind in PAGED_HISTORY_KINDS or (region.kind == ct.HISTORY_KIND_SLIDING_WINDOW and region.planes):
             if region.tokens_per_record < 1:
                 problems.add(f"history region {region.name!r}: tokens_per_record must be at least 1")
+            _check_record_geometry(region, cache.page_tokens, problems)
             for plane in region.planes:
                 decl = buffers.get(plane)
                 if decl is None or decl.role != mf.BUFFER_ROLE_CACHE_PLANE:
                     problems.add(f"history region {region.name!r} names {plane!r}, which is not a cache plane")
                 elif decl.shape[0].symbol != mf.DIM_SYMBOL_CACHE_PAGES:
                     problems.add(f"cache plane {plane!r}: its leading dimension must be CACHE_PAGES")
+                else:
+                    _check_plane_records(region, decl, cache.page_tokens, problems)
             if not region.planes:
                 problems.add(f"history region {region.name!r} names no planes")
         if region.kind == ct.HISTORY_KIND_SLIDING_WINDOW and region.window_tokens <= 0:
             problems.add(f"sliding-window region {region.name!r} must declare window_tokens")
+        if region.kind == ct.HISTORY_KIND_RECURRENT:
+            _check_recurrent_region(region, buffers, problems)
+    _check_view_columns(cache.page_table_views, problems)
     for table_view in cache.page_table_views:
         entry = transport.get(table_view.buffer)
         if entry is None:
@@ -581,6 +597,70 @@ def _check_views(
                 f"page-table view {table_view.buffer!r}: pages {first}..{end} exceed its row extent {row_extent}"
             )
     return views
+
+
+def _check_record_geometry(region: ct.HistoryRegion, page_tokens: int, problems: _Problems) -> None:
+    """A paged region stores one record per ``tokens_per_record`` tokens; a page (``page_tokens`` logical
+    tokens) holds whole records, so page boundaries (where prefix reuse cuts) are record boundaries."""
+    ratio = region.tokens_per_record
+    if ratio >= 1 and page_tokens > 0 and page_tokens % ratio:
+        problems.add(
+            f"history region {region.name!r}: page_tokens {page_tokens} is not a multiple of its "
+            f"tokens_per_record {ratio}"
+        )
+
+
+def _check_plane_records(region: ct.HistoryRegion, plane: mf.BufferDecl, page_tokens: int, problems: _Problems) -> None:
+    """A paged-latent plane is ``[CACHE_PAGES, page_tokens / tokens_per_record, ...]``: one record per
+    ``tokens_per_record`` tokens of each page."""
+    ratio = region.tokens_per_record
+    if region.kind != ct.HISTORY_KIND_PAGED_LATENT or ratio < 1 or page_tokens % ratio:
+        return
+    records = page_tokens // ratio
+    if len(plane.shape) < 2 or plane.shape[1].size != records:
+        found = plane.shape[1].size if len(plane.shape) >= 2 else "none"
+        problems.add(
+            f"cache plane {plane.name!r} of paged-latent region {region.name!r}: its second dimension must be "
+            f"{records} records a page (page_tokens {page_tokens} / tokens_per_record {ratio}), not {found}"
+        )
+
+
+def _check_view_columns(views: Sequence[ct.PageTableView], problems: _Problems) -> None:
+    """Views over one destination occupy disjoint columns ``[page_offset, page_offset + pages_per_row)``."""
+    by_buffer: dict[str, list[ct.PageTableView]] = {}
+    for view in views:
+        by_buffer.setdefault(view.buffer, []).append(view)
+    for buffer, shared in by_buffer.items():
+        ordered = sorted(shared, key=lambda v: v.page_offset)
+        for before, after in itertools.pairwise(ordered):
+            if before.page_offset + before.pages_per_row > after.page_offset:
+                problems.add(
+                    f"page-table views over {buffer!r} overlap: columns {before.page_offset}.."
+                    f"{before.page_offset + before.pages_per_row} and {after.page_offset}.."
+                    f"{after.page_offset + after.pages_per_row}"
+                )
+
+
+def _graph_page_views(graph: ct.GraphContract, cache: ct.CacheContract) -> tuple[ct.PageTableView, ...]:
+    """The page-table views over ``graph``'s PAGE_TABLE destinations, by destination and page offset."""
+    tables = {b.destination for b in graph.bindings if b.source == ct.VALUE_SOURCE_PAGE_TABLE}
+    found = [v for v in cache.page_table_views if v.buffer in tables]
+    return tuple(sorted(found, key=lambda v: (v.buffer, v.page_offset)))
+
+
+def _check_recurrent_region(
+    region: ct.HistoryRegion, buffers: Mapping[str, mf.BufferDecl], problems: _Problems
+) -> None:
+    """A recurrent region names its state planes: persistent buffers of per-request state rows (leading
+    dimension STATE_ROWS), which snapshots copy whole at exact token endpoints."""
+    if not region.planes:
+        problems.add(f"recurrent region {region.name!r} names no state planes")
+    for plane in region.planes:
+        decl = buffers.get(plane)
+        if decl is None or decl.role != mf.BUFFER_ROLE_PERSISTENT_STATE:
+            problems.add(f"recurrent region {region.name!r} names {plane!r}, which is not a persistent state buffer")
+        elif not decl.shape or decl.shape[0].symbol != mf.DIM_SYMBOL_STATE_ROWS:
+            problems.add(f"recurrent state plane {plane!r}: its leading dimension must be STATE_ROWS")
 
 
 def _check_binding_geometry(
@@ -986,6 +1066,7 @@ def prepare_contract(
                 extents=extents,
                 length_source=length_source,
                 input_destinations=inputs,
+                page_table_views=_graph_page_views(graph, model.cache),
             )
     _check_pending_token_producers(list(model.graphs), problems)
     _check_tuning(list(model.graphs), model, execution, buffers, transport, views, problems)

@@ -34,6 +34,8 @@ class LoadOptions:
     speculative_width: int | None = None
     history_drafting: bool = False
     cache_pages: int | None = None
+    offload_pages: int = 0
+    """Host-memory pages of the prefix cache's host tier (0: off); read by ``NativeModel.load``, not by selection."""
 
 
 @dataclass(frozen=True)

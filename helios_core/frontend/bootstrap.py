@@ -189,8 +189,10 @@ class Bootstrap:
         *,
         tools: Sequence[Any] | None = None,
         input_chars: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """Render a conversation with the generation prompt appended, within ``render_limits``.
+        """Render a conversation, with the generation prompt appended unless ``add_generation_prompt``
+        is false (the template's own variable of that name), within ``render_limits``.
 
         ``input_chars``: characters of client text the conversation holds (it scales the output
         limit); counted here when not given. Every render failure raises PromptError."""
@@ -203,7 +205,7 @@ class Bootstrap:
             **self.template_variables,
             "messages": list(messages),
             "tools": list(tools) if tools else None,
-            "add_generation_prompt": True,
+            "add_generation_prompt": add_generation_prompt,
             "bos_token": special.bos,
             "eos_token": "",
         }

@@ -342,6 +342,44 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         attributes=("lag_tokens",),
     ),
     _spec(
+        "gated_recurrence_scan",
+        ("gate", "x", "token_row", "rows", "state"),
+        ("out",),
+        "A gated linear recurrence over each lane's packed tokens, in order: a = sigmoid(gate), "
+        "s = a * s + (1 - a) * x, out = s, starting from state[rows[lane]] and written back there "
+        "(prefill over a packed block); tokens with token_row < 0 and lanes with rows < 0 are skipped.",
+        updated_inputs=("state",),
+    ),
+    _spec(
+        "gated_recurrence_step",
+        ("gate", "x", "rows", "state"),
+        ("out",),
+        "One token a lane of the gated linear recurrence (decode): a = sigmoid(gate[i]), "
+        "state[rows[i]] = a * state[rows[i]] + (1 - a) * x[i], out[i] = the new state row; rows < 0 "
+        "are skipped (their out row is zero).",
+        updated_inputs=("state",),
+    ),
+    _spec(
+        "latent_cache_write",
+        ("latent", "slots"),
+        ("plane",),
+        "Store each packed token's latent [T, d_c] into a paged-latent plane [pages, page_tokens / R, d_c] "
+        "(R = tokens_per_record): record slot // R holds the mean of its R tokens' latents, accumulated in "
+        "position order (the token at slot % R == 0 starts it); slot < 0 is skipped.",
+        attributes=("tokens_per_record",),
+    ),
+    _spec(
+        "latent_attention",
+        ("q", "plane", "w_uk", "w_uv", "page_table", "token_row", "token_position"),
+        ("out",),
+        "Causal attention over a paged-latent history: keys c @ w_uk^T and values c @ w_uv^T of each "
+        "complete record c a token may see (records whose R tokens all lie at or before its position), "
+        "read through the lane's page table starting at column page_offset; a token that sees no record "
+        "gets zeros.",
+        attributes=("scale", "tokens_per_record"),
+        optional_attributes=("page_offset",),
+    ),
+    _spec(
         "log_softmax_gather",
         ("logits", "targets"),
         ("out",),

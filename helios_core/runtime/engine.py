@@ -64,6 +64,7 @@ from helios_core.runtime.messages import (
     WorkerMessage,
 )
 from helios_core.runtime.native_model import NativeModel
+from helios_core.runtime.offload import HostPageStore
 from helios_core.runtime.packing import Submission
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.plan import RoundPlan
@@ -138,7 +139,10 @@ class Engine:
         contract = model.contract
         self._sampled_size = contract.sampled_size
         self.allocator = PageAllocator(
-            model.cache_pages, contract.model.cache.page_tokens, contract.serving.cache_identity
+            model.cache_pages,
+            contract.model.cache.page_tokens,
+            contract.serving.cache_identity,
+            host=HostPageStore(model.offload_pages, model.backend) if model.offload_pages else None,
         )
         self._stats = SchedulerStats()
         make_gate = None
@@ -464,7 +468,8 @@ class Engine:
         """Give backlog requests to the scheduler, oldest first, while its pending deque has room."""
         backlog, scheduler = self._backlog, self.scheduler
         while backlog and scheduler.has_room:
-            rejection = scheduler.add(backlog.popleft())
+            request = backlog.popleft()
+            rejection = scheduler.add(request, request.layout)
             if rejection is not None:
                 self._publish([rejection])
 
@@ -538,7 +543,22 @@ class Engine:
             speculative_emitted=dict(stats.speculative_emitted),
             offered_by_position=dict(stats.offered_by_position),
             accepted_by_position=dict(stats.accepted_by_position),
+            **_host_tier_statistics(pages.host),
         )
+
+
+def _host_tier_statistics(host: HostPageStore | None) -> dict[str, int]:
+    """The snapshot's host-tier fields (their defaults, 0, without a host tier)."""
+    if host is None:
+        return {}
+    return {
+        "offload_capacity_pages": host.capacity,
+        "offload_pages_used": host.used_pages,
+        "offload_pages_free": host.free_pages,
+        "offloaded_pages": host.stats.offloaded,
+        "restored_pages": host.stats.restored,
+        "offload_evicted_pages": host.stats.evicted,
+    }
 
 
 def _transport_owned(model: NativeModel, staging: Mapping[str, _Flat]) -> tuple[_Flat | None, _Flat | None]:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from helios_core.contract.boundaries import PromptLayout
 from helios_core.sampling import SamplingParams as SamplingParams  # defined below the frontend
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -51,6 +52,12 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     thread. The worker only instantiates a matcher from it. It lives in this process alone and does not
     encode: a request that crosses a process boundary goes without it (``msgspec.structs.replace(request,
     grammar=None)``) and is compiled again from ``response_format`` where it is submitted."""
+    layout: PromptLayout | None = None
+    """The rendered chat prompt's structure (message roles and ends, tools, stripped reasoning, a continued
+    assistant message), set by chat preparation; None for a prompt no template rendered (a raw completion
+    prompt, token ids). The scheduler cuts prefix reuse at the boundaries the core's rules allow for it and
+    resumes a continued assistant message's content (:meth:`Scheduler.add
+    <helios_core.runtime.scheduler.Scheduler.add>`)."""
 
 
 Piece = tuple[int, str]

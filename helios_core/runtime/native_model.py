@@ -13,6 +13,9 @@ take (a quarter of the host memory available for a host backend; 90% of the
 device memory left free after every other buffer for the CUDA backend) and by
 the operator's ``cache_pages`` option.
 
+Host pages (``offload_pages``, default 0: none): the backend reserves that many host slots of one page
+each at load (:mod:`helios_core.runtime.offload`), so a shortage of host memory is a startup error.
+
 State rows are partitioned by request: ``Selection.state_rows_per_request`` (the largest any selected
 graph declares) rows per slot, and as many per snapshot.
 
@@ -51,6 +54,12 @@ class Backend(Protocol):
     def run(self, program: str, frame: int) -> None: ...
 
     def completion(self, frame: int) -> Mapping[int, npt.NDArray[np.generic]]: ...
+
+    def reserve_host_pages(self, count: int) -> None: ...
+
+    def copy_page_to_host(self, page: int, slot: int) -> None: ...
+
+    def copy_page_to_device(self, slot: int, page: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -206,6 +215,16 @@ def _load_cuda(
     return pages, backend
 
 
+def _reserve_host_pages(executor: Backend, count: int, page_bytes: int) -> None:
+    """The host tier's slots, or a StartupError naming what could not be had."""
+    try:
+        executor.reserve_host_pages(count)
+    except (HeliosError, MemoryError, ValueError) as exc:
+        raise StartupError(
+            f"cannot reserve {count} host pages of {page_bytes} bytes for --offload-pages: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class NativeModel:
     """A loaded core ready to execute its selected programs."""
 
@@ -219,12 +238,15 @@ class NativeModel:
         cache_pages: int,
         state_rows: int,
         frames: int,
+        offload_pages: int = 0,
     ) -> None:
         self.contract = contract
         self.selection = selection
         self.backend = backend
         self.backend_name = backend_name
         self.cache_pages = cache_pages
+        self.offload_pages = offload_pages
+        """Host slots of the prefix cache's host tier (0: evicted pages are dropped)."""
         self.state_rows = state_rows
         self.frames = frames
         self.clock_origin_ns = time.monotonic_ns()
@@ -248,8 +270,11 @@ class NativeModel:
         backend: str = "reference",
         cache_pages: int | None = None,
         capabilities: RuntimeCapabilities | None = None,
+        offload_pages: int = 0,
     ) -> NativeModel:
         """Check runtime support, choose capacities, build the backend and every program once."""
+        if offload_pages < 0:
+            raise StartupError(f"--offload-pages must not be negative, not {offload_pages}")
         check_runtime_support(contract, capabilities or RuntimeCapabilities())
         state_rows = selection.max_active * selection.state_rows_per_request
         frames = max(contract.execution.transport.frames, 1)
@@ -278,7 +303,12 @@ class NativeModel:
         else:
             raise StartupError(f"backend {backend!r} is not available; use auto, reference or cuda")
         try:
-            return cls(contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames)
+            if offload_pages:
+                _reserve_host_pages(executor, offload_pages, bytes_per_page(contract))
+            return cls(
+                contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames,
+                offload_pages=offload_pages,
+            )  # fmt: skip
         except BaseException:
             with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
                 executor.close()

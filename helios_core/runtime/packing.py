@@ -395,6 +395,44 @@ class _BindingWriter:
         self.eos_ids: npt.NDArray[np.generic] | None = None
         if source == ct.VALUE_SOURCE_EOS_IDS:
             self.eos_ids = _eos_vector(binding, graph, staging[binding.destination], eos_ids)
+        self.bands: tuple[tuple[str, int, int], ...] = ()
+        """PAGE_TABLE with shifted or several page-table views: each view's (memory key, first column,
+        columns); empty when the lane's pages start at column 0 of the whole row."""
+        self.gaps: tuple[slice, ...] = ()
+        """Columns of a banded destination row that no view covers (they hold the padding)."""
+        if source == ct.VALUE_SOURCE_PAGE_TABLE:
+            self._resolve_bands(graph, staging[binding.destination].shape[-1])
+
+    def _resolve_bands(self, graph: PreparedGraph, row_extent: int) -> None:
+        """A page-table view with page offset ``k`` and ``n`` pages a row places the lane's page ``j`` at
+        column ``k + j`` of the destination row (``j < n``); the columns no view covers hold the padding."""
+        views = [view for view in graph.page_table_views if view.buffer == self.destination]
+        if not views or (len(views) == 1 and views[0].page_offset == 0):
+            return  # the lane's pages from column 0 of the whole row
+        self.bands = tuple(
+            (f"{self.destination}@{view.page_offset}", view.page_offset, view.pages_per_row) for view in views
+        )
+        gaps: list[slice] = []
+        column = 0
+        for _, first, width in self.bands:
+            if first > column:
+                gaps.append(slice(column, first))
+            column = max(column, first + width)
+        if column < row_extent:
+            gaps.append(slice(column, row_extent))
+        self.gaps = tuple(gaps)
+
+    def _page_bands(self, dest: npt.NDArray[np.generic]) -> list[tuple[str, npt.NDArray[np.generic]]]:
+        """Each view's memory key and its columns of ``dest`` (the whole row when unbanded)."""
+        if not self.bands:
+            return [(self.destination, dest)]
+        return [(key, dest[:, first : first + width]) for key, first, width in self.bands]
+
+    def _pad_gaps(self, dest: npt.NDArray[np.generic], count: int) -> None:
+        """Write the padding into the columns no view covers, on every row this binding writes."""
+        rows = max(count, self.rows) if self.indexing == ct.INDEXING_SUBMISSION_ROW else count
+        for gap in self.gaps:
+            dest[:rows, gap] = self.padding
 
     def constant_in(self, sources: frozenset[int]) -> bool:
         """Whether what this writer stages for a batch depends only on ``sources`` and the lane count."""
@@ -428,7 +466,10 @@ class _BindingWriter:
         elif source in _PACKED_VECTOR_SOURCES:
             self._write_packed_vectors([lane.candidate_masks for lane in lanes], lanes, dest)
         elif source == ct.VALUE_SOURCE_PAGE_TABLE:
-            self._write_page_tables([(lane.slot, lane.generation, lane.page_table) for lane in lanes], dest, frame)
+            tables = [(lane.slot, lane.generation, lane.page_table) for lane in lanes]
+            for key, band in self._page_bands(dest):
+                self._write_page_tables(tables, band, frame, key)
+            self._pad_gaps(dest, len(lanes))
         elif source in _VECTOR_SOURCES:
             self._write_vectors(lanes, dest)
         else:
@@ -544,10 +585,11 @@ class _BindingWriter:
             rows[count : self.rows] = self.padding
 
     def _write_page_tables(
-        self, tables: Sequence[tuple[int, int, Sequence[int]]], dest: npt.NDArray[np.generic], frame: int
+        self, tables: Sequence[tuple[int, int, Sequence[int]]], dest: npt.NDArray[np.generic], frame: int, key: str
     ) -> None:
-        self.memory.page_versions.pop((frame, self.destination), None)
-        held = self.memory.held(frame, self.destination, max(dest.shape[0], self.rows))
+        """Write ``tables`` into ``dest`` (the whole row, or one view's columns), remembered under ``key``."""
+        self.memory.page_versions.pop((frame, key), None)
+        held = self.memory.held(frame, key, max(dest.shape[0], self.rows))
         width = dest.shape[-1]
         for row, (slot, generation, pages) in enumerate(tables):
             if len(pages) > width:
@@ -581,7 +623,10 @@ class _BindingWriter:
         elif source in _PACKED_VECTOR_SOURCES:  # a batch's lanes have no per-position vectors
             dest[: self.packed] = self.padding
         elif source == ct.VALUE_SOURCE_PAGE_TABLE:
-            self._batch_page_tables(batch, dest, frame, same_lanes)
+            for key, band in self._page_bands(dest):
+                self._batch_page_tables(batch, band, frame, same_lanes, key)
+            if self.gaps:
+                self._pad_gaps(dest, batch.count)
         elif source in _VECTOR_SOURCES:
             vectors = batch.grammar_masks if source == ct.VALUE_SOURCE_GRAMMAR_MASK else batch.prompt_histograms
             if vectors is not None:
@@ -664,9 +709,9 @@ class _BindingWriter:
             flat[total : self.packed] = self.padding
 
     def _batch_page_tables(
-        self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, same_lanes: bool
+        self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, same_lanes: bool, band: str
     ) -> None:
-        key = (frame, self.destination)
+        key = (frame, band)
         versions = self.memory.page_versions
         if same_lanes and batch.page_version is not None and versions.get(key) == batch.page_version:
             return  # no page was added since this frame staged these lanes' tables
@@ -674,7 +719,7 @@ class _BindingWriter:
         count = batch.count
         counts = batch.page_counts
         width = dest.shape[-1]
-        held = self.memory.held(frame, self.destination, max(dest.shape[0], self.rows))
+        held = self.memory.held(frame, band, max(dest.shape[0], self.rows))
         staged = held.count[:count]
         if same_lanes:  # the usual change: some lanes have one page more than their rows hold
             grown = np.flatnonzero(counts - staged)
@@ -694,7 +739,7 @@ class _BindingWriter:
         slots = batch.rows[ct.VALUE_SOURCE_SLOT]
         generations = batch.rows[ct.VALUE_SOURCE_GENERATION]
         if count and int(counts.max()) > width:  # fails at the first such lane, after the lanes before it
-            self._batch_page_tables_by_lane(batch, dest, frame)
+            self._batch_page_tables_by_lane(batch, dest, frame, band)
             return
         if same_lanes:  # rows 0..count hold these lanes' tables, each of at least one page; the tail is staged
             changed = counts != staged
@@ -714,7 +759,7 @@ class _BindingWriter:
         tables = batch.page_source[batch.page_index[touched], :source_width]
         filled = np.arange(source_width) < counts[touched, None]
         if not _fits(tables[filled], dest.dtype):
-            self._batch_page_tables_by_lane(batch, dest, frame)
+            self._batch_page_tables_by_lane(batch, dest, frame, band)
             return
         values = tables.astype(dest.dtype) + self.offset
         done = rewritten.shape[0]
@@ -747,7 +792,9 @@ class _BindingWriter:
                 dest[unpadded] = self.padding
                 held.pad(unpadded)
 
-    def _batch_page_tables_by_lane(self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int) -> None:
+    def _batch_page_tables_by_lane(
+        self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, band: str
+    ) -> None:
         index = batch.page_index.tolist()
         tables = [
             (slot, generation, batch.page_source[index[row], :pages].tolist())
@@ -760,7 +807,7 @@ class _BindingWriter:
                 )
             )
         ]
-        self._write_page_tables(tables, dest, frame)
+        self._write_page_tables(tables, dest, frame, band)
 
 
 _EXACT = 2**53

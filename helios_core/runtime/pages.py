@@ -14,13 +14,23 @@ reuse is keyed by a hash chain over the cache identity and the token ids of each
 a match is exact for the whole prefix up to that page. Running out of pages is a return value
 (``None``), not an exception.
 
+With a host tier (:class:`~helios_core.runtime.offload.HostPageStore`, ``--offload-pages``), evicting a
+published page copies it into host memory instead of dropping it: its key stays in the prefix index,
+held by the host tier, until the host tier drops it to make room (least recently used first). A prefix
+match reports such a page as :data:`~helios_core.runtime.offload.HOST_RESIDENT`, and :meth:`PageAllocator.claim`
+allocates a device page for it and copies it back before the request's first round reads it. Publishing
+content the host tier holds frees the host copy (the device page supersedes it).
+
 Listeners of the prefix index (:class:`PageEventSink`, attached with :meth:`PageAllocator.attach_events`)
 hear every change of the set of reusable pages: a page published into the index with its key, its
 parent's key and its exact token ids (only complete pages are ever published), a published page
-evicted, and the whole index cleared when the listener is attached and detached. Nothing is announced
-twice: a page whose key already has a page is not published, and every announced page that leaves the
-index is announced as removed. The listener is called on the model worker's thread and must return at
-once (the KV-cache event publisher only puts the event on a bounded queue).
+leaving the index (evicted from the device without a host tier, dropped by the host tier, or evicted
+while every host entry was pinned), and the whole index cleared when the listener is attached and
+detached. Nothing is announced twice: a page whose key already has a page is not published, and every
+announced page that leaves the index is announced as removed. A page moving between the device and the
+host tier stays in the index and is not announced (it remains reusable here, which is what a
+prefix-aware router needs to know). The listener is called on the model worker's thread and must
+return at once (the KV-cache event publisher only puts the event on a bounded queue).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from helios_core.errors import HeliosError
+from helios_core.runtime.offload import HOST_RESIDENT, HostPageStore
 
 
 class AllocatorError(HeliosError):
@@ -58,8 +69,15 @@ class PrefixMatch:
     """Complete pages whose content equals a prompt's prefix, and the chain hashes that keyed them."""
 
     pages: tuple[int, ...]
+    """The device page of each matched page; :data:`HOST_RESIDENT` where the host tier holds it (a claim
+    restores it into a device page)."""
     hashes: tuple[bytes, ...]
     tokens: int
+
+    @property
+    def host_pages(self) -> int:
+        """Matched pages the host tier holds."""
+        return self.pages.count(HOST_RESIDENT)
 
 
 @dataclass
@@ -77,7 +95,9 @@ class PageStats:
 class PageAllocator:
     """Owns the physical pages of one model's cache."""
 
-    def __init__(self, total_pages: int, page_tokens: int, cache_identity: str) -> None:
+    def __init__(
+        self, total_pages: int, page_tokens: int, cache_identity: str, *, host: HostPageStore | None = None
+    ) -> None:
         if total_pages <= 0 or page_tokens <= 0:
             raise AllocatorError("a cache needs at least one page of at least one token")
         self.total_pages = total_pages
@@ -92,8 +112,10 @@ class PageAllocator:
         self._page_of: dict[bytes, int] = {}
         self.stats = PageStats()
         self._events: PageEventSink | None = None
-        self._unannounced: set[int] = set()
-        """Pages published before the listener was attached: their eviction is not announced."""
+        self._unannounced: set[bytes] = set()
+        """Keys published before the listener was attached: their leaving the index is not announced."""
+        self.host = host
+        """The host-memory tier evicted published pages move to (None: they are dropped)."""
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -116,11 +138,21 @@ class PageAllocator:
         return self._refcount[page]
 
     def published_keys(self) -> frozenset[bytes]:
-        """The keys of every page in the prefix index."""
+        """The keys of every page in the prefix index (on the device or in the host tier)."""
+        if self.host is not None:
+            return frozenset(self._page_of) | self.host.keys()
         return frozenset(self._page_of)
 
+    def location(self, key: bytes) -> int | None:
+        """Where the page published under ``key`` is: its device page, :data:`HOST_RESIDENT`, or None when
+        the key is not in the prefix index."""
+        page = self._page_of.get(key)
+        if page is None and self.host is not None and key in self.host:
+            return HOST_RESIDENT
+        return page
+
     def eviction_order(self) -> list[int]:
-        """Evictable pages, next victim first."""
+        """Evictable device pages, next victim first (the host tier's order: ``host.eviction_order()``)."""
         return list(self._evictable)
 
     def chain_hash(self, previous: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -152,45 +184,84 @@ class PageAllocator:
                 key = self._hash_of.pop(page)
                 del self._page_of[key]
                 self.stats.evicted += 1
-                if self._events is not None:
-                    if page in self._unannounced:
-                        self._unannounced.discard(page)
-                    else:
-                        self._events.page_removed(key)
+                for gone in self.host.store(key, page) if self.host is not None else (key,):
+                    self._left_index(gone)
             refcount[page] = 1
             pages.append(page)
         self._referenced += count
         self.stats.allocated += count
         return pages
 
+    def _left_index(self, key: bytes) -> None:
+        """``key`` is no longer in the prefix index: announce it, unless it was never announced."""
+        if self._events is not None:
+            if key in self._unannounced:
+                self._unannounced.discard(key)
+            else:
+                self._events.page_removed(key)
+
     def match_prefix(self, tokens: Sequence[int], max_tokens: int) -> PrefixMatch:
-        """The longest run of published complete pages equal to ``tokens[:max_tokens]``'s prefix."""
+        """The longest run of published complete pages equal to ``tokens[:max_tokens]``'s prefix, on the
+        device or (:data:`HOST_RESIDENT`) in the host tier."""
         self.stats.prefix_queries += 1
         pages: list[int] = []
         hashes: list[bytes] = []
         previous: bytes | None = None
         step = self.page_tokens
+        host = self.host
         for start in range(0, max_tokens - step + 1, step):
             key = self.chain_hash(previous, tokens[start : start + step])
             page = self._page_of.get(key)
             if page is None:
-                break
+                if host is None or key not in host:
+                    break
+                page = HOST_RESIDENT
             pages.append(page)
             hashes.append(key)
             previous = key
         return PrefixMatch(tuple(pages), tuple(hashes), len(pages) * step)
 
-    def claim(self, match: PrefixMatch) -> None:
-        """Take a reference on each matched page (an evictable page becomes referenced again)."""
+    def claim(self, match: PrefixMatch) -> PrefixMatch | None:
+        """Take a reference on each matched page (an evictable page becomes referenced again) and restore
+        each page the host tier holds into a fresh private device page, published under its key again.
+
+        Returns the match with every page on the device, or None, holding nothing, when too few device
+        pages are free or evictable for the restores (a request needs a device page for each of its pages
+        anyway, so its admission would have failed for lack of pages too)."""
+        host = self.host
         for page, key in zip(match.pages, match.hashes, strict=True):
-            if self._hash_of.get(page) != key:
+            if page == HOST_RESIDENT:
+                if host is None or key not in host:
+                    raise AllocatorError("a matched page is no longer in the host tier")
+            elif self._hash_of.get(page) != key:
                 raise AllocatorError(f"page {page} no longer holds the matched content")
+        device = [page for page in match.pages if page != HOST_RESIDENT]
+        for page in device:
             if self._refcount[page] == 0:
                 del self._evictable[page]
                 self._referenced += 1
             self._refcount[page] += 1
+        if host is not None and len(device) < len(match.pages):
+            restoring = [index for index, page in enumerate(match.pages) if page == HOST_RESIDENT]
+            keys = [match.hashes[index] for index in restoring]
+            host.pin(keys)  # the allocation below may evict device pages into the host tier
+            try:
+                fresh = self.allocate(len(restoring))
+            finally:
+                host.unpin(keys)
+            if fresh is None:
+                self.release(device)
+                return None
+            pages = list(match.pages)
+            for index, key, page in zip(restoring, keys, fresh, strict=True):
+                host.restore(key, page)
+                self._page_of[key] = page
+                self._hash_of[page] = key
+                pages[index] = page
+            match = PrefixMatch(tuple(pages), match.hashes, match.tokens)
         self.stats.prefix_hit_pages += len(match.pages)
         self.stats.reused_tokens += match.tokens
+        return match
 
     def publish(
         self, page: int, key: bytes, *, parent: bytes | None = None, tokens: Sequence[int] | None = None
@@ -209,11 +280,16 @@ class PageAllocator:
             raise AllocatorError(
                 f"page {page} is published without its {self.page_tokens} token ids while a listener is attached"
             )
+        superseded = self.host is not None and self.host.discard(key)  # the device page replaces the host copy
         self._page_of[key] = page
         self._hash_of[page] = key
         self.stats.published += 1
         if events is not None and tokens is not None:
-            events.page_stored(key, parent, tokens, self.page_tokens)
+            if not superseded:
+                events.page_stored(key, parent, tokens, self.page_tokens)
+            elif key in self._unannounced:  # the host copy was never announced: the device page is
+                self._unannounced.discard(key)
+                events.page_stored(key, parent, tokens, self.page_tokens)
         return True
 
     # -- listeners ------------------------------------------------------------------------------
@@ -224,7 +300,7 @@ class PageAllocator:
         eviction is not either)."""
         if self._events is not None:
             raise AllocatorError("a prefix-index listener is attached already")
-        self._unannounced = set(self._hash_of)
+        self._unannounced = set(self.published_keys())
         sink.all_cleared()
         self._events = sink
 
@@ -271,3 +347,7 @@ class PageAllocator:
             raise AllocatorError(f"{len(referenced)} referenced pages, counted {self._referenced}")
         if any(page not in self._hash_of for page in evictable):
             raise AllocatorError("an evictable page without published content")
+        if self.host is not None:
+            self.host.check()
+            if not self.host.keys().isdisjoint(self._page_of):
+                raise AllocatorError("a key is held both by a device page and by the host tier")

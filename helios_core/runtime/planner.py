@@ -4,13 +4,18 @@ Owns the choice of the next round and its variant, and the decode cohort cache. 
 admits waiting requests while slots and pages allow (through the residency), then chooses, from the
 phase of every running request:
 
-1. a SNAPSHOT round of a request marked for preemption (its committed state is kept);
+1. a SNAPSHOT round of a request marked for preemption (its committed state is kept), else one of a
+   prefilling request marked for a prefix checkpoint (it keeps its slot);
 2. ``initialize`` for newly admitted requests (their sampling state rows);
-3. a RESTORE round of a readmitted request whose snapshot's prefix pages are prefilled;
-4. otherwise chunked prefill within the largest prefill extent, FCFS, joined by every decode-ready
+3. a RESTORE round of a readmitted request whose snapshot's prefix pages are prefilled, or of an
+   admitted request that shares a published checkpoint;
+4. a RESUME round of the requests whose known tokens continue a restored snapshot (a request preempted
+   while it prefilled or resumed) or a continued assistant message (the prompt's tail after the prefix
+   prefill computed or reused), chunked FCFS within the largest RESUME extent; the last chunk samples;
+5. otherwise chunked prefill within the largest prefill extent, FCFS, joined by every decode-ready
    request when a mixed program fits them (host-fed pending tokens). A request that asked for prompt
    logprobs prefills alone on the scored-prefill variants when it is first in line;
-5. otherwise a speculative round when :class:`~helios_core.runtime.speculation.SpeculativePlanner`
+6. otherwise a speculative round when :class:`~helios_core.runtime.speculation.SpeculativePlanner`
    makes one (history proposals or in-graph drafts of the decode-ready requests), else one decode
    round of every decode-ready request (device-owned pending tokens, or host-owned ones fed from the
    slot table's token at each consumed endpoint),
@@ -78,8 +83,10 @@ class _Phases:
 
     membership: int
     leaving: RequestState | None
+    checkpointing: RequestState | None
     fresh: list[RequestState]
     returning: RequestState | None
+    resume: list[RequestState]
     prefill: list[RequestState]
     decode: list[RequestState]
 
@@ -142,6 +149,7 @@ class RoundPlanner:
         self.mixed = _variants(graphs, ct.OPERATION_MIXED)
         self.decodes = _variants(graphs, ct.OPERATION_DECODE)
         self.scored = _variants(graphs, ct.OPERATION_SCORED_PREFILL)
+        self.resumes = _variants(graphs, ct.OPERATION_RESUME)
         snapshots = _variants(graphs, ct.OPERATION_SNAPSHOT)
         restores = _variants(graphs, ct.OPERATION_RESTORE)
         self.snapshot = snapshots[0] if snapshots and restores else None
@@ -160,16 +168,30 @@ class RoundPlanner:
     # -- choosing the round --------------------------------------------------------------------------
     def plan(self) -> RoundPlan | None:
         """Admit what fits, then plan the next round (None when nothing runs); raises :class:`GateFault`."""
-        leaving = self._phases_now().leaving
+        phases = self._phases_now()
+        leaving = phases.leaving
         if leaving is not None and self.snapshot is not None:
-            return self._state_copy(self.snapshot, leaving, snapshot_row=leaving.snapshot_row)
+            return self._state_copy(
+                self.snapshot, leaving, leaving.snapshot_endpoint, snapshot_row=leaving.snapshot_row
+            )
+        checkpointing = phases.checkpointing
+        if checkpointing is not None and self.snapshot is not None:  # before any round computes past it
+            endpoint = int(self.table.consumed[checkpointing.slot])
+            return self._state_copy(self.snapshot, checkpointing, endpoint, snapshot_row=checkpointing.checkpoint_row)
         self.residency.admit()
         phases = self._phases_now()
         if phases.fresh:
             return self._initialize_round(phases.fresh)
         returning = phases.returning
         if returning is not None and self.restore is not None:
-            return self._state_copy(self.restore, returning, restore_row=returning.snapshot_row)
+            checkpoint = returning.restoring
+            if checkpoint is not None:  # a shared prefix's checkpoint, into the rows `initialize` just set
+                return self._state_copy(self.restore, returning, checkpoint.endpoint, restore_row=checkpoint.row)
+            return self._state_copy(
+                self.restore, returning, returning.snapshot_endpoint, restore_row=returning.snapshot_row
+            )
+        if phases.resume and self.resumes:
+            return self._resume_round(phases.resume)
         prefill = phases.prefill
         if prefill and prefill[0].scoring:
             return self._scored_round(prefill[0])
@@ -193,8 +215,10 @@ class RoundPlanner:
             phases = self._phases = _Phases(
                 membership,
                 next((s for s in running if of[s.slot] == Phase.SNAPSHOT), None),
+                next((s for s in running if of[s.slot] == Phase.CHECKPOINT), None),
                 [s for s in running if of[s.slot] == Phase.INITIALIZE],
                 next((s for s in running if of[s.slot] == Phase.RESTORE), None),
+                [s for s in running if of[s.slot] == Phase.RESUME],
                 [s for s in running if of[s.slot] == Phase.PREFILL],
                 [s for s in running if of[s.slot] == Phase.DECODE],
             )
@@ -286,10 +310,9 @@ class RoundPlanner:
 
     # -- round kinds ---------------------------------------------------------------------------------
     def _state_copy(
-        self, graph: PreparedGraph, state: RequestState, *, snapshot_row: int = -1, restore_row: int = -1
+        self, graph: PreparedGraph, state: RequestState, endpoint: int, *, snapshot_row: int = -1, restore_row: int = -1
     ) -> RoundPlan:
-        """A SNAPSHOT or RESTORE round of one request at its exact endpoint."""
-        endpoint = state.snapshot_endpoint
+        """A SNAPSHOT or RESTORE round of one request at its exact ``endpoint``."""
         lane = self.lane(
             state, range(0), sample=False, consumed=endpoint, snapshot_row=snapshot_row, restore_row=restore_row
         )
@@ -329,13 +352,15 @@ class RoundPlanner:
                 expectations.append(self._expect(state, consumed + 1, True))
         used = len(lanes)
         for state in prefill:
-            if state.slot < 0:
-                continue  # preempted to make room for a decode lane above
+            if state.slot < 0 or table.phase[state.slot] != Phase.PREFILL:
+                continue  # preempted (or marked for a snapshot) to make room for a decode lane above
             if len(members) >= rows or used >= budget:
                 break
             slot = state.slot
             consumed = int(table.consumed[slot])
             chunk = min(int(table.target[slot]) - consumed, budget - used)
+            if residency.checkpoints is not None:  # a chunk ends where the prompt's deepest checkpoint goes
+                chunk = residency.checkpoint_chunk(state, consumed, chunk)
             last = state.snapshot_row < 0 and consumed + chunk == table.length(slot)
             # MIXED_PREFILL_ROW: 1 on the prefill rows of a mixed round
             lanes.append(self.lane(state, range(consumed, consumed + chunk), sample=last, mixed_prefill=mixed))
@@ -343,6 +368,31 @@ class RoundPlanner:
             expectations.append(self._expect(state, consumed + chunk, last))
             used += chunk
         graph = _smallest(variants, rows=len(lanes), tokens=used)
+        return self.lanes_plan(graph, members, lanes, expectations)
+
+    def _resume_round(self, resume: list[RequestState]) -> RoundPlan:
+        """Chunks of the known tokens of resuming requests (FCFS, within the largest RESUME extent): the
+        tokens after a restored snapshot, or a continued assistant message. A lane whose chunk ends the
+        request's tokens samples; its pages were allocated at admission."""
+        table = self.table
+        budget = max(g.extents.packed_token_capacity for g in self.resumes)
+        rows = max(g.extents.batch_capacity for g in self.resumes)
+        members: list[RequestState] = []
+        lanes: list[Lane] = []
+        expectations: list[LaneExpectation] = []
+        used = 0
+        for state in resume:
+            if len(members) >= rows or used >= budget:
+                break
+            slot = state.slot
+            consumed, length = int(table.consumed[slot]), table.length(slot)
+            chunk = min(length - consumed, budget - used)
+            last = consumed + chunk == length
+            lanes.append(self.lane(state, range(consumed, consumed + chunk), sample=last))
+            members.append(state)
+            expectations.append(self._expect(state, consumed + chunk, last))
+            used += chunk
+        graph = _smallest(self.resumes, rows=len(lanes), tokens=used)
         return self.lanes_plan(graph, members, lanes, expectations)
 
     def _scored_round(self, state: RequestState) -> RoundPlan:

@@ -3,7 +3,8 @@
 Owns :class:`RoundCompletion`. :meth:`RoundCompletion.apply` takes the :class:`RoundPlan` that was
 launched and its validated results (one :class:`LaneResult` or :class:`CompletionError` per lane) and
 writes what the round did: consumed endpoints, appended tokens, phase changes, published pages,
-finished, failed and preempted requests. It returns the events to publish, in order. A lane whose
+finished, failed and preempted requests, and published prefix checkpoints (a checkpoint's SNAPSHOT
+round is published only once its completion validated). It returns the events to publish, in order. A lane whose
 request ended before the round's completion was read (a follow-up round's lane of a request that ended
 in the round before) is suppressed; a failed lane fails only its request.
 
@@ -146,16 +147,26 @@ class RoundCompletion:
                 events.append(residency.fail(state, str(result)))
                 continue
             if operation == ct.OPERATION_INITIALIZE:
-                table.set_phase(slot, Phase.PREFILL)
+                if residency.checkpoints is not None and residency.initialized(state):
+                    continue  # the checkpoint of a prefix it shares is restored next
+                # a prompt whose prefix up to a continued assistant message was reused resumes at once
+                resumes = table.consumed[slot] >= table.target[slot]
+                table.set_phase(slot, Phase.RESUME if resumes else Phase.PREFILL)
                 continue
             if operation == ct.OPERATION_SNAPSHOT:
-                residency.leave_after_snapshot(state)
+                if table.phase[slot] == Phase.CHECKPOINT:  # validated: published, and it prefills on
+                    residency.publish_checkpoint(state)
+                else:
+                    residency.leave_after_snapshot(state)
+                continue
+            if operation == ct.OPERATION_RESTORE and state.restoring is not None:
+                residency.restored_checkpoint(state)
                 continue
             if operation == ct.OPERATION_RESTORE:
                 residency.free_snapshot_rows.append(state.snapshot_row)
                 state.snapshot_row = -1
                 table.consumed[slot] = state.snapshot_endpoint
-                table.set_phase(slot, Phase.DECODE)
+                table.set_phase(slot, self._after_restore(slot, state.snapshot_endpoint))
                 self.stats.restores += 1
                 continue
             if operation == ct.OPERATION_SPECULATIVE:
@@ -169,8 +180,11 @@ class RoundCompletion:
                     state.scores_sent = True
                     events.append(PromptScores(state.request_id, state.scores[: state.prompt_len - 1]))
             if not expectation.samples:
-                if state.snapshot_row >= 0 and expectation.consumed >= table.target[slot]:
-                    table.set_phase(slot, Phase.RESTORE)  # the snapshot's prefix pages are computed
+                if table.phase[slot] == Phase.PREFILL and expectation.consumed >= table.target[slot]:
+                    # the snapshot's prefix pages are computed, or prefill reached a continued assistant message
+                    table.set_phase(slot, Phase.RESTORE if state.snapshot_row >= 0 else Phase.RESUME)
+                elif residency.checkpoints is not None and table.phase[slot] == Phase.PREFILL:
+                    residency.take_checkpoint(state)  # at a page boundary: its SNAPSHOT round comes next
                 continue
             token = result.token_id
             stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
@@ -196,6 +210,19 @@ class RoundCompletion:
             elif table.generated[slot] >= state.max_tokens:
                 residency.end(state)
                 events.append(residency.finished(state, "length"))
+
+    def _after_restore(self, slot: int, endpoint: int) -> Phase:
+        """What a request restored at ``endpoint`` does next: decode when only its sampled pending token
+        follows (the restore wrote it back), else compute its remaining known tokens with RESUME programs
+        (with none selected, with prefill programs: the restored state rows are not initialized again)."""
+        table = self.table
+        length = table.length(slot)
+        if table.generated[slot] > 0 and length == endpoint + 1:
+            return Phase.DECODE
+        if self.residency.resumable:
+            return Phase.RESUME
+        table.target[slot] = length
+        return Phase.PREFILL
 
     def _apply_speculative(
         self,

@@ -2,11 +2,16 @@
 
 Owns the pending admission deque (:attr:`Residency.waiting`), the running list, free slots and free
 snapshot rows, and every transition of a request between them: queueing with capacity checks
-(:meth:`Residency.add`), admission with prefix reuse (:meth:`Residency.admit`), page reservation with
+(:meth:`Residency.add`), admission with prefix reuse (:meth:`Residency.admit`; at a first admission only
+up to the last cut the core's prefix-boundary rules allow), page reservation with
 preemption of younger requests (:meth:`Residency.ensure_page`), a snapshot mark, preemption,
 finishing and failing (:meth:`Residency.end`, fenced while a follow-up round of the request is in
 flight), cancellation, page publication into the prefix index, and, with a sliding-window history,
-the release of pages no later round attends (:meth:`Residency.release_outside_window`). Progress
+the release of pages no later round attends (:meth:`Residency.release_outside_window`), and, for a core
+whose recurrent history no page holds, published prefix checkpoints: taken at page boundaries of a
+prefilling request (:meth:`Residency.take_checkpoint`), published once their snapshot round validated
+(:meth:`Residency.publish_checkpoint`), restored at admission from the deepest one a prompt shares,
+and evicted when a snapshot row is needed. Progress
 itself lives in the :class:`~helios_core.runtime.slots.SlotTable`; both the planner and the completion
 of the scheduler use this object for the transitions they cause.
 """
@@ -21,6 +26,8 @@ from collections.abc import Set as AbstractSet
 import numpy as np
 
 from helios_core.contract import PreparedContract
+from helios_core.contract.boundaries import last_cut
+from helios_core.runtime.checkpoints import Checkpoint, CheckpointIndex
 from helios_core.runtime.gates import HostGate, format_param, gate_failure
 from helios_core.runtime.messages import (
     AdmissionRejected,
@@ -37,6 +44,7 @@ from helios_core.sampling import SAMPLING_PARAMETERS, SamplingLimits, SamplingPa
 from helios_core.wire import contract_pb2 as ct
 
 _NOTHING: frozenset[int] = frozenset()
+_NO_MATCH = PrefixMatch((), (), 0)
 _LEAVING = (Phase.SNAPSHOT, Phase.ENDED)
 """Phases of running requests that are leaving already (never chosen to make room)."""
 
@@ -68,9 +76,25 @@ class Residency:
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         """The most requests :attr:`waiting` takes from outside (:meth:`add`); see :attr:`has_room`."""
-        self.pages_per_row = min((v.pages_per_row for v in contract.model.cache.page_table_views), default=0)
+        self.pages_per_row = min(
+            (v.pages_per_row for v in contract.model.cache.page_table_views),
+            default=-(-self.context // self.page_tokens),  # no page tables: pages only count a request's tokens
+        )
+        self.paged_prefixes = not any(r.kind == ct.HISTORY_KIND_RECURRENT for r in contract.model.cache.regions)
+        """Published complete pages hold a prefix's whole history, so a prefix match may skip its tokens. Not
+        with a recurrent history: its state rows are not in pages, and a snapshot alone restores them."""
         self.window = history_window(contract.model.cache)
         """The sliding-window extent in tokens every page-table view's history declares; 0 for unlimited."""
+        self.checkpoints = (
+            CheckpointIndex(self.page_tokens, allocator.chain_hash)
+            if not self.paged_prefixes and snapshot_rows > 0
+            else None
+        )
+        """Published prefix checkpoints (snapshot rows at exact page-boundary endpoints): how a core whose
+        recurrent history no page holds reuses a shared prefix; None for other cores (pages serve) and
+        for a selection without snapshot and restore programs."""
+        self.paged_history = bool(contract.model.cache.page_table_views)
+        """Some history is in pages too: a checkpoint is restored with the complete pages up to it."""
         self.table = SlotTable(max(max_active, 0), self.context, self.page_tokens, self.pages_per_row)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -83,6 +107,10 @@ class Residency:
         """Requests that ended while a round of theirs was in flight (released at its fence)."""
         self.starved = False
         """A running request lacked a page in the last round: admit nobody until every running request is served."""
+        self.resumable = False
+        """The selection has RESUME programs (set by the scheduler): known tokens after a restored snapshot or
+        the start of a continued assistant message are computed by them, so prefilling requests are
+        preempted by snapshot too."""
         self.deferred: set[int] = set()
         """Slots whose complete pages were counted as published but not hashed yet."""
         self.cancels = False
@@ -97,10 +125,13 @@ class Residency:
         (Preempted requests return to its front whatever it holds: they were admitted already.)"""
         return len(self.waiting) < self.queue_capacity
 
-    def add(self, request: PreparedRequest) -> AdmissionRejected | None:
+    def add(
+        self, request: PreparedRequest, *, cuts: tuple[int, ...] | None = None, continuation: int = -1
+    ) -> AdmissionRejected | None:
         """Queue a request, or reject it when it lies outside the prepared capacities (permanently) or the
         pending admission deque is full (transiently: the engine hands requests over only while
-        :attr:`has_room`, so this answers a caller that does not)."""
+        :attr:`has_room`, so this answers a caller that does not). ``cuts`` and ``continuation`` become the
+        request's :attr:`RequestState.cuts` and :attr:`RequestState.continuation`."""
         if not self.has_room:
             self.stats.rejected += 1
             return AdmissionRejected(
@@ -134,6 +165,8 @@ class Residency:
             max(request.top_logprobs, 0),
             sampling,
             list(request.prompt_ids),
+            cuts=cuts,
+            continuation=continuation,
         )
         if self.make_gate is not None:
             try:
@@ -198,45 +231,193 @@ class Residency:
         while self.waiting and self.free_slots and not self.starved:
             state = self.waiting[0]
             tokens = state.tokens
+            restoring: Checkpoint | None = None
+            keys: list[bytes] = []
             if state.snapshot_row >= 0:  # reuse complete pages up to the snapshot, restore the rest
                 full = state.snapshot_endpoint - state.snapshot_endpoint % self.page_tokens
-                match = self.allocator.match_prefix(tokens, full)
-                needed = self.pages_for(state.snapshot_endpoint) - len(match.pages)
+                match = self.allocator.match_prefix(tokens, full if self.paged_prefixes else 0)
+                needed = self.pages_for(_restored_extent(state)) - len(match.pages)
             elif state.scoring:  # every prompt token must be computed to be scored: no prefix reuse
                 match = PrefixMatch((), (), 0)
                 needed = self.pages_for(len(tokens))
-            else:
-                match = self.allocator.match_prefix(tokens, len(tokens) - 1)
+            elif self.checkpoints is not None:  # the deepest shared checkpoint, restored after `initialize`
+                restoring, match, keys = self._checkpoint_match(state)
                 needed = self.pages_for(len(tokens)) - len(match.pages)
-            self.allocator.claim(match)
-            fresh = self.allocator.allocate(needed)
-            if fresh is None:
-                self.allocator.release(match.pages)
+            else:
+                match = self._prefix_match(state) if self.paged_prefixes else self.allocator.match_prefix(tokens, 0)
+                needed = self.pages_for(len(tokens)) - len(match.pages)
+            claimed = self.allocator.claim(match)  # restores matched pages the host tier holds
+            fresh = self.allocator.allocate(needed) if claimed is not None else None
+            if claimed is None or fresh is None:
+                if claimed is not None:
+                    self.allocator.release(claimed.pages)
                 if not self.running:
                     # Nothing will free pages: this request cannot run until pages are evicted or freed,
                     # and capacity checks guarantee it fits an empty cache.
                     raise RuntimeError("an empty cache cannot hold an admitted request")
                 return
             self.waiting.popleft()
+            reused = match.tokens
+            if restoring is not None and self.checkpoints is not None:
+                self.checkpoints.claim(restoring)  # pinned until its restore round copied it
+                state.restoring = restoring
+                self.allocator.stats.reused_tokens += restoring.endpoint - match.tokens
+                reused = restoring.endpoint
             if state.reused_tokens < 0:
-                state.reused_tokens = match.tokens
+                state.reused_tokens = reused
             if state.snapshot_row < 0:
                 phase = Phase.INITIALIZE
             else:  # a snapshotted request gets its state rows back from RESTORE, not from initialization
-                phase = Phase.PREFILL if match.tokens < state.snapshot_endpoint else Phase.RESTORE
+                unrestored = match.tokens < state.snapshot_endpoint and self.paged_prefixes
+                phase = Phase.PREFILL if unrestored else Phase.RESTORE
             self.table.hold(
                 self.free_slots.pop(),
                 state,
                 generation=next(self._generations),
-                pages=[*match.pages, *fresh],
-                hashes=list(match.hashes),
-                consumed=match.tokens,
+                pages=[*claimed.pages, *fresh],
+                hashes=keys if restoring is not None else list(match.hashes),
+                consumed=reused,
                 phase=phase,
             )
+            if self.resumable and 0 <= state.continuation < len(tokens) and not state.scoring:
+                # prefill stops where the continued assistant message starts; RESUME computes the rest
+                self.table.target[state.slot] = max(state.continuation, reused)
             self.running.append(state)
             self.stats.admitted += 1
             if self.window:  # matched pages before the first window are not attended
                 self._release_window(state.slot)
+
+    def _prefix_match(self, state: RequestState) -> PrefixMatch:
+        """The published pages ``state`` reuses: the longest run equal to its tokens' prefix (its last token
+        is always computed), at its first admission cut back to the pages wholly before the last cut the
+        core's prefix-boundary rules allow within that run. A readmitted request matches its own history
+        freely."""
+        tokens = state.tokens
+        match = self.allocator.match_prefix(tokens, len(tokens) - 1)
+        if state.cuts is None or state.reused_tokens >= 0:
+            return match
+        keep = last_cut(state.cuts, match.tokens) // self.page_tokens
+        if keep == len(match.pages):
+            return match
+        return PrefixMatch(match.pages[:keep], match.hashes[:keep], keep * self.page_tokens)
+
+    def _checkpoint_match(self, state: RequestState) -> tuple[Checkpoint | None, PrefixMatch, list[bytes]]:
+        """The deepest published checkpoint ``state``'s tokens share (its last token is always computed; at
+        a first admission only up to the last cut the prefix-boundary rules allow) whose copied sampling
+        state is exact for it; the complete pages claimed with it (none unless some history is in pages
+        too); and the chain keys of its prefix."""
+        checkpoints, tokens = self.checkpoints, state.tokens
+        if checkpoints is None:
+            return None, _NO_MATCH, []
+        if self.paged_history:  # the checkpoint needs its prefix's pages as well: within their match
+            match = self._prefix_match(state)
+            keys = list(match.hashes)
+        else:
+            limit = len(tokens) - 1
+            if state.cuts is not None and state.reused_tokens < 0:
+                limit = last_cut(state.cuts, limit)
+            match, keys = _NO_MATCH, checkpoints.chain_keys(tokens, limit)
+        any_presence = state.sampling.repetition_penalty == 1.0  # prompt presence is read by that penalty only
+        presence = frozenset(tokens[: state.prompt_len]) if keys and not any_presence else frozenset()
+        found = checkpoints.deepest(keys, lambda checkpoint: any_presence or checkpoint.presence == presence)
+        if found is None:
+            return None, _NO_MATCH, []
+        pages = found.endpoint // self.page_tokens
+        if self.paged_history:
+            match = PrefixMatch(match.pages[:pages], match.hashes[:pages], found.endpoint)
+        return found, match, keys[:pages]
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def checkpoint_chunk(self, state: RequestState, consumed: int, chunk: int) -> int:
+        """A prefill chunk of ``chunk`` tokens of ``state`` from ``consumed``, cut to end at the last page
+        boundary before its last known token when it would pass it and no checkpoint is published or
+        being taken there (so one can be: that is the deepest endpoint a later prompt can share)."""
+        if self.checkpoints is None or state.presence is None:
+            return chunk
+        slot = state.slot
+        last = (self.table.length(slot) - 1) // self.page_tokens * self.page_tokens
+        if consumed < last < consumed + chunk and self.checkpoints.wanted(self._chain_key(slot, last)):
+            return last - consumed
+        return chunk
+
+    def take_checkpoint(self, state: RequestState) -> None:
+        """``state``'s prefill chunk was applied: when it ended at a page boundary before its last known token
+        and its sampling state rows hold what a checkpoint may copy, mark it for a checkpoint there (its
+        SNAPSHOT round comes next; it keeps its slot). The snapshot row is a free one or, with none free,
+        that of the least recently used checkpoint of the same chain (a shorter prefix of its tokens);
+        with neither, no checkpoint is taken."""
+        checkpoints, table, slot = self.checkpoints, self.table, state.slot
+        if checkpoints is None or state.presence is None or state.snapshot_row >= 0:
+            return
+        endpoint = int(table.consumed[slot])
+        if endpoint <= 0 or endpoint % self.page_tokens or endpoint >= table.length(slot):
+            return
+        key = self._chain_key(slot, endpoint)
+        if not checkpoints.wanted(key):
+            return
+        if not self.free_snapshot_rows:
+            chain = frozenset(table.hashes[slot][: endpoint // self.page_tokens])
+            row = checkpoints.evict(lambda checkpoint: checkpoint.key in chain)
+            if row is None:
+                return
+            self.free_snapshot_rows.append(row)
+        state.checkpoint_row = self.free_snapshot_rows.pop()
+        state.checkpoint_key = key
+        checkpoints.reserve(key, state.checkpoint_row)
+        table.set_phase(slot, Phase.CHECKPOINT)
+
+    def publish_checkpoint(self, state: RequestState) -> None:
+        """The checkpoint SNAPSHOT round of ``state`` validated: publish it; the request prefills on."""
+        checkpoints, slot = self.checkpoints, state.slot
+        if checkpoints is None or state.presence is None:
+            raise RuntimeError("a checkpoint was taken by a request that may not publish one")
+        checkpoints.publish(state.checkpoint_key, int(self.table.consumed[slot]), state.presence)
+        state.checkpoint_row, state.checkpoint_key = -1, b""
+        self.table.set_phase(slot, Phase.PREFILL)
+
+    def initialized(self, state: RequestState) -> bool:
+        """``state``'s sampling state rows were initialized from its prompt (a core with checkpoints): they
+        hold its prompt's presence and no output counts. True when a checkpoint is restored next."""
+        state.presence = frozenset(self.table.token_list(state.slot, 0, state.prompt_len))
+        if state.restoring is None:
+            return False
+        self.table.set_phase(state.slot, Phase.RESTORE)
+        return True
+
+    def restored_checkpoint(self, state: RequestState) -> None:
+        """The RESTORE round copied ``state``'s checkpoint: it computes its tokens from the endpoint on."""
+        checkpoint, slot = state.restoring, state.slot
+        if checkpoint is None or self.checkpoints is None:
+            raise RuntimeError("a checkpoint restore was applied to a request without one")
+        self.checkpoints.unpin(checkpoint)
+        state.restoring = None
+        state.presence = checkpoint.presence  # what the restore copied into its prompt-presence row
+        table = self.table
+        table.set_phase(slot, Phase.RESUME if table.consumed[slot] >= table.target[slot] else Phase.PREFILL)
+
+    def _chain_key(self, slot: int, endpoint: int) -> bytes:
+        """The chain key of ``slot``'s first ``endpoint`` tokens (a positive page boundary), from its known
+        page hashes on."""
+        table, page_tokens = self.table, self.page_tokens
+        hashes = table.hashes[slot]
+        known = min(len(hashes), endpoint // page_tokens)
+        key = hashes[known - 1] if known else None
+        row = table.tokens[slot]
+        for page in range(known, endpoint // page_tokens):
+            key = self.allocator.chain_hash(key, row[page * page_tokens : (page + 1) * page_tokens].tolist())
+        if key is None:
+            raise RuntimeError("a checkpoint endpoint must be a positive page boundary")
+        return key
+
+    def _free_snapshot_row(self) -> bool:
+        """A snapshot row is free, if need be by evicting the least recently used unpinned checkpoint."""
+        if self.free_snapshot_rows:
+            return True
+        row = self.checkpoints.evict() if self.checkpoints is not None else None
+        if row is None:
+            return False
+        self.free_snapshot_rows.append(row)
+        return True
 
     # -- pages ---------------------------------------------------------------------------------------
     def pages_for(self, tokens: int) -> int:
@@ -257,7 +438,7 @@ class Residency:
             if not victims:
                 return False
             victim = max(victims, key=lambda s: s.arrival)
-            if table.phase[victim.slot] == Phase.DECODE and self.free_snapshot_rows:
+            if self._snapshots(victim) and self._free_snapshot_row():
                 # Keep the victim's exact committed state: snapshot it in the next round, then release it.
                 victim.snapshot_row = self.free_snapshot_rows.pop()
                 victim.snapshot_endpoint = int(table.consumed[victim.slot])
@@ -267,6 +448,16 @@ class Residency:
             if state.slot < 0:
                 return False
         return True
+
+    def _snapshots(self, victim: RequestState) -> bool:
+        """``victim`` is preempted by a snapshot of its committed state: it decodes, or (with RESUME
+        programs, which compute its remaining known tokens after the restore) it prefills or resumes
+        with its sampling state initialized, no snapshot of its own pending and no prompt to score."""
+        phase = self.table.phase[victim.slot]
+        if phase == Phase.DECODE:
+            return True
+        resumable = phase in (Phase.PREFILL, Phase.RESUME) and victim.snapshot_row < 0 and not victim.scoring
+        return self.resumable and resumable
 
     def release_outside_window(self) -> None:
         """With a sliding-window history, release every running request's pages that no later round
@@ -336,6 +527,14 @@ class Residency:
         if not keep_snapshot and state.snapshot_row >= 0:
             self.free_snapshot_rows.append(state.snapshot_row)
             state.snapshot_row = -1
+        if self.checkpoints is not None:
+            if state.checkpoint_row >= 0:  # its checkpoint's snapshot round failed or never ran: not published
+                self.free_snapshot_rows.append(self.checkpoints.abandon(state.checkpoint_key))
+                state.checkpoint_row, state.checkpoint_key = -1, b""
+            if state.restoring is not None:
+                self.checkpoints.unpin(state.restoring)
+                state.restoring = None
+            state.presence = None  # its next slot's sampling state rows are initialized or restored again
         if state in self.running:
             self.running.remove(state)
         slot = state.slot
@@ -370,8 +569,10 @@ class Residency:
         self.fenced = []
 
     def preempt(self, state: RequestState) -> None:
-        """Return a running request to the front of the queue; its published pages stay reusable."""
-        self.retire(state, requeue=True)
+        """Return a running request to the front of the queue; its published pages stay reusable. A
+        snapshot it was readmitted with and has not restored yet stays its own (nothing of its state
+        changed since): the next readmission restores it."""
+        self.retire(state, requeue=True, keep_snapshot=state.snapshot_row >= 0)
         if not state.scores_sent:
             state.scores = []  # scoring restarts with the prompt's recomputation
         self.stats.preemptions += 1
@@ -435,6 +636,16 @@ class Residency:
             self.stats.failed += 1
             events.append(ExecutionFailed(state.request_id, message))
         return events
+
+
+def _restored_extent(state: RequestState) -> int:
+    """The tokens a snapshotted request's pages cover at readmission: its snapshot endpoint when only its
+    pending token follows (a decode round computes it, taking that page then), else every known token
+    (RESUME rounds compute them right after the restore)."""
+    endpoint = state.snapshot_endpoint
+    if state.generated > 0 and len(state.tokens) == endpoint + 1:
+        return endpoint
+    return len(state.tokens)
 
 
 def history_window(cache: ct.CacheContract) -> int:

@@ -1,9 +1,10 @@
 """The scheduler: the model worker's one entry to admission, round planning and round completion.
 
 Data flow: the engine hands each prepared request to :meth:`Scheduler.add` (capacity checks; a
-request outside the prepared capacities is an admission rejection). :meth:`Scheduler.next_round`
-returns the next :class:`~helios_core.runtime.plan.RoundPlan` (an immutable value: graph, request ids,
-slots, lanes, expectations); the engine packs, launches and validates it, and
+request outside the prepared capacities is an admission rejection; the prompt's layout, when the
+caller has one, carries its message boundaries and a continued assistant message).
+:meth:`Scheduler.next_round` returns the next :class:`~helios_core.runtime.plan.RoundPlan` (an immutable value:
+graph, request ids, slots, lanes, expectations); the engine packs, launches and validates it, and
 :meth:`Scheduler.complete` applies the plan with its validated results and returns the events to
 publish. :meth:`Scheduler.followup` plans the next decode round of the same requests before the
 previous one's completion is read.
@@ -31,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from helios_core.contract import PreparedContract, Selection
+from helios_core.contract.boundaries import PrefixBoundaries, PromptLayout
 from helios_core.runtime.completion import CompletionError, LaneResult
 from helios_core.runtime.gates import HostGate, gate_failure
 from helios_core.runtime.messages import AdmissionRejected, Event, Outgoing, PreparedRequest
@@ -73,7 +75,10 @@ class Scheduler:
             scored_prefill=ct.OPERATION_SCORED_PREFILL in operations,
             make_gate=make_gate,
         )
+        self.residency.resumable = ct.OPERATION_RESUME in operations
         self.table: SlotTable = self.residency.table
+        self.boundaries = PrefixBoundaries.of(contract.model.frontend)
+        """The core's prefix-boundary rules: where reuse of a laid-out prompt's published prefix may end."""
         self.planner = RoundPlanner(contract, selection, self.residency, stats)
         self.completion = RoundCompletion(self.residency, stats, frozenset(contract.eos_token_ids), clock_origin_ns)
         self.max_active = selection.max_active
@@ -137,8 +142,20 @@ class Scheduler:
         return not self.residency.waiting and not self.residency.running
 
     # -- requests ------------------------------------------------------------------------------------
-    def add(self, request: PreparedRequest) -> AdmissionRejected | None:
-        return self.residency.add(request)
+    def add(self, request: PreparedRequest, layout: PromptLayout | None = None) -> AdmissionRejected | None:
+        """Queue ``request`` (or reject it). ``layout``, the rendered prompt's message structure, decides
+        where prefix reuse may cut (the core's prefix-boundary rules) and which tail of the prompt
+        continues an assistant message (computed by RESUME programs when the core has them); a layout
+        that does not fit the prompt is a permanent rejection naming ``messages``."""
+        if layout is None:
+            return self.residency.add(request)
+        problem = layout.problem(len(request.prompt_ids))
+        if problem is not None:
+            self.stats.rejected += 1
+            return AdmissionRejected(
+                request.request_id, f"the prompt layout does not fit the prompt: {problem}", "messages", True
+            )
+        return self.residency.add(request, cuts=self.boundaries.cuts(layout), continuation=layout.continuation)
 
     def cancel(self, request_id: str) -> None:
         self.residency.cancel(request_id)

@@ -12,6 +12,9 @@ cancellation) goes through a method here that counts :attr:`SlotTable.membership
 decode cohort is current exactly while that count is unchanged. Page additions are counted in
 :attr:`SlotTable.page_adds` (a page table that saw that count is complete).
 
+A request of a core with prefix checkpoints also carries, on its :class:`RequestState`, the checkpoint it
+is taking (phase ``CHECKPOINT``) or restoring, and the prompt ids its prompt-presence row marks.
+
 With a sliding-window history a row's leading pages are released while the request runs
 (:meth:`SlotTable.release_leading`, counted in :attr:`SlotTable.released`); the row keeps their former
 ids, so positions still index it directly.
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from helios_core.runtime.checkpoints import Checkpoint
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import PreparedRequest
 from helios_core.runtime.packing import set_cells
@@ -53,6 +57,12 @@ class Phase(IntEnum):
     """It is preempted: its committed state is snapshotted next, then it leaves the slot."""
     ENDED = 6
     """It finished or failed while a later round of it was in flight; the slot is released at the fence."""
+    RESUME = 7
+    """Its known tokens past a restored snapshot, or past the start of a continued assistant message, are
+    computed next by RESUME programs (the last chunk samples)."""
+    CHECKPOINT = 8
+    """It prefilled to a page boundary of its known tokens: its committed state there is copied into a
+    snapshot row next, published as a reusable checkpoint; then it prefills on (it keeps its slot)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -92,10 +102,26 @@ class RequestState:
     """The snapshot row holding this preempted request's committed state, or -1."""
     snapshot_endpoint: int = 0
     """Consumed tokens at the snapshot (an exact token endpoint)."""
+    cuts: tuple[int, ...] | None = None
+    """Token offsets where reuse of a published prefix may end (the core's prefix-boundary rules applied
+    to the prompt's layout), ascending; None when any offset may."""
+    continuation: int = -1
+    """Where the content of a continued final assistant message starts (its tokens from here are resumed,
+    not prefilled as a new turn); -1 for a prompt that opens a new turn."""
     scores: list[float] = field(default_factory=list)
     """Prompt scores collected so far (prompt logprobs), one per prefilled prompt token."""
     scores_sent: bool = False
     """The PromptScores event was published (later prefills, after preemption, need no scoring)."""
+    checkpoint_row: int = -1
+    """The snapshot row its pending checkpoint is copied into (phase CHECKPOINT), or -1."""
+    checkpoint_key: bytes = b""
+    """The chain key of that checkpoint's prefix."""
+    restoring: Checkpoint | None = None
+    """The published checkpoint this admitted request restores after ``initialize`` (pinned meanwhile)."""
+    presence: frozenset[int] | None = None
+    """The token ids its prompt-presence state row marks, while its sampling state rows hold what a
+    prefix checkpoint may copy (initialized in its current slot, or restored from a checkpoint: no
+    output counts); None otherwise (it publishes no checkpoint)."""
     acceptance: float = 0.5
     """How often this request's proposals have held lately (an average over its speculative rounds,
     recent ones weighing most); the planner offers as many proposals as it makes worthwhile."""

@@ -46,7 +46,12 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
         bootstrap = Bootstrap.load(verified.core, verified.contract)
         selection = select(verified.contract, options)
         model = NativeModel.load(
-            verified.core, verified.contract, selection, backend=backend, cache_pages=options.cache_pages
+            verified.core,
+            verified.contract,
+            selection,
+            backend=backend,
+            cache_pages=options.cache_pages,
+            offload_pages=options.offload_pages,
         )
         try:
             contract = verified.contract

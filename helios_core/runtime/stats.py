@@ -2,9 +2,9 @@
 
 Owns the counters the scheduler and engine increment (request lifecycle, rounds and graph
 launches, mixed grammar steps, constrained in-flight frames) and the snapshot type that joins them
-with the page allocator's counters and the current gauges (a frozen msgspec struct: the worker takes
-one after every round). Labels are program names, operations and finish reasons only: never request
-identifiers, prompt text or token ids.
+with the page allocator's counters (and its host tier's) and the current gauges (a frozen msgspec
+struct: the worker takes one after every round). Labels are program names, operations and finish
+reasons only: never request identifiers, prompt text or token ids.
 """
 
 from __future__ import annotations
@@ -95,3 +95,13 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     speculative_emitted: dict[int, int] = {}
     offered_by_position: dict[int, int] = {}
     accepted_by_position: dict[int, int] = {}
+    offload_capacity_pages: int = 0
+    """Host-tier slots (``--offload-pages``; 0: no host tier); the next five are 0 without one."""
+    offload_pages_used: int = 0
+    offload_pages_free: int = 0
+    offloaded_pages: int = 0
+    """Published device pages copied into the host tier on eviction."""
+    restored_pages: int = 0
+    """Host-tier pages copied back into device pages for a prefix match."""
+    offload_evicted_pages: int = 0
+    """Pages that left the host tier's index to make room (least recently used first)."""

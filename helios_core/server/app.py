@@ -12,6 +12,12 @@ error object (:mod:`helios_core.server.openapi`). Each controller calls one meth
 running model, and the caller keeps ownership of that model (``helios run`` closes it). Without a
 :class:`~helios_core.server.readiness.Readiness` the app is ready at once; ``helios run`` passes
 one that turns ready after its warm-up.
+
+``helios run`` listens before its core is loaded: :func:`create_pending_app` builds the same routes
+with no service yet, and :func:`attach_service` installs the service once the model runs. Until then
+every route but ``/health`` answers 503 ``not_ready`` (with ``Retry-After``) from the readiness
+state, and ``/health`` answers 200 ``starting`` while the core loads, 503 ``failed`` once loading
+failed (:func:`pending_health`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.openapi import OpenAPIConfig
 
 from helios_core.runtime.startup import RunningModel
-from helios_core.server.errors import exception_handlers
+from helios_core.server.errors import NotReady, exception_handlers
 from helios_core.server.metrics import CONTENT_TYPE
 from helios_core.server.openapi import (
     ChatOperation,
@@ -32,19 +38,33 @@ from helios_core.server.openapi import (
     ProbeOperation,
     ServerOperation,
 )
-from helios_core.server.readiness import Readiness
+from helios_core.server.readiness import Phase, Readiness
 from helios_core.server.service import ChatService, ServerSettings
 
-__all__ = ["MAX_BODY_BYTES", "ServerSettings", "chat_service", "create_app"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "ServerSettings",
+    "attach_service",
+    "chat_service",
+    "create_app",
+    "create_pending_app",
+    "pending_health",
+]
 
 SERVICE_KEY = "chat_service"
+READINESS_KEY = "readiness"
 
 MAX_BODY_BYTES = 10_000_000
 """The largest request body read (Litestar's ``request_max_body_size``); a larger one is 413."""
 
 
 def _service(request: Request[Any, Any, Any]) -> ChatService:
-    service: ChatService = request.app.state[SERVICE_KEY]
+    """The app's service; NotReady (503) while the core is still loading."""
+    service: ChatService | None = request.app.state.get(SERVICE_KEY)
+    if service is None:
+        readiness: Readiness = request.app.state[READINESS_KEY]
+        readiness.check()  # starting, draining or failed: the state's own refusal
+        raise NotReady("the server is not ready yet: the core is loading; retry later")
     return service
 
 
@@ -92,7 +112,10 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 @get("/health", operation_class=ServerOperation, summary="Liveness: 200 while the model worker runs")
 async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    return _service(request).health()
+    service: ChatService | None = request.app.state.get(SERVICE_KEY)
+    if service is None:
+        return pending_health(request.app.state[READINESS_KEY])
+    return service.health()
 
 
 @get("/ready", operation_class=ProbeOperation, summary="Readiness: 200 once warmed up, 503 while starting or draining")
@@ -111,6 +134,15 @@ def create_app(
     """An app serving ``running``; the caller closes ``running`` after the app shuts down. ``readiness``
     (default: ready at once) gates every inference route and ``/v1/models``."""
     service = ChatService(running, settings or ServerSettings(), readiness)
+    app = create_pending_app(service.readiness)
+    attach_service(app, service)
+    return app
+
+
+def create_pending_app(readiness: Readiness) -> Litestar:
+    """An app whose model is not loaded yet: every route but ``/health`` answers 503 ``not_ready``
+    until :func:`attach_service` installs the service (``/health``: :func:`pending_health`). The
+    service attached later is closed when the app shuts down."""
     return Litestar(
         route_handlers=[
             chat_completions,
@@ -126,9 +158,14 @@ def create_app(
         openapi_config=OpenAPIConfig(title="Helios", version="1"),
         request_max_body_size=MAX_BODY_BYTES,
         logging_config=None,  # the process's logging is its owner's (helios run configures its own lines)
-        state=_state(service),
-        on_shutdown=[service.close],
+        state=_state(readiness),
+        on_shutdown=[_close_service],
     )
+
+
+def attach_service(app: Litestar, service: ChatService) -> None:
+    """Serve ``service`` from now on (any thread: one dictionary store the routes read)."""
+    app.state[SERVICE_KEY] = service
 
 
 def chat_service(app: Litestar) -> ChatService:
@@ -137,7 +174,21 @@ def chat_service(app: Litestar) -> ChatService:
     return service
 
 
-def _state(service: ChatService) -> Any:
+def pending_health(readiness: Readiness) -> Response[dict[str, Any]]:
+    """``GET /health`` before the model runs: 200 ``starting`` while it loads (the process is alive and
+    the loading thread works), 503 ``failed`` once loading failed (the server is stopping)."""
+    if readiness.phase is Phase.FAILED:
+        return Response({"status": "failed", "reason": readiness.reason}, status_code=503)
+    return Response({"status": "starting", "reason": "the core is loading"}, status_code=200)
+
+
+def _close_service(app: Litestar) -> None:
+    service: ChatService | None = app.state.get(SERVICE_KEY)
+    if service is not None:
+        service.close()
+
+
+def _state(readiness: Readiness) -> Any:
     from litestar.datastructures import State
 
-    return State({SERVICE_KEY: service})
+    return State({READINESS_KEY: readiness})

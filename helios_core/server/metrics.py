@@ -195,6 +195,24 @@ class EngineCollector(Collector):
         yield _gauge("helios_pages_free", "Cache pages neither referenced nor cached.", s.pages_free)
         yield _gauge("helios_pages_referenced", "Cache pages referenced by requests.", s.pages_referenced)
         yield _gauge("helios_pages_evictable", "Cached pages no request references.", s.pages_evictable)
+        yield _gauge(
+            "helios_offload_capacity_pages",
+            "Host-memory pages of the cache's host tier (0: off).",
+            s.offload_capacity_pages,
+        )
+        yield _gauge("helios_offload_pages", "Host-tier pages holding offloaded cache pages.", s.offload_pages_used)
+        yield _gauge("helios_offload_pages_free", "Host-tier pages holding nothing.", s.offload_pages_free)
+        yield _counter(
+            "helios_offloaded_pages", "Published cache pages copied to the host tier on eviction.", s.offloaded_pages
+        )
+        yield _counter(
+            "helios_restored_pages", "Host-tier pages copied back to the device for a prefix match.", s.restored_pages
+        )
+        yield _counter(
+            "helios_offload_evicted_pages",
+            "Pages that left the host tier's prefix index to make room (least recently used first).",
+            s.offload_evicted_pages,
+        )
         yield _gauge("helios_requests_active", "Requests holding a model slot.", s.active_requests)
         yield _gauge("helios_requests_waiting", "Requests queued for a model slot.", s.waiting_requests)
         yield _gauge("helios_max_active", "Selected model slots (max_active).", s.max_active)

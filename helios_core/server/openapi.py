@@ -210,6 +210,10 @@ _DESCRIPTIONS = {
     "top_logprobs": "Requires logprobs: true; at most the served core's limit.",
     "stream_options": "Only with stream: true.",
     "return_token_timestamps": "Requires return_token_ids: true.",
+    "add_generation_prompt": "vLLM-style; absent means true unless continue_final_message is true. False renders "
+    "the conversation without the template's generation prompt.",
+    "continue_final_message": "vLLM-style; true continues the final message, which must be an assistant message "
+    "with content (its rendering is left open). Not with add_generation_prompt: true.",
 }
 
 

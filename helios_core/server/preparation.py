@@ -13,6 +13,14 @@ the context (a lower bound on its tokens reaches it) is refused here, with the s
 ``AdmissionRefused``, before it is rendered or tokenized in full. Client text is shielded so it
 never encodes as control tokens (:mod:`helios_core.frontend.prompt_encoding`).
 
+A chat prompt also gets its layout (``PreparedRequest.layout``, a
+:class:`~helios_core.contract.PromptLayout`) where it changes what the scheduler does: on a core that
+declares prefix-boundary rules, each message's role and the token offset where its rendering ends
+(only where rendering the conversation up to it gives a prefix of the whole rendering), whether tools
+were rendered and whether reasoning was stripped; and, for ``continue_final_message``, the offset
+where the continued assistant message's content starts (the prompt is rendered without the generation
+prompt and cut right after that content, which is located exactly by rendering a marker in its place).
+
 :class:`Frontend` is built once per app and shared by the preparation threads: its members are
 read-only after construction (the grammar compiler serialises its own compilation).
 
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from helios_core.contract import PrefixBoundaries, PromptLayout, PromptMessage
 from helios_core.errors import PromptError
 from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling, resolved_settings
 from helios_core.frontend.detokenizer import IncrementalDetokenizer
@@ -63,6 +73,7 @@ from helios_core.runtime.startup import RunningModel
 from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
 from helios_core.server.errors import AdmissionRefused, InvalidRequest
 from helios_core.server.schemas import (
+    AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
     Content,
@@ -92,6 +103,8 @@ class Frontend:
         host = plugin_host if plugin_host is not None else PluginHost().start()
         self.selected: SelectedFrontend = host.resolve(running.bootstrap.frontend, self.vocabulary)
         self.supports_tools = running.bootstrap.frontend.tool_parser != ct.TOOL_PARSER_NONE
+        self.boundaries = PrefixBoundaries.of(running.bootstrap.frontend)
+        """The core's prefix-boundary rules: with any, chat prompts carry their message layout."""
         self.logprobs_top_n, self.supports_prompt_logprobs = _logprob_capabilities(running)
         envelope = self.selected.reasoning_envelope
         self.reasoning = envelope_reasoning(
@@ -462,8 +475,20 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     shield = frontend.bootstrap.encoder.shield()
     messages = [_template_message(message, index, shield) for index, message in enumerate(request.messages)]
     shielded_tools = shield.shield_value(template_tools) if template_tools else None
-    rendered = frontend.bootstrap.render(messages, tools=shielded_tools, input_chars=shield.input_chars)
+    continuing = _continues_final_message(request)
+    rendered = frontend.bootstrap.render(
+        messages,
+        tools=shielded_tools,
+        input_chars=shield.input_chars,
+        add_generation_prompt=request.add_generation_prompt is not False and not continuing,
+    )
+    content_start = -1
+    if continuing:
+        rendered, content_start = _open_final_message(frontend, messages, shielded_tools, rendered, shield)
     prompt_ids = _encode(frontend, rendered, shield)
+    layout = _prompt_layout(
+        frontend, messages, shielded_tools, rendered, prompt_ids, shield, content_start=content_start
+    )
     sampling = _sampling(frontend, request)
     top_logprobs, prompt_logprobs = _logprob_settings(frontend, request)
 
@@ -512,6 +537,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
+        layout=layout,
     )
     include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
     return Prepared(
@@ -526,6 +552,156 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         logprobs=top_logprobs >= 0,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _continues_final_message(request: ChatCompletionRequest) -> bool:
+    """Whether the request continues its final message (which must then be the assistant's)."""
+    if not request.continue_final_message:
+        return False
+    final = request.messages[-1]
+    if not isinstance(final, AssistantMessage):
+        raise InvalidRequest(
+            "continue_final_message needs the final message to be an assistant message; "
+            f"messages[{len(request.messages) - 1}] is a {type(final).__struct_config__.tag} message",
+            "messages",
+        )
+    return True
+
+
+def _open_final_message(
+    frontend: Frontend,
+    messages: list[dict[str, Any]],
+    tools: Any,
+    rendered: str,
+    shield: ClientTextShield,
+) -> tuple[str, int]:
+    """(``rendered`` cut right after the final assistant message's content, the character offset where that
+    content starts).
+
+    The content is located exactly, not searched for: the conversation is rendered once more with the
+    content replaced by a marker no client text contains, and the real rendering must hold the content
+    (or the content without surrounding whitespace, for templates that trim it) exactly where the marker
+    was, after the same text. A template that does not render the content verbatim is a 400."""
+    content = messages[-1]["content"]
+    if not content:
+        raise InvalidRequest(
+            "continue_final_message needs the final assistant message to have content to continue", "messages"
+        )
+    marker = f"\ue002{secrets.token_hex(8)}\ue003"
+    probe = frontend.bootstrap.render(
+        [*messages[:-1], {**messages[-1], "content": marker}],
+        tools=tools,
+        input_chars=shield.input_chars,
+        add_generation_prompt=False,
+    )
+    start = probe.find(marker)
+    if start >= 0 and probe.count(marker) == 1 and rendered.startswith(probe[:start]):
+        for text in (content, content.strip()):
+            if text and rendered.startswith(text, start):
+                return rendered[: start + len(text)], start
+    raise InvalidRequest(
+        "continue_final_message: the chat template does not render the final assistant message's content "
+        "verbatim, so it cannot be continued",
+        "messages",
+    )
+
+
+_LAYOUT_ROLES = {
+    "system": ct.MESSAGE_ROLE_SYSTEM,
+    "user": ct.MESSAGE_ROLE_USER,
+    "assistant": ct.MESSAGE_ROLE_ASSISTANT,
+    "tool": ct.MESSAGE_ROLE_TOOL,
+}
+"""The ``MessageRole`` of each role the template sees (a developer message is rendered, and counts, as a
+system message)."""
+
+
+def _prompt_layout(
+    frontend: Frontend,
+    messages: list[dict[str, Any]],
+    tools: Any,
+    rendered: str,
+    prompt_ids: list[int],
+    shield: ClientTextShield,
+    *,
+    content_start: int,
+) -> PromptLayout | None:
+    """The rendered prompt's layout for the scheduler; None when it would change nothing (the core declares
+    no prefix-boundary rules and no assistant message is continued).
+
+    ``content_start`` is the character offset of a continued final message's content in ``rendered`` (-1
+    when none is continued); that message is open, so it has no end in the layout."""
+    history = len(messages) - 1 if content_start >= 0 else len(messages)
+    continuation = -1
+    if content_start >= 0:
+        continuation = _token_offsets(frontend, rendered, prompt_ids, shield, [content_start])[0]
+    if not frontend.boundaries.restricted:
+        return PromptLayout(continuation=continuation) if continuation >= 0 else None
+    flags = PromptLayout(
+        tools=tools is not None,
+        reasoning_stripped=_reasoning_stripped(messages[:history], rendered),
+        continuation=continuation,
+    )
+    ends: list[tuple[int, int]] = []  # (role, character offset where the message's rendering ends)
+    for index in range(history):
+        role = _LAYOUT_ROLES[messages[index]["role"]]
+        if not frontend.boundaries.allows(role, flags):
+            continue  # no rule allows a cut after it: its end is never needed
+        prefix = frontend.bootstrap.render(
+            messages[: index + 1], tools=tools, input_chars=shield.input_chars, add_generation_prompt=False
+        )
+        if rendered.startswith(prefix):  # else its rendering depends on later messages: no boundary there
+            ends.append((role, len(prefix)))
+    offsets = _token_offsets(frontend, rendered, prompt_ids, shield, [end for _, end in ends])
+    return msgspec.structs.replace(
+        flags, messages=tuple(PromptMessage(role, offset) for (role, _), offset in zip(ends, offsets, strict=True))
+    )
+
+
+def _reasoning_stripped(messages: Sequence[dict[str, Any]], rendered: str) -> bool:
+    """Some assistant message carries reasoning that the rendered prompt does not hold."""
+    return any(
+        message["role"] == "assistant"
+        and message.get("reasoning_content")
+        and message["reasoning_content"] not in rendered
+        for message in messages
+    )
+
+
+def _token_offsets(
+    frontend: Frontend, rendered: str, prompt_ids: list[int], shield: ClientTextShield, positions: Sequence[int]
+) -> list[int]:
+    """For each character offset of ``rendered`` (non-decreasing), the number of leading prompt ids that lie
+    wholly before it.
+
+    The text between consecutive offsets is encoded piece by piece (linear in the prompt); when the pieces'
+    ids join into ``prompt_ids``, each offset is a token boundary and its count is exact. When they do not (a
+    token of the whole prompt spans an offset), each offset gets the ids that the encoding of the text before
+    it shares with the prompt, lowered so the counts never decrease; those ids lie wholly before it."""
+    encoder = frontend.bootstrap.encoder
+    joined: list[int] = []
+    counts: list[int] = []
+    previous = 0
+    for position in positions:
+        joined.extend(encoder.encode(rendered[previous:position], shield))
+        counts.append(len(joined))
+        previous = position
+    joined.extend(encoder.encode(rendered[previous:], shield))
+    if joined == prompt_ids:
+        return counts
+    shared = [_shared_prefix(encoder.encode(rendered[:position], shield), prompt_ids) for position in positions]
+    for index in range(len(shared) - 2, -1, -1):
+        shared[index] = min(shared[index], shared[index + 1])
+    return shared
+
+
+def _shared_prefix(ids: Sequence[int], prompt_ids: Sequence[int]) -> int:
+    count = 0
+    for mine, theirs in zip(ids, prompt_ids, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
 
 
 def _encode(frontend: Frontend, rendered: str, shield: ClientTextShield) -> list[int]:

@@ -177,6 +177,12 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     ignore_eos: bool | None = None
     prompt_logprobs: int | None = None
     """vLLM-style: 0 returns each prompt token's logprob given its prefix; alternatives (> 0) are refused."""
+    add_generation_prompt: bool | None = None
+    """vLLM-style: false renders the conversation without the template's generation prompt (absent: true,
+    unless ``continue_final_message`` is true)."""
+    continue_final_message: bool | None = None
+    """vLLM-style: true leaves the final message, which must be the assistant's, open so generation
+    continues its content; not with ``add_generation_prompt: true``."""
 
 
 class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -386,6 +392,14 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
         refuse("tool_choice", f"tool_choice={choice!r} (only 'auto', 'none', 'required' or a named function)")
     if request.return_token_timestamps and not request.return_token_ids:
         problems.append(("return_token_timestamps", "return_token_timestamps requires return_token_ids=true"))
+    if request.continue_final_message and request.add_generation_prompt:
+        problems.append(
+            (
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(set add_generation_prompt to false to continue the final assistant message)",
+            )
+        )
     return problems
 
 

@@ -2,10 +2,16 @@
 
 Owns the run options (their names, types and defaults), the precedence rule — explicit command-line
 options over the TOML config file (``--config``) over the environment (``HELIOS_<OPTION>``, e.g.
-``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: start the model
-(verify the core, build its programs, back its cache storage), build the app, run uvicorn
-programmatically, make one warm-up generation through the engine while ``/ready`` answers 503, then
-mark the app ready and log one readiness line; and on SIGINT/SIGTERM shut down:
+``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: listen first (uvicorn
+run programmatically, the app built with no model yet), then on a startup thread start the model
+(verify the core, build its programs, back its cache storage), install the chat service and make one
+warm-up generation through the engine; all that time ``/ready``, ``/v1/models``, ``/metrics`` and
+every inference and render route answer 503 ``not_ready`` with ``Retry-After`` and ``/health``
+answers 200. Then mark the app ready and log one readiness line. A load or warm-up that fails marks
+readiness failed (``/health`` 503), stops the server, closes what was loaded and raises the same
+error a start that failed before listening would (the CLI's one line and exit status). A signal
+during loading stops the server at once; the load step then ends and its model is closed before the
+process exits (a second signal ends the process at once). On SIGINT/SIGTERM once serving, shut down:
 
 * readiness drops at once (``/ready`` 503) while the listening socket stays open: new requests are
   answered 503 ``not_ready`` with ``Retry-After`` and ``Connection: close``, and the requests already
@@ -47,7 +53,12 @@ from typing import TYPE_CHECKING, Any
 from helios_core.errors import HeliosError, StartupError
 
 if TYPE_CHECKING:
+    from helios_core.contract import LoadOptions
+    from helios_core.loading import TrustSettings
+    from helios_core.runtime.startup import RunningModel
+    from helios_core.server.kv_events import KvEventPublisher, KvEventsConfig
     from helios_core.server.readiness import Readiness
+    from helios_core.server.service import ChatService
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
@@ -84,6 +95,8 @@ class RunOptions:
     frontend_workers: int | None = None
     event_capacity: int | None = None
     cache_pages: int | None = None
+    offload_pages: int = 0
+    """Host-memory pages of the prefix cache's host tier (0: evicted pages are dropped)."""
     trust_key: tuple[Path, ...] = ()
     accept: str | None = None
     core_key: Path | None = None
@@ -210,14 +223,13 @@ def resolve_options(
 
 
 def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
-    """Start the core, serve it until SIGINT/SIGTERM, drain, close the model."""
+    """Listen, load the core behind the readiness gate, serve it until SIGINT/SIGTERM, drain, close it."""
     import uvicorn
 
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
-    from helios_core.runtime.startup import start
-    from helios_core.server.app import ServerSettings, chat_service, create_app
-    from helios_core.server.kv_events import KvEventPublisher, default_topic, parse_kv_events_config
+    from helios_core.server.app import create_pending_app
+    from helios_core.server.kv_events import parse_kv_events_config
     from helios_core.server.readiness import Readiness
 
     if options.core is None:
@@ -231,51 +243,129 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         speculative_width=options.speculative_width,
         history_drafting=options.history_drafting,
         cache_pages=options.cache_pages,
+        offload_pages=options.offload_pages,
     )
     kv_config = parse_kv_events_config(options.kv_events_config) if options.kv_events_config else None
-    running = start(options.core, trust, load, backend=options.backend)
-    kv_events: KvEventPublisher | None = None
+    readiness = Readiness()
+    readiness.starting("the core is loading")
+    app = create_pending_app(readiness)
+    loader = _Loader(options, trust, load, kv_config, readiness, app)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
+
+    def on_ready() -> None:
+        readiness.mark_ready()
+        announce(loader.readiness_line)
+
+    server = draining_server(
+        config,
+        loader.drop_responses,
+        drain_seconds=options.shutdown_timeout,
+        on_started=on_ready,
+        warm_up=loader.load_and_warm_up,
+        in_flight=loader.in_flight,
+        readiness=readiness,
+    )
     try:
-        readiness = Readiness()
-        readiness.starting("the warm-up generation is running")
-        settings = ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics)
-        app = create_app(running, settings, readiness)
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
-        serving = running.verified.contract.serving
-        names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
-        line = f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
-        service = chat_service(app)
-        if kv_config is not None and kv_config.enabled:
-            topic = kv_config.topic or default_topic(options.host, options.port, service.served_name)
-            kv_events = KvEventPublisher(kv_config, topic)
-            kv_events.attach(running.engine.allocator)
-            service.metrics.registry.register(kv_events.counters())
-
-        def on_ready() -> None:
-            readiness.mark_ready()
-            announce(line)
-
-        server = draining_server(
-            config,
-            service.drop_responses,
-            drain_seconds=options.shutdown_timeout,
-            on_started=on_ready,
-            warm_up=service.warm_up,
-            in_flight=lambda: service.admission.in_use,
-            readiness=readiness,
-        )
         with _quiet_after_shutdown(), _server_log():
             server.run()
-        if not server.started:
-            raise StartupError(f"could not listen on {options.host}:{options.port}")
-        if server.startup_failure is not None:
-            raise server.startup_failure
+        if server.started:
+            loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
     finally:
+        loader.close()
+    if loader.failure is not None:
+        raise loader.failure  # the loading error itself: the one line and exit status of a failed start
+    if not server.started:
+        raise StartupError(f"could not listen on {options.host}:{options.port}")
+    if server.startup_failure is not None:
+        raise server.startup_failure
+
+
+class _Loader:
+    """Loads the core on the startup thread while the server already listens, and owns what it loaded.
+
+    The startup thread (:func:`draining_server`'s ``warm_up``) verifies the core, builds its programs,
+    backs its cache storage and starts the model worker (:func:`~helios_core.runtime.startup.start`),
+    attaches the KV-cache event publisher when configured, installs the chat service in the app, and
+    makes the warm-up generation. Until the service is installed every route but ``/health`` answers
+    503 ``not_ready``. :meth:`close` (after the server stopped and the startup thread ended) stops the
+    model worker, closes the core, then the publisher.
+    """
+
+    def __init__(
+        self,
+        options: RunOptions,
+        trust: TrustSettings,
+        load: LoadOptions,
+        kv_config: KvEventsConfig | None,
+        readiness: Readiness,
+        app: Any,
+    ) -> None:
+        self._options = options
+        self._trust = trust
+        self._load = load
+        self._kv_config = kv_config
+        self._readiness = readiness
+        self._app = app
+        self.running: RunningModel | None = None
+        self.service: ChatService | None = None
+        self.kv_events: KvEventPublisher | None = None
+        self.failure: BaseException | None = None
+        """What loading raised (re-raised by :func:`serve` as it is: the exit status of a failed start)."""
+        self.readiness_line = ""
+        self.finished = threading.Event()
+        """Set once the startup thread ended (loaded and warmed up, or failed)."""
+
+    def load_and_warm_up(self) -> None:
+        """On the startup thread: load, install the service, warm up. Raises what failed."""
+        from helios_core.runtime.startup import start
+        from helios_core.server.app import ServerSettings, attach_service
+        from helios_core.server.kv_events import KvEventPublisher, default_topic
+        from helios_core.server.service import ChatService
+
+        options = self._options
         try:
-            running.close()
+            try:
+                self.running = start(options.core or Path(), self._trust, self._load, backend=options.backend)
+                settings = ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics)
+                service = ChatService(self.running, settings, self._readiness)
+                self.service = service
+                if self._kv_config is not None and self._kv_config.enabled:
+                    topic = self._kv_config.topic or default_topic(options.host, options.port, service.served_name)
+                    self.kv_events = KvEventPublisher(self._kv_config, topic)
+                    self.kv_events.attach(self.running.engine.allocator)
+                    service.metrics.registry.register(self.kv_events.counters())
+            except BaseException as exc:
+                self.failure = exc
+                self._readiness.fail(f"loading the core failed: {exc}")
+                raise
+            serving = self.running.verified.contract.serving
+            names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
+            self.readiness_line = (
+                f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
+            )
+            attach_service(self._app, service)
+            self._readiness.starting("the warm-up generation is running")
+            service.warm_up()
         finally:
-            if kv_events is not None:
-                kv_events.close()  # after the model worker stopped: the last event is AllBlocksCleared
+            self.finished.set()
+
+    def in_flight(self) -> int:
+        """Admitted requests still held (none before the service is installed)."""
+        return 0 if self.service is None else self.service.admission.in_use
+
+    def drop_responses(self, message: str) -> int:
+        return 0 if self.service is None else self.service.drop_responses(message)
+
+    def close(self) -> None:
+        """Close the service, stop the model worker and close the core, then the KV-cache publisher."""
+        try:
+            if self.service is not None:
+                self.service.close()
+            if self.running is not None:
+                self.running.close()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()  # after the model worker stopped: the last event is AllBlocksCleared
 
 
 class _LineFormatter(logging.Formatter):
@@ -316,8 +406,9 @@ def draining_server(
 
     ``drop_responses(message)`` ends the app's running responses with their terminal errors and says how
     many it ended (:meth:`~helios_core.server.service.ChatService.drop_responses`). Once the server
-    listens, ``warm_up`` (if any) runs on its own thread and then ``on_started`` runs on the event loop;
-    a warm-up that raises stops the server and is kept as ``startup_failure``. With ``in_flight`` (how
+    listens, ``warm_up`` (if any: ``helios run`` loads its core and warms it up there) runs on its own
+    thread and then ``on_started`` runs on the event loop; a warm-up that raises marks ``readiness``
+    failed, stops the server and is kept as ``startup_failure``. With ``in_flight`` (how
     many admitted requests are still held) shutdown first marks ``readiness`` draining and waits, still
     listening, until none is held or ``drain_seconds`` passed; without it shutdown stops accepting at
     once and drops after ``drain_seconds``. A second signal closes every connection at once.
@@ -352,6 +443,8 @@ def draining_server(
                 failure = exc
             except Exception as exc:  # any failure of the warm-up is a startup failure
                 failure = StartupError(f"the warm-up generation failed: {type(exc).__name__}: {exc}")
+            if failure is not None and readiness is not None:
+                readiness.fail(str(failure))  # /health and /ready say so until the socket closes
             with contextlib.suppress(RuntimeError):  # the loop is closed: the server already stopped
                 loop.call_soon_threadsafe(self._warmed, failure)
 

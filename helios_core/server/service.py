@@ -74,7 +74,7 @@ from helios_core.server.errors import (
 from helios_core.server.metrics import LoadReading, MetricsExporter
 from helios_core.server.preparation import Frontend, Prepared, prepare, prepare_completion
 from helios_core.server.presentation import CompletionPresenter, Presenter, ResponsePresenter, sse_error
-from helios_core.server.readiness import Readiness
+from helios_core.server.readiness import Phase, Readiness
 from helios_core.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -182,7 +182,11 @@ class ChatService:
         }
 
     def health(self) -> Response[dict[str, Any]]:
-        """``GET /health``: liveness. 200 while the model worker thread runs, 503 once it stopped."""
+        """``GET /health``: liveness. 200 while the model worker thread runs, 503 once it stopped or the
+        start failed (the warm-up raised: the server is stopping)."""
+        if self.readiness.phase is Phase.FAILED:
+            body = {"status": "failed", "model": self.served_name, "reason": self.readiness.reason}
+            return Response(body, status_code=503)
         if self.running.engine.worker_alive():
             return Response({"status": "ok", "model": self.served_name}, status_code=200)
         body = {"status": "dead", "model": self.served_name, "reason": "the model worker stopped"}

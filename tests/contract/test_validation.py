@@ -1196,23 +1196,43 @@ def test_a_sliding_window_region_with_planes_checks_them_as_cache_planes(parts) 
     rejects(parts, "history region 'kv' names 'scratch.h', which is not a cache plane")
 
 
-@pytest.mark.parametrize("kind", [ct.HISTORY_KIND_PAGED_LATENT, ct.HISTORY_KIND_RECURRENT])
-def test_unimplemented_history_kinds(parts, kind: int) -> None:
-    region = parts.region("kv")
-    region.kind = kind
-    region.window_tokens = 16
-    unsupported(
-        parts,
-        f"history region 'kv' has kind {ct.HistoryKind.Name(kind)}, which this runtime does not implement yet",
-    )
-
-
-def test_history_kind_supported_when_the_runtime_implements_it(parts) -> None:
+def test_a_runtime_without_a_history_kind_refuses_it(parts) -> None:
     parts.region("kv").kind = ct.HISTORY_KIND_PAGED_LATENT
+    check_runtime_support(parts.prepare(), RuntimeCapabilities())
     capabilities = RuntimeCapabilities(
-        history_kinds=RuntimeCapabilities().history_kinds | {ct.HISTORY_KIND_PAGED_LATENT}
+        history_kinds=RuntimeCapabilities().history_kinds - {ct.HISTORY_KIND_PAGED_LATENT}
     )
-    check_runtime_support(parts.prepare(), capabilities)
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        check_runtime_support(parts.prepare(), capabilities)
+    assert str(caught.value) == (
+        "history region 'kv' has kind HISTORY_KIND_PAGED_LATENT, which this runtime does not implement yet"
+    )
+
+
+def test_paged_latent_page_tokens_must_hold_whole_records(parts) -> None:
+    region = parts.region("kv")
+    region.kind = ct.HISTORY_KIND_PAGED_LATENT
+    region.tokens_per_record = 3
+    rejects(parts, "history region 'kv': page_tokens 4 is not a multiple of its tokens_per_record 3")
+
+
+def test_paged_latent_planes_hold_one_record_per_tokens_per_record(parts) -> None:
+    region = parts.region("kv")
+    region.kind = ct.HISTORY_KIND_PAGED_LATENT
+    region.tokens_per_record = 2
+    plane = region.planes[0]
+    rejects(
+        parts,
+        f"cache plane {plane!r} of paged-latent region 'kv': its second dimension must be 2 records a page "
+        "(page_tokens 4 / tokens_per_record 2), not 4",
+    )
+
+
+def test_page_table_views_over_one_entry_must_not_overlap(parts) -> None:
+    view = parts.model.cache.page_table_views[0]
+    view.pages_per_row = 8
+    parts.model.cache.page_table_views.add(buffer=view.buffer, page_offset=7, region=view.region, pages_per_row=9)
+    rejects(parts, f"page-table views over {view.buffer!r} overlap: columns 0..8 and 7..16")
 
 
 def test_more_ranks_than_the_runtime_has(parts) -> None:

@@ -334,13 +334,15 @@ def test_helios_arguments_are_valid_run_options(composed: tuple[str, list[Manife
     assert volumes["cores"]["persistentVolumeClaim"]["claimName"] in by_kind(objects, "PersistentVolumeClaim")
 
 
-def test_probes_use_health_for_liveness_and_ready_for_readiness(composed: tuple[str, list[Manifest]]) -> None:
+def test_probes_use_health_for_liveness_and_ready_for_startup_and_readiness(
+    composed: tuple[str, list[Manifest]],
+) -> None:
     _, objects = composed
     main = container(by_kind(objects, "Deployment")["helios"], "helios")
     paths = {probe: (main[probe]["httpGet"]["path"], main[probe]["httpGet"]["port"])
              for probe in ("startupProbe", "livenessProbe", "readinessProbe")}  # fmt: skip
     assert paths == {
-        "startupProbe": ("/health", "http"),
+        "startupProbe": ("/ready", "http"),  # /health is 200 while the core loads: it bounds nothing
         "livenessProbe": ("/health", "http"),
         "readinessProbe": ("/ready", "http"),
     }

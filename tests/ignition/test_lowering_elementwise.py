@@ -374,10 +374,11 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
 @pytest.mark.parametrize(
     ("rows", "n", "k", "tiles"),
     [
-        (8, 2048, 8192, Tiles(16, 64, 128, 4, 4, split=8)),  # 32 tiles, 64 steps: 8 splits of 8
-        (8, 3072, 2048, Tiles(16, 64, 128, 4, 4, split=6)),  # 48 tiles, 16 steps: five of 3, one of 1
-        (8, 128256, 2048, Tiles(16, 128, 128, 4, 4)),  # 1002 tiles fill the machine: no split
-        (64, 2048, 2048, Tiles(64, 64, 64, 4, 4, split=8)),
+        (8, 2048, 8192, Tiles(16, 64, 128, 4, 4, split=5)),  # 32 tiles, 64 steps: four splits of 13, one of 12
+        (8, 3072, 2048, Tiles(16, 64, 128, 4, 4, split=3)),  # 48 tiles, 16 steps: two of 6, one of 4
+        (8, 16384, 2048, Tiles(16, 64, 128, 4, 4)),  # 256 tiles fill the machine: no split
+        (8, 128256, 2048, Tiles(16, 128, 128, 4, 4)),
+        (64, 2048, 2048, Tiles(64, 64, 128, 4, 3, split=4)),
         (130, 1000, 200, Tiles(128, 64, 64, 8, 3, split=4)),  # no more splits than reduction steps
         (512, 16384, 2048, Tiles(128, 128, 64, 8, 3)),
     ],
@@ -385,7 +386,7 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
 def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_idle(
     rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
-    """About two programs a multiprocessor: ``cdiv(264, tiles)`` splits, at most one per reduction step,
+    """About one program a multiprocessor: ``cdiv(132, tiles)`` splits, at most one per reduction step,
     every split but the last the same number of steps."""
     assert choose_tiles(rows, n, k) == tiles
 
@@ -396,9 +397,9 @@ def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:
     (launch,) = launches
     runtime = ["x", "weight", "out", "residual", "workspace.projection_partials"]
     runtime += ["workspace.projection_splits_done", (mf.PARAM_KIND_I32, 8)]
-    _check(context, launch, runtime, grid=[32, 1, 8])
+    _check(context, launch, runtime, grid=[32, 1, 5])
     sizes = {decl.name: decl.shape[0].size for decl in context.manifest.buffers if decl.name.startswith("workspace.")}
-    assert sizes == {"workspace.projection_partials": 32 * 8 * 16 * 64, "workspace.projection_splits_done": 32}
+    assert sizes == {"workspace.projection_partials": 32 * 5 * 16 * 64, "workspace.projection_splits_done": 32}
 
 
 @pytest.mark.parametrize(

@@ -316,6 +316,28 @@ def test_two_lanes_share_p_by_confidence_and_both_emit_their_greedy_tokens(full:
         assert int(record[CONSUMED][lane]) == int(record[CURSOR][lane]) == endpoint
 
 
+def test_a_full_proposal_budget_verifies_every_lane_s_whole_ceiling(tmp_path: Path) -> None:
+    """``--proposal-budget full``: P = B x W, so two lanes with ceilings 4 both verify all four rows
+    (fixed-width speculation) where the default budget of 5 rows makes them share by confidence."""
+    fixed = _build(tmp_path, "full-budget", ["--draft-layers", "2", "--proposal-budget", "full"])
+    try:
+        graphs = {g.name: g for g in fixed.contract.model.graphs}
+        assert [graphs[f"selfdraft_w{w}_b2"].extents.packed_token_capacity for w in WIDTHS] == [2, 4, 8]
+        first, _ = _greedy_decode(fixed, FIRST, 4)
+        second, _ = _greedy_decode(fixed, SECOND, 4)
+        backend = _backend(fixed)
+        _prefill(backend, FIRST)
+        _prefill(backend, SECOND)
+        lanes = [(FIRST, len(FIRST.prompt), 4), (SECOND, len(SECOND.prompt), 4)]
+        record = _round(backend, "selfdraft_w4_b2", 0, lanes)
+        assert record[OFFERS][:2].tolist() == [3, 3]
+        for lane, greedy in enumerate((first, second)):
+            assert int(record[EMITTED][lane]) == 4  # the draft is the target: every proposal holds
+            assert record[IDS][lane].tolist() == greedy[1:5]
+    finally:
+        fixed.close()
+
+
 def test_rounds_of_a_first_layer_draft_emit_the_greedy_tokens(core: VerifiedCore) -> None:
     greedy, _ = _greedy_decode(core, FIRST, 12)
     backend = _backend(core)
@@ -396,6 +418,14 @@ def test_greedy_self_drafting_is_accepted_for_sm_90a_and_sampled_drafts_are_not(
     check_speculative_targets(sampled, ("reference",))
     with pytest.raises(ValueError, match=r"^self-drafting programs with sampled drafts are built for the reference"):
         check_speculative_targets(sampled, ("sm_90a",))
+
+
+def test_proposal_budget_needs_self_drafting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "refused.core"
+    argv = ["build", "llama-synthetic", "--out", str(out), "--shape", "tiny", "--quiet"]
+    assert ignition_main([*argv, "--proposal-budget", "full"]) == 1
+    assert capsys.readouterr().err == "ignition: error: --proposal-budget needs --speculative self-draft\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_draft_layers_needs_self_drafting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from helios_core.contract import PreparedGraph
+from helios_core.contract.boundaries import PromptLayout
 from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.runtime.completion import LaneResult
 from helios_core.runtime.engine import RequestStream
@@ -108,8 +109,8 @@ class _HeldWorker:
         scheduler = running.engine.scheduler
         real_add = scheduler.add
 
-        def counted_add(request: PreparedRequest) -> AdmissionRejected | None:
-            rejection = real_add(request)
+        def counted_add(request: PreparedRequest, layout: PromptLayout | None = None) -> AdmissionRejected | None:
+            rejection = real_add(request, layout)
             self.most_waiting = max(self.most_waiting, len(scheduler.waiting))
             return rejection
 

@@ -7,6 +7,7 @@ tiny synthetic core with a 1024-token context (about a millisecond per generated
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -22,8 +23,9 @@ import openai
 import pytest
 import uvicorn
 
+from helios_core.container.keys import load_public_key
 from helios_core.contract import LoadOptions
-from helios_core.errors import StartupError
+from helios_core.errors import StartupError, TrustError
 from helios_core.loading import TrustSettings
 from helios_core.runtime.startup import RunningModel, start
 from helios_core.server import admission as admission_module
@@ -368,3 +370,95 @@ def test_streams_that_finish_within_the_timeout_complete_and_a_second_sigterm_ex
         assert time.monotonic() - signalled < 2
     endings = [stream.events(timeout=5)[-1] for stream in long]
     assert ("closed", None) in endings  # cut by the forced exit, without a terminal event
+
+
+# -- listening before the core is loaded ----------------------------------------------------------
+@contextmanager
+def _loading_run(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    """``helios run`` of the fixture core whose trusted key is a FIFO: loading blocks reading the key (a
+    key on a slow mount) until the test writes it, while the server already listens."""
+    key = tmp_path / "slow-signing.pub.pem"
+    os.mkfifo(key)
+    port = free_port()
+    command = [
+        sys.executable, "-m", "helios_core.cli", "run", "--core", str(CORE), "--trust-key", str(key),
+        "--accept", NAMESPACE, "--port", str(port), "--backend", "reference",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        yield process, f"http://127.0.0.1:{port}", key
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _get_while_listening(url: str, timeout: float = 30.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(url, timeout=5)
+        except httpx.ConnectError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def test_the_port_answers_while_the_core_loads_then_the_server_turns_ready(tmp_path: Path) -> None:
+    loading = "the server is not ready yet: the core is loading; retry later"
+    with _loading_run(tmp_path) as (process, base, key):
+        _assert_not_ready(_get_while_listening(base + "/ready"), loading)
+        health = httpx.get(base + "/health", timeout=5)
+        assert (health.status_code, health.json()) == (200, {"status": "starting", "reason": "the core is loading"})
+        routes: list[tuple[str, str, dict[str, Any] | None]] = [
+            ("GET", "/v1/models", None),
+            ("GET", "/metrics", None),
+            ("POST", "/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
+            ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+            ("POST", "/v1/chat/completions/render", {"messages": HI}),
+            ("POST", "/v1/completions/render", {"prompt": "Hello"}),
+        ]
+        for method, path, payload in routes:
+            _assert_not_ready(httpx.request(method, base + path, json=payload, timeout=5), loading)
+        assert process.poll() is None
+        key.write_bytes((KEYS / "signing.pub.pem").read_bytes())  # the load goes on
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        assert line == f"helios run: ready: serving llama-synthetic-tiny at {base}\n"
+        assert httpx.get(base + "/ready", timeout=5).json() == {"status": "ready", "model": "llama-synthetic-tiny"}
+        assert chat(base, max_tokens=2).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+
+
+def test_a_load_that_fails_after_listening_exits_with_its_one_line_and_status(tmp_path: Path) -> None:
+    with _loading_run(tmp_path) as (process, base, key):
+        assert _get_while_listening(base + "/health").status_code == 200
+        key.write_bytes(b"not a key\n")
+        assert process.wait(timeout=30) == 1
+        log = process.stderr.read() if process.stderr is not None else ""
+    key.unlink()
+    key.write_bytes(b"not a key\n")  # the same bytes at the same path, as a plain file: the same error
+    with pytest.raises(TrustError) as expected:
+        load_public_key(key)
+    assert log == f"helios run: error: {expected.value}\n"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(base + "/health", timeout=5)
+
+
+def test_health_says_failed_and_ready_refuses_once_the_start_failed() -> None:
+    readiness = Readiness()
+    readiness.fail("loading the core failed: boom")
+    with _server(readiness, max_active=1, queue_capacity=1) as (base, _running):
+        health = httpx.get(base + "/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json() == {
+            "status": "failed",
+            "model": "llama-synthetic-tiny",
+            "reason": "loading the core failed: boom",
+        }
+        message = "the server failed to start: loading the core failed: boom; retry on another replica"
+        _assert_not_ready(httpx.get(base + "/ready", timeout=10), message, closing=True)
+    readiness.drain("shutdown began")
+    readiness.mark_ready()
+    assert (readiness.phase, readiness.reason) == (Phase.FAILED, "loading the core failed: boom")

@@ -7,13 +7,17 @@
   whose Helios died, or is draining, is replaced.
 * :class:`HeliosIngress` receives the OpenAI requests from Ray Serve's HTTP proxy, computes the
   prefix-affinity key (:func:`affinity_key`) and calls a replica through a deployment handle, so
-  Ray Serve's request router (:class:`helios_ray.router.PrefixAffinityRouter` when prefix affinity
-  is on) picks the replica.
+  Ray Serve's request router (:class:`helios_ray.router.PrefixAffinityRouter`) picks the replica.
 * :func:`build_app` binds both with their options.
 
-A replica whose Helios process is gone answers 503 with an OpenAI error body and ``Retry-After``;
-a stream that breaks after its first bytes ends with one ``event: error`` (type
-``replica_unavailable``). Responses carry ``x-helios-replica``, the id of the replica that served them.
+A replica whose Helios process cannot be reached before any response byte (connection refused, or
+reset before the response head) says so in the head it yields (``unreached``); the ingress then sends
+the request again to another replica, at most once per other replica (``retries``, by default the
+number of replicas less one), naming the replicas already tried so the router avoids them. Only when
+every try was unreached does the client get the last replica's 503 with an OpenAI error body and
+``Retry-After``. A stream that breaks after its first bytes is never resent: it ends with one
+``event: error`` (type ``replica_unavailable``). Responses carry ``x-helios-replica``, the id of the
+replica that served them.
 """
 
 from __future__ import annotations
@@ -47,9 +51,13 @@ def _unavailable_body(message: str) -> bytes:
     return json.dumps(error).encode()
 
 
+UNREACHED = "unreached"
+"""Head key: the replica's Helios was not reached before any response byte (the request may go elsewhere)."""
+
+
 def _unavailable_head(replica: str) -> dict[str, Any]:
     headers = [("content-type", "application/json"), ("retry-after", "1"), (REPLICA_HEADER, replica)]
-    return {"status": 503, "headers": headers}
+    return {"status": 503, "headers": headers, UNREACHED: True}
 
 
 def _stream_error_event(message: str) -> bytes:
@@ -113,11 +121,18 @@ class HeliosServer:
             self._replica = f"local-{self._process.port}"
 
     async def forward(
-        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, affinity_key: str | None = None
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        affinity_key: str | None = None,
+        excluded_replicas: tuple[str, ...] = (),
     ) -> AsyncIterator[Any]:
-        """Yield ``{"status", "headers"}`` first, then the response body in chunks.
+        """Yield ``{"status", "headers"}`` first (with ``unreached: True`` when Helios could not be
+        reached before any response byte), then the response body in chunks.
 
-        ``affinity_key`` is only read by the request router."""
+        ``affinity_key`` and ``excluded_replicas`` are only read by the request router."""
         request = self._client.build_request(
             method, path, headers=[(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP], content=body
         )
@@ -164,24 +179,36 @@ class HeliosServer:
 class HeliosIngress:
     """The HTTP entry point behind Ray Serve's proxy: every path goes to a :class:`HeliosServer`."""
 
-    def __init__(self, server: DeploymentHandle[Any], *, affinity_chars: int = 256) -> None:
+    def __init__(self, server: DeploymentHandle[Any], *, affinity_chars: int = 256, retries: int = 0) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must not be negative, not {retries}")
         self._server = server.options(stream=True)
         self._affinity_chars = affinity_chars
+        self._retries = retries
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = list(request.headers.items())
         key = affinity_key(body, self._affinity_chars) if self._affinity_chars > 0 else None
-        chunks = cast(
-            DeploymentResponseGenerator[Any],
-            self._server.forward.remote(request.method, path, headers, body, affinity_key=key),
-        )
-        try:
-            head = await chunks.__anext__()
-        except Exception as exc:
-            return Response(_unavailable_body(f"no replica could serve the request ({type(exc).__name__})"), 503,
-                            headers={"retry-after": "1"}, media_type="application/json")  # fmt: skip
+        tried: tuple[str, ...] = ()
+        while True:
+            chunks = cast(
+                DeploymentResponseGenerator[Any],
+                self._server.forward.remote(
+                    request.method, path, headers, body, affinity_key=key, excluded_replicas=tried
+                ),
+            )
+            try:
+                head = await chunks.__anext__()
+            except Exception as exc:
+                return Response(_unavailable_body(f"no replica could serve the request ({type(exc).__name__})"),
+                                503, headers={"retry-after": "1"}, media_type="application/json")  # fmt: skip
+            if not head.get(UNREACHED) or len(tried) >= self._retries:
+                break
+            async for _ in chunks:  # the unreached replica's error body: nothing was sent to the client yet
+                pass
+            tried = (*tried, _replica_of(head))
         streaming = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in head["headers"])
 
         async def rest() -> AsyncIterator[bytes]:
@@ -196,6 +223,10 @@ class HeliosIngress:
         for name, value in head["headers"]:
             response.headers.append(name, value)
         return response
+
+
+def _replica_of(head: dict[str, Any]) -> str:
+    return next((value for name, value in head["headers"] if name == REPLICA_HEADER), "")
 
 
 def build_app(
@@ -217,7 +248,11 @@ def build_app(
 
     ``max_ongoing_requests`` bounds the requests Ray Serve sends one replica at once: keep it at
     most Helios's ``max_active + queue_capacity`` so Helios answers 429 only when Ray Serve's own
-    queue is full. ``shutdown_timeout_s`` should match ``--shutdown-timeout`` in ``run_args``.
+    queue is full. ``shutdown_timeout_s`` should match ``--shutdown-timeout`` in ``run_args``. A
+    request whose replica's Helios cannot be reached is resent to another replica, at most
+    ``num_replicas - 1`` times. The :class:`~helios_ray.router.PrefixAffinityRouter` always routes
+    (it avoids the replicas a resent request already tried); ``prefix_affinity=False`` only turns its
+    affinity keys off.
     """
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be at least 1, not {num_replicas}")
@@ -232,10 +267,9 @@ def build_app(
         "graceful_shutdown_timeout_s": shutdown_timeout_s + 5.0,
         "ray_actor_options": replica_actor_options or {"num_cpus": 1},
     }
-    if prefix_affinity:
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter  # type: ignore[arg-type]  # a class is accepted too
-        )
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class=PrefixAffinityRouter  # type: ignore[arg-type]  # a class is accepted too
+    )
     server = serve.deployment(**options)(HeliosServer)
     ingress = serve.deployment(
         name="HeliosIngress", num_replicas=ingress_replicas, max_ongoing_requests=1000,
@@ -247,4 +281,5 @@ def build_app(
             shutdown_timeout_s=shutdown_timeout_s,
         ),
         affinity_chars=affinity_chars if prefix_affinity else 0,
+        retries=num_replicas - 1,
     )  # fmt: skip

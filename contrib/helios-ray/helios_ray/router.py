@@ -7,6 +7,10 @@ the conversation (:func:`helios_ray.deployment.affinity_key`), and passes it as 
 id: the top replica is preferred, the others form the fallback rank that Ray Serve uses (least
 loaded first) when the preferred one has no free slot. Replica churn moves only the keys of the
 replicas that came or went. Requests without a key go to the least loaded replica.
+
+A request the ingress resends because a replica's Helios could not be reached names the replicas it
+already tried (keyword argument ``excluded_replicas``); they are left out of the candidates while
+any other replica remains.
 """
 
 from __future__ import annotations
@@ -36,7 +40,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):  # type: ignore[misc]
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        key = None if pending_request is None else pending_request.kwargs.get("affinity_key")
+        kwargs = {} if pending_request is None else pending_request.kwargs
+        excluded = set(kwargs.get("excluded_replicas") or ())
+        if excluded:
+            remaining = [replica for replica in candidate_replicas if replica.replica_id.unique_id not in excluded]
+            candidate_replicas = remaining or candidate_replicas
+        key = kwargs.get("affinity_key")
         if not key or len(candidate_replicas) < 2:
             return [candidate_replicas]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}

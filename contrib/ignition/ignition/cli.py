@@ -7,17 +7,24 @@ Errors print one line and exit non-zero.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from helios_core.errors import HeliosError
-from ignition.recipes.llama import DRAFT_SAMPLING_KINDS, SPECULATION_KINDS, Capacities, speculative_widths
+from ignition.recipes.llama import (
+    DRAFT_SAMPLING_KINDS,
+    PROPOSAL_BUDGETS,
+    SPECULATION_KINDS,
+    Capacities,
+    speculative_widths,
+)
 from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
 from ignition.recipes.synthetic import TOOL_SYNTAXES
 
-RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
+RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic")
 
 
 class ProgressBar:
@@ -106,10 +113,30 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     build.add_argument(
+        "--proposal-budget",
+        choices=PROPOSAL_BUDGETS,
+        help=(
+            "with --speculative self-draft: P of each program, half of the proposal rows (default: the "
+            "device allocates them by confidence) or full (B x W: fixed-width speculation)"
+        ),
+    )
+    build.add_argument(
         "--window",
         type=int,
         default=0,
         help="sliding-window attention: every layer attends to the last N positions (reference target only)",
+    )
+    build.add_argument(
+        "--tokens-per-record",
+        type=int,
+        default=1,
+        help="latent-synthetic: tokens a stored latent record stands for (a divisor of --page-tokens)",
+    )
+    build.add_argument(
+        "--page-offset",
+        type=int,
+        default=0,
+        help="latent-synthetic: attention reads its pages through a page-table view shifted by N columns",
     )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
@@ -139,6 +166,8 @@ def run_build(args: argparse.Namespace) -> int:
         raise HeliosError("--draft-layers needs --speculative self-draft")
     if args.draft_sampling is not None and args.speculative != "self-draft":
         raise HeliosError("--draft-sampling needs --speculative self-draft")
+    if args.proposal_budget is not None and args.speculative != "self-draft":
+        raise HeliosError("--proposal-budget needs --speculative self-draft")
     if args.draft_layers is not None and args.draft_layers < 1:
         raise HeliosError(f"--draft-layers must be at least 1, got {args.draft_layers}")
     caps = Capacities(
@@ -153,6 +182,7 @@ def run_build(args: argparse.Namespace) -> int:
         draft_tokens=args.draft_tokens or 0,
         draft_layers=args.draft_layers or 0,
         draft_sampling=args.draft_sampling or "greedy",
+        proposal_budget=args.proposal_budget or "half",
         window=args.window,
     )
     targets = tuple(t for t in args.targets.split(",") if t)
@@ -160,6 +190,10 @@ def run_build(args: argparse.Namespace) -> int:
 
     check_speculative_targets(caps, targets)  # before reading any weights
     check_window(caps, targets)
+    if args.recipe in ("recurrent-synthetic", "latent-synthetic"):
+        _check_recurrent_options(args, targets)
+    elif args.tokens_per_record != 1 or args.page_offset:
+        raise HeliosError("--tokens-per-record and --page-offset belong to latent-synthetic")
     if max(caps.decode_rows) != caps.max_rows:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
     if args.recipe == "smollm2-135m-instruct" and args.tool_syntax not in SMOLLM2_TOOL_SYNTAXES:
@@ -190,6 +224,8 @@ def run_build(args: argparse.Namespace) -> int:
     if args.layout == "logical-v4" and core_key is None:
         raise HeliosError("--format logical-v4 needs --core-key (make one with `helios keys generate`)")
 
+    if args.recipe in ("recurrent-synthetic", "latent-synthetic"):
+        return _build_recurrent(args, caps, targets, signing_key, core_key, progress)
     if args.recipe == "llama-synthetic":
         from ignition.recipes.synthetic import synthetic_declaration
 
@@ -218,6 +254,99 @@ def run_build(args: argparse.Namespace) -> int:
     size = args.out.stat().st_size
     print(
         f"wrote {args.out} ({size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
+        f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
+    )
+    return 0
+
+
+def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...]) -> None:
+    """Refuse, before any key or weight is touched, the options the recurrent and latent recipes do not
+    take (the latent recipe: every option it has no programs for)."""
+    from ignition.recipes.latent import check_latent_targets
+    from ignition.recipes.recurrent import check_recurrent_targets
+
+    refused = [
+        option
+        for option, given in (
+            ("--speculative", args.speculative is not None),
+            ("--window", bool(args.window)),
+            ("--tool-syntax", args.tool_syntax != "none"),
+            ("--extra-special", bool(args.extra_special)),
+            ("--dtype bf16", args.dtype == "bf16"),
+            ("--tokens-per-record", args.recipe != "latent-synthetic" and args.tokens_per_record != 1),
+            ("--page-offset", args.recipe != "latent-synthetic" and bool(args.page_offset)),
+        )
+        if given
+    ]
+    if refused:
+        raise HeliosError(f"{args.recipe} does not take {', '.join(refused)}")
+    if args.recipe == "latent-synthetic":
+        check_latent_targets(targets)
+        if args.tokens_per_record < 1 or args.page_tokens % args.tokens_per_record:
+            raise HeliosError(
+                f"--tokens-per-record must be at least 1 and divide --page-tokens {args.page_tokens}, "
+                f"got {args.tokens_per_record}"
+            )
+        if args.page_offset < 0:
+            raise HeliosError(f"--page-offset must be 0 or positive, got {args.page_offset}")
+    else:
+        check_recurrent_targets(targets)
+
+
+def _build_recurrent(
+    args: argparse.Namespace,
+    caps: Capacities,
+    targets: tuple[str, ...],
+    signing_key: object,
+    core_key: bytes | None,
+    progress: ProgressBar,
+) -> int:
+    """``ignition build recurrent-synthetic`` or ``latent-synthetic`` (options checked by
+    :func:`_check_recurrent_options`)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from ignition.recipes.latent import build_latent_core, latent_declaration
+    from ignition.recipes.recurrent import build_recurrent_core, recurrent_declaration
+
+    if not isinstance(signing_key, Ed25519PrivateKey):
+        raise HeliosError("the signing key must be an Ed25519 private key")
+    started = time.monotonic()
+    if args.recipe == "latent-synthetic":
+        try:
+            model = latent_declaration(
+                args.shape, seed=args.seed, tokens_per_record=args.tokens_per_record, page_offset=args.page_offset
+            )
+            serving = build_latent_core(
+                model,
+                args.out,
+                caps=dataclasses.replace(caps, snapshots=0),
+                signing_key=signing_key,
+                namespace=args.namespace,
+                layout=args.layout,
+                core_key=core_key,
+                targets=targets,
+                progress=progress,
+            )
+        except ValueError as error:
+            raise HeliosError(str(error)) from error
+        print(
+            f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
+            f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
+        )
+        return 0
+    serving = build_recurrent_core(
+        recurrent_declaration(args.shape, seed=args.seed),
+        args.out,
+        caps=caps,
+        signing_key=signing_key,
+        namespace=args.namespace,
+        layout=args.layout,
+        core_key=core_key,
+        targets=targets,
+        progress=progress,
+    )
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
         f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
     )
     return 0

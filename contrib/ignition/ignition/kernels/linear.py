@@ -18,7 +18,7 @@ programs a multiprocessor, each over several tiles of whole weight rows, the nex
 the current one is reduced) where a row of inputs fits in registers, else one program per column
 block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles and more rows (prefill, large decode
 batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions; each with the
-reduction split so that about two programs a multiprocessor stream the weights.
+reduction split so that about one program a multiprocessor streams the weights.
 """
 
 from __future__ import annotations
@@ -298,13 +298,15 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
         return _split_reduction(Tiles(16, block_n, 128, 4, 4), rows, n, k, multiprocessors)
     if rows <= 64:
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
-        return _split_reduction(Tiles(64, block_n, 64, 4, 4), rows, n, k, multiprocessors)
+        return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors)
     block_n = 128 if cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors else 64
     return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
 
 
-SPLIT_PROGRAMS = 2
-"""Programs a multiprocessor the split reduction aims for where the output tiles are fewer."""
+SPLIT_PROGRAMS = 1
+"""Programs a multiprocessor the split reduction aims for where the output tiles are fewer (measured on
+an H200 with ``benchmarks/projection_tiles.py``: two a multiprocessor made the 1B ``[gate|up]``
+projection of 8 rows a third slower than one; see docs/benchmarks.md)."""
 
 
 def _split_reduction(tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int) -> Tiles:

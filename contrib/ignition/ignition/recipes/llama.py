@@ -90,6 +90,10 @@ class Capacities:
     window: int = 0
     """N: every attention layer attends only to the last N positions, the query's own included (sliding-
     window attention; the cache declares a sliding-window history of N tokens); 0 for unlimited."""
+    proposal_budget: str = "half"
+    """With ``self-draft``, P of each program (one of :data:`PROPOSAL_BUDGETS`): ``half`` verifies every
+    lane's pending token plus half of the proposal rows, so the device allocation chooses; ``full`` has
+    room for every lane's whole ceiling (P = B x W: fixed-width speculation, nothing to choose)."""
     draft_sampling: str = "greedy"
     """With ``self-draft``, how the draft chooses its tokens (one of :data:`DRAFT_SAMPLING_KINDS`):
     ``greedy`` (``draft_argmax``, verified by ``sample_verify``) or ``sampled`` (``draft_sample`` from the
@@ -125,7 +129,7 @@ class Capacities:
         if not self.speculative_widths:
             return 0
         if self.self_drafting:
-            return self_draft_packed(max(self.decode_rows), self.widest_speculation)
+            return self_draft_packed(max(self.decode_rows), self.widest_speculation, self.proposal_budget)
         return max(self.decode_rows) * self.widest_speculation
 
     @property
@@ -145,9 +149,16 @@ SPECULATION_KINDS = ("history", "self-draft")
 ``self-draft`` drafts them in the graph with the target's first layers (early exit)."""
 
 
-def self_draft_packed(rows: int, width: int) -> int:
+PROPOSAL_BUDGETS = ("half", "full")
+"""P of self-drafting programs: half of the proposal rows (allocation by confidence) or all of them."""
+
+
+def self_draft_packed(rows: int, width: int, budget: str = "half") -> int:
     """P of ``selfdraft_w{W}_b{B}``: every lane's pending token plus half of the B x (W - 1) proposal
-    rows (rounded up), so the device allocation chooses which proposals to verify (P = B at width one)."""
+    rows (rounded up), so the device allocation chooses which proposals to verify (P = B at width one);
+    with the ``full`` budget all of them, B x W (every lane verifies its whole ceiling)."""
+    if budget == "full":
+        return rows * width
     return rows + (rows * (width - 1) + 1) // 2
 
 
@@ -1073,7 +1084,7 @@ class LlamaProgramWriter:
             for width in caps.speculative_widths:
                 name = f"selfdraft_w{width}_b{rows}"
                 draws = self_draft_draws(width, caps.draft_tokens)
-                packed = self_draft_packed(rows, width)
+                packed = self_draft_packed(rows, width, caps.proposal_budget)
                 prog = ProgramBuilder(name, ct.OPERATION_SPECULATIVE)
                 self._self_draft_body(prog, views, rows, width, draws, packed)
                 self.builder.add_program(prog)

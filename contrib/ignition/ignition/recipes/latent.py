@@ -1,0 +1,436 @@
+"""The ``latent-synthetic`` recipe: a small decoder with compressed latent attention history.
+
+Owns the model's attention dataflow written as op-catalogue nodes, its shapes (``tiny`` for tests,
+``small``), its seeded weights, and the contract that declares its history as a PAGED_LATENT region.
+Everything but attention is the Llama recipe's (:class:`~ignition.recipes.llama.LlamaProgramWriter`:
+embedding, RMSNorm, SwiGLU feed-forward, final norm, LM head, sampling and completion).
+
+Attention in the manner of multi-head latent attention, simplified: each layer projects a token's
+normalised hidden state ``x`` down to a latent ``c = W_dkv x`` of width ``d_c`` and stores only that
+in the cache (``latent_cache_write``); at attention time every visible record is projected up to
+keys ``W_uk c`` and values ``W_uv c`` per head (``latent_attention``). There are no rotary position
+embeddings (no decoupled RoPE keys): position enters only through causal masking. A cache page of
+``page_tokens`` tokens holds ``page_tokens / R`` latent records, ``R = tokens_per_record`` (1 by
+default, one record per token; with ``R > 1`` a record is the mean of its R tokens' latents and a token
+attends only to the records whose tokens all lie at or before it).
+
+With ``page_offset`` k > 0, attention reads its pages through a second page-table entry
+``latent_page_table`` whose view is shifted by k columns (the first k columns hold -1): the programs
+read page ``j`` of a lane at column ``k + j``.
+
+Programs: ``initialize``, ``prefill_p{P}``, ``mixed_p{P}``, ``resume_p{P}``, ``scored_prefill_p{P}``
+and ``decode_b{B}``, as the Llama recipe writes them; no speculative, self-drafting or snapshot
+programs (a preempted request is recomputed from its tokens), reference target only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from helios_core.container.writer import ResourceInput, write_core
+from helios_core.contract import EXPORTED_CONTRACT_VERSION, prepare_contract
+from helios_core.wire import container_pb2 as cb
+from helios_core.wire import contract_pb2 as ct
+from helios_core.wire import manifest_pb2 as mf
+from ignition import __version__ as toolkit_version
+from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, binding, prefix
+from ignition.recipes.llama import Capacities, LlamaProgramWriter, LlamaShape, _TokenLayout
+from ignition.recipes.synthetic import CHATML_TEMPLATE, byte_level_tokenizer
+
+Weights = Mapping[str, npt.NDArray[np.float32]]
+Progress = Callable[[str, int, int], None]
+
+LATENT_TARGETS = ("reference",)
+"""Targets this recipe builds kernels for."""
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """Hyperparameters: a Llama-family decoder whose attention history is a latent of ``latent_dim``."""
+
+    base: LlamaShape
+    latent_dim: int
+
+
+SHAPES: dict[str, LatentShape] = {
+    "tiny": LatentShape(
+        LlamaShape(
+            vocab=320, hidden=32, layers=2, heads=4, kv_heads=4, head_dim=8, ffn=64, rope_theta=10000.0, rms_eps=1e-5
+        ),
+        latent_dim=12,
+    ),
+    "small": LatentShape(
+        LlamaShape(
+            vocab=512, hidden=128, layers=4, heads=8, kv_heads=8, head_dim=16, ffn=384, rope_theta=10000.0,
+            rms_eps=1e-5,
+        ),
+        latent_dim=48,
+    ),
+}  # fmt: skip
+"""Named shapes (``--shape``)."""
+
+
+def tensor_names(layer: int) -> dict[str, str]:
+    """Array names of one layer."""
+    return {
+        "attn_norm": f"blk.{layer}.attn_norm.weight",
+        "wq": f"blk.{layer}.attn_q.weight",
+        "w_dkv": f"blk.{layer}.attn_kv_down.weight",
+        "w_uk": f"blk.{layer}.attn_k_up.weight",
+        "w_uv": f"blk.{layer}.attn_v_up.weight",
+        "wo": f"blk.{layer}.attn_output.weight",
+        "ffn_norm": f"blk.{layer}.ffn_norm.weight",
+        "w_gate": f"blk.{layer}.ffn_gate.weight",
+        "w_up": f"blk.{layer}.ffn_up.weight",
+        "w_down": f"blk.{layer}.ffn_down.weight",
+    }
+
+
+def random_weights(shape: LatentShape, seed: int) -> dict[str, npt.NDArray[np.float32]]:
+    """Seeded random weights from one sequential stream (scales keep activations well conditioned)."""
+    rng = np.random.default_rng(seed)
+    s = shape.base
+    h, width, c = s.hidden, s.heads * s.head_dim, shape.latent_dim
+
+    def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+    weights = {
+        "token_embd.weight": normal(s.vocab, h, scale=1.0),
+        "output_norm.weight": (1.0 + normal(h, scale=0.05)).astype(np.float32),
+        "output.weight": normal(s.vocab, h, scale=h**-0.5),
+    }
+    for layer in range(s.layers):
+        names = tensor_names(layer)
+        weights[names["attn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["ffn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["wq"]] = normal(width, h, scale=h**-0.5)
+        weights[names["w_dkv"]] = normal(c, h, scale=h**-0.5)
+        weights[names["w_uk"]] = normal(width, c, scale=c**-0.5)
+        weights[names["w_uv"]] = normal(width, c, scale=c**-0.5)
+        weights[names["wo"]] = normal(h, width, scale=width**-0.5)
+        weights[names["w_gate"]] = normal(s.ffn, h, scale=h**-0.5)
+        weights[names["w_up"]] = normal(s.ffn, h, scale=h**-0.5)
+        weights[names["w_down"]] = normal(h, s.ffn, scale=s.ffn**-0.5)
+    return weights
+
+
+class LatentProgramWriter(LlamaProgramWriter):
+    """The Llama programs with latent attention in every layer."""
+
+    def __init__(
+        self,
+        builder: ManifestBuilder,
+        shape: LatentShape,
+        caps: Capacities,
+        weights: Weights,
+        *,
+        sampled_size: int,
+        tokens_per_record: int = 1,
+        page_offset: int = 0,
+    ) -> None:
+        if caps.speculative_widths or caps.snapshots or caps.window:
+            raise ValueError("latent-synthetic builds no speculative, snapshot or sliding-window programs")
+        if tokens_per_record < 1 or caps.page_tokens % tokens_per_record:
+            raise ValueError(
+                f"--tokens-per-record must be at least 1 and divide --page-tokens {caps.page_tokens}, "
+                f"got {tokens_per_record}"
+            )
+        if page_offset < 0:
+            raise ValueError(f"--page-offset must be 0 or positive, got {page_offset}")
+        self.latent_shape = shape
+        self.tokens_per_record = tokens_per_record
+        self.page_offset = page_offset
+        super().__init__(builder, shape.base, caps, weights, sampled_size=sampled_size, bf16=False)
+        self.latent_table: View | None = None
+        if page_offset:
+            self.latent_table = builder.transport_entry(
+                "latent_page_table", mf.DTYPE_I32, [caps.max_rows, page_offset + caps.pages_per_row]
+            )
+
+    def _declare_weights(self, weights: Weights, bf16: bool) -> None:
+        w = self.builder.weight
+        self.tok_embd = w("tok_embd", weights["token_embd.weight"], "weights.embed")
+        self.layer_weights = []
+        for layer in range(self.shape.layers):
+            names = tensor_names(layer)
+            self.layer_weights.append(
+                {key: w(name, weights[name], f"weights.layer{layer}") for key, name in names.items()}
+            )
+        self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
+        self.lm_head = w("output.weight", weights["output.weight"], "weights.head")
+
+    def _declare_cache(self) -> None:
+        c = self.caps
+        records = c.page_tokens // self.tokens_per_record
+        self.k_planes: list[View] = []
+        self.v_planes: list[View] = []
+        self.latent_planes = [
+            self.builder.buffer(
+                f"cache.latent{layer}",
+                mf.BUFFER_ROLE_CACHE_PLANE,
+                mf.DTYPE_F32,
+                [c.cache_pages, records, self.latent_shape.latent_dim],
+                leading_symbol=mf.DIM_SYMBOL_CACHE_PAGES,
+            )
+            for layer in range(self.shape.layers)
+        ]
+
+    def _decoder(
+        self,
+        prog: ProgramBuilder,
+        rows: int,
+        tokens: int,
+        ids: View,
+        layout: _TokenLayout | None = None,
+        layers: int | None = None,
+        label: str = "",
+    ) -> None:
+        """Embedding and every layer over ``tokens`` packed tokens of ``rows`` lanes (host-fed layout)."""
+        s, sc, sh = self.shape, self.scratch, self.shared
+        where = layout or self._host_layout()
+        p = tokens
+        width = s.heads * s.head_dim
+        h, xn, o = prefix(sc.h, p), prefix(sc.xn, p), prefix(sc.o, p)
+        q, attn = prefix(sc.q, p), prefix(sc.attn, p)
+        q2, attn2 = View(q.buffer, (p, width)), View(attn.buffer, (p, width))
+        latent = View(sc.k.buffer, (p, self.latent_shape.latent_dim))
+        gate, up, act = prefix(sc.gate, p), prefix(sc.up, p), prefix(sc.act, p)
+        table = prefix(self.latent_table, rows) if self.latent_table is not None else prefix(sh.page_table, rows)
+        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+        for layer, lw in enumerate(self.layer_weights[:layers]):
+            prog.node(
+                "rmsnorm",
+                {"x": h, "weight": lw["attn_norm"], "out": xn},
+                {"eps": s.rms_eps},
+                name=f"{label}l{layer}.attn_norm",
+            )
+            prog.node("linear", {"x": xn, "weight": lw["wq"], "out": q2}, name=f"{label}l{layer}.q")
+            prog.node("linear", {"x": xn, "weight": lw["w_dkv"], "out": latent}, name=f"{label}l{layer}.kv_down")
+            prog.node(
+                "latent_cache_write",
+                {"latent": latent, "slots": prefix(where.cache_slots, p), "plane": self.latent_planes[layer]},
+                {"tokens_per_record": self.tokens_per_record},
+                name=f"{label}l{layer}.cache_write",
+            )
+            prog.node(
+                "latent_attention",
+                {
+                    "q": q,
+                    "plane": self.latent_planes[layer],
+                    "w_uk": lw["w_uk"],
+                    "w_uv": lw["w_uv"],
+                    "page_table": table,
+                    "token_row": prefix(where.token_rows, p),
+                    "token_position": prefix(where.positions, p),
+                    "out": attn,
+                },
+                {
+                    "scale": float(s.head_dim) ** -0.5,
+                    "tokens_per_record": self.tokens_per_record,
+                    "page_offset": self.page_offset,
+                },
+                name=f"{label}l{layer}.attention",
+            )
+            prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
+            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
+            prog.node(
+                "rmsnorm",
+                {"x": h, "weight": lw["ffn_norm"], "out": xn},
+                {"eps": s.rms_eps},
+                name=f"{label}l{layer}.ffn_norm",
+            )
+            prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"{label}l{layer}.gate")
+            prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"{label}l{layer}.up")
+            prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"{label}l{layer}.silu_mul")
+            prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"{label}l{layer}.down")
+            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
+
+    def write(self) -> list[ct.GraphContract]:
+        graphs = super().write()
+        if self.latent_table is not None:  # the shifted view is packed wherever the page table is
+            for graph in graphs:
+                if any(b.source == ct.VALUE_SOURCE_PAGE_TABLE for b in graph.bindings):
+                    graph.bindings.append(
+                        binding("latent_page_table", ct.VALUE_SOURCE_PAGE_TABLE, ct.INDEXING_SUBMISSION_ROW, padding=-1)
+                    )
+        return graphs
+
+
+@dataclass(frozen=True)
+class LatentDeclaration:
+    """A latent core's recipe output before assembly."""
+
+    served_name: str
+    shape: LatentShape
+    weights: Weights
+    tokenizer_json: str
+    chat_template: str
+    sampled_size: int
+    eos_token_ids: Sequence[int]
+    tokens_per_record: int = 1
+    page_offset: int = 0
+    max_output_tokens: int = 512
+    description: str = ""
+
+
+def latent_declaration(
+    shape_name: str, *, seed: int = 0, tokens_per_record: int = 1, page_offset: int = 0
+) -> LatentDeclaration:
+    """The declaration of a ``latent-synthetic`` core of a named shape.
+
+    Raises:
+        ValueError: an unknown shape name.
+    """
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown latent shape {shape_name!r}; known shapes: {', '.join(SHAPES)}")
+    shape = SHAPES[shape_name]
+    tokenizer = byte_level_tokenizer()
+    return LatentDeclaration(
+        served_name=f"latent-synthetic-{shape_name}",
+        shape=shape,
+        weights=random_weights(shape, seed),
+        tokenizer_json=tokenizer.json,
+        chat_template=CHATML_TEMPLATE,
+        sampled_size=tokenizer.vocab_size,
+        eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
+        tokens_per_record=tokens_per_record,
+        page_offset=page_offset,
+        description=f"Synthetic latent-attention shape {shape_name!r} with seeded random weights (seed {seed})",
+    )
+
+
+def check_latent_targets(targets: Sequence[str]) -> None:
+    """Refuse targets this recipe has no kernels for.
+
+    Raises:
+        ValueError: a target outside :data:`LATENT_TARGETS`.
+    """
+    unsupported = [t for t in targets if t not in LATENT_TARGETS]
+    if unsupported:
+        raise ValueError(
+            f"latent-synthetic is built for the targets {', '.join(LATENT_TARGETS)} only; "
+            f"build without {', '.join(unsupported)}"
+        )
+
+
+def assemble_latent(
+    model: LatentDeclaration, caps: Capacities
+) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
+    """The serving contract, execution manifest and resources of a latent core (reference target)."""
+    builder = ManifestBuilder()
+    writer = LatentProgramWriter(
+        builder,
+        model.shape,
+        caps,
+        model.weights,
+        sampled_size=model.sampled_size,
+        tokens_per_record=model.tokens_per_record,
+        page_offset=model.page_offset,
+    )
+    graphs = writer.write()
+    resources = [
+        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
+        for rid, res in sorted(builder.weight_resources.items())
+    ]
+    resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=model.tokenizer_json.encode()))
+    resources.append(
+        ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=model.chat_template.encode())
+    )
+    identity = hashlib.sha256(b"latent-attention")
+    for resource in resources:
+        identity.update(resource.id.encode())
+        identity.update(hashlib.sha256(resource.data).digest())
+    identity.update(f"page_tokens={caps.page_tokens} tokens_per_record={model.tokens_per_record}".encode())
+
+    shape = model.shape.base
+    contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
+    contract_model.vocabulary.sampled_size = model.sampled_size
+    contract_model.vocabulary.logits_width = shape.vocab
+    contract_model.vocabulary.histogram_width = shape.vocab
+    contract_model.vocabulary.mask_words = -(-shape.vocab // 32)
+    contract_model.input_vocabulary.size = model.sampled_size
+    contract_model.cache.page_tokens = caps.page_tokens
+    region = contract_model.cache.regions.add(
+        name="latent", kind=ct.HISTORY_KIND_PAGED_LATENT, tokens_per_record=model.tokens_per_record
+    )
+    region.planes.extend(plane.buffer for plane in writer.latent_planes)
+    contract_model.cache.page_table_views.add(
+        buffer="page_table", page_offset=0, region="latent", pages_per_row=caps.pages_per_row
+    )
+    if writer.latent_table is not None:
+        contract_model.cache.page_table_views.add(
+            buffer="latent_page_table",
+            page_offset=model.page_offset,
+            region="latent",
+            pages_per_row=caps.pages_per_row,
+        )
+    contract_model.graphs.extend(graphs)
+    contract_model.frontend.CopyFrom(
+        ct.FrontendContract(
+            tool_parser=ct.TOOL_PARSER_NONE,
+            reasoning_parser=ct.REASONING_PARSER_NONE,
+            image_preparation=ct.IMAGE_PREPARATION_NONE,
+            image_layout=ct.IMAGE_LAYOUT_NONE,
+        )
+    )
+    from ignition.preparation import contract as decl
+
+    contract_model.state_views.extend(decl.state_views(writer.text_caps))
+    serving = ct.ServingContract(
+        served_name=model.served_name,
+        cache_identity=identity.hexdigest()[:32],
+        context_tokens=caps.context,
+        prefill_tokens=max(caps.prefill_tokens),
+        page_capacity=caps.cache_pages,
+        snapshot_capacity=0,
+        max_concurrency=caps.max_rows,
+    )
+    serving.defaults.max_output_tokens = model.max_output_tokens
+    serving.defaults.eos_token_ids.extend(model.eos_token_ids)
+    serving.model.CopyFrom(contract_model)
+    return serving, builder, resources
+
+
+def build_latent_core(
+    model: LatentDeclaration,
+    out: Path,
+    *,
+    caps: Capacities,
+    signing_key: Ed25519PrivateKey,
+    namespace: str,
+    layout: Literal["payload", "logical-v6", "logical-v4"] = "payload",
+    core_key: bytes | None = None,
+    targets: Sequence[str] = ("reference",),
+    progress: Progress | None = None,
+) -> ct.ServingContract:
+    """Assemble, validate (with Helios' own contract rules), sign and write a latent core."""
+    check_latent_targets(targets)
+    serving, builder, resources = assemble_latent(model, caps)
+    prepare_contract(
+        serving,
+        builder.manifest,
+        [cb.ExecutableResource(id=r.id, kind=r.kind, decoded_nbytes=len(r.data)) for r in resources],  # type: ignore[arg-type]
+    )
+    write_core(
+        out,
+        namespace=namespace,
+        contract=serving,
+        execution=builder.manifest,
+        resources=resources,
+        signing_key=signing_key,
+        layout=layout,
+        core_key=core_key,
+        description=model.description,
+        rebuild=cb.RebuildManifest(toolkit_version=toolkit_version),
+        progress=progress,
+    )
+    return serving
