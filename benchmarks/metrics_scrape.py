@@ -15,7 +15,10 @@ scrape's answer and the last instant the count had that value (0 when the count 
 scrape ran). ``running`` is the share of loaded scrapes whose ``helios_num_requests_running`` equals
 ``--max-active`` and whose ``waiting + running`` equals the admitted count.
 
-    .venv/bin/python benchmarks/metrics_scrape.py [--seconds 10] [--clients 16] [--max-active 4]
+With ``--worker-process`` the same phases run again against a server started with ``--worker-process``
+(the model worker in its own process), and both tables are printed.
+
+    .venv/bin/python benchmarks/metrics_scrape.py [--seconds 10] [--clients 16] [--max-active 4] [--worker-process]
 """
 
 from __future__ import annotations
@@ -190,51 +193,42 @@ def row(name: str, scrapes: list[Scrape], ages: list[float] | None = None, dated
     return "| " + " | ".join(cells) + " |"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="scraping time per phase")
-    parser.add_argument("--clients", type=int, default=16, help="streaming clients under load")
-    parser.add_argument("--max-active", type=int, default=4, help="model slots of the server")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed request")
-    args = parser.parse_args()
-    if args.clients <= args.max_active:
-        parser.error("--clients must exceed --max-active, so that requests queue")
+def measure_mode(args: argparse.Namespace, core: Path, key: Path, worker_process: bool) -> list[str]:
+    """One server (the model worker in a thread, or with ``worker_process`` in its own process): idle and
+    loaded phases; the lines of its table."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [
+        sys.executable, "-m", "helios_core.cli", "run", "--core", str(core), "--trust-key", str(key),
+        "--accept", NAMESPACE, "--port", str(port), "--backend", "reference",
+        "--max-active", str(args.max_active), "--queue-capacity", str(args.clients * 2),
+        *(["--worker-process"] if worker_process else []),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        if server.stderr is None:
+            raise RuntimeError("helios run was started without a stderr pipe")
+        line = server.stderr.readline()
+        if "ready" not in line:
+            raise RuntimeError(line + server.stderr.read())
+        # stderr is drained on a thread so that server log lines never block it
+        threading.Thread(target=server.stderr.read, daemon=True).start()
+        idle = scrape_for(base + "/metrics", args.seconds)
 
-    with tempfile.TemporaryDirectory() as directory:
-        core, key = build(Path(directory), max_rows=max(8, args.max_active))
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        command = [
-            sys.executable, "-m", "helios_core.cli", "run", "--core", str(core), "--trust-key", str(key),
-            "--accept", NAMESPACE, "--port", str(port), "--backend", "reference",
-            "--max-active", str(args.max_active), "--queue-capacity", str(args.clients * 2),
-        ]  # fmt: skip
-        server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-        try:
-            if server.stderr is None:
-                raise RuntimeError("helios run was started without a stderr pipe")
-            line = server.stderr.readline()
-            if "ready" not in line:
-                print(line + server.stderr.read(), file=sys.stderr)
-                return 1
-            # stderr is drained on a thread so that server log lines never block it
-            threading.Thread(target=server.stderr.read, daemon=True).start()
-            idle = scrape_for(base + "/metrics", args.seconds)
-
-            results: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
-            ramp = 1.0
-            until = time.monotonic() + ramp + args.seconds
-            loader = multiprocessing.Process(
-                target=load_process, args=(base, args.clients, args.max_tokens, until, results)
-            )
-            loader.start()
-            time.sleep(ramp)  # every client has a request in flight
-            loaded = scrape_for(base + "/metrics", args.seconds)
-            spans: list[tuple[float, float]] = results.get(timeout=120)
-            loader.join(timeout=30)
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+        results: multiprocessing.Queue = multiprocessing.Queue()  # type: ignore[type-arg]
+        ramp = 1.0
+        until = time.monotonic() + ramp + args.seconds
+        loader = multiprocessing.Process(
+            target=load_process, args=(base, args.clients, args.max_tokens, until, results)
+        )
+        loader.start()
+        time.sleep(ramp)  # every client has a request in flight
+        loaded = scrape_for(base + "/metrics", args.seconds)
+        spans: list[tuple[float, float]] = results.get(timeout=120)
+        loader.join(timeout=30)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
     occupancy = Occupancy(spans)
     ages = [age for s in loaded if s.ok and (age := gauge_age_ms(s, occupancy)) is not None]
@@ -248,19 +242,48 @@ def main() -> int:
         <= s.values["helios_http_admitted"]
     )
     tokens = len(spans) * args.max_tokens
+    mode = "model worker in its own process (--worker-process)" if worker_process else "model worker thread"
+    return [
+        f"{mode}: under load {len(spans)} requests ended ({tokens / args.seconds:.0f} tokens/s)\n",
+        "| server | p50 ms | p90 ms | p99 ms | max ms | answered | age p50 ms | age p99 ms | age max ms | dated "
+        "| running |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        row("idle", idle),
+        row(f"{args.clients} streams", loaded, ages, dated, f"{consistent}/{len(answered)}"),
+        "",
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="scraping time per phase")
+    parser.add_argument("--clients", type=int, default=16, help="streaming clients under load")
+    parser.add_argument("--max-active", type=int, default=4, help="model slots of the server")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed request")
+    parser.add_argument(
+        "--worker-process",
+        action="store_true",
+        help="also measure a server run with --worker-process (both tables are printed)",
+    )
+    args = parser.parse_args()
+    if args.clients <= args.max_active:
+        parser.error("--clients must exceed --max-active, so that requests queue")
+
+    tables: list[str] = []
+    with tempfile.TemporaryDirectory() as directory:
+        core, key = build(Path(directory), max_rows=max(8, args.max_active))
+        try:
+            for worker_process in (False, True) if args.worker_process else (False,):
+                tables += measure_mode(args, core, key, worker_process)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
     print(
         f"{date.today()}, {platform.processor() or platform.machine()}, {multiprocessing.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; {args.seconds:g} s per phase, {args.clients} clients, "
-        f"--max-active {args.max_active}, {args.max_tokens} tokens per request; under load {len(spans)} "
-        f"requests ended ({tokens / args.seconds:.0f} tokens/s)\n"
+        f"--max-active {args.max_active}, {args.max_tokens} tokens per request\n"
     )
-    print(
-        "| server | p50 ms | p90 ms | p99 ms | max ms | answered | age p50 ms | age p99 ms | age max ms | dated "
-        "| running |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(row("idle", idle))
-    print(row(f"{args.clients} streams", loaded, ages, dated, f"{consistent}/{len(answered)}"))
+    print("\n".join(tables))
     return 0
 
 

@@ -9,7 +9,13 @@ durations during the wave); the server and host overhead is ``wall - engine run 
 the output tokens of the wave. Every loop is bounded in count (``--requests``) and time
 (``--timeout``). One run prints one table (rows: backend x clients).
 
-    python benchmarks/serve_load.py [--clients 8,32] [--requests 64] [--max-tokens 64] [--timeout 120]
+With ``--worker-process`` each backend but ``null`` is served instead by ``helios run`` subprocesses, once
+as it is (``helios-run``: the model worker a thread of the server) and once with ``--worker-process``
+(the model worker in its own process), so the load generator never shares the server's GIL; the
+engine run time is then not measured (``nan``).
+
+    python benchmarks/serve_load.py [--clients 8,32] [--requests 64] [--max-tokens 64] [--timeout 120] \
+        [--worker-process]
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ class EngineClock:
 
 
 @contextmanager
-def serve(core: Path, key: Path, backend: str, max_active: int) -> Iterator[tuple[str, EngineClock]]:
+def serve(core: Path, key: Path, backend: str, max_active: int) -> Iterator[tuple[str, EngineClock | None]]:
     """The real server over ``core`` on a random loopback port; yields its base URL and engine clock."""
     import uvicorn
 
@@ -236,18 +242,56 @@ HEADERS = [
 ]  # fmt: skip
 
 
-def measure(core: Path, key: Path, backend: str, clients: list[int], args: argparse.Namespace) -> list[Row]:
+@contextmanager
+def serve_subprocess(
+    core: Path, key: Path, backend: str, max_active: int, worker_process: bool
+) -> Iterator[tuple[str, EngineClock | None]]:
+    """``helios run`` over ``core`` as a subprocess (with ``worker_process``: ``--worker-process``); yields its
+    base URL and no engine clock (its backend runs in another process)."""
+    import subprocess
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "helios_core.cli", "run", "--core", str(core), "--trust-key", str(key),
+        "--accept", NAMESPACE, "--port", str(port), "--backend", backend, "--max-active", str(max_active),
+        "--queue-capacity", str(max_active), *(["--worker-process"] if worker_process else []),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        if server.stderr is None:
+            raise RuntimeError("helios run was started without a stderr pipe")
+        line = server.stderr.readline()
+        if "ready" not in line:
+            raise RuntimeError(line + server.stderr.read())
+        threading.Thread(target=server.stderr.read, daemon=True).start()
+        yield f"http://127.0.0.1:{port}", None
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def measure(
+    core: Path, key: Path, backend: str, clients: list[int], args: argparse.Namespace, mode: str = "in-process"
+) -> list[Row]:
+    """One backend's waves; ``mode`` is ``in-process`` (uvicorn in a thread of this process, the engine clock
+    read), ``helios-run`` or ``worker-process`` (``helios run`` subprocesses, no engine clock)."""
     rows: list[Row] = []
-    with serve(core, key, backend, max(clients)) as (url, clock):
+    if mode == "in-process":
+        serving = serve(core, key, backend, max(clients))
+    else:
+        serving = serve_subprocess(core, key, backend, max(clients), mode == "worker-process")
+    label = backend if mode == "in-process" else f"{backend} ({mode})"
+    with serving as (url, clock):
         asyncio.run(wave(url, 2, 2, 4, args.timeout))  # warm-up: programs, tokenizer, connections
         for count in clients:
-            engine_before, launches_before = clock.read()
+            engine_before, launches_before = clock.read() if clock is not None else (0, 0)
             samples, wall = asyncio.run(wave(url, count, args.requests, args.max_tokens, args.timeout))
-            engine_after, launches_after = clock.read()
+            engine_after, launches_after = clock.read() if clock is not None else (0, 0)
+            engine_s = (engine_after - engine_before) / 1e9 if clock is not None else float("nan")
             ok = [s for s in samples if s.status == 200]
             row = Row(
-                backend, count, len(ok), args.requests, sum(s.tokens for s in ok), wall,
-                (engine_after - engine_before) / 1e9, launches_after - launches_before,
+                label, count, len(ok), args.requests, sum(s.tokens for s in ok), wall,
+                engine_s, launches_after - launches_before,
                 [s.ttft_s for s in ok if s.ttft_s == s.ttft_s], [g for s in ok for g in s.gaps_s],
             )  # fmt: skip
             rows.append(row)
@@ -267,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per wave (and per request)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends")
+    parser.add_argument(
+        "--worker-process",
+        action="store_true",
+        help="instead, serve each backend with `helios run` subprocesses, with and without --worker-process "
+        "(reference and cuda only: helios run has no null backend)",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     clients = sorted({int(c) for c in args.clients.split(",") if c.strip()})
@@ -276,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         core, key = build(Path(tmp), max(clients))
         for backend in args.backends.split(","):
-            rows += measure(core, key, backend.strip(), clients, args)
+            if not args.worker_process:
+                rows += measure(core, key, backend.strip(), clients, args)
+            elif backend.strip() != "null":
+                for mode in ("helios-run", "worker-process"):
+                    rows += measure(core, key, backend.strip(), clients, args, mode)
     print(
         f"streaming load over loopback, synthetic tiny core, {args.requests} requests x {args.max_tokens} tokens "
         f"per wave, {date.today()}, {platform.machine()} {platform.processor() or ''} "

@@ -280,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
-    "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages",
+    "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "worker_process",
 )  # fmt: skip
 
 
@@ -331,6 +331,12 @@ def _add_run_command(sub: Any) -> None:
         help="also export the gateway load gauges under vLLM's metric names (vllm:num_requests_waiting, ...)",
     )
     run.add_argument("--kv-events-config", metavar="JSON", help="publish KV-cache events over ZeroMQ (vLLM's JSON)")
+    run.add_argument(
+        "--worker-process",
+        action="store_true",
+        default=None,
+        help="run the model worker in its own process (HTTP serving and /metrics do not share its GIL)",
+    )
     run.set_defaults(handler=cmd_run)
 
 

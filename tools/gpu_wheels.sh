@@ -41,6 +41,8 @@ WHEELS=(
     protobuf==7.36.2       # wire schema runtime (see above)
     pyzmq==27.3.0          # KV-cache events (helios_core.server.kv_events)
     msgpack==1.2.4         # KV-cache event payloads
+    uvloop==0.23.0         # the event loop of helios run
+    httptools==0.9.0       # the HTTP parser of helios run
 )
 
 PLATFORMS=()

@@ -465,6 +465,23 @@ def rope(
 # ----------------------------------------------------------------------------------------------
 
 
+def _packed_token_rows(token_row: AnyArray, token_position: AnyArray, tokens: int, rows: int) -> tuple[I64, I64, Bool]:
+    """The request row and position of each of ``tokens`` packed tokens over a page table of ``rows`` rows,
+    checked (one entry a token, every active token's row in range and its position not negative), and the
+    mask of active tokens (row >= 0; the rest are padding)."""
+    row_of = _int_array("token_row", token_row, 1)
+    pos_of = _int_array("token_position", token_position, 1)
+    if row_of.shape != (tokens,) or pos_of.shape != (tokens,):
+        _fail(f"token_row/token_position: expected shape ({tokens},), got {row_of.shape}, {pos_of.shape}")
+    active = row_of >= 0
+    if active.any():
+        if int(row_of[active].max()) >= rows:
+            _fail(f"token_row: {int(row_of[active].max())} is out of range for {rows} page-table rows")
+        if int(pos_of[active].min()) < 0:
+            _fail("token_position: an active token has a negative position")
+    return row_of, pos_of, active
+
+
 def _check_planes(k_plane: AnyArray, v_plane: AnyArray) -> tuple[int, int, int, int]:
     if k_plane.ndim != 4:
         _fail(f"k_plane: expected [num_pages, page_tokens, kvh, hd], got shape {k_plane.shape}")
@@ -579,21 +596,12 @@ def paged_attention(
     group = heads // kv_heads
     table = _int_array("page_table", page_table, 2)
     rows, max_pages = table.shape
-    row_of = _int_array("token_row", token_row, 1)
-    pos_of = _int_array("token_position", token_position, 1)
-    if row_of.shape != (tokens,) or pos_of.shape != (tokens,):
-        _fail(f"token_row/token_position: expected shape ({tokens},), got {row_of.shape}, {pos_of.shape}")
-    active = row_of >= 0
-    if active.any():
-        if int(row_of[active].max()) >= rows:
-            _fail(f"token_row: {int(row_of[active].max())} is out of range for {rows} page-table rows")
-        if int(pos_of[active].min()) < 0:
-            _fail("token_position: an active token has a negative position")
-        if int(pos_of[active].max()) >= max_pages * page_tokens:
-            _fail(
-                f"token_position: {int(pos_of[active].max())} exceeds the page table's "
-                f"{max_pages} pages of {page_tokens} tokens"
-            )
+    row_of, pos_of, active = _packed_token_rows(token_row, token_position, tokens, rows)
+    if active.any() and int(pos_of[active].max()) >= max_pages * page_tokens:
+        _fail(
+            f"token_position: {int(pos_of[active].max())} exceeds the page table's "
+            f"{max_pages} pages of {page_tokens} tokens"
+        )
     if window < 0:
         _fail(f"window: must be 0 (unlimited) or positive, got {window}")
     k_arr, v_arr = np.asarray(k_plane), np.asarray(v_plane)
@@ -729,16 +737,8 @@ def latent_attention(
         _fail(f"page_offset: must be 0 or positive, got {page_offset}")
     table = _int_array("page_table", page_table, 2)
     rows, columns = table.shape
-    row_of = _int_array("token_row", token_row, 1)
-    pos_of = _int_array("token_position", token_position, 1)
-    if row_of.shape != (tokens,) or pos_of.shape != (tokens,):
-        _fail(f"token_row/token_position: expected shape ({tokens},), got {row_of.shape}, {pos_of.shape}")
-    active = row_of >= 0
+    row_of, pos_of, active = _packed_token_rows(token_row, token_position, tokens, rows)
     if active.any():
-        if int(row_of[active].max()) >= rows:
-            _fail(f"token_row: {int(row_of[active].max())} is out of range for {rows} page-table rows")
-        if int(pos_of[active].min()) < 0:
-            _fail("token_position: an active token has a negative position")
         visible = (int(pos_of[active].max()) + 1) // tokens_per_record
         if page_offset + -(-visible // records) > columns:
             _fail(

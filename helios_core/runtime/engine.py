@@ -99,6 +99,14 @@ class RequestStream:
         self.put: Callable[[Outgoing], None] = self._events.put
         """Append an event or a round's tokens (the queue's own method: no call of ours per event)."""
 
+    def _redirect(self, put: Callable[[Outgoing], None]) -> None:
+        """Hand the events queued so far to ``put``, in order, and every later one (the engine calls
+        this under its publishing lock: :meth:`Engine.redirect`)."""
+        events = self._events
+        while not events.empty():
+            put(events.get_nowait())
+        self.put = put
+
     def __iter__(self) -> Iterator[Event]:
         request_id = self.request_id
         get = self._events.get
@@ -127,6 +135,26 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     reused_prompt_tokens: int
+
+
+def compile_format(
+    request: PreparedRequest, text: str, compiler: GrammarCompiler
+) -> PreparedRequest | AdmissionRejected:
+    """``request`` with its ``response_format`` (``text``) compiled, or without it when the format
+    constrains nothing; or why it cannot be compiled (for a request that did not come through the
+    server's preparation, which compiles formats itself)."""
+    try:
+        grammar = compiler.compile_prepared(text)
+    except Exception as exc:  # the request's own format: it alone is refused
+        return AdmissionRejected(
+            request.request_id,
+            f"cannot prepare the request's output constraints: {type(exc).__name__}: {exc}",
+            param=format_param(request),
+            permanent=True,
+        )
+    if grammar is None:
+        return msgspec.structs.replace(request, response_format=None)
+    return msgspec.structs.replace(request, grammar=grammar)
 
 
 class Engine:
@@ -217,7 +245,7 @@ class Engine:
         """
         format_text, compiler = request.response_format, self.grammar_compiler
         if format_text is not None and request.grammar is None and compiler is not None:
-            compiled = self._compile(request, format_text, compiler)
+            compiled = compile_format(request, format_text, compiler)
             if isinstance(compiled, AdmissionRejected):
                 refused = RequestStream(request.request_id)
                 refused.put(compiled)
@@ -242,23 +270,6 @@ class Engine:
             self._streams[request.request_id] = stream
         self._inbox.put(Submit(request))
         return stream
-
-    @staticmethod
-    def _compile(request: PreparedRequest, text: str, compiler: GrammarCompiler) -> PreparedRequest | AdmissionRejected:
-        """``request`` with its ``response_format`` (``text``) compiled, or without it when the format
-        constrains nothing; or why it cannot be compiled."""
-        try:
-            grammar = compiler.compile_prepared(text)
-        except Exception as exc:  # the request's own format: it alone is refused
-            return AdmissionRejected(
-                request.request_id,
-                f"cannot prepare the request's output constraints: {type(exc).__name__}: {exc}",
-                param=format_param(request),
-                permanent=True,
-            )
-        if grammar is None:
-            return msgspec.structs.replace(request, response_format=None)
-        return msgspec.structs.replace(request, grammar=grammar)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request before its next round; it finishes with reason ``cancelled``. From now on it no
@@ -494,6 +505,14 @@ class Engine:
                         del streams[event.request_id]
                         self._released.discard(event.request_id)
                     stream.put(event)
+
+    def redirect(self, stream: RequestStream, put: Callable[[Outgoing], None]) -> None:
+        """Deliver ``stream``'s events to ``put`` from now on (a consumer in another process, say),
+        starting with the events already queued, in order: under the publishing lock, so no event is
+        put in between. A decode cohort's cached puts are renewed to include the new one."""
+        with self._lock:
+            stream._redirect(put)
+            self._round_lanes = None
 
     def _put_round(self, tokens: RoundTokens) -> None:
         """Put a round's tokens on the stream of each of its requests. The puts are found once per cohort:

@@ -10,8 +10,16 @@ reasons only: never request identifiers, prompt text or token ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
+
+CountKey = TypeVar("CountKey", str, int)
+
+
+def _add(counts: dict[CountKey, int], key: CountKey, amount: int = 1) -> None:
+    """Add ``amount`` to the count of ``key`` (a key not counted yet starts at 0)."""
+    counts[key] = counts.get(key, 0) + amount
 
 
 @dataclass
@@ -45,18 +53,18 @@ class SchedulerStats:
     def count_speculation(self, width: int, offered: int, accepted: int, emitted: int) -> None:
         """One speculative lane of a program of width ``width``: ``offered`` proposals, ``accepted`` of them (a prefix),
         ``emitted`` tokens."""
-        self.speculative_lanes[width] = self.speculative_lanes.get(width, 0) + 1
-        self.proposals_offered[width] = self.proposals_offered.get(width, 0) + offered
-        self.drafts_accepted[width] = self.drafts_accepted.get(width, 0) + accepted
-        self.speculative_emitted[width] = self.speculative_emitted.get(width, 0) + emitted
+        _add(self.speculative_lanes, width)
+        _add(self.proposals_offered, width, offered)
+        _add(self.drafts_accepted, width, accepted)
+        _add(self.speculative_emitted, width, emitted)
         for position in range(1, offered + 1):
-            self.offered_by_position[position] = self.offered_by_position.get(position, 0) + 1
+            _add(self.offered_by_position, position)
             if position <= accepted:
-                self.accepted_by_position[position] = self.accepted_by_position.get(position, 0) + 1
+                _add(self.accepted_by_position, position)
 
     def count_round(self, graph: str, operation: str, lanes: int) -> None:
-        self.rounds[operation] = self.rounds.get(operation, 0) + 1
-        self.launches[graph] = self.launches.get(graph, 0) + 1
+        _add(self.rounds, operation)
+        _add(self.launches, graph)
         self.lanes += lanes
 
 

@@ -21,8 +21,9 @@ so these values are never older than the scrape.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -50,6 +51,17 @@ def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:
 
 def _gauge(name: str, documentation: str, value: int) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+LabelKey = TypeVar("LabelKey", str, int)
+
+
+def _labelled_counter(name: str, documentation: str, label: str, counts: Mapping[LabelKey, int]) -> CounterMetricFamily:
+    """A counter family with one sample a key of ``counts``, in key order, the key as the ``label`` value."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for key, count in sorted(counts.items()):
+        family.add_metric([str(key)], count)
+    return family
 
 
 HELIOS_LOAD_NAMES = (
@@ -171,20 +183,11 @@ class EngineCollector(Collector):
             "Decode rounds launched on the second frame before the first was read.",
             s.pipelined_rounds,
         )
-        finished = CounterMetricFamily(
-            "helios_requests_finished", "Requests finished normally, by reason.", labels=["reason"]
+        yield _labelled_counter(
+            "helios_requests_finished", "Requests finished normally, by reason.", "reason", self._finished(s)
         )
-        for reason, count in self._finished(s).items():
-            finished.add_metric([reason], count)
-        yield finished
-        rounds = CounterMetricFamily("helios_rounds", "Scheduling rounds, by operation.", labels=["operation"])
-        for operation, count in sorted(s.rounds.items()):
-            rounds.add_metric([operation], count)
-        yield rounds
-        launches = CounterMetricFamily("helios_graph_launches", "Captured program launches.", labels=["program"])
-        for program, count in sorted(s.launches.items()):
-            launches.add_metric([program], count)
-        yield launches
+        yield _labelled_counter("helios_rounds", "Scheduling rounds, by operation.", "operation", s.rounds)
+        yield _labelled_counter("helios_graph_launches", "Captured program launches.", "program", s.launches)
         yield _counter("helios_round_lanes", "Request lanes over all rounds.", s.lanes)
         yield _counter("helios_prefix_queries", "Prefix-cache lookups.", s.prefix_queries)
         yield _counter("helios_prefix_hit_pages", "Cache pages reused by prefix lookups.", s.prefix_hit_pages)
@@ -223,26 +226,19 @@ class EngineCollector(Collector):
             ("helios_speculative_drafts_accepted", "Proposals the target accepted, by width.", s.drafts_accepted),
             ("helios_speculative_tokens_emitted", "Tokens speculative lanes emitted, by width.", s.speculative_emitted),
         ):
-            family = CounterMetricFamily(name, help_text, labels=["width"])
-            for width, count in sorted(values.items()):
-                family.add_metric([str(width)], count)
-            yield family
-        for name, help_text, values in (
-            (
-                "helios_speculative_offered_by_position",
-                "Proposals offered at each draft position (1 is the first after the pending token).",
-                s.offered_by_position,
-            ),
-            (
-                "helios_speculative_accepted_by_position",
-                "Proposals accepted at each draft position.",
-                s.accepted_by_position,
-            ),
-        ):
-            family = CounterMetricFamily(name, help_text, labels=["position"])
-            for position, count in sorted(values.items()):
-                family.add_metric([str(position)], count)
-            yield family
+            yield _labelled_counter(name, help_text, "width", values)
+        yield _labelled_counter(
+            "helios_speculative_offered_by_position",
+            "Proposals offered at each draft position (1 is the first after the pending token).",
+            "position",
+            s.offered_by_position,
+        )
+        yield _labelled_counter(
+            "helios_speculative_accepted_by_position",
+            "Proposals accepted at each draft position.",
+            "position",
+            s.accepted_by_position,
+        )
         yield _counter(
             "flare_mixed_grammar_decode_steps",
             "Successful decode submissions whose lanes include constrained and unconstrained requests.",
@@ -256,7 +252,10 @@ class EngineCollector(Collector):
 
 
 class KvEventCounters(Collector):
-    """The KV-cache event publisher's counters (registered by ``helios run`` when events are enabled)."""
+    """The KV-cache event publisher's counters (registered by ``helios run`` when events are enabled).
+
+    Read at scrape time from the publisher itself, or with ``--worker-process`` from the copy the worker
+    process's latest load update carried (at most 20 ms old): the same counters with the same meaning."""
 
     def __init__(self, dropped: Callable[[], int], published: Callable[[], int]) -> None:
         self._dropped = dropped

@@ -24,7 +24,14 @@ process exits (a second signal ends the process at once). On SIGINT/SIGTERM once
   without further output, quietly; uvicorn's own cancellation is only a backstop after that;
 * a second signal during all this closes every connection at once;
 * then the model worker stops and the core is closed; with ``--kv-events-config`` the KV-cache event
-  publisher (attached to the page allocator before serving) then sends its last ``AllBlocksCleared``.
+  publisher (attached to the page allocator before the warm-up) then sends its last ``AllBlocksCleared``.
+
+With ``--worker-process`` the model worker runs in a process of its own
+(:mod:`helios_core.server.worker_process`, :mod:`helios_core.runtime.remote`): the server process
+verifies the core for its frontend and talks to the worker through a pipe of typed messages, so HTTP
+serving and scrapes do not share a GIL with the model. The KV-cache event publisher then runs in the
+worker process beside the page allocator (the server sends it the parsed ``--kv-events-config``) and its
+counters reach ``/metrics`` through the worker's load updates.
 
 An app driven without a drain callback (``draining_server`` without ``in_flight``) keeps the older
 order: stop accepting at once, drop after the drain period.
@@ -48,7 +55,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from helios_core.errors import HeliosError, StartupError
 
@@ -111,6 +118,8 @@ class RunOptions:
     """KV-cache event publishing, vLLM's JSON (:mod:`helios_core.server.kv_events`); None: off."""
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     """Seconds admitted requests may still run after SIGTERM before they are dropped."""
+    worker_process: bool = False
+    """Run the model worker in its own process (:mod:`helios_core.server.worker_process`)."""
 
 
 _BACKENDS = ("auto", "reference", "cuda")
@@ -138,7 +147,7 @@ def _convert(name: str, value: Any, source: str) -> Any:
         from helios_core.server.kv_events import config_text
 
         return config_text(value, where)
-    if name in ("history_drafting", "vllm_metrics"):
+    if name in ("history_drafting", "vllm_metrics", "worker_process"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -285,10 +294,11 @@ class _Loader:
 
     The startup thread (:func:`draining_server`'s ``warm_up``) verifies the core, builds its programs,
     backs its cache storage and starts the model worker (:func:`~helios_core.runtime.startup.start`),
-    attaches the KV-cache event publisher when configured, installs the chat service in the app, and
-    makes the warm-up generation. Until the service is installed every route but ``/health`` answers
-    503 ``not_ready``. :meth:`close` (after the server stopped and the startup thread ended) stops the
-    model worker, closes the core, then the publisher.
+    attaches the KV-cache event publisher when configured (with ``--worker-process`` the worker process
+    starts its own), installs the chat service in the app, and makes the warm-up generation. Until the
+    service is installed every route but ``/health`` answers 503 ``not_ready``. :meth:`close` (after the
+    server stopped and the startup thread ended) stops the model worker, closes the core, then the
+    publisher (the worker process closes its own once its engine stopped).
     """
 
     def __init__(
@@ -319,21 +329,34 @@ class _Loader:
         """On the startup thread: load, install the service, warm up. Raises what failed."""
         from helios_core.runtime.startup import start
         from helios_core.server.app import ServerSettings, attach_service
-        from helios_core.server.kv_events import KvEventPublisher, default_topic
+        from helios_core.server.kv_events import KvEventCounts, KvEventPublisher, default_topic, publisher_counters
         from helios_core.server.service import ChatService
 
         options = self._options
         try:
             try:
+                if options.worker_process:
+                    from helios_core.server.worker_process import start_worker_process
+
+                    start = start_worker_process
                 self.running = start(options.core or Path(), self._trust, self._load, backend=options.backend)
                 settings = ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics)
                 service = ChatService(self.running, settings, self._readiness)
                 self.service = service
                 if self._kv_config is not None and self._kv_config.enabled:
                     topic = self._kv_config.topic or default_topic(options.host, options.port, service.served_name)
-                    self.kv_events = KvEventPublisher(self._kv_config, topic)
-                    self.kv_events.attach(self.running.engine.allocator)
-                    service.metrics.registry.register(self.kv_events.counters())
+                    counts: KvEventCounts
+                    if options.worker_process:  # the publisher runs in the worker, beside the allocator
+                        from helios_core.server.worker_process import WorkerProcessEngine
+
+                        remote = cast(WorkerProcessEngine, self.running.engine)
+                        remote.start_kv_events(self._kv_config, topic)
+                        counts = remote.kv_events
+                    else:
+                        self.kv_events = KvEventPublisher(self._kv_config, topic)
+                        self.kv_events.attach(self.running.engine.allocator)
+                        counts = self.kv_events
+                    service.metrics.registry.register(publisher_counters(counts))
             except BaseException as exc:
                 self.failure = exc
                 self._readiness.fail(f"loading the core failed: {exc}")

@@ -81,6 +81,7 @@ from helios_core.server.schemas import (
     decode_completion_request,
     decode_request,
 )
+from helios_core.server.worker_process import WorkerProcessEngine
 
 __all__ = ["ChatService", "ServerSettings"]
 
@@ -161,13 +162,19 @@ class ChatService:
         snapshot: list sizes and counters only, no lock the worker holds. A request between the two
         reads (leaving its slot as its terminal event is on the way) may count once as waiting."""
         engine = self.running.engine
-        pages = engine.allocator
-        running = len(engine.scheduler.running)
+        if isinstance(engine, WorkerProcessEngine):  # the worker process's newest gauges (at most 20 ms old)
+            live = engine.live_load()
+            running, free, evictable = live.running, live.free_pages, live.evictable_pages
+            total, page_tokens = live.total_pages, live.page_tokens
+        else:
+            pages = engine.allocator
+            running = len(engine.scheduler.running)
+            free, evictable = pages.free_pages, pages.evictable_pages
+            total, page_tokens = pages.total_pages, pages.page_tokens
         undelivered = self.admission.ended
         waiting = max(0, self.admission.in_use - running - undelivered)
-        total = pages.total_pages
-        usage = min(1.0, max(0.0, 1.0 - (pages.free_pages + pages.evictable_pages) / total))
-        return LoadReading(waiting, running, undelivered, usage, pages.page_tokens, total)
+        usage = min(1.0, max(0.0, 1.0 - (free + evictable) / total))
+        return LoadReading(waiting, running, undelivered, usage, page_tokens, total)
 
     # -- endpoints --------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:

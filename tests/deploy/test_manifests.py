@@ -320,6 +320,8 @@ def test_helios_arguments_are_valid_run_options(composed: tuple[str, list[Manife
     assert main["command"] == ["helios"]
     parsed = build_parser().parse_args(main["args"])
     assert (parsed.command, parsed.host, parsed.port) == ("run", "0.0.0.0", 8000)
+    # gateway replicas run the model worker in its own process (HTTP and scrapes keep their own GIL)
+    assert parsed.worker_process is True
     # trust: the key file comes from the Secret mounted where --trust-key points, the acceptance from the Secret
     mounts = {mount["name"]: mount["mountPath"] for mount in main["volumeMounts"]}
     volumes = {volume["name"]: volume for volume in helios["spec"]["template"]["spec"]["volumes"]}
@@ -383,7 +385,9 @@ def test_the_precise_prefix_overlay_pairs_the_event_publisher_with_the_scorer() 
     base_config = _used_epp_config(build(KUSTOMIZATIONS["base"]))
     approximate = next(p for p in base_config["plugins"] if p["type"] == "prefix-cache-scorer")["parameters"]
     assert scorer["tokenProcessorConfig"]["blockSize"] == approximate["blockSizeTokens"] == 16
-    assert build_parser().parse_args(main["args"]).kv_events_config == option(main["args"], "--kv-events-config")
+    parsed = build_parser().parse_args(main["args"])
+    assert parsed.kv_events_config == option(main["args"], "--kv-events-config")
+    assert parsed.worker_process is True  # the publisher runs in the worker process, beside its cache
 
 
 # ---------------------------------------------------------------------------- the checks catch broken manifests

@@ -7,10 +7,12 @@ Run them on a machine with an NVIDIA GPU with ``python -m pytest -q tests/gpu`` 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from helios_core.backends.cuda_driver import Context, cuda_available
+from helios_core.loading import VerifiedCore, open_core
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,3 +29,11 @@ def cuda_context() -> Iterator[Context]:
     context = Context(0)
     yield context
     context.close()
+
+
+@pytest.fixture(scope="module")
+def verified(gpu_core: tuple[Any, ...]) -> Iterator[VerifiedCore]:
+    """The module's ``gpu_core`` (its path and trust settings first) opened once, without the resource check."""
+    core = open_core(gpu_core[0], gpu_core[1], check_resources=False)
+    yield core
+    core.close()

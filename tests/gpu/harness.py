@@ -1,4 +1,5 @@
-"""Run one op-catalogue node on the GPU through its Ignition lowering, and on the reference backend.
+"""Shared GPU test helpers: one op-catalogue node on the GPU and on the reference backend, and tiny
+cores built with GPU kernels.
 
 ``run_node`` declares one buffer per tensor argument (numpy arrays in, numpy arrays out), lowers
 the node with the operator's registered lowering function, loads the modules, launches every
@@ -6,20 +7,28 @@ launch in order on the context's stream and downloads every array back. ``refere
 the same node through the reference backend's adapter. Arrays are bound as whole buffers, so
 shapes and dtypes come from the arrays: float32 -> F32, uint16 -> BF16 bit patterns, int32 -> I32,
 int64 -> I64, uint8 -> U8, uint64 -> U64.
+
+``build_gpu_core`` builds a signed tiny ``llama-synthetic`` core with bf16 weights for the
+``reference,sm_90a`` targets (skipping the test on another GPU); the ``verified`` fixture of
+``tests/gpu/conftest.py`` opens a module's ``gpu_core``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from ignition.kernels import load_kernel_modules
 from ignition.kernels.lowering import LOWERINGS, LoweringContext
 from ignition.preparation.program import set_attribute
 
 from helios_core.backends import reference
 from helios_core.backends.cuda_driver import Context, pack_params
+from helios_core.container.keys import generate_keys
+from helios_core.loading import TrustSettings
 from helios_core.wire import manifest_pb2 as mf
 
 WIRE_DTYPES = {
@@ -161,3 +170,31 @@ def bf16_bits(values: np.ndarray) -> np.ndarray:
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def build_gpu_core(
+    tmp_path_factory: pytest.TempPathFactory,
+    cuda_context: Context,
+    directory: str,
+    namespace: str,
+    *options: str,
+    core_name: str = "tiny.core",
+) -> tuple[Path, TrustSettings]:
+    """A signed tiny ``llama-synthetic`` core with bf16 weights and ``reference,sm_90a`` kernels, built by
+    the Ignition command line with the extra ``options`` (capacities, speculation) into a new temporary
+    ``directory``; the test is skipped on a GPU other than sm_90a."""
+    if cuda_context.architecture != "sm_90a":
+        pytest.skip(f"the kernels are built for sm_90a; this GPU is {cuda_context.architecture}")
+    from ignition.cli import main as ignition_main
+
+    folder = tmp_path_factory.mktemp(directory)
+    keys = generate_keys(folder / "keys")
+    core = folder / core_name
+    code = ignition_main(
+        [
+            "build", "llama-synthetic", "--shape", "tiny", "--targets", "reference,sm_90a", "--dtype", "bf16",
+            "--out", str(core), "--sign-key", str(keys["signing"]), "--namespace", namespace, *options, "--quiet",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    return core, TrustSettings((keys["public"],), namespace, None)

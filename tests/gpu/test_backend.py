@@ -21,10 +21,9 @@ import pytest
 from helios_core.backends.cuda import CudaBackend
 from helios_core.backends.cuda_driver import Context
 from helios_core.backends.reference import ReferenceBackend
-from helios_core.container.keys import generate_keys
 from helios_core.contract import LoadOptions, PreparedContract
 from helios_core.errors import HeliosError
-from helios_core.loading import TrustSettings, VerifiedCore, open_core
+from helios_core.loading import TrustSettings, VerifiedCore
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     ExecutionFailed,
@@ -38,7 +37,7 @@ from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
-from .harness import relative_error
+from .harness import build_gpu_core, relative_error
 
 NAMESPACE = "helios-tests/gpu-backend"
 GREEDY = SamplingParams(temperature=0.0)
@@ -50,29 +49,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_core(tmp_path_factory: pytest.TempPathFactory, cuda_context: Context) -> tuple[Path, TrustSettings]:
-    if cuda_context.architecture != "sm_90a":
-        pytest.skip(f"the kernels are built for sm_90a; this GPU is {cuda_context.architecture}")
-    from ignition.cli import main as ignition_main
-
-    directory = tmp_path_factory.mktemp("gpu-backend")
-    keys = generate_keys(directory / "keys")
-    core = directory / "tiny.core"
-    code = ignition_main(
-        [
-            "build", "llama-synthetic", "--shape", "tiny", "--targets", "reference,sm_90a", "--dtype", "bf16",
-            "--out", str(core), "--sign-key", str(keys["signing"]), "--namespace", NAMESPACE,
-            "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "128", "--page-tokens", "16", "--quiet",
-        ]
+    return build_gpu_core(
+        tmp_path_factory, cuda_context, "gpu-backend", NAMESPACE,
+        "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "128", "--page-tokens", "16",
     )  # fmt: skip
-    assert code == 0
-    return core, TrustSettings((keys["public"],), NAMESPACE, None)
-
-
-@pytest.fixture(scope="module")
-def verified(gpu_core: tuple[Path, TrustSettings]) -> Iterator[VerifiedCore]:
-    core = open_core(gpu_core[0], gpu_core[1], check_resources=False)
-    yield core
-    core.close()
 
 
 def _start(gpu_core: tuple[Path, TrustSettings], backend: str, max_active: int = 8) -> RunningModel:

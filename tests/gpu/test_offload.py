@@ -10,7 +10,6 @@ served without offload.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +17,16 @@ import pytest
 
 from helios_core.backends.cuda import CudaBackend
 from helios_core.backends.cuda_driver import Context
-from helios_core.container.keys import generate_keys
 from helios_core.contract import LoadOptions
-from helios_core.loading import TrustSettings, VerifiedCore, open_core
-from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
+from helios_core.loading import TrustSettings, VerifiedCore
 from helios_core.runtime.offload import HOST_RESIDENT
 from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import manifest_pb2 as mf
+from tests.runtime.engine_harness import chain_keys, tokens_and_reuse
+
+from .harness import build_gpu_core
 
 NAMESPACE = "helios-tests/gpu-offload"
-GREEDY = SamplingParams(temperature=0.0)
 PAGE_TOKENS = 16
 CONTEXT = 256
 DEVICE_PAGES = CONTEXT // PAGE_TOKENS
@@ -38,30 +37,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_core(tmp_path_factory: pytest.TempPathFactory, cuda_context: Context) -> tuple[Path, TrustSettings]:
-    if cuda_context.architecture != "sm_90a":
-        pytest.skip(f"the kernels are built for sm_90a; this GPU is {cuda_context.architecture}")
-    from ignition.cli import main as ignition_main
-
-    directory = tmp_path_factory.mktemp("gpu-offload")
-    keys = generate_keys(directory / "keys")
-    core = directory / "tiny.core"
-    code = ignition_main(
-        [
-            "build", "llama-synthetic", "--shape", "tiny", "--targets", "reference,sm_90a", "--dtype", "bf16",
-            "--out", str(core), "--sign-key", str(keys["signing"]), "--namespace", NAMESPACE,
-            "--max-rows", "2", "--prefill-tokens", "16,64", "--context", str(CONTEXT),
-            "--page-tokens", str(PAGE_TOKENS), "--quiet",
-        ]
+    return build_gpu_core(
+        tmp_path_factory, cuda_context, "gpu-offload", NAMESPACE,
+        "--max-rows", "2", "--prefill-tokens", "16,64", "--context", str(CONTEXT), "--page-tokens", str(PAGE_TOKENS),
     )  # fmt: skip
-    assert code == 0
-    return core, TrustSettings((keys["public"],), NAMESPACE, None)
-
-
-@pytest.fixture(scope="module")
-def verified(gpu_core: tuple[Path, TrustSettings]) -> Iterator[VerifiedCore]:
-    core = open_core(gpu_core[0], gpu_core[1], check_resources=False)
-    yield core
-    core.close()
 
 
 def _planes(verified: VerifiedCore) -> list[str]:
@@ -109,10 +88,7 @@ def _serve(gpu_core: tuple[Path, TrustSettings], offload_pages: int) -> RunningM
 
 
 def _tokens(running: RunningModel, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-    events = list(running.engine.submit(PreparedRequest(request_id, prompt, 12, GREEDY, ignore_eos=True)))
-    finished = events[-1]
-    assert isinstance(finished, Finished) and finished.reason == "length", finished
-    return [e.token_id for e in events if isinstance(e, TokenEvent)], finished.reused_prompt_tokens
+    return tokens_and_reuse(running.engine, request_id, prompt, 12)
 
 
 FIRST = [*PREFIX, 3, 4, 5, 6, 7, 8, 9, 10]
@@ -134,12 +110,7 @@ def test_serving_restores_an_offloaded_prefix_with_the_tokens_of_a_run_without_o
         allocator = running.engine.allocator
         _tokens(running, "first", FIRST)
         _tokens(running, "unrelated", UNRELATED)  # evicts the prefix into pinned host memory
-        keys: list[bytes] = []
-        parent: bytes | None = None
-        for start_ in range(0, len(PREFIX), PAGE_TOKENS):
-            parent = allocator.chain_hash(parent, PREFIX[start_ : start_ + PAGE_TOKENS])
-            keys.append(parent)
-        on_host = sum(allocator.location(key) == HOST_RESIDENT for key in keys)
+        on_host = sum(allocator.location(key) == HOST_RESIDENT for key in chain_keys(allocator, PREFIX))
         assert on_host >= 10
         before = running.engine.statistics().restored_pages
         tokens, reused = _tokens(running, "later", LATER)

@@ -24,7 +24,6 @@ at width one, and both agree with the reference backend up to a near tie (as in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +34,15 @@ from helios_core.backends import reference_kernels as rk
 from helios_core.backends.cuda import CudaBackend
 from helios_core.backends.cuda_driver import Context
 from helios_core.backends.reference import ReferenceBackend
-from helios_core.container.keys import generate_keys
 from helios_core.contract import LoadOptions, PreparedContract
-from helios_core.loading import TrustSettings, VerifiedCore, open_core
+from helios_core.loading import TrustSettings, VerifiedCore
 from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.packing import GraphPacker, Lane, Submission
 from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
+
+from .harness import build_gpu_core
 
 NAMESPACE = "helios-tests/gpu-self-draft"
 GREEDY = SamplingParams(temperature=0.0)
@@ -68,32 +68,14 @@ pytestmark = pytest.mark.gpu
 def gpu_core(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, cuda_context: Context
 ) -> tuple[Path, TrustSettings, int]:
-    if cuda_context.architecture != "sm_90a":
-        pytest.skip(f"the kernels are built for sm_90a; this GPU is {cuda_context.architecture}")
-    from ignition.cli import main as ignition_main
-
     layers: int = request.param
-    directory = tmp_path_factory.mktemp(f"gpu-self-draft-{layers}")
-    keys = generate_keys(directory / "keys")
-    core = directory / "tiny-self-draft.core"
-    code = ignition_main(
-        [
-            "build", "llama-synthetic", "--shape", "tiny", "--targets", "reference,sm_90a", "--dtype", "bf16",
-            "--out", str(core), "--sign-key", str(keys["signing"]), "--namespace", NAMESPACE,
-            "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "128", "--page-tokens", str(PAGE_TOKENS),
-            "--speculative", "self-draft", "--draft-tokens", str(DRAFT_TOKENS), "--draft-layers", str(layers),
-            "--quiet",
-        ]
+    core, trust = build_gpu_core(
+        tmp_path_factory, cuda_context, f"gpu-self-draft-{layers}", NAMESPACE,
+        "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "128", "--page-tokens", str(PAGE_TOKENS),
+        "--speculative", "self-draft", "--draft-tokens", str(DRAFT_TOKENS), "--draft-layers", str(layers),
+        core_name="tiny-self-draft.core",
     )  # fmt: skip
-    assert code == 0
-    return core, TrustSettings((keys["public"],), NAMESPACE, None), layers
-
-
-@pytest.fixture(scope="module")
-def verified(gpu_core: tuple[Path, TrustSettings, int]) -> Iterator[VerifiedCore]:
-    core = open_core(gpu_core[0], gpu_core[1], check_resources=False)
-    yield core
-    core.close()
+    return core, trust, layers
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ with the reference backend up to a near tie (as in ``test_backend.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,15 @@ import pytest
 from helios_core.backends.cuda import CudaBackend
 from helios_core.backends.cuda_driver import Context
 from helios_core.backends.reference import ReferenceBackend
-from helios_core.container.keys import generate_keys
 from helios_core.contract import LoadOptions, PreparedContract
-from helios_core.loading import TrustSettings, VerifiedCore, open_core
+from helios_core.loading import TrustSettings, VerifiedCore
 from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.packing import GraphPacker, Lane, Submission
 from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
+
+from .harness import build_gpu_core
 
 NAMESPACE = "helios-tests/gpu-speculative"
 GREEDY = SamplingParams(temperature=0.0)
@@ -51,30 +51,11 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_core(tmp_path_factory: pytest.TempPathFactory, cuda_context: Context) -> tuple[Path, TrustSettings]:
-    if cuda_context.architecture != "sm_90a":
-        pytest.skip(f"the kernels are built for sm_90a; this GPU is {cuda_context.architecture}")
-    from ignition.cli import main as ignition_main
-
-    directory = tmp_path_factory.mktemp("gpu-speculative")
-    keys = generate_keys(directory / "keys")
-    core = directory / "tiny-speculative.core"
-    code = ignition_main(
-        [
-            "build", "llama-synthetic", "--shape", "tiny", "--targets", "reference,sm_90a", "--dtype", "bf16",
-            "--out", str(core), "--sign-key", str(keys["signing"]), "--namespace", NAMESPACE,
-            "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "128", "--page-tokens", str(PAGE_TOKENS),
-            "--speculative", "history", "--draft-tokens", "3", "--quiet",
-        ]
+    return build_gpu_core(
+        tmp_path_factory, cuda_context, "gpu-speculative", NAMESPACE,
+        "--max-rows", "8", "--prefill-tokens", "16,64", "--context", "128", "--page-tokens", str(PAGE_TOKENS),
+        "--speculative", "history", "--draft-tokens", "3", core_name="tiny-speculative.core",
     )  # fmt: skip
-    assert code == 0
-    return core, TrustSettings((keys["public"],), NAMESPACE, None)
-
-
-@pytest.fixture(scope="module")
-def verified(gpu_core: tuple[Path, TrustSettings]) -> Iterator[VerifiedCore]:
-    core = open_core(gpu_core[0], gpu_core[1], check_resources=False)
-    yield core
-    core.close()
 
 
 # ----------------------------------------------------------------------------------------------

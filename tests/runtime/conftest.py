@@ -1,4 +1,5 @@
-"""Shared fixtures of the runtime tests: golden fixture cores, trust settings, an engine factory."""
+"""Shared fixtures of the runtime tests: golden fixture cores, trust settings, an engine factory and the
+list of models a test starts, closed after it."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ def start_fixture() -> Iterator[Callable[..., RunningModel]]:
 
     yield factory
     for model in running:
+        model.close()
+
+
+@pytest.fixture
+def started() -> Iterator[list[RunningModel]]:
+    """Models a test starts (``engine_harness.run`` adds them); each is closed after the test."""
+    models: list[RunningModel] = []
+    yield models
+    for model in models:
         model.close()
 
 

@@ -13,28 +13,34 @@ pinned directly.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 import pytest
 from ignition.recipes.llama import Capacities
 from ignition.recipes.recurrent import build_recurrent_core, recurrent_declaration
 
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.contract import LoadOptions
-from helios_core.loading import TrustSettings
 from helios_core.runtime.checkpoints import CheckpointError, CheckpointIndex
 from helios_core.runtime.engine import Engine
-from helios_core.runtime.messages import ExecutionFailed, Finished, PreparedRequest, SamplingParams, TokenEvent
-from helios_core.runtime.startup import RunningModel, start
+from helios_core.runtime.messages import ExecutionFailed, Finished, SamplingParams
+from helios_core.runtime.startup import RunningModel
 from helios_core.wire import manifest_pb2 as mf
 
+from .engine_harness import (
+    SignedCore,
+    assert_each_finishes_at_length,
+    assert_pages_released,
+    build_signed_core,
+    prompt_of,
+    request,
+    run,
+    solo_tokens,
+    submit_all,
+    tokens_and_end,
+)
 from .test_recurrent import oracle_greedy
 
 NAMESPACE = "helios-tests/checkpoints"
 SEED = 11
-GREEDY = SamplingParams(temperature=0.0)
 CAPS = Capacities(
     max_rows=8,
     prefill_tokens=(16,),
@@ -47,45 +53,11 @@ CAPS = Capacities(
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("checkpoints")
-    keys = generate_keys(tmp / "keys")
-    path = tmp / "recurrent.core"
-    build_recurrent_core(
-        recurrent_declaration("tiny", seed=SEED), path, caps=CAPS, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    return path, keys["public"]
-
-
-@pytest.fixture
-def started() -> Iterator[list[RunningModel]]:
-    models: list[RunningModel] = []
-    yield models
-    for model in models:
-        model.close()
-
-
-def engine_of(core: tuple[Path, Path], started: list[RunningModel], **options: Any) -> Engine:
-    path, key = core
-    model = start(path, TrustSettings((key,), NAMESPACE, None), LoadOptions(**options), backend="reference")
-    started.append(model)
-    return model.engine
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY) -> PreparedRequest:
-    return PreparedRequest(request_id, prompt, max_tokens, sampling, ignore_eos=True)
-
-
-def prompt_of(index: int, length: int) -> list[int]:
-    return [(29 * index + 5 * i + 7) % 250 + 3 for i in range(length)]
-
-
-def tokens_and_end(engine: Engine, prepared: PreparedRequest) -> tuple[list[int], Finished | ExecutionFailed]:
-    events = list(engine.submit(prepared))
-    end = events[-1]
-    assert isinstance(end, Finished | ExecutionFailed)
-    return [e.token_id for e in events if isinstance(e, TokenEvent)], end
+def core(tmp_path_factory: pytest.TempPathFactory) -> SignedCore:
+    declaration = recurrent_declaration("tiny", seed=SEED)
+    return build_signed_core(
+        build_recurrent_core, declaration, CAPS, tmp_path_factory.mktemp("checkpoints"), NAMESPACE, name="recurrent"
+    )
 
 
 def checkpoints_of(engine: Engine) -> CheckpointIndex:
@@ -99,9 +71,9 @@ SHARED = prompt_of(3, 200)
 
 # -- reuse ----------------------------------------------------------------------------------------------
 def test_a_shared_200_token_prefix_is_restored_from_its_checkpoint(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
-    engine = engine_of(core, started)
+    engine = run(core, started).engine
     first = [*SHARED, 11, 12, 13]  # 203 tokens: chunks end at 16 .. 192, then at 200, its last page boundary
     assert engine.generate(request("first", first, 6)).reused_prompt_tokens == 0
     index = checkpoints_of(engine)
@@ -112,7 +84,7 @@ def test_a_shared_200_token_prefix_is_restored_from_its_checkpoint(
     tokens, end = tokens_and_end(engine, request("second", second, 12))
     assert isinstance(end, Finished) and end.reused_prompt_tokens == 200
     assert tokens == oracle_greedy(second, 12)
-    fresh = engine_of(core, started)
+    fresh = run(core, started).engine
     alone, alone_end = tokens_and_end(fresh, request("alone", second, 12))
     assert isinstance(alone_end, Finished) and alone_end.reused_prompt_tokens == 0
     assert alone == tokens
@@ -122,14 +94,13 @@ def test_a_shared_200_token_prefix_is_restored_from_its_checkpoint(
     launches = engine.statistics().launches
     assert launches["restore"] == 1 and launches["initialize"] == 2
     index.check()
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_a_prompt_sharing_part_of_a_chain_restores_the_deepest_checkpoint_it_shares(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
-    engine = engine_of(core, started)
+    engine = run(core, started).engine
     engine.generate(request("first", SHARED[:70], 4))  # checkpoints at 16, 32, 48 and 64 (its last boundary 68)
     assert checkpoints_of(engine).endpoints() == [32, 48, 64, 68]
     prompt = [*SHARED[:50], 7, 7, 7]  # shares 50 tokens: the checkpoint at 48 is the deepest it shares
@@ -139,15 +110,15 @@ def test_a_prompt_sharing_part_of_a_chain_restores_the_deepest_checkpoint_it_sha
 
 
 def test_a_request_whose_penalty_reads_prompt_presence_restores_only_the_same_prompt_ids(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # A restore copies the checkpoint's prompt-presence row: exact only for the same set of prompt ids.
-    engine = engine_of(core, started)
+    engine = run(core, started).engine
     engine.generate(request("first", SHARED[:40], 4))
     penalized = SamplingParams(temperature=0.0, repetition_penalty=1.5)
     new_ids = [*SHARED[:40], 1, 2]  # ids 1 and 2 are not in the checkpoint's prompt
     same_ids = [*SHARED[:40], SHARED[0], SHARED[1]]
-    reference = engine_of(core, started)
+    reference = run(core, started).engine
     for prompt, reused in ((new_ids, 0), (same_ids, 36)):
         tokens, end = tokens_and_end(engine, request(f"p{reused}", prompt, 10, penalized))
         assert isinstance(end, Finished) and end.reused_prompt_tokens == reused
@@ -156,8 +127,8 @@ def test_a_request_whose_penalty_reads_prompt_presence_restores_only_the_same_pr
 
 
 # -- failures and eviction ------------------------------------------------------------------------------
-def test_a_failed_snapshot_round_publishes_no_checkpoint(core: tuple[Path, Path], started: list[RunningModel]) -> None:
-    engine = engine_of(core, started)
+def test_a_failed_snapshot_round_publishes_no_checkpoint(core: SignedCore, started: list[RunningModel]) -> None:
+    engine = run(core, started).engine
     backend = engine.model.backend
     original = backend.run
 
@@ -189,31 +160,24 @@ def test_a_failed_snapshot_round_publishes_no_checkpoint(core: tuple[Path, Path]
     assert isinstance(end, Finished) and end.reused_prompt_tokens == 0  # nothing was published to reuse
     assert tokens == oracle_greedy(prompt, 8)
     index.check()
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_preemption_evicts_checkpoints_for_snapshot_rows_with_the_same_outputs(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # Each request needs 15 or 16 pages; 64 pages hold four. Checkpoints of the first prompts fill the
     # four snapshot rows, and decoding victims take their rows: outputs equal the solo runs.
     prompts = [prompt_of(i, 9 + i % 4) for i in range(8)]
-    roomy = engine_of(core, started)
-    solo = [roomy.generate(request(f"solo{i}", p, 50)).token_ids for i, p in enumerate(prompts)]
-    engine = engine_of(core, started, cache_pages=64)
-    streams = [engine.submit(request(f"r{i}", p, 50)) for i, p in enumerate(prompts)]
-    for stream, expected in zip(streams, solo, strict=True):
-        events = list(stream)
-        assert isinstance(events[-1], Finished) and events[-1].reason == "length"
-        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == expected
+    solo = solo_tokens(run(core, started).engine, prompts, 50)
+    engine = run(core, started, cache_pages=64).engine
+    assert_each_finishes_at_length(submit_all(engine, prompts, 50), solo)
     stats, index = engine.statistics(), checkpoints_of(engine)
     assert index.stats.published >= 4 and index.stats.evicted > 0
     assert stats.snapshots > 0 and stats.restores == stats.snapshots
     assert len(index) + len(engine.scheduler.free_snapshot_rows) == 4
     index.check()
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 # -- the index ------------------------------------------------------------------------------------------

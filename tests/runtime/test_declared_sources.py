@@ -21,7 +21,6 @@ import pytest
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.reference import ReferenceBackend
 from helios_core.contract import LoadOptions, PreparedContract, PreparedGraph, prepare_contract, select
-from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.errors import StartupError, UnsupportedFeatureError
 from helios_core.frontend.bootstrap import Bootstrap
 from helios_core.frontend.structured import GrammarCompiler
@@ -40,8 +39,8 @@ from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
 from .conftest import FIXTURES, fixture_settings
+from .packing_harness import POISON, poisoned_staging
 
-POISON = 77
 GREEDY = SamplingParams(temperature=0.0)
 EOS = (258, 256)
 """The fixture core's EOS ids."""
@@ -66,10 +65,7 @@ def _bound(graph: PreparedGraph, *bindings: ct.ValueBinding) -> PreparedGraph:
 
 
 def _staging(contract: PreparedContract, **extra: tuple[int, ...]) -> dict[str, np.ndarray]:
-    staging = {
-        name: np.full(tuple(entry.shape), POISON, dtype=NUMPY_DTYPES[entry.dtype])
-        for name, entry in contract.transport.items()
-    }
+    staging = poisoned_staging(contract)
     for name, shape in extra.items():
         staging[name] = np.full(shape, POISON, dtype=np.int32)
     return staging

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from helios_core.contract import PreparedContract
-from helios_core.dtypes import NUMPY_DTYPES
-from helios_core.loading import open_core
 from helios_core.runtime.completion import (
     CompletionError,
     ExpectationBatch,
@@ -32,9 +30,8 @@ from helios_core.runtime.startup import RunningModel
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
-from .conftest import FIXTURES, fixture_settings
+from .packing_harness import payload_contract, poisoned_staging
 
-POISON = 77
 FLOATS = {
     ct.VALUE_SOURCE_TEMPERATURE,
     ct.VALUE_SOURCE_TOP_P,
@@ -48,16 +45,7 @@ CHANGING = {ct.VALUE_SOURCE_SAMPLING_STEP, ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOI
 
 @pytest.fixture(scope="module")
 def contract() -> PreparedContract:
-    verified = open_core(FIXTURES / "payload-v3.core", fixture_settings())
-    verified.close()
-    return verified.contract
-
-
-def poisoned(contract: PreparedContract) -> dict[str, np.ndarray]:
-    return {
-        name: np.full(tuple(entry.shape), POISON, dtype=NUMPY_DTYPES[entry.dtype])
-        for name, entry in contract.transport.items()
-    }
+    return payload_contract()
 
 
 def constants(rng: np.random.Generator, count: int) -> dict[int, np.ndarray]:
@@ -120,7 +108,7 @@ def assert_same_staging(batch_side: dict[str, np.ndarray], lane_side: dict[str, 
 @pytest.mark.parametrize("graph", ["decode_b4", "prefill_p16", "mixed_p16"])
 def test_a_batch_stages_the_bytes_of_its_lanes_round_after_round(contract: PreparedContract, graph: str) -> None:
     rng = np.random.default_rng(len(graph))
-    batch_staging, lane_staging = poisoned(contract), poisoned(contract)
+    batch_staging, lane_staging = poisoned_staging(contract), poisoned_staging(contract)
     batch_memory, lane_memory = PageTableMemory(), PageTableMemory()
     by_batch = GraphPacker(contract.graphs[graph], batch_staging, batch_memory)
     by_lanes = GraphPacker(contract.graphs[graph], lane_staging, lane_memory)
@@ -155,7 +143,7 @@ def test_a_batch_without_host_tokens_fails_as_its_lanes_do(contract: PreparedCon
     batch = decode_batch(constants(rng, 2), np.array([1, 2], dtype=np.int32), tables, np.full(4, 2, dtype=np.int64), 0)
     messages = []
     for submission in (Submission(batch.to_lanes(), 1), Submission(batch, 1)):
-        staging = poisoned(contract)
+        staging = poisoned_staging(contract)
         with pytest.raises(ValueError, match="supplies 0 values for 'input_ids'") as failure:
             GraphPacker(contract.graphs["prefill_p16"], staging).pack(submission, 0, staging)
         messages.append(str(failure.value))
@@ -169,10 +157,10 @@ def test_a_batch_value_outside_its_destination_fails_as_its_lanes_do(contract: P
     tables = rng.integers(0, 60, (4, 16)).astype(np.int64)
     batch = decode_batch(rows, np.array([1, 2], dtype=np.int32), tables, np.full(4, 2, dtype=np.int64), 0)
     with pytest.raises(OverflowError) as by_lanes:
-        GraphPacker(contract.graphs["decode_b4"], poisoned(contract)).pack(
-            Submission(batch.to_lanes(), 1), 0, poisoned(contract)
+        GraphPacker(contract.graphs["decode_b4"], poisoned_staging(contract)).pack(
+            Submission(batch.to_lanes(), 1), 0, poisoned_staging(contract)
         )
-    staging = poisoned(contract)
+    staging = poisoned_staging(contract)
     with pytest.raises(OverflowError) as by_batch:
         GraphPacker(contract.graphs["decode_b4"], staging).pack(Submission(batch, 1), 0, staging)
     assert str(by_batch.value) == str(by_lanes.value)

@@ -10,30 +10,36 @@ through a view shifted by one column.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from ignition.recipes.latent import SHAPES, build_latent_core, latent_declaration, random_weights, tensor_names
 from ignition.recipes.llama import Capacities
 
 from helios_core.backends import reference_kernels as rk
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.contract import LoadOptions
-from helios_core.loading import TrustSettings
-from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
-from helios_core.runtime.startup import RunningModel, start
+from helios_core.runtime.messages import Finished
+from helios_core.runtime.startup import RunningModel
 from helios_core.wire import contract_pb2 as ct
 
 from .conftest import FIXTURES
+from .engine_harness import (
+    F32,
+    SignedCore,
+    assert_each_finishes_at_length,
+    assert_pages_released,
+    build_signed_core,
+    prompt_of,
+    request,
+    rms_norm,
+    run,
+    solo_tokens,
+    submit_all,
+    token_ids,
+)
 
 NAMESPACE = "helios-tests/latent"
 SEED = 13
-GREEDY = SamplingParams(temperature=0.0)
-F32 = npt.NDArray[np.float32]
 CAPS = Capacities(
     max_rows=16,
     prefill_tokens=(16,),
@@ -46,10 +52,6 @@ CAPS = Capacities(
 
 
 # -- the independent forward pass ------------------------------------------------------------------------
-def _rms(x: F32, weight: F32, eps: float) -> F32:
-    return (x / np.sqrt(np.mean(x * x) + np.float32(eps)) * weight).astype(np.float32)
-
-
 def oracle_greedy(prompt: list[int], count: int, *, seed: int = SEED, tokens_per_record: int = 1) -> list[int]:
     """Greedy tokens of ``ignition.recipes.latent`` (tiny shape), one token at a time: each layer caches
     ``c = W_dkv x``; a token at position p attends, per head, to keys ``W_uk r`` and values ``W_uv r`` of
@@ -65,7 +67,7 @@ def oracle_greedy(prompt: list[int], count: int, *, seed: int = SEED, tokens_per
         x = weights["token_embd.weight"][tokens[position]].astype(np.float32)
         for layer in range(s.layers):
             names = tensor_names(layer)
-            xn = _rms(x, weights[names["attn_norm"]], s.rms_eps)
+            xn = rms_norm(x, weights[names["attn_norm"]], s.rms_eps)
             q = (weights[names["wq"]] @ xn).reshape(s.heads, s.head_dim)
             latents[layer].append(weights[names["w_dkv"]] @ xn)
             visible = (position + 1) // tokens_per_record
@@ -80,60 +82,32 @@ def oracle_greedy(prompt: list[int], count: int, *, seed: int = SEED, tokens_per
                 probs /= probs.sum(axis=1, keepdims=True)
                 attended = np.einsum("hn,nhd->hd", probs, values).astype(np.float32)
             x = x + weights[names["wo"]] @ attended.reshape(-1)
-            v = _rms(x, weights[names["ffn_norm"]], s.rms_eps)
+            v = rms_norm(x, weights[names["ffn_norm"]], s.rms_eps)
             gate, up = weights[names["w_gate"]] @ v, weights[names["w_up"]] @ v
             x = (x + weights[names["w_down"]] @ ((gate / (1.0 + np.exp(-gate))) * up)).astype(np.float32)
         position += 1
         if position == len(tokens):
-            logits = weights["output.weight"] @ _rms(x, weights["output_norm.weight"], s.rms_eps)
+            logits = weights["output.weight"] @ rms_norm(x, weights["output_norm.weight"], s.rms_eps)
             tokens.append(int(np.argmax(logits[:sampled])))
             generated.append(tokens[-1])
     return generated
 
 
 # -- the cores ------------------------------------------------------------------------------------------
-def _build(tmp: Path, name: str, **options: int) -> tuple[Path, Path]:
-    keys = generate_keys(tmp / f"{name}.keys")
-    path = tmp / f"{name}.core"
-    build_latent_core(
-        latent_declaration("tiny", seed=SEED, **options), path, caps=CAPS,
-        signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE,
-    )  # fmt: skip
-    return path, keys["public"]
+def _build(tmp: Path, name: str, **options: int) -> SignedCore:
+    declaration = latent_declaration("tiny", seed=SEED, **options)
+    return build_signed_core(build_latent_core, declaration, CAPS, tmp, NAMESPACE, name=name)
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def core(tmp_path_factory: pytest.TempPathFactory) -> SignedCore:
     """Records of one token, read through a page-table view shifted by one column."""
     return _build(tmp_path_factory.mktemp("latent"), "shifted", page_offset=1)
 
 
-@pytest.fixture
-def started() -> Iterator[list[RunningModel]]:
-    models: list[RunningModel] = []
-    yield models
-    for model in models:
-        model.close()
-
-
-def run(core: tuple[Path, Path], started: list[RunningModel], **options: Any) -> RunningModel:
-    path, key = core
-    model = start(path, TrustSettings((key,), NAMESPACE, None), LoadOptions(**options), backend="reference")
-    started.append(model)
-    return model
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int) -> PreparedRequest:
-    return PreparedRequest(request_id, prompt, max_tokens, GREEDY, ignore_eos=True)
-
-
-def prompt_of(index: int, length: int = 11) -> list[int]:
-    return [(29 * index + 5 * i + 7) % 250 + 3 for i in range(length)]
-
-
 # -- serving --------------------------------------------------------------------------------------------
 def test_the_core_declares_a_paged_latent_region_and_a_shifted_view(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     contract = run(core, started).verified.contract
     (region,) = contract.model.cache.regions
@@ -143,19 +117,16 @@ def test_the_core_declares_a_paged_latent_region_and_a_shifted_view(
     assert contract.buffers[region.planes[0]].shape[1].size == 4
 
 
-def test_greedy_tokens_equal_the_latent_forward_pass(core: tuple[Path, Path], started: list[RunningModel]) -> None:
+def test_greedy_tokens_equal_the_latent_forward_pass(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started).engine
     prompt = prompt_of(0, 37)  # prefill chunks of 16, 16 and 5: the history crosses rounds
     assert engine.generate(request("solo", prompt, 24)).token_ids == oracle_greedy(prompt, 24)
     launches = engine.statistics().launches
     assert launches["prefill_p16"] == 3 and launches["decode_b1"] == 23
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
-def test_records_of_several_tokens_equal_the_forward_pass(
-    tmp_path: Path, started: list[RunningModel]
-) -> None:
+def test_records_of_several_tokens_equal_the_forward_pass(tmp_path: Path, started: list[RunningModel]) -> None:
     core = _build(tmp_path, "pairs", tokens_per_record=2)
     model = run(core, started)
     (region,) = model.verified.contract.model.cache.regions
@@ -166,43 +137,33 @@ def test_records_of_several_tokens_equal_the_forward_pass(
     )
 
 
-def test_sixteen_concurrent_requests_equal_their_solo_outputs(
-    core: tuple[Path, Path], started: list[RunningModel]
-) -> None:
+def test_sixteen_concurrent_requests_equal_their_solo_outputs(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started, max_active=16).engine
     prompts = [prompt_of(i, 5 + i) for i in range(16)]
-    solo = [engine.generate(request(f"solo{i}", p, 20)).token_ids for i, p in enumerate(prompts)]
-    streams = [engine.submit(request(f"r{i}", p, 20)) for i, p in enumerate(prompts)]
-    together = [[e.token_id for e in stream if isinstance(e, TokenEvent)] for stream in streams]
+    solo = solo_tokens(engine, prompts, 20)
+    together = [token_ids(stream) for stream in submit_all(engine, prompts, 20)]
     assert together == solo
     assert solo[3] == oracle_greedy(prompts[3], 20)
     launches = engine.statistics().launches
     assert launches.get("decode_b8", 0) + launches.get("decode_b16", 0) > 0
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_a_small_cache_completes_every_request_through_preemption(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # Each request ends with 8 pages of 4 tokens; 64 pages (one request at full context) hold 8 of them.
     prompts = [prompt_of(i, 6 + i % 3) for i in range(16)]
-    roomy = run(core, started, max_active=16).engine
-    solo = [roomy.generate(request(f"solo{i}", p, 24)).token_ids for i, p in enumerate(prompts)]
+    solo = solo_tokens(run(core, started, max_active=16).engine, prompts, 24)
     engine = run(core, started, cache_pages=64, max_active=16).engine
-    streams = [engine.submit(request(f"r{i}", p, 24)) for i, p in enumerate(prompts)]
-    for stream, expected in zip(streams, solo, strict=True):
-        events = list(stream)
-        assert isinstance(events[-1], Finished) and events[-1].reason == "length"
-        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == expected
+    assert_each_finishes_at_length(submit_all(engine, prompts, 24), solo)
     assert engine.statistics().preemptions > 0
     assert solo[0] == oracle_greedy(prompts[0], 24)
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_a_shared_200_token_prefix_is_reused_with_the_same_tokens(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     engine = run(core, started).engine
     shared = prompt_of(5, 200)
@@ -213,7 +174,7 @@ def test_a_shared_200_token_prefix_is_reused_with_the_same_tokens(
     finished = events[-1]
     assert isinstance(finished, Finished)
     assert finished.reused_prompt_tokens == 200
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == oracle_greedy(prompt, 12)
+    assert token_ids(events) == oracle_greedy(prompt, 12)
     engine.allocator.check()
 
 

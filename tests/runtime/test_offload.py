@@ -9,7 +9,8 @@ that never offloaded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +20,28 @@ from ignition.build import build_core
 from ignition.recipes.llama import Capacities
 from ignition.recipes.synthetic import synthetic_declaration
 
-from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.contract import LoadOptions
 from helios_core.errors import StartupError
-from helios_core.loading import TrustSettings
-from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
+from helios_core.runtime.messages import SamplingParams
 from helios_core.runtime.offload import HOST_RESIDENT, HostPageStore
 from helios_core.runtime.pages import PageAllocator
-from helios_core.runtime.startup import RunningModel, start
+from helios_core.runtime.startup import RunningModel
 from helios_core.server.metrics import MetricsExporter
 from helios_core.wire import manifest_pb2 as mf
+from tests.runtime.engine_harness import (
+    SignedCore,
+    assert_each_finishes_at_length,
+    assert_pages_released,
+    build_signed_core,
+    chain_keys,
+    run,
+    solo_tokens,
+    submit_all,
+    tokens_and_reuse,
+)
 from tests.runtime.test_page_events import Recorder
 
 NAMESPACE = "helios-tests/offload"
-GREEDY = SamplingParams(temperature=0.0)
 PAGE_TOKENS = 8
 CONTEXT = 256
 DEVICE_PAGES = CONTEXT // PAGE_TOKENS  # one request at full context: anything more is evicted
@@ -54,6 +63,20 @@ class Copies:
     def copy_page_to_device(self, slot: int, page: int) -> None:
         self.device[page] = self.host[slot]
         self.log.append(("to_device", slot, page))
+
+
+def tiered(host_slots: int, device_pages: int, page_tokens: int = 1) -> tuple[Copies, HostPageStore, PageAllocator]:
+    """An allocator of ``device_pages`` pages with a host tier of ``host_slots`` slots, both over new copies."""
+    copies = Copies()
+    host = HostPageStore(host_slots, copies)
+    return copies, host, PageAllocator(device_pages, page_tokens, "id", host=host)
+
+
+def recorded(pages: PageAllocator) -> Recorder:
+    """A recorder of the page events ``pages`` announces from now on."""
+    recorder = Recorder()
+    pages.attach_events(recorder)
+    return recorder
 
 
 def publish(pages: PageAllocator, copies: Copies, tokens: Sequence[int], label: str) -> tuple[list[int], list[bytes]]:
@@ -79,9 +102,7 @@ def publish(pages: PageAllocator, copies: Copies, tokens: Sequence[int], label: 
 
 
 def test_an_evicted_published_page_moves_to_host_memory_and_a_prefix_match_restores_it() -> None:
-    copies = Copies()
-    host = HostPageStore(4, copies)
-    pages = PageAllocator(3, 2, "id", host=host)
+    copies, host, pages = tiered(4, 3, 2)
     owned, keys = publish(pages, copies, [1, 2, 3, 4], "a")
     assert owned == [0, 1]
     pages.release(owned)  # evictable, the deeper page first in line
@@ -106,11 +127,8 @@ def test_an_evicted_published_page_moves_to_host_memory_and_a_prefix_match_resto
 
 
 def test_a_full_host_tier_drops_its_least_recently_used_page_and_announces_only_pages_leaving_the_index() -> None:
-    copies = Copies()
-    host = HostPageStore(2, copies)
-    pages = PageAllocator(2, 1, "id", host=host)
-    recorder = Recorder()
-    pages.attach_events(recorder)
+    copies, host, pages = tiered(2, 2)
+    recorder = recorded(pages)
     owned, first = publish(pages, copies, [1, 2], "k")
     pages.release(owned)
     owned = pages.allocate(2)  # both move to the host tier, the deeper page first
@@ -141,11 +159,8 @@ def test_a_full_host_tier_drops_its_least_recently_used_page_and_announces_only_
 
 
 def test_a_claim_keeps_the_host_pages_it_restores_while_its_own_allocation_evicts() -> None:
-    copies = Copies()
-    host = HostPageStore(1, copies)
-    pages = PageAllocator(1, 1, "id", host=host)
-    recorder = Recorder()
-    pages.attach_events(recorder)
+    copies, host, pages = tiered(1, 1)
+    recorder = recorded(pages)
     owned, (wanted,) = publish(pages, copies, [1], "wanted")
     pages.release(owned)
     owned = pages.allocate(1)  # "wanted" moves to the only host slot
@@ -165,9 +180,7 @@ def test_a_claim_keeps_the_host_pages_it_restores_while_its_own_allocation_evict
 
 
 def test_a_claim_without_device_pages_for_its_restores_holds_nothing() -> None:
-    copies = Copies()
-    host = HostPageStore(2, copies)
-    pages = PageAllocator(2, 1, "id", host=host)
+    copies, host, pages = tiered(2, 2)
     owned, keys = publish(pages, copies, [1, 2], "a")
     pages.release(owned)
     held = pages.allocate(2)  # both published pages move to the host tier; the holder keeps both device pages
@@ -184,11 +197,8 @@ def test_a_claim_without_device_pages_for_its_restores_holds_nothing() -> None:
 
 
 def test_publishing_content_the_host_tier_holds_frees_the_host_copy_without_a_second_announcement() -> None:
-    copies = Copies()
-    host = HostPageStore(2, copies)
-    pages = PageAllocator(2, 1, "id", host=host)
-    recorder = Recorder()
-    pages.attach_events(recorder)
+    copies, host, pages = tiered(2, 2)
+    recorder = recorded(pages)
     owned, (key,) = publish(pages, copies, [1], "a")
     pages.release(owned)
     taken = pages.allocate(2)  # the free page, then the published one moves to the host tier
@@ -216,50 +226,23 @@ def test_without_a_host_tier_an_evicted_page_leaves_the_index() -> None:
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("offload")
-    keys = generate_keys(tmp / "keys")
-    path = tmp / "tiny.core"
+def core(tmp_path_factory: pytest.TempPathFactory) -> SignedCore:
     caps = Capacities(
         max_rows=2, prefill_tokens=(64,), decode_rows=(1, 2), page_tokens=PAGE_TOKENS, cache_pages=64,
         context=CONTEXT, snapshots=2,
     )  # fmt: skip
-    build_core(
-        synthetic_declaration("tiny", seed=11), path, caps=caps, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    return path, keys["public"]
+    declaration = synthetic_declaration("tiny", seed=11)
+    return build_signed_core(build_core, declaration, caps, tmp_path_factory.mktemp("offload"), NAMESPACE)
 
 
 @pytest.fixture
-def serve(core: tuple[Path, Path]) -> Iterator[Callable[..., RunningModel]]:
-    started: list[RunningModel] = []
-
-    def factory(**options: int) -> RunningModel:
-        path, key = core
-        running = start(path, TrustSettings((key,), NAMESPACE, None), LoadOptions(**options), backend="reference")
-        started.append(running)
-        return running
-
-    yield factory
-    for running in started:
-        running.close()
+def serve(core: SignedCore, started: list[RunningModel]) -> Callable[..., RunningModel]:
+    """Start the core with the given load options (closed after the test)."""
+    return functools.partial(run, core, started)
 
 
-def _tokens(running: RunningModel, request_id: str, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], int]:
-    events = list(running.engine.submit(PreparedRequest(request_id, prompt, max_tokens, GREEDY, ignore_eos=True)))
-    finished = events[-1]
-    assert isinstance(finished, Finished) and finished.reason == "length", finished
-    return [e.token_id for e in events if isinstance(e, TokenEvent)], finished.reused_prompt_tokens
-
-
-def _prefix_keys(allocator: PageAllocator) -> list[bytes]:
-    keys: list[bytes] = []
-    parent: bytes | None = None
-    for start_ in range(0, len(PREFIX), PAGE_TOKENS):
-        parent = allocator.chain_hash(parent, PREFIX[start_ : start_ + PAGE_TOKENS])
-        keys.append(parent)
-    return keys
+def _tokens(running: RunningModel, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    return tokens_and_reuse(running.engine, request_id, prompt, 6)
 
 
 def _page_contents(running: RunningModel, page: int) -> list[np.ndarray]:
@@ -288,7 +271,7 @@ def test_a_shared_prefix_offloaded_to_host_memory_is_restored_and_reused_exactly
     engine, allocator = running.engine, running.engine.allocator
     assert allocator.host is not None and allocator.host.capacity == 64
     _tokens(running, "first", FIRST)
-    keys = _prefix_keys(allocator)
+    keys = chain_keys(allocator, PREFIX)
     contents = {key: _page_contents(running, page) for key in keys if (page := allocator.location(key)) is not None}
     assert len(contents) == 25  # every prefix page was published on the device
     _tokens(running, "unrelated", UNRELATED)  # needs 31 of the 32 device pages: the prefix moves to host memory
@@ -341,7 +324,7 @@ def test_without_offload_the_evicted_prefix_is_recomputed(serve: Callable[..., R
     assert allocator.host is None and running.model.offload_pages == 0
     _tokens(running, "first", FIRST)
     _tokens(running, "unrelated", UNRELATED)
-    keys = _prefix_keys(allocator)
+    keys = chain_keys(allocator, PREFIX)
     cached = 0
     while cached < len(keys) and allocator.location(keys[cached]) is not None:
         cached += 1
@@ -357,24 +340,12 @@ def test_without_offload_the_evicted_prefix_is_recomputed(serve: Callable[..., R
 def test_preemption_with_a_host_tier_keeps_every_output_exact(serve: Callable[..., RunningModel]) -> None:
     penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.8)
     prompts = [[*PREFIX[:96], 50 + i, 51, 52, 53] for i in range(2)]  # 25 pages each with their outputs
-    solo_model = serve(max_active=1)
-    solo = [
-        solo_model.engine.generate(PreparedRequest(f"solo{i}", p, 100, penalized, ignore_eos=True)).token_ids
-        for i, p in enumerate(prompts)
-    ]
-    running = serve(max_active=2, cache_pages=DEVICE_PAGES, offload_pages=8)
-    engine = running.engine
-    streams = [
-        engine.submit(PreparedRequest(f"r{i}", p, 100, penalized, ignore_eos=True)) for i, p in enumerate(prompts)
-    ]
-    for stream, want in zip(streams, solo, strict=True):
-        events = list(stream)
-        assert isinstance(events[-1], Finished) and events[-1].reason == "length"
-        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == want
+    solo = solo_tokens(serve(max_active=1).engine, prompts, 100, penalized)
+    engine = serve(max_active=2, cache_pages=DEVICE_PAGES, offload_pages=8).engine
+    assert_each_finishes_at_length(submit_all(engine, prompts, 100, penalized), solo)
     stats = engine.statistics()
     assert stats.preemptions > 0 and stats.offloaded_pages > 0
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_a_negative_offload_capacity_is_a_startup_error(serve: Callable[..., RunningModel]) -> None:

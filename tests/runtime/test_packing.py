@@ -8,30 +8,17 @@ import numpy as np
 import pytest
 
 from helios_core.contract import PreparedContract, PreparedGraph
-from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.errors import UnsupportedFeatureError
-from helios_core.loading import open_core
 from helios_core.runtime.packing import GraphPacker, Lane, PageTableMemory, Submission
 from helios_core.sampling import SamplingParams
 from helios_core.wire import contract_pb2 as ct
 
-from .conftest import FIXTURES, fixture_settings
-
-POISON = 77
+from .packing_harness import POISON, payload_contract, poisoned_staging
 
 
 @pytest.fixture(scope="module")
 def contract() -> PreparedContract:
-    verified = open_core(FIXTURES / "payload-v3.core", fixture_settings())
-    verified.close()
-    return verified.contract
-
-
-def poisoned_staging(contract: PreparedContract) -> dict[str, np.ndarray]:
-    return {
-        name: np.full(tuple(entry.shape), POISON, dtype=NUMPY_DTYPES[entry.dtype])
-        for name, entry in contract.transport.items()
-    }
+    return payload_contract()
 
 
 MASK = np.arange(10, dtype=np.int32) * 3 + 1

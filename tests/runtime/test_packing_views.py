@@ -9,29 +9,16 @@ import numpy as np
 import pytest
 
 from helios_core.contract import PreparedContract, PreparedGraph
-from helios_core.dtypes import NUMPY_DTYPES
-from helios_core.loading import open_core
 from helios_core.runtime.packing import GraphPacker, Lane, PageTableMemory, Submission
 from helios_core.wire import contract_pb2 as ct
 
-from .conftest import FIXTURES, fixture_settings
+from .packing_harness import payload_contract, poisoned_staging
 from .test_lane_batches import constants, decode_batch
-
-POISON = 77
 
 
 @pytest.fixture(scope="module")
 def contract() -> PreparedContract:
-    verified = open_core(FIXTURES / "payload-v3.core", fixture_settings())
-    verified.close()
-    return verified.contract
-
-
-def poisoned(contract: PreparedContract) -> dict[str, np.ndarray]:
-    return {
-        name: np.full(tuple(entry.shape), POISON, dtype=NUMPY_DTYPES[entry.dtype])
-        for name, entry in contract.transport.items()
-    }
+    return payload_contract()
 
 
 def with_views(graph: PreparedGraph, *views: tuple[int, int]) -> PreparedGraph:
@@ -48,7 +35,7 @@ def lane(slot: int, generation: int, pages: list[int]) -> Lane:
 
 
 def test_a_shifted_view_places_the_pages_after_its_offset(contract: PreparedContract) -> None:
-    staging = poisoned(contract)
+    staging = poisoned_staging(contract)
     graph = with_views(contract.graphs["decode_b4"], (1, 15))
     GraphPacker(graph, staging).pack(Submission([lane(2, 5, [7, 3]), lane(0, 9, [1, 2, 4])], 1), 0, staging)
     assert staging["page_table"].tolist() == [
@@ -62,7 +49,7 @@ def test_a_shifted_view_places_the_pages_after_its_offset(contract: PreparedCont
 def test_two_views_share_one_entry_side_by_side(contract: PreparedContract) -> None:
     """A target view of 7 pages at column 0 and a draft view of 8 pages at column 8: column 7 and the
     columns past each lane's pages hold the padding."""
-    staging = poisoned(contract)
+    staging = poisoned_staging(contract)
     packer = GraphPacker(with_views(contract.graphs["decode_b4"], (0, 7), (8, 8)), staging)
     packer.pack(Submission([lane(2, 5, [7, 3]), lane(0, 9, [1, 2, 4])], 1), 0, staging)
     assert staging["page_table"].tolist() == [
@@ -78,7 +65,7 @@ def test_two_views_share_one_entry_side_by_side(contract: PreparedContract) -> N
 
 
 def test_a_lane_with_more_pages_than_its_view_holds_is_refused(contract: PreparedContract) -> None:
-    staging = poisoned(contract)
+    staging = poisoned_staging(contract)
     packer = GraphPacker(with_views(contract.graphs["decode_b4"], (0, 7), (8, 3)), staging)
     with pytest.raises(ValueError, match=r"^lane 0 needs 4 pages; the page table holds 3$"):
         packer.pack(Submission([lane(2, 5, [7, 3, 6, 1])], 1), 0, staging)
@@ -91,7 +78,7 @@ def test_a_batch_stages_the_bytes_of_its_lanes_with_shifted_views(
     rng = np.random.default_rng(len(views))
     graph = with_views(contract.graphs["decode_b4"], *views)
     other = with_views(contract.graphs["decode_b1"], *views)
-    batch_staging, lane_staging = poisoned(contract), poisoned(contract)
+    batch_staging, lane_staging = poisoned_staging(contract), poisoned_staging(contract)
     batch_memory, lane_memory = PageTableMemory(), PageTableMemory()
     by_batch, by_lanes = GraphPacker(graph, batch_staging, batch_memory), GraphPacker(graph, lane_staging, lane_memory)
     other_batch = GraphPacker(other, batch_staging, batch_memory)

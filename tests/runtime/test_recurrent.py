@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from ignition.preparation.program import ManifestBuilder
 from ignition.recipes.llama import Capacities
@@ -31,22 +29,31 @@ from ignition.recipes.recurrent import (
 )
 
 from helios_core.backends import reference_kernels as rk
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.contract import LoadOptions, prepare_contract
+from helios_core.contract import prepare_contract
 from helios_core.errors import ContractError
-from helios_core.loading import TrustSettings
-from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
-from helios_core.runtime.startup import RunningModel, start
+from helios_core.runtime.messages import Finished
+from helios_core.runtime.startup import RunningModel
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 
 from .conftest import FIXTURES
+from .engine_harness import (
+    SignedCore,
+    assert_each_finishes_at_length,
+    assert_pages_released,
+    build_signed_core,
+    prompt_of,
+    request,
+    rms_norm,
+    run,
+    solo_tokens,
+    submit_all,
+    token_ids,
+)
 
 NAMESPACE = "helios-tests/recurrent"
 SEED = 11
 PAGE_TOKENS = 4
-GREEDY = SamplingParams(temperature=0.0)
-F32 = npt.NDArray[np.float32]
 CAPS = Capacities(
     max_rows=16,
     prefill_tokens=(16,),
@@ -59,11 +66,6 @@ CAPS = Capacities(
 
 
 # -- the independent forward pass ------------------------------------------------------------------------
-def _rms(x: F32, weight: F32, eps: float) -> F32:
-    normed: F32 = (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight).astype(np.float32)
-    return normed
-
-
 def oracle_greedy(prompt: list[int], count: int, *, seed: int = SEED) -> list[int]:
     """Greedy tokens of the model of ``ignition.recipes.recurrent`` (tiny shape), one token at a time:
     per layer ``s = a * s + (1 - a) * (W_in u)`` with ``a = 1 / (1 + exp(-W_gate u))``."""
@@ -77,16 +79,16 @@ def oracle_greedy(prompt: list[int], count: int, *, seed: int = SEED) -> list[in
         x = weights["token_embd.weight"][tokens[position]].astype(np.float32)
         for layer in range(shape.layers):
             names = tensor_names(layer)
-            u = _rms(x, weights[names["mix_norm"]], shape.rms_eps)
+            u = rms_norm(x, weights[names["mix_norm"]], shape.rms_eps)
             decay = (1.0 / (1.0 + np.exp(-(weights[names["w_gate"]] @ u).astype(np.float64)))).astype(np.float32)
             states[layer] = (decay * states[layer] + (1 - decay) * (weights[names["w_in"]] @ u)).astype(np.float32)
             x = x + weights[names["w_out"]] @ states[layer]
-            v = _rms(x, weights[names["ffn_norm"]], shape.rms_eps)
+            v = rms_norm(x, weights[names["ffn_norm"]], shape.rms_eps)
             gate, up = weights[names["ffn_gate"]] @ v, weights[names["ffn_up"]] @ v
             x = (x + weights[names["ffn_down"]] @ ((gate / (1.0 + np.exp(-gate))) * up)).astype(np.float32)
         position += 1
         if position == len(tokens):
-            logits = weights["output.weight"] @ _rms(x, weights["output_norm.weight"], shape.rms_eps)
+            logits = weights["output.weight"] @ rms_norm(x, weights["output_norm.weight"], shape.rms_eps)
             tokens.append(int(np.argmax(logits[:sampled])))
             generated.append(tokens[-1])
     return generated
@@ -94,94 +96,56 @@ def oracle_greedy(prompt: list[int], count: int, *, seed: int = SEED) -> list[in
 
 # -- the core -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("recurrent")
-    keys = generate_keys(tmp / "keys")
-    path = tmp / "recurrent.core"
-    build_recurrent_core(
-        recurrent_declaration("tiny", seed=SEED), path, caps=CAPS, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    return path, keys["public"]
-
-
-@pytest.fixture
-def started() -> Iterator[list[RunningModel]]:
-    models: list[RunningModel] = []
-    yield models
-    for model in models:
-        model.close()
-
-
-def run(core: tuple[Path, Path], started: list[RunningModel], **options: Any) -> RunningModel:
-    path, key = core
-    model = start(path, TrustSettings((key,), NAMESPACE, None), LoadOptions(**options), backend="reference")
-    started.append(model)
-    return model
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int) -> PreparedRequest:
-    return PreparedRequest(request_id, prompt, max_tokens, GREEDY, ignore_eos=True)
-
-
-def prompt_of(index: int, length: int = 11) -> list[int]:
-    return [(29 * index + 5 * i + 7) % 250 + 3 for i in range(length)]
+def core(tmp_path_factory: pytest.TempPathFactory) -> SignedCore:
+    declaration = recurrent_declaration("tiny", seed=SEED)
+    return build_signed_core(
+        build_recurrent_core, declaration, CAPS, tmp_path_factory.mktemp("recurrent"), NAMESPACE, name="recurrent"
+    )
 
 
 # -- serving --------------------------------------------------------------------------------------------
-def test_greedy_tokens_equal_the_recurrent_forward_pass(core: tuple[Path, Path], started: list[RunningModel]) -> None:
+def test_greedy_tokens_equal_the_recurrent_forward_pass(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started).engine
     prompt = prompt_of(0, 37)  # prefill chunks of 16, 16, 4 and 1: the state crosses rounds
     assert engine.generate(request("solo", prompt, 24)).token_ids == oracle_greedy(prompt, 24)
     launches = engine.statistics().launches
     assert launches["prefill_p16"] == 4 and launches["decode_b1"] == 23
     assert launches["snapshot"] == 3  # checkpoints at 16, 32 and 36 (the last page boundary of the prompt)
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
-def test_sixteen_concurrent_requests_equal_their_solo_outputs(
-    core: tuple[Path, Path], started: list[RunningModel]
-) -> None:
+def test_sixteen_concurrent_requests_equal_their_solo_outputs(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started, max_active=16).engine
     prompts = [prompt_of(i, 5 + i) for i in range(16)]
-    solo = [engine.generate(request(f"solo{i}", p, 20)).token_ids for i, p in enumerate(prompts)]
-    streams = [engine.submit(request(f"r{i}", p, 20)) for i, p in enumerate(prompts)]
-    together = [[e.token_id for e in stream if isinstance(e, TokenEvent)] for stream in streams]
+    solo = solo_tokens(engine, prompts, 20)
+    together = [token_ids(stream) for stream in submit_all(engine, prompts, 20)]
     assert together == solo
     assert solo[3] == oracle_greedy(prompts[3], 20)
     assert solo[15] == oracle_greedy(prompts[15], 20)
     launches = engine.statistics().launches
     assert launches.get("decode_b8", 0) + launches.get("decode_b16", 0) > 0  # lanes of many requests in a round
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_decoding_requests_in_a_small_cache_resume_from_recurrent_snapshots(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # Each request needs 8 pages of 4 tokens; 24 pages hold three: decoding requests are preempted,
     # four of them at a time through snapshots of their recurrent state, the rest recomputed.
     prompts = [prompt_of(i, 6 + i % 3) for i in range(16)]
-    roomy = run(core, started, max_active=16).engine
-    solo = [roomy.generate(request(f"solo{i}", p, 24)).token_ids for i, p in enumerate(prompts)]
+    solo = solo_tokens(run(core, started, max_active=16).engine, prompts, 24)
     engine = run(core, started, cache_pages=24, max_active=16).engine
-    streams = [engine.submit(request(f"r{i}", p, 24)) for i, p in enumerate(prompts)]
-    for stream, expected in zip(streams, solo, strict=True):
-        events = list(stream)
-        assert isinstance(events[-1], Finished) and events[-1].reason == "length"
-        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == expected
+    assert_each_finishes_at_length(submit_all(engine, prompts, 24), solo)
     stats = engine.statistics()
     assert stats.snapshots > 0 and stats.restores == stats.snapshots
     assert stats.preemptions > stats.snapshots
     assert engine.statistics().launches["restore"] == stats.restores
     assert solo[0] == oracle_greedy(prompts[0], 24)
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_a_shared_prefix_is_restored_from_a_checkpoint_and_gives_the_same_tokens(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # Published pages of a recurrent core hold no history; the first request's checkpoint at the last
     # page boundary of its 40-token prompt (36) does: the second request restores it after `initialize`
@@ -195,7 +159,7 @@ def test_a_shared_prefix_is_restored_from_a_checkpoint_and_gives_the_same_tokens
     finished = events[-1]
     assert isinstance(finished, Finished)
     assert finished.reused_prompt_tokens == 36
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == oracle_greedy(prompt, 16)
+    assert token_ids(events) == oracle_greedy(prompt, 16)
     launches = engine.statistics().launches
     assert launches["restore"] == 1 and launches["initialize"] == 2
     engine.allocator.check()

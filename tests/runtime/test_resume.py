@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ignition.build import build_core
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
 
-from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.contract import LoadOptions, PreparedContract, PromptLayout, select
-from helios_core.loading import TrustSettings, open_core
+from helios_core.loading import open_core
 from helios_core.runtime.completion import LaneResult, RecordViews, read_lanes
 from helios_core.runtime.engine import _programs_writing_completion, _transport_owned
 from helios_core.runtime.messages import (
@@ -39,6 +35,8 @@ from helios_core.runtime.scheduler import Scheduler
 from helios_core.runtime.slots import Phase
 from helios_core.runtime.stats import SchedulerStats
 
+from .engine_harness import build_snapshot_core
+
 NAMESPACE = "helios-tests/resume"
 PENALIZED = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.8, presence_penalty=0.4)
 
@@ -47,16 +45,8 @@ PENALIZED = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_pe
 def tiny_model(tmp: Path) -> Iterator[NativeModel]:
     """A tiny synthetic core on the reference backend: pages of 4 tokens, a 64-token context, B4 P16
     prefill, mixed and resume programs, decode B1/B2/B4 and 4 snapshot rows."""
-    keys = generate_keys(tmp / "keys")
-    path = tmp / "tiny.core"
-    caps = Capacities(
-        max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64, snapshots=4
-    )
-    build_core(
-        synthetic_declaration("tiny", seed=5), path, caps=caps, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    core = open_core(path, TrustSettings((keys["public"],), NAMESPACE, None), check_resources=False)
+    built = build_snapshot_core(tmp, NAMESPACE)
+    core = open_core(built.path, built.trust, check_resources=False)
     try:
         loaded = NativeModel.load(core.core, core.contract, select(core.contract, LoadOptions()), backend="reference")
         try:

@@ -8,9 +8,8 @@ number of referenced pages bounded because pages behind every window are release
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,26 +18,30 @@ from ignition.build import build_core
 from ignition.recipes.llama import Capacities, LlamaShape, speculative_widths, tensor_names
 from ignition.recipes.synthetic import SHAPES, random_weights, synthetic_declaration
 
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.contract import LoadOptions
-from helios_core.loading import TrustSettings
-from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
-from helios_core.runtime.startup import RunningModel, start
+from helios_core.runtime.messages import Finished, TokenEvent
+from helios_core.runtime.startup import RunningModel
+
+from .engine_harness import (
+    F32,
+    SignedCore,
+    assert_each_finishes_at_length,
+    assert_pages_released,
+    build_signed_core,
+    request,
+    rms_norm,
+    run,
+    solo_tokens,
+    submit_all,
+    token_ids,
+)
 
 NAMESPACE = "helios-tests/sliding-window"
 WINDOW = 6
 PAGE_TOKENS = 4
 SEED = 5
-GREEDY = SamplingParams(temperature=0.0)
-F32 = npt.NDArray[np.float32]
 
 
 # -- the independent forward pass ------------------------------------------------------------------------
-def _rms(x: F32, weight: F32, eps: float) -> F32:
-    normed: F32 = (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight).astype(np.float32)
-    return normed
-
-
 def _rotate_half(x: F32, positions: npt.NDArray[np.int64], theta: float) -> F32:
     """RoPE on pairs (i, i + d/2) of the last axis of ``x [T, heads, d]``."""
     half = x.shape[-1] // 2
@@ -58,7 +61,7 @@ def oracle_logits(shape: LlamaShape, weights: Mapping[str, F32], tokens: list[in
     group = shape.heads // shape.kv_heads
     for layer in range(shape.layers):
         names = tensor_names(layer)
-        h = _rms(x, weights[names["attn_norm"]], shape.rms_eps)
+        h = rms_norm(x, weights[names["attn_norm"]], shape.rms_eps)
         q = _rotate_half(
             (h @ weights[names["wq"]].T).reshape(count, shape.heads, shape.head_dim), positions, shape.rope_theta
         )
@@ -75,10 +78,10 @@ def oracle_logits(shape: LlamaShape, weights: Mapping[str, F32], tokens: list[in
                 weights_t = np.exp(scores - scores.max())
                 attended[t, head] = (weights_t / weights_t.sum()) @ values
         x = x + attended.reshape(count, -1) @ weights[names["wo"]].T
-        h = _rms(x, weights[names["ffn_norm"]], shape.rms_eps)
+        h = rms_norm(x, weights[names["ffn_norm"]], shape.rms_eps)
         gate, up = h @ weights[names["w_gate"]].T, h @ weights[names["w_up"]].T
         x = x + ((gate / (1.0 + np.exp(-gate))) * up) @ weights[names["w_down"]].T
-    last = _rms(x[-1:], weights["output_norm.weight"], shape.rms_eps)
+    last = rms_norm(x[-1:], weights["output_norm.weight"], shape.rms_eps)
     logits: F32 = (last @ weights["output.weight"].T)[0].astype(np.float32)
     return logits
 
@@ -95,10 +98,7 @@ def oracle_greedy(prompt: list[int], count: int, *, window: int = WINDOW) -> lis
 
 # -- the core -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("window")
-    keys = generate_keys(tmp / "keys")
-    path = tmp / "windowed.core"
+def core(tmp_path_factory: pytest.TempPathFactory) -> SignedCore:
     caps = Capacities(
         max_rows=16,
         prefill_tokens=(16,),
@@ -109,30 +109,10 @@ def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         snapshots=4,
         window=WINDOW,
     )
-    build_core(
-        synthetic_declaration("tiny", seed=SEED), path, caps=caps, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    return path, keys["public"]
-
-
-@pytest.fixture
-def started(core: tuple[Path, Path]) -> Iterator[list[RunningModel]]:
-    models: list[RunningModel] = []
-    yield models
-    for model in models:
-        model.close()
-
-
-def run(core: tuple[Path, Path], started: list[RunningModel], **options: Any) -> RunningModel:
-    path, key = core
-    model = start(path, TrustSettings((key,), NAMESPACE, None), LoadOptions(**options), backend="reference")
-    started.append(model)
-    return model
-
-
-def request(request_id: str, prompt: list[int], max_tokens: int) -> PreparedRequest:
-    return PreparedRequest(request_id, prompt, max_tokens, GREEDY, ignore_eos=True)
+    declaration = synthetic_declaration("tiny", seed=SEED)
+    return build_signed_core(
+        build_core, declaration, caps, tmp_path_factory.mktemp("window"), NAMESPACE, name="windowed"
+    )
 
 
 def prompt_of(index: int, length: int = 11) -> list[int]:
@@ -140,67 +120,53 @@ def prompt_of(index: int, length: int = 11) -> list[int]:
 
 
 # -- tests ----------------------------------------------------------------------------------------------
-def test_greedy_tokens_equal_the_windowed_forward_pass(core: tuple[Path, Path], started: list[RunningModel]) -> None:
+def test_greedy_tokens_equal_the_windowed_forward_pass(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started).engine
     prompt = prompt_of(0, 14)
     expected = oracle_greedy(prompt, 24)
     assert expected != oracle_greedy(prompt, 24, window=0)  # the window changes this model's tokens
     assert engine.generate(request("solo", prompt, 24)).token_ids == expected
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
-def test_sixteen_concurrent_requests_equal_their_solo_outputs(
-    core: tuple[Path, Path], started: list[RunningModel]
-) -> None:
+def test_sixteen_concurrent_requests_equal_their_solo_outputs(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started, max_active=16).engine
     prompts = [prompt_of(i, 5 + i) for i in range(16)]
-    solo = [engine.generate(request(f"solo{i}", p, 20)).token_ids for i, p in enumerate(prompts)]
-    streams = [engine.submit(request(f"r{i}", p, 20)) for i, p in enumerate(prompts)]
-    together = [[e.token_id for e in stream if isinstance(e, TokenEvent)] for stream in streams]
+    solo = solo_tokens(engine, prompts, 20)
+    together = [token_ids(stream) for stream in submit_all(engine, prompts, 20)]
     assert together == solo
     assert solo[3] == oracle_greedy(prompts[3], 20)
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_a_small_cache_completes_every_request_through_preemption(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # Admission takes a prompt's 20 pages at once and the cache holds 24 (one request at full context):
     # a request admitted while another prefills runs the cache dry, and the younger one is preempted.
     prompts = [prompt_of(i, 80) for i in range(3)]
-    roomy = run(core, started).engine
-    solo = [roomy.generate(request(f"solo{i}", p, 16)).token_ids for i, p in enumerate(prompts)]
+    solo = solo_tokens(run(core, started).engine, prompts, 16)
     engine = run(core, started, cache_pages=24, max_active=4).engine
-    streams = [engine.submit(request(f"r{i}", p, 16)) for i, p in enumerate(prompts)]
-    for stream, expected in zip(streams, solo, strict=True):
-        events = list(stream)
-        assert isinstance(events[-1], Finished) and events[-1].reason == "length"
-        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == expected
+    assert_each_finishes_at_length(submit_all(engine, prompts, 16), solo)
     assert engine.statistics().preemptions > 0
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
 def test_decoding_requests_in_the_smallest_cache_resume_from_snapshots(
-    core: tuple[Path, Path], started: list[RunningModel]
+    core: SignedCore, started: list[RunningModel]
 ) -> None:
     # 16 decoding requests each hold the pages of their window; 24 pages cannot hold them all, so
     # decoding requests are preempted through snapshots of their committed state.
     prompts = [prompt_of(i, 6 + i % 3) for i in range(16)]
-    roomy = run(core, started, max_active=16).engine
-    solo = [roomy.generate(request(f"solo{i}", p, 24)).token_ids for i, p in enumerate(prompts)]
+    solo = solo_tokens(run(core, started, max_active=16).engine, prompts, 24)
     engine = run(core, started, cache_pages=24, max_active=16).engine
-    streams = [engine.submit(request(f"r{i}", p, 24)) for i, p in enumerate(prompts)]
-    assert [[e.token_id for e in stream if isinstance(e, TokenEvent)] for stream in streams] == solo
+    assert [token_ids(stream) for stream in submit_all(engine, prompts, 24)] == solo
     stats = engine.statistics()
     assert stats.snapshots > 0 and stats.preemptions > stats.snapshots
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
-def test_a_reused_prefix_gives_the_same_tokens(core: tuple[Path, Path], started: list[RunningModel]) -> None:
+def test_a_reused_prefix_gives_the_same_tokens(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started).engine
     shared = prompt_of(5, 17)
     engine.generate(request("first", shared, 12))
@@ -209,13 +175,11 @@ def test_a_reused_prefix_gives_the_same_tokens(core: tuple[Path, Path], started:
     finished = events[-1]
     assert isinstance(finished, Finished)
     assert finished.reused_prompt_tokens == 16  # four complete pages of the shared prompt
-    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == oracle_greedy(prompt, 16)
+    assert token_ids(events) == oracle_greedy(prompt, 16)
     engine.allocator.check()
 
 
 def test_history_speculation_with_a_window_gives_the_same_tokens(tmp_path: Path, started: list[RunningModel]) -> None:
-    keys = generate_keys(tmp_path / "keys")
-    path = tmp_path / "speculative.core"
     caps = Capacities(
         max_rows=2,
         prefill_tokens=(16,),
@@ -227,21 +191,15 @@ def test_history_speculation_with_a_window_gives_the_same_tokens(tmp_path: Path,
         window=WINDOW,
         speculative_widths=speculative_widths(3),
     )
-    build_core(
-        synthetic_declaration("tiny", seed=SEED), path, caps=caps, signing_key=load_private_key(keys["signing"]),
-        namespace=NAMESPACE,
-    )  # fmt: skip
-    engine = run((path, keys["public"]), started, speculative_width=4, history_drafting=True).engine
+    core = build_signed_core(build_core, synthetic_declaration("tiny", seed=SEED), caps, tmp_path, NAMESPACE)
+    engine = run(core, started, speculative_width=4, history_drafting=True).engine
     prompt = [5, 6, 7, 8] * 3 + [5, 6]  # a repeating history: its copies are proposed
     assert engine.generate(request("copied", prompt, 30)).token_ids == oracle_greedy(prompt, 30)
     assert any(name.startswith("speculative_w") for name in engine.statistics().launches)
-    engine.allocator.check()
-    assert engine.allocator.referenced_pages == 0
+    assert_pages_released(engine)
 
 
-def test_a_long_generation_keeps_its_referenced_pages_bounded(
-    core: tuple[Path, Path], started: list[RunningModel]
-) -> None:
+def test_a_long_generation_keeps_its_referenced_pages_bounded(core: SignedCore, started: list[RunningModel]) -> None:
     engine = run(core, started).engine
     allocator = engine.allocator
     referenced: list[int] = []

@@ -1,9 +1,11 @@
-"""Helpers of the server tests: small signed synthetic cores, raw HTTP and SSE parsing, and scripted
-model replies."""
+"""Helpers of the server tests: small signed synthetic cores, raw HTTP and SSE parsing, scripted model
+replies, waiting for a condition, and streams held open to fill the server's admission."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,6 +93,48 @@ def sse_events(response: httpx.Response) -> list[tuple[str | None, Any]]:
 def chat(base_url: str, **body: Any) -> httpx.Response:
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.01) -> None:
+    """Poll ``predicate`` every ``interval`` seconds until it holds; ``TimeoutError`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(interval)
+
+
+def admitted(base_url: str) -> int:
+    """The admission permits the server holds now (its ``helios_http_admitted`` gauge)."""
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("helios_http_admitted "):
+            return int(float(line.split()[1]))
+    raise LookupError("no helios_http_admitted gauge")
+
+
+def hold_chat_stream(base_url: str, index: int) -> httpx.Response:
+    """A streamed chat completion of 10 tokens (end of sequence ignored): long enough to hold its permit."""
+    return chat(base_url, max_tokens=10, ignore_eos=True, stream=True)
+
+
+@contextmanager
+def held_requests(
+    base_url: str, count: int, send: Callable[[str, int], httpx.Response] = hold_chat_stream
+) -> Iterator[list[int]]:
+    """Send ``count`` requests (``send(base_url, index)``), each from its own thread, and wait until the server
+    holds all ``count`` admission permits; the block runs while they are held (slow the rounds to keep them
+    so), and its end joins the threads. Yields the list each request's status code is appended to as it ends."""
+    statuses: list[int] = []
+    threads = [
+        threading.Thread(target=lambda index=index: statuses.append(send(base_url, index).status_code))
+        for index in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: admitted(base_url) == count)
+    yield statuses
+    for thread in threads:
+        thread.join(timeout=20)
 
 
 @contextmanager

@@ -9,8 +9,6 @@ token.
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import httpx
@@ -20,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from helios_core.frontend.prompt_encoding import PromptEncoder
 from tests.server.conftest import MODEL, Served
-from tests.server.helpers import chat, sse_events
+from tests.server.helpers import admitted, chat, held_requests, sse_events, wait_for
 
 CHAT_HI: Any = [{"role": "user", "content": "hi"}]
 RENDERED_HI = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -374,47 +372,21 @@ def test_a_body_declared_as_text_is_415(served: Served) -> None:
 
 
 # -- admission, cancellation, metrics -------------------------------------------------------------------
-def _admitted(served: Served) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(httpx.get(served.base_url + "/metrics").text):
-        if family.name == "helios_http_admitted":
-            return float(family.samples[0].value)
-    raise AssertionError("/metrics has no helios_http_admitted")
-
-
-def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
-
-
 def test_full_ingress_is_429_shared_with_chat(served: Served) -> None:
-    statuses: list[int] = []
-
-    def hold(index: int) -> None:
+    def hold(base_url: str, index: int) -> httpx.Response:
         body = {"max_tokens": 10, "ignore_eos": True, "stream": True}
         if index % 2:
-            statuses.append(completions(served, prompt="Hello", **body).status_code)
-        else:
-            statuses.append(chat(served.base_url, **body).status_code)
+            return completions(served, prompt="Hello", **body)
+        return chat(base_url, **body)
 
-    with served.slow(0.03):
-        threads = [threading.Thread(target=hold, args=(index,)) for index in range(4)]  # 2 queued + 2 active
-        for thread in threads:
-            thread.start()
-        _wait_for(lambda: _admitted(served) == 4)
+    with served.slow(0.03), held_requests(served.base_url, 4, hold) as statuses:  # 2 queued + 2 active
         refused = completions(served, prompt="Hello", max_tokens=2)
-        for thread in threads:
-            thread.join(timeout=20)
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
     error = refused.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("rate_limit_error", None, 429)
     assert statuses == [200] * 4
-    _wait_for(lambda: _admitted(served) == 0)
+    wait_for(lambda: admitted(served.base_url) == 0)
 
 
 def test_disconnect_cancels_a_completion_stream(served: Served) -> None:
@@ -424,10 +396,10 @@ def test_disconnect_cancels_a_completion_stream(served: Served) -> None:
         with client.stream("POST", served.base_url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
-        _wait_for(lambda: served.running.engine.statistics().finished.get("cancelled", 0) == before + 1)
+        wait_for(lambda: served.running.engine.statistics().finished.get("cancelled", 0) == before + 1)
     served.wait_idle()
     assert served.running.engine.statistics().pages_referenced == 0
-    _wait_for(lambda: _admitted(served) == 0)
+    wait_for(lambda: admitted(served.base_url) == 0)
 
 
 def test_openapi_lists_the_completions_operation(served: Served) -> None:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helios_core.server.kv_events import END_OF_REPLAY
 from tests.server.conftest import FIXTURES, KEYS, MODEL, NAMESPACE, ROOT, free_port
+from tests.server.helpers import wait_for
 
 SERVERS = 3
 CACHE_PAGES = 24
@@ -290,14 +291,6 @@ def complete(server: Server, prompt: list[int], max_tokens: int = 1) -> dict[str
     return result
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
-
-
 def test_saturation_gauges_read_the_known_occupancy(fleet: tuple[list[Server], Indexer]) -> None:
     """Five requests of 48 tokens (12 pages each, so two fill the cache without preemption) on two model
     slots: two run and three wait until the first pair ends."""
@@ -343,7 +336,7 @@ def test_saturation_gauges_read_the_known_occupancy(fleet: tuple[list[Server], I
     # other, not as one snapshot: a scrape racing the pair's end can see them running and their pages
     # already released, so this holds for the fullest saturated reading.)
     assert max(saturated) >= 2 * 2 / CACHE_PAGES, saturated
-    wait_for(lambda: scrape(server)["helios_num_requests_running"] == 0)
+    wait_for(lambda: scrape(server)["helios_num_requests_running"] == 0, timeout=5.0)
     after = scrape(server)
     assert (after["helios_num_requests_waiting"], after["helios_kv_cache_usage_ratio"]) == (0, 0.0)
     assert after["helios_pages_evictable"] > 0  # the requests' pages stay cached, and count as free
@@ -377,7 +370,8 @@ def test_the_rebuilt_index_equals_each_servers_reusable_prefixes(fleet: tuple[li
             lambda server=server: (
                 len(indexer.settle(server).blocks)
                 == scrape(server)["helios_pages_published_total"] - scrape(server)["helios_pages_evicted_total"]
-            )
+            ),
+            timeout=5.0,
         )
         rng = random.Random(server.port)
         prompts = scripts[server.topic]
@@ -401,6 +395,6 @@ def test_stopping_a_server_clears_its_index(fleet: tuple[list[Server], Indexer])
         server.process.send_signal(signal.SIGTERM)
     for server in servers:
         assert server.process.wait(timeout=20) == 0, "".join(server.log)
-    wait_for(lambda: all(indexer.index(s).last_event == "AllBlocksCleared" for s in servers))
+    wait_for(lambda: all(indexer.index(s).last_event == "AllBlocksCleared" for s in servers), timeout=5.0)
     assert all(not indexer.index(s).blocks for s in servers)
     assert not any("Traceback" in line for server in servers for line in server.log)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -14,7 +12,7 @@ from helios_core.server.admission import Admission
 from helios_core.server.app import ServerSettings
 from helios_core.server.serve import resolve_options
 from tests.server.conftest import Served, serve_fixture
-from tests.server.helpers import chat
+from tests.server.helpers import chat, wait_for
 
 GATEWAY_GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "cache_config_info")
 
@@ -29,14 +27,6 @@ def _scrape(served: Served) -> tuple[str, dict[str, float]]:
         if not sample.labels
     }
     return text, values
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.005)
 
 
 def _series(text: str, name: str) -> list[str]:
@@ -55,7 +45,7 @@ def test_gauges_count_held_requests_live(served: Served) -> None:
         first = [threading.Thread(target=hold) for _ in range(2)]
         for thread in first:
             thread.start()
-        _wait_for(lambda: _scrape(served)[1]["helios_num_requests_running"] == 2)
+        wait_for(lambda: _scrape(served)[1]["helios_num_requests_running"] == 2)
         second = [threading.Thread(target=hold) for _ in range(2)]
         for thread in second:
             thread.start()
@@ -70,7 +60,7 @@ def test_gauges_count_held_requests_live(served: Served) -> None:
             thread.join(timeout=30)
     assert statuses == [200] * 4
     served.wait_idle()
-    _wait_for(lambda: _scrape(served)[1]["helios_http_admitted"] == 0)
+    wait_for(lambda: _scrape(served)[1]["helios_http_admitted"] == 0)
     _, values = _scrape(served)
     assert values["helios_num_requests_running"] == 0
     assert values["helios_num_requests_waiting"] == 0
@@ -79,7 +69,7 @@ def test_gauges_count_held_requests_live(served: Served) -> None:
 def test_idle_cached_pages_count_as_free(served: Served) -> None:
     assert chat(served.base_url, max_tokens=8, ignore_eos=True).status_code == 200
     served.wait_idle()
-    _wait_for(lambda: _scrape(served)[1]["helios_http_admitted"] == 0)
+    wait_for(lambda: _scrape(served)[1]["helios_http_admitted"] == 0)
     _, values = _scrape(served)
     allocator = served.running.engine.allocator
     assert allocator.evictable_pages > 0  # the finished request's published pages stay cached

@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -30,7 +30,7 @@ from helios_core.server.schemas import MAX_JSON_DEPTH
 from helios_core.server.serve import draining_server
 
 from .conftest import CORE, KEYS, MODEL, NAMESPACE, Served, free_port
-from .helpers import chat, scripted_replies, sse_events
+from .helpers import chat, held_requests, scripted_replies, sse_events, wait_for
 
 HI = '{"role": "user", "content": "hi"}'
 
@@ -61,14 +61,6 @@ def _metrics(served: Served) -> tuple[dict[str, float], dict[str, float]]:
             elif sample.name == "helios_requests_finished_total":
                 finished[sample.labels["reason"]] = sample.value
     return plain, finished
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.02)
 
 
 # -- nesting --------------------------------------------------------------------------------------
@@ -270,19 +262,8 @@ def test_a_stream_beyond_the_context_names_the_param_in_its_error_event(served: 
 
 
 def test_full_ingress_is_429_with_retry_after(served: Served) -> None:
-    statuses: list[int] = []
-
-    def hold() -> None:
-        statuses.append(chat(served.base_url, max_tokens=10, ignore_eos=True, stream=True).status_code)
-
-    with served.slow(0.03):
-        threads = [threading.Thread(target=hold) for _ in range(4)]  # queue_capacity 2 + max_active 2
-        for thread in threads:
-            thread.start()
-        _wait_for(lambda: _metrics(served)[0]["helios_http_admitted"] == 4)
+    with served.slow(0.03), held_requests(served.base_url, 4) as statuses:  # queue_capacity 2 + max_active 2
         refused = chat(served.base_url, max_tokens=2)
-        for thread in threads:
-            thread.join(timeout=20)
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
     assert "x-should-retry" not in refused.headers
@@ -378,7 +359,7 @@ def test_an_output_failure_counts_as_failed(
     (line,) = _failure_lines(caplog, request_id)
     assert line.startswith(f"request {request_id} failed: ExecutionError: output handling failed")
     served.wait_idle()
-    _wait_for(lambda: _metrics(served)[0]["helios_requests_failed_total"] == failed_before + 1)
+    wait_for(lambda: _metrics(served)[0]["helios_requests_failed_total"] == failed_before + 1)
     time.sleep(0.1)  # a later snapshot must not count the request's end as well
     plain, finished = _metrics(served)
     assert plain["helios_requests_failed_total"] == failed_before + 1
@@ -441,7 +422,7 @@ def test_shutdown_ends_running_responses_with_their_terminal_error(caplog: pytes
     server = draining_server(config, chat_service(app).drop_responses, drain_seconds=0.5, flush_seconds=0.5)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    _wait_for(lambda: bool(server.started))
+    wait_for(lambda: bool(server.started))
     results: dict[int, httpx.Response] = {}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True}
 
@@ -454,7 +435,7 @@ def test_shutdown_ends_running_responses_with_their_terminal_error(caplog: pytes
     try:
         for client in clients:
             client.start()
-        _wait_for(lambda: len(chat_service(app)._responses) == 4)
+        wait_for(lambda: len(chat_service(app)._responses) == 4)
         server.should_exit = True  # what SIGTERM sets
         thread.join(timeout=20)
         for client in clients:

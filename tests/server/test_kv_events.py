@@ -1,8 +1,15 @@
 """KV-cache events over ZeroMQ: ``--kv-events-config``, the golden wire bytes, the publisher's sockets,
-replay, the bounded queue's drop counter, and the events of real requests through the engine."""
+replay, the bounded queue's drop counter, the events of real requests through the engine, and a
+``helios run --worker-process`` server whose publisher runs in the worker process."""
 
 from __future__ import annotations
 
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,20 +22,21 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from helios_core.errors import StartupError
-from helios_core.runtime.pages import PageAllocator
-from helios_core.server.kv_events import (
+from helios_core.runtime.kv_events import (
     END_OF_REPLAY,
     KvEventPublisher,
     KvEventsConfig,
     binds,
-    default_topic,
     encode_batch,
     encode_event,
     frames,
-    parse_kv_events_config,
 )
+from helios_core.runtime.pages import PageAllocator
+from helios_core.server.kv_events import default_topic, parse_kv_events_config, publisher_counters
 from helios_core.server.serve import resolve_options
-from tests.server.conftest import MODEL, free_port, serve_fixture
+from tests.server.conftest import FIXTURES, KEYS, MODEL, NAMESPACE, ROOT, free_port, serve_fixture
+from tests.server.helpers import wait_for
+from tests.server.test_fleet import CACHE_PAGES, MAX_ACTIVE, PAGE_TOKENS, Indexer, Server, scrape, workload
 
 # -- the configuration -------------------------------------------------------------------------------
 
@@ -339,7 +347,7 @@ def test_a_full_queue_drops_and_counts_and_a_clear_always_fits(tmp_path: Path) -
         publisher.all_cleared()  # supersedes what is queued
         assert publisher.dropped == 4
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(publisher.counters())
+        registry.register(publisher_counters(publisher))
         text = generate_latest(registry).decode()
         assert "# TYPE helios_kv_events_dropped_total counter\nhelios_kv_events_dropped_total 4.0\n" in text
         assert "helios_kv_events_published_total 0.0\n" in text
@@ -381,3 +389,130 @@ def test_requests_publish_their_complete_prompt_pages_with_exact_tokens(
             assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
         finally:
             publisher.close()
+
+
+# -- in the worker process ------------------------------------------------------------------------------
+
+
+def start_worker_process_server(events_port: int) -> Server:
+    """``helios run --worker-process`` on the golden core, connecting to a bound subscriber, with a replay
+    socket (as each server of tests/server/test_fleet.py, whose helpers read it)."""
+    port, replay_port = free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    command = [
+        sys.executable, "-m", "helios_core.cli", "run", "--core", str(FIXTURES / "payload-v3.core"),
+        "--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE, "--backend", "reference",
+        "--port", str(port), "--max-active", str(MAX_ACTIVE), "--queue-capacity", "8",
+        "--cache-pages", str(CACHE_PAGES), "--kv-events-config", json.dumps(config), "--worker-process",
+    ]  # fmt: skip
+    server = Server(port, replay_port, subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True))
+    threading.Thread(target=server.drain_log, daemon=True).start()
+    return server
+
+
+def replayed_events(context: zmq.Context[Any], server: Server) -> list[tuple[int, list[Any]]]:
+    """Every batch the server's replay socket keeps, from sequence 0: (sequence, events)."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{server.replay_port}")
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches: list[tuple[int, list[Any]]] = []
+        while True:
+            assert dealer.poll(5000), "the replay socket did not answer"
+            _, sequence, payload = dealer.recv_multipart()
+            if sequence == END_OF_REPLAY:
+                return batches
+            batches.append((int.from_bytes(sequence, "big"), msgspec.msgpack.decode(payload)[1]))
+    finally:
+        dealer.close(linger=0)
+
+
+def post_completion(server: Server, prompt: list[int]) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    result: dict[str, Any] = response.json()
+    return result
+
+
+def test_a_worker_process_server_publishes_from_the_worker_and_exports_its_counters(
+    context: zmq.Context[Any],
+) -> None:
+    """The fleet test's indexer, fed by one ``--worker-process`` server: the first event clears, a prompt's
+    complete pages arrive with their exact tokens, an evicting workload's index predicts every reuse the
+    server reports, ``/metrics`` counts exactly the events sent, and stopping the server clears last."""
+    events_port = free_port()
+    indexer = Indexer(context, events_port)  # bound before the server connects
+    server = start_worker_process_server(events_port)
+    try:
+        assert server.ready.wait(60), "".join(server.log)
+        indexer.replay_ports[server.topic] = server.replay_port
+        first_sequence, first_events = replayed_events(context, server)[0]
+        assert (first_sequence, first_events[0]) == (0, ["AllBlocksCleared"])  # attached before the warm-up
+        prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+        post_completion(server, prompt)
+
+        def stored_pages() -> list[list[Any]]:
+            pages = ([11, 12, 13, 14], [15, 16, 17, 18])
+            replayed = replayed_events(context, server)
+            return [
+                event for _, events in replayed for event in events if event[0] == "BlockStored" and event[3] in pages
+            ]
+
+        wait_for(lambda: len(stored_pages()) == 2, timeout=5.0)
+        stored = stored_pages()
+        assert [(event[3], event[4], event[6]) for event in stored] == [
+            ([11, 12, 13, 14], PAGE_TOKENS, "GPU"),
+            ([15, 16, 17, 18], PAGE_TOKENS, "GPU"),
+        ]
+        assert stored[0][2] is None and stored[1][2] == stored[0][1][0]
+        assert post_completion(server, prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+
+        prompts = workload(seed=7)
+        for prompt in prompts:
+            post_completion(server, prompt)
+        index = indexer.settle(server)  # also: dropped 0 and published == the events the indexer applied
+        values = scrape(server)
+        assert values["helios_pages_evicted_total"] > 0, "the workload must evict"
+        assert values["helios_kv_events_dropped_total"] == 0
+        removed = sum(event[0] == "BlockRemoved" for _, events in replayed_events(context, server) for event in events)
+        assert removed > 0
+        assert len(index.blocks) == values["helios_pages_published_total"] - values["helios_pages_evicted_total"]
+        probes = [*prompts[:6], *(prompt[: 3 * PAGE_TOKENS + 1] for prompt in prompts[:3]), [7, 8, 9, 10, 11]]
+        random.Random(3).shuffle(probes)
+        for probe in probes:
+            predicted = index.reusable_tokens(probe)
+            assert post_completion(server, probe)["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+            index = indexer.settle(server)
+        assert index.blocks
+
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0, "".join(server.log)
+        wait_for(lambda: indexer.index(server).last_event == "AllBlocksCleared", timeout=5.0)
+        assert not indexer.index(server).blocks
+        assert not any("Traceback" in line for line in server.log)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+        indexer.close()
+
+
+def test_a_worker_process_publisher_that_cannot_start_fails_the_start_with_its_reason() -> None:
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": "bogus://nowhere"})
+    command = [
+        sys.executable, "-m", "helios_core.cli", "run", "--core", str(FIXTURES / "payload-v3.core"),
+        "--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE, "--backend", "reference",
+        "--port", str(free_port()), "--kv-events-config", config, "--worker-process",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "helios run: error: --kv-events-config: cannot connect to endpoint 'bogus://nowhere': "
+        "Protocol not supported (addr='bogus://nowhere')"
+    )
+    assert "Traceback" not in result.stderr

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -34,19 +34,18 @@ from helios_core.server.app import create_app
 from helios_core.server.readiness import Phase, Readiness
 from helios_core.server.serve import DEFAULT_SHUTDOWN_TIMEOUT, resolve_options
 from tests.server.conftest import CORE, KEYS, NAMESPACE, Served, free_port
-from tests.server.helpers import build_synthetic_core, chat, sse_events
+from tests.server.helpers import build_synthetic_core, chat, held_requests, sse_events, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAIN_NAMESPACE = "helios-tests/lifecycle"
 HI = [{"role": "user", "content": "hi"}]
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
+def _assert_unhealthy(base: str, status: str, reason: str) -> None:
+    """``GET /health`` of the fixture core's server answers 503 with ``status`` and ``reason``."""
+    health = httpx.get(base + "/health", timeout=10)
+    assert health.status_code == 503
+    assert health.json() == {"status": status, "model": "llama-synthetic-tiny", "reason": reason}
 
 
 @contextmanager
@@ -61,7 +60,7 @@ def _server(readiness: Readiness | None, **options: Any) -> Iterator[tuple[str, 
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        _wait_for(lambda: bool(server.started))
+        wait_for(lambda: bool(server.started))
         yield f"http://127.0.0.1:{port}", running
     finally:
         server.should_exit = True
@@ -116,46 +115,21 @@ def test_health_is_503_once_the_model_worker_stopped_and_ready_follows() -> None
         assert httpx.get(base + "/health", timeout=10).status_code == 200
         assert httpx.get(base + "/ready", timeout=10).status_code == 200
         running.engine.shutdown()  # the worker thread ends
-        health = httpx.get(base + "/health", timeout=10)
-        assert health.status_code == 503
-        assert health.json() == {
-            "status": "dead",
-            "model": "llama-synthetic-tiny",
-            "reason": "the model worker stopped",
-        }
+        _assert_unhealthy(base, "dead", "the model worker stopped")
         ready = httpx.get(base + "/ready", timeout=10)
         assert ready.status_code == 503 and ready.json()["error"]["message"] == "the model worker stopped"
 
 
 def test_overload_flips_neither_health_nor_ready(served: Served) -> None:
-    held: list[int] = []
-
-    def hold() -> None:
-        held.append(chat(served.base_url, max_tokens=10, ignore_eos=True, stream=True).status_code)
-
-    with served.slow(0.03):
-        threads = [threading.Thread(target=hold) for _ in range(4)]  # queue_capacity 2 + max_active 2
-        for thread in threads:
-            thread.start()
-        _wait_for(lambda: chat_admitted(served) == 4)
+    with served.slow(0.03), held_requests(served.base_url, 4) as held:  # queue_capacity 2 + max_active 2
         refused = chat(served.base_url, max_tokens=2)
         health = httpx.get(served.base_url + "/health", timeout=10).status_code
         ready = httpx.get(served.base_url + "/ready", timeout=10).status_code
-        for thread in threads:
-            thread.join(timeout=20)
     assert refused.status_code == 429
     seconds, milliseconds = int(refused.headers["retry-after"]), int(refused.headers["retry-after-ms"])
     assert 1 <= seconds <= 60 and 1000 <= milliseconds <= 60_000 and seconds == -(-milliseconds // 1000)
     assert (health, ready) == (200, 200)
     assert held == [200] * 4
-
-
-def chat_admitted(served: Served) -> int:
-    """The admission permits held now (the ``helios_http_admitted`` gauge)."""
-    for line in httpx.get(served.base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("helios_http_admitted "):
-            return int(float(line.split()[1]))
-    raise LookupError("no helios_http_admitted gauge")
 
 
 # -- retry estimate -------------------------------------------------------------------------------
@@ -199,18 +173,8 @@ def test_openai_client_honours_retry_after_and_succeeds_on_its_retry(served: Ser
         max_retries=2,
         http_client=httpx.Client(event_hooks={"request": [stamp], "response": [record]}, timeout=30),
     )
-    holders: list[threading.Thread] = []
-    with served.slow(0.02):
-        for _ in range(4):
-            holder = threading.Thread(
-                target=chat, args=(served.base_url,), kwargs={"max_tokens": 10, "ignore_eos": True, "stream": True}
-            )
-            holder.start()
-            holders.append(holder)
-        _wait_for(lambda: chat_admitted(served) == 4)
+    with served.slow(0.02), held_requests(served.base_url, 4):
         completion = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)  # type: ignore[arg-type]
-        for holder in holders:
-            holder.join(timeout=20)
     assert completion.choices[0].finish_reason in ("length", "stop")
     assert statuses[0] == 429 and statuses[-1] == 200 and len(statuses) in (2, 3)
     assert sent[1] - sent[0] >= 0.95  # the client waited the Retry-After of at least one second
@@ -331,7 +295,7 @@ def test_sigterm_drains_while_answering_503_then_drops_past_the_timeout(drain_co
             assert stream.opened.wait(timeout=30)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        _wait_for(lambda: httpx.get(base + "/ready", timeout=5).status_code == 503, timeout=2)
+        wait_for(lambda: httpx.get(base + "/ready", timeout=5).status_code == 503, timeout=2)
         assert time.monotonic() - signalled < 1.0
         refused = chat(base, max_tokens=2)  # still answered: the socket stays open during the drain
         _assert_not_ready(
@@ -450,13 +414,7 @@ def test_health_says_failed_and_ready_refuses_once_the_start_failed() -> None:
     readiness = Readiness()
     readiness.fail("loading the core failed: boom")
     with _server(readiness, max_active=1, queue_capacity=1) as (base, _running):
-        health = httpx.get(base + "/health", timeout=10)
-        assert health.status_code == 503
-        assert health.json() == {
-            "status": "failed",
-            "model": "llama-synthetic-tiny",
-            "reason": "loading the core failed: boom",
-        }
+        _assert_unhealthy(base, "failed", "loading the core failed: boom")
         message = "the server failed to start: loading the core failed: boom; retry on another replica"
         _assert_not_ready(httpx.get(base + "/ready", timeout=10), message, closing=True)
     readiness.drain("shutdown began")

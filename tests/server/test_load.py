@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import Served, serve_fixture
-from tests.server.helpers import chat
+from tests.server.helpers import chat, held_requests, wait_for
 
 
 def _metrics(served: Served) -> dict[str, float]:
@@ -23,34 +21,14 @@ def _metrics(served: Served) -> dict[str, float]:
     return values
 
 
-def _wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not reached")
-        time.sleep(0.01)
-
-
 def test_full_ingress_is_429(served: Served) -> None:
     capacity = 4  # queue_capacity 2 + max_active 2
-    results: list[int] = []
-
-    def hold() -> None:
-        response = chat(served.base_url, max_tokens=10, ignore_eos=True, stream=True)
-        results.append(response.status_code)
-
-    with served.slow(0.03):
-        threads = [threading.Thread(target=hold) for _ in range(capacity)]
-        for thread in threads:
-            thread.start()
-        _wait_for(lambda: _metrics(served)["helios_http_admitted"] == capacity)
+    with served.slow(0.03), held_requests(served.base_url, capacity) as results:
         refused = chat(served.base_url, max_tokens=2)
         assert refused.status_code == 429
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        for thread in threads:
-            thread.join(timeout=20)
     assert results == [200] * capacity
-    _wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
+    wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
     assert chat(served.base_url, max_tokens=2).status_code == 200
 
 
@@ -63,12 +41,12 @@ def test_disconnect_cancels(served: Served) -> None:
             received = [next(lines) for _ in range(4)]
             assert received[0].startswith("data: ")
         # leaving the block closes the connection mid-stream
-        _wait_for(lambda: served.running.engine.statistics().finished.get("cancelled", 0) == before + 1)
+        wait_for(lambda: served.running.engine.statistics().finished.get("cancelled", 0) == before + 1)
     served.wait_idle()
     stats = served.running.engine.statistics()
     assert stats.active_requests == 0
     assert stats.pages_referenced == 0
-    _wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
+    wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
 
 
 def test_paused_reader_loses_nothing(served: Served) -> None:

@@ -47,10 +47,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
 
 
 class HeliosProcess:
-    """``helios run RUN_ARGS --host 127.0.0.1 --port PORT``, supervised.
+    """``helios run RUN_ARGS --worker-process --host 127.0.0.1 --port PORT``, supervised.
 
     ``run_args`` must not contain ``--host`` or ``--port``: the process always listens on a free
-    loopback port of its own. :meth:`start` returns once ``GET ready_path`` answers 200.
+    loopback port of its own. The model worker always runs in a process of its own, so the replica's
+    HTTP serving and health checks never wait on the model's interpreter lock. :meth:`start` returns
+    once ``GET ready_path`` answers 200.
     """
 
     def __init__(
@@ -68,7 +70,7 @@ class HeliosProcess:
                 )
         if startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be positive, not {startup_timeout_s}")
-        self._run_args = list(run_args)
+        self._run_args = [*run_args, "--worker-process"]
         self._ready_path = ready_path
         self._startup_timeout_s = startup_timeout_s
         self._command = list(command) if command is not None else helios_command()

@@ -144,6 +144,8 @@ def test_two_replicas_serve_concurrent_chats_with_prefix_affinity(served: Served
 def test_a_killed_helios_process_fails_only_its_replicas_requests_and_is_replaced(served: Served) -> None:
     before = helios_processes(served.core)
     assert len(before) == 2
+    # each replica's model worker runs in a process of its own
+    assert all(b"--worker-process" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in before)
     victim = min(before)
     outcomes: list[tuple[float, bool, str]] = []
     killed_at: list[float] = []

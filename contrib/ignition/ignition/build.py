@@ -4,7 +4,10 @@ Owns the step from a recipe's declaration (shape, weights, tokenizer, chat
 template, frontend and sampling metadata) to a signed core file written by
 Helios' container writer. Every core it writes is validated with Helios'
 own contract checks before it is signed, so a recipe error fails here rather
-than at an operator's startup.
+than at an operator's startup. The assembly steps every recipe shares (resources,
+cache identity, model and serving contracts, validation and writing, the
+reference-only target check) live here, used by the Llama, recurrent and latent
+recipes alike.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ def default_frontend() -> ct.FrontendContract:
         image_layout=ct.IMAGE_LAYOUT_NONE,
     )
 
+
+REFERENCE_ONLY_TARGETS = ("reference",)
+"""The targets of recipes without GPU kernels (``recurrent-synthetic``, ``latent-synthetic``)."""
 
 SPECULATIVE_TARGETS = ("reference", "sm_90a")
 """Targets with kernels for every speculative operator: those of copied proposals
@@ -149,34 +155,16 @@ def assemble(
         for module in lower_manifest(builder.manifest, target):
             modules.append(ResourceInput(id=module.decl.resource_id, kind=cb.RESOURCE_KIND_MODULE, data=module.data))
 
-    resources = [
-        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
-        for rid, res in sorted(builder.weight_resources.items())
+    resources = core_resources(builder, model.tokenizer_json, model.chat_template, modules)
+    settings = [
+        b"bf16" if bf16 else b"f32",
+        b"kernel-graph" if kernel_graph or gpu_targets else b"operator-graph",
+        f"page_tokens={caps.page_tokens}".encode(),
     ]
-    resources.extend(modules)
-    resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=model.tokenizer_json.encode()))
-    resources.append(
-        ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=model.chat_template.encode())
-    )
-
-    identity = hashlib.sha256()
-    for resource in resources:
-        identity.update(resource.id.encode())
-        identity.update(hashlib.sha256(resource.data).digest())
-    identity.update(b"bf16" if bf16 else b"f32")
-    identity.update(b"kernel-graph" if kernel_graph or gpu_targets else b"operator-graph")
-    identity.update(f"page_tokens={caps.page_tokens}".encode())
     if caps.window:  # windowed attention stores different keys and values for the same tokens
-        identity.update(f"window={caps.window}".encode())
+        settings.append(f"window={caps.window}".encode())
 
-    shape = model.shape
-    contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
-    contract_model.vocabulary.sampled_size = model.sampled_size
-    contract_model.vocabulary.logits_width = shape.vocab
-    contract_model.vocabulary.histogram_width = shape.vocab
-    contract_model.vocabulary.mask_words = -(-shape.vocab // 32)
-    contract_model.input_vocabulary.size = model.sampled_size
-    contract_model.cache.page_tokens = caps.page_tokens
+    contract_model = text_model_contract(model.sampled_size, model.shape.vocab, caps.page_tokens)
     if caps.window:  # the same paged planes, of which attention reads only the last window_tokens positions
         region = contract_model.cache.regions.add(
             name="kv", kind=ct.HISTORY_KIND_SLIDING_WINDOW, tokens_per_record=1, window_tokens=caps.window
@@ -195,23 +183,19 @@ def assemble(
     contract_model.frontend.CopyFrom(model.frontend or default_frontend())
     contract_model.state_views.extend(decl.state_views(writer.text_caps))
 
-    serving = ct.ServingContract(
-        served_name=model.served_name,
-        cache_identity=identity.hexdigest()[:32],
-        context_tokens=caps.context,
-        prefill_tokens=max(caps.prefill_tokens),
-        page_capacity=caps.cache_pages,
-        snapshot_capacity=caps.snapshots,
-        max_concurrency=caps.max_rows,
+    serving = serving_contract(
+        model.served_name,
+        cache_identity(resources, settings=settings),
+        caps,
+        contract_model,
+        eos_token_ids=model.eos_token_ids,
+        max_output_tokens=model.max_output_tokens,
     )
     # The spec makes history drafting (copied proposals) a startup option that requires learned speculation
     # enabled in the core, and copied-token inputs in every wider program, which these programs bind.
     serving.speculative_widths.extend(caps.speculative_widths)
     serving.learned_speculation = bool(caps.speculative_widths)
     serving.defaults.sampling.CopyFrom(model.sampling)
-    serving.defaults.max_output_tokens = model.max_output_tokens
-    serving.defaults.eos_token_ids.extend(model.eos_token_ids)
-    serving.model.CopyFrom(contract_model)
     return serving, builder, resources
 
 
@@ -237,9 +221,121 @@ def build_core(
     check_window(caps, targets)
     gpu_targets = [t for t in targets if t != "reference"]
     serving, builder, resources = assemble(model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress)
-    # Validate with the serving runtime's own rules before signing anything.
+    validate_and_write(
+        out,
+        serving,
+        builder,
+        resources,
+        signing_key=signing_key,
+        namespace=namespace,
+        layout=layout,
+        core_key=core_key,
+        description=model.description,
+        rebuild=model.rebuild,
+        progress=progress,
+    )
+    return serving
+
+
+def check_reference_only(recipe: str, targets: Sequence[str]) -> None:
+    """Refuse any target but ``reference`` for a recipe that has no GPU kernels.
+
+    Raises:
+        ValueError: ``targets`` names a target other than ``reference``.
+    """
+    unsupported = [t for t in targets if t not in REFERENCE_ONLY_TARGETS]
+    if unsupported:
+        raise ValueError(
+            f"{recipe} is built for the targets {', '.join(REFERENCE_ONLY_TARGETS)} only; "
+            f"build without {', '.join(unsupported)}"
+        )
+
+
+def core_resources(
+    builder: ManifestBuilder, tokenizer_json: str, chat_template: str, modules: Sequence[ResourceInput] = ()
+) -> list[ResourceInput]:
+    """A core's resources in their signed order: the weight resources by id, any kernel modules, then the
+    tokenizer and the chat template."""
+    resources = [
+        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
+        for rid, res in sorted(builder.weight_resources.items())
+    ]
+    resources.extend(modules)
+    resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=tokenizer_json.encode()))
+    resources.append(
+        ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=chat_template.encode())
+    )
+    return resources
+
+
+def cache_identity(resources: Sequence[ResourceInput], *, family: bytes = b"", settings: Sequence[bytes] = ()) -> str:
+    """A core's cache identity: 32 hex digits of a hash over ``family`` (what kind of history the cache
+    holds), each resource's id and content hash, then the build ``settings`` that change cached values."""
+    identity = hashlib.sha256(family)
+    for resource in resources:
+        identity.update(resource.id.encode())
+        identity.update(hashlib.sha256(resource.data).digest())
+    for setting in settings:
+        identity.update(setting)
+    return identity.hexdigest()[:32]
+
+
+def text_model_contract(sampled_size: int, vocab: int, page_tokens: int) -> ct.ModelContract:
+    """A model contract with a text model's vocabulary (``vocab`` logits, ``sampled_size`` of them sampled
+    and accepted as input) and cache page size; the caller adds regions, graphs, frontend and state views."""
+    contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
+    contract_model.vocabulary.sampled_size = sampled_size
+    contract_model.vocabulary.logits_width = vocab
+    contract_model.vocabulary.histogram_width = vocab
+    contract_model.vocabulary.mask_words = -(-vocab // 32)
+    contract_model.input_vocabulary.size = sampled_size
+    contract_model.cache.page_tokens = page_tokens
+    return contract_model
+
+
+def serving_contract(
+    served_name: str,
+    identity: str,
+    caps: Capacities,
+    contract_model: ct.ModelContract,
+    *,
+    eos_token_ids: Sequence[int],
+    max_output_tokens: int,
+) -> ct.ServingContract:
+    """The serving contract of a model contract: its name, cache identity, capacities and output defaults."""
+    serving = ct.ServingContract(
+        served_name=served_name,
+        cache_identity=identity,
+        context_tokens=caps.context,
+        prefill_tokens=max(caps.prefill_tokens),
+        page_capacity=caps.cache_pages,
+        snapshot_capacity=caps.snapshots,
+        max_concurrency=caps.max_rows,
+    )
+    serving.defaults.max_output_tokens = max_output_tokens
+    serving.defaults.eos_token_ids.extend(eos_token_ids)
+    serving.model.CopyFrom(contract_model)
+    return serving
+
+
+def validate_and_write(
+    out: Path,
+    serving: ct.ServingContract,
+    builder: ManifestBuilder,
+    resources: Sequence[ResourceInput],
+    *,
+    signing_key: Ed25519PrivateKey,
+    namespace: str,
+    layout: Layout,
+    core_key: bytes | None,
+    description: str,
+    rebuild: cb.RebuildManifest | None = None,
+    progress: Progress | None = None,
+) -> None:
+    """Validate an assembled core with the serving runtime's own contract rules, then sign and write it;
+    the rebuild manifest (a new one when None) records this toolkit's version."""
     prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
-    rebuild = model.rebuild or cb.RebuildManifest()
+    rebuild = rebuild or cb.RebuildManifest()
     rebuild.toolkit_version = toolkit_version
     write_core(
         out,
@@ -250,11 +346,10 @@ def build_core(
         signing_key=signing_key,
         layout=layout,
         core_key=core_key,
-        description=model.description,
+        description=description,
         rebuild=rebuild,
         progress=progress,
     )
-    return serving
 
 
 def _as_resource_message(resource: ResourceInput) -> cb.ExecutableResource:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from helios_core.errors import HeliosError
 from ignition.recipes.llama import (
@@ -23,6 +25,9 @@ from ignition.recipes.llama import (
 )
 from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
 from ignition.recipes.synthetic import TOOL_SYNTAXES
+
+if TYPE_CHECKING:
+    from helios_core.wire.contract_pb2 import ServingContract
 
 RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic")
 
@@ -251,18 +256,14 @@ def run_build(args: argparse.Namespace) -> int:
         targets=targets,
         progress=progress,
     )
-    size = args.out.stat().st_size
-    print(
-        f"wrote {args.out} ({size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
-        f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
-    )
+    _report_written(args, serving, started)
     return 0
 
 
 def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...]) -> None:
     """Refuse, before any key or weight is touched, the options the recurrent and latent recipes do not
     take (the latent recipe: every option it has no programs for)."""
-    from ignition.recipes.latent import check_latent_targets
+    from ignition.recipes.latent import check_latent_options, check_latent_targets
     from ignition.recipes.recurrent import check_recurrent_targets
 
     refused = [
@@ -282,13 +283,10 @@ def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...])
         raise HeliosError(f"{args.recipe} does not take {', '.join(refused)}")
     if args.recipe == "latent-synthetic":
         check_latent_targets(targets)
-        if args.tokens_per_record < 1 or args.page_tokens % args.tokens_per_record:
-            raise HeliosError(
-                f"--tokens-per-record must be at least 1 and divide --page-tokens {args.page_tokens}, "
-                f"got {args.tokens_per_record}"
-            )
-        if args.page_offset < 0:
-            raise HeliosError(f"--page-offset must be 0 or positive, got {args.page_offset}")
+        try:
+            check_latent_options(args.tokens_per_record, args.page_tokens, args.page_offset)
+        except ValueError as error:
+            raise HeliosError(str(error)) from error
     else:
         check_recurrent_targets(targets)
 
@@ -311,45 +309,37 @@ def _build_recurrent(
     if not isinstance(signing_key, Ed25519PrivateKey):
         raise HeliosError("the signing key must be an Ed25519 private key")
     started = time.monotonic()
-    if args.recipe == "latent-synthetic":
-        try:
+    try:
+        if args.recipe == "latent-synthetic":
             model = latent_declaration(
                 args.shape, seed=args.seed, tokens_per_record=args.tokens_per_record, page_offset=args.page_offset
             )
-            serving = build_latent_core(
-                model,
-                args.out,
-                caps=dataclasses.replace(caps, snapshots=0),
-                signing_key=signing_key,
-                namespace=args.namespace,
-                layout=args.layout,
-                core_key=core_key,
-                targets=targets,
-                progress=progress,
+            build = functools.partial(build_latent_core, model, caps=dataclasses.replace(caps, snapshots=0))
+        else:
+            build = functools.partial(
+                build_recurrent_core, recurrent_declaration(args.shape, seed=args.seed), caps=caps
             )
-        except ValueError as error:
-            raise HeliosError(str(error)) from error
-        print(
-            f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
-            f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
+        serving = build(
+            args.out,
+            signing_key=signing_key,
+            namespace=args.namespace,
+            layout=args.layout,
+            core_key=core_key,
+            targets=targets,
+            progress=progress,
         )
-        return 0
-    serving = build_recurrent_core(
-        recurrent_declaration(args.shape, seed=args.seed),
-        args.out,
-        caps=caps,
-        signing_key=signing_key,
-        namespace=args.namespace,
-        layout=args.layout,
-        core_key=core_key,
-        targets=targets,
-        progress=progress,
-    )
+    except ValueError as error:
+        raise HeliosError(str(error)) from error
+    _report_written(args, serving, started)
+    return 0
+
+
+def _report_written(args: argparse.Namespace, serving: ServingContract, started: float) -> None:
+    """The line a successful build prints: the core's path, size, programs and namespace, and the time taken."""
     print(
         f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, {len(serving.model.graphs)} programs, "
         f"namespace {args.namespace!r}) in {time.monotonic() - started:.1f} s"
     )
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,31 +25,40 @@ programs (a preempted request is recomputed from its tokens), reference target o
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from helios_core.container.writer import ResourceInput, write_core
-from helios_core.contract import EXPORTED_CONTRACT_VERSION, prepare_contract
-from helios_core.wire import container_pb2 as cb
+from helios_core.container.writer import ResourceInput
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
-from ignition import __version__ as toolkit_version
+from ignition.build import (
+    Layout,
+    Progress,
+    cache_identity,
+    check_reference_only,
+    core_resources,
+    default_frontend,
+    serving_contract,
+    text_model_contract,
+    validate_and_write,
+)
+from ignition.preparation import contract as decl
 from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, binding, prefix
 from ignition.recipes.llama import Capacities, LlamaProgramWriter, LlamaShape, _TokenLayout
-from ignition.recipes.synthetic import CHATML_TEMPLATE, byte_level_tokenizer
+from ignition.recipes.synthetic import (
+    CHATML_TEMPLATE,
+    byte_level_tokenizer,
+    embedding_and_head_weights,
+    norm_gain,
+    seeded_normal,
+)
 
 Weights = Mapping[str, npt.NDArray[np.float32]]
-Progress = Callable[[str, int, int], None]
-
-LATENT_TARGETS = ("reference",)
-"""Targets this recipe builds kernels for."""
 
 
 @dataclass(frozen=True)
@@ -96,22 +105,14 @@ def tensor_names(layer: int) -> dict[str, str]:
 
 def random_weights(shape: LatentShape, seed: int) -> dict[str, npt.NDArray[np.float32]]:
     """Seeded random weights from one sequential stream (scales keep activations well conditioned)."""
-    rng = np.random.default_rng(seed)
+    normal = seeded_normal(seed)
     s = shape.base
     h, width, c = s.hidden, s.heads * s.head_dim, shape.latent_dim
-
-    def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
-        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(scale)).astype(np.float32)
-
-    weights = {
-        "token_embd.weight": normal(s.vocab, h, scale=1.0),
-        "output_norm.weight": (1.0 + normal(h, scale=0.05)).astype(np.float32),
-        "output.weight": normal(s.vocab, h, scale=h**-0.5),
-    }
+    weights = embedding_and_head_weights(normal, s.vocab, h)
     for layer in range(s.layers):
         names = tensor_names(layer)
-        weights[names["attn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
-        weights[names["ffn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["attn_norm"]] = norm_gain(normal, h)
+        weights[names["ffn_norm"]] = norm_gain(normal, h)
         weights[names["wq"]] = normal(width, h, scale=h**-0.5)
         weights[names["w_dkv"]] = normal(c, h, scale=h**-0.5)
         weights[names["w_uk"]] = normal(width, c, scale=c**-0.5)
@@ -121,6 +122,21 @@ def random_weights(shape: LatentShape, seed: int) -> dict[str, npt.NDArray[np.fl
         weights[names["w_up"]] = normal(s.ffn, h, scale=h**-0.5)
         weights[names["w_down"]] = normal(h, s.ffn, scale=s.ffn**-0.5)
     return weights
+
+
+def check_latent_options(tokens_per_record: int, page_tokens: int, page_offset: int) -> None:
+    """Refuse a record size or page-table offset the latent programs cannot use.
+
+    Raises:
+        ValueError: ``tokens_per_record`` below 1 or not dividing ``page_tokens``, or a negative
+            ``page_offset``.
+    """
+    if tokens_per_record < 1 or page_tokens % tokens_per_record:
+        raise ValueError(
+            f"--tokens-per-record must be at least 1 and divide --page-tokens {page_tokens}, got {tokens_per_record}"
+        )
+    if page_offset < 0:
+        raise ValueError(f"--page-offset must be 0 or positive, got {page_offset}")
 
 
 class LatentProgramWriter(LlamaProgramWriter):
@@ -139,13 +155,7 @@ class LatentProgramWriter(LlamaProgramWriter):
     ) -> None:
         if caps.speculative_widths or caps.snapshots or caps.window:
             raise ValueError("latent-synthetic builds no speculative, snapshot or sliding-window programs")
-        if tokens_per_record < 1 or caps.page_tokens % tokens_per_record:
-            raise ValueError(
-                f"--tokens-per-record must be at least 1 and divide --page-tokens {caps.page_tokens}, "
-                f"got {tokens_per_record}"
-            )
-        if page_offset < 0:
-            raise ValueError(f"--page-offset must be 0 or positive, got {page_offset}")
+        check_latent_options(tokens_per_record, caps.page_tokens, page_offset)
         self.latent_shape = shape
         self.tokens_per_record = tokens_per_record
         self.page_offset = page_offset
@@ -157,16 +167,7 @@ class LatentProgramWriter(LlamaProgramWriter):
             )
 
     def _declare_weights(self, weights: Weights, bf16: bool) -> None:
-        w = self.builder.weight
-        self.tok_embd = w("tok_embd", weights["token_embd.weight"], "weights.embed")
-        self.layer_weights = []
-        for layer in range(self.shape.layers):
-            names = tensor_names(layer)
-            self.layer_weights.append(
-                {key: w(name, weights[name], f"weights.layer{layer}") for key, name in names.items()}
-            )
-        self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
-        self.lm_head = w("output.weight", weights["output.weight"], "weights.head")
+        self._declare_float_weights(weights, tensor_names)
 
     def _declare_cache(self) -> None:
         c = self.caps
@@ -199,11 +200,10 @@ class LatentProgramWriter(LlamaProgramWriter):
         where = layout or self._host_layout()
         p = tokens
         width = s.heads * s.head_dim
-        h, xn, o = prefix(sc.h, p), prefix(sc.xn, p), prefix(sc.o, p)
+        h, xn = prefix(sc.h, p), prefix(sc.xn, p)
         q, attn = prefix(sc.q, p), prefix(sc.attn, p)
-        q2, attn2 = View(q.buffer, (p, width)), View(attn.buffer, (p, width))
+        q2 = View(q.buffer, (p, width))
         latent = View(sc.k.buffer, (p, self.latent_shape.latent_dim))
-        gate, up, act = prefix(sc.gate, p), prefix(sc.up, p), prefix(sc.act, p)
         table = prefix(self.latent_table, rows) if self.latent_table is not None else prefix(sh.page_table, rows)
         prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
         for layer, lw in enumerate(self.layer_weights[:layers]):
@@ -240,19 +240,7 @@ class LatentProgramWriter(LlamaProgramWriter):
                 },
                 name=f"{label}l{layer}.attention",
             )
-            prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
-            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
-            prog.node(
-                "rmsnorm",
-                {"x": h, "weight": lw["ffn_norm"], "out": xn},
-                {"eps": s.rms_eps},
-                name=f"{label}l{layer}.ffn_norm",
-            )
-            prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"{label}l{layer}.gate")
-            prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"{label}l{layer}.up")
-            prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"{label}l{layer}.silu_mul")
-            prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"{label}l{layer}.down")
-            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
+            self._output_and_feed_forward(prog, layer, p, label)
 
     def write(self) -> list[ct.GraphContract]:
         graphs = super().write()
@@ -301,7 +289,7 @@ def latent_declaration(
         tokenizer_json=tokenizer.json,
         chat_template=CHATML_TEMPLATE,
         sampled_size=tokenizer.vocab_size,
-        eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
+        eos_token_ids=tokenizer.eos_token_ids,
         tokens_per_record=tokens_per_record,
         page_offset=page_offset,
         description=f"Synthetic latent-attention shape {shape_name!r} with seeded random weights (seed {seed})",
@@ -312,14 +300,9 @@ def check_latent_targets(targets: Sequence[str]) -> None:
     """Refuse targets this recipe has no kernels for.
 
     Raises:
-        ValueError: a target outside :data:`LATENT_TARGETS`.
+        ValueError: a target other than ``reference``.
     """
-    unsupported = [t for t in targets if t not in LATENT_TARGETS]
-    if unsupported:
-        raise ValueError(
-            f"latent-synthetic is built for the targets {', '.join(LATENT_TARGETS)} only; "
-            f"build without {', '.join(unsupported)}"
-        )
+    check_reference_only("latent-synthetic", targets)
 
 
 def assemble_latent(
@@ -337,28 +320,13 @@ def assemble_latent(
         page_offset=model.page_offset,
     )
     graphs = writer.write()
-    resources = [
-        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
-        for rid, res in sorted(builder.weight_resources.items())
-    ]
-    resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=model.tokenizer_json.encode()))
-    resources.append(
-        ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=model.chat_template.encode())
+    resources = core_resources(builder, model.tokenizer_json, model.chat_template)
+    identity = cache_identity(
+        resources,
+        family=b"latent-attention",
+        settings=[f"page_tokens={caps.page_tokens} tokens_per_record={model.tokens_per_record}".encode()],
     )
-    identity = hashlib.sha256(b"latent-attention")
-    for resource in resources:
-        identity.update(resource.id.encode())
-        identity.update(hashlib.sha256(resource.data).digest())
-    identity.update(f"page_tokens={caps.page_tokens} tokens_per_record={model.tokens_per_record}".encode())
-
-    shape = model.shape.base
-    contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
-    contract_model.vocabulary.sampled_size = model.sampled_size
-    contract_model.vocabulary.logits_width = shape.vocab
-    contract_model.vocabulary.histogram_width = shape.vocab
-    contract_model.vocabulary.mask_words = -(-shape.vocab // 32)
-    contract_model.input_vocabulary.size = model.sampled_size
-    contract_model.cache.page_tokens = caps.page_tokens
+    contract_model = text_model_contract(model.sampled_size, model.shape.base.vocab, caps.page_tokens)
     region = contract_model.cache.regions.add(
         name="latent", kind=ct.HISTORY_KIND_PAGED_LATENT, tokens_per_record=model.tokens_per_record
     )
@@ -374,29 +342,16 @@ def assemble_latent(
             pages_per_row=caps.pages_per_row,
         )
     contract_model.graphs.extend(graphs)
-    contract_model.frontend.CopyFrom(
-        ct.FrontendContract(
-            tool_parser=ct.TOOL_PARSER_NONE,
-            reasoning_parser=ct.REASONING_PARSER_NONE,
-            image_preparation=ct.IMAGE_PREPARATION_NONE,
-            image_layout=ct.IMAGE_LAYOUT_NONE,
-        )
-    )
-    from ignition.preparation import contract as decl
-
+    contract_model.frontend.CopyFrom(default_frontend())
     contract_model.state_views.extend(decl.state_views(writer.text_caps))
-    serving = ct.ServingContract(
-        served_name=model.served_name,
-        cache_identity=identity.hexdigest()[:32],
-        context_tokens=caps.context,
-        prefill_tokens=max(caps.prefill_tokens),
-        page_capacity=caps.cache_pages,
-        snapshot_capacity=0,
-        max_concurrency=caps.max_rows,
+    serving = serving_contract(
+        model.served_name,
+        identity,
+        caps,
+        contract_model,
+        eos_token_ids=model.eos_token_ids,
+        max_output_tokens=model.max_output_tokens,
     )
-    serving.defaults.max_output_tokens = model.max_output_tokens
-    serving.defaults.eos_token_ids.extend(model.eos_token_ids)
-    serving.model.CopyFrom(contract_model)
     return serving, builder, resources
 
 
@@ -407,7 +362,7 @@ def build_latent_core(
     caps: Capacities,
     signing_key: Ed25519PrivateKey,
     namespace: str,
-    layout: Literal["payload", "logical-v6", "logical-v4"] = "payload",
+    layout: Layout = "payload",
     core_key: bytes | None = None,
     targets: Sequence[str] = ("reference",),
     progress: Progress | None = None,
@@ -415,22 +370,16 @@ def build_latent_core(
     """Assemble, validate (with Helios' own contract rules), sign and write a latent core."""
     check_latent_targets(targets)
     serving, builder, resources = assemble_latent(model, caps)
-    prepare_contract(
-        serving,
-        builder.manifest,
-        [cb.ExecutableResource(id=r.id, kind=r.kind, decoded_nbytes=len(r.data)) for r in resources],  # type: ignore[arg-type]
-    )
-    write_core(
+    validate_and_write(
         out,
-        namespace=namespace,
-        contract=serving,
-        execution=builder.manifest,
-        resources=resources,
+        serving,
+        builder,
+        resources,
         signing_key=signing_key,
+        namespace=namespace,
         layout=layout,
         core_key=core_key,
         description=model.description,
-        rebuild=cb.RebuildManifest(toolkit_version=toolkit_version),
         progress=progress,
     )
     return serving

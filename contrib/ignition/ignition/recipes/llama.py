@@ -5,7 +5,9 @@ paged KV cache and a SiLU-gated MLP, final norm, LM head, sampling) written as
 op-catalogue nodes, and the graph contracts that bind each program to the
 shared declarations of :mod:`ignition.preparation.contract`. Weight sources
 (a GGUF file or seeded random shapes) live in other recipes; this module only
-needs arrays named as below.
+needs arrays named as below. The steps every text recipe shares (graph contracts,
+sampling and completion, prompt scores, the ``initialize``, prompt and decode
+programs) belong to :class:`~ignition.recipes.common.TextProgramWriter`, its base.
 
 Programs: ``initialize`` (admission state), ``prefill_p{P}`` (chunked prompt
 processing; also serves mixed rounds), ``mixed_p{P}``, ``scored_prefill_p{P}``
@@ -35,7 +37,8 @@ import numpy.typing as npt
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from ignition.preparation import contract as decl
-from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, binding, prefix
+from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, prefix
+from ignition.recipes.common import TextProgramWriter
 
 Weights = Mapping[str, npt.NDArray[np.float32]]
 
@@ -271,8 +274,11 @@ def tensor_names(layer: int) -> dict[str, str]:
     }
 
 
-class LlamaProgramWriter:
+class LlamaProgramWriter(TextProgramWriter):
     """Writes the Llama programs into a ManifestBuilder."""
+
+    shape: LlamaShape
+    scratch: _Scratch
 
     def __init__(
         self,
@@ -648,12 +654,9 @@ class LlamaProgramWriter:
         k = prefix(sc.k, p)
         v = prefix(sc.v, p)
         attn = prefix(sc.attn, p)
-        o = prefix(sc.o, p)
-        gate, up, act = prefix(sc.gate, p), prefix(sc.up, p), prefix(sc.act, p)
         q2 = View(q.buffer, (p, s.heads * s.head_dim))
         k2 = View(k.buffer, (p, s.kv_heads * s.head_dim))
         v2 = View(v.buffer, (p, s.kv_heads * s.head_dim))
-        attn2 = View(attn.buffer, (p, s.heads * s.head_dim))
         positions = prefix(where.positions, p)
         rope_attrs = self._rope_attributes()
         prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
@@ -681,235 +684,34 @@ class LlamaProgramWriter:
                 name=f"{label}l{layer}.cache_write",
             )
             self._attention(prog, layer, rows, p, q, attn, where, label)
-            prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
-            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
-            prog.node(
-                "rmsnorm",
-                {"x": h, "weight": lw["ffn_norm"], "out": xn},
-                {"eps": s.rms_eps},
-                name=f"{label}l{layer}.ffn_norm",
-            )
-            prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"{label}l{layer}.gate")
-            prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"{label}l{layer}.up")
-            prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"{label}l{layer}.silu_mul")
-            prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"{label}l{layer}.down")
-            prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
+            self._output_and_feed_forward(prog, layer, p, label)
 
-    def _sample_and_complete(self, prog: ProgramBuilder, rows: int, tokens: int) -> None:
-        """Final norm and LM head on each lane's last token, sampling, pending token, completion."""
-        s, sh, sc = self.shape, self.shared, self.scratch
-        r = rows
-        last_index = prefix(sc.last_index, r)
-        last_h = prefix(sc.last_h, r)
-        logits = prefix(sc.logits, r)
-        wide = sc.sampled_ids is not None and sc.sampled_logprob is not None
-        # With a record wider than one id a lane, the ids and logprobs go to scratch and then to column 0.
-        ids = prefix(sc.sampled_ids, r) if sc.sampled_ids is not None else prefix(sh.out_sampled_ids, r)
-        logprob = prefix(sc.sampled_logprob, r) if sc.sampled_logprob is not None else prefix(sh.out_logprobs, r)
-        prog.node("lane_last_index", {"query_length": prefix(sh.query_length, r), "out": last_index})
-        prog.node("gather_rows", {"x": prefix(sc.h, tokens), "index": last_index, "out": last_h})
-        if self.fused:
-            prog.node(
-                "rmsnorm_linear",
-                {"x": last_h, "norm_weight": self.out_norm, "weight": self.lm_head, "out": logits},
-                {"eps": s.rms_eps},
-                name="lm_head",
-            )
-        else:
-            prog.node(
-                "rmsnorm", {"x": last_h, "weight": self.out_norm, "out": last_h}, {"eps": s.rms_eps}, name="final_norm"
-            )
-            prog.node("linear", {"x": last_h, "weight": self.lm_head, "out": logits}, name="lm_head")
+    def _output_and_feed_forward(self, prog: ProgramBuilder, layer: int, tokens: int, label: str) -> None:
+        """The rest of layer ``layer`` once attention has written ``scratch.attn``: output projection and
+        residual, then RMSNorm, the SwiGLU feed-forward and its residual (operator graphs)."""
+        s, sc, lw = self.shape, self.scratch, self.layer_weights[layer]
+        p = tokens
+        h, xn, o = prefix(sc.h, p), prefix(sc.xn, p), prefix(sc.o, p)
+        gate, up, act = prefix(sc.gate, p), prefix(sc.up, p), prefix(sc.act, p)
+        attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
+        prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
+        prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
         prog.node(
-            "sample",
-            {
-                "logits": logits,
-                "temperature": prefix(sh.temperature, r),
-                "top_k": prefix(sh.top_k, r),
-                "top_p": prefix(sh.top_p, r),
-                "min_p": prefix(sh.min_p, r),
-                "repetition_penalty": prefix(sh.repetition_penalty, r),
-                "frequency_penalty": prefix(sh.frequency_penalty, r),
-                "presence_penalty": prefix(sh.presence_penalty, r),
-                "prompt_presence": sh.prompt_presence,
-                "output_counts": sh.output_counts,
-                "rows": prefix(sh.state_rows, r),
-                "seed": prefix(sh.seed, r),
-                "step": prefix(sh.sampling_step, r),
-                "active": prefix(sh.sample_active, r),
-                "allowed_mask": prefix(sh.grammar_mask, r),
-                "constrained": prefix(sh.constrained, r),
-                "ids": ids,
-                "logprob": logprob,
-                "top_ids": prefix(sh.out_top_ids, r),
-                "top_logprobs": prefix(sh.out_top_logprobs, r),
-            },
-            {"vocab_limit": self.sampled_size, "top_n": self.caps.top_logprobs},
+            "rmsnorm",
+            {"x": h, "weight": lw["ffn_norm"], "out": xn},
+            {"eps": s.rms_eps},
+            name=f"{label}l{layer}.ffn_norm",
         )
-        if wide:
-            self._into_record(prog, ids, sh.out_sampled_ids, "record_ids")
-            self._into_record(prog, logprob, sh.out_logprobs, "record_logprobs")
-        prog.node(
-            "copy_rows",
-            {
-                "src": ids,
-                "dst_rows": prefix(sh.state_rows, r),
-                "when": prefix(sh.sample_active, r),
-                "dst": sh.pending_tokens,
-            },
-            name="store_pending_token",
-        )
-        prog.node(
-            "completion_lanes",
-            {
-                "generation": prefix(sh.generation, r),
-                "sample_active": prefix(sh.sample_active, r),
-                "last_index": last_index,
-                "positions": prefix(sh.positions, tokens),
-                "submission_sequence": sh.submission_sequence,
-                "out_generation": prefix(sh.out_generation, r),
-                "out_emitted": prefix(sh.out_emitted, r),
-                "out_consumed": prefix(sh.out_consumed, r),
-                "out_draft_cursor": prefix(sh.out_draft_cursor, r),
-                "out_reserved": prefix(sh.out_reserved, r),
-                "out_sequence": sh.out_sequence,
-            },
-        )
-
-    def _into_record(self, prog: ProgramBuilder, values: View, record: View, name: str) -> None:
-        """Copy ``values`` [r, W] (W dividing the record's width R) to the record's first W columns.
-
-        The record [B, R] is viewed as [B x R / W, W]; lane i's row goes to row i x R / W
-        (``record_rows[W]``, see :meth:`_declare_speculative`).
-        """
-        lanes, width = values.shape
-        rows_total, record_width = record.shape
-        prog.node(
-            "copy_rows",
-            {
-                "src": values,
-                "dst_rows": prefix(self.record_rows[width], lanes),
-                "dst": View(record.buffer, (rows_total * record_width // width, width)),
-            },
-            name=name,
-        )
+        prog.node("linear", {"x": xn, "weight": lw["w_gate"], "out": gate}, name=f"{label}l{layer}.gate")
+        prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"{label}l{layer}.up")
+        prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"{label}l{layer}.silu_mul")
+        prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"{label}l{layer}.down")
+        prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
 
     # -- programs --------------------------------------------------------------
-    def _graph(
-        self,
-        name: str,
-        operation: int,
-        rows: int,
-        tokens: int,
-        bindings: list[ct.ValueBinding],
-        accesses: list[ct.StateAccess],
-        *,
-        pending: ct.PendingTokenSource | None = None,
-        generating: bool = True,
-    ) -> ct.GraphContract:
-        graph = ct.GraphContract(name=name, operation=operation)  # type: ignore[arg-type]
-        graph.bindings.extend(bindings)
-        graph.state_accesses.extend(accesses)
-        graph.extents.batch_capacity = rows
-        graph.extents.token_capacity = 1 if operation == ct.OPERATION_DECODE else tokens
-        graph.extents.packed_token_capacity = tokens
-        graph.state_rows_per_request = 1
-        graph.resource_dependencies.extend(sorted(self.builder.weight_resources))
-        if generating:
-            graph.rng_reservations.extend(decl.target_rng())
-            graph.logprobs.sampled = True
-            graph.logprobs.top_n = self.caps.top_logprobs
-        if pending is not None:
-            graph.pending_token.CopyFrom(pending)
-        return graph
-
     def write(self) -> list[ct.GraphContract]:
         """Write every program; returns their graph contracts."""
-        graphs: list[ct.GraphContract] = []
-        caps, sh = self.caps, self.shared
-        b = caps.max_rows
-
-        init = ProgramBuilder("initialize", ct.OPERATION_INITIALIZE)
-        init.node(
-            "init_sampling_state",
-            {
-                "prompt_histogram": prefix(sh.prompt_histogram, b),
-                "rows": prefix(sh.state_rows, b),
-                "prompt_presence": sh.prompt_presence,
-                "output_counts": sh.output_counts,
-            },
-        )
-        self.builder.add_program(init)
-        graphs.append(
-            self._graph(
-                "initialize",
-                ct.OPERATION_INITIALIZE,
-                b,
-                b,
-                decl.admission_bindings(),
-                [
-                    ct.StateAccess(view=decl.PROMPT_PRESENCE_VIEW, mode=ct.ACCESS_MODE_WRITE),
-                    ct.StateAccess(view=decl.OUTPUT_COUNTS_VIEW, mode=ct.ACCESS_MODE_WRITE),
-                ],
-                generating=False,
-            )
-        )
-
-        host_token_bindings = (
-            decl.lane_bindings() + decl.packed_token_bindings(host_tokens=True) + decl.sampling_bindings()
-        )
-        for tokens in caps.prefill_tokens:
-            for operation, label in (
-                (ct.OPERATION_PREFILL, "prefill"),
-                (ct.OPERATION_MIXED, "mixed"),
-                (ct.OPERATION_RESUME, "resume"),
-                (ct.OPERATION_SCORED_PREFILL, "scored_prefill"),
-            ):
-                name = f"{label}_p{tokens}"
-                prog = ProgramBuilder(name, operation)
-                self._decoder(prog, b, tokens, prefix(sh.input_ids, tokens))
-                bindings = list(host_token_bindings)
-                if operation == ct.OPERATION_SCORED_PREFILL:
-                    self._prompt_scores(prog, tokens)
-                    bindings.append(
-                        binding("score_targets", ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS, decl.PACKED, padding=-1)
-                    )
-                self._sample_and_complete(prog, b, tokens)
-                self.builder.add_program(prog)
-                graphs.append(
-                    self._graph(
-                        name,
-                        operation,
-                        b,
-                        tokens,
-                        bindings,
-                        decl.sampling_state_accesses(),
-                    )
-                )
-
-        for rows in caps.decode_rows:
-            name = f"decode_b{rows}"
-            prog = ProgramBuilder(name, ct.OPERATION_DECODE)
-            ids = prefix(self.scratch.ids, rows)
-            prog.node(
-                "gather_rows",
-                {"x": sh.pending_tokens, "index": prefix(sh.state_rows, rows), "out": ids},
-                name="load_pending_token",
-            )
-            self._decoder(prog, rows, rows, View(ids.buffer, (rows,)))
-            self._sample_and_complete(prog, rows, rows)
-            self.builder.add_program(prog)
-            graphs.append(
-                self._graph(
-                    name,
-                    ct.OPERATION_DECODE,
-                    rows,
-                    rows,
-                    decl.lane_bindings() + decl.packed_token_bindings(host_tokens=False) + decl.sampling_bindings(),
-                    decl.sampling_state_accesses(),
-                    pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
-                )
-            )
+        graphs = self._write_generating_programs()
         if self.speculative is not None:
             graphs.extend(self._speculative_programs(self.speculative))
         if self.self_draft is not None:
@@ -950,7 +752,7 @@ class LlamaProgramWriter:
                     rows * width,
                     bindings,
                     decl.sampling_state_accesses(),
-                    pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
+                    pending=True,
                 )
                 graph.extents.token_capacity = width
                 graph.extents.verify_tokens = width
@@ -964,7 +766,7 @@ class LlamaProgramWriter:
         return graphs
 
     def _speculative_body(self, prog: ProgramBuilder, spec: decl.SpeculativeViews, rows: int, width: int) -> None:
-        s, sh, sc = self.shape, self.shared, self.scratch
+        sh, sc = self.shared, self.scratch
         sp = self.speculative_scratch
         if sp is None:
             raise ValueError("speculative programs need the speculative scratch buffers")
@@ -986,22 +788,7 @@ class LlamaProgramWriter:
         )
         self._decoder(prog, r, p, packed_ids)
         logits = prefix(sc.all_logits, p)  # [P, V]: every packed row is verified
-        if self.fused:
-            prog.node(
-                "rmsnorm_linear",
-                {"x": prefix(sc.h, p), "norm_weight": self.out_norm, "weight": self.lm_head, "out": logits},
-                {"eps": s.rms_eps},
-                name="lm_head",
-            )
-        else:
-            normed = prefix(sc.xn, p)
-            prog.node(
-                "rmsnorm",
-                {"x": prefix(sc.h, p), "weight": self.out_norm, "out": normed},
-                {"eps": s.rms_eps},
-                name="final_norm",
-            )
-            prog.node("linear", {"x": normed, "weight": self.lm_head, "out": logits}, name="lm_head")
+        self._head(prog, p, logits, "")
         # The widest program writes the record directly; a narrower one through scratch (see _into_record).
         if width == widest:
             ids, logprob = prefix(sh.out_sampled_ids, r), prefix(sh.out_logprobs, r)
@@ -1095,7 +882,7 @@ class LlamaProgramWriter:
                     packed,
                     decl.self_draft_bindings() + decl.sampling_bindings(),
                     decl.sampling_state_accesses(),
-                    pending=ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW),
+                    pending=True,
                 )
                 graph.extents.token_capacity = width
                 graph.extents.verify_tokens = width
@@ -1115,23 +902,7 @@ class LlamaProgramWriter:
 
     def _head(self, prog: ProgramBuilder, tokens: int, logits: View, label: str) -> None:
         """The final norm and LM head over the first ``tokens`` rows of the residual stream."""
-        s, sc = self.shape, self.scratch
-        if self.fused:
-            prog.node(
-                "rmsnorm_linear",
-                {"x": prefix(sc.h, tokens), "norm_weight": self.out_norm, "weight": self.lm_head, "out": logits},
-                {"eps": s.rms_eps},
-                name=f"{label}lm_head",
-            )
-            return
-        normed = prefix(sc.xn, tokens)
-        prog.node(
-            "rmsnorm",
-            {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed},
-            {"eps": s.rms_eps},
-            name=f"{label}final_norm",
-        )
-        prog.node("linear", {"x": normed, "weight": self.lm_head, "out": logits}, name=f"{label}lm_head")
+        self._norm_and_head(prog, tokens, logits, f"{label}final_norm", f"{label}lm_head")
 
     def _draft_choice(
         self, prog: ProgramBuilder, rows: int, draws: int, index: int, logits: View, token_rows: View, label: str
@@ -1402,49 +1173,7 @@ class LlamaProgramWriter:
                         {"src": saved, "src_rows": rows, "dst_rows": state_row, "dst": live},
                         name=f"restore_{label}",
                     )
-            prog.node(
-                "completion_copy_lanes",
-                {
-                    "generation": prefix(sh.generation, 1),
-                    "consumed": consumed,
-                    "submission_sequence": sh.submission_sequence,
-                    "out_generation": prefix(sh.out_generation, 1),
-                    "out_emitted": prefix(sh.out_emitted, 1),
-                    "out_consumed": prefix(sh.out_consumed, 1),
-                    "out_draft_cursor": prefix(sh.out_draft_cursor, 1),
-                    "out_reserved": prefix(sh.out_reserved, 1),
-                    "out_sequence": sh.out_sequence,
-                },
-            )
+            self._completion_copy_lanes(prog, consumed)
             self.builder.add_program(prog)
             graphs.append(self._graph(name, operation, 1, 1, bindings, accesses, generating=False))
         return graphs
-
-    def _prompt_scores(self, prog: ProgramBuilder, tokens: int) -> None:
-        s, sh, sc = self.shape, self.shared, self.scratch
-        all_logits = prefix(sc.all_logits, tokens)
-        if self.fused:
-            prog.node(
-                "rmsnorm_linear",
-                {"x": prefix(sc.h, tokens), "norm_weight": self.out_norm, "weight": self.lm_head, "out": all_logits},
-                {"eps": s.rms_eps},
-                name="score_head",
-            )
-        else:
-            normed = prefix(sc.xn, tokens)
-            prog.node(
-                "rmsnorm",
-                {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed},
-                {"eps": s.rms_eps},
-                name="score_norm",
-            )
-            prog.node("linear", {"x": normed, "weight": self.lm_head, "out": all_logits}, name="score_head")
-        prog.node(
-            "log_softmax_gather",
-            {
-                "logits": all_logits,
-                "targets": prefix(sh.score_targets, tokens),
-                "out": prefix(sh.out_prompt_scores, tokens),
-            },
-            {"vocab_limit": self.sampled_size},
-        )

@@ -26,32 +26,41 @@ endpoint (the whole committed history: there are no pages to keep), a restore co
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from helios_core.container.writer import ResourceInput, write_core
-from helios_core.contract import EXPORTED_CONTRACT_VERSION, prepare_contract
-from helios_core.wire import container_pb2 as cb
+from helios_core.container.writer import ResourceInput
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
-from ignition import __version__ as toolkit_version
+from ignition.build import (
+    Layout,
+    Progress,
+    cache_identity,
+    check_reference_only,
+    core_resources,
+    default_frontend,
+    serving_contract,
+    text_model_contract,
+    validate_and_write,
+)
 from ignition.preparation import contract as decl
 from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, binding, prefix
+from ignition.recipes.common import TextProgramWriter
 from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import CHATML_TEMPLATE, byte_level_tokenizer
+from ignition.recipes.synthetic import (
+    CHATML_TEMPLATE,
+    byte_level_tokenizer,
+    embedding_and_head_weights,
+    norm_gain,
+    seeded_normal,
+)
 
 Weights = Mapping[str, npt.NDArray[np.float32]]
-Progress = Callable[[str, int, int], None]
-
-RECURRENT_TARGETS = ("reference",)
-"""Targets this recipe builds kernels for."""
 
 
 @dataclass(frozen=True)
@@ -89,24 +98,16 @@ def tensor_names(layer: int) -> dict[str, str]:
 
 def random_weights(shape: RecurrentShape, seed: int) -> dict[str, npt.NDArray[np.float32]]:
     """Seeded weights (one sequential stream of standard normals, in this order; tests pin the tokens)."""
-    rng = np.random.default_rng(seed)
-
-    def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
-        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(scale)).astype(np.float32)
-
+    normal = seeded_normal(seed)
     h, d, f = shape.hidden, shape.state, shape.ffn
-    weights = {
-        "token_embd.weight": normal(shape.vocab, h, scale=1.0),
-        "output_norm.weight": (1.0 + normal(h, scale=0.05)).astype(np.float32),
-        "output.weight": normal(shape.vocab, h, scale=h**-0.5),
-    }
+    weights = embedding_and_head_weights(normal, shape.vocab, h)
     for layer in range(shape.layers):
         names = tensor_names(layer)
-        weights[names["mix_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["mix_norm"]] = norm_gain(normal, h)
         weights[names["w_gate"]] = normal(d, h, scale=2.0 * h**-0.5)
         weights[names["w_in"]] = normal(d, h, scale=h**-0.5)
         weights[names["w_out"]] = normal(h, d, scale=d**-0.5)
-        weights[names["ffn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["ffn_norm"]] = norm_gain(normal, h)
         weights[names["ffn_gate"]] = normal(f, h, scale=h**-0.5)
         weights[names["ffn_up"]] = normal(f, h, scale=h**-0.5)
         weights[names["ffn_down"]] = normal(h, f, scale=f**-0.5)
@@ -156,10 +157,16 @@ class _Scratch:
     logits: View
     all_logits: View
     ids: View
+    sampled_ids: View | None = None
+    """None: the completion record is one id a lane (no speculative programs)."""
+    sampled_logprob: View | None = None
 
 
-class RecurrentProgramWriter:
+class RecurrentProgramWriter(TextProgramWriter):
     """Writes the programs of the recurrent model into a ManifestBuilder."""
+
+    shape: RecurrentShape
+    scratch: _Scratch
 
     def __init__(
         self, builder: ManifestBuilder, shape: RecurrentShape, caps: Capacities, weights: Weights, *, sampled_size: int
@@ -177,47 +184,29 @@ class RecurrentProgramWriter:
             top_logprobs=caps.top_logprobs,
         )
         self.shared = decl.declare_paged_text(builder, self.text_caps)
-        self._declare_weights(weights)
-        state = mf.BUFFER_ROLE_PERSISTENT_STATE
-        self.states = [
-            builder.buffer(
-                f"recurrent.state{layer}",
-                state,
-                mf.DTYPE_F32,
-                [caps.max_rows, shape.state],
-                leading_symbol=mf.DIM_SYMBOL_STATE_ROWS,
-            )
-            for layer in range(shape.layers)
-        ]
+        self._declare_float_weights(weights, tensor_names)
+        self.states = self._state_buffers("recurrent", caps.max_rows, mf.DIM_SYMBOL_STATE_ROWS)
         zeros = np.zeros((caps.max_rows, shape.state), dtype=np.float32)
         self.zero_rows = builder.weight("layout.zero_state", zeros, "constants")
         self.snapshots: decl.SnapshotViews | None = None
         self.continuation: list[View] = []
         if caps.snapshots > 0:
             self.snapshots = decl.declare_snapshots(builder, self.text_caps, caps.snapshots)
-            self.continuation = [
-                builder.buffer(
-                    f"continuation.state{layer}",
-                    state,
-                    mf.DTYPE_F32,
-                    [caps.snapshots, shape.state],
-                    leading_symbol=mf.DIM_SYMBOL_SNAPSHOT_ROWS,
-                )
-                for layer in range(shape.layers)
-            ]
+            self.continuation = self._state_buffers("continuation", caps.snapshots, mf.DIM_SYMBOL_SNAPSHOT_ROWS)
         self.scratch = self._declare_scratch()
 
-    def _declare_weights(self, weights: Weights) -> None:
-        w = self.builder.weight
-        self.tok_embd = w("tok_embd", weights["token_embd.weight"], "weights.embed")
-        self.layer_weights: list[dict[str, View]] = []
-        for layer in range(self.shape.layers):
-            names = tensor_names(layer)
-            self.layer_weights.append(
-                {key: w(name, weights[name], f"weights.layer{layer}") for key, name in names.items()}
+    def _state_buffers(self, group: str, rows: int, leading_symbol: int) -> list[View]:
+        """One persistent float32 buffer ``{group}.state{L}`` of ``rows`` state rows a layer."""
+        return [
+            self.builder.buffer(
+                f"{group}.state{layer}",
+                mf.BUFFER_ROLE_PERSISTENT_STATE,
+                mf.DTYPE_F32,
+                [rows, self.shape.state],
+                leading_symbol=leading_symbol,
             )
-        self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
-        self.lm_head = w("output.weight", weights["output.weight"], "weights.head")
+            for layer in range(self.shape.layers)
+        ]
 
     def _declare_scratch(self) -> _Scratch:
         s, c = self.shape, self.caps
@@ -244,7 +233,7 @@ class RecurrentProgramWriter:
         )
 
     # -- dataflow --------------------------------------------------------------------------------------
-    def _decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View, *, packed: bool) -> None:
+    def _decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View, *, packed: bool = True) -> None:
         """Embedding and every layer over ``tokens`` packed tokens of ``rows`` lanes: a packed block per
         lane (``gated_recurrence_scan``) or, with ``packed`` False, one token a lane (``gated_recurrence_step``)."""
         s, sc, sh = self.shape, self.scratch, self.shared
@@ -287,192 +276,29 @@ class RecurrentProgramWriter:
             prog.node("linear", {"x": act, "weight": lw["ffn_down"], "out": o}, name=f"l{layer}.ffn_down")
             prog.node("add", {"a": h, "b": o, "out": h}, name=f"l{layer}.ffn_residual")
 
-    def _sample_and_complete(self, prog: ProgramBuilder, rows: int, tokens: int) -> None:
-        """Final norm and LM head on each lane's last token, sampling, pending token, completion record."""
-        s, sh, sc = self.shape, self.shared, self.scratch
-        r = rows
-        last_index, last_h, logits = prefix(sc.last_index, r), prefix(sc.last_h, r), prefix(sc.logits, r)
-        ids = prefix(sh.out_sampled_ids, r)
-        prog.node("lane_last_index", {"query_length": prefix(sh.query_length, r), "out": last_index})
-        prog.node("gather_rows", {"x": prefix(sc.h, tokens), "index": last_index, "out": last_h})
-        prog.node(
-            "rmsnorm", {"x": last_h, "weight": self.out_norm, "out": last_h}, {"eps": s.rms_eps}, name="final_norm"
-        )
-        prog.node("linear", {"x": last_h, "weight": self.lm_head, "out": logits}, name="lm_head")
-        settings = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty")
-        prog.node(
-            "sample",
-            {
-                "logits": logits,
-                **{name: prefix(getattr(sh, name), r) for name in (*settings, "presence_penalty")},
-                "prompt_presence": sh.prompt_presence,
-                "output_counts": sh.output_counts,
-                "rows": prefix(sh.state_rows, r),
-                "seed": prefix(sh.seed, r),
-                "step": prefix(sh.sampling_step, r),
-                "active": prefix(sh.sample_active, r),
-                "allowed_mask": prefix(sh.grammar_mask, r),
-                "constrained": prefix(sh.constrained, r),
-                "ids": ids,
-                "logprob": prefix(sh.out_logprobs, r),
-                "top_ids": prefix(sh.out_top_ids, r),
-                "top_logprobs": prefix(sh.out_top_logprobs, r),
-            },
-            {"vocab_limit": self.sampled_size, "top_n": self.caps.top_logprobs},
-        )
-        prog.node(
-            "copy_rows",
-            {
-                "src": ids,
-                "dst_rows": prefix(sh.state_rows, r),
-                "when": prefix(sh.sample_active, r),
-                "dst": sh.pending_tokens,
-            },
-            name="store_pending_token",
-        )
-        prog.node(
-            "completion_lanes",
-            {
-                "generation": prefix(sh.generation, r),
-                "sample_active": prefix(sh.sample_active, r),
-                "last_index": last_index,
-                "positions": prefix(sh.positions, tokens),
-                "submission_sequence": sh.submission_sequence,
-                "out_generation": prefix(sh.out_generation, r),
-                "out_emitted": prefix(sh.out_emitted, r),
-                "out_consumed": prefix(sh.out_consumed, r),
-                "out_draft_cursor": prefix(sh.out_draft_cursor, r),
-                "out_reserved": prefix(sh.out_reserved, r),
-                "out_sequence": sh.out_sequence,
-            },
-        )
-
-    def _prompt_scores(self, prog: ProgramBuilder, tokens: int) -> None:
-        sh, sc = self.shared, self.scratch
-        all_logits, normed = prefix(sc.all_logits, tokens), prefix(sc.xn, tokens)
-        eps = {"eps": self.shape.rms_eps}
-        prog.node(
-            "rmsnorm", {"x": prefix(sc.h, tokens), "weight": self.out_norm, "out": normed}, eps, name="score_norm"
-        )
-        prog.node("linear", {"x": normed, "weight": self.lm_head, "out": all_logits}, name="score_head")
-        prog.node(
-            "log_softmax_gather",
-            {
-                "logits": all_logits,
-                "targets": prefix(sh.score_targets, tokens),
-                "out": prefix(sh.out_prompt_scores, tokens),
-            },
-            {"vocab_limit": self.sampled_size},
-        )
-
     # -- programs --------------------------------------------------------------------------------------
-    def _recurrent_accesses(self, mode: int) -> list[ct.StateAccess]:
+    def _step_decoder(self, prog: ProgramBuilder, rows: int, ids: View) -> None:
+        self._decoder(prog, rows, rows, ids, packed=False)
+
+    def _token_bindings(self, *, host_tokens: bool) -> list[ct.ValueBinding]:
+        return token_bindings(host_tokens=host_tokens)
+
+    def _history_accesses(self, mode: int) -> list[ct.StateAccess]:
+        """Every layer's recurrent state rows."""
         return [ct.StateAccess(view=recurrent_view(layer), mode=mode) for layer in range(self.shape.layers)]  # type: ignore[arg-type]
 
-    def _graph(
-        self,
-        name: str,
-        operation: int,
-        rows: int,
-        tokens: int,
-        bindings: list[ct.ValueBinding],
-        accesses: list[ct.StateAccess],
-        *,
-        generating: bool = True,
-        pending: bool = False,
-    ) -> ct.GraphContract:
-        graph = ct.GraphContract(name=name, operation=operation)  # type: ignore[arg-type]
-        graph.bindings.extend(bindings)
-        graph.state_accesses.extend(accesses)
-        graph.extents.batch_capacity = rows
-        graph.extents.token_capacity = 1 if operation == ct.OPERATION_DECODE else tokens
-        graph.extents.packed_token_capacity = tokens
-        graph.state_rows_per_request = 1
-        graph.resource_dependencies.extend(sorted(self.builder.weight_resources))
-        if generating:
-            graph.rng_reservations.extend(decl.target_rng())
-            graph.logprobs.sampled = True
-            graph.logprobs.top_n = self.caps.top_logprobs
-        if pending:
-            graph.pending_token.CopyFrom(ct.PendingTokenSource(state_view=decl.PENDING_TOKEN_VIEW))
-        return graph
-
-    def write(self) -> list[ct.GraphContract]:
-        """Write every program; returns their graph contracts."""
-        caps, sh = self.caps, self.shared
-        b = caps.max_rows
-        graphs: list[ct.GraphContract] = []
-
-        init = ProgramBuilder("initialize", ct.OPERATION_INITIALIZE)
-        state_rows = prefix(sh.state_rows, b)
-        init.node(
-            "init_sampling_state",
-            {
-                "prompt_histogram": prefix(sh.prompt_histogram, b),
-                "rows": state_rows,
-                "prompt_presence": sh.prompt_presence,
-                "output_counts": sh.output_counts,
-            },
-        )
-        for layer, state in enumerate(self.states):  # a new request's history starts from zero
-            init.node(
+    def _initialize_history(self, prog: ProgramBuilder, state_rows: View) -> None:
+        """A new request's history starts from zero."""
+        for layer, state in enumerate(self.states):
+            prog.node(
                 "copy_rows",
                 {"src": self.zero_rows, "dst_rows": state_rows, "dst": state},
                 name=f"l{layer}.reset_state",
             )
-        self.builder.add_program(init)
-        graphs.append(
-            self._graph(
-                "initialize",
-                ct.OPERATION_INITIALIZE,
-                b,
-                b,
-                decl.admission_bindings(),
-                [
-                    ct.StateAccess(view=decl.PROMPT_PRESENCE_VIEW, mode=ct.ACCESS_MODE_WRITE),
-                    ct.StateAccess(view=decl.OUTPUT_COUNTS_VIEW, mode=ct.ACCESS_MODE_WRITE),
-                    *self._recurrent_accesses(ct.ACCESS_MODE_WRITE),
-                ],
-                generating=False,
-            )
-        )
 
-        generating = decl.sampling_state_accesses() + self._recurrent_accesses(ct.ACCESS_MODE_READ_WRITE)
-        host_fed = decl.lane_bindings() + token_bindings(host_tokens=True) + decl.sampling_bindings()
-        for tokens in caps.prefill_tokens:
-            for operation, label in (
-                (ct.OPERATION_PREFILL, "prefill"),
-                (ct.OPERATION_MIXED, "mixed"),
-                (ct.OPERATION_RESUME, "resume"),
-                (ct.OPERATION_SCORED_PREFILL, "scored_prefill"),
-            ):
-                name = f"{label}_p{tokens}"
-                prog = ProgramBuilder(name, operation)
-                self._decoder(prog, b, tokens, prefix(sh.input_ids, tokens), packed=True)
-                bindings = list(host_fed)
-                if operation == ct.OPERATION_SCORED_PREFILL:
-                    self._prompt_scores(prog, tokens)
-                    bindings.append(
-                        binding("score_targets", ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS, decl.PACKED, padding=-1)
-                    )
-                self._sample_and_complete(prog, b, tokens)
-                self.builder.add_program(prog)
-                graphs.append(self._graph(name, operation, b, tokens, bindings, generating))
-
-        for rows in caps.decode_rows:
-            name = f"decode_b{rows}"
-            prog = ProgramBuilder(name, ct.OPERATION_DECODE)
-            ids = prefix(self.scratch.ids, rows)
-            prog.node(
-                "gather_rows",
-                {"x": sh.pending_tokens, "index": prefix(sh.state_rows, rows), "out": ids},
-                name="load_pending_token",
-            )
-            self._decoder(prog, rows, rows, View(ids.buffer, (rows,)), packed=False)
-            self._sample_and_complete(prog, rows, rows)
-            self.builder.add_program(prog)
-            bindings = decl.lane_bindings() + token_bindings(host_tokens=False) + decl.sampling_bindings()
-            graphs.append(self._graph(name, ct.OPERATION_DECODE, rows, rows, bindings, generating, pending=True))
+    def write(self) -> list[ct.GraphContract]:
+        """Write every program; returns their graph contracts."""
+        graphs = self._write_generating_programs()
         if self.snapshots is not None:
             graphs.extend(self._snapshot_programs(self.snapshots))
         return graphs
@@ -509,22 +335,9 @@ class RecurrentProgramWriter:
                 else:
                     args = {"src": saved, "src_rows": rows, "dst_rows": state_row, "dst": live}
                 prog.node("copy_rows", args, name=f"{name}_{label}")
-            prog.node(
-                "completion_copy_lanes",
-                {
-                    "generation": prefix(sh.generation, 1),
-                    "consumed": prefix(snap.consumed, 1),
-                    "submission_sequence": sh.submission_sequence,
-                    "out_generation": prefix(sh.out_generation, 1),
-                    "out_emitted": prefix(sh.out_emitted, 1),
-                    "out_consumed": prefix(sh.out_consumed, 1),
-                    "out_draft_cursor": prefix(sh.out_draft_cursor, 1),
-                    "out_reserved": prefix(sh.out_reserved, 1),
-                    "out_sequence": sh.out_sequence,
-                },
-            )
+            self._completion_copy_lanes(prog, prefix(snap.consumed, 1))
             self.builder.add_program(prog)
-            accesses = [ct.StateAccess(view=v, mode=mode) for v in sampling_views] + self._recurrent_accesses(mode)  # type: ignore[arg-type]
+            accesses = [ct.StateAccess(view=v, mode=mode) for v in sampling_views] + self._history_accesses(mode)  # type: ignore[arg-type]
             bindings = state_copy_bindings(source, rows.buffer)
             graphs.append(self._graph(name, operation, 1, 1, bindings, accesses, generating=False))
         return graphs
@@ -577,7 +390,7 @@ def recurrent_declaration(shape_name: str, *, seed: int = 0) -> RecurrentDeclara
         tokenizer_json=tokenizer.json,
         chat_template=CHATML_TEMPLATE,
         sampled_size=tokenizer.vocab_size,
-        eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
+        eos_token_ids=tokenizer.eos_token_ids,
         description=f"Synthetic gated linear-recurrent shape {shape_name!r} with seeded random weights (seed {seed})",
     )
 
@@ -586,14 +399,9 @@ def check_recurrent_targets(targets: Sequence[str]) -> None:
     """Refuse targets this recipe has no kernels for.
 
     Raises:
-        ValueError: a target outside :data:`RECURRENT_TARGETS`.
+        ValueError: a target other than ``reference``.
     """
-    unsupported = [t for t in targets if t not in RECURRENT_TARGETS]
-    if unsupported:
-        raise ValueError(
-            f"recurrent-synthetic is built for the targets {', '.join(RECURRENT_TARGETS)} only; "
-            f"build without {', '.join(unsupported)}"
-        )
+    check_reference_only("recurrent-synthetic", targets)
 
 
 def assemble_recurrent(
@@ -603,55 +411,24 @@ def assemble_recurrent(
     builder = ManifestBuilder()
     writer = RecurrentProgramWriter(builder, model.shape, caps, model.weights, sampled_size=model.sampled_size)
     graphs = writer.write()
-    resources = [
-        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
-        for rid, res in sorted(builder.weight_resources.items())
-    ]
-    resources.append(ResourceInput(id="tokenizer", kind=cb.RESOURCE_KIND_TOKENIZER, data=model.tokenizer_json.encode()))
-    resources.append(
-        ResourceInput(id="chat_template", kind=cb.RESOURCE_KIND_CHAT_TEMPLATE, data=model.chat_template.encode())
-    )
-    identity = hashlib.sha256(b"gated-linear-recurrence")
-    for resource in resources:
-        identity.update(resource.id.encode())
-        identity.update(hashlib.sha256(resource.data).digest())
-
-    shape = model.shape
-    contract_model = ct.ModelContract(version=EXPORTED_CONTRACT_VERSION)
-    contract_model.vocabulary.sampled_size = model.sampled_size
-    contract_model.vocabulary.logits_width = shape.vocab
-    contract_model.vocabulary.histogram_width = shape.vocab
-    contract_model.vocabulary.mask_words = -(-shape.vocab // 32)
-    contract_model.input_vocabulary.size = model.sampled_size
-    contract_model.cache.page_tokens = caps.page_tokens
+    resources = core_resources(builder, model.tokenizer_json, model.chat_template)
+    contract_model = text_model_contract(model.sampled_size, model.shape.vocab, caps.page_tokens)
     recurrent = contract_model.cache.regions.add(name="recurrent", kind=ct.HISTORY_KIND_RECURRENT)
     recurrent.planes.extend(state.buffer for state in writer.states)
     if writer.continuation:  # snapshot rows: the recurrent state at an exact endpoint (no partial pages)
         continuation = contract_model.cache.regions.add(name="continuation", kind=ct.HISTORY_KIND_CONTINUATION)
         continuation.planes.extend(row.buffer for row in writer.continuation)
     contract_model.graphs.extend(graphs)
-    contract_model.frontend.CopyFrom(
-        ct.FrontendContract(
-            tool_parser=ct.TOOL_PARSER_NONE,
-            reasoning_parser=ct.REASONING_PARSER_NONE,
-            image_preparation=ct.IMAGE_PREPARATION_NONE,
-            image_layout=ct.IMAGE_LAYOUT_NONE,
-        )
-    )
+    contract_model.frontend.CopyFrom(default_frontend())
     contract_model.state_views.extend(writer.state_views())
-
-    serving = ct.ServingContract(
-        served_name=model.served_name,
-        cache_identity=identity.hexdigest()[:32],
-        context_tokens=caps.context,
-        prefill_tokens=max(caps.prefill_tokens),
-        page_capacity=caps.cache_pages,
-        snapshot_capacity=caps.snapshots,
-        max_concurrency=caps.max_rows,
+    serving = serving_contract(
+        model.served_name,
+        cache_identity(resources, family=b"gated-linear-recurrence"),
+        caps,
+        contract_model,
+        eos_token_ids=model.eos_token_ids,
+        max_output_tokens=model.max_output_tokens,
     )
-    serving.defaults.max_output_tokens = model.max_output_tokens
-    serving.defaults.eos_token_ids.extend(model.eos_token_ids)
-    serving.model.CopyFrom(contract_model)
     return serving, builder, resources
 
 
@@ -662,7 +439,7 @@ def build_recurrent_core(
     caps: Capacities,
     signing_key: Ed25519PrivateKey,
     namespace: str,
-    layout: Literal["payload", "logical-v6", "logical-v4"] = "payload",
+    layout: Layout = "payload",
     core_key: bytes | None = None,
     targets: Sequence[str] = ("reference",),
     progress: Progress | None = None,
@@ -670,22 +447,16 @@ def build_recurrent_core(
     """Assemble, validate (with Helios' own contract rules), sign and write a recurrent core."""
     check_recurrent_targets(targets)
     serving, builder, resources = assemble_recurrent(model, caps)
-    prepare_contract(
-        serving,
-        builder.manifest,
-        [cb.ExecutableResource(id=r.id, kind=r.kind, decoded_nbytes=len(r.data)) for r in resources],  # type: ignore[arg-type]
-    )
-    write_core(
+    validate_and_write(
         out,
-        namespace=namespace,
-        contract=serving,
-        execution=builder.manifest,
-        resources=resources,
+        serving,
+        builder,
+        resources,
         signing_key=signing_key,
+        namespace=namespace,
         layout=layout,
         core_key=core_key,
         description=model.description,
-        rebuild=cb.RebuildManifest(toolkit_version=toolkit_version),
         progress=progress,
     )
     return serving

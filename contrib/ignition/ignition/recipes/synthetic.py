@@ -13,7 +13,10 @@ seeded pool of ``PERIOD`` normals, tiled from a seeded start offset and scaled,
 so an 8B build never holds every float32 weight at once, spends no time on
 billions of normal draws, and compresses to a small core (the bf16 period lies
 inside the zstd window). Timing does not depend on the values; the period is
-coprime with every row length, so rows are distinct shifts of the pool.
+coprime with every row length, so rows are distinct shifts of the pool. The
+sequential stream and its first tensors (:func:`seeded_normal`,
+:func:`embedding_and_head_weights`, :func:`norm_gain`) also serve the
+``recurrent-synthetic`` and ``latent-synthetic`` recipes, as does the tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -107,6 +110,11 @@ class SyntheticTokenizer:
     vocab_size: int
     special_ids: dict[str, int]
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end generation: ChatML's ``<|im_end|>``, then ``<|endoftext|>``."""
+        return [self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"]]
+
 
 def byte_level_tokenizer(extra_special: tuple[str, ...] = ()) -> SyntheticTokenizer:
     """A byte-level BPE tokenizer with no merges: 256 byte tokens, then special tokens."""
@@ -149,6 +157,37 @@ PERIOD = 524_287
 2 MiB window of zstd level 3, and coprime with every row length."""
 
 
+class NormalDraw(Protocol):
+    """``normal(*dims, scale=s)``: the next ``dims`` standard normals of a seeded stream, times ``s``."""
+
+    def __call__(self, *dims: int, scale: float) -> npt.NDArray[np.float32]: ...
+
+
+def seeded_normal(seed: int) -> NormalDraw:
+    """One sequential stream of float32 standard normals from ``numpy.random.default_rng(seed)``; each
+    call draws the next block (the synthetic recipes draw their tensors in a fixed order from one)."""
+    rng = np.random.default_rng(seed)
+
+    def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+    return normal
+
+
+def norm_gain(normal: NormalDraw, width: int) -> npt.NDArray[np.float32]:
+    """An RMSNorm gain of ``width`` values near one (1 + 0.05 x a standard normal)."""
+    return (1.0 + normal(width, scale=0.05)).astype(np.float32)
+
+
+def embedding_and_head_weights(normal: NormalDraw, vocab: int, hidden: int) -> dict[str, npt.NDArray[np.float32]]:
+    """The first tensors a synthetic recipe draws: token embedding, final norm gain and LM head."""
+    return {
+        "token_embd.weight": normal(vocab, hidden, scale=1.0),
+        "output_norm.weight": norm_gain(normal, hidden),
+        "output.weight": normal(vocab, hidden, scale=hidden**-0.5),
+    }
+
+
 def random_weights(shape: LlamaShape, seed: int) -> Mapping[str, npt.NDArray[np.float32]]:
     """Seeded random weights with scales that keep activations well conditioned.
 
@@ -157,21 +196,13 @@ def random_weights(shape: LlamaShape, seed: int) -> Mapping[str, npt.NDArray[np.
     """
     if shape.parameter_count() > PERIODIC_ABOVE:
         return PeriodicWeights(shape, seed)
-    rng = np.random.default_rng(seed)
-
-    def normal(*dims: int, scale: float) -> npt.NDArray[np.float32]:
-        return (rng.standard_normal(dims, dtype=np.float32) * np.float32(scale)).astype(np.float32)
-
+    normal = seeded_normal(seed)
     h, hd = shape.hidden, shape.head_dim
-    weights: dict[str, npt.NDArray[np.float32]] = {
-        "token_embd.weight": normal(shape.vocab, h, scale=1.0),
-        "output_norm.weight": (1.0 + normal(h, scale=0.05)).astype(np.float32),
-        "output.weight": normal(shape.vocab, h, scale=h**-0.5),
-    }
+    weights = embedding_and_head_weights(normal, shape.vocab, h)
     for layer in range(shape.layers):
         names = tensor_names(layer)
-        weights[names["attn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
-        weights[names["ffn_norm"]] = (1.0 + normal(h, scale=0.05)).astype(np.float32)
+        weights[names["attn_norm"]] = norm_gain(normal, h)
+        weights[names["ffn_norm"]] = norm_gain(normal, h)
         weights[names["wq"]] = normal(shape.heads * hd, h, scale=h**-0.5)
         weights[names["wk"]] = normal(shape.kv_heads * hd, h, scale=h**-0.5)
         weights[names["wv"]] = normal(shape.kv_heads * hd, h, scale=h**-0.5)
@@ -353,6 +384,6 @@ def synthetic_declaration(
         chat_template=template,
         frontend=frontend,
         sampled_size=tokenizer.vocab_size,
-        eos_token_ids=[tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|endoftext|>"]],
+        eos_token_ids=tokenizer.eos_token_ids,
         description=f"Synthetic Llama shape {shape_name!r} with seeded random weights (seed {seed})",
     )

@@ -1,0 +1,382 @@
+"""The server side of a model worker in its own process (``helios run --worker-process``).
+
+Owns starting the worker process and :class:`WorkerProcessEngine`, the ``Engine``-compatible proxy the
+chat service uses in its place. The server process opens and verifies the core itself (its contract,
+frontend assets and load-time selection: what preparation, presentation and admission read) and builds
+its own structured-output compiler; the worker process (:func:`helios_core.runtime.remote.serve_worker`)
+verifies it again and loads the native model. The messages between them are
+:mod:`helios_core.runtime.remote`'s.
+
+The proxy keeps the engine's API and its behaviour: :meth:`WorkerProcessEngine.submit` returns a
+:class:`~helios_core.runtime.engine.RequestStream` that yields the same events in the same order (the
+text of ungated requests is added by the stream, here, as in the thread mode), ``cancel`` stops a
+request before its next round, ``statistics`` returns the newest snapshot the worker sent (it sends one
+whenever something changed, checked every 20 ms; reading it never blocks), ``live_load`` the live load
+gauges of ``/metrics``, ``kv_events`` the worker's KV-cache event counters (0 until
+:meth:`WorkerProcessEngine.start_kv_events` attached the worker's publisher) and ``worker_alive``
+whether the worker process runs. When the worker process
+dies, every open request ends at once with an :class:`~helios_core.runtime.messages.ExecutionFailed`
+(HTTP 500 ``execution_error``, a stream's ``error`` event) naming the exit, later submissions end the
+same way, and ``/health`` answers 503. ``shutdown`` sends ``Stop``: the worker cancels what remains
+(each request's terminal event arrives first), closes its core and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import cast
+
+import msgspec
+from tokenizers import Tokenizer
+
+from helios_core.contract import LoadOptions, PreparedContract, Selection, select
+from helios_core.errors import HeliosError, StartupError
+from helios_core.frontend.bootstrap import Bootstrap
+from helios_core.frontend.detokenizer import TokenBytes
+from helios_core.frontend.structured import GrammarCompiler
+from helios_core.loading import TrustSettings, open_core
+from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, compile_format
+from helios_core.runtime.gates import StreamText, needs_gate
+from helios_core.runtime.kv_events import KvEventsConfig
+from helios_core.runtime.messages import (
+    TERMINAL_EVENTS,
+    AdmissionRejected,
+    Cancel,
+    ExecutionFailed,
+    Finished,
+    PreparedRequest,
+    Stop,
+    Submit,
+    TokenEvent,
+)
+from helios_core.runtime.native_model import NativeModel
+from helios_core.runtime.remote import (
+    FromWorker,
+    KvEventsFailed,
+    KvEventsStarted,
+    LoadUpdate,
+    RoundDelivery,
+    StartKvEvents,
+    WorkerReady,
+    WorkerSpec,
+    WorkerStartFailed,
+    WorkerStopped,
+    from_worker_decoder,
+    serve_worker,
+)
+from helios_core.runtime.startup import RunningModel
+from helios_core.runtime.stats import StatsSnapshot
+
+__all__ = ["LiveLoad", "RemoteKvEventCounts", "WorkerProcessEngine", "start_worker_process"]
+
+_STOP_SECONDS = 60.0
+"""How long :meth:`WorkerProcessEngine.shutdown` waits for the worker to stop before killing it."""
+_KV_EVENTS_START_SECONDS = 30.0
+"""How long :meth:`WorkerProcessEngine.start_kv_events` waits for the worker's answer."""
+
+
+@dataclass(frozen=True)
+class LiveLoad:
+    """The worker's live load values the gateway gauges read."""
+
+    running: int
+    free_pages: int
+    evictable_pages: int
+    total_pages: int
+    page_tokens: int
+
+
+@dataclass
+class RemoteKvEventCounts:
+    """The worker's KV-cache event counters as its newest :class:`LoadUpdate` carried them."""
+
+    dropped: int = 0
+    """Events the worker's publisher dropped because its queue was full."""
+    published: int = 0
+    """Events the worker's publisher sent on its socket."""
+
+
+class _RemoteModel:
+    """What the server process knows of the model the worker process loaded (no backend here)."""
+
+    def __init__(self, contract: PreparedContract, selection: Selection, clock_origin_ns: int) -> None:
+        self.contract = contract
+        self.selection = selection
+        self.clock_origin_ns = clock_origin_ns
+
+    def close(self) -> None:
+        """Nothing to release here: the worker process closes the model."""
+
+
+class WorkerProcessEngine:
+    """The engine's API over the pipe to a model worker process (see the module docstring)."""
+
+    def __init__(
+        self,
+        process: BaseProcess,
+        connection: Connection,
+        ready: WorkerReady,
+        selection: Selection,
+        tokenizer: Tokenizer,
+        grammar_compiler: GrammarCompiler,
+    ) -> None:
+        self._process = process
+        self._connection = connection
+        self.pid = ready.pid
+        self.queue_capacity = selection.queue_capacity
+        self.capacity = selection.queue_capacity + selection.max_active
+        self.grammar_compiler = grammar_compiler
+        token_bytes = TokenBytes.from_tokenizer(tokenizer)
+        self.make_text: Callable[[], StreamText] = lambda: StreamText(tokenizer, token_bytes)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._snapshot = ready.snapshot
+        self._load = LiveLoad(0, ready.total_pages, 0, ready.total_pages, ready.page_tokens)
+        self.kv_events = RemoteKvEventCounts()
+        """The worker's KV-cache event counters (``/metrics`` reads them; updated from each LoadUpdate)."""
+        self._kv_answers: queue.SimpleQueue[KvEventsStarted | KvEventsFailed] = queue.SimpleQueue()
+        self._failure: str | None = None
+        """Why every request now fails at once (the worker process died), or None while it runs."""
+        self._stopping = False
+        self._receiver = threading.Thread(target=self._receive, name="helios-worker-receiver", daemon=True)
+        self._receiver.start()
+
+    # -- the engine API ---------------------------------------------------------------------------
+    def submit(self, request: PreparedRequest) -> RequestStream:
+        """Send ``request`` to the worker; its events arrive on the returned stream (as ``Engine.submit``)."""
+        if request.response_format is not None and request.grammar is None:
+            compiled = compile_format(request, request.response_format, self.grammar_compiler)
+            if isinstance(compiled, AdmissionRejected):
+                refused = RequestStream(request.request_id)
+                refused.put(compiled)
+                return refused
+            request = compiled
+        stream = RequestStream(request.request_id, None if needs_gate(request) else self.make_text())
+        with self._lock:
+            if self._failure is not None:
+                stream.put(ExecutionFailed(request.request_id, self._failure))
+                return stream
+            if request.request_id in self._streams:
+                raise HeliosError(f"request id {request.request_id!r} is already active")
+            self._streams[request.request_id] = stream
+        # the compiled grammar stays here: the worker compiles it again from response_format
+        self._send(Submit(msgspec.structs.replace(request, grammar=None)))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request before its next round; it finishes with reason ``cancelled``."""
+        with self._lock:
+            if request_id not in self._streams or self._failure is not None:
+                return
+        self._send(Cancel(request_id))
+
+    def generate(self, request: PreparedRequest) -> GenerationResult:
+        """Submit and wait: the tokens and finish reason, or the rejection/failure as an error."""
+        tokens: list[int] = []
+        for event in self.submit(request):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+            elif isinstance(event, Finished):
+                return GenerationResult(tokens, event.reason, event.prompt_tokens, event.reused_prompt_tokens)
+            elif isinstance(event, AdmissionRejected | ExecutionFailed):
+                raise HeliosError(event.message)
+        raise HeliosError("the request stream ended without a terminal event")
+
+    def start_kv_events(self, config: KvEventsConfig, topic: str) -> None:
+        """Start the KV-cache event publisher in the worker process, beside its page allocator, and wait
+        until it is attached (its first event, ``AllBlocksCleared``, is then queued). Call once, before the
+        first request. A StartupError says why it did not start (an endpoint that cannot be used, the
+        worker's exit, or no answer within 30 s)."""
+        self._send(StartKvEvents(config, topic))
+        deadline = time.monotonic() + _KV_EVENTS_START_SECONDS
+        while True:
+            try:
+                answer = self._kv_answers.get(timeout=0.05)
+            except queue.Empty:
+                if not self.worker_alive():
+                    raise StartupError(
+                        "the model worker process stopped before it started the KV-cache event publisher"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise StartupError(
+                        f"the model worker process did not start the KV-cache event publisher within "
+                        f"{_KV_EVENTS_START_SECONDS:g} s"
+                    ) from None
+                continue
+            if isinstance(answer, KvEventsFailed):
+                raise StartupError(answer.message)
+            return
+
+    def worker_alive(self) -> bool:
+        """Whether the worker process runs and its pipe is open."""
+        return self._failure is None and self._process.is_alive()
+
+    def statistics(self) -> StatsSnapshot:
+        """The newest statistics snapshot the worker sent (never blocks)."""
+        return self._snapshot
+
+    def live_load(self) -> LiveLoad:
+        """The newest live load gauges the worker sent (never blocks)."""
+        return self._load
+
+    def shutdown(self) -> None:
+        """Stop the worker after its round in progress; what remains is cancelled (each stream gets its
+        terminal event), then the worker closes the model and exits. Idempotent."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._send(Stop())
+        self._receiver.join(_STOP_SECONDS)
+        self._process.join(_STOP_SECONDS if not self._receiver.is_alive() else 0)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._fail_open("the model worker process stopped")
+        with contextlib.suppress(OSError):
+            self._connection.close()
+
+    # -- the pipe ---------------------------------------------------------------------------------
+    def _send(self, message: Submit | Cancel | Stop | StartKvEvents) -> None:
+        data = self._encode(message)
+        # a worker that is gone refuses the write: the receiver fails every open request
+        with self._send_lock, contextlib.suppress(OSError):
+            self._connection.send_bytes(data)
+
+    def _receive(self) -> None:
+        decode = from_worker_decoder().decode
+        recv = self._connection.recv_bytes
+        while True:
+            try:
+                batch = decode(recv())
+            except (EOFError, OSError):
+                break
+            if self._deliver(batch):
+                return
+        if self._stopping:
+            return
+        self._process.join(1.0)
+        code = self._process.exitcode
+        how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
+        self._fail_open(f"the model worker process exited unexpectedly{how}")
+
+    def _deliver(self, batch: list[FromWorker]) -> bool:
+        """Put a frame's events on their streams; True once the worker said it stopped."""
+        stopped = False
+        with self._lock:
+            streams = self._streams
+            for item in batch:
+                if isinstance(item, RoundDelivery):
+                    tokens = item.tokens
+                    for request_id in tokens.lanes:
+                        stream = streams.get(request_id)
+                        if stream is not None:
+                            stream.put(tokens)
+                elif isinstance(item, LoadUpdate):
+                    self._snapshot = item.snapshot
+                    load = self._load
+                    self._load = LiveLoad(
+                        item.running, item.free_pages, item.evictable_pages, load.total_pages, load.page_tokens
+                    )
+                    self.kv_events.dropped = item.kv_events_dropped
+                    self.kv_events.published = item.kv_events_published
+                elif isinstance(item, KvEventsStarted | KvEventsFailed):
+                    self._kv_answers.put(item)
+                elif isinstance(item, WorkerStopped):
+                    stopped = True
+                elif isinstance(item, WorkerReady | WorkerStartFailed):
+                    continue
+                else:
+                    stream = streams.get(item.request_id)
+                    if stream is not None:
+                        if isinstance(item, TERMINAL_EVENTS):
+                            del streams[item.request_id]
+                        stream.put(item)
+        return stopped
+
+    def _fail_open(self, message: str) -> None:
+        """End every open request with ``message``; later submissions fail the same way at once."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = message
+            open_streams, self._streams = self._streams, {}
+        for request_id, stream in open_streams.items():
+            stream.put(ExecutionFailed(request_id, message))
+
+
+def start_worker_process(
+    path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto"
+) -> RunningModel:
+    """Verify ``path`` here, start the model worker process on it and wait until it is ready.
+
+    Raises the verification error itself when the core does not open here, and a StartupError naming
+    what failed when the worker process does not start (its own loading error, or its exit)."""
+    verified = open_core(path, settings, check_resources=False)
+    try:
+        bootstrap = Bootstrap.load(verified.core, verified.contract)
+        contract = verified.contract
+        selection = select(contract, options)
+        grammar_compiler = GrammarCompiler(
+            bootstrap.tokenizer,
+            sampled_size=contract.sampled_size,
+            logits_width=contract.logits_width,
+            eos_token_ids=contract.eos_token_ids,
+        )
+        context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+        connection, child = context.Pipe(duplex=True)
+        process = context.Process(
+            target=serve_worker,
+            args=(child, WorkerSpec(path, settings, options, backend)),
+            name="helios-model-worker",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        try:
+            ready = _await_ready(process, connection)
+        except BaseException:
+            connection.close()
+            if process.is_alive():
+                process.kill()
+            process.join()
+            raise
+        engine = WorkerProcessEngine(process, connection, ready, selection, bootstrap.tokenizer, grammar_compiler)
+    except BaseException:
+        verified.close()
+        raise
+    model = _RemoteModel(contract, selection, ready.clock_origin_ns)
+    # the proxy and the stand-in offer what the server reads of an engine and a model
+    return RunningModel(verified, bootstrap, cast(NativeModel, model), cast(Engine, engine), grammar_compiler)
+
+
+def _await_ready(process: BaseProcess, connection: Connection) -> WorkerReady:
+    """The worker's first message: ready, or why it did not start."""
+    while not connection.poll(0.1):
+        if not process.is_alive():
+            raise StartupError(
+                f"the model worker process exited (exit status {process.exitcode}) before it loaded the core"
+            )
+    try:
+        first = from_worker_decoder().decode(connection.recv_bytes())[0]
+    except (EOFError, OSError) as exc:
+        process.join(1.0)
+        raise StartupError(
+            f"the model worker process exited (exit status {process.exitcode}) before it loaded the core"
+        ) from exc
+    if isinstance(first, WorkerStartFailed):
+        process.join(10.0)
+        raise StartupError(f"the model worker process could not start: {first.message}")
+    if not isinstance(first, WorkerReady):
+        raise StartupError(f"the model worker process sent {type(first).__name__} before it was ready")
+    return first
