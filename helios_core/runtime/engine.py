@@ -46,6 +46,7 @@ from tokenizers import Tokenizer
 from helios_core.errors import HeliosError
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
+from helios_core.runtime.checkpoints import CheckpointIndex
 from helios_core.runtime.completion import CompletionError, LaneResult, RecordViews, read_lanes
 from helios_core.runtime.gates import HostGate, StreamText, format_param, needs_gate
 from helios_core.runtime.messages import (
@@ -563,6 +564,7 @@ class Engine:
             offered_by_position=dict(stats.offered_by_position),
             accepted_by_position=dict(stats.accepted_by_position),
             **_host_tier_statistics(pages.host),
+            **_checkpoint_statistics(scheduler.residency.checkpoints),
         )
 
 
@@ -577,6 +579,21 @@ def _host_tier_statistics(host: HostPageStore | None) -> dict[str, int]:
         "offloaded_pages": host.stats.offloaded,
         "restored_pages": host.stats.restored,
         "offload_evicted_pages": host.stats.evicted,
+    }
+
+
+def _checkpoint_statistics(checkpoints: CheckpointIndex | None) -> dict[str, int]:
+    """The snapshot's checkpoint fields (their defaults, 0, for a core that takes no checkpoints)."""
+    if checkpoints is None:
+        return {}
+    stats = checkpoints.stats
+    return {
+        "checkpoints_held": len(checkpoints),
+        "checkpoints_published": stats.published,
+        "checkpoint_hits": stats.hits,
+        "checkpoint_reused_tokens": stats.reused_tokens,
+        "checkpoints_evicted": stats.evicted,
+        "checkpoints_abandoned": stats.abandoned,
     }
 
 

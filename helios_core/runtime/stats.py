@@ -113,3 +113,14 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Host-tier pages copied back into device pages for a prefix match."""
     offload_evicted_pages: int = 0
     """Pages that left the host tier's index to make room (least recently used first)."""
+    checkpoints_held: int = 0
+    """Published prefix checkpoints (snapshot rows at exact endpoints); this and the next five are 0 for a
+    core that takes none."""
+    checkpoints_published: int = 0
+    checkpoint_hits: int = 0
+    """Admissions that restored a checkpoint."""
+    checkpoint_reused_tokens: int = 0
+    """Prompt tokens those admissions did not compute."""
+    checkpoints_evicted: int = 0
+    checkpoints_abandoned: int = 0
+    """Checkpoint snapshots never published (their round failed, or their request left first)."""

@@ -216,6 +216,24 @@ class EngineCollector(Collector):
             "Pages that left the host tier's prefix index to make room (least recently used first).",
             s.offload_evicted_pages,
         )
+        yield _gauge(
+            "helios_checkpoints", "Published prefix checkpoints (state at exact token endpoints).", s.checkpoints_held
+        )
+        yield _counter("helios_checkpoints_published", "Prefix checkpoints published.", s.checkpoints_published)
+        yield _counter("helios_checkpoint_hits", "Admissions that restored a prefix checkpoint.", s.checkpoint_hits)
+        yield _counter(
+            "helios_checkpoint_reused_tokens",
+            "Prompt tokens restored from prefix checkpoints instead of computed.",
+            s.checkpoint_reused_tokens,
+        )
+        yield _counter(
+            "helios_checkpoints_evicted", "Prefix checkpoints evicted for snapshot rows.", s.checkpoints_evicted
+        )
+        yield _counter(
+            "helios_checkpoints_abandoned",
+            "Prefix checkpoint snapshots never published (failed round, or the request left first).",
+            s.checkpoints_abandoned,
+        )
         yield _gauge("helios_requests_active", "Requests holding a model slot.", s.active_requests)
         yield _gauge("helios_requests_waiting", "Requests queued for a model slot.", s.waiting_requests)
         yield _gauge("helios_max_active", "Selected model slots (max_active).", s.max_active)

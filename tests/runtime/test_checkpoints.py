@@ -23,6 +23,7 @@ from helios_core.runtime.checkpoints import CheckpointError, CheckpointIndex
 from helios_core.runtime.engine import Engine
 from helios_core.runtime.messages import ExecutionFailed, Finished, SamplingParams
 from helios_core.runtime.startup import RunningModel
+from helios_core.server.metrics import MetricsExporter
 from helios_core.wire import manifest_pb2 as mf
 
 from .engine_harness import (
@@ -90,6 +91,20 @@ def test_a_shared_200_token_prefix_is_restored_from_its_checkpoint(
     assert alone == tokens
     assert index.stats.hits == 1 and index.stats.reused_tokens == 200
     assert engine.statistics().reused_tokens == 200
+    # the statistics snapshot and /metrics carry the checkpoint counters as the index counts them
+    snapshot = engine.statistics()
+    assert (snapshot.checkpoints_held, snapshot.checkpoint_hits, snapshot.checkpoint_reused_tokens) == (4, 1, 200)
+    stats = index.stats
+    assert (snapshot.checkpoints_published, snapshot.checkpoints_evicted, snapshot.checkpoints_abandoned) == (
+        stats.published,
+        stats.evicted,
+        stats.abandoned,
+    )
+    text = MetricsExporter(engine.statistics, lambda: 0).exposition().decode()
+    assert "helios_checkpoints 4.0" in text
+    assert "helios_checkpoint_hits_total 1.0" in text
+    assert "helios_checkpoint_reused_tokens_total 200.0" in text
+    assert f"helios_checkpoints_published_total {float(stats.published)}" in text
     # the second request prefilled only its 4 tokens past the checkpoint, after initialize and restore
     launches = engine.statistics().launches
     assert launches["restore"] == 1 and launches["initialize"] == 2
