@@ -123,6 +123,27 @@ class TextProgramWriter:
         self.lm_head = w("output.weight", weights["output.weight"], "weights.head")
 
     # -- dataflow --------------------------------------------------------------------------------------
+    def _sampling_inputs(self, r: int, rows: View) -> dict[str, View]:
+        """The arguments every sampling operator (``sample``, ``sample_verify`` and its sampled form)
+        takes for ``r`` lanes: their settings, the penalties' state, state ``rows``, seeds, counters and
+        active flags."""
+        sh = self.shared
+        return {
+            "temperature": prefix(sh.temperature, r),
+            "top_k": prefix(sh.top_k, r),
+            "top_p": prefix(sh.top_p, r),
+            "min_p": prefix(sh.min_p, r),
+            "repetition_penalty": prefix(sh.repetition_penalty, r),
+            "frequency_penalty": prefix(sh.frequency_penalty, r),
+            "presence_penalty": prefix(sh.presence_penalty, r),
+            "prompt_presence": sh.prompt_presence,
+            "output_counts": sh.output_counts,
+            "rows": rows,
+            "seed": prefix(sh.seed, r),
+            "step": prefix(sh.sampling_step, r),
+            "active": prefix(sh.sample_active, r),
+        }
+
     def _sample_and_complete(self, prog: ProgramBuilder, rows: int, tokens: int) -> None:
         """Final norm and LM head on each lane's last token, sampling, pending token, completion."""
         s, sh, sc = self.shape, self.shared, self.scratch
@@ -152,19 +173,7 @@ class TextProgramWriter:
             "sample",
             {
                 "logits": logits,
-                "temperature": prefix(sh.temperature, r),
-                "top_k": prefix(sh.top_k, r),
-                "top_p": prefix(sh.top_p, r),
-                "min_p": prefix(sh.min_p, r),
-                "repetition_penalty": prefix(sh.repetition_penalty, r),
-                "frequency_penalty": prefix(sh.frequency_penalty, r),
-                "presence_penalty": prefix(sh.presence_penalty, r),
-                "prompt_presence": sh.prompt_presence,
-                "output_counts": sh.output_counts,
-                "rows": prefix(sh.state_rows, r),
-                "seed": prefix(sh.seed, r),
-                "step": prefix(sh.sampling_step, r),
-                "active": prefix(sh.sample_active, r),
+                **self._sampling_inputs(r, prefix(sh.state_rows, r)),
                 "allowed_mask": prefix(sh.grammar_mask, r),
                 "constrained": prefix(sh.constrained, r),
                 "ids": ids,
