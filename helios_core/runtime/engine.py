@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -136,6 +136,20 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     reused_prompt_tokens: int
+
+
+def collect_generation(events: Iterable[Event]) -> GenerationResult:
+    """Read a request's stream to its end: the tokens and finish reason, or the rejection or failure
+    as a :class:`HeliosError`."""
+    tokens: list[int] = []
+    for event in events:
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+        elif isinstance(event, Finished):
+            return GenerationResult(tokens, event.reason, event.prompt_tokens, event.reused_prompt_tokens)
+        elif isinstance(event, AdmissionRejected | ExecutionFailed):
+            raise HeliosError(event.message)
+    raise HeliosError("the request stream ended without a terminal event")
 
 
 def compile_format(
@@ -282,15 +296,7 @@ class Engine:
 
     def generate(self, request: PreparedRequest) -> GenerationResult:
         """Submit and wait: the tokens and finish reason, or the rejection/failure as an error."""
-        tokens: list[int] = []
-        for event in self.submit(request):
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            elif isinstance(event, Finished):
-                return GenerationResult(tokens, event.reason, event.prompt_tokens, event.reused_prompt_tokens)
-            elif isinstance(event, AdmissionRejected | ExecutionFailed):
-                raise HeliosError(event.message)
-        raise HeliosError("the request stream ended without a terminal event")
+        return collect_generation(self.submit(request))
 
     def worker_alive(self) -> bool:
         """Whether the model worker thread still runs (False once it stopped or died)."""

@@ -122,6 +122,10 @@ class _EventPresenter:
         self._unpresented: deque[TokenEvent] = deque()
         """Observed token events whose pieces are not presented yet (logprobs only)."""
         self._prompt_logprobs: list[float | None] | None = None
+        self._start(prepared, frontend)
+
+    def _start(self, prepared: Prepared, frontend: Frontend) -> None:
+        """The state a kind of response adds (called last by the constructor)."""
 
     def _pieces(self, pieces: list[Piece]) -> list[GeneratedPiece]:
         return [GeneratedPiece(token_id, text) for token_id, text in pieces if token_id not in self._hidden_ids]
@@ -163,26 +167,7 @@ class _EventPresenter:
 class Presenter(_EventPresenter):
     """Turns one chat request's events into its OpenAI response."""
 
-    def __init__(
-        self,
-        prepared: Prepared,
-        frontend: Frontend,
-        *,
-        response_id: str,
-        created: int,
-        model: str,
-        ingress_ns: int,
-        enqueue_ns: int,
-    ) -> None:
-        super().__init__(
-            prepared,
-            frontend,
-            response_id=response_id,
-            created=created,
-            model=model,
-            ingress_ns=ingress_ns,
-            enqueue_ns=enqueue_ns,
-        )
+    def _start(self, prepared: Prepared, frontend: Frontend) -> None:
         self._pipeline: OutputPipeline = prepared.pipeline(frontend)
         self._calls_started: set[int] = set()
         self._logprobs: list[dict[str, Any]] = []
@@ -375,26 +360,7 @@ class _Position(NamedTuple):
 class CompletionPresenter(_EventPresenter):
     """Turns one legacy completions request's events into its ``text_completion`` response."""
 
-    def __init__(
-        self,
-        prepared: Prepared,
-        frontend: Frontend,
-        *,
-        response_id: str,
-        created: int,
-        model: str,
-        ingress_ns: int,
-        enqueue_ns: int,
-    ) -> None:
-        super().__init__(
-            prepared,
-            frontend,
-            response_id=response_id,
-            created=created,
-            model=model,
-            ingress_ns=ingress_ns,
-            enqueue_ns=enqueue_ns,
-        )
+    def _start(self, prepared: Prepared, frontend: Frontend) -> None:
         self._frontend = frontend
         self._echo = prepared.echo or ""
         self._texts: list[str] = []

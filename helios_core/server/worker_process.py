@@ -44,7 +44,7 @@ from helios_core.frontend.bootstrap import Bootstrap
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.loading import TrustSettings, open_core
-from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, compile_format
+from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, collect_generation, compile_format
 from helios_core.runtime.gates import StreamText, needs_gate
 from helios_core.runtime.kv_events import KvEventsConfig
 from helios_core.runtime.messages import (
@@ -52,11 +52,9 @@ from helios_core.runtime.messages import (
     AdmissionRejected,
     Cancel,
     ExecutionFailed,
-    Finished,
     PreparedRequest,
     Stop,
     Submit,
-    TokenEvent,
 )
 from helios_core.runtime.native_model import NativeModel
 from helios_core.runtime.remote import (
@@ -183,15 +181,7 @@ class WorkerProcessEngine:
 
     def generate(self, request: PreparedRequest) -> GenerationResult:
         """Submit and wait: the tokens and finish reason, or the rejection/failure as an error."""
-        tokens: list[int] = []
-        for event in self.submit(request):
-            if isinstance(event, TokenEvent):
-                tokens.append(event.token_id)
-            elif isinstance(event, Finished):
-                return GenerationResult(tokens, event.reason, event.prompt_tokens, event.reused_prompt_tokens)
-            elif isinstance(event, AdmissionRejected | ExecutionFailed):
-                raise HeliosError(event.message)
-        raise HeliosError("the request stream ended without a terminal event")
+        return collect_generation(self.submit(request))
 
     def start_kv_events(self, config: KvEventsConfig, topic: str) -> None:
         """Start the KV-cache event publisher in the worker process, beside its page allocator, and wait
