@@ -281,6 +281,7 @@ _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
     "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "worker_process",
+    "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout",
 )  # fmt: skip
 
 
@@ -336,6 +337,22 @@ def _add_run_command(sub: Any) -> None:
         action="store_true",
         default=None,
         help="run the model worker in its own process (HTTP serving and /metrics do not share its GIL)",
+    )
+    run.add_argument(
+        "--image-max-bytes", type=int, metavar="N", help="encoded bytes of one request image (default 20 MiB)"
+    )
+    run.add_argument(
+        "--image-max-pixels", type=int, metavar="N", help="pixels of one request image (default 33177600: 7680x4320)"
+    )
+    run.add_argument("--image-max-count", type=int, metavar="N", help="images in one request (default 8)")
+    run.add_argument(
+        "--image-allow-urls",
+        action="store_true",
+        default=None,
+        help="fetch http(s) image URLs (default: only data: URLs are accepted)",
+    )
+    run.add_argument(
+        "--image-fetch-timeout", type=float, metavar="SECONDS", help="whole fetch of one image URL (default 10)"
     )
     run.set_defaults(handler=cmd_run)
 

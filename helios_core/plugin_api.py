@@ -3,7 +3,7 @@
 Owns the stable surface between the serving core and frontend plugins (tool parsers, reasoning
 parsers, constrained tool-call grammars, reasoning envelopes, image preparations, image layouts).
 Every name here is re-exported from the implementation modules under :mod:`helios_core.plugins`
-(``types``, ``sections``, ``pipeline``, ``grammar``, ``tag_grammar``, ``frontend_contract``);
+(``types``, ``images``, ``sections``, ``pipeline``, ``grammar``, ``tag_grammar``, ``frontend_contract``);
 plugins never import those directly.
 
 * Values crossing the boundary: ``GeneratedPiece`` in, ``OutputDelta`` / ``ToolCallDelta`` out,
@@ -16,6 +16,12 @@ plugins never import those directly.
   and the tag-grammar building blocks (``tag_call_rules``, ``value_rule``, ``tag_parameters``).
 * Parser building blocks: ``partial_suffix_length``, ``coerce_text``, ``ToolCallWriter``,
   ``SectionToolParser``, ``scan_tagged_section`` and friends.
+* Image plugins (since 1.1): ``VisionSettings`` (what both image factories are built from),
+  ``DecodedImage`` in, ``PreparedImage`` between the two, ``ImagePlacement`` out, the protocols
+  ``ImagePreparer`` and ``ImageLayout``, ``ImagePreparationFactory`` / ``ImageLayoutFactory``
+  (``VisionSettings -> ImagePreparer / ImageLayout``), ``ImageInputError``, the first-party
+  tensor names ``PATCHES``, ``PATCH_ROWS``, ``PATCH_COLUMNS`` and ``placement_problems`` (the checks
+  the server applies to every placement).
 * ``contract``: the frontend part of the contract (``FrontendContract``, its syntax messages and
   the selection enums with their values).
 * ``OutputPipeline``: how the core composes one request's parsers (for tests and harnesses).
@@ -46,6 +52,19 @@ from helios_core.plugins.grammar import (
     ToolGrammarError,
     ToolGrammarFactory,
     ToolGrammarRequest,
+)
+from helios_core.plugins.images import (
+    PATCH_COLUMNS,
+    PATCH_ROWS,
+    PATCHES,
+    DecodedImage,
+    ImageInputError,
+    ImageLayout,
+    ImagePlacement,
+    ImagePreparer,
+    PreparedImage,
+    VisionSettings,
+    placement_problems,
 )
 from helios_core.plugins.pipeline import FinishHint, OutputPipeline, PipelineResult
 from helios_core.plugins.sections import (
@@ -103,11 +122,15 @@ __all__ = [
     "COMPACT_JSON",
     "FUNCTION_NAME",
     "PARAMETER_KEY",
+    "PATCHES",
+    "PATCH_COLUMNS",
+    "PATCH_ROWS",
     "PLUGIN_API_DECLARATION",
     "PLUGIN_API_VERSION",
     "STRING_TYPES",
     "AnswerFrames",
     "CallScan",
+    "DecodedImage",
     "DelimitedEnvelope",
     "DelimitedReasoning",
     "EnvelopeState",
@@ -116,14 +139,19 @@ __all__ = [
     "GrammarFragment",
     "GrammarUnsupported",
     "GrammarWriter",
+    "ImageInputError",
+    "ImageLayout",
     "ImageLayoutFactory",
+    "ImagePlacement",
     "ImagePreparationFactory",
+    "ImagePreparer",
     "OutputDelta",
     "OutputPipeline",
     "ParamScan",
     "ParsedOutput",
     "ParserContext",
     "PipelineResult",
+    "PreparedImage",
     "ReasoningEnvelope",
     "ReasoningEnvelopeFactory",
     "ReasoningParser",
@@ -144,6 +172,7 @@ __all__ = [
     "ToolParser",
     "ToolParserFactory",
     "ToolSpec",
+    "VisionSettings",
     "Vocabulary",
     "coerce_text",
     "contract",
@@ -152,6 +181,7 @@ __all__ = [
     "new_call_id",
     "parse_attributes",
     "partial_suffix_length",
+    "placement_problems",
     "regex_literal",
     "require_syntax",
     "scan_tagged_section",

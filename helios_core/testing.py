@@ -13,6 +13,16 @@ Example::
     harness = FrontendHarness(tokenizer, frontend, tools=[ToolSpec("f", schema)], plugins=[my_plugin])
     result = harness.run_text(["<tool_call>", "..."])
     harness.check_split_invariance("<tool_call>...</tool_call>")
+
+Owns ``ImageHarness`` too, for image preparation and image layout plugins: given a
+``FrontendContract`` (``image_frontend`` writes one that selects only images) and a
+``VisionContract``, it builds the selected preparation and layout through a real ``PluginHost``
+from the same ``VisionSettings`` the server builds, runs pixels -> ``PreparedImage`` ->
+``ImagePlacement`` and checks the placement as the server does (``PlacementMismatch``)::
+
+    harness = ImageHarness(image_frontend(100001, contract.IMAGE_LAYOUT_RASTER_SPAN), vision, plugins=[my_plugin])
+    run = harness.run(pixels)            # [height, width, 3] uint8
+    run.prepared.patches, run.placement.token_ids, run.placement.tensors["patches"]
 """
 
 from __future__ import annotations
@@ -21,19 +31,29 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
 
 from helios_core.plugin_api import (
     CLOSED_ENVELOPE,
+    DecodedImage,
     EnvelopeState,
     GeneratedPiece,
+    ImageLayout,
+    ImagePlacement,
+    ImagePreparer,
     OutputDelta,
     ParsedOutput,
+    PreparedImage,
     TokenizerVocabulary,
     ToolSpec,
+    VisionSettings,
     contract,
 )
 from helios_core.plugins.host import PluginHost, SelectedFrontend
+from helios_core.plugins.images import placement_problems
 
 
 class StreamMismatch(AssertionError):
@@ -199,3 +219,84 @@ def check_deltas(result: HarnessResult) -> None:
             raise StreamMismatch(f"call {index}: arguments are not JSON: {arguments!r}") from exc
         if not isinstance(parsed, dict):
             raise StreamMismatch(f"call {index}: arguments are not a JSON object: {arguments!r}")
+
+
+# -- image plugins ---------------------------------------------------------------------------------
+
+
+class PlacementMismatch(AssertionError):
+    """An image preparation or layout broke its protocol (patch rows, feature offsets, tensors)."""
+
+
+def image_frontend(
+    image_preparation: int, image_layout: int, *, plugin_parameters_json: str = ""
+) -> contract.FrontendContract:
+    """A ``FrontendContract`` selecting the two image implementations and no tool or reasoning syntax."""
+    return contract.FrontendContract(
+        tool_parser=contract.TOOL_PARSER_NONE,
+        reasoning_parser=contract.REASONING_PARSER_NONE,
+        image_preparation=cast(contract.ImagePreparation, image_preparation),
+        image_layout=cast(contract.ImageLayout, image_layout),
+        plugin_parameters_json=plugin_parameters_json,
+    )
+
+
+@dataclass(frozen=True)
+class ImageRun:
+    """One image through the selected plugins: the decoded image, its patches and its placement."""
+
+    image: DecodedImage
+    prepared: PreparedImage
+    placement: ImagePlacement
+
+
+class ImageHarness:
+    """Builds and runs the image preparation and layout ``frontend`` selects (see the module docstring).
+
+    ``sentinel_ids``: the input vocabulary's image sentinel ids the settings carry. ``plugins`` and
+    ``host`` as for ``FrontendHarness``; building the two factories raises what they raise (a
+    ``StartupError`` for unusable settings)."""
+
+    def __init__(
+        self,
+        frontend: contract.FrontendContract,
+        vision: contract.VisionContract,
+        *,
+        sentinel_ids: Sequence[int] = (),
+        plugins: Sequence[object] = (),
+        host: PluginHost | None = None,
+        autoload: bool = False,
+    ) -> None:
+        self.host = host or PluginHost(autoload=autoload)
+        for plugin in plugins:
+            self.host.plugin_manager.register(plugin)
+        self.selected: SelectedFrontend = self.host.resolve(frontend)
+        self.settings = VisionSettings.of(frontend, vision, tuple(sentinel_ids))
+        self.preparer: ImagePreparer = self.selected.image_preparation.factory(self.settings)
+        self.layout: ImageLayout = self.selected.image_layout.factory(self.settings)
+
+    def prepare(self, pixels: npt.NDArray[np.uint8] | DecodedImage) -> PreparedImage:
+        """The preparation's patches of ``pixels``, checked: a 2-D patch array and the image's digest."""
+        image = pixels if isinstance(pixels, DecodedImage) else DecodedImage.of(pixels)
+        prepared = self.preparer.prepare(image)
+        if np.ndim(prepared.patches) != 2:
+            raise PlacementMismatch(f"patches must be [patch count, patch width], not {np.shape(prepared.patches)}")
+        if prepared.digest != image.digest:
+            raise PlacementMismatch("the prepared image does not carry the decoded image's digest")
+        return prepared
+
+    def place(self, prepared: PreparedImage) -> ImagePlacement:
+        """The layout's placement of ``prepared``, checked as the server checks it: tokens present,
+        feature offsets distinct and inside ``token_ids``, exactly the layout's ``tensor_names``,
+        each with ``patch_count`` leading rows."""
+        placement = self.layout.place(prepared)
+        problems = placement_problems(placement, self.layout.tensor_names)
+        if problems:
+            raise PlacementMismatch("; ".join(problems))
+        return placement
+
+    def run(self, pixels: npt.NDArray[np.uint8] | DecodedImage) -> ImageRun:
+        """Pixels (``[height, width, 3]`` uint8, or a decoded image) through both plugins."""
+        image = pixels if isinstance(pixels, DecodedImage) else DecodedImage.of(pixels)
+        prepared = self.prepare(image)
+        return ImageRun(image, prepared, self.place(prepared))

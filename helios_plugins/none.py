@@ -3,14 +3,15 @@ selections (IMAGE_PREPARATION_NONE, IMAGE_LAYOUT_NONE).
 
 Owns the parsers for cores without a tool or reasoning syntax: every generated piece's text is
 answer content, and no tool call is ever parsed (the request layer refuses ``tools`` for such a
-core). The image selections register a marker object saying the core is text-only.
+core). The image selections build, from the core's ``VisionSettings``, an object whose
+``accepts_images`` is False: the server refuses image inputs for such a core.
 """
 
 from __future__ import annotations
 
-from helios_core.plugin_api import GeneratedPiece, OutputDelta, ParserContext, Register, contract
+from helios_core.plugin_api import GeneratedPiece, OutputDelta, ParserContext, Register, VisionSettings, contract
 
-HELIOS_PLUGIN_API = (1, 0)
+HELIOS_PLUGIN_API = (1, 1)
 
 
 class NoReasoning:
@@ -34,9 +35,11 @@ class NoTools:
 
 
 class TextOnly:
-    """The image selection of a text-only core: image inputs are refused."""
+    """The image preparation and layout of a text-only core: image inputs are refused (it neither
+    prepares nor places an image, and provides no tensors)."""
 
     accepts_images = False
+    tensor_names: frozenset[str] = frozenset()
 
 
 def no_reasoning(context: ParserContext) -> NoReasoning:
@@ -49,7 +52,7 @@ def no_tools(context: ParserContext) -> NoTools:
     return NoTools()
 
 
-def text_only(frontend: contract.FrontendContract) -> TextOnly:
+def text_only(settings: VisionSettings) -> TextOnly:
     """Factory of IMAGE_PREPARATION_NONE and IMAGE_LAYOUT_NONE."""
     return TextOnly()
 

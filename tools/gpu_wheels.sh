@@ -43,6 +43,7 @@ WHEELS=(
     msgpack==1.2.4         # KV-cache event payloads
     uvloop==0.23.0         # the event loop of helios run
     httptools==0.9.0       # the HTTP parser of helios run
+    pillow==13.0.0         # decoding image inputs (helios_core.frontend.image_input)
 )
 
 PLATFORMS=()

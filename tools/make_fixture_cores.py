@@ -11,7 +11,9 @@ label; a core whose attention is a sliding window of 8 tokens (all the tiny
 synthetic Llama shape with seeded weights); the tiny ``recurrent-synthetic``
 shape, whose history is a recurrent region of state rows; and the tiny
 ``latent-synthetic`` shape, whose history is a paged-latent region read through a
-page-table view shifted by one column.
+page-table view shifted by one column; and the tiny ``vision-synthetic`` shape with
+image inputs, once with fixed tiles, once with dynamic resolution (merged 2 x 2
+patches) and once selecting the third-party example layout 100001.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ignition.recipes.latent import assemble_latent, latent_declaration  # noqa:
 from ignition.recipes.llama import Capacities  # noqa: E402
 from ignition.recipes.recurrent import assemble_recurrent, recurrent_declaration  # noqa: E402
 from ignition.recipes.synthetic import synthetic_declaration  # noqa: E402
+from ignition.recipes.vision import assemble_vision, vision_declaration  # noqa: E402
 
 from helios_core.container.keys import generate_keys, load_core_key, load_private_key  # noqa: E402
 from helios_core.container.writer import ResourceInput, write_core  # noqa: E402
@@ -57,6 +60,16 @@ RECURRENT = Capacities(
 LATENT = Capacities(
     max_rows=4, prefill_tokens=(16,), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=32, context=64, snapshots=0
 )
+
+VISION = Capacities(
+    max_rows=4, prefill_tokens=(16, 64), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=64, context=128, snapshots=0
+)
+VISION_FIXTURES = (
+    ("vision-tiles.core", "tiles"),
+    ("vision-dynamic.core", "dynamic"),
+    ("vision-example-layout.core", "100001"),
+)
+"""Each vision fixture and its ``--layout``."""
 
 
 def downgrade(serving: ct.ServingContract, version: int) -> ct.ServingContract:
@@ -149,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         latent_declaration("tiny", seed=7, page_offset=1), LATENT
     )
     write("latent-tiny.core", latent, latent_builder.manifest, "payload", latent_resources)
+    for name, layout in VISION_FIXTURES:
+        vision, vision_builder, vision_resources = assemble_vision(
+            vision_declaration("tiny", layout=layout, seed=7), VISION
+        )
+        write(name, vision, vision_builder.manifest, "payload", vision_resources)
     return 0
 
 

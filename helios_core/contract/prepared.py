@@ -102,6 +102,21 @@ IMAGE_SOURCES: Final = frozenset(
 )
 """Sources that need a selected image layout."""
 
+IMAGE_SOURCE_INDEXING: Final[Mapping[int, frozenset[int]]] = MappingProxyType(
+    {
+        ct.VALUE_SOURCE_IMAGE_TENSOR: frozenset({ct.INDEXING_SCALAR}),
+        ct.VALUE_SOURCE_IMAGE_FEATURE_INDICES: frozenset({ct.INDEXING_PACKED_TOKEN}),
+        ct.VALUE_SOURCE_IMAGE_CONTEXT_INDICES: frozenset({ct.INDEXING_SCALAR}),
+        ct.VALUE_SOURCE_IMAGE_FEATURE_SLOT: frozenset({ct.INDEXING_SUBMISSION_ROW, ct.INDEXING_ACTIVE_ROW}),
+    }
+)
+"""The indexing each image source is packed with (``docs/contract.md``)."""
+
+IMAGE_OPERATIONS: Final = frozenset(
+    {ct.OPERATION_PREFILL, ct.OPERATION_SCORED_PREFILL, ct.OPERATION_RESUME, ct.OPERATION_MIXED}
+)
+"""Operations whose rounds compute prompt tokens, so may carry images."""
+
 LENGTH_SOURCES: Final = frozenset({ct.VALUE_SOURCE_QUERY_LENGTH, ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT})
 
 PAGED_HISTORY_KINDS: Final = frozenset({ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_PAGED_LATENT})
@@ -159,7 +174,7 @@ class RuntimeCapabilities:
         }
     )
     operators: frozenset[tuple[str, int]] = frozenset(CATALOGUE)
-    vision: bool = False
+    vision: bool = True
     engram: bool = False
 
 
@@ -196,6 +211,17 @@ class PreparedGraph:
     page_table_views: tuple[ct.PageTableView, ...] = ()
     """The cache's page-table views over this graph's ``PAGE_TABLE`` destinations, by page offset: each
     places a lane's pages at its own columns of the destination row (packing reads these)."""
+    patch_capacity: int = 0
+    """Image patches one round of this graph takes: the leading extent of its ``IMAGE_TENSOR``
+    destinations (all equal, one of ``vision.patch_capacities``); 0 for a graph that binds no image
+    tensor (its rounds carry no image)."""
+    feature_capacity: int = 0
+    """Image features one round of this graph takes: ``patch_capacity / vision.patches_per_feature``."""
+
+    @property
+    def takes_images(self) -> bool:
+        """Rounds of this graph may carry images (it binds image tensors)."""
+        return self.patch_capacity > 0
 
     @functools.cached_property
     def completion_dependencies(self) -> frozenset[int]:
@@ -748,6 +774,13 @@ def _check_graph(
             problems.add(f"{where}: image sources need a selected image layout")
         if binding.source == ct.VALUE_SOURCE_IMAGE_TENSOR and not binding.image_output:
             problems.add(f"{where}: IMAGE_TENSOR needs an image_output name")
+        allowed = IMAGE_SOURCE_INDEXING.get(binding.source)
+        if allowed is not None and _known(ct.Indexing, binding.indexing) and binding.indexing not in allowed:
+            problems.add(
+                f"{where}: {_enum_name(ct.ValueSource, binding.source).removeprefix('VALUE_SOURCE_')} needs "
+                f"{' or '.join(_enum_name(ct.Indexing, i).removeprefix('INDEXING_') for i in sorted(allowed))} "
+                f"indexing, not {_enum_name(ct.Indexing, binding.indexing).removeprefix('INDEXING_')}"
+            )
         if binding.source == ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT and graph.operation != ct.OPERATION_SPECULATIVE:
             problems.add(f"{where}: speculative prefix limits belong to speculative programs")
         _check_binding_geometry(graph, binding, entry, extents, sizes, problems)
@@ -813,6 +846,109 @@ def _check_graph(
             problems.add(f"graph {name!r}: an RNG reservation names no stream")
     single_source = length_sources[0] if len(length_sources) == 1 else None
     return extents, single_source, frozenset(destinations)
+
+
+def _vision_core(model: ct.ModelContract) -> bool:
+    """The core takes images: it selects an image layout."""
+    return model.frontend.image_layout not in (ct.IMAGE_LAYOUT_NONE, ct.IMAGE_LAYOUT_UNSPECIFIED)
+
+
+def _check_vision(model: ct.ModelContract, problems: _Problems) -> None:
+    """A core that selects an image layout declares a usable vision contract: capacities, feature ids and
+    atomic spans inside the input vocabulary, and an image sentinel for the chat template."""
+    frontend = model.frontend
+    preparation_none = frontend.image_preparation == ct.IMAGE_PREPARATION_NONE
+    layout_none = frontend.image_layout == ct.IMAGE_LAYOUT_NONE
+    if preparation_none != layout_none and ct.IMAGE_PREPARATION_UNSPECIFIED not in (
+        frontend.image_preparation,
+        frontend.image_layout,
+    ):
+        problems.add("frontend: image_preparation and image_layout must both be NONE or both name implementations")
+    if not _vision_core(model):
+        return
+    if not model.HasField("vision"):
+        problems.add("vision: a core with an image layout must declare its vision contract")
+        return
+    vision = model.vision
+    if vision.feature_slots <= 0:
+        problems.add("vision.feature_slots must be positive")
+    if vision.features_per_window <= 0:
+        problems.add("vision.features_per_window must be positive")
+    elif vision.feature_slots and vision.features_per_window > vision.feature_slots:
+        problems.add(
+            f"vision.features_per_window {vision.features_per_window} exceeds feature_slots {vision.feature_slots}"
+        )
+    merge = vision.patches_per_feature
+    if merge <= 0:
+        problems.add("vision.patches_per_feature must be at least 1")
+    if not vision.patch_capacities:
+        problems.add("vision.patch_capacities must list at least one capacity")
+    for capacity in vision.patch_capacities:
+        if capacity <= 0 or (merge > 0 and capacity % merge):
+            problems.add(
+                f"vision.patch_capacities: {capacity} is not a positive multiple of patches_per_feature {merge}"
+            )
+    size = model.input_vocabulary.size
+    layout = vision.token_layout
+    if not layout.feature_ids:
+        problems.add("vision.token_layout.feature_ids must name at least one token")
+    for feature in layout.feature_ids:
+        if feature >= size:
+            problems.add(f"vision.token_layout: feature id {feature} lies outside the input vocabulary [0, {size})")
+    for span in layout.atomic_spans:
+        for token in (span.open_id, span.close_id):
+            if token >= size:
+                problems.add(
+                    f"vision.token_layout: atomic span id {token} lies outside the input vocabulary [0, {size})"
+                )
+    if not model.input_vocabulary.image_sentinel_ids:
+        problems.add("input_vocabulary: a core with an image layout must declare an image sentinel id")
+
+
+def _image_capacities(
+    graph: ct.GraphContract, model: ct.ModelContract, transport: Mapping[str, mf.TransportEntry], problems: _Problems
+) -> tuple[int, int]:
+    """A graph's patch capacity (the leading extent of its IMAGE_TENSOR destinations) and feature capacity
+    (patch capacity / patches_per_feature); (0, 0) for a graph without image tensors."""
+    name = graph.name
+    bound = [b for b in graph.bindings if b.source in IMAGE_SOURCES and b.destination in transport]
+    if not bound:
+        return 0, 0
+    if graph.operation not in IMAGE_OPERATIONS:
+        problems.add(f"graph {name!r}: {operation_name(graph.operation)} programs take no images")
+    tensors = [b for b in bound if b.source == ct.VALUE_SOURCE_IMAGE_TENSOR]
+    if not tensors:
+        problems.add(f"graph {name!r}: image feature sources need IMAGE_TENSOR bindings (the graph's patch capacity)")
+        return 0, 0
+    leading = sorted({int(transport[b.destination].shape[0]) for b in tensors})
+    if len(leading) > 1:
+        problems.add(
+            f"graph {name!r}: IMAGE_TENSOR destinations have different leading extents {leading}; all hold the "
+            "graph's patch capacity"
+        )
+        return 0, 0
+    capacity = leading[0]
+    vision = model.vision
+    if _vision_core(model) and capacity not in vision.patch_capacities:
+        problems.add(
+            f"graph {name!r}: patch capacity {capacity} is not one of vision.patch_capacities "
+            f"{list(vision.patch_capacities)}"
+        )
+    merge = vision.patches_per_feature
+    if merge <= 0:
+        return capacity, 0
+    if capacity % merge:
+        problems.add(f"graph {name!r}: patch capacity {capacity} is not a multiple of patches_per_feature {merge}")
+    features = capacity // merge
+    for binding in bound:
+        if binding.source == ct.VALUE_SOURCE_IMAGE_CONTEXT_INDICES:
+            entries = math.prod(transport[binding.destination].shape)
+            if entries < features:
+                problems.add(
+                    f"graph {name!r} binding {binding.destination!r}: {entries} entries cannot hold feature "
+                    f"capacity {features}"
+                )
+    return capacity, features
 
 
 def _check_pending_token_producers(graphs: Sequence[ct.GraphContract], problems: _Problems) -> None:
@@ -1057,6 +1193,7 @@ def prepare_contract(
         extents, length_source, inputs = _check_graph(
             graph, model, program, transport, owned, views, resource_map, (logits, histogram, mask), problems
         )
+        patches, features = _image_capacities(graph, model, transport, problems)
         if program is not None:
             prepared_graphs[graph.name] = PreparedGraph(
                 name=graph.name,
@@ -1067,7 +1204,13 @@ def prepare_contract(
                 length_source=length_source,
                 input_destinations=inputs,
                 page_table_views=_graph_page_views(graph, model.cache),
+                patch_capacity=patches,
+                feature_capacity=features,
             )
+    _check_vision(model, problems)
+    prefills = [g for g in prepared_graphs.values() if g.operation == ct.OPERATION_PREFILL]
+    if _vision_core(model) and model.HasField("vision") and not any(g.takes_images for g in prefills):
+        problems.add("vision: a core with an image layout needs a prefill program that binds IMAGE_TENSOR")
     _check_pending_token_producers(list(model.graphs), problems)
     _check_tuning(list(model.graphs), model, execution, buffers, transport, views, problems)
     _check_programs(execution, buffers, transport, problems)

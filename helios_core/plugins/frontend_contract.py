@@ -1,7 +1,8 @@
 """The frontend part of the generated contract module, as plugins see it (``plugin_api.contract``).
 
 Owns nothing but names: the messages a frontend plugin reads (``FrontendContract`` and its syntax
-data) and the four selection enums with their values, re-exported from
+data, and for image plugins the vision data: ``VisionContract``, ``ImageTokenLayout``, ``AtomicSpan``,
+``ImageSettings``) and the four selection enums with their values, re-exported from
 ``helios_core.wire.contract_pb2``. The rest of the contract (programs, buffers, capacities) is
 the core's business and is not part of the plugin API.
 """
@@ -9,9 +10,11 @@ the core's business and is not part of the plugin API.
 from __future__ import annotations
 
 from helios_core.wire.contract_pb2 import (
+    IMAGE_LAYOUT_MERGED_GRID,
     IMAGE_LAYOUT_NONE,
     IMAGE_LAYOUT_RASTER_SPAN,
     IMAGE_LAYOUT_UNSPECIFIED,
+    IMAGE_PREPARATION_FIXED_TILE,
     IMAGE_PREPARATION_NONE,
     IMAGE_PREPARATION_PATCH_GRID,
     IMAGE_PREPARATION_UNSPECIFIED,
@@ -30,11 +33,14 @@ from helios_core.wire.contract_pb2 import (
     TOOL_PARSER_XTML,
     ArgumentTagSyntax,
     AtemSyntax,
+    AtomicSpan,
     DsmlSyntax,
     FrontendContract,
     FunctionTagSyntax,
     ImageLayout,
     ImagePreparation,
+    ImageSettings,
+    ImageTokenLayout,
     JsonTagSyntax,
     PrefixBoundaryRule,
     ReasoningParser,
@@ -44,13 +50,16 @@ from helios_core.wire.contract_pb2 import (
     TemplateVariable,
     ToolParser,
     ToolSyntax,
+    VisionContract,
     XtmlSyntax,
 )
 
 __all__ = [
+    "IMAGE_LAYOUT_MERGED_GRID",
     "IMAGE_LAYOUT_NONE",
     "IMAGE_LAYOUT_RASTER_SPAN",
     "IMAGE_LAYOUT_UNSPECIFIED",
+    "IMAGE_PREPARATION_FIXED_TILE",
     "IMAGE_PREPARATION_NONE",
     "IMAGE_PREPARATION_PATCH_GRID",
     "IMAGE_PREPARATION_UNSPECIFIED",
@@ -69,11 +78,14 @@ __all__ = [
     "TOOL_PARSER_XTML",
     "ArgumentTagSyntax",
     "AtemSyntax",
+    "AtomicSpan",
     "DsmlSyntax",
     "FrontendContract",
     "FunctionTagSyntax",
     "ImageLayout",
     "ImagePreparation",
+    "ImageSettings",
+    "ImageTokenLayout",
     "JsonTagSyntax",
     "PrefixBoundaryRule",
     "ReasoningParser",
@@ -83,5 +95,6 @@ __all__ = [
     "TemplateVariable",
     "ToolParser",
     "ToolSyntax",
+    "VisionContract",
     "XtmlSyntax",
 ]

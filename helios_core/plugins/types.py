@@ -2,7 +2,9 @@
 
 Owns the typed values (``GeneratedPiece`` in, ``OutputDelta`` / ``ToolCallDelta`` out,
 ``ParsedOutput`` / ``ToolCall`` at the end, ``ToolSpec``, ``EnvelopeState``, ``ParserContext``),
-the parser protocols, the factory types a plugin registers and the ``Register`` callback. Plugins
+the parser protocols, the factory types a plugin registers (the image factories,
+``VisionSettings -> ImagePreparer / ImageLayout``, are defined in :mod:`helios_core.plugins.images`
+and re-exported here) and the ``Register`` callback. Plugins
 import these through :mod:`helios_core.plugin_api`, never from here.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from helios_core.plugins import frontend_contract as contract
+from helios_core.plugins.images import ImageLayoutFactory, ImagePreparationFactory
 
 __all__ = [
     "CLOSED_ENVELOPE",
@@ -190,12 +193,6 @@ ReasoningParserFactory = Callable[[ParserContext], ReasoningParser]
 
 ToolParserFactory = Callable[[ParserContext], ToolParser]
 """Builds a tool parser for one request; raises ``StartupError`` on unusable syntax data."""
-
-ImagePreparationFactory = Callable[[contract.FrontendContract], object]
-"""Builds the image packer (pixels to patch tensors) of a core."""
-
-ImageLayoutFactory = Callable[[contract.FrontendContract], object]
-"""Builds the image token layout of a core."""
 
 
 class Register(Protocol):

@@ -12,8 +12,13 @@ from typing import Final
 
 __all__ = ["PLUGIN_API_DECLARATION", "PLUGIN_API_VERSION"]
 
-PLUGIN_API_VERSION: Final = (1, 0)
-"""``(major, minor)`` of the plugin API."""
+PLUGIN_API_VERSION: Final = (1, 1)
+"""``(major, minor)`` of the plugin API.
+
+1.1 added the image plugin surface (``VisionSettings``, ``DecodedImage``, ``PreparedImage``,
+``ImagePlacement``, ``ImagePreparer``, ``ImageLayout``, ``ImageInputError``, the tensor names) and
+made the image factories ``VisionSettings -> ImagePreparer / ImageLayout`` (they took the
+``FrontendContract`` and returned an untyped object before; no third-party image plugin used them)."""
 
 PLUGIN_API_DECLARATION: Final = "HELIOS_PLUGIN_API"
 """The module attribute in which a plugin declares the API version it was written against."""

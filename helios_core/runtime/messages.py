@@ -8,7 +8,8 @@ finish (EOS, output limit, host stop, cancellation), an admission rejection
 and an execution failure never share a type, so no status code is ever
 derived from error text. A steady decode round's tokens cross once for the
 whole round (:class:`RoundTokens`); each request stream expands its own lane
-into the :class:`TokenEvent` it stands for, so readers see the same events. The request's sampling
+into the :class:`TokenEvent` it stands for, so readers see the same events. A prompt's images cross as
+:class:`PromptImage` spans with their vision tensors as bytes (:class:`ImageTensor`). The request's sampling
 settings (:class:`~helios_core.sampling.SamplingParams`, re-exported here) are defined in
 :mod:`helios_core.sampling`, which the frontend imports too.
 """
@@ -19,11 +20,57 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from helios_core.contract.boundaries import PromptLayout
 from helios_core.sampling import SamplingParams as SamplingParams  # defined below the frontend
 
 FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class ImageTensor(msgspec.Struct, frozen=True, gc=False):
+    """One named vision tensor of one image (an ``IMAGE_TENSOR`` output of the image layout), as bytes
+    so that it crosses a process boundary; its leading axis has one row per patch of the image."""
+
+    name: str
+    dtype: str
+    """numpy dtype name (``float32``, ``int32``)."""
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, name: str, array: npt.NDArray[Any]) -> ImageTensor:
+        contiguous = np.ascontiguousarray(array)
+        return cls(name, contiguous.dtype.name, list(contiguous.shape), contiguous.tobytes())
+
+    def array(self) -> npt.NDArray[Any]:
+        """The tensor as a read-only numpy array."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+class PromptImage(msgspec.Struct, frozen=True, gc=False):
+    """One image of a prompt after layout: an atomic span of prompt tokens and what feeds its features."""
+
+    start: int
+    """Index into ``prompt_ids`` of the span's first token."""
+    length: int
+    """Tokens of the span (never split by a prefill chunk or a prefix-reuse cut)."""
+    feature_tokens: list[int]
+    """Offsets into the span of the tokens that receive image features, in feature order."""
+    patch_count: int
+    """Leading rows of each tensor."""
+    digest: bytes
+    """The image content's identity: prefix reuse of the span's tokens requires the same digest."""
+    tensors: list[ImageTensor]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def feature_count(self) -> int:
+        return len(self.feature_tokens)
 
 
 class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
@@ -58,6 +105,8 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     prompt, token ids). The scheduler cuts prefix reuse at the boundaries the core's rules allow for it and
     resumes a continued assistant message's content (:meth:`Scheduler.add
     <helios_core.runtime.scheduler.Scheduler.add>`)."""
+    images: list[PromptImage] = []
+    """The prompt's images in prompt order (non-overlapping spans of ``prompt_ids``); empty for text."""
 
 
 Piece = tuple[int, str]

@@ -39,6 +39,11 @@ different slot or generation (a reused physical slot) invalidates it. After a
 pack that raised part way, :meth:`PageTableMemory.forget` drops what is known
 of the frame, so the next pack writes it in full.
 
+The image sources pack a round's images (:attr:`Lane.images`, each a :class:`LaneImage`): their tensors
+concatenated into the patch capacity (``IMAGE_TENSOR``), each packed token's feature row
+(``IMAGE_FEATURE_INDICES``), each feature row's context position (``IMAGE_CONTEXT_INDICES``) and each
+lane's first feature row (``IMAGE_FEATURE_SLOT``); a :class:`LaneBatch` carries none.
+
 Which values of each request sampling setting pack as themselves is stated by
 :class:`~helios_core.sampling.SamplingLimits` (re-exported here): preparation and
 admission check requests against it, so packing never meets a value that would
@@ -62,6 +67,7 @@ import numpy.typing as npt
 
 from helios_core.contract import PreparedGraph
 from helios_core.errors import UnsupportedFeatureError
+from helios_core.runtime.messages import PromptImage
 from helios_core.sampling import NONZERO_FIELDS as NONZERO_FIELDS  # re-exported for existing callers
 from helios_core.sampling import SAMPLING_FIELDS as SAMPLING_FIELDS
 from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter, SamplingParams, integer_range
@@ -78,6 +84,34 @@ Column = npt.NDArray[np.generic]
 
 _NEUTRAL_SAMPLING = SamplingParams()
 """The settings of a lane that names none (immutable, so every such lane shares it)."""
+
+
+@dataclass(frozen=True)
+class LaneImage:
+    """One image whose span lies in a lane's chunk: its vision tensors and where its features go."""
+
+    tensors: Mapping[str, npt.NDArray[Any]]
+    """Each named vision tensor (an ``IMAGE_TENSOR`` ``image_output``), ``patch_count`` leading rows."""
+    patch_count: int
+    feature_offsets: Sequence[int]
+    """Offset into the lane's packed tokens of each token that receives a feature, in feature order."""
+    feature_positions: Sequence[int]
+    """Absolute position in the request's context of each of those tokens."""
+
+    @property
+    def feature_count(self) -> int:
+        return len(self.feature_offsets)
+
+    @classmethod
+    def of(cls, image: PromptImage, chunk_start: int) -> LaneImage:
+        """``image`` in a lane whose chunk starts at position ``chunk_start`` (its span inside the chunk)."""
+        positions = [image.start + offset for offset in image.feature_tokens]
+        return cls(
+            {tensor.name: tensor.array() for tensor in image.tensors},
+            image.patch_count,
+            [position - chunk_start for position in positions],
+            positions,
+        )
 
 
 @dataclass(frozen=True)
@@ -116,10 +150,17 @@ class Lane:
     prefix_limit: int = 0
     """A speculative lane of a program that allocates its own prefixes: its ceiling (the most target
     rows it may take, its pending token included)."""
+    images: Sequence[LaneImage] = ()
+    """The images whose spans lie in this lane's chunk, in prompt order (packed by the image sources)."""
 
     @property
     def query_length(self) -> int:
         return len(self.positions)
+
+    @property
+    def patch_count(self) -> int:
+        """Image patches this lane adds to its round."""
+        return sum(image.patch_count for image in self.images)
 
 
 class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
@@ -269,6 +310,16 @@ _SUBMISSION_SOURCES = frozenset(
     }
 )
 
+_IMAGE_SOURCES = frozenset(
+    {
+        ct.VALUE_SOURCE_IMAGE_TENSOR,
+        ct.VALUE_SOURCE_IMAGE_FEATURE_INDICES,
+        ct.VALUE_SOURCE_IMAGE_CONTEXT_INDICES,
+        ct.VALUE_SOURCE_IMAGE_FEATURE_SLOT,
+    }
+)
+"""Sources fed by the round's images (:attr:`Lane.images`); a :class:`LaneBatch` carries none."""
+
 _EXACT_FLOAT_INT = 2**53
 """Integers of at most this magnitude convert to a float destination alike from Python ints and int64."""
 
@@ -375,6 +426,7 @@ class _BindingWriter:
             or source in _VECTOR_SOURCES
             or source in _PACKED_VECTOR_SOURCES
         )
+        supplied = supplied or source in _IMAGE_SOURCES
         if not supplied and source not in _SUBMISSION_SOURCES:
             name = ct.ValueSource.Name(source)  # type: ignore[arg-type]
             raise UnsupportedFeatureError(
@@ -438,8 +490,8 @@ class _BindingWriter:
         """Whether what this writer stages for a batch depends only on ``sources`` and the lane count."""
         if self.source == ct.VALUE_SOURCE_PAGE_TABLE:
             return False
-        if self.source in _SUBMISSION_SOURCES:
-            return True
+        if self.source in _SUBMISSION_SOURCES or self.source in _IMAGE_SOURCES:
+            return True  # a batch carries no images: its image values are padding alone
         if self.source in _ROW_SOURCES and self.indexing == ct.INDEXING_PHYSICAL_REQUEST_ROW:
             return self.source in sources and ct.VALUE_SOURCE_SLOT in sources
         return self.source in sources
@@ -461,7 +513,9 @@ class _BindingWriter:
             value = self.binding.constant if source == ct.VALUE_SOURCE_CONSTANT else len(lanes)
             dest.reshape(-1)[0] = value + self.offset
             return
-        if source in _TOKEN_SOURCES:
+        if source in _IMAGE_SOURCES:
+            self._write_images(lanes, dest)
+        elif source in _TOKEN_SOURCES:
             self._write_tokens(lanes, dest)
         elif source in _PACKED_VECTOR_SOURCES:
             self._write_packed_vectors([lane.candidate_masks for lane in lanes], lanes, dest)
@@ -492,6 +546,78 @@ class _BindingWriter:
         dest[:count] = values
         if self.indexing == ct.INDEXING_SUBMISSION_ROW:
             dest[count : self.rows] = self.padding
+
+    # -- images ---------------------------------------------------------------------------
+    def _write_images(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
+        """The round's images (lanes in submission order, images in prompt order): their tensors
+        concatenated (IMAGE_TENSOR), the feature row each packed token receives (IMAGE_FEATURE_INDICES),
+        the context position each feature row fills (IMAGE_CONTEXT_INDICES), each lane's first feature
+        row (IMAGE_FEATURE_SLOT); padding everywhere else."""
+        source = self.source
+        if source == ct.VALUE_SOURCE_IMAGE_TENSOR:
+            self._write_image_tensor(lanes, dest)
+            return
+        offset = self.offset
+        if source == ct.VALUE_SOURCE_IMAGE_FEATURE_INDICES:
+            flat = dest.reshape(-1)
+            total = sum(lane.query_length for lane in lanes)
+            if total > self.packed:
+                raise ValueError(f"{total} packed tokens exceed the program's capacity {self.packed}")
+            flat[: self.packed] = self.padding
+            cursor = row = 0
+            for index, lane in enumerate(lanes):
+                length = lane.query_length
+                for image in lane.images:
+                    for feature_offset in image.feature_offsets:
+                        if not 0 <= feature_offset < length:
+                            raise ValueError(f"lane {index} has an image feature outside its {length} packed tokens")
+                        flat[cursor + feature_offset] = row + offset
+                        row += 1
+                cursor += length
+            return
+        if source == ct.VALUE_SOURCE_IMAGE_CONTEXT_INDICES:
+            flat = dest.reshape(-1)
+            positions = [p + offset for lane in lanes for image in lane.images for p in image.feature_positions]
+            if len(positions) > flat.shape[0]:
+                raise ValueError(
+                    f"the round's {len(positions)} image features exceed {self.destination!r}'s {flat.shape[0]} entries"
+                )
+            flat[: len(positions)] = positions
+            flat[len(positions) :] = self.padding
+            return
+        first_rows: list[int] = []  # IMAGE_FEATURE_SLOT
+        row = 0
+        for lane in lanes:
+            first_rows.append(row + offset if lane.images else self.padding)
+            row += sum(image.feature_count for image in lane.images)
+        count = len(first_rows)
+        dest[:count] = np.asarray(first_rows, dtype=np.int64).reshape((count, *([1] * (dest.ndim - 1))))
+        if self.indexing == ct.INDEXING_SUBMISSION_ROW:
+            dest[count : self.rows] = self.padding
+
+    def _write_image_tensor(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
+        name = self.binding.image_output
+        capacity = dest.shape[0]
+        cursor = 0
+        for lane in lanes:
+            for image in lane.images:
+                tensor = image.tensors.get(name)
+                if tensor is None:
+                    raise ValueError(f"an image of the round has no {name!r} tensor for {self.destination!r}")
+                rows = image.patch_count
+                if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(dest.shape[1:]):
+                    raise ValueError(
+                        f"image tensor {name!r} has shape {list(tensor.shape)}; {self.destination!r} takes "
+                        f"[{rows}, {', '.join(map(str, dest.shape[1:]))}] for an image of {rows} patches"
+                    )
+                if cursor + rows > capacity:
+                    raise ValueError(
+                        f"the round's images hold more than {capacity} patches, the patch capacity of "
+                        f"{self.destination!r}"
+                    )
+                dest[cursor : cursor + rows] = image_values(tensor, dest.dtype, name)
+                cursor += rows
+        dest[cursor:] = self.padding
 
     def _write_tokens(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
         extract = _TOKEN_SOURCES[self.source]
@@ -616,7 +742,11 @@ class _BindingWriter:
         """
         dest = staging[self.destination]
         source = self.source
-        if source in _ROW_SOURCES:
+        if source in _IMAGE_SOURCES:  # a batch's lanes carry no images
+            self._write_images([], dest)
+            if source == ct.VALUE_SOURCE_IMAGE_FEATURE_SLOT:
+                dest[: batch.count] = self.padding
+        elif source in _ROW_SOURCES:
             self._batch_rows(batch, dest, tails)
         elif source in _TOKEN_SOURCES:
             self._batch_tokens(batch, dest, frame, tails)
@@ -815,6 +945,27 @@ _EXACT = 2**53
 
 _DIRECT, _CHECKED, _PYTHON = 0, 1, 2
 """How a column reaches a destination: assigned as it is, assigned after a range check, or as Python values."""
+
+
+def image_values(tensor: npt.NDArray[Any], dtype: np.dtype[Any], name: str) -> npt.NDArray[Any]:
+    """``tensor``'s values as a destination of ``dtype`` holds them: a safe cast, floats into any float
+    width, a float into a ``uint16`` destination as bfloat16 bit patterns (round to nearest even), integers
+    into a narrower integer when every value fits; anything else is a ValueError naming the tensor."""
+    kind, dest_kind = tensor.dtype.kind, dtype.kind
+    if np.can_cast(tensor.dtype, dtype, casting="safe") or (kind == "f" and dest_kind == "f"):
+        return tensor.astype(dtype, copy=False)
+    if kind == "f" and dtype == np.dtype(np.uint16):
+        bits = np.ascontiguousarray(tensor, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        return ((bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)).astype(
+            np.uint16
+        )
+    if kind in "iu" and dest_kind in "iu":
+        low, high = integer_range(dtype)
+        if not tensor.size or (low <= int(tensor.min()) and int(tensor.max()) <= high):
+            return tensor.astype(dtype)
+    if kind in "iu" and dest_kind == "f" and (not tensor.size or int(np.abs(tensor).max()) <= _EXACT):
+        return tensor.astype(dtype)
+    raise ValueError(f"image tensor {name!r} of dtype {tensor.dtype} does not fit a {dtype} destination")
 
 
 def _cast_mode(column: np.dtype[np.generic], dest: np.dtype[np.generic]) -> int:

@@ -10,8 +10,9 @@ Owns every physical cache page. A page is in exactly one of three states:
 Invariant, checked by :meth:`PageAllocator.check`: free + referenced + evictable == total, and no page
 is in two states. Published pages are complete and immutable: a request writes only positions past
 its consumed endpoint, so a page that was complete when published is never written again. Prefix
-reuse is keyed by a hash chain over the cache identity and the token ids of each complete page, so
-a match is exact for the whole prefix up to that page. Running out of pages is a return value
+reuse is keyed by a hash chain over the cache identity and the token ids of each complete page (and, for
+a page holding tokens of an image span, that image's digest and where its span starts), so a match is
+exact for the whole prefix up to that page, images included. Running out of pages is a return value
 (``None``), not an exception.
 
 With a host tier (:class:`~helios_core.runtime.offload.HostPageStore`, ``--offload-pages``), evicting a
@@ -43,7 +44,25 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from helios_core.errors import HeliosError
+from helios_core.runtime.messages import PromptImage
 from helios_core.runtime.offload import HOST_RESIDENT, HostPageStore
+
+
+def page_images(images: Sequence[PromptImage], start: int, page_tokens: int) -> tuple[tuple[int, bytes], ...]:
+    """The image spans (of ``images``, in prompt order) that hold tokens of the page starting at position
+    ``start``: each span's start relative to the page and its image digest (part of the page's key)."""
+    if not images:
+        return ()
+    stop = start + page_tokens
+    return tuple((image.start - start, image.digest) for image in images if image.start < stop and image.end > start)
+
+
+def inside_span(images: Sequence[PromptImage], position: int) -> PromptImage | None:
+    """The image whose span ``position`` cuts (a token of it before and one at or after), else None."""
+    for image in images:
+        if image.start < position < image.end:
+            return image
+    return None
 
 
 class AllocatorError(HeliosError):
@@ -155,13 +174,21 @@ class PageAllocator:
         """Evictable device pages, next victim first (the host tier's order: ``host.eviction_order()``)."""
         return list(self._evictable)
 
-    def chain_hash(self, previous: bytes | None, tokens: Sequence[int]) -> bytes:
-        """The key of a complete page holding ``tokens`` after the prefix keyed ``previous``."""
+    def chain_hash(
+        self, previous: bytes | None, tokens: Sequence[int], images: Sequence[tuple[int, bytes]] = ()
+    ) -> bytes:
+        """The key of a complete page holding ``tokens`` after the prefix keyed ``previous``.
+
+        ``images``: each image span that holds tokens of the page, as (its start relative to the page's
+        first token, the image's digest) (:func:`page_images`); the same token ids from a different image
+        make a different key."""
         digest = hashlib.blake2b(previous if previous is not None else self._root, digest_size=16)
         try:
             digest.update(array("q", tokens))  # a page holds page_tokens ids: fixed width, one encoding per content
         except OverflowError:  # an id outside int64: spelled out instead
             digest.update(b"*" + ",".join(map(str, tokens)).encode())
+        for start, image in images:  # after the fixed-width ids: one encoding per (ids, images)
+            digest.update(b"#" + start.to_bytes(8, "little", signed=True) + len(image).to_bytes(4, "little") + image)
         return digest.digest()
 
     # -- check / act pairs ---------------------------------------------------------------------
@@ -200,9 +227,10 @@ class PageAllocator:
             else:
                 self._events.page_removed(key)
 
-    def match_prefix(self, tokens: Sequence[int], max_tokens: int) -> PrefixMatch:
+    def match_prefix(self, tokens: Sequence[int], max_tokens: int, images: Sequence[PromptImage] = ()) -> PrefixMatch:
         """The longest run of published complete pages equal to ``tokens[:max_tokens]``'s prefix, on the
-        device or (:data:`HOST_RESIDENT`) in the host tier."""
+        device or (:data:`HOST_RESIDENT`) in the host tier. ``images``: the prompt's images (their digests
+        are part of the keys of the pages holding their spans)."""
         self.stats.prefix_queries += 1
         pages: list[int] = []
         hashes: list[bytes] = []
@@ -210,7 +238,7 @@ class PageAllocator:
         step = self.page_tokens
         host = self.host
         for start in range(0, max_tokens - step + 1, step):
-            key = self.chain_hash(previous, tokens[start : start + step])
+            key = self.chain_hash(previous, tokens[start : start + step], page_images(images, start, step))
             page = self._page_of.get(key)
             if page is None:
                 if host is None or key not in host:

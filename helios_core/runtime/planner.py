@@ -20,7 +20,10 @@ phase of every running request:
    round of every decode-ready request (device-owned pending tokens, or host-owned ones fed from the
    slot table's token at each consumed endpoint),
 
-each on the smallest captured variant that holds its lanes and tokens. A page shortage preempts the
+each on the smallest captured variant that holds its lanes and tokens. A prompt's image spans are atomic:
+a chunk never ends inside one, and a round carries images only on a variant that binds image sources and
+whose patch and feature capacities hold them all (a mixed round whose variants cannot take the next image
+gives way to a plain prefill round). A page shortage preempts the
 most recently admitted requests (:meth:`~helios_core.runtime.residency.Residency.ensure_page`).
 
 Decode rounds are planned from the per-slot columns alone: the decode cohort (the decode-ready requests,
@@ -48,7 +51,8 @@ import numpy.typing as npt
 from helios_core.contract import PreparedContract, PreparedGraph, Selection
 from helios_core.runtime.completion import ExpectationBatch, LaneExpectation
 from helios_core.runtime.gates import HostGate
-from helios_core.runtime.packing import Column, Lane, LaneBatch
+from helios_core.runtime.messages import PromptImage
+from helios_core.runtime.packing import Column, Lane, LaneBatch, LaneImage
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
 from helios_core.runtime.residency import Residency
 from helios_core.runtime.slots import Phase, RequestState
@@ -251,10 +255,17 @@ class RoundPlanner:
         table, slot = self.table, state.slot
         gate = state.gate
         per_request = self.state_rows_per_request
+        images: list[LaneImage] = []
         if candidates:
             tokens = [*table.token_list(slot, positions.start, positions.start + 1), *candidates]
         else:
             tokens = table.token_list(slot, positions.start, positions.stop) if positions else []
+            if positions and state.request.images:  # the images whose spans this chunk computes
+                images = [
+                    LaneImage.of(image, positions.start)
+                    for image in state.request.images
+                    if positions.start <= image.start and image.end <= positions.stop
+                ]
         return Lane(
             slot=slot,
             generation=int(table.generation[slot]),
@@ -275,6 +286,7 @@ class RoundPlanner:
             snapshot_row=snapshot_row * per_request if snapshot_row >= 0 else -1,
             restore_row=restore_row * per_request if restore_row >= 0 else -1,
             candidates=candidates,
+            images=images,
         )
 
     def _histogram(self, slot: int, prompt_len: int) -> npt.NDArray[np.uint8]:
@@ -326,11 +338,48 @@ class RoundPlanner:
         return self.lanes_plan(graph, members, lanes, expectations)
 
     def _prefill_round(self, prefill: list[RequestState], decode: list[RequestState]) -> RoundPlan:
-        table, residency = self.table, self.residency
         mixed = bool(decode) and bool(self.mixed)
+        plan, computed = self._prefill_plan(prefill, decode, mixed)
+        if mixed and not computed:
+            # The mixed programs cannot take the next prefill chunk (an image span they bind no image
+            # sources for, or one beyond their capacities): a plain prefill round computes it, and the
+            # decode-ready requests join the next mixed round.
+            plain, plain_computed = self._prefill_plan(prefill, decode, False)
+            if plain_computed:
+                return plain
+        return plan
+
+    def _prefill_plan(
+        self, prefill: list[RequestState], decode: list[RequestState], mixed: bool
+    ) -> tuple[RoundPlan, bool]:
+        """The prefill (``mixed``: mixed) round of ``prefill``'s chunks on the smallest variant that holds its
+        rows, tokens and image patches and features, and whether it computes any prompt token. The limits
+        tried: the variants' largest extents, then each variant that takes images on its own (a round
+        with images needs a single variant holding all of them)."""
         variants = self.mixed if mixed else self.prefills
-        budget = max(g.extents.packed_token_capacity for g in variants)
-        rows = max(g.extents.batch_capacity for g in variants)
+        fallback: tuple[RoundPlan, bool] | None = None
+        for limits in _targets(variants):
+            members, lanes, expectations, used, images = self._prefill_lanes(prefill, decode, mixed, limits)
+            graph = _fitting(variants, rows=len(lanes), tokens=used, patches=images[0], features=images[1])
+            if graph is None:
+                continue
+            computed = used > sum(1 for lane in lanes if mixed and not lane.mixed_prefill)
+            result = (self.lanes_plan(graph, members, lanes, expectations), computed)
+            if computed:
+                return result
+            fallback = fallback or result
+        if fallback is None:
+            raise RuntimeError("no captured variant holds the round's rows, tokens and images")
+        return fallback
+
+    def _prefill_lanes(
+        self, prefill: list[RequestState], decode: list[RequestState], mixed: bool, limits: _Limits
+    ) -> tuple[list[RequestState], list[Lane], list[LaneExpectation], int, tuple[int, int]]:
+        """The lanes of a prefill round within ``limits``: with ``mixed``, every decode-ready request's
+        pending token first, then prefill chunks FCFS (each cut before an image span it would split or whose
+        image no longer fits); with the tokens, patches and features they take."""
+        table, residency = self.table, self.residency
+        budget, rows = limits.tokens, limits.rows
         members: list[RequestState] = []
         lanes: list[Lane] = []
         expectations: list[LaneExpectation] = []
@@ -351,6 +400,7 @@ class RoundPlanner:
                 taken.add(state.slot)
                 expectations.append(self._expect(state, consumed + 1, True))
         used = len(lanes)
+        patches = features = 0
         for state in prefill:
             if state.slot < 0 or table.phase[state.slot] != Phase.PREFILL:
                 continue  # preempted (or marked for a snapshot) to make room for a decode lane above
@@ -361,39 +411,60 @@ class RoundPlanner:
             chunk = min(int(table.target[slot]) - consumed, budget - used)
             if residency.checkpoints is not None:  # a chunk ends where the prompt's deepest checkpoint goes
                 chunk = residency.checkpoint_chunk(state, consumed, chunk)
+            images = state.request.images
+            if images:
+                chunk, more_patches, more_features = _image_chunk(
+                    images, consumed, chunk, limits.patches - patches, limits.features - features
+                )
+                if chunk <= 0:
+                    break  # its next image waits for a round with room for it (FCFS)
+                patches, features = patches + more_patches, features + more_features
             last = state.snapshot_row < 0 and consumed + chunk == table.length(slot)
             # MIXED_PREFILL_ROW: 1 on the prefill rows of a mixed round
             lanes.append(self.lane(state, range(consumed, consumed + chunk), sample=last, mixed_prefill=mixed))
             members.append(state)
             expectations.append(self._expect(state, consumed + chunk, last))
             used += chunk
-        graph = _smallest(variants, rows=len(lanes), tokens=used)
-        return self.lanes_plan(graph, members, lanes, expectations)
+        return members, lanes, expectations, used, (patches, features)
 
     def _resume_round(self, resume: list[RequestState]) -> RoundPlan:
         """Chunks of the known tokens of resuming requests (FCFS, within the largest RESUME extent): the
         tokens after a restored snapshot, or a continued assistant message. A lane whose chunk ends the
         request's tokens samples; its pages were allocated at admission."""
         table = self.table
-        budget = max(g.extents.packed_token_capacity for g in self.resumes)
-        rows = max(g.extents.batch_capacity for g in self.resumes)
-        members: list[RequestState] = []
-        lanes: list[Lane] = []
-        expectations: list[LaneExpectation] = []
-        used = 0
-        for state in resume:
-            if len(members) >= rows or used >= budget:
-                break
-            slot = state.slot
-            consumed, length = int(table.consumed[slot]), table.length(slot)
-            chunk = min(length - consumed, budget - used)
-            last = consumed + chunk == length
-            lanes.append(self.lane(state, range(consumed, consumed + chunk), sample=last))
-            members.append(state)
-            expectations.append(self._expect(state, consumed + chunk, last))
-            used += chunk
-        graph = _smallest(self.resumes, rows=len(lanes), tokens=used)
-        return self.lanes_plan(graph, members, lanes, expectations)
+        fallback: RoundPlan | None = None
+        for limits in _targets(self.resumes):
+            members: list[RequestState] = []
+            lanes: list[Lane] = []
+            expectations: list[LaneExpectation] = []
+            used = patches = features = 0
+            for state in resume:
+                if len(members) >= limits.rows or used >= limits.tokens:
+                    break
+                slot = state.slot
+                consumed, length = int(table.consumed[slot]), table.length(slot)
+                chunk = min(length - consumed, limits.tokens - used)
+                if state.request.images:
+                    chunk, more_patches, more_features = _image_chunk(
+                        state.request.images, consumed, chunk, limits.patches - patches, limits.features - features
+                    )
+                    if chunk <= 0:
+                        break
+                    patches, features = patches + more_patches, features + more_features
+                last = consumed + chunk == length
+                lanes.append(self.lane(state, range(consumed, consumed + chunk), sample=last))
+                members.append(state)
+                expectations.append(self._expect(state, consumed + chunk, last))
+                used += chunk
+            graph = _fitting(self.resumes, rows=len(lanes), tokens=used, patches=patches, features=features)
+            if graph is not None:
+                plan = self.lanes_plan(graph, members, lanes, expectations)
+                if used:
+                    return plan
+                fallback = fallback or plan
+        if fallback is None:
+            raise RuntimeError("no captured resume variant holds the round's rows, tokens and images")
+        return fallback
 
     def _scored_round(self, state: RequestState) -> RoundPlan:
         """One prefill chunk of a prompt-logprobs request, alone, on the smallest scored variant that fits.
@@ -401,16 +472,26 @@ class RoundPlanner:
         Each packed token's score target is the next prompt token; the last prompt token has none (-1).
         """
         table, slot = self.table, state.slot
-        budget = max(g.extents.packed_token_capacity for g in self.scored)
         consumed, length = int(table.consumed[slot]), table.length(slot)
-        chunk = min(length - consumed, budget)
+        for limits in _targets(self.scored):
+            chunk = min(length - consumed, limits.tokens)
+            patches = features = 0
+            if state.request.images:  # admission made sure each image fits a scored variant that takes images
+                chunk, patches, features = _image_chunk(
+                    state.request.images, consumed, chunk, limits.patches, limits.features
+                )
+            graph = _fitting(self.scored, rows=1, tokens=chunk, patches=patches, features=features)
+            if chunk > 0 and graph is not None:
+                break
+        else:
+            raise RuntimeError("no captured scored variant holds the request's next chunk and its images")
         last = consumed + chunk == length
         positions = range(consumed, consumed + chunk)
         following = table.token_list(slot, consumed + 1, min(consumed + chunk + 1, state.prompt_len))
         targets = [following[p - consumed] if p + 1 < state.prompt_len else -1 for p in positions]
         lane = self.lane(state, positions, sample=last, score_targets=targets)
         expectation = self._expect(state, consumed + chunk, last, scores=(0, chunk))
-        return self.lanes_plan(_smallest(self.scored, rows=1, tokens=chunk), [state], [lane], [expectation])
+        return self.lanes_plan(graph, [state], [lane], [expectation])
 
     # -- decode rounds -------------------------------------------------------------------------------
     def _decode_round(self, decode: list[RequestState]) -> RoundPlan | None:
@@ -641,8 +722,77 @@ def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:
 def _variants(graphs: Iterable[PreparedGraph], operation: int) -> list[PreparedGraph]:
     return sorted(
         (g for g in graphs if g.operation == operation),
-        key=lambda g: (g.extents.packed_token_capacity, g.extents.batch_capacity),
+        key=lambda g: (g.extents.packed_token_capacity, g.extents.batch_capacity, g.patch_capacity),
+    )  # of two variants of one size, the one that takes no images (or fewer) serves text rounds
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """What one round may take: lanes, packed tokens, image patches and image features."""
+
+    rows: int
+    tokens: int
+    patches: int
+    features: int
+
+
+def _targets(variants: Sequence[PreparedGraph]) -> list[_Limits]:
+    """The limits a round of ``variants`` is planned within: their largest extents first (a text round
+    always fits them), then each variant that takes images, largest first (a round with images fits one
+    variant with all of its patches, features and tokens)."""
+    largest = _Limits(
+        max(g.extents.batch_capacity for g in variants),
+        max(g.extents.packed_token_capacity for g in variants),
+        max(g.patch_capacity for g in variants),
+        max(g.feature_capacity for g in variants),
     )
+    own = [
+        _Limits(g.extents.batch_capacity, g.extents.packed_token_capacity, g.patch_capacity, g.feature_capacity)
+        for g in reversed(variants)
+        if g.takes_images
+    ]
+    return [largest, *(limits for limits in own if limits != largest)]
+
+
+def _image_chunk(
+    images: Sequence[PromptImage], consumed: int, chunk: int, patches: int, features: int
+) -> tuple[int, int, int]:
+    """A chunk of ``chunk`` tokens from ``consumed`` cut to end before the first image span it would split
+    or whose image no longer fits ``patches`` and ``features``; with the patches and features of the
+    images it holds. (A chunk never starts inside a span: chunks and prefix-reuse cuts end outside them.)"""
+    end = consumed + chunk
+    taken_patches = taken_features = 0
+    for image in images:
+        if image.end <= consumed:
+            continue
+        if image.start >= end:
+            break
+        if (
+            image.start < consumed
+            or image.end > end
+            or taken_patches + image.patch_count > patches
+            or taken_features + image.feature_count > features
+        ):
+            end = max(image.start, consumed)
+            break
+        taken_patches += image.patch_count
+        taken_features += image.feature_count
+    return end - consumed, taken_patches, taken_features
+
+
+def _fitting(
+    variants: Sequence[PreparedGraph], *, rows: int, tokens: int, patches: int, features: int
+) -> PreparedGraph | None:
+    """The smallest of ``variants`` that holds the round (a round with images only on one that takes them)."""
+    for graph in variants:
+        extents = graph.extents
+        if (
+            extents.batch_capacity >= rows
+            and extents.packed_token_capacity >= tokens
+            and (not patches or (graph.patch_capacity >= patches and graph.feature_capacity >= features))
+        ):
+            return graph
+    return None
 
 
 def _smallest(variants: Sequence[PreparedGraph], *, rows: int, tokens: int = 0) -> PreparedGraph:

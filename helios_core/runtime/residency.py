@@ -2,8 +2,10 @@
 
 Owns the pending admission deque (:attr:`Residency.waiting`), the running list, free slots and free
 snapshot rows, and every transition of a request between them: queueing with capacity checks
-(:meth:`Residency.add`), admission with prefix reuse (:meth:`Residency.admit`; at a first admission only
-up to the last cut the core's prefix-boundary rules allow), page reservation with
+(:meth:`Residency.add`, including the images a request carries: :class:`ImagePrograms`), admission
+with prefix reuse (:meth:`Residency.admit`; at a first admission only up to the last cut the core's
+prefix-boundary rules allow, never inside an image span; page keys carry image digests), page
+reservation with
 preemption of younger requests (:meth:`Residency.ensure_page`), a snapshot mark, preemption,
 finishing and failing (:meth:`Residency.end`, fenced while a follow-up round of the request is in
 flight), cancellation, page publication into the prefix index, and, with a sliding-window history,
@@ -19,14 +21,17 @@ of the scheduler use this object for the transitions they cause.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 import numpy as np
 
-from helios_core.contract import PreparedContract
+from helios_core.contract import PreparedContract, PreparedGraph
 from helios_core.contract.boundaries import last_cut
+from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.runtime.checkpoints import Checkpoint, CheckpointIndex
 from helios_core.runtime.gates import HostGate, format_param, gate_failure
 from helios_core.runtime.messages import (
@@ -36,8 +41,10 @@ from helios_core.runtime.messages import (
     Finished,
     FinishReason,
     PreparedRequest,
+    PromptImage,
 )
-from helios_core.runtime.pages import PageAllocator, PrefixMatch
+from helios_core.runtime.packing import image_values
+from helios_core.runtime.pages import PageAllocator, PrefixMatch, inside_span, page_images
 from helios_core.runtime.slots import Phase, RequestState, SlotTable
 from helios_core.runtime.stats import SchedulerStats
 from helios_core.sampling import SAMPLING_PARAMETERS, SamplingLimits, SamplingParams
@@ -63,8 +70,13 @@ class Residency:
         snapshot_rows: int,
         scored_prefill: bool,
         make_gate: Callable[[PreparedRequest], HostGate | None] | None,
+        graphs: Iterable[PreparedGraph] | None = None,
     ) -> None:
+        """``graphs``: the selected programs (the core's, by default); their image capacities bound what
+        images a request may carry."""
         self.allocator = allocator
+        self.image_programs = ImagePrograms.of(contract, contract.graphs.values() if graphs is None else graphs)
+        """The selected programs that take images, by operation (admission checks a request's images)."""
         self.stats = stats
         self.make_gate = make_gate
         self.sampling_limits = SamplingLimits.of(contract)
@@ -209,6 +221,8 @@ class Residency:
         limit = min(self.pages_per_row, self.allocator.total_pages)
         if self.pages_for(total) > limit:
             return f"the request needs {self.pages_for(total)} cache pages; at most {limit} fit", field
+        if request.images:
+            return self.image_programs.problem(request, self.resumable)
         return None
 
     def requests(self) -> Iterator[RequestState]:
@@ -235,7 +249,10 @@ class Residency:
             keys: list[bytes] = []
             if state.snapshot_row >= 0:  # reuse complete pages up to the snapshot, restore the rest
                 full = state.snapshot_endpoint - state.snapshot_endpoint % self.page_tokens
-                match = self.allocator.match_prefix(tokens, full if self.paged_prefixes else 0)
+                images = state.request.images
+                match = self._outside_spans(
+                    self.allocator.match_prefix(tokens, full if self.paged_prefixes else 0, images), images
+                )
                 needed = self.pages_for(_restored_extent(state)) - len(match.pages)
             elif state.scoring:  # every prompt token must be computed to be scored: no prefix reuse
                 match = PrefixMatch((), (), 0)
@@ -280,8 +297,11 @@ class Residency:
                 phase=phase,
             )
             if self.resumable and 0 <= state.continuation < len(tokens) and not state.scoring:
-                # prefill stops where the continued assistant message starts; RESUME computes the rest
-                self.table.target[state.slot] = max(state.continuation, reused)
+                # prefill stops where the continued assistant message starts (past an image span it would
+                # cut: a span is computed whole); RESUME computes the rest
+                target = max(state.continuation, reused)
+                cut = inside_span(state.request.images, target)
+                self.table.target[state.slot] = cut.end if cut is not None else target
             self.running.append(state)
             self.stats.admitted += 1
             if self.window:  # matched pages before the first window are not attended
@@ -293,12 +313,24 @@ class Residency:
         core's prefix-boundary rules allow within that run. A readmitted request matches its own history
         freely."""
         tokens = state.tokens
-        match = self.allocator.match_prefix(tokens, len(tokens) - 1)
+        images = state.request.images
+        match = self._outside_spans(self.allocator.match_prefix(tokens, len(tokens) - 1, images), images)
         if state.cuts is None or state.reused_tokens >= 0:
             return match
         keep = last_cut(state.cuts, match.tokens) // self.page_tokens
         if keep == len(match.pages):
             return match
+        return self._outside_spans(
+            PrefixMatch(match.pages[:keep], match.hashes[:keep], keep * self.page_tokens), images
+        )
+
+    def _outside_spans(self, match: PrefixMatch, images: Sequence[PromptImage]) -> PrefixMatch:
+        """``match`` cut back to the pages wholly before an image span its end would cut (the span is
+        computed whole, its image packed, in one round)."""
+        cut = inside_span(images, match.tokens)
+        if cut is None:
+            return match
+        keep = cut.start // self.page_tokens
         return PrefixMatch(match.pages[:keep], match.hashes[:keep], keep * self.page_tokens)
 
     def _checkpoint_match(self, state: RequestState) -> tuple[Checkpoint | None, PrefixMatch, list[bytes]]:
@@ -316,7 +348,10 @@ class Residency:
             limit = len(tokens) - 1
             if state.cuts is not None and state.reused_tokens < 0:
                 limit = last_cut(state.cuts, limit)
-            match, keys = _NO_MATCH, checkpoints.chain_keys(tokens, limit)
+            cut = inside_span(state.request.images, limit)
+            if cut is not None:
+                limit = cut.start
+            match, keys = _NO_MATCH, self._prompt_keys(tokens, limit, state.request.images)
         any_presence = state.sampling.repetition_penalty == 1.0  # prompt presence is read by that penalty only
         presence = frozenset(tokens[: state.prompt_len]) if keys and not any_presence else frozenset()
         found = checkpoints.deepest(keys, lambda checkpoint: any_presence or checkpoint.presence == presence)
@@ -327,6 +362,21 @@ class Residency:
             match = PrefixMatch(match.pages[:pages], match.hashes[:pages], found.endpoint)
         return found, match, keys[:pages]
 
+    def _prompt_keys(self, tokens: Sequence[int], limit: int, images: Sequence[PromptImage]) -> list[bytes]:
+        """The chain key of each complete page of ``tokens[:limit]`` (image digests included), in order."""
+        keys: list[bytes] = []
+        step, chain_hash = self.page_tokens, self.allocator.chain_hash
+        previous: bytes | None = None
+        for start in range(0, min(limit, len(tokens)) - step + 1, step):
+            previous = chain_hash(previous, tokens[start : start + step], page_images(images, start, step))
+            keys.append(previous)
+        return keys
+
+    def slot_images(self, slot: int) -> Sequence[PromptImage]:
+        """The prompt images of the request in ``slot``."""
+        state = self.table.requests[slot]
+        return state.request.images if state is not None else ()
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def checkpoint_chunk(self, state: RequestState, consumed: int, chunk: int) -> int:
         """A prefill chunk of ``chunk`` tokens of ``state`` from ``consumed``, cut to end at the last page
@@ -336,6 +386,8 @@ class Residency:
             return chunk
         slot = state.slot
         last = (self.table.length(slot) - 1) // self.page_tokens * self.page_tokens
+        if inside_span(state.request.images, last) is not None:
+            return chunk  # a chunk never ends inside an image span: no checkpoint there
         if consumed < last < consumed + chunk and self.checkpoints.wanted(self._chain_key(slot, last)):
             return last - consumed
         return chunk
@@ -403,8 +455,12 @@ class Residency:
         known = min(len(hashes), endpoint // page_tokens)
         key = hashes[known - 1] if known else None
         row = table.tokens[slot]
+        images = self.slot_images(slot)
         for page in range(known, endpoint // page_tokens):
-            key = self.allocator.chain_hash(key, row[page * page_tokens : (page + 1) * page_tokens].tolist())
+            start = page * page_tokens
+            key = self.allocator.chain_hash(
+                key, row[start : start + page_tokens].tolist(), page_images(images, start, page_tokens)
+            )
         if key is None:
             raise RuntimeError("a checkpoint endpoint must be a positive page boundary")
         return key
@@ -457,6 +513,9 @@ class Residency:
         if phase == Phase.DECODE:
             return True
         resumable = phase in (Phase.PREFILL, Phase.RESUME) and victim.snapshot_row < 0 and not victim.scoring
+        if resumable and not self.image_programs.resume:  # its remaining images need a RESUME that takes them
+            consumed = int(self.table.consumed[victim.slot])
+            resumable = all(image.end <= consumed for image in victim.request.images)
         return self.resumable and resumable
 
     def release_outside_window(self) -> None:
@@ -511,11 +570,12 @@ class Residency:
         if (len(hashes) + 1) * pt <= consumed:
             row = table.tokens[slot]
             pages = table.pages[slot]
+            images = self.slot_images(slot)
             while (len(hashes) + 1) * pt <= consumed:
                 index = len(hashes)
                 parent = hashes[-1] if hashes else None
                 page_tokens = row[index * pt : (index + 1) * pt].tolist()
-                key = self.allocator.chain_hash(parent, page_tokens)
+                key = self.allocator.chain_hash(parent, page_tokens, page_images(images, index * pt, pt))
                 self.allocator.publish(int(pages[index]), key, parent=parent, tokens=page_tokens)
                 hashes.append(key)
         table.published[slot] = len(hashes)
@@ -636,6 +696,125 @@ class Residency:
             self.stats.failed += 1
             events.append(ExecutionFailed(state.request_id, message))
         return events
+
+
+@dataclass(frozen=True)
+class ImagePrograms:
+    """The selected programs that take images, and what a request's images must be to fit them."""
+
+    prefill: tuple[PreparedGraph, ...]
+    scored: tuple[PreparedGraph, ...]
+    resume: tuple[PreparedGraph, ...]
+    feature_slots: int
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+    """Each ``image_output`` the programs bind: the trailing shape and numpy dtype of its destination."""
+
+    @classmethod
+    def of(cls, contract: PreparedContract, graphs: Iterable[PreparedGraph]) -> ImagePrograms:
+        taking = [graph for graph in graphs if graph.takes_images]
+        tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+        for graph in taking:
+            for binding in graph.contract.bindings:
+                if binding.source == ct.VALUE_SOURCE_IMAGE_TENSOR:
+                    entry = contract.transport[binding.destination]
+                    tensors[binding.image_output] = (tuple(entry.shape[1:]), NUMPY_DTYPES[entry.dtype].name)
+
+        def of_operation(operation: int) -> tuple[PreparedGraph, ...]:
+            return tuple(graph for graph in taking if graph.operation == operation)
+
+        return cls(
+            of_operation(ct.OPERATION_PREFILL),
+            of_operation(ct.OPERATION_SCORED_PREFILL),
+            of_operation(ct.OPERATION_RESUME),
+            contract.model.vision.feature_slots,
+            tensors,
+        )
+
+    def problem(self, request: PreparedRequest, resumable: bool) -> tuple[str, str | None] | None:
+        """Why ``request``'s images can never be served by these programs, and the field to change."""
+        if not self.prefill:
+            return "this core's programs take no images", "messages"
+        prompt = len(request.prompt_ids)
+        end = 0
+        features = 0
+        for index, image in enumerate(request.images):
+            where = f"image {index}"
+            if image.length <= 0 or image.start < end or image.end > prompt:
+                return (
+                    f"{where}'s span [{image.start}, {image.end}) is empty, overlaps an earlier image's or lies "
+                    f"outside the prompt's {prompt} tokens",
+                    "messages",
+                )
+            end = image.end
+            if any(not 0 <= offset < image.length for offset in image.feature_tokens):
+                return f"{where} places a feature outside its span of {image.length} tokens", "messages"
+            features += image.feature_count
+            tensor_problem = self._tensor_problem(where, image)
+            if tensor_problem is not None:
+                return tensor_problem, "messages"
+            fit_problem = _fit_problem(where, image, self.prefill, "prefill")
+            if fit_problem is not None:
+                return fit_problem, "messages"
+            if request.prompt_logprobs:
+                fit_problem = _fit_problem(where, image, self.scored, "scored prefill")
+                if fit_problem is not None:
+                    return f"prompt logprobs: {fit_problem}", "prompt_logprobs"
+        if features > self.feature_slots:
+            return (
+                f"the prompt's images have {features} features; the core holds {self.feature_slots} image "
+                "feature slots per request",
+                "messages",
+            )
+        continuation = request.layout.continuation if request.layout is not None else -1
+        if resumable and continuation >= 0 and any(image.end > continuation for image in request.images):
+            for index, image in enumerate(request.images):
+                if image.end > continuation:
+                    fit_problem = _fit_problem(f"image {index}", image, self.resume, "resume")
+                    if fit_problem is not None:
+                        return f"the continued assistant message: {fit_problem}", "messages"
+        return None
+
+    def _tensor_problem(self, where: str, image: PromptImage) -> str | None:
+        tensors = {tensor.name: tensor for tensor in image.tensors}
+        for name, (trailing, dtype) in self.tensors.items():
+            tensor = tensors.get(name)
+            if tensor is None:
+                return f"{where} has no {name!r} tensor, which the core's programs take"
+            expected = [image.patch_count, *trailing]
+            if list(tensor.shape) != expected:
+                return f"{where}'s {name!r} tensor has shape {list(tensor.shape)}; the core's programs take {expected}"
+            try:
+                if len(tensor.data) != math.prod(tensor.shape) * np.dtype(tensor.dtype).itemsize:
+                    return f"{where}'s {name!r} tensor holds {len(tensor.data)} bytes, not its shape's"
+                image_values(np.zeros(0, dtype=np.dtype(tensor.dtype)), np.dtype(dtype), name)
+            except (TypeError, ValueError) as exc:
+                return f"{where}: {exc}"
+        return None
+
+
+def _fit_problem(where: str, image: PromptImage, graphs: Sequence[PreparedGraph], kind: str) -> str | None:
+    """Why no one of ``graphs`` (``kind`` programs) holds ``image`` alone: its patches, features and span."""
+    if not graphs:
+        return f"{where} needs a {kind} program that takes images; this core has none"
+    patches = max(graph.patch_capacity for graph in graphs)
+    if image.patch_count > patches:
+        return (
+            f"{where} has {image.patch_count} patches; the largest patch capacity of the {kind} programs is {patches}"
+        )
+    tokens = max(graph.extents.packed_token_capacity for graph in graphs)
+    if image.length > tokens:
+        return f"{where}'s span of {image.length} tokens exceeds the {tokens} tokens a {kind} round computes"
+    if not any(
+        graph.patch_capacity >= image.patch_count
+        and graph.feature_capacity >= image.feature_count
+        and graph.extents.packed_token_capacity >= image.length
+        for graph in graphs
+    ):
+        return (
+            f"{where} ({image.patch_count} patches, {image.feature_count} features, a span of {image.length} "
+            f"tokens) fits no single {kind} program"
+        )
+    return None
 
 
 def _restored_extent(state: RequestState) -> int:

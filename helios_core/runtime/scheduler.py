@@ -74,6 +74,7 @@ class Scheduler:
             snapshot_rows=contract.serving.snapshot_capacity if copies else 0,
             scored_prefill=ct.OPERATION_SCORED_PREFILL in operations,
             make_gate=make_gate,
+            graphs=selection.graphs.values(),
         )
         self.residency.resumable = ct.OPERATION_RESUME in operations
         self.table: SlotTable = self.residency.table

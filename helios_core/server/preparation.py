@@ -29,6 +29,15 @@ template: its ``prompt`` string is encoded raw (:meth:`PromptEncoder.encode_raw
 <helios_core.frontend.prompt_encoding.PromptEncoder.encode_raw>`), or its token ids are checked
 against the input vocabulary, and sampling, the output limit and string stops resolve exactly as
 for chat. Its problems name ``prompt`` where chat's name ``messages``.
+
+A chat request's images (``image_url`` parts of user messages) are refused on a core that takes none
+(``Frontend.images.accepts_images``), counted and decoded within the operator's
+:class:`~helios_core.server.image_input.ImageLimits` before rendering; the template sees each as a
+``{"type": "image"}`` content part (a message without images keeps its joined text, as before), and
+after encoding :meth:`ImageFrontend.expand <helios_core.server.images.ImageFrontend.expand>` replaces
+each image sentinel by its image's span (``PreparedRequest.images``); the layout's offsets and the
+context check count the expanded prompt. An ``ImageInputError`` is a 400 naming the content part
+(``messages[1].content[0]: ...``). Legacy completions take no images.
 """
 
 from __future__ import annotations
@@ -68,19 +77,25 @@ from helios_core.plugin_api import (
     ToolSpec,
 )
 from helios_core.plugins.host import PluginHost, SelectedFrontend
-from helios_core.runtime.messages import PreparedRequest, SamplingParams
+from helios_core.plugins.images import DecodedImage, ImageInputError
+from helios_core.runtime.messages import PreparedRequest, PromptImage, SamplingParams
 from helios_core.runtime.startup import RunningModel
 from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
 from helios_core.server.errors import AdmissionRefused, InvalidRequest
+from helios_core.server.image_input import ImageLimits, decode_image_url
+from helios_core.server.images import ImageFrontend
 from helios_core.server.schemas import (
     AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
     Content,
     DeveloperMessage,
+    ImagePart,
     Message,
     SystemMessage,
+    TextPart,
     ToolMessage,
+    UserContent,
     UserMessage,
     completion_unsupported_fields,
     unsupported_fields,
@@ -93,7 +108,9 @@ __all__ = ["Frontend", "Prepared", "prepare", "prepare_completion"]
 class Frontend:
     """The read-only frontend state preparation needs, built once at app startup."""
 
-    def __init__(self, running: RunningModel, plugin_host: PluginHost | None = None) -> None:
+    def __init__(
+        self, running: RunningModel, plugin_host: PluginHost | None = None, image_limits: ImageLimits | None = None
+    ) -> None:
         contract = running.verified.contract
         self.bootstrap: Bootstrap = running.bootstrap
         self.context_tokens = contract.serving.context_tokens
@@ -112,6 +129,10 @@ class Frontend:
         )
         """The think-tag syntax structured output admits before the answer, or None (see structured)."""
         self.grammar_compiler: GrammarCompiler = running.grammar_compiler
+        self.images = ImageFrontend.of(contract, self.selected)
+        """The core's image preparation and layout (``accepts_images`` False on a text-only core)."""
+        self.image_limits = image_limits if image_limits is not None else ImageLimits()
+        """What one request's images may cost (the ``--image-*`` run options)."""
 
     def envelope(self, rendered: str) -> EnvelopeState:
         """Where the rendered prompt leaves generation.
@@ -201,13 +222,107 @@ def _text(content: Content | None, shield: ClientTextShield) -> str:
     return shield.shield("".join(part.text for part in content))
 
 
-def _text_bytes(content: Content | None) -> int:
+def _user_content(content: UserContent, shield: ClientTextShield) -> str | list[dict[str, str]]:
+    """A user message's content as the template sees it: its text (as :func:`_text`) when it holds no
+    image, else its parts in order, ``{"type": "text", "text": ...}`` (shielded) and ``{"type": "image"}``
+    (where the template writes the core's image sentinel)."""
+    if isinstance(content, str):
+        return _text(content, shield)
+    if not any(isinstance(part, ImagePart) for part in content):
+        return _text([part for part in content if isinstance(part, TextPart)], shield)
+    return [
+        {"type": "text", "text": shield.shield(part.text)} if isinstance(part, TextPart) else {"type": "image"}
+        for part in content
+    ]
+
+
+def _text_bytes(content: Content | UserContent | None) -> int:
     """UTF-8 bytes of a message's text, without joining or encoding it."""
     if content is None:
         return 0
     if isinstance(content, str):
         return utf8_length(content)
-    return sum(utf8_length(part.text) for part in content)
+    return sum(utf8_length(part.text) for part in content if isinstance(part, TextPart))
+
+
+def _image_parts(request: ChatCompletionRequest) -> list[tuple[str, ImagePart]]:
+    """The request's image parts in prompt order, each with where it is (``messages[i].content[j]``)."""
+    return [
+        (f"messages[{index}].content[{position}]", part)
+        for index, message in enumerate(request.messages)
+        if isinstance(message, UserMessage) and not isinstance(message.content, str)
+        for position, part in enumerate(message.content)
+        if isinstance(part, ImagePart)
+    ]
+
+
+@contextmanager
+def _naming_image_part(locations: Sequence[str]) -> Iterator[None]:
+    """Turn an ``ImageInputError`` into an ``InvalidRequest`` (400) whose message starts with the content
+    part of the image at fault (``messages[1].content[0]: ...``), where the error names one."""
+    try:
+        yield
+    except ImageInputError as exc:
+        where = locations[exc.index] if exc.index is not None and 0 <= exc.index < len(locations) else None
+        raise InvalidRequest(f"{where}: {exc}" if where is not None else str(exc), "messages") from exc
+
+
+def _decode_images(frontend: Frontend, parts: Sequence[tuple[str, ImagePart]]) -> list[DecodedImage]:
+    """The request's images decoded within the operator's limits (400 when the core takes no images,
+    when there are too many, or naming the part of one that cannot be used)."""
+    if not parts:
+        return []
+    if not frontend.images.accepts_images:
+        raise InvalidRequest("this model does not accept image input", "messages")
+    limits = frontend.image_limits
+    if len(parts) > limits.max_count:
+        raise InvalidRequest(
+            f"the request carries {len(parts)} images, more than this server's limit of {limits.max_count} per request",
+            "messages",
+        )
+    with _naming_image_part([where for where, _ in parts]):
+        return [decode_image_url(part.image_url.url, limits, index=index) for index, (_, part) in enumerate(parts)]
+
+
+def _expand_images(
+    frontend: Frontend, prompt_ids: list[int], images: Sequence[DecodedImage], locations: Sequence[str]
+) -> tuple[list[int], list[PromptImage]]:
+    """The prompt with each image sentinel replaced by its image's span (a core that takes images; a
+    text-only core's prompt is returned as it is), and the spans; the expanded prompt must fit the
+    context (503, permanent, as an unexpanded one)."""
+    if not frontend.images.accepts_images:
+        return prompt_ids, []
+    with _naming_image_part(locations):
+        expanded, spans = frontend.images.expand(prompt_ids, images)
+    if len(expanded) >= frontend.context_tokens:
+        raise AdmissionRefused(
+            f"the prompt holds {len(expanded)} tokens with its images, which does not fit the core's context of "
+            f"{frontend.context_tokens} tokens",
+            "messages",
+            permanent=True,
+        )
+    return expanded, spans
+
+
+def _expanded_layout(layout: PromptLayout | None, images: Sequence[PromptImage]) -> PromptLayout | None:
+    """``layout`` (token offsets into the prompt before its images were expanded) with every offset moved
+    past the spans that replaced the image sentinels before it."""
+    if layout is None or not images:
+        return layout
+
+    def expanded(offset: int) -> int:
+        grown = 0
+        for image in images:  # in prompt order; ``image.start - grown`` is where its sentinel was
+            if image.start - grown >= offset:
+                break
+            grown += image.length - 1
+        return offset + grown
+
+    return msgspec.structs.replace(
+        layout,
+        messages=tuple(PromptMessage(message.role, expanded(message.end)) for message in layout.messages),
+        continuation=expanded(layout.continuation) if layout.continuation >= 0 else -1,
+    )
 
 
 def _refuse_oversize_messages(frontend: Frontend, request: ChatCompletionRequest) -> None:
@@ -240,7 +355,7 @@ def _template_message(message: Message, index: int, shield: ClientTextShield) ->
     if isinstance(message, SystemMessage | DeveloperMessage):
         return {"role": "system", "content": _text(message.content, shield)}
     if isinstance(message, UserMessage):
-        return {"role": "user", "content": _text(message.content, shield)}
+        return {"role": "user", "content": _user_content(message.content, shield)}
     if isinstance(message, ToolMessage):
         return {
             "role": "tool",
@@ -472,6 +587,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         raise InvalidRequest("messages must contain at least one message", "messages")
     template_tools, tool_specs = _tools(frontend, request)
     _refuse_oversize_messages(frontend, request)
+    image_parts = _image_parts(request)
+    images = _decode_images(frontend, image_parts)
     shield = frontend.bootstrap.encoder.shield()
     messages = [_template_message(message, index, shield) for index, message in enumerate(request.messages)]
     shielded_tools = shield.shield_value(template_tools) if template_tools else None
@@ -489,6 +606,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     layout = _prompt_layout(
         frontend, messages, shielded_tools, rendered, prompt_ids, shield, content_start=content_start
     )
+    prompt_ids, prompt_images = _expand_images(frontend, prompt_ids, images, [where for where, _ in image_parts])
+    layout = _expanded_layout(layout, prompt_images)
     sampling = _sampling(frontend, request)
     top_logprobs, prompt_logprobs = _logprob_settings(frontend, request)
 
@@ -538,6 +657,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         prompt_logprobs=prompt_logprobs,
         grammar=grammar,
         layout=layout,
+        images=prompt_images,
     )
     include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
     return Prepared(

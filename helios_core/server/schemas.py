@@ -11,6 +11,10 @@ server does not implement belong to :func:`unsupported_fields`. Nesting is bound
 recurse, so no later step (rendering, schema compilation, encoding) can exhaust the stack. The
 completions ``prompt`` decodes as a string or a list of ids, strings or id lists; which of those
 shapes a request may use is preparation's decision (:func:`helios_core.server.preparation.prepare_completion`).
+A user message's content array may hold ``image_url`` parts (:class:`ImagePart`) beside text parts;
+the content of every other message takes text parts only, and an image part there is refused
+naming the part (``messages[i].content[j]``). Reading and decoding the images is preparation's
+(:mod:`helios_core.server.image_input`).
 
 Changed by the server owners when the accepted OpenAI surface changes; docs/http-api.md lists it.
 """
@@ -32,6 +36,8 @@ __all__ = [
     "DeveloperMessage",
     "FunctionCall",
     "FunctionDefinition",
+    "ImagePart",
+    "ImageURL",
     "Message",
     "StreamOptions",
     "SystemMessage",
@@ -39,6 +45,7 @@ __all__ = [
     "Tool",
     "ToolCallMessage",
     "ToolMessage",
+    "UserContent",
     "UserMessage",
     "completion_unsupported_fields",
     "decode_completion_request",
@@ -48,14 +55,31 @@ __all__ = [
 ]
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """One text part of a message's content array (other part types are refused)."""
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True, frozen=True):
+    """One text part of a message's content array: ``{"type": "text", "text": ...}``."""
 
-    type: Literal["text"]
     text: str
 
 
+class ImageURL(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An image part's image: a ``data:`` URL (or an ``http(s)`` URL where the operator allows them)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted for compatibility; every image is prepared as the core's image preparation says."""
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True, frozen=True):
+    """One image part of a user message's content array: ``{"type": "image_url", "image_url": {"url": ...}}``."""
+
+    image_url: ImageURL
+
+
 Content = str | list[TextPart]
+"""Content of system, developer, assistant and tool messages: text only (any other part type is refused)."""
+
+UserContent = str | list[TextPart | ImagePart]
+"""Content of a user message: text and image parts (other part types are refused)."""
 
 
 class SystemMessage(msgspec.Struct, tag_field="role", tag="system", forbid_unknown_fields=True, frozen=True):
@@ -71,7 +95,7 @@ class DeveloperMessage(msgspec.Struct, tag_field="role", tag="developer", forbid
 
 
 class UserMessage(msgspec.Struct, tag_field="role", tag="user", forbid_unknown_fields=True, frozen=True):
-    content: Content
+    content: UserContent
     name: str | None = None
 
 
@@ -231,6 +255,9 @@ MAX_JSON_DEPTH = 64
 ``arguments`` text, parsed during preparation, is held to the same limit counted from its own root.
 Real JSON schemas and tool arguments stay far below it; a deeper field is a 400 naming it."""
 
+_MISPLACED_IMAGE = re.compile(r"Invalid value 'image_url' - at `\$\.(?P<part>messages\[\d+\]\.content\[\d+\])\.type`")
+"""msgspec's refusal of an image part in a message whose content takes text parts only."""
+
 _JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[][{},]', re.DOTALL)
 """Strings (skipped whole, escapes included) and the structural characters the depth scan needs."""
 
@@ -245,6 +272,13 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
         request = _DECODER.decode(body)
     except RecursionError:  # nesting deep enough to exhaust the decoder's stack: name the field
         raise _too_deep(_deepest_field(body)) from None
+    except msgspec.ValidationError as exc:  # only user messages take image parts: say so
+        misplaced = _MISPLACED_IMAGE.fullmatch(str(exc))
+        if misplaced is None:
+            raise
+        raise InvalidRequest(
+            f"{misplaced['part']}: image parts are only accepted in user messages", "messages"
+        ) from None
     problem = _nesting_problem(request)
     if problem is not None:
         raise _too_deep(*problem)

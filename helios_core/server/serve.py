@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import RunningModel
+    from helios_core.server.image_input import ImageLimits
     from helios_core.server.kv_events import KvEventPublisher, KvEventsConfig
     from helios_core.server.readiness import Readiness
     from helios_core.server.service import ChatService
@@ -120,6 +121,33 @@ class RunOptions:
     """Seconds admitted requests may still run after SIGTERM before they are dropped."""
     worker_process: bool = False
     """Run the model worker in its own process (:mod:`helios_core.server.worker_process`)."""
+    image_max_bytes: int | None = None
+    """Encoded bytes of one request image (None: :data:`~helios_core.server.image_input.DEFAULT_MAX_BYTES`)."""
+    image_max_pixels: int | None = None
+    """Pixels of one request image (None: :data:`~helios_core.server.image_input.DEFAULT_MAX_PIXELS`)."""
+    image_max_count: int | None = None
+    """Images in one request (None: :data:`~helios_core.server.image_input.DEFAULT_MAX_COUNT`)."""
+    image_allow_urls: bool = False
+    """Fetch http(s) image URLs (off: only data URLs)."""
+    image_fetch_timeout: float | None = None
+    """Seconds for one remote image's fetch (None: :data:`~helios_core.server.image_input.DEFAULT_FETCH_TIMEOUT`)."""
+
+    def image_limits(self) -> ImageLimits:
+        """The image limits these options give (StartupError naming the option when one is out of range)."""
+        from helios_core.server import image_input as images
+
+        try:
+            return images.ImageLimits(
+                max_bytes=images.DEFAULT_MAX_BYTES if self.image_max_bytes is None else self.image_max_bytes,
+                max_pixels=images.DEFAULT_MAX_PIXELS if self.image_max_pixels is None else self.image_max_pixels,
+                max_count=images.DEFAULT_MAX_COUNT if self.image_max_count is None else self.image_max_count,
+                allow_urls=self.image_allow_urls,
+                fetch_timeout=(
+                    images.DEFAULT_FETCH_TIMEOUT if self.image_fetch_timeout is None else self.image_fetch_timeout
+                ),
+            )
+        except ValueError as exc:
+            raise StartupError(str(exc).replace("image ", "--image-", 1)) from None
 
 
 _BACKENDS = ("auto", "reference", "cuda")
@@ -141,13 +169,13 @@ def _convert(name: str, value: Any, source: str) -> Any:
         if value not in _BACKENDS:
             raise StartupError(f"{where} must be one of {', '.join(_BACKENDS)}, not {value!r}")
         return value
-    if name == "shutdown_timeout":
+    if name in ("shutdown_timeout", "image_fetch_timeout"):
         return _seconds(value, where)
     if name == "kv_events_config":
         from helios_core.server.kv_events import config_text
 
         return config_text(value, where)
-    if name in ("history_drafting", "vllm_metrics", "worker_process"):
+    if name in ("history_drafting", "vllm_metrics", "worker_process", "image_allow_urls"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -226,6 +254,8 @@ def resolve_options(
             values[name] = tuple(value) if isinstance(value, list) else value
     if "shutdown_timeout" in values:  # an explicit value is checked as the others are
         values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "shutdown-timeout")
+    if values.get("image_fetch_timeout") is not None:
+        values["image_fetch_timeout"] = _seconds(values["image_fetch_timeout"], "image-fetch-timeout")
     if values.get("core") is None:
         raise StartupError("no core given: pass --core PATH (or set core in --config, or $HELIOS_CORE)")
     return RunOptions(**values)
@@ -244,6 +274,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     if options.core is None:
         raise StartupError("no core given: pass --core PATH")
     trust = TrustSettings.resolve(options.trust_key, options.accept, options.core_key)
+    options.image_limits()  # an image limit out of range fails before the server listens
     load = LoadOptions(
         max_active=options.max_active,
         queue_capacity=options.queue_capacity,
@@ -340,7 +371,12 @@ class _Loader:
 
                     start = start_worker_process
                 self.running = start(options.core or Path(), self._trust, self._load, backend=options.backend)
-                settings = ServerSettings(options.served_name, options.alias, vllm_metrics=options.vllm_metrics)
+                settings = ServerSettings(
+                    options.served_name,
+                    options.alias,
+                    vllm_metrics=options.vllm_metrics,
+                    image_limits=options.image_limits(),
+                )
                 service = ChatService(self.running, settings, self._readiness)
                 self.service = service
                 if self._kv_config is not None and self._kv_config.enabled:

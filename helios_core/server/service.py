@@ -71,6 +71,7 @@ from helios_core.server.errors import (
     log_failure,
     validation_error,
 )
+from helios_core.server.image_input import ImageLimits
 from helios_core.server.metrics import LoadReading, MetricsExporter
 from helios_core.server.preparation import Frontend, Prepared, prepare, prepare_completion
 from helios_core.server.presentation import CompletionPresenter, Presenter, ResponsePresenter, sse_error
@@ -98,6 +99,8 @@ class ServerSettings:
     """Added to the core's aliases."""
     vllm_metrics: bool = False
     """Also export the gateway load gauges under vLLM's metric names (docs/metrics.md)."""
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    """What one chat request's images may cost (the ``--image-*`` run options)."""
 
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
@@ -134,7 +137,7 @@ class ChatService:
         selection = running.model.selection
         capacity = selection.queue_capacity + selection.max_active
         self.admission = Admission(capacity, selection.frontend_workers, selection.max_active)
-        self.frontend = Frontend(running)
+        self.frontend = Frontend(running, image_limits=settings.image_limits)
         self._preparation = ThreadPoolExecutor(selection.frontend_workers, thread_name_prefix="helios-frontend")
         self._bridge = EventBridge(capacity + selection.frontend_workers)
         self.metrics = MetricsExporter(

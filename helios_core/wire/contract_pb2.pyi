@@ -116,12 +116,14 @@ class ImagePreparation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IMAGE_PREPARATION_UNSPECIFIED: _ClassVar[ImagePreparation]
     IMAGE_PREPARATION_NONE: _ClassVar[ImagePreparation]
     IMAGE_PREPARATION_PATCH_GRID: _ClassVar[ImagePreparation]
+    IMAGE_PREPARATION_FIXED_TILE: _ClassVar[ImagePreparation]
 
 class ImageLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     IMAGE_LAYOUT_UNSPECIFIED: _ClassVar[ImageLayout]
     IMAGE_LAYOUT_NONE: _ClassVar[ImageLayout]
     IMAGE_LAYOUT_RASTER_SPAN: _ClassVar[ImageLayout]
+    IMAGE_LAYOUT_MERGED_GRID: _ClassVar[ImageLayout]
 
 class MessageRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -224,9 +226,11 @@ REASONING_PARSER_RECIPIENT_HEADER: ReasoningParser
 IMAGE_PREPARATION_UNSPECIFIED: ImagePreparation
 IMAGE_PREPARATION_NONE: ImagePreparation
 IMAGE_PREPARATION_PATCH_GRID: ImagePreparation
+IMAGE_PREPARATION_FIXED_TILE: ImagePreparation
 IMAGE_LAYOUT_UNSPECIFIED: ImageLayout
 IMAGE_LAYOUT_NONE: ImageLayout
 IMAGE_LAYOUT_RASTER_SPAN: ImageLayout
+IMAGE_LAYOUT_MERGED_GRID: ImageLayout
 MESSAGE_ROLE_UNSPECIFIED: MessageRole
 MESSAGE_ROLE_SYSTEM: MessageRole
 MESSAGE_ROLE_USER: MessageRole

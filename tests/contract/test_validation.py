@@ -190,7 +190,7 @@ def test_frontend_identifier_unknown(parts, field: str, value: int) -> None:
 
 
 @pytest.mark.parametrize("value", [THIRD_PARTY_IDENTIFIERS.start, THIRD_PARTY_IDENTIFIERS.stop - 1])
-@pytest.mark.parametrize("field", FRONTEND_IDENTIFIERS)
+@pytest.mark.parametrize("field", ["tool_parser", "reasoning_parser"])  # image identifiers: test_vision_validation
 def test_frontend_identifier_third_party_range_is_accepted(parts, field: str, value: int) -> None:
     setattr(parts.model.frontend, field, value)
     parts.prepare()
@@ -711,12 +711,6 @@ def test_image_sources_need_an_image_layout(parts, layout: int) -> None:
     parts.model.frontend.image_layout = layout
     add_image_slot_binding(parts)
     rejects(parts, "graph 'prefill_p16' binding 'image_slot': image sources need a selected image layout")
-
-
-def test_image_sources_validate_with_an_image_layout(parts) -> None:
-    parts.model.frontend.image_layout = ct.IMAGE_LAYOUT_RASTER_SPAN
-    add_image_slot_binding(parts)
-    parts.prepare()
 
 
 def test_image_tensor_needs_an_output_name(parts) -> None:
@@ -1250,20 +1244,6 @@ def test_speculative_operation_is_supported_and_a_runtime_without_it_refuses(par
     assert "graph 'speculative_w4' has operation speculative, which this runtime does not implement yet" in str(
         caught.value
     )
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("image_preparation", ct.IMAGE_PREPARATION_PATCH_GRID),
-        ("image_layout", ct.IMAGE_LAYOUT_RASTER_SPAN),
-        ("image_preparation", THIRD_PARTY_IDENTIFIERS.start),
-    ],
-)
-def test_image_inputs_are_unsupported(parts, field: str, value: int) -> None:
-    setattr(parts.model.frontend, field, value)
-    unsupported(parts, "the core declares image inputs, which this runtime does not implement yet")
-    check_runtime_support(parts.prepare(), RuntimeCapabilities(vision=True))
 
 
 def test_engram_tables_are_unsupported(parts) -> None:

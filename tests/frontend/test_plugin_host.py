@@ -231,6 +231,7 @@ def test_plugins_command_json() -> None:
 
 
 BUILTIN_LINES = [
+    "images = helios_plugins.images [ok] image_preparation=2,3 image_layout=2,3",
     "none = helios_plugins.none [ok] tool_parser=1 reasoning_parser=1 image_preparation=1 image_layout=1",
     "reasoning_think_tags = helios_plugins.reasoning_think_tags [ok] reasoning_parser=2",
     "recipient_header = helios_plugins.recipient_header [ok] tool_parser=6 reasoning_parser=4",

@@ -155,11 +155,11 @@ def test_a_source_packing_cannot_supply_fails_at_startup(contract: PreparedContr
         contract.graphs["decode_b1"],
         ct.ValueBinding(
             destination="input_ids",
-            source=ct.VALUE_SOURCE_IMAGE_FEATURE_SLOT,
+            source=ct.VALUE_SOURCE_UNSPECIFIED,
             indexing=ct.INDEXING_PACKED_TOKEN,
         ),
     )
-    with pytest.raises(UnsupportedFeatureError, match="binds VALUE_SOURCE_IMAGE_FEATURE_SLOT, which this runtime"):
+    with pytest.raises(UnsupportedFeatureError, match="binds VALUE_SOURCE_UNSPECIFIED, which this runtime"):
         GraphPacker(graph, poisoned_staging(contract))
     per_lane = _with_bindings(
         contract.graphs["decode_b1"],

@@ -29,7 +29,7 @@ from ignition.recipes.synthetic import TOOL_SYNTAXES
 if TYPE_CHECKING:
     from helios_core.wire.contract_pb2 import ServingContract
 
-RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic")
+RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
 
 
 class ProgressBar:
@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="latent-synthetic: attention reads its pages through a page-table view shifted by N columns",
     )
+    build.add_argument(
+        "--layout",
+        dest="image_layout",
+        help=(
+            "vision-synthetic: the image preparation and layout, tiles (default), dynamic, or a third-party "
+            "layout id in 100000-199999 (with the tiles preparation and tensors)"
+        ),
+    )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
 
@@ -199,6 +207,10 @@ def run_build(args: argparse.Namespace) -> int:
         _check_recurrent_options(args, targets)
     elif args.tokens_per_record != 1 or args.page_offset:
         raise HeliosError("--tokens-per-record and --page-offset belong to latent-synthetic")
+    if args.recipe == "vision-synthetic":
+        _check_vision_options(args, caps, targets)
+    elif args.image_layout is not None:
+        raise HeliosError("--layout belongs to vision-synthetic")
     if max(caps.decode_rows) != caps.max_rows:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
     if args.recipe == "smollm2-135m-instruct" and args.tool_syntax not in SMOLLM2_TOOL_SYNTAXES:
@@ -231,6 +243,8 @@ def run_build(args: argparse.Namespace) -> int:
 
     if args.recipe in ("recurrent-synthetic", "latent-synthetic"):
         return _build_recurrent(args, caps, targets, signing_key, core_key, progress)
+    if args.recipe == "vision-synthetic":
+        return _build_vision(args, caps, targets, signing_key, core_key, progress)
     if args.recipe == "llama-synthetic":
         from ignition.recipes.synthetic import synthetic_declaration
 
@@ -325,6 +339,70 @@ def _build_recurrent(
             namespace=args.namespace,
             layout=args.layout,
             core_key=core_key,
+            targets=targets,
+            progress=progress,
+        )
+    except ValueError as error:
+        raise HeliosError(str(error)) from error
+    _report_written(args, serving, started)
+    return 0
+
+
+def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: tuple[str, ...]) -> None:
+    """Refuse, before any key or weight is touched, what ``vision-synthetic`` has no programs for, an
+    unknown shape and an unknown layout."""
+    from ignition.recipes.vision import TOWERS, VISION_TOOL_SYNTAXES, check_vision_options, image_layout_choice
+
+    refused = [
+        option
+        for option, given in (
+            ("--speculative", args.speculative is not None),
+            ("--window", bool(args.window)),
+            (f"--tool-syntax {args.tool_syntax}", args.tool_syntax not in VISION_TOOL_SYNTAXES),
+            ("--extra-special", bool(args.extra_special)),
+        )
+        if given
+    ]
+    if refused:
+        raise HeliosError(f"vision-synthetic does not take {', '.join(refused)}")
+    tower = TOWERS.get(args.shape)
+    if tower is None:
+        raise HeliosError(f"unknown vision shape {args.shape!r}; known shapes: {', '.join(TOWERS)}")
+    try:
+        image_layout_choice(args.image_layout or "tiles", tower)
+        check_vision_options(caps, targets)
+    except ValueError as error:
+        raise HeliosError(str(error)) from error
+
+
+def _build_vision(
+    args: argparse.Namespace,
+    caps: Capacities,
+    targets: tuple[str, ...],
+    signing_key: object,
+    core_key: bytes | None,
+    progress: ProgressBar,
+) -> int:
+    """``ignition build vision-synthetic`` (options checked by :func:`_check_vision_options`)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from ignition.recipes.vision import build_vision_core, vision_declaration
+
+    if not isinstance(signing_key, Ed25519PrivateKey):
+        raise HeliosError("the signing key must be an Ed25519 private key")
+    started = time.monotonic()
+    try:
+        serving = build_vision_core(
+            vision_declaration(
+                args.shape, layout=args.image_layout or "tiles", seed=args.seed, tool_syntax=args.tool_syntax
+            ),
+            args.out,
+            caps=caps,
+            signing_key=signing_key,
+            namespace=args.namespace,
+            layout=args.layout,
+            core_key=core_key,
+            bf16=args.dtype == "bf16",
             targets=targets,
             progress=progress,
         )

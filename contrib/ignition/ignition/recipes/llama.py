@@ -570,6 +570,11 @@ class LlamaProgramWriter(TextProgramWriter):
             name=f"{label}l{layer}.attention",
         )
 
+    def _embed(self, prog: ProgramBuilder, ids: View, h: View, label: str) -> None:
+        """The decoder's input rows: the token embedding of ``ids`` into the residual stream ``h`` (a
+        recipe whose inputs are more than token ids adds its own rows here)."""
+        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+
     def _fused_decoder(
         self,
         prog: ProgramBuilder,
@@ -594,7 +599,7 @@ class LlamaProgramWriter(TextProgramWriter):
         q = prefix(sc.q, p)
         attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
         gate_up = prefix(sc.gate_up, p)
-        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+        self._embed(prog, ids, h, label)
         for layer, lw in enumerate(self.layer_weights[:layers]):
             prog.node(
                 "rmsnorm_linear_rope_kv_cache_write",
@@ -659,7 +664,7 @@ class LlamaProgramWriter(TextProgramWriter):
         v2 = View(v.buffer, (p, s.kv_heads * s.head_dim))
         positions = prefix(where.positions, p)
         rope_attrs = self._rope_attributes()
-        prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+        self._embed(prog, ids, h, label)
         for layer, lw in enumerate(self.layer_weights[:layers]):
             prog.node(
                 "rmsnorm",

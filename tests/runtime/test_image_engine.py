@@ -1,0 +1,84 @@
+"""Serving prompts with images end to end on the ``vision-tiles`` fixture core (reference backend).
+
+The core takes 16x16 images cut into 16 patches of 4x4 pixels, one feature a patch; a span is
+``[open] + [feature] x 16 + [close]`` (ids 260, 262, 261). Its image programs compute the features from
+the packed patches in the program, so the tokens a request generates depend on its image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from helios_core.runtime.messages import (
+    Finished,
+    ImageTensor,
+    PreparedRequest,
+    PromptImage,
+    SamplingParams,
+    TokenEvent,
+)
+from helios_core.runtime.startup import RunningModel
+
+GREEDY = SamplingParams(temperature=0.0)
+OPEN, FEATURE, CLOSE = 260, 262, 261
+PATCHES = 16
+
+
+def tile_image(seed: int, start: int) -> PromptImage:
+    """A random 16-patch image whose span starts at prompt index ``start``."""
+    rng = np.random.default_rng(seed)
+    grid = np.arange(PATCHES, dtype=np.int32)
+    tensors = [
+        ImageTensor.of("patches", rng.standard_normal((PATCHES, 48)).astype(np.float32)),
+        ImageTensor.of("patch_rows", grid // 4),
+        ImageTensor.of("patch_cols", grid % 4),
+    ]
+    return PromptImage(start, PATCHES + 2, list(range(1, PATCHES + 1)), PATCHES, bytes([seed]) * 16, tensors)
+
+
+def image_request(request_id: str, seed: int, head: Sequence[int] = tuple(range(3, 17))) -> PreparedRequest:
+    """``head``, an image span, then 17 text tokens; 6 greedy tokens."""
+    prompt = [*head, OPEN, *[FEATURE] * PATCHES, CLOSE, *range(30, 47)]
+    return PreparedRequest(request_id, prompt, 6, GREEDY, ignore_eos=True, images=[tile_image(seed, len(head))])
+
+
+def served(model: RunningModel, requests: Sequence[PreparedRequest]) -> list[tuple[list[int], int]]:
+    """Queue every request before reading any stream: each one's tokens and reused prompt tokens."""
+    streams = [model.engine.submit(request) for request in requests]
+    outcomes = []
+    for stream in streams:
+        events = list(stream)
+        end = events[-1]
+        assert isinstance(end, Finished) and end.reason == "length", end
+        outcomes.append(([e.token_id for e in events if isinstance(e, TokenEvent)], end.reused_prompt_tokens))
+    return outcomes
+
+
+def test_an_image_request_generates_the_same_tokens_alone_and_beside_others(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    batch = [
+        image_request("pic1", 1, head=range(60, 74)),
+        image_request("pic3", 3),
+        PreparedRequest("text", list(range(100, 140)), 6, GREEDY, ignore_eos=True),
+        image_request("pic5", 5, head=range(80, 82)),
+    ]
+    alone = [served(start_fixture("vision-tiles"), [request])[0][0] for request in batch]
+    together = [tokens for tokens, _ in served(start_fixture("vision-tiles"), batch)]
+    assert together == alone
+    assert alone[0] != alone[1]  # the image decides the tokens
+
+
+def test_a_shared_image_prefix_is_reused_and_a_different_image_is_not(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    model = start_fixture("vision-tiles")
+    ((first, first_reused),) = served(model, [image_request("first", 1)])
+    ((same, same_reused),) = served(model, [image_request("same", 1)])
+    ((other, other_reused),) = served(model, [image_request("other", 2)])
+    assert (first_reused, same_reused) == (0, 48)  # 12 complete pages of 4; the last prompt token is computed
+    assert same == first
+    assert other_reused == 12  # the pages before the image span only
+    assert other != first
