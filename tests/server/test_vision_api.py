@@ -5,7 +5,8 @@ tile layout, the dynamic merged-grid layout and the third-party example layout (
 ``contrib/example-image-layout``, installed by the test command). Greedy tokens of chats with one and two
 images equal the independent numpy forward pass of ``tests/ignition/vision_oracle.py`` fed with patches cut
 by hand from the same pixels; images combine with tools, structured output and streaming; concurrent
-image requests give their solo tokens; a shared image prefix is reused and a different image is not.
+image requests give their solo tokens; a shared image prefix is reused and a different image is not;
+bad images on a vision core are 400s naming the content part and leave no permit behind.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
+import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,7 +29,7 @@ from helios_core.loading import TrustSettings, open_core
 from tests.ignition.vision_oracle import START, ImageInput, cut_patches, oracle_greedy, random_pixels
 
 from .conftest import FIXTURES, Served, serve_fixture
-from .helpers import CITY_TOOL
+from .helpers import CITY_TOOL, admitted, chat
 
 MODEL = "vision-synthetic-tiny"
 GOLDEN = TrustSettings((FIXTURES / "keys" / "signing.pub.pem",), "helios-fixtures/golden", None)
@@ -179,6 +182,53 @@ def test_a_shared_image_prefix_is_reused_and_a_different_image_is_not(tiles: Ser
     # reuse never changes what is generated
     again = greedy(tiles, user(image_part(other), "abcdefghijklmnop one"))
     assert response_ids(again)[1] == response_ids(different)[1]
+
+
+def png_bytes(pixels: npt.NDArray[np.uint8]) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def claimed_size(png: bytes, width: int, height: int) -> bytes:
+    """``png`` whose header claims ``width`` x ``height`` pixels (a decompression bomb's header), CRC fixed."""
+    header = b"IHDR" + struct.pack(">II", width, height) + png[24:29]
+    return png[:12] + header + struct.pack(">I", zlib.crc32(header)) + png[33:]
+
+
+def test_bad_images_on_a_vision_core_are_400s_and_leave_nothing_behind(tiles: Served) -> None:
+    good = png_bytes(random_pixels(50, 16, 16))
+    encoded = base64.b64encode(good).decode()
+
+    def url(payload: bytes, media: str = "png") -> dict[str, Any]:
+        return {
+            "type": "image_url",
+            "image_url": {"url": f"data:image/{media};base64," + base64.b64encode(payload).decode()},
+        }
+
+    bad_parts: list[tuple[list[dict[str, Any]], str]] = [
+        ([url(good[: len(good) // 2])], "messages[0].content[1]"),  # truncated
+        ([url(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))], "messages[0].content[1]"),  # corrupt
+        ([url(claimed_size(good, 100_000, 100_000))], "messages[0].content[1]"),  # a bomb's header
+        ([url(good, "gif")], "messages[0].content[1]"),  # the declared type is not the data's
+        ([{"type": "image_url", "image_url": {"url": "data:image/bmp;base64," + encoded}}], "messages[0].content[1]"),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "messages[0].content[1]"),
+        ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "messages[0].content[1]"),
+    ]
+    for parts, where in bad_parts:
+        response = chat(tiles.base_url, model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Look"}, *parts]}], max_tokens=4)  # fmt: skip
+        assert response.status_code == 400, (where, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and where in error["message"], error
+    nine = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + encoded}}] * 9
+    response = chat(tiles.base_url, model=MODEL, messages=[{"role": "user", "content": nine}], max_tokens=4)
+    assert response.status_code == 400 and "images" in response.json()["error"]["message"]
+    assert admitted(tiles.base_url) == 0  # no permit, slot or page was kept by a refused request
+    reply = greedy(
+        tiles, user("Still there?", {"type": "image_url", "image_url": {"url": "data:image/png;base64," + encoded}})
+    )
+    assert reply.choices[0].finish_reason == "length" and len(response_ids(reply)[1]) == GENERATED
 
 
 @pytest.fixture(scope="module")
