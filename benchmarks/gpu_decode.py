@@ -21,7 +21,12 @@ One run prints one table. For each shape of ``--shapes`` (default 135m, 1b, 8b) 
   context) / the device-to-device copy bandwidth measured in the same run (bytes read + written),
   and the compute floor (matmul FLOPs / measured bf16 matmul rate).
 
-    python benchmarks/gpu_decode.py [--shapes 135m,1b,8b] [--cores DIR] [--out FILE]
+With ``--tensor-parallel-1`` each shape is also built with ``--tensor-parallel 1`` (the same weights and
+programs plus an ``all_reduce`` after every output and down projection, run on one GPU through a one-rank
+NCCL communicator captured into each program's CUDA graph) and its batch-1 decode is measured the same way
+and shown beside the plain core's, in the ``tp1 ms/step`` column.
+
+    python benchmarks/gpu_decode.py [--shapes 135m,1b,8b] [--cores DIR] [--out FILE] [--tensor-parallel-1]
     python benchmarks/gpu_decode.py --device cpu --shapes tiny    # checks the script without a GPU
 
 Cores build in parallel child processes before any measurement. Compiled kernels are cached in
@@ -102,6 +107,8 @@ class Plan:
     timeout_s: float
     budget_s: float
     seed: int
+    tensor_parallel_1: bool = False
+    """Also build each shape with ``--tensor-parallel 1`` and measure its batch-1 decode."""
 
     @property
     def max_rows(self) -> int:
@@ -141,6 +148,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         timeout_s=args.timeout,
         budget_s=args.budget,
         seed=args.seed,
+        tensor_parallel_1=args.tensor_parallel_1,
     )
     if not batches or min(batches) <= 0 or plan.prompt <= 0 or plan.tokens < 4:
         raise SystemExit("batches and prompt must be positive and --tokens at least 4")
@@ -159,6 +167,8 @@ class CoreSpec:
     shape: str
     path: str
     arguments: tuple[str, ...]
+    tensor_parallel: int = 0
+    """1: the ``--tensor-parallel 1`` twin of the shape's core (its figures go to the shape's ``tp1`` entry)."""
 
     @property
     def record(self) -> Path:
@@ -184,7 +194,25 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
         targets = "-".join(t.replace("_", "") for t in plan.targets)
         path = directory / f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}.core"
         specs.append(CoreSpec(shape, str(path), (*arguments, "--sign-key", str(signing_key))))
+        if plan.tensor_parallel_1:
+            twin = path.with_name(path.stem + "-tp1.core")
+            specs.append(
+                CoreSpec(shape, str(twin), (*arguments, "--tensor-parallel", "1", "--sign-key", str(signing_key)), 1)
+            )
     return specs
+
+
+def spec_entry(report: Report, spec: CoreSpec) -> dict[str, Any]:
+    """The report entry of a core: its shape's, or the shape's ``tp1`` entry for the tensor-parallel twin."""
+    entry = report.shape(spec.shape)
+    if spec.tensor_parallel:
+        twin: dict[str, Any] = entry.setdefault("tp1", {})
+        return twin
+    return entry
+
+
+def spec_phase(spec: CoreSpec, phase: str) -> str:
+    return f"tp1 {phase}" if spec.tensor_parallel else phase
 
 
 def build_child(spec_json: str) -> int:
@@ -215,7 +243,7 @@ def build_cores(specs: Sequence[CoreSpec], report: Report) -> None:
     """Build every missing core at once in child processes; record time, size and failures."""
     running: list[tuple[CoreSpec, subprocess.Popen[str], Path, float]] = []
     for spec in specs:
-        entry = report.shape(spec.shape)
+        entry = spec_entry(report, spec)
         if spec.reusable():
             entry["build"] = {"reused": True, "path": spec.path, "bytes": Path(spec.path).stat().st_size}
             log(f"{spec.shape}: reusing {spec.path}")
@@ -245,7 +273,7 @@ def build_cores(specs: Sequence[CoreSpec], report: Report) -> None:
 def _finish_build(spec: CoreSpec, code: int, log_path: Path, began: float, report: Report) -> None:
     seconds = time.monotonic() - began
     text = log_path.read_text(errors="replace")
-    entry = report.shape(spec.shape)
+    entry = spec_entry(report, spec)
     if code == 0 and Path(spec.path).exists():
         size = Path(spec.path).stat().st_size
         entry["build"] = {
@@ -255,10 +283,10 @@ def _finish_build(spec: CoreSpec, code: int, log_path: Path, began: float, repor
             "bytes": size,
             "log": text[-2000:],
         }
-        log(f"{spec.shape}: built in {seconds:.1f} s ({size / 1e6:.1f} MB)")
+        log(f"{spec.shape}: built {Path(spec.path).name} in {seconds:.1f} s ({size / 1e6:.1f} MB)")
     else:
         entry["build"] = {"reused": False, "seconds": seconds, "exit": code, "log": text[-4000:]}
-        report.fail(spec.shape, "build", f"ignition build exited {code}: {text.strip()[-600:]}")
+        report.fail(spec.shape, spec_phase(spec, "build"), f"ignition build exited {code}: {text.strip()[-600:]}")
 
 
 def pack_kernel_cache(folder: Path) -> None:
@@ -600,6 +628,38 @@ def measure_helios(
         raise
     finally:
         save()
+        _close(running, wedged)
+
+
+def measure_tp1_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: dict[str, Any]) -> None:
+    """Batch-1 decode of the ``--tensor-parallel 1`` core into ``entry`` (the shape's ``tp1`` entry)."""
+    from helios_core.contract import LoadOptions
+    from helios_core.loading import TrustSettings
+    from helios_core.ops.catalogue import COLLECTIVE_OPERATORS
+    from helios_core.runtime.startup import start
+
+    options = LoadOptions(max_active=plan.max_rows, queue_capacity=plan.max_rows)
+    began = time.monotonic()
+    running = start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
+    entry["load_s"] = time.monotonic() - began
+    wedged = False
+    try:
+        decode = next(p for p in running.verified.contract.execution.programs if p.name == "decode_b1")
+        entry["collectives_per_decode"] = sum(node.op.name in COLLECTIVE_OPERATORS for node in decode.nodes)
+        clock = RoundClock(running)
+        rng = np.random.default_rng(plan.seed + 11)
+        vocab = model_facts(running.verified.contract).input_vocab
+        collect([running.engine.submit(r) for r in _requests("warm", 1, plan.prompt, 8, vocab, rng)], plan.timeout_s)
+        window = _decode_wave(running.engine, clock, 1, plan, vocab, rng)
+        entry["decode_b1"] = window
+        log(
+            f"{spec.shape}: --tensor-parallel 1 batch 1: {window['ms_per_step']:.3f} ms/step "
+            f"({entry['collectives_per_decode']} collectives a step)"
+        )
+    except BaseException:
+        wedged = True
+        raise
+    finally:
         _close(running, wedged)
 
 
@@ -1120,8 +1180,8 @@ def prefill_limits(name: str, entry: Mapping[str, Any], hardware: Mapping[str, A
 
 
 HEADERS = (
-    "shape", "batch", "Helios ms/step", "Helios tok/s", "eager ms/step", "graph ms/step", "HBM roofline ms",
-    "compute floor ms", "Helios vs graph", "% of roofline", "host µs/round",
+    "shape", "batch", "Helios ms/step", "Helios tok/s", "tp1 ms/step", "eager ms/step", "graph ms/step",
+    "HBM roofline ms", "compute floor ms", "Helios vs graph", "% of roofline", "host µs/round",
 )  # fmt: skip
 
 
@@ -1150,9 +1210,11 @@ def table_rows(report: Report) -> list[list[str]]:
             entry["limits"][key] = bound
             ms = ours.get("ms_per_step")
             roof = max(bound.get("hbm_ms", 0.0), bound.get("compute_ms", 0.0)) or None
+            twin = entry.get("tp1", {}).get("decode_b1", {}) if batch == 1 else {}
             rows.append(
                 [
-                    name, str(batch), _cell(ms), _cell(ours.get("tokens_per_s"), 0), _cell(eager.get("ms_per_step")),
+                    name, str(batch), _cell(ms), _cell(ours.get("tokens_per_s"), 0), _cell(twin.get("ms_per_step")),
+                    _cell(eager.get("ms_per_step")),
                     _cell(graph.get("ms_per_step")), _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
                     f"{graph['ms_per_step'] / ms:.2f}x" if ms and graph.get("ms_per_step") else "-",
                     f"{roof / ms:.0%}" if ms and roof else "-",
@@ -1166,7 +1228,7 @@ def table_rows(report: Report) -> list[list[str]]:
         ms = ours.get("ms")
         rows.append(
             [
-                name, f"prefill {plan['prefill']}", _cell(ms), _cell(ours.get("tokens_per_s"), 0),
+                name, f"prefill {plan['prefill']}", _cell(ms), _cell(ours.get("tokens_per_s"), 0), "-",
                 _cell(eager.get("ms")), "-", _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
                 f"{eager['ms'] / ms:.2f}x vs eager" if ms and eager.get("ms") else "-",
                 f"{roof / ms:.0%}" if ms and roof else "-", "-",
@@ -1188,10 +1250,11 @@ def print_table(report: Report) -> None:
         f"{plan['backend']}"
     )
     rows = table_rows(report)
-    print("| " + " | ".join(HEADERS) + " |")
-    print("| --- | --- | " + " | ".join("---:" for _ in HEADERS[2:]) + " |")
+    shown = [i for i, header in enumerate(HEADERS) if header != "tp1 ms/step" or plan.get("tensor_parallel_1")]
+    print("| " + " | ".join(HEADERS[i] for i in shown) + " |")
+    print("| --- | --- | " + " | ".join("---:" for _ in shown[2:]) + " |")
     for row in rows:
-        print("| " + " | ".join(row) + " |")
+        print("| " + " | ".join(row[i] for i in shown) + " |")
     print(
         "ms/step: Helios from per-token timestamps over the window in which every request decodes (batch 1: ms "
         "per token after the first); eager and graph: PyTorch on the same weights, static KV cache of "
@@ -1200,6 +1263,12 @@ def print_table(report: Report) -> None:
         "the mean context) / copy bandwidth; compute = matmul FLOPs / matmul rate. host µs/round = time between "
         "consecutive decode completions minus the waits inside backend.completion and transport (median). "
         "Prefill rows: submit to first token, batch 1."
+        + (
+            " tp1 ms/step: the same shape built with --tensor-parallel 1 (an all_reduce after every output and down "
+            "projection, each a captured one-rank NCCL call in the program's CUDA graph), batch 1."
+            if plan.get("tensor_parallel_1")
+            else ""
+        )
     )
     for name, entry in data["shapes"].items():
         notes = []
@@ -1211,6 +1280,8 @@ def print_table(report: Report) -> None:
             notes.append(f"build {build['seconds']:.0f} s, {build.get('bytes', 0) / 1e6:.0f} MB")
         if entry.get("helios", {}).get("load_s") is not None:
             notes.append(f"Helios start {entry['helios']['load_s']:.1f} s")
+        if entry.get("tp1", {}).get("collectives_per_decode") is not None:
+            notes.append(f"tp1: {entry['tp1']['collectives_per_decode']} collectives per decode step")
         for phase, error in entry.get("errors", {}).items():
             notes.append(f"{phase} FAILED: {error.splitlines()[0][:160]}")
         for key, error in entry.get("helios", {}).get("errors", {}).items():
@@ -1250,6 +1321,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds for one wave of requests")
     parser.add_argument("--budget", type=float, default=540.0, help="start no new phase after this many seconds")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of the cores")
+    parser.add_argument(
+        "--tensor-parallel-1",
+        action="store_true",
+        help="also build each shape with --tensor-parallel 1 and report its batch-1 decode beside the plain core",
+    )
     parser.add_argument("--build-spec", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1311,6 +1387,23 @@ def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
     report.save()
     for spec in specs:
         entry = report.shape(spec.shape)
+        if spec.tensor_parallel:
+            if spec_phase(spec, "build") in entry.get("errors", {}):
+                continue
+            if time.monotonic() - STARTED > plan.budget_s:
+                report.fail(spec.shape, "tp1 decode", f"skipped: past the {plan.budget_s:.0f} s budget")
+                continue
+            try:
+                measure_tp1_decode(spec, public, plan, spec_entry(report, spec))
+            except (Interrupted, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # the plain core's figures stand without it
+                report.fail(spec.shape, "tp1 decode", f"{type(exc).__name__}: {exc}")
+            finally:
+                gc.collect()
+            table_rows(report)
+            report.save()
+            continue
         if "build" in entry.get("errors", {}):
             continue
         try:

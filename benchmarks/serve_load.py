@@ -270,6 +270,7 @@ def serve_subprocess(
         *(["--cache-pages", str(cache_pages)] if cache_pages is not None else []),
         *(["--worker-process"] if worker_process else []),
     ]  # fmt: skip
+    began = time.monotonic()
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
     seen: list[str] = []
@@ -297,6 +298,15 @@ def serve_subprocess(
             seen.append(line)
             if "helios run: ready" in line:
                 break
+        ready_s = time.monotonic() - began
+        import httpx
+
+        with httpx.Client(timeout=30) as client:
+            served = client.get(f"http://127.0.0.1:{port}/v1/models").status_code
+        log(
+            f"helios run{' --worker-process' if worker_process else ''} ({backend}): ready in {ready_s:.2f} s, "
+            f"/v1/models {served} at {time.monotonic() - began:.2f} s after the command started"
+        )
         yield f"http://127.0.0.1:{port}", None
     finally:
         server.terminate()

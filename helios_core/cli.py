@@ -235,7 +235,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     messages = _read_messages(args.messages)
     settings = TrustSettings.resolve(args.trust_key, args.accept, args.core_key)
-    running = start(args.core, settings, LoadOptions(max_active=1, cache_pages=args.cache_pages), backend=args.backend)
+    options = LoadOptions(max_active=1, cache_pages=args.cache_pages, ranks=args.ranks)
+    running = start(args.core, settings, options, backend=args.backend)
     try:
         bootstrap = running.bootstrap
         prompt = bootstrap.encode_prompt(messages)
@@ -281,7 +282,8 @@ _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
     "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "worker_process",
-    "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout",
+    "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout", "ranks",
+    "rank_listen", "rank_secret_file", "rank_join_timeout",
 )  # fmt: skip
 
 
@@ -311,6 +313,20 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
     run.add_argument(
         "--offload-pages", type=int, metavar="N", help="host-memory pages evicted cache pages move to (default 0: off)"
+    )
+    run.add_argument(
+        "--ranks", type=int, metavar="N", help="tensor-parallel ranks as threads on this host (default: the core's)"
+    )
+    run.add_argument(
+        "--rank-listen",
+        metavar="HOST:PORT",
+        help="run ranks 1..N-1 as rank processes (helios rank) that join at this address",
+    )
+    run.add_argument(
+        "--rank-secret-file", type=Path, metavar="FILE", help="the secret the rank processes share (mode 0600)"
+    )
+    run.add_argument(
+        "--rank-join-timeout", type=float, metavar="SECONDS", help="wait for the rank processes (default 60)"
     )
     run.add_argument(
         "--trust-key", type=Path, action="append", metavar="PEM", help="trusted publisher key (repeatable)"
@@ -400,10 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print prompt ids, token ids, text and finish reason")
     generate.add_argument("--backend", choices=BACKENDS, default="auto", help=f"execution backend: {BACKEND_HELP}")
     generate.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
+    generate.add_argument(
+        "--ranks", type=int, metavar="N", help="tensor-parallel ranks as threads on this host (default: the core's)"
+    )
     _trust_arguments(generate)
     generate.set_defaults(handler=cmd_generate)
 
     _add_run_command(sub)
+
+    from helios_core.server.rank_command import add_rank_command
+
+    add_rank_command(sub, _trust_arguments)
 
     from helios_core.plugins.cli_command import add_plugins_command
 

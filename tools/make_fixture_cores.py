@@ -13,7 +13,9 @@ shape, whose history is a recurrent region of state rows; and the tiny
 ``latent-synthetic`` shape, whose history is a paged-latent region read through a
 page-table view shifted by one column; and the tiny ``vision-synthetic`` shape with
 image inputs, once with fixed tiles, once with dynamic resolution (merged 2 x 2
-patches) and once selecting the third-party example layout 100001.
+patches) and once selecting the third-party example layout 100001; and the tiny synthetic Llama
+shape (seed 7) built for two tensor-parallel ranks (``--tensor-parallel 2``: per-rank weight
+declarations and resources, one weight catalog a rank, ``all_reduce`` nodes).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ignition.recipes.vision import assemble_vision, vision_declaration  # noqa:
 
 from helios_core.container.keys import generate_keys, load_core_key, load_private_key  # noqa: E402
 from helios_core.container.writer import ResourceInput, write_core  # noqa: E402
+from helios_core.wire import container_pb2 as cb  # noqa: E402
 from helios_core.wire import contract_pb2 as ct  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
 
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         execution: mf.ExecutionManifest,
         layout: str,
         written: list[ResourceInput] | None = None,
+        catalogs: list[cb.WeightCatalog] | None = None,
     ) -> None:
         path = FIXTURES / name
         if path.exists() and not args.force:
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             layout=layout,  # type: ignore[arg-type]
             core_key=core_key if layout == "logical-v4" else None,
             description=f"golden fixture {name}",
+            weight_catalogs=catalogs or [],
             nonce_source=nonces(name.encode()),
         )
         print(f"wrote {path.name} ({path.stat().st_size} bytes)")
@@ -167,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             vision_declaration("tiny", layout=layout, seed=7), VISION
         )
         write(name, vision, vision_builder.manifest, "payload", vision_resources)
+    ranked, ranked_builder, ranked_resources = assemble(model, CAPACITIES, tensor_parallel=2)
+    write(
+        "tp2-tiny.core", ranked, ranked_builder.manifest, "payload", ranked_resources, ranked_builder.weight_catalogs()
+    )
     return 0
 
 

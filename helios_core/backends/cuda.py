@@ -25,10 +25,23 @@ frame's event. :meth:`CudaBackend.transport` waits for that event before handing
 arrays (the host never rewrites staging the GPU may still read) and :meth:`CudaBackend.completion`
 waits for it before handing out the mirror.
 
-Graphs are built from the node list (no stream capture): the copy-in node, then every launch of the
+Graphs are built from the node list (:func:`graph_steps`): the copy-in node, then every launch of the
 device's target in node and list order, each depending on the one before (a programmatic edge when
 the launch is marked ``programmatic_wait``, programmatic launches are enabled and the previous node
-is a kernel), then the copy-out node. Launch parameters resolve buffer names to this frame's
+is a kernel), then the copy-out node.
+
+Collective nodes (the catalogue's ``COLLECTIVE_OPERATORS``: ``all_reduce``, ``all_gather``,
+``broadcast``) have no launch: at the node's place in that chain the graph gets a child graph node
+holding the NCCL call (:mod:`~helios_core.backends.nccl`) captured on a stream in thread-local mode
+(:meth:`~helios_core.backends.cuda_driver.Context.capture`), joined to its neighbours by plain edges:
+the kernel after it waits for it to finish, never as a programmatic dependent, whatever its
+``programmatic_wait``. What each collective reads and writes (:func:`plan_collective`): its ``x`` and
+``out`` views of device buffers (never transport entries or completion buffers), the same dtype, the
+element counts the operator fixes. The backend runs one rank: a core of more ranks is refused at load
+(:class:`~helios_core.errors.StartupError`), and a core with collective nodes gets a one-rank NCCL
+communicator, made at load and destroyed by :meth:`CudaBackend.close` after its graphs, so each
+collective is a copy on the device (nothing at all when ``out`` is ``x``). A core without collective
+nodes never loads NCCL. Launch parameters resolve buffer names to this frame's
 transport and completion addresses and to the shared buffers' addresses otherwise
 (:func:`frame_addresses`); an empty buffer name passes a null address.
 
@@ -64,9 +77,11 @@ from numpy.typing import NDArray
 
 from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
 from helios_core.backends.cuda_driver import Context, CudaError, GraphBuilder, HostBuffer, open_context, pack_params
+from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclUnavailableError, load_library, nccl_dtype
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, HeliosError, StartupError, UnsupportedFeatureError
+from helios_core.ops.catalogue import COLLECTIVE_OPERATORS
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import manifest_pb2 as mf
 
@@ -74,12 +89,16 @@ __all__ = [
     "STAGING_ALIGNMENT",
     "TRANSPORT_COPY_LIMIT",
     "BlockLayout",
+    "CollectiveCall",
     "CudaBackend",
+    "GraphStep",
     "Slot",
     "TransportLayout",
     "check_targets",
     "frame_addresses",
+    "graph_steps",
     "launch_span",
+    "plan_collective",
     "plan_completion",
     "plan_transport",
     "reserved_device_nbytes",
@@ -187,6 +206,98 @@ def target_launches(program: mf.ProgramDecl, target: str) -> list[tuple[mf.Node,
     return [(node, launch) for node in program.nodes for launch in node.launches if launch.target == target]
 
 
+@dataclass(frozen=True)
+class GraphStep:
+    """One node of a program's graph chain: a kernel launch, or a collective (``launch`` None)."""
+
+    node: mf.Node
+    launch: mf.KernelLaunch | None
+
+
+def graph_steps(program: mf.ProgramDecl, target: str) -> list[GraphStep]:
+    """The program's graph chain in node order: each ``target`` launch (list order within a node) and
+    each collective node once, where it stands."""
+    steps: list[GraphStep] = []
+    for node in program.nodes:
+        if node.op.name in COLLECTIVE_OPERATORS:
+            steps.append(GraphStep(node, None))
+            continue
+        steps.extend(GraphStep(node, launch) for launch in node.launches if launch.target == target)
+    return steps
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """What one collective node asks of NCCL: buffers and element offsets, counts, element type, root."""
+
+    operator: str
+    source: str
+    source_offset: int
+    """Element offset of ``x`` in ``source``."""
+    destination: str
+    destination_offset: int
+    count: int
+    """Elements each rank contributes (``x``'s elements)."""
+    dtype: int
+    """Wire dtype of both buffers."""
+    root: int = 0
+
+
+def plan_collective(
+    node: mf.Node, dtypes: Mapping[str, int], elements: Mapping[str, int], ranks: int
+) -> CollectiveCall:
+    """Check a collective node against its buffers (``dtypes`` and ``elements``: every device buffer's wire
+    dtype and element count) and say what NCCL is asked; :class:`ContractError` names what is wrong."""
+    where = f"node {node.name!r} ({node.op.name})"
+    args = {arg.name: arg.view for arg in node.args}
+    missing = [name for name in ("x", "out") if name not in args]
+    if missing:
+        raise ContractError(f"{where} lacks its {' and '.join(missing)} argument")
+    x, out = args["x"], args["out"]
+    for role, view in (("x", x), ("out", out)):
+        if view.buffer not in dtypes:
+            raise ContractError(
+                f"{where}: {role} names {view.buffer!r}, which is no device buffer (a collective reads and writes "
+                "buffers, never transport entries or completion buffers)"
+            )
+        end = int(view.element_offset) + math.prod(int(s) for s in view.shape)
+        if end > elements[view.buffer]:
+            raise ContractError(
+                f"{where}: {role} ends at element {end} of {view.buffer!r}, which holds {elements[view.buffer]}"
+            )
+    if dtypes[x.buffer] != dtypes[out.buffer]:
+        raise ContractError(f"{where}: x ({x.buffer!r}) and out ({out.buffer!r}) have different dtypes")
+    count = math.prod(int(s) for s in x.shape)
+    produced = math.prod(int(s) for s in out.shape)
+    attributes = {attr.name: attr for attr in node.attributes}
+    root = 0
+    if node.op.name == "all_gather":
+        if produced != ranks * count:
+            raise ContractError(f"{where}: out holds {produced} elements, not {ranks} ranks x {count}")
+        if "axis" not in attributes:
+            raise ContractError(f"{where} lacks its axis attribute")
+        axis = int(attributes["axis"].int_value)
+        shape = [int(s) for s in x.shape]
+        if not -len(shape) <= axis < len(shape):
+            raise ContractError(f"{where}: axis {axis} is outside x of shape {shape}")
+        if ranks > 1 and math.prod(shape[: axis % len(shape)]) != 1:
+            raise UnsupportedFeatureError(
+                f"{where}: gathering along axis {axis} of x of shape {shape} interleaves the ranks' rows, which the "
+                "CUDA backend does not do; gather along the leading axis"
+            )
+    else:
+        if produced != count:
+            raise ContractError(f"{where}: out holds {produced} elements and x {count}; they must be equal")
+        if node.op.name == "broadcast" and "root" in attributes:
+            root = int(attributes["root"].int_value)
+            if not 0 <= root < ranks:
+                raise ContractError(f"{where}: root {root} is outside the ranks [0, {ranks})")
+    return CollectiveCall(
+        node.op.name, x.buffer, int(x.element_offset), out.buffer, int(out.element_offset), count, dtypes[x.buffer],
+        root,
+    )  # fmt: skip
+
+
 def launch_span(program: mf.ProgramDecl, target: str, block: BlockLayout) -> tuple[int, int] | None:
     """The byte span ``[start, end)`` of ``block`` covering every slot that an address parameter of the
     program's ``target`` launches names; None when they name none (or only empty slots)."""
@@ -227,7 +338,8 @@ def frame_addresses(
 
 
 def check_targets(execution: mf.ExecutionManifest, architecture: str) -> None:
-    """The core must have launches for ``architecture`` on every node of every program."""
+    """The core must have launches for ``architecture`` on every node of every program but its collective
+    nodes (which have none: the backend runs them through NCCL)."""
     rebuild = f"rebuild it with `ignition build --targets reference,{architecture}`"
     targets = list(execution.targets)
     if architecture not in targets:
@@ -237,6 +349,8 @@ def check_targets(execution: mf.ExecutionManifest, architecture: str) -> None:
         if not program.nodes:
             raise StartupError(f"program {program.name!r} has no {architecture} launches; {rebuild}")
         for node in program.nodes:
+            if node.op.name in COLLECTIVE_OPERATORS:
+                continue
             if not any(launch.target == architecture for launch in node.launches):
                 raise StartupError(
                     f"program {program.name!r} node {node.name!r} has no {architecture} launch; {rebuild}"
@@ -310,8 +424,10 @@ class CudaBackend:
     """Buffers, staging, graphs and fences of one core on one GPU.
 
     ``context``, when given, is an open context the backend takes over (it is closed with the
-    backend); otherwise the primary context of ``device`` is opened. Construction that fails half-way
-    releases everything it made before the error propagates.
+    backend); otherwise the primary context of ``device`` is opened. ``communicator``, when given, is
+    the NCCL communicator its collective nodes run on, taken over likewise; otherwise a core with
+    collective nodes gets a one-rank communicator at load. Construction that fails half-way releases
+    everything it made before the error propagates.
     """
 
     def __init__(
@@ -327,6 +443,7 @@ class CudaBackend:
         programmatic: bool = True,
         context: Context | None = None,
         copy_limit: int = TRANSPORT_COPY_LIMIT,
+        communicator: NcclCommunicator | None = None,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(
@@ -338,6 +455,11 @@ class CudaBackend:
         self._frames_count = frames
         self._programmatic = programmatic
         self._context: Context | None = context
+        self._communicator: NcclCommunicator | None = communicator
+        self._collectives: dict[str, int] = {}
+        """Collective nodes captured into each program's graph."""
+        self._buffer_dtypes: dict[str, int] = {}
+        """Wire dtype of each device buffer (what a collective's NCCL element type comes from)."""
         self._shared: dict[str, _Shared] = {}
         self._frames: list[_Frame] = []
         self._builders: list[GraphBuilder] = []
@@ -378,6 +500,11 @@ class CudaBackend:
     def architecture(self) -> str:
         """The device's target name (``sm_90a``)."""
         return self._ctx.architecture
+
+    @property
+    def collectives(self) -> Mapping[str, int]:
+        """How many collective nodes each program's graph holds as captured child graphs."""
+        return MappingProxyType(self._collectives)
 
     @property
     def transport_layout(self) -> TransportLayout:
@@ -525,6 +652,9 @@ class CudaBackend:
             attempt(context.destroy_graph, executable)
         for builder in self._builders:
             attempt(builder.destroy)
+        if self._communicator is not None:  # after every graph holding its collectives
+            attempt(self._communicator.close)
+            self._communicator = None
         for event in self._events:
             attempt(context.destroy_event, event)
         for state in self._frames:
@@ -600,6 +730,11 @@ class CudaBackend:
         execution = contract.execution
         architecture = context.architecture
         self._target = architecture
+        if contract.ranks > 1:
+            raise StartupError(
+                f"the core is built for {contract.ranks} tensor-parallel ranks and the CUDA backend runs one rank "
+                "on one GPU; --backend reference runs the ranks as threads"
+            )
         check_targets(execution, architecture)
         entries = {e.name for e in execution.transport.entries}
         for decl in execution.buffers:
@@ -611,6 +746,7 @@ class CudaBackend:
         }
         functions = self._load_code(execution, core, architecture)
         self._allocate_buffers(execution, core, shapes)
+        self._buffer_dtypes = {d.name: int(d.dtype) for d in execution.buffers if d.name in self._shared}
         self._transport_layout = plan_transport(execution.transport, copy_limit=copy_limit)
         self._completion_layout = plan_completion(execution.buffers, shapes)
         fields: dict[int, str] = {}
@@ -627,6 +763,10 @@ class CudaBackend:
         for program in programs:
             self._transport_spans[program.name] = launch_span(program, architecture, self._transport_layout.copied)
             self._completion_spans[program.name] = launch_span(program, architecture, self._completion_layout)
+        if self._communicator is None and any(
+            node.op.name in COLLECTIVE_OPERATORS for program in programs for node in program.nodes
+        ):
+            self._communicator = _one_rank_communicator()
         for program in programs:
             self._programs[program.name] = [
                 self._build_graph(program, frame, functions) for frame in range(self._frames_count)
@@ -757,8 +897,15 @@ class CudaBackend:
         if span is not None:
             start, end = span
             previous = builder.copy(state.device + start, state.host.pointer + start, end - start, None, to_device=True)
-        for node, launch in target_launches(program, self._target):
+        collectives = 0
+        for step in graph_steps(program, self._target):
+            node, launch = step.node, step.launch
             where = f"program {program.name!r} node {node.name!r} frame {frame}"
+            if launch is None:
+                previous = self._add_collective(builder, node, state.addresses, previous, where)
+                previous_is_kernel = False  # the next kernel waits for the collective by a plain edge
+                collectives += 1
+                continue
             try:
                 params = pack_params(launch.params, state.addresses)
             except CudaError as exc:
@@ -792,7 +939,45 @@ class CudaBackend:
         except CudaError as exc:
             raise CudaError(f"program {program.name!r} frame {frame}: {exc}") from exc
         self._executables.append(executable)
+        self._collectives[program.name] = collectives
         return executable
+
+    def _add_collective(
+        self, builder: GraphBuilder, node: mf.Node, addresses: Mapping[str, int], previous: Any, where: str
+    ) -> Any:
+        """Capture the node's NCCL call into a graph and add it as a child graph node after ``previous``."""
+        communicator = self._communicator
+        if communicator is None:
+            raise CudaError(f"{where}: no NCCL communicator was made for the core's collective nodes")
+        elements = {name: math.prod(shared.shape) for name, shared in self._shared.items()}
+        call = plan_collective(node, self._buffer_dtypes, elements, communicator.size)
+        itemsize = self._shared[call.source].dtype.itemsize
+        source = addresses[call.source] + call.source_offset * itemsize
+        destination = addresses[call.destination] + call.destination_offset * itemsize
+        try:
+            dtype = nccl_dtype(call.dtype)
+        except NcclError as exc:
+            raise ContractError(f"{where}: {exc}") from exc
+
+        def issue(stream: int) -> None:
+            if call.operator == "all_reduce":
+                communicator.all_reduce(source, destination, call.count, dtype, stream)
+            elif call.operator == "all_gather":
+                communicator.all_gather(source, destination, call.count, dtype, stream)
+            else:
+                communicator.broadcast(source, destination, call.count, dtype, call.root, stream)
+
+        context = self._ctx
+        try:
+            captured = context.capture(issue)
+        except (CudaError, NcclError) as exc:
+            raise CudaError(f"{where}: capturing {call.operator}: {exc}") from exc
+        try:
+            return builder.child(captured, previous)
+        except CudaError as exc:
+            raise CudaError(f"{where}: {exc}") from exc
+        finally:
+            context.destroy_captured(captured)
 
     def _run_tuning(self, execution: mf.ExecutionManifest) -> None:
         """Run each tuning producer once, then drain: tuned buffers are filled before serving starts."""
@@ -809,6 +994,18 @@ class CudaBackend:
                 self.drain()
             except CudaError as exc:
                 raise CudaError(f"tuning producer {producer.program!r}: {exc}") from exc
+
+
+def _one_rank_communicator() -> NcclCommunicator:
+    """A one-rank NCCL communicator on the current device, or a StartupError saying what is missing."""
+    try:
+        return NcclCommunicator.one_rank(load_library())
+    except NcclUnavailableError as exc:
+        raise StartupError(f"the core has collective nodes, which the CUDA backend runs through NCCL: {exc}") from exc
+    except NcclError as exc:
+        raise StartupError(
+            f"cannot create the one-rank NCCL communicator for the core's collective nodes: {exc}"
+        ) from exc
 
 
 def _check_geometry(where: str, launch: mf.KernelLaunch) -> None:

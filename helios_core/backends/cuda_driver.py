@@ -1,7 +1,9 @@
 """A thin, checked layer over the CUDA driver API (``cuda-python``'s ``cuda.bindings.driver``).
 
 Owns every raw driver call Helios makes: context, device and pinned host memory, modules and
-functions, streams and events, kernel parameter packing, and CUDA graphs built from node lists.
+functions, streams and events, kernel parameter packing, CUDA graphs built from node lists, and the
+capture of work that a library enqueues on a stream (a collective) into a graph that a node list
+then embeds as a child graph node (:meth:`Context.capture`, :meth:`GraphBuilder.child`).
 Every call's result code is checked; a failure raises :class:`CudaError` naming the call and the
 driver's error name. Nothing here knows about cores or programs: the CUDA backend
 (:mod:`helios_core.backends.cuda`) and the GPU tests build on these primitives.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,6 +155,8 @@ class Context:
         self._host_allocations: set[int] = set()
         self._modules: list[Any] = []
         self._bound = threading.local()
+        self._capture_stream: Any = None
+        """The stream :meth:`capture` records on (made on first use)."""
         self.device = _device(cu, device)
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self.stream: Any = None
@@ -321,6 +325,32 @@ class Context:
     def graph(self) -> GraphBuilder:
         return GraphBuilder(self)
 
+    def capture(self, issue: Callable[[int], None]) -> Any:
+        """The CUDA graph of what ``issue(stream)`` enqueues on a capture stream (its handle as an integer).
+
+        Captures in thread-local mode, so other threads' work is neither captured nor disturbed. The
+        caller destroys the graph with :meth:`destroy_captured` (:meth:`GraphBuilder.child` clones it).
+        When ``issue`` or the capture fails, the capture is ended and its graph destroyed first.
+        """
+        cu = self._cu
+        if self._capture_stream is None:
+            self._capture_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        stream = self._capture_stream
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            issue(stream_address(stream))
+        except BaseException:
+            ended = cu.cuStreamEndCapture(stream)
+            if isinstance(ended, tuple) and ended[0] == cu.CUresult.CUDA_SUCCESS and len(ended) > 1 and ended[1]:
+                cu.cuGraphDestroy(ended[1])
+            raise
+        return check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+
+    def destroy_captured(self, graph: Any) -> None:
+        """Destroy a graph made by :meth:`capture`."""
+        check(self._cu.cuGraphDestroy(graph), "cuGraphDestroy")
+
     def launch_graph(self, executable: Any) -> None:
         check(self._cu.cuGraphLaunch(executable, self.stream), "cuGraphLaunch")
 
@@ -358,10 +388,18 @@ class Context:
         for pointer in sorted(self._host_allocations):
             attempt(cu.cuMemFreeHost(pointer), "cuMemFreeHost")
         self._host_allocations.clear()
+        if self._capture_stream is not None:
+            attempt(cu.cuStreamDestroy(self._capture_stream), "cuStreamDestroy")
+            self._capture_stream = None
         attempt(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
         attempt(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
         if errors:
             raise errors[0]
+
+
+def stream_address(stream: Any) -> int:
+    """A driver stream handle as the integer a C library takes for ``cudaStream_t``."""
+    return int(stream)
 
 
 @dataclass
@@ -475,6 +513,14 @@ class GraphBuilder:
         node = check(
             cu.cuGraphAddMemcpyNode(self.graph, deps, len(deps), copy, self._context.context), "cuGraphAddMemcpyNode"
         )
+        self.nodes += 1
+        return node
+
+    def child(self, graph: Any, after: Any | None) -> Any:
+        """Add a child graph node running a clone of ``graph`` (a captured graph), depending on ``after``
+        by a plain edge (a kernel after it is never its programmatic dependent)."""
+        deps = [after] if after is not None else []
+        node = check(self._cu.cuGraphAddChildGraphNode(self.graph, deps, len(deps), graph), "cuGraphAddChildGraphNode")
         self.nodes += 1
         return node
 

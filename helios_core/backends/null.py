@@ -30,8 +30,10 @@ AnyArray = npt.NDArray[np.generic]
 class NullBackend:
     """Completion records without computation."""
 
-    def __init__(self, contract: PreparedContract, *, frames: int = 2) -> None:
+    def __init__(self, contract: PreparedContract, *, frames: int = 2, ranks: int = 1) -> None:
         self._frames = frames
+        self.ranks = ranks
+        """The tensor-parallel ranks the model was loaded with (nothing is computed, so one record serves)."""
         self._host_page_count = 0
         execution = contract.execution
         self._transport = [

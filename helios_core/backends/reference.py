@@ -14,6 +14,11 @@ its row-major shape, over the C-contiguous array. A view with offset 0 whose sha
 extent the symbol received at load. bfloat16 stays uint16 bit patterns in the buffers; inputs are
 widened to float32 when read and float32 results are rounded to nearest even when stored.
 
+Ranks: ``ReferenceBackend(..., rank=r, communicator=c)`` allocates rank r's declaration of each
+per-rank buffer (the replicated ones as declared) and runs the collective operators (``all_reduce``,
+``all_gather``, ``broadcast``) through the communicator; without one (a single rank) they are copies. A
+program that fails on a rank aborts its communicator, so its peers stop waiting for it.
+
 Its size: buffer allocation, program resolution, execution, transport staging and snapshots of one
 backend, which share its buffer table; the operator kernels themselves live in
 :mod:`~helios_core.backends.reference_kernels`.
@@ -32,6 +37,7 @@ from numpy.typing import NDArray
 
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
+from helios_core.backends.ranks import Communicator, RankError
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, StartupError, UnsupportedFeatureError
@@ -65,10 +71,18 @@ def _bf16_round(values: AnyArray) -> AnyArray:
 class _Node:
     """One node's bound arguments and attributes, as the operator adapters read them."""
 
-    def __init__(self, where: str, args: Mapping[str, _Bound], attributes: Mapping[str, AttrValue]) -> None:
+    def __init__(
+        self,
+        where: str,
+        args: Mapping[str, _Bound],
+        attributes: Mapping[str, AttrValue],
+        communicator: Communicator | None = None,
+    ) -> None:
         self.where = where
         self._args = args
         self._attributes = attributes
+        self.communicator = communicator
+        """The rank's communicator (collective operators); None: one rank, collectives are copies."""
 
     def fail(self, message: str) -> ContractError:
         return ContractError(f"{self.where}: {message}")
@@ -931,6 +945,38 @@ def _gated_recurrence_step(n: _Node) -> Step:
     return lambda: out(rk.gated_recurrence_step(gate(), x(), rows, state))
 
 
+def _all_reduce(n: _Node) -> Step:
+    x, out, communicator = n.floats("x"), n.store("out"), n.communicator
+    if communicator is None:
+        return lambda: out(x())
+    return lambda: out(communicator.all_reduce(x()))
+
+
+def _all_gather(n: _Node) -> Step:
+    x, out, communicator = n.floats("x"), n.store("out"), n.communicator
+    axis = n.attr_int("axis")
+    shape = n.tensor("x").shape
+    ranks = 1 if communicator is None else communicator.size
+    if not -len(shape) <= axis < len(shape):
+        raise n.fail(f"axis {axis} is outside x of shape {shape}")
+    if n.tensor("out").size != ranks * n.tensor("x").size:
+        raise n.fail(f"out of shape {n.tensor('out').shape} cannot hold {ranks} ranks' x of shape {shape}")
+    if communicator is None:
+        return lambda: out(x())
+    return lambda: out(communicator.all_gather(x(), axis))
+
+
+def _broadcast(n: _Node) -> Step:
+    x, out, communicator = n.floats("x"), n.store("out"), n.communicator
+    root = n.attr_int("root", 0)
+    ranks = 1 if communicator is None else communicator.size
+    if not 0 <= root < ranks:
+        raise n.fail(f"root {root} is outside the ranks [0, {ranks})")
+    if communicator is None:
+        return lambda: out(x())
+    return lambda: out(communicator.broadcast(x(), root))
+
+
 _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("embedding", 1): _embedding,
     ("rmsnorm", 1): _rmsnorm,
@@ -969,7 +1015,25 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("completion_self_draft", 1): _completion_self_draft,
     ("gated_recurrence_scan", 1): _gated_recurrence_scan,
     ("gated_recurrence_step", 1): _gated_recurrence_step,
+    ("all_reduce", 1): _all_reduce,
+    ("all_gather", 1): _all_gather,
+    ("broadcast", 1): _broadcast,
 }
+
+
+def _rank_declarations(execution: mf.ExecutionManifest, rank: int) -> dict[str, mf.BufferDecl]:
+    """The buffer declarations rank ``rank`` allocates: a name declared once (replicated) as it is, a
+    per-rank name (declared once for each rank) by its ``rank``'s declaration."""
+    declared: dict[str, list[mf.BufferDecl]] = {}
+    for decl in execution.buffers:
+        declared.setdefault(decl.name, []).append(decl)
+    chosen: dict[str, mf.BufferDecl] = {}
+    for name, decls in declared.items():
+        mine = decls[0] if len(decls) == 1 else next((d for d in decls if d.rank == rank), None)
+        if mine is None:
+            raise ContractError(f"per-rank buffer {name!r} has no declaration for rank {rank}")
+        chosen[name] = mine
+    return chosen
 
 
 def _attribute_value(attribute: mf.Attribute) -> AttrValue:
@@ -1004,6 +1068,9 @@ class ReferenceBackend:
         state_rows: int,
         frames: int = 2,
         snapshot_rows: int = 0,
+        rank: int = 0,
+        communicator: Communicator | None = None,
+        resources: dict[str, bytearray] | None = None,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(
@@ -1015,11 +1082,21 @@ class ReferenceBackend:
         self._frames = frames
         self._symbols = {mf.DIM_SYMBOL_CACHE_PAGES: cache_pages, mf.DIM_SYMBOL_STATE_ROWS: state_rows}
         self._snapshot_rows = snapshot_rows
-        self._decls: dict[str, mf.BufferDecl] = {b.name: b for b in execution.buffers}
-        self._resources: dict[str, bytearray] = {}
+        if not 0 <= rank < max(contract.ranks, 1):
+            raise ValueError(f"rank {rank} is not one of the core's {contract.ranks} ranks")
+        if communicator is not None and (communicator.rank != rank or communicator.size != contract.ranks):
+            raise ValueError(
+                f"the communicator is rank {communicator.rank} of {communicator.size}; this backend is rank {rank} "
+                f"of the core's {contract.ranks}"
+            )
+        self._rank = rank
+        self._communicator = communicator
+        self._decls: dict[str, mf.BufferDecl] = _rank_declarations(execution, rank)
+        self._resources: dict[str, bytearray] = {} if resources is None else resources
+        """Decoded weights resources by id (ranks of one process may share it: replicated weights once)."""
         shared: dict[str, AnyArray] = {}
         completion_decls: list[mf.BufferDecl] = []
-        for decl in execution.buffers:
+        for decl in self._decls.values():
             if decl.role == mf.BUFFER_ROLE_COMPLETION:
                 completion_decls.append(decl)
             elif decl.role == mf.BUFFER_ROLE_WEIGHTS:
@@ -1071,6 +1148,11 @@ class ReferenceBackend:
         return self._frames
 
     @property
+    def rank(self) -> int:
+        """The tensor-parallel rank whose buffers this backend holds (0 for a one-rank core)."""
+        return self._rank
+
+    @property
     def buffers(self) -> Mapping[str, AnyArray]:
         """Frame-independent buffers (weights, cache planes, state, scratch, tuned) by name."""
         return MappingProxyType(self._shared)
@@ -1101,8 +1183,15 @@ class ReferenceBackend:
         variants = self._programs.get(program)
         if variants is None:
             raise ValueError(f"unknown program {program!r}; known: {', '.join(self._programs)}")
-        for step in variants[self._frame(frame)]:
-            step()
+        try:
+            for step in variants[self._frame(frame)]:
+                step()
+        except RankError:
+            raise  # a peer's failure, already known to every rank
+        except BaseException as exc:
+            if self._communicator is not None:  # the peers stop waiting for this rank at their next collective
+                self._communicator.abort(f"rank {self._rank} failed {program!r}: {type(exc).__name__}: {exc}")
+            raise
 
     # -- the host tier of cache pages ---------------------------------------------
     def reserve_host_pages(self, count: int) -> None:
@@ -1243,5 +1332,5 @@ class ReferenceBackend:
                 )
             args = {arg.name: self._view(f"{where} argument {arg.name!r}", arg.view, frame) for arg in node.args}
             attributes = {attr.name: _attribute_value(attr) for attr in node.attributes}
-            steps.append(adapter(_Node(where, args, attributes)))
+            steps.append(adapter(_Node(where, args, attributes, self._communicator)))
         return steps

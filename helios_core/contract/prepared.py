@@ -36,7 +36,7 @@ import itertools
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
@@ -150,7 +150,11 @@ REQUIRED_TOOL_PARSER: Final[Mapping[int, int]] = MappingProxyType(
 class RuntimeCapabilities:
     """What this runtime implements; startup compares the core against it."""
 
-    ranks: int = 1
+    ranks: int | None = None
+    """The most tensor-parallel ranks the chosen backend runs; None: any count (the host runs one thread
+    rank per rank of the core: the reference and null backends)."""
+    ranks_limit: str = ""
+    """Why ``ranks`` is limited (said in the error a core with more ranks gets)."""
     history_kinds: frozenset[int] = frozenset(
         {
             ct.HISTORY_KIND_PAGED_KV,
@@ -175,7 +179,7 @@ class RuntimeCapabilities:
     )
     operators: frozenset[tuple[str, int]] = frozenset(CATALOGUE)
     vision: bool = True
-    engram: bool = False
+    engram: bool = True
 
 
 @dataclass(frozen=True)
@@ -472,10 +476,15 @@ def _check_buffers(
     problems: _Problems,
 ) -> dict[str, mf.BufferDecl]:
     buffers: dict[str, mf.BufferDecl] = {}
+    ranks = max(execution.ranks, 1)
+    per_rank = _check_rank_buffers(execution, resources, ranks, problems)
     for buffer in execution.buffers:
         if buffer.name in buffers:
-            problems.add(f"buffer {buffer.name!r} is declared twice")
-            continue
+            if ranks == 1:
+                problems.add(f"buffer {buffer.name!r} is declared twice")
+            continue  # a per-rank name: its declarations were checked together; rank 0's enters the map
+        if buffer.name in per_rank and buffer.rank != 0:
+            continue  # rank 0's declaration (checked below) stands for the name
         if not _known(mf.BufferRole, buffer.role):
             problems.add(f"buffer {buffer.name!r} has unknown role {buffer.role}")
         if any(d.symbol != mf.DIM_SYMBOL_UNSPECIFIED and d.symbol not in mf.DimSymbol.values() for d in buffer.shape):
@@ -521,6 +530,99 @@ def _check_buffers(
                 f"declared {_enum_name(cb.ResourceKind, resource.kind)}"
             )
     return buffers
+
+
+_PER_RANK_SAME: Final[tuple[tuple[str, Callable[[mf.BufferDecl], object]], ...]] = (
+    ("role", lambda decl: decl.role),
+    ("dtype", lambda decl: decl.dtype),
+    ("shape", lambda decl: [(d.size, d.symbol) for d in decl.shape]),
+)
+"""What every rank's declaration of a per-rank buffer must share with rank 0's."""
+
+
+def _check_rank_buffers(
+    execution: mf.ExecutionManifest,
+    resources: Mapping[str, cb.ExecutableResource],
+    ranks: int,
+    problems: _Problems,
+) -> frozenset[str]:
+    """The tensor-parallel rules of buffer declarations; returns the per-rank names (of a core with more
+    than one rank). A name declared once is replicated (rank 0, every rank allocates it); a name declared
+    more than once is a per-rank buffer: exactly once for each rank 0..N-1, every declaration with the same
+    role, dtype and shape, and only for weights or resource-filled (STATE_INIT) buffers. A resource belongs
+    to a rank below N; a per-rank declaration reads a resource of its own rank, a replicated one a
+    resource of rank 0 (shared by every rank)."""
+    for resource in resources.values():
+        if resource.rank >= ranks:
+            problems.add(f"resource {resource.id!r} names rank {resource.rank}; the core has {ranks} ranks")
+    declarations: dict[str, list[mf.BufferDecl]] = {}
+    for buffer in execution.buffers:
+        declarations.setdefault(buffer.name, []).append(buffer)
+    per_rank: set[str] = set()
+    for name, decls in declarations.items():
+        out_of_range = sorted({d.rank for d in decls if d.rank >= ranks})
+        if out_of_range:
+            problems.add(f"buffer {name!r} names rank {out_of_range[0]}; the core has {ranks} ranks")
+            continue
+        if len(decls) == 1:
+            if decls[0].rank != 0:
+                problems.add(
+                    f"buffer {name!r} is declared once, for rank {decls[0].rank}; a replicated buffer has rank 0 "
+                    f"and a per-rank buffer is declared once for each rank 0..{ranks - 1}"
+                )
+            else:
+                _check_rank_resource(decls[0], resources, 0, problems)
+            continue
+        if ranks == 1:
+            continue  # "declared twice", reported with the other declaration problems
+        declared = sorted(d.rank for d in decls)
+        if declared != list(range(ranks)):
+            problems.add(
+                f"buffer {name!r} is declared {len(decls)} times (ranks {declared}); a per-rank buffer is "
+                f"declared once for each rank 0..{ranks - 1}"
+            )
+            continue
+        per_rank.add(name)
+        by_rank = sorted(decls, key=lambda d: d.rank)
+        first = by_rank[0]
+        for decl in by_rank[1:]:
+            differs = [what for what, key in _PER_RANK_SAME if key(decl) != key(first)]
+            if differs:
+                problems.add(
+                    f"per-rank buffer {name!r}: rank {decl.rank}'s declaration differs from rank 0's in "
+                    f"{' and '.join(differs)}"
+                )
+        if first.role != mf.BUFFER_ROLE_WEIGHTS and not first.resource_id:
+            problems.add(
+                f"per-rank buffer {name!r} has role {_enum_name(mf.BufferRole, first.role)}; only weights and "
+                "resource-filled (STATE_INIT) buffers may be declared per rank"
+            )
+        for decl in by_rank:
+            _check_rank_resource(decl, resources, decl.rank, problems, per_rank=True)
+    return frozenset(per_rank)
+
+
+def _check_rank_resource(
+    decl: mf.BufferDecl,
+    resources: Mapping[str, cb.ExecutableResource],
+    rank: int,
+    problems: _Problems,
+    *,
+    per_rank: bool = False,
+) -> None:
+    resource = resources.get(decl.resource_id) if decl.resource_id else None
+    if resource is None or resource.rank == rank:
+        return
+    if per_rank:
+        problems.add(
+            f"per-rank buffer {decl.name!r} of rank {rank} reads resource {resource.id!r}, which belongs to "
+            f"rank {resource.rank}"
+        )
+    else:
+        problems.add(
+            f"replicated buffer {decl.name!r} reads resource {resource.id!r} of rank {resource.rank}; every rank "
+            "loads it, so it must belong to rank 0"
+        )
 
 
 def _check_transport(
@@ -1212,6 +1314,7 @@ def prepare_contract(
     if _vision_core(model) and model.HasField("vision") and not any(g.takes_images for g in prefills):
         problems.add("vision: a core with an image layout needs a prefill program that binds IMAGE_TENSOR")
     _check_pending_token_producers(list(model.graphs), problems)
+    _check_engram_tables(execution, model, transport, owned, prepared_graphs, resource_map, problems)
     _check_tuning(list(model.graphs), model, execution, buffers, transport, views, problems)
     _check_programs(execution, buffers, transport, problems)
     _check_attention_windows(model, execution, problems)
@@ -1237,9 +1340,10 @@ def prepare_contract(
 
 def check_runtime_support(contract: PreparedContract, capabilities: RuntimeCapabilities) -> None:
     """Fail with UnsupportedFeatureError naming the first feature this runtime lacks."""
-    if contract.ranks > capabilities.ranks:
+    if capabilities.ranks is not None and contract.ranks > capabilities.ranks:
+        limit = f" ({capabilities.ranks_limit})" if capabilities.ranks_limit else ""
         raise UnsupportedFeatureError(
-            f"the core needs {contract.ranks} tensor-parallel ranks; this runtime has {capabilities.ranks}"
+            f"the core needs {contract.ranks} tensor-parallel ranks; this runtime has {capabilities.ranks}{limit}"
         )
     for region in contract.model.cache.regions:
         if region.kind not in capabilities.history_kinds:
@@ -1273,3 +1377,160 @@ def check_runtime_support(contract: PreparedContract, capabilities: RuntimeCapab
         raise UnsupportedFeatureError(
             "the core declares Engram staging tables, which this runtime does not implement yet"
         )
+
+
+ENGRAM_FRAMES: Final = 2
+"""Host staging frames of every Engram table."""
+
+ENGRAM_DTYPES: Final = frozenset({mf.DTYPE_F32, mf.DTYPE_BF16})
+"""Row dtypes an Engram table may have."""
+
+
+def _check_engram_tables(
+    execution: mf.ExecutionManifest,
+    model: ct.ModelContract,
+    transport: Mapping[str, mf.TransportEntry],
+    owned: frozenset[str],
+    graphs: Mapping[str, PreparedGraph],
+    resources: Mapping[str, cb.ExecutableResource],
+    problems: _Problems,
+) -> None:
+    """Engram tables: the hash (orders, heads, positive primes whose sum is the table's rows, one odd
+    multiplier per offset), the host table and compression resources (kind WEIGHTS, exact sizes), two staging
+    frames (the transport's), and a destination transport entry [packed tokens, gathered rows x row width]
+    of the rows' dtype that no binding writes and that holds every program's packed tokens. The host hashes
+    each packed token's input ids, so no program of an Engram core may read a device-owned pending token."""
+    tables = list(execution.engram_tables)
+    if not tables:
+        return
+    for graph in model.graphs:
+        if graph.pending_token.WhichOneof("source") == "state_view":
+            problems.add(
+                f"engram: graph {graph.name!r} reads a device-owned pending token; the host hashes every input "
+                "id, so the pending token must be host-owned (binding_destination)"
+            )
+    if execution.transport.frames != ENGRAM_FRAMES:
+        problems.add(
+            f"engram: tables stage through the transport's frames, which must be {ENGRAM_FRAMES}, "
+            f"not {execution.transport.frames}"
+        )
+    bound = {b.destination for g in model.graphs for b in g.bindings}
+    names: set[str] = set()
+    destinations: set[str] = set()
+    for table in tables:
+        where = f"engram table {table.name!r}"
+        if not table.name:
+            problems.add("engram: a table has no name")
+        elif table.name in names:
+            problems.add(f"{where} is declared twice")
+        names.add(table.name)
+        if table.frames != ENGRAM_FRAMES:
+            problems.add(f"{where}: frames must be {ENGRAM_FRAMES}, not {table.frames}")
+        if table.dtype not in ENGRAM_DTYPES:
+            problems.add(f"{where}: dtype must be DTYPE_F32 or DTYPE_BF16, not {_enum_name(mf.DType, table.dtype)}")
+            continue
+        if table.row_width == 0:
+            problems.add(f"{where}: row_width must be positive")
+            continue
+        row_nbytes = table.row_width * NUMPY_DTYPES[table.dtype].itemsize
+        if table.row_nbytes != row_nbytes:
+            problems.add(
+                f"{where}: row_nbytes is {table.row_nbytes}, but {table.row_width} values are {row_nbytes} bytes"
+            )
+        if table.max_order < 2:
+            problems.add(f"{where}: max_order must be at least 2, not {table.max_order}")
+            continue
+        if table.heads_per_order == 0:
+            problems.add(f"{where}: heads_per_order must be positive")
+            continue
+        gathered = (table.max_order - 1) * table.heads_per_order
+        if len(table.primes) != gathered:
+            problems.add(
+                f"{where}: {len(table.primes)} primes, but orders 2..{table.max_order} with "
+                f"{table.heads_per_order} heads need {gathered}"
+            )
+        for index, prime in enumerate(table.primes):
+            if prime == 0 or prime >= 2**63:
+                problems.add(f"{where}: prime {index} must be positive and below 2**63, not {prime}")
+        if len(table.multipliers) != table.max_order:
+            problems.add(
+                f"{where}: {len(table.multipliers)} multipliers, but max_order {table.max_order} needs "
+                f"{table.max_order} (one per offset)"
+            )
+        for index, multiplier in enumerate(table.multipliers):
+            if multiplier % 2 == 0:
+                problems.add(f"{where}: multiplier {index} must be odd, not {multiplier}")
+        if table.table_rows != sum(table.primes):
+            problems.add(f"{where}: table_rows is {table.table_rows}, but the primes sum to {sum(table.primes)}")
+        _check_engram_resource(
+            where, "resource_id", table.resource_id, table.table_rows * row_nbytes, resources, problems
+        )
+        if table.compression_resource_id:
+            _check_engram_resource(
+                where,
+                "compression_resource_id",
+                table.compression_resource_id,
+                model.input_vocabulary.size * 4,
+                resources,
+                problems,
+            )
+        _check_engram_destination(table, where, gathered, transport, owned, bound, graphs, problems)
+        if table.buffer in destinations:
+            problems.add(f"{where}: destination {table.buffer!r} is another table's destination")
+        destinations.add(table.buffer)
+
+
+def _check_engram_resource(
+    where: str,
+    field_name: str,
+    resource_id: str,
+    nbytes: int,
+    resources: Mapping[str, cb.ExecutableResource],
+    problems: _Problems,
+) -> None:
+    resource = resources.get(resource_id)
+    if resource is None:
+        problems.add(f"{where}: {field_name} names unknown resource {resource_id!r}")
+    elif resource.kind != cb.RESOURCE_KIND_WEIGHTS:
+        problems.add(
+            f"{where}: resource {resource_id!r} must be RESOURCE_KIND_WEIGHTS, not "
+            f"{_enum_name(cb.ResourceKind, resource.kind)}"
+        )
+    elif resource.decoded_nbytes != nbytes:
+        problems.add(f"{where}: resource {resource_id!r} decodes to {resource.decoded_nbytes} bytes, not {nbytes}")
+
+
+def _check_engram_destination(
+    table: mf.EngramTable,
+    where: str,
+    gathered: int,
+    transport: Mapping[str, mf.TransportEntry],
+    owned: frozenset[str],
+    bound: set[str],
+    graphs: Mapping[str, PreparedGraph],
+    problems: _Problems,
+) -> None:
+    entry = transport.get(table.buffer)
+    if entry is None or table.buffer in owned:
+        problems.add(f"{where}: destination {table.buffer!r} is not a transport entry")
+        return
+    if table.buffer in bound:
+        problems.add(f"{where}: destination {table.buffer!r} is a binding destination; Engram staging alone writes it")
+    if entry.dtype != table.dtype:
+        problems.add(
+            f"{where}: destination {table.buffer!r} is {_enum_name(mf.DType, entry.dtype)}, the rows "
+            f"{_enum_name(mf.DType, table.dtype)}"
+        )
+    shape = list(entry.shape)
+    width = gathered * table.row_width
+    if len(shape) != 2 or shape[1] != width:
+        problems.add(f"{where}: destination {table.buffer!r} has shape {shape}, not [packed tokens, {width}]")
+        return
+    if table.rows != shape[0] * gathered:
+        problems.add(f"{where}: rows is {table.rows}, but {shape[0]} packed tokens gather {shape[0] * gathered}")
+    for graph in graphs.values():
+        if graph.extents.packed_token_capacity > shape[0]:
+            problems.add(
+                f"{where}: destination {table.buffer!r} holds {shape[0]} packed tokens; graph {graph.name!r} "
+                f"packs {graph.extents.packed_token_capacity}"
+            )

@@ -5,22 +5,50 @@ concurrency and speculative width may only shrink; explicit options win over
 core defaults, which fill settings the operator leaves unset; history
 drafting needs learned speculation and concrete copied-token inputs in every
 selected wider graph. Export records no history preference, so drafting is
-only ever a startup option.
+only ever a startup option. The selection also carries the operator's
+process-rank settings (:class:`ProcessRankSettings`: where rank processes join,
+their shared secret and deadlines) to ``NativeModel.load``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from helios_core.contract.prepared import PreparedContract, PreparedGraph
-from helios_core.errors import StartupError
+from helios_core.errors import HeliosError, StartupError
 from helios_core.wire import contract_pb2 as ct
 
 DEFAULT_QUEUE_CAPACITY = 64
 DEFAULT_FRONTEND_WORKERS = 2
 DEFAULT_EVENT_CAPACITY = 256
+
+
+DEFAULT_RANK_JOIN_TIMEOUT_S = 60.0
+"""``--rank-join-timeout``: how long the leader waits for every rank process to join."""
+
+
+@dataclass(frozen=True)
+class ProcessRankSettings:
+    """Where a leader listens for its rank processes (``helios run --rank-listen``), the secret they share, and
+    its deadlines (:mod:`helios_core.backends.rank_processes` runs them)."""
+
+    host: str
+    port: int
+    secret: bytes
+    join_timeout_s: float = DEFAULT_RANK_JOIN_TIMEOUT_S
+    deadline_s: float = 120.0
+    """A round's (and one collective's) deadline for every peer (the thread ranks' deadline)."""
+    on_lost: Callable[[HeliosError], None] | None = None
+    """Called once, on a thread of its own, when a peer disconnects or misses a deadline: serving must end."""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"ProcessRankSettings(address={self.address!r}, join_timeout_s={self.join_timeout_s:g})"
 
 
 @dataclass(frozen=True)
@@ -36,6 +64,12 @@ class LoadOptions:
     cache_pages: int | None = None
     offload_pages: int = 0
     """Host-memory pages of the prefix cache's host tier (0: off); read by ``NativeModel.load``, not by selection."""
+    ranks: int | None = None
+    """Tensor-parallel thread ranks (None: the core's rank count; any other count than the core's is a
+    StartupError); read by ``NativeModel.load``, not by selection."""
+    rank_peers: ProcessRankSettings | None = None
+    """Run ranks 1..N-1 as rank processes that join this one over TCP (None: thread ranks); carried by the
+    selection to ``NativeModel.load``."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +85,8 @@ class Selection:
     graphs: Mapping[str, PreparedGraph]
     state_rows_per_request: int
     """Maximum state_rows_per_request among the selected graphs."""
+    rank_peers: ProcessRankSettings | None = None
+    """Where rank processes join (``LoadOptions.rank_peers``); None: ranks run as threads of this process."""
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -142,4 +178,5 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
         history_drafting=options.history_drafting,
         graphs=MappingProxyType(selected),
         state_rows_per_request=max(state_rows, 1),
+        rank_peers=options.rank_peers,
     )

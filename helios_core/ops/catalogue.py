@@ -386,7 +386,33 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "Log-probability of each target id under log_softmax(logits) (prompt scores).",
         attributes=("vocab_limit",),
     ),
+    _spec(
+        "all_reduce",
+        ("x",),
+        ("out",),
+        "Collective over the tensor-parallel ranks: out = the elementwise sum of every rank's x, added in rank "
+        "order 0..N-1 in float32 (same shape and dtype as x; out may be x). One rank: a copy.",
+    ),
+    _spec(
+        "all_gather",
+        ("x",),
+        ("out",),
+        "Collective over the tensor-parallel ranks: out = the concatenation of x of ranks 0..N-1 along axis "
+        "(out's extent along axis is N times x's). One rank: a copy.",
+        attributes=("axis",),
+    ),
+    _spec(
+        "broadcast",
+        ("x",),
+        ("out",),
+        "Collective over the tensor-parallel ranks: out = x of rank root (default 0) on every rank. One rank: "
+        "a copy.",
+        optional_attributes=("root",),
+    ),
 )
+
+COLLECTIVE_OPERATORS: Final[frozenset[str]] = frozenset({"all_reduce", "all_gather", "broadcast"})
+"""Operators every rank must reach in the same order (each is a rendezvous of the ranks)."""
 
 CATALOGUE: Final[MappingProxyType[tuple[str, int], OperatorSpec]] = MappingProxyType(
     {(spec.name, spec.version): spec for spec in _SPECS}

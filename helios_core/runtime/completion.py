@@ -16,6 +16,11 @@ examined alone, for its first violation and message. Either way the answer is
 the same, lane for lane; a batch is answered with :class:`LaneResults`, which
 holds the sampled ids and logprobs as Python lists and reads as a sequence of
 per-lane results.
+
+Rank agreement (a core of several tensor-parallel ranks): :func:`agree_across_ranks` validates every
+rank's record by the same rules and compares each lane's fields with rank 0's; a lane that any rank
+rejects, or whose fields differ between ranks, is rejected on all ranks (no rank commits it), and only its
+request fails, with an error naming the rank.
 """
 
 from __future__ import annotations
@@ -550,3 +555,124 @@ def _speculative_problem(
     if lane.cursor_lag >= 0 and cursor != max(consumed - lane.cursor_lag, 0):
         return f"draft cursor {cursor}, expected max({consumed} - {lane.cursor_lag}, 0)"
     return None
+
+
+_ROUND_FIELDS = frozenset(
+    {mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE, mf.COMPLETION_FIELD_STATUS, mf.COMPLETION_FIELD_PROMPT_SCORES}
+)
+"""Completion fields that are not one row per lane (checked by :func:`read_lanes` on every rank, or, for
+prompt scores, per lane over the lane's own packed tokens)."""
+
+
+_OFFERS_NAME = mf.CompletionField.Name(mf.COMPLETION_FIELD_OFFERS)
+"""The offers field's name, as :func:`_differing_lanes` reports a differing field."""
+
+
+def agree_across_ranks(
+    results: Sequence[LaneResult | CompletionError],
+    records: Sequence[Mapping[int, npt.NDArray[np.generic]]],
+    sequence: int,
+    lanes: Sequence[LaneExpectation] | ExpectationBatch,
+    sampled_size: int,
+    *,
+    packed_capacity: int = 0,
+) -> Sequence[LaneResult | CompletionError]:
+    """Rank agreement: ``results`` (rank 0's record ``records[0]`` read by :func:`read_lanes`) with every
+    other rank's record validated by the same rules and compared with rank 0's, lane by lane.
+
+    A lane that any rank rejects, or whose per-lane fields (a row of every field but the submission
+    sequence, status and prompt scores; a lane's own prompt scores) differ from rank 0's in any bit, becomes
+    a CompletionError naming the rank: it is committed by no rank (only its request fails). A rank whose
+    record fails the whole round (status, submission sequence) raises CompletionError naming the rank.
+    When any lane's offers differ between ranks, the ranks allocated a speculative cohort apart: every lane of
+    the round is rejected (the spec's rule that a rank rejecting the cohort suppresses its commit on all ranks).
+    Answers like :func:`read_lanes`: a list for a list of expectations, :class:`LaneResults` for a batch.
+    """
+    count = len(lanes)
+    first = records[0]
+    rejected: dict[int, CompletionError] = {}
+    split: tuple[int, int] | None = None
+    """(rank, lane) of the first lane whose offers differ from rank 0's: the ranks allocated the cohort apart."""
+    for rank, record in enumerate(records[1:], start=1):
+        try:
+            theirs = read_lanes(record, sequence, lanes, sampled_size, packed_capacity=packed_capacity)
+        except CompletionError as exc:
+            raise CompletionError(f"rank {rank} rejects the round: {exc}") from exc
+        own_errors = theirs.errors if isinstance(theirs, LaneResults) else {
+            index: result for index, result in enumerate(theirs) if isinstance(result, CompletionError)
+        }  # fmt: skip
+        for index, error in sorted(own_errors.items()):
+            if index not in rejected:
+                problem = str(error).removeprefix(f"lane {index}: ")
+                rejected[index] = CompletionError(f"lane {index}: rank {rank} rejects it: {problem}")
+        for index, field_name in _differing_lanes(first, record, count, lanes):
+            if split is None and field_name == _OFFERS_NAME:
+                split = (rank, index)
+            if index not in rejected:
+                rejected[index] = CompletionError(
+                    f"lane {index}: rank {rank}'s completion differs from rank 0's in {field_name}"
+                )
+    if split is not None:
+        # A speculative cohort's lanes share the packed rows the ranks' collectives sum: ranks that allocated it
+        # apart verified every lane from mixed sums, so no lane of the round is committed, equal fields or not.
+        rank, lane = split
+        rejected = {
+            index: CompletionError(
+                f"lane {index}: rank {rank} allocated the cohort apart from rank 0 (the offers of lane {lane} "
+                "differ); no lane of the round is committed"
+            )
+            for index in range(count)
+        }
+    if not rejected:
+        return results
+    if isinstance(results, LaneResults):
+        errors = {**rejected, **results.errors}
+        tops = {index: top for index, top in results.tops.items() if index not in errors}
+        return LaneResults(results.token_ids, results.logprobs, errors, tops, results.ids)
+    return [
+        result if isinstance(result, CompletionError) or index not in rejected else rejected[index]
+        for index, result in enumerate(results)
+    ]
+
+
+def _differing_lanes(
+    first: Mapping[int, npt.NDArray[np.generic]],
+    other: Mapping[int, npt.NDArray[np.generic]],
+    count: int,
+    lanes: Sequence[LaneExpectation] | ExpectationBatch,
+) -> Iterator[tuple[int, str]]:
+    """(lane, field name) of every lane of the first ``count`` whose row of a per-lane field differs."""
+    for field_id, mine in first.items():
+        theirs = other.get(field_id)
+        name = mf.CompletionField.Name(field_id)  # type: ignore[arg-type]
+        if field_id == mf.COMPLETION_FIELD_PROMPT_SCORES:
+            if theirs is not None and not isinstance(lanes, ExpectationBatch):
+                yield from _differing_scores(mine, theirs, lanes, name)
+            continue
+        if field_id in _ROUND_FIELDS:
+            continue
+        rows = min(count, mine.shape[0] if mine.ndim else 0)
+        if theirs is None or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            yield from ((index, name) for index in range(rows))
+            continue
+        if not rows:
+            continue
+        ours_bytes = np.ascontiguousarray(mine[:rows]).view(np.uint8).reshape(rows, -1)
+        theirs_bytes = np.ascontiguousarray(theirs[:rows]).view(np.uint8).reshape(rows, -1)
+        differs = (ours_bytes != theirs_bytes).any(axis=1)
+        if differs.any():
+            yield from ((int(index), name) for index in np.flatnonzero(differs))
+
+
+def _differing_scores(
+    mine: npt.NDArray[np.generic], theirs: npt.NDArray[np.generic], lanes: Sequence[LaneExpectation], name: str
+) -> Iterator[tuple[int, str]]:
+    flat_mine, flat_theirs = mine.reshape(-1), theirs.reshape(-1)
+    for index, lane in enumerate(lanes):
+        start, length = lane.scores
+        if length <= 0:
+            continue
+        ours = np.ascontiguousarray(flat_mine[start : start + length]).view(np.uint8)
+        other = np.ascontiguousarray(flat_theirs[start : start + length]).view(np.uint8)
+        if ours.shape != other.shape or bool((ours != other).any()):
+            yield index, name

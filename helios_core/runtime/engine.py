@@ -47,7 +47,13 @@ from helios_core.errors import HeliosError
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.checkpoints import CheckpointIndex
-from helios_core.runtime.completion import CompletionError, LaneResult, RecordViews, read_lanes
+from helios_core.runtime.completion import (
+    CompletionError,
+    LaneResult,
+    RecordViews,
+    agree_across_ranks,
+    read_lanes,
+)
 from helios_core.runtime.gates import HostGate, StreamText, format_param, needs_gate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
@@ -241,6 +247,10 @@ class Engine:
         self._stopping = False
         self._shut_down = False
         self._reports_completion = _programs_writing_completion(model)
+        self._rank_completions: Callable[[int], Sequence[Mapping[int, npt.NDArray[np.generic]]]] | None = getattr(
+            model.backend, "rank_completions", None
+        )
+        """Every rank's completion record of a frame (a backend of several tensor-parallel ranks), else None."""
         self._snapshot: StatsSnapshot = self._take_snapshot()
         self._snapshot_ns = 0
         self._worker = threading.Thread(target=self._run, name="helios-model-worker", daemon=True)
@@ -398,8 +408,12 @@ class Engine:
                 owned[1][0] = frame
             if owned[2] is not None:
                 owned[2][0] = sequence
+            if self.model.engram is not None:  # the round's Engram rows into the frame it runs on
+                self.model.engram.stage(frame, sequence, staging, round_.lanes, self.scheduler.table.tokens)
             backend.run(round_.graph.name, frame)
         except Exception as exc:  # a failed execution fails this round's requests only
+            if self.model.engram is not None and self.model.engram.held_by(frame) == sequence:
+                self.model.engram.release(frame)  # never launched: nothing reads its rows
             return exc
         self._outstanding += 1
         if round_.constrained:  # the frames in flight right after a successful constrained submission
@@ -415,7 +429,10 @@ class Engine:
         backend = self.model.backend
         try:
             records = backend.completion(frame)  # waits for the frame's fence: execution errors surface here
+            self._retire_engram(frame)
         except Exception as exc:  # a failed execution fails this round's requests only
+            if self.model.engram is not None:
+                self.model.engram.release(frame)  # the failed round reads its rows no more
             return self.scheduler.fail_round(round_, f"execution failed: {type(exc).__name__}: {exc}")
         try:
             if round_.graph.name in self._reports_completion:
@@ -429,6 +446,17 @@ class Engine:
                     self._sampled_size,
                     packed_capacity=round_.graph.extents.packed_token_capacity,
                 )
+                if self._rank_completions is not None:  # a lane any rank rejects is committed by none
+                    rank_records = self._rank_completions(frame)
+                    if len(rank_records) > 1:
+                        results = agree_across_ranks(
+                            results,
+                            rank_records,
+                            launched,
+                            round_.expectations,
+                            self._sampled_size,
+                            packed_capacity=round_.graph.extents.packed_token_capacity,
+                        )
             else:  # a program without a completion record (state initialization) reports nothing to check
                 results = [LaneResult(-1, 0.0) for _ in range(len(round_))]
         except CompletionError as exc:
@@ -437,6 +465,17 @@ class Engine:
             return self.scheduler.complete(round_, results)
         except Exception as exc:  # applying this round went wrong: its requests fail, no others
             return self.scheduler.fail_round(round_, f"internal error completing a round: {type(exc).__name__}: {exc}")
+
+    def _retire_engram(self, frame: int) -> None:
+        """The round on ``frame`` completed: each rank retires its read of the frame's Engram rows (every
+        rank's completion record, with ranks; the one record, else), which frees the frame for a refill."""
+        engram = self.model.engram
+        if engram is None:
+            return
+        rank_completions = getattr(self.model.backend, "rank_completions", None)
+        ranks = range(len(rank_completions(frame))) if rank_completions is not None else range(engram.participants)
+        for rank in ranks:
+            engram.retire(frame, rank)
 
     def _unpackable(self, round_: RoundPlan, frame: int, error: Exception) -> Sequence[Outgoing]:
         """A round whose packing raised ``error``: pack each lane alone to find the requests whose values do

@@ -16,12 +16,22 @@ the operator's ``cache_pages`` option.
 Host pages (``offload_pages``, default 0: none): the backend reserves that many host slots of one page
 each at load (:mod:`helios_core.runtime.offload`), so a shortage of host memory is a startup error.
 
+Engram tables (a core that declares them): read once at load into host memory by
+:func:`~helios_core.runtime.engram.load_engram`; :attr:`NativeModel.engram` owns them and their two staging
+frames, which the engine fills each round.
+
 State rows are partitioned by request: ``Selection.state_rows_per_request`` (the largest any selected
 graph declares) rows per slot, and as many per snapshot.
 
 Backends: ``reference`` (numpy), ``cuda`` (one NVIDIA GPU), ``null`` (host
 overhead measurement) and ``auto``, which is ``cuda`` when a GPU is present and
-the core has kernels for its architecture, else ``reference``.
+the core has kernels for its architecture (and one rank), else ``reference``.
+
+Tensor-parallel ranks: a core of N > 1 ranks runs as N thread ranks (one reference backend per rank
+over one thread communicator group, behind a ``RankedBackend``; :mod:`helios_core.backends.ranks`);
+``ranks`` other than the core's count is a StartupError, and the CUDA backend runs one rank. With
+``Selection.rank_peers`` (``helios run --rank-listen``) rank 0 runs here and ranks 1..N-1 in rank
+processes that join over TCP (:mod:`helios_core.backends.rank_processes`).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from helios_core.container.reader import CoreFile
 from helios_core.contract import PreparedContract, PreparedGraph, RuntimeCapabilities, Selection, check_runtime_support
 from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.errors import HeliosError, StartupError
+from helios_core.runtime.engram import EngramStaging, load_engram
 from helios_core.runtime.packing import GraphPacker, PageTableMemory
 from helios_core.wire import manifest_pb2 as mf
 
@@ -89,6 +100,8 @@ class ExecutionGeometry:
     snapshot_rows: int
     max_active: int
     programs: tuple[ProgramGeometry, ...]
+    ranks: int = 1
+    """Tensor-parallel ranks the programs run on (thread ranks on this host)."""
 
 
 def _memory_available() -> int:
@@ -161,10 +174,12 @@ def choose_cache_pages(
 
 
 def resolve_backend(name: str, contract: PreparedContract, device: int = 0) -> str:
-    """``auto``: ``cuda`` when a GPU is present and the core has kernels for its architecture, else
-    ``reference``; any other name is returned as it is."""
+    """``auto``: ``cuda`` when a GPU is present, the core has kernels for its architecture and one rank,
+    else ``reference``; any other name is returned as it is."""
     if name != "auto":
         return name
+    if contract.ranks > 1:  # the CUDA backend runs one rank (backend_capabilities)
+        return "reference"
     from helios_core.backends.cuda_driver import cuda_available, device_architecture
 
     if not cuda_available():
@@ -185,10 +200,16 @@ def _load_cuda(
     frames: int,
     snapshot_rows: int,
 ) -> tuple[int, Backend]:
-    """Open the GPU, choose cache pages from its free memory, build the CUDA backend on that context."""
+    """Open the GPU, choose cache pages from its free memory, build the CUDA backend on that context (which
+    makes a one-rank NCCL communicator when the core has collective nodes). A core of more than one rank is
+    refused before the GPU is touched."""
     from helios_core.backends.cuda import CudaBackend, check_targets, reserved_device_nbytes
     from helios_core.backends.cuda_driver import CudaUnavailableError, open_context
 
+    if contract.ranks > 1:
+        raise StartupError(
+            f"the core is built for {contract.ranks} tensor-parallel ranks; {CUDA_RANK_LIMIT}"
+        )
     try:
         context = open_context(0)
     except CudaUnavailableError as exc:
@@ -215,6 +236,99 @@ def _load_cuda(
     return pages, backend
 
 
+CUDA_RANK_LIMIT = (
+    "the CUDA backend runs one rank until multi-GPU serving is supported; --backend reference runs the ranks "
+    "as threads"
+)
+"""Why a CUDA backend refuses a core of more than one rank (said in the startup error)."""
+
+
+def backend_capabilities(backend: str) -> RuntimeCapabilities:
+    """What the named (resolved) backend implements: any rank count as thread ranks, one rank on CUDA."""
+    if backend == "cuda":
+        return RuntimeCapabilities(ranks=1, ranks_limit=CUDA_RANK_LIMIT)
+    return RuntimeCapabilities()
+
+
+def choose_ranks(contract: PreparedContract, ranks: int | None) -> int:
+    """The ranks to run: the core's count (``ranks`` None), or ``ranks`` when it equals it."""
+    if ranks is None:
+        return contract.ranks
+    if ranks != contract.ranks:
+        raise StartupError(
+            f"--ranks {ranks} does not match the core, which is built for {contract.ranks} tensor-parallel "
+            f"rank{'s' if contract.ranks != 1 else ''}; pass --ranks {contract.ranks} or leave it out"
+        )
+    return ranks
+
+
+def _load_thread_ranks(
+    contract: PreparedContract,
+    core: CoreFile,
+    ranks: int,
+    *,
+    cache_pages: int,
+    state_rows: int,
+    frames: int,
+    snapshot_rows: int,
+) -> Backend:
+    """``ranks`` reference backends, one per rank, built at once (a tuning producer's collectives meet
+    across them) over one thread communicator group, behind a RankedBackend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helios_core.backends.ranks import RankedBackend, RankError, ThreadCommunicator
+    from helios_core.backends.reference import ReferenceBackend
+
+    communicators = ThreadCommunicator.group(ranks)
+    resources: dict[str, bytearray] = {}  # replicated weights decoded once for every rank
+
+    def build(rank: int) -> ReferenceBackend:
+        try:
+            return ReferenceBackend(
+                contract, core, cache_pages=cache_pages, state_rows=state_rows, frames=frames,
+                snapshot_rows=snapshot_rows, rank=rank, communicator=communicators[rank], resources=resources,
+            )  # fmt: skip
+        except BaseException as exc:
+            communicators[rank].abort(f"rank {rank} failed to load: {type(exc).__name__}: {exc}")
+            raise
+
+    with ThreadPoolExecutor(max_workers=ranks, thread_name_prefix="helios-rank-load") as pool:
+        futures = [pool.submit(build, rank) for rank in range(ranks)]
+    built = [future.result() for future in futures if future.exception() is None]
+    failures = [(rank, future.exception()) for rank, future in enumerate(futures) if future.exception() is not None]
+    if failures:
+        for backend in built:
+            backend.close()
+        rank, failure = next(((r, e) for r, e in failures if not isinstance(e, RankError)), failures[0])
+        if isinstance(failure, HeliosError):
+            raise failure
+        raise StartupError(f"rank {rank} failed to load: {type(failure).__name__}: {failure}") from failure
+    return RankedBackend(built, communicators=communicators)
+
+
+def _load_process_ranks(
+    contract: PreparedContract,
+    core: CoreFile,
+    selection: Selection,
+    ranks: int,
+    *,
+    cache_pages: int,
+    state_rows: int,
+    frames: int,
+    snapshot_rows: int,
+) -> Backend:
+    """Rank 0 here and ranks 1..N-1 in rank processes that join over TCP (``selection.rank_peers``)."""
+    from helios_core.backends.rank_processes import load_process_ranks
+
+    settings = selection.rank_peers
+    if settings is None or ranks < 2:
+        raise StartupError(f"--rank-listen serves a core of more than one tensor-parallel rank; this core has {ranks}")
+    return load_process_ranks(
+        contract, core, ranks, settings, cache_pages=cache_pages, state_rows=state_rows, frames=frames,
+        snapshot_rows=snapshot_rows,
+    )  # fmt: skip
+
+
 def _reserve_host_pages(executor: Backend, count: int, page_bytes: int) -> None:
     """The host tier's slots, or a StartupError naming what could not be had."""
     try:
@@ -239,6 +353,8 @@ class NativeModel:
         state_rows: int,
         frames: int,
         offload_pages: int = 0,
+        engram: EngramStaging | None = None,
+        ranks: int = 1,
     ) -> None:
         self.contract = contract
         self.selection = selection
@@ -249,6 +365,10 @@ class NativeModel:
         """Host slots of the prefix cache's host tier (0: evicted pages are dropped)."""
         self.state_rows = state_rows
         self.frames = frames
+        self.engram = engram
+        self.ranks = ranks
+        """Tensor-parallel ranks the backend runs (a RankedBackend's, or 1)."""
+        """The core's Engram tables and their staging frames (None: it declares none)."""
         self.clock_origin_ns = time.monotonic_ns()
         """The process-local origin of token and timing observations (runtime startup)."""
         staging = backend.transport(0)
@@ -271,43 +391,66 @@ class NativeModel:
         cache_pages: int | None = None,
         capabilities: RuntimeCapabilities | None = None,
         offload_pages: int = 0,
+        ranks: int | None = None,
     ) -> NativeModel:
-        """Check runtime support, choose capacities, build the backend and every program once."""
+        """Check runtime support, choose capacities, build the backend and every program once.
+
+        ``ranks`` (None: the core's rank count) must equal the core's ``ExecutionManifest.ranks``; a core
+        of N > 1 ranks runs as N thread ranks of the reference backend (one ``ReferenceBackend`` per rank
+        over one :class:`~helios_core.backends.ranks.ThreadCommunicator` group, behind a
+        :class:`~helios_core.backends.ranks.RankedBackend`)."""
         if offload_pages < 0:
             raise StartupError(f"--offload-pages must not be negative, not {offload_pages}")
-        check_runtime_support(contract, capabilities or RuntimeCapabilities())
+        rank_count = choose_ranks(contract, ranks)
+        backend = resolve_backend(backend, contract)
+        check_runtime_support(contract, capabilities or backend_capabilities(backend))
         state_rows = selection.max_active * selection.state_rows_per_request
         frames = max(contract.execution.transport.frames, 1)
         snapshot_rows = contract.serving.snapshot_capacity * selection.state_rows_per_request
-        backend = resolve_backend(backend, contract)
         executor: Backend
+        if selection.rank_peers is not None and backend != "reference":
+            raise StartupError(
+                f"rank processes (--rank-listen) run the reference backend; backend {backend!r} cannot serve them"
+            )
         if backend == "cuda":
             pages, executor = _load_cuda(contract, core, selection, cache_pages, state_rows, frames, snapshot_rows)
         elif backend == "reference":
             from helios_core.backends.reference import ReferenceBackend
 
             pages = choose_cache_pages(contract, selection, cache_pages)
-            executor = ReferenceBackend(
-                contract,
-                core,
-                cache_pages=pages,
-                state_rows=state_rows,
-                frames=frames,
-                snapshot_rows=snapshot_rows,
-            )
+            if selection.rank_peers is not None:
+                executor = _load_process_ranks(
+                    contract, core, selection, rank_count, cache_pages=pages, state_rows=state_rows, frames=frames,
+                    snapshot_rows=snapshot_rows,
+                )  # fmt: skip
+            elif rank_count == 1:
+                executor = ReferenceBackend(
+                    contract,
+                    core,
+                    cache_pages=pages,
+                    state_rows=state_rows,
+                    frames=frames,
+                    snapshot_rows=snapshot_rows,
+                )
+            else:
+                executor = _load_thread_ranks(
+                    contract, core, rank_count, cache_pages=pages, state_rows=state_rows, frames=frames,
+                    snapshot_rows=snapshot_rows,
+                )  # fmt: skip
         elif backend == "null":
             from helios_core.backends.null import NullBackend
 
             pages = choose_cache_pages(contract, selection, cache_pages)
-            executor = NullBackend(contract, frames=frames)
+            executor = NullBackend(contract, frames=frames, ranks=rank_count)
         else:
             raise StartupError(f"backend {backend!r} is not available; use auto, reference or cuda")
         try:
             if offload_pages:
                 _reserve_host_pages(executor, offload_pages, bytes_per_page(contract))
+            engram = load_engram(contract, core, participants=contract.ranks)
             return cls(
                 contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames,
-                offload_pages=offload_pages,
+                offload_pages=offload_pages, engram=engram, ranks=rank_count,
             )  # fmt: skip
         except BaseException:
             with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
@@ -342,6 +485,7 @@ class NativeModel:
             snapshot_rows=self.contract.serving.snapshot_capacity * self.selection.state_rows_per_request,
             max_active=self.selection.max_active,
             programs=programs,
+            ranks=self.ranks,
         )
 
     def close(self) -> None:

@@ -52,6 +52,7 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
             backend=backend,
             cache_pages=options.cache_pages,
             offload_pages=options.offload_pages,
+            ranks=options.ranks,
         )
         try:
             contract = verified.contract

@@ -61,6 +61,7 @@ from helios_core.errors import HeliosError, StartupError
 
 if TYPE_CHECKING:
     from helios_core.contract import LoadOptions
+    from helios_core.contract.selection import ProcessRankSettings
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import RunningModel
     from helios_core.server.image_input import ImageLimits
@@ -105,6 +106,14 @@ class RunOptions:
     cache_pages: int | None = None
     offload_pages: int = 0
     """Host-memory pages of the prefix cache's host tier (0: evicted pages are dropped)."""
+    ranks: int | None = None
+    """Tensor-parallel thread ranks on this host (None: the core's rank count; another count is refused)."""
+    rank_listen: str | None = None
+    """``HOST:PORT`` where rank processes (``helios rank``) join; None: the ranks run as threads here."""
+    rank_secret_file: Path | None = None
+    """The secret the rank processes share with this one (a private file); needed with ``rank_listen``."""
+    rank_join_timeout: float | None = None
+    """Seconds to wait for every rank process to join (None: 60, ``rank_processes.DEFAULT_JOIN_TIMEOUT_S``)."""
     trust_key: tuple[Path, ...] = ()
     accept: str | None = None
     core_key: Path | None = None
@@ -157,11 +166,11 @@ def _convert(name: str, value: Any, source: str) -> Any:
     """``value`` (from a config file or the environment, where everything may be a string) as the
     type of option ``name``."""
     where = f"{name.replace('_', '-')} (from {source})"
-    if name in ("host", "accept", "served_name"):
+    if name in ("host", "accept", "served_name", "rank_listen"):
         if not isinstance(value, str):
             raise StartupError(f"{where} must be a string")
         return value
-    if name in ("core", "core_key"):
+    if name in ("core", "core_key", "rank_secret_file"):
         if not isinstance(value, str):
             raise StartupError(f"{where} must be a path string")
         return Path(value)
@@ -169,7 +178,7 @@ def _convert(name: str, value: Any, source: str) -> Any:
         if value not in _BACKENDS:
             raise StartupError(f"{where} must be one of {', '.join(_BACKENDS)}, not {value!r}")
         return value
-    if name in ("shutdown_timeout", "image_fetch_timeout"):
+    if name in ("shutdown_timeout", "image_fetch_timeout", "rank_join_timeout"):
         return _seconds(value, where)
     if name == "kv_events_config":
         from helios_core.server.kv_events import config_text
@@ -256,6 +265,8 @@ def resolve_options(
         values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "shutdown-timeout")
     if values.get("image_fetch_timeout") is not None:
         values["image_fetch_timeout"] = _seconds(values["image_fetch_timeout"], "image-fetch-timeout")
+    if values.get("rank_join_timeout") is not None:
+        values["rank_join_timeout"] = _seconds(values["rank_join_timeout"], "rank-join-timeout")
     if values.get("core") is None:
         raise StartupError("no core given: pass --core PATH (or set core in --config, or $HELIOS_CORE)")
     return RunOptions(**values)
@@ -275,6 +286,14 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         raise StartupError("no core given: pass --core PATH")
     trust = TrustSettings.resolve(options.trust_key, options.accept, options.core_key)
     options.image_limits()  # an image limit out of range fails before the server listens
+    lost: list[HeliosError] = []
+    """A rank process that was lost while serving (then serving stops and the run fails with it)."""
+
+    def rank_lost(error: HeliosError) -> None:
+        lost.append(error)
+        server.should_exit = True  # uvicorn's main loop notices within a tenth of a second
+
+    rank_peers = _rank_peers(options, rank_lost)
     load = LoadOptions(
         max_active=options.max_active,
         queue_capacity=options.queue_capacity,
@@ -284,6 +303,8 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         history_drafting=options.history_drafting,
         cache_pages=options.cache_pages,
         offload_pages=options.offload_pages,
+        ranks=options.ranks,
+        rank_peers=rank_peers,
     )
     kv_config = parse_kv_events_config(options.kv_events_config) if options.kv_events_config else None
     readiness = Readiness()
@@ -314,10 +335,33 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         loader.close()
     if loader.failure is not None:
         raise loader.failure  # the loading error itself: the one line and exit status of a failed start
+    if lost:
+        raise StartupError(f"serving stopped: {lost[0]}")
     if not server.started:
         raise StartupError(f"could not listen on {options.host}:{options.port}")
     if server.startup_failure is not None:
         raise server.startup_failure
+
+
+def _rank_peers(options: RunOptions, on_lost: Callable[[HeliosError], None]) -> ProcessRankSettings | None:
+    """The rank-process settings of ``--rank-listen`` (None without it); bad settings fail before listening."""
+    from helios_core.backends.rank_processes import DEFAULT_JOIN_TIMEOUT_S, parse_address, read_secret_file
+    from helios_core.contract.selection import ProcessRankSettings
+
+    if options.rank_listen is None:
+        if options.rank_secret_file is not None:
+            raise StartupError("--rank-secret-file is used with --rank-listen HOST:PORT, which is missing")
+        return None
+    if options.rank_secret_file is None:
+        raise StartupError("--rank-listen needs --rank-secret-file FILE (the secret the rank processes share)")
+    if options.worker_process:
+        raise StartupError("--rank-listen cannot be combined with --worker-process")
+    join_timeout = DEFAULT_JOIN_TIMEOUT_S if options.rank_join_timeout is None else options.rank_join_timeout
+    if join_timeout <= 0:
+        raise StartupError(f"--rank-join-timeout must be positive, not {join_timeout:g}")
+    host, port = parse_address(options.rank_listen, "--rank-listen")
+    secret = read_secret_file(options.rank_secret_file)
+    return ProcessRankSettings(host, port, secret, join_timeout_s=join_timeout, on_lost=on_lost)
 
 
 class _Loader:

@@ -309,16 +309,38 @@ class TuningProducer(_message.Message):
     def __init__(self, program: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngramTable(_message.Message):
-    __slots__ = ("name", "buffer", "row_nbytes", "rows")
+    __slots__ = ("name", "buffer", "row_nbytes", "rows", "resource_id", "table_rows", "row_width", "dtype", "max_order", "heads_per_order", "primes", "multipliers", "pad_id", "compression_resource_id", "frames")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     ROW_NBYTES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ORDER_FIELD_NUMBER: _ClassVar[int]
+    HEADS_PER_ORDER_FIELD_NUMBER: _ClassVar[int]
+    PRIMES_FIELD_NUMBER: _ClassVar[int]
+    MULTIPLIERS_FIELD_NUMBER: _ClassVar[int]
+    PAD_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_RESOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     name: str
     buffer: str
     row_nbytes: int
     rows: int
-    def __init__(self, name: _Optional[str] = ..., buffer: _Optional[str] = ..., row_nbytes: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    resource_id: str
+    table_rows: int
+    row_width: int
+    dtype: DType
+    max_order: int
+    heads_per_order: int
+    primes: _containers.RepeatedScalarFieldContainer[int]
+    multipliers: _containers.RepeatedScalarFieldContainer[int]
+    pad_id: int
+    compression_resource_id: str
+    frames: int
+    def __init__(self, name: _Optional[str] = ..., buffer: _Optional[str] = ..., row_nbytes: _Optional[int] = ..., rows: _Optional[int] = ..., resource_id: _Optional[str] = ..., table_rows: _Optional[int] = ..., row_width: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., max_order: _Optional[int] = ..., heads_per_order: _Optional[int] = ..., primes: _Optional[_Iterable[int]] = ..., multipliers: _Optional[_Iterable[int]] = ..., pad_id: _Optional[int] = ..., compression_resource_id: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class ExecutionManifest(_message.Message):
     __slots__ = ("abi_label", "ranks", "op_catalogue", "buffers", "modules", "programs", "transport", "completion", "tuning_programs", "tuning", "targets", "engram_tables")

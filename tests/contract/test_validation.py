@@ -1231,7 +1231,10 @@ def test_page_table_views_over_one_entry_must_not_overlap(parts) -> None:
 
 def test_more_ranks_than_the_runtime_has(parts) -> None:
     parts.execution.ranks = 2
-    unsupported(parts, "the core needs 2 tensor-parallel ranks; this runtime has 1")
+    check_runtime_support(parts.prepare(), RuntimeCapabilities())  # thread ranks: any count
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        check_runtime_support(parts.prepare(), RuntimeCapabilities(ranks=1))
+    assert str(caught.value) == "the core needs 2 tensor-parallel ranks; this runtime has 1"
     check_runtime_support(parts.prepare(), RuntimeCapabilities(ranks=2))
 
 
@@ -1244,12 +1247,6 @@ def test_speculative_operation_is_supported_and_a_runtime_without_it_refuses(par
     assert "graph 'speculative_w4' has operation speculative, which this runtime does not implement yet" in str(
         caught.value
     )
-
-
-def test_engram_tables_are_unsupported(parts) -> None:
-    parts.execution.engram_tables.add(name="engram", buffer="scratch.h", row_nbytes=128, rows=4)
-    unsupported(parts, "the core declares Engram staging tables, which this runtime does not implement yet")
-    check_runtime_support(parts.prepare(), RuntimeCapabilities(engram=True))
 
 
 # --------------------------------------------------------------------------- malformed declarations

@@ -7,7 +7,8 @@ own contract checks before it is signed, so a recipe error fails here rather
 than at an operator's startup. The assembly steps every recipe shares (resources,
 cache identity, model and serving contracts, validation and writing, the
 reference-only target check) live here, used by the Llama, recurrent and latent
-recipes alike.
+recipes alike. A tensor-parallel Llama core (``tensor_parallel`` N) stores each rank's weight shards
+in resources of that rank and one weight catalog a rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from helios_core.wire import contract_pb2 as ct
 from ignition import __version__ as toolkit_version
 from ignition.preparation import contract as decl
 from ignition.preparation.program import ManifestBuilder
-from ignition.recipes.llama import Capacities, LlamaProgramWriter, LlamaShape, Weights
+from ignition.recipes.llama import Capacities, LlamaProgramWriter, LlamaShape, Weights, check_tensor_parallel
 
 Layout = Literal["payload", "logical-v6", "logical-v4"]
 Progress = Callable[[str, int, int], None]
@@ -124,18 +125,24 @@ def assemble(
     gpu_targets: Sequence[str] = (),
     kernel_graph: bool = False,
     progress: Progress | None = None,
+    tensor_parallel: int = 0,
 ) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
     """Build the serving contract, execution manifest and resources of a text model.
 
     With GPU targets (or ``kernel_graph``) the programs are written as kernel graphs: fused
     operators over packed projection weights, six nodes a layer. GPU targets then give every node
-    the launches of each target. The reference backend runs either graph.
+    the launches of each target (a collective node gets none: the runtime runs it). The reference
+    backend runs either graph. ``tensor_parallel`` N >= 1 writes an N-rank core with collectives
+    (:mod:`ignition.recipes.llama`); the weight catalogs are ``builder.weight_catalogs()``.
 
     Raises:
-        ValueError: speculative widths with a target outside :data:`SPECULATIVE_TARGETS`.
+        ValueError: speculative widths with a target outside :data:`SPECULATIVE_TARGETS`, or a rank
+            count that does not divide the heads, key-value heads and feed-forward width.
     """
     check_speculative_targets(caps, gpu_targets)
-    builder = ManifestBuilder()
+    if tensor_parallel:
+        check_tensor_parallel(model.shape, tensor_parallel, model.served_name)
+    builder = ManifestBuilder(tensor_parallel=tensor_parallel)
     writer = LlamaProgramWriter(
         builder,
         model.shape,
@@ -144,6 +151,7 @@ def assemble(
         sampled_size=model.sampled_size,
         bf16=bf16,
         fused=kernel_graph or bool(gpu_targets),
+        tensor_parallel=tensor_parallel,
     )
     graphs = writer.write()
     modules: list[ResourceInput] = []
@@ -163,6 +171,8 @@ def assemble(
     ]
     if caps.window:  # windowed attention stores different keys and values for the same tokens
         settings.append(f"window={caps.window}".encode())
+    if tensor_parallel:  # each rank's planes hold its own key-value heads
+        settings.append(f"tensor_parallel={tensor_parallel}".encode())
 
     contract_model = text_model_contract(model.sampled_size, model.shape.vocab, caps.page_tokens)
     if caps.window:  # the same paged planes, of which attention reads only the last window_tokens positions
@@ -211,8 +221,10 @@ def build_core(
     bf16: bool = False,
     targets: Sequence[str] = ("reference",),
     progress: Progress | None = None,
+    tensor_parallel: int = 0,
 ) -> ct.ServingContract:
-    """Assemble, validate, sign and write a core; returns its serving contract."""
+    """Assemble, validate, sign and write a core (of ``tensor_parallel`` ranks with collectives when
+    positive); returns its serving contract."""
     from ignition.kernels.compiler import SUPPORTED_TARGETS
 
     unknown = [t for t in targets if t != "reference" and t not in SUPPORTED_TARGETS]
@@ -220,7 +232,9 @@ def build_core(
         raise ValueError(f"unknown targets {unknown}; known: reference, {', '.join(SUPPORTED_TARGETS)}")
     check_window(caps, targets)
     gpu_targets = [t for t in targets if t != "reference"]
-    serving, builder, resources = assemble(model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress)
+    serving, builder, resources = assemble(
+        model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress, tensor_parallel=tensor_parallel
+    )
     validate_and_write(
         out,
         serving,
@@ -257,7 +271,7 @@ def core_resources(
     """A core's resources in their signed order: the weight resources by id, any kernel modules, then the
     tokenizer and the chat template."""
     resources = [
-        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload())
+        ResourceInput(id=rid, kind=cb.RESOURCE_KIND_WEIGHTS, data=res.payload(), rank=res.rank)
         for rid, res in sorted(builder.weight_resources.items())
     ]
     resources.extend(modules)
@@ -332,8 +346,9 @@ def validate_and_write(
     rebuild: cb.RebuildManifest | None = None,
     progress: Progress | None = None,
 ) -> None:
-    """Validate an assembled core with the serving runtime's own contract rules, then sign and write it;
-    the rebuild manifest (a new one when None) records this toolkit's version."""
+    """Validate an assembled core with the serving runtime's own contract rules, then sign and write it
+    with the builder's weight catalogs; the rebuild manifest (a new one when None) records this
+    toolkit's version."""
     prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
     rebuild = rebuild or cb.RebuildManifest()
     rebuild.toolkit_version = toolkit_version
@@ -348,10 +363,16 @@ def validate_and_write(
         core_key=core_key,
         description=description,
         rebuild=rebuild,
+        weight_catalogs=builder.weight_catalogs(),
         progress=progress,
     )
 
 
 def _as_resource_message(resource: ResourceInput) -> cb.ExecutableResource:
     """The signed resource description a reader will see (lengths only; hashes do not matter here)."""
-    return cb.ExecutableResource(id=resource.id, kind=resource.kind, decoded_nbytes=len(resource.data))  # type: ignore[arg-type]
+    return cb.ExecutableResource(
+        id=resource.id,
+        kind=resource.kind,  # type: ignore[arg-type]
+        decoded_nbytes=len(resource.data),
+        rank=resource.rank,
+    )

@@ -151,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
             "layout id in 100000-199999 (with the tiles preparation and tensors)"
         ),
     )
+    build.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help=(
+            "llama-synthetic and smollm2-135m-instruct: a core of N tensor-parallel ranks with collectives "
+            "(N must divide the heads, key-value heads and feed-forward width; 1 keeps the collectives on one rank)"
+        ),
+    )
+    build.add_argument(
+        "--engram",
+        action="store_true",
+        help=(
+            "llama-synthetic: a hashed n-gram memory table staged by the host each round and added to the "
+            "residual stream after the embedding (decode programs take host-fed pending tokens)"
+        ),
+    )
     build.add_argument("--quiet", action="store_true", help="no progress display")
     return parser
 
@@ -197,7 +214,15 @@ def run_build(args: argparse.Namespace) -> int:
         draft_sampling=args.draft_sampling or "greedy",
         proposal_budget=args.proposal_budget or "half",
         window=args.window,
+        engram=args.engram,
     )
+    if args.engram and args.recipe != "llama-synthetic":
+        raise HeliosError("--engram belongs to llama-synthetic")
+    if args.engram and args.speculative is not None:
+        raise HeliosError(
+            "--engram cannot be combined with --speculative: speculative programs read a device-owned pending "
+            "token, and the host hashes every input id"
+        )
     targets = tuple(t for t in args.targets.split(",") if t)
     from ignition.build import check_speculative_targets, check_window
 
@@ -213,6 +238,7 @@ def run_build(args: argparse.Namespace) -> int:
         raise HeliosError("--layout belongs to vision-synthetic")
     if max(caps.decode_rows) != caps.max_rows:
         raise HeliosError(f"--decode-rows must include --max-rows {caps.max_rows}")
+    _check_tensor_parallel(args)
     if args.recipe == "smollm2-135m-instruct" and args.tool_syntax not in SMOLLM2_TOOL_SYNTAXES:
         raise HeliosError(
             f"--tool-syntax {args.tool_syntax} is not available for smollm2-135m-instruct "
@@ -269,9 +295,44 @@ def run_build(args: argparse.Namespace) -> int:
         bf16=args.dtype == "bf16",
         targets=targets,
         progress=progress,
+        tensor_parallel=args.tensor_parallel or 0,
     )
     _report_written(args, serving, started)
     return 0
+
+
+TENSOR_PARALLEL_RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
+"""The recipes ``--tensor-parallel`` builds."""
+
+
+def _check_tensor_parallel(args: argparse.Namespace) -> None:
+    """Refuse, before any key or weight is touched, ``--tensor-parallel`` for another recipe, below 1,
+    or not dividing the model's heads, key-value heads and feed-forward width (SmolLM2's shape comes
+    from the GGUF's metadata)."""
+    ranks = args.tensor_parallel
+    if ranks is None:
+        return
+    if args.recipe not in TENSOR_PARALLEL_RECIPES:
+        raise HeliosError(f"--tensor-parallel belongs to {' and '.join(TENSOR_PARALLEL_RECIPES)}, not {args.recipe}")
+    from ignition.recipes.llama import check_tensor_parallel
+
+    if ranks < 1:
+        raise HeliosError(f"--tensor-parallel must be at least 1 (the ranks), got {ranks}")
+    if args.recipe == "llama-synthetic":
+        from ignition.recipes.synthetic import SHAPES
+
+        shape = SHAPES.get(args.shape)
+        if shape is None:
+            return  # the recipe names the unknown shape
+        model = f"llama-synthetic shape {args.shape!r}"
+    else:
+        from ignition.recipes.smollm2 import smollm2_shape
+
+        shape, model = smollm2_shape(), args.recipe
+    try:
+        check_tensor_parallel(shape, ranks, model)
+    except ValueError as error:
+        raise HeliosError(str(error)) from error
 
 
 def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...]) -> None:

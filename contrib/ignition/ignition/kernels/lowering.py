@@ -18,6 +18,12 @@ Launch conventions every kernel follows:
   for a node when no earlier node of its program writes it (:meth:`LoweringContext.settled`): its
   bytes were final before the program's first launch began (host inputs copied in by the graph's
   first node, cache pages of earlier rounds), so reading it early cannot see a stale value.
+
+Collective operators (the catalogue's ``COLLECTIVE_OPERATORS``: ``all_reduce``, ``all_gather``, ``broadcast``) have
+no kernel: their nodes keep no launch for the target, and the runtime runs them between the launches of
+the nodes around them (on a GPU through its collective library, captured into the program's graph). A
+collective's output is written by an earlier node for what follows, like any other output, so the next
+kernel reading it waits (``gdc_wait``) as it would after a kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from helios_core.ops.catalogue import lookup
+from helios_core.ops.catalogue import COLLECTIVE_OPERATORS, lookup
 from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.compiler import CompiledKernel, compile_triton, planning, precompile
 
@@ -254,6 +260,9 @@ class LoweringContext:
 
 Lowering = Callable[[LoweringContext, mf.Node], list[mf.KernelLaunch]]
 
+COLLECTIVE_OUTPUTS = ("out",)
+"""The argument a collective writes."""
+
 LOWERINGS: dict[tuple[str, int], Lowering] = {}
 """Lowering functions by ``(operator, version)``; filled by the kernel modules on import."""
 
@@ -302,6 +311,9 @@ def _lower_programs(context: LoweringContext, manifest: mf.ExecutionManifest, ta
         context.written = set()
         for node in program.nodes:
             context.node = node.name
+            if node.op.name in COLLECTIVE_OPERATORS:
+                context.written.update(arg.view.buffer for arg in node.args if arg.name in COLLECTIVE_OUTPUTS)
+                continue
             fn = LOWERINGS.get((node.op.name, int(node.op.version)))
             spec = lookup(node.op.name, int(node.op.version))
             if fn is None or spec is None:

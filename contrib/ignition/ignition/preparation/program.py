@@ -5,6 +5,11 @@ once, packing weight arrays into resources at recorded offsets, declaring
 transport entries, and writing program nodes that name op-catalogue
 operators over buffer views. Recipes say *what* the model computes; this
 module turns it into ``ExecutionManifest`` messages.
+
+Tensor-parallel builds (``ManifestBuilder(tensor_parallel=N)``) declare a per-rank weight as N
+``BufferDecl`` of one name, rank 0..N-1, each filled from a resource of its own rank
+(:meth:`ManifestBuilder.rank_weight`); every other buffer is declared once (rank 0: replicated).
+Such a builder also lists each rank's stored tensors as a ``WeightCatalog`` (version 1).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
@@ -54,6 +60,8 @@ class WeightResource:
     id: str
     parts: list[bytes] = field(default_factory=list)
     nbytes: int = 0
+    rank: int = 0
+    """The tensor-parallel rank that loads it (0 also for the resources every rank shares)."""
 
     def append(self, data: bytes) -> int:
         pad = (-self.nbytes) % WEIGHT_ALIGNMENT
@@ -123,12 +131,20 @@ def set_attribute(node: mf.Node, name: str, value: AttributeValue) -> None:
 class ManifestBuilder:
     """Accumulates buffers, transport entries, programs and weight resources."""
 
-    def __init__(self, *, frames: int = 2, abi_label: str = "helios-exec-1") -> None:
-        self.manifest = mf.ExecutionManifest(abi_label=abi_label, ranks=1, op_catalogue=1)
+    def __init__(self, *, frames: int = 2, abi_label: str = "helios-exec-1", tensor_parallel: int = 0) -> None:
+        """``tensor_parallel`` N >= 1 declares an N-rank manifest (``ranks = N``) with weight catalogs;
+        0 a one-rank manifest without them."""
+        if tensor_parallel < 0:
+            raise ValueError(f"tensor_parallel must be 0 (none) or a rank count, got {tensor_parallel}")
+        self.tensor_parallel = tensor_parallel
+        self.ranks = max(tensor_parallel, 1)
+        self.manifest = mf.ExecutionManifest(abi_label=abi_label, ranks=self.ranks, op_catalogue=1)
         self.manifest.transport.frames = frames
         self._buffers: dict[str, mf.BufferDecl] = {}
         self._transport: dict[str, mf.TransportEntry] = {}
         self.weight_resources: dict[str, WeightResource] = {}
+        self._catalog: list[tuple[int | None, cb.CatalogTensor]] = []
+        """Every weights buffer's stored view: (its rank, or None when every rank loads it, the view)."""
 
     # -- buffers ---------------------------------------------------------
     def buffer(
@@ -150,9 +166,86 @@ class ManifestBuilder:
         self._buffers[name] = decl
         return View(name, tuple(int(s) for s in shape))
 
-    def weight(self, name: str, array: npt.NDArray[np.generic], resource_id: str, *, bf16: bool = False) -> View:
-        """Declare a weights buffer holding ``array`` (stored as bf16 bit patterns when asked)."""
+    def weight(
+        self,
+        name: str,
+        array: npt.NDArray[np.generic],
+        resource_id: str,
+        *,
+        bf16: bool = False,
+        source: str | None = None,
+    ) -> View:
+        """Declare a weights buffer holding ``array`` (stored as bf16 bit patterns when asked), loaded by
+        every rank; ``source`` names the tensor in the weight catalogs (default: ``name``)."""
+        if resource_id in self.weight_resources and self.weight_resources[resource_id].rank != 0:
+            raise ValueError(f"resource {resource_id!r} belongs to rank {self.weight_resources[resource_id].rank}")
         resource = self.weight_resources.setdefault(resource_id, WeightResource(resource_id))
+        dtype, offset = self._store(resource, array, bf16)
+        view = self.buffer(name, mf.BUFFER_ROLE_WEIGHTS, dtype, array.shape)
+        decl = self._buffers[name]
+        decl.resource_id = resource_id
+        decl.resource_offset = offset
+        self._catalog.append((None, _catalog_tensor(source or name, resource_id, offset, dtype, array.shape)))
+        return view
+
+    def rank_weight(
+        self,
+        name: str,
+        shards: Sequence[npt.NDArray[np.generic]],
+        resource_id: str,
+        *,
+        bf16: bool = False,
+        source: str | None = None,
+    ) -> View:
+        """Declare a per-rank weights buffer: one ``BufferDecl`` named ``name`` for each rank r, holding
+        ``shards[r]``, stored in the resource ``{resource_id}.rank{r}`` of rank r (shards of one shape)."""
+        if len(shards) != self.ranks:
+            raise ValueError(f"per-rank weight {name!r} has {len(shards)} shards for {self.ranks} ranks")
+        shapes = {tuple(shard.shape) for shard in shards}
+        if len(shapes) != 1:
+            raise ValueError(f"the shards of per-rank weight {name!r} differ in shape: {sorted(shapes)}")
+        if name in self._buffers or name in self._transport:
+            raise ValueError(f"buffer {name!r} declared twice")
+        view: View | None = None
+        for rank, shard in enumerate(shards):
+            rid = f"{resource_id}.rank{rank}"
+            resource = self.weight_resources.setdefault(rid, WeightResource(rid, rank=rank))
+            if resource.rank != rank:
+                raise ValueError(f"resource {rid!r} belongs to rank {resource.rank}, not {rank}")
+            dtype, offset = self._store(resource, shard, bf16)
+            decl = self.manifest.buffers.add(
+                name=name,
+                role=mf.BUFFER_ROLE_WEIGHTS,
+                dtype=dtype,  # type: ignore[arg-type]
+                resource_id=rid,
+                resource_offset=offset,
+                rank=rank,
+            )
+            for size in shard.shape:
+                decl.shape.add(size=int(size))
+            if rank == 0:
+                self._buffers[name] = decl
+            self._catalog.append((rank, _catalog_tensor(source or name, rid, offset, dtype, shard.shape)))
+            view = View(name, tuple(int(s) for s in shard.shape))
+        if view is None:
+            raise ValueError(f"per-rank weight {name!r} has no shards")
+        return view
+
+    def weight_catalogs(self) -> list[cb.WeightCatalog]:
+        """One catalog (version 1) a rank of a tensor-parallel manifest: the weights every rank loads and
+        that rank's own, in declaration order; none for a manifest built without ``tensor_parallel``."""
+        if not self.tensor_parallel:
+            return []
+        catalogs = []
+        for rank in range(self.ranks):
+            catalog = cb.WeightCatalog(version=1, rank=rank)
+            catalog.tensors.extend(tensor for owner, tensor in self._catalog if owner in (None, rank))
+            catalogs.append(catalog)
+        return catalogs
+
+    @staticmethod
+    def _store(resource: WeightResource, array: npt.NDArray[np.generic], bf16: bool) -> tuple[int, int]:
+        """Append ``array``'s bytes (bf16 bit patterns when asked) to ``resource``; returns (dtype, offset)."""
         if bf16:
             data = _to_bf16_bits(np.ascontiguousarray(array, dtype=np.float32))
             dtype: int = mf.DTYPE_BF16
@@ -160,12 +253,7 @@ class ManifestBuilder:
             contiguous = np.ascontiguousarray(array)
             data = contiguous.tobytes()
             dtype = _NUMPY_TO_WIRE[contiguous.dtype]
-        offset = resource.append(data)
-        view = self.buffer(name, mf.BUFFER_ROLE_WEIGHTS, dtype, array.shape)
-        decl = self._buffers[name]
-        decl.resource_id = resource_id
-        decl.resource_offset = offset
-        return view
+        return dtype, resource.append(data)
 
     def transport_entry(self, name: str, dtype: int, shape: Sequence[int]) -> View:
         """Declare a host-fed transport destination (replicated per frame by the runtime)."""
@@ -184,6 +272,16 @@ class ManifestBuilder:
 
     def add_program(self, program: ProgramBuilder) -> None:
         self.manifest.programs.append(program.program)
+
+
+def _catalog_tensor(name: str, resource_id: str, offset: int, dtype: int, shape: Sequence[int]) -> cb.CatalogTensor:
+    return cb.CatalogTensor(
+        name=name,
+        resource_id=resource_id,
+        byte_offset=offset,
+        dtype=dtype,  # type: ignore[arg-type]
+        shape=[int(s) for s in shape],
+    )
 
 
 _BF16_CHUNK = 1 << 20

@@ -86,6 +86,9 @@ class TextProgramWriter:
     """Row tables that place results narrower than the completion record in it (see ``_into_record``)."""
     fused: bool = False
     """Whether the programs are kernel graphs (fused final norm and LM head)."""
+    host_pending: bool = False
+    """Whether the decode programs take each lane's pending token from the host (``input_ids`` bound to
+    ``PENDING_TOKEN``) instead of the device's pending-token state."""
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _decoder(self, prog: ProgramBuilder, rows: int, tokens: int, ids: View) -> None:
@@ -375,14 +378,23 @@ class TextProgramWriter:
         for rows in caps.decode_rows:
             name = f"decode_b{rows}"
             prog = ProgramBuilder(name, ct.OPERATION_DECODE)
-            ids = prefix(self.scratch.ids, rows)
-            prog.node(
-                "gather_rows",
-                {"x": sh.pending_tokens, "index": prefix(sh.state_rows, rows), "out": ids},
-                name="load_pending_token",
-            )
-            self._step_decoder(prog, rows, View(ids.buffer, (rows,)))
+            if self.host_pending:
+                self._step_decoder(prog, rows, prefix(sh.input_ids, rows))
+            else:
+                ids = prefix(self.scratch.ids, rows)
+                prog.node(
+                    "gather_rows",
+                    {"x": sh.pending_tokens, "index": prefix(sh.state_rows, rows), "out": ids},
+                    name="load_pending_token",
+                )
+                self._step_decoder(prog, rows, View(ids.buffer, (rows,)))
             self._sample_and_complete(prog, rows, rows)
             self.builder.add_program(prog)
-            graphs.append(self._graph(name, ct.OPERATION_DECODE, rows, rows, device_fed, generating, pending=True))
+            if self.host_pending:
+                fed = [*device_fed, binding("input_ids", ct.VALUE_SOURCE_PENDING_TOKEN, decl.PACKED, padding=0)]
+                graph = self._graph(name, ct.OPERATION_DECODE, rows, rows, fed, generating)
+                graph.pending_token.binding_destination = "input_ids"
+                graphs.append(graph)
+            else:
+                graphs.append(self._graph(name, ct.OPERATION_DECODE, rows, rows, device_fed, generating, pending=True))
         return graphs

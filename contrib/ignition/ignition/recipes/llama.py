@@ -24,10 +24,22 @@ partial last page of every plane into continuation storage and the sampling
 state into snapshot rows (complete pages stay shared, immutable, in the
 cache); a restore copies them back into the request's private tail page and
 state row.
+
+Tensor parallelism (``tensor_parallel`` N >= 1): every rank runs the same programs over its shard of
+each layer. Q, K and V are column-parallel (rank r holds query heads r x H/N .. and key-value heads
+r x KV/N .., whole heads, so its cache planes hold its KV/N heads); the output projection is
+row-parallel, its partial product summed by ``all_reduce`` before the residual add; the MLP's gate and
+up projections are column-parallel (F/N rows each), the down projection row-parallel, then
+``all_reduce`` and the residual add. The embedding, every norm and the LM head are replicated, so
+every rank computes the whole logits and samples the same tokens. With N = 1 the programs carry the
+collective nodes (identity on one rank). In a kernel graph the down projection's partial product comes
+from ``silu_mul_linear_add`` over a replicated zero residual (``tensor_parallel.zero_residual``), the
+output projection's from ``linear``; each is followed by ``all_reduce`` and ``add``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +51,7 @@ from helios_core.wire import manifest_pb2 as mf
 from ignition.preparation import contract as decl
 from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, prefix
 from ignition.recipes.common import TextProgramWriter
+from ignition.recipes.engram import EngramViews, add_engram, declare_engram, engram_shape
 
 Weights = Mapping[str, npt.NDArray[np.float32]]
 
@@ -101,6 +114,10 @@ class Capacities:
     """With ``self-draft``, how the draft chooses its tokens (one of :data:`DRAFT_SAMPLING_KINDS`):
     ``greedy`` (``draft_argmax``, verified by ``sample_verify``) or ``sampled`` (``draft_sample`` from the
     draft's distribution at the request's settings, verified by ``sample_verify_sampled``)."""
+    engram: bool = False
+    """A hashed n-gram memory table (:mod:`ignition.recipes.engram`) staged by the host each round and
+    added to the residual stream after the embedding; the decode programs then take host-fed pending
+    tokens."""
 
     @property
     def self_drafting(self) -> bool:
@@ -154,6 +171,10 @@ SPECULATION_KINDS = ("history", "self-draft")
 
 PROPOSAL_BUDGETS = ("half", "full")
 """P of self-drafting programs: half of the proposal rows (allocation by confidence) or all of them."""
+
+CONFIDENCE_BROADCAST = "confidence_broadcast"
+"""The node of a tensor-parallel self-drafting program that broadcasts rank 0's draft confidences to every
+rank right before ``draft_allocate`` (a program that draws proposals; width one allocates without them)."""
 
 
 def self_draft_packed(rows: int, width: int, budget: str = "half") -> int:
@@ -259,6 +280,38 @@ class _SpeculativeScratch:
     """[B, 1] each lane's last emitted token, the next pending token."""
 
 
+TENSOR_PARALLEL_SPLITS = {"wq": 0, "wk": 0, "wv": 0, "w_gate": 0, "w_up": 0, "wo": 1, "w_down": 1}
+"""The axis each sharded layer weight is cut along (0: rows, column-parallel; 1: columns, row-parallel)."""
+
+
+def check_tensor_parallel(shape: LlamaShape, ranks: int, model: str = "the model") -> None:
+    """Refuse a rank count that does not cut the attention and MLP into whole, equal shards.
+
+    Raises:
+        ValueError: ``ranks`` below 1, or not dividing the attention heads, the key-value heads and the
+            feed-forward width of ``shape``.
+    """
+    if ranks < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1 (the ranks), got {ranks}")
+    extents = (("attention heads", shape.heads), ("key-value heads", shape.kv_heads), ("feed-forward width", shape.ffn))
+    undivided = [f"{what} ({count})" for what, count in extents if count % ranks]
+    if undivided:
+        raise ValueError(
+            f"--tensor-parallel {ranks} does not divide the {', '.join(undivided)} of {model}; the rank count "
+            f"must divide the attention heads ({shape.heads}), key-value heads ({shape.kv_heads}) and "
+            f"feed-forward width ({shape.ffn})"
+        )
+
+
+def rank_shape(shape: LlamaShape, ranks: int) -> LlamaShape:
+    """The shape one of ``ranks`` tensor-parallel ranks computes: H/N heads, KV/N key-value heads, F/N
+    feed-forward width (checked by :func:`check_tensor_parallel`)."""
+    check_tensor_parallel(shape, ranks)
+    return dataclasses.replace(
+        shape, heads=shape.heads // ranks, kv_heads=shape.kv_heads // ranks, ffn=shape.ffn // ranks
+    )
+
+
 def tensor_names(layer: int) -> dict[str, str]:
     """Array names the recipe expects for one layer."""
     return {
@@ -290,13 +343,23 @@ class LlamaProgramWriter(TextProgramWriter):
         sampled_size: int,
         bf16: bool,
         fused: bool = False,
+        tensor_parallel: int = 0,
     ) -> None:
+        """``tensor_parallel`` N >= 1 writes the programs of N ranks with collectives (module docstring);
+        ``shape`` is then the whole model's and :attr:`shape` one rank's."""
         if not 0 < sampled_size <= shape.vocab:
             raise ValueError(f"sampled_size {sampled_size} must lie in (0, {shape.vocab}]")
+        if tensor_parallel != builder.tensor_parallel:
+            raise ValueError(
+                f"the writer has tensor_parallel {tensor_parallel}, its manifest builder {builder.tensor_parallel}"
+            )
         self.sampled_size = sampled_size
         self.fused = fused
         self.builder = builder
-        self.shape = shape
+        self.tensor_parallel = tensor_parallel
+        self.model_shape = shape
+        """The whole model's shape (the weights' shapes)."""
+        self.shape = rank_shape(shape, tensor_parallel) if tensor_parallel else shape
         self.caps = caps
         self.text_caps = decl.TextCapacities(
             max_rows=caps.max_rows,
@@ -312,9 +375,15 @@ class LlamaProgramWriter(TextProgramWriter):
         self.draft_layers = self._draft_layers() if caps.self_drafting else 0
         self.record_rows: dict[int, View] = {}
         self._draft_tables: dict[tuple[int, int, int], View] = {}
+        self.zero_residual: View | None = None
+        """A tensor-parallel kernel graph's [P, hidden] zeros (the down projection's residual)."""
         if caps.speculative_widths:
             self._declare_speculative()
         self._declare_weights(weights, bf16)
+        self.engram: EngramViews | None = None
+        if caps.engram:
+            self.host_pending = True  # the host hashes every input id, the pending token included
+            self.engram = declare_engram(builder, engram_shape(shape.hidden), shape.hidden, caps.max_packed, bf16=bf16)
         self._declare_cache()
         self.snapshots: decl.SnapshotViews | None = None
         self.continuation_k: list[View] = []
@@ -331,6 +400,9 @@ class LlamaProgramWriter(TextProgramWriter):
 
     # -- declarations --------------------------------------------------------
     def _declare_weights(self, weights: Weights, bf16: bool) -> None:
+        if self.tensor_parallel:
+            self._declare_rank_weights(weights, bf16)
+            return
         w = self.builder.weight
         s = self.shape
         self.tok_embd = w("tok_embd", weights["token_embd.weight"], "weights.embed", bf16=bf16)
@@ -360,6 +432,46 @@ class LlamaProgramWriter(TextProgramWriter):
         self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
         head = weights.get("output.weight")
         self.lm_head = w("output.weight", head, "weights.head", bf16=bf16) if head is not None else self.tok_embd
+
+    def _declare_rank_weights(self, weights: Weights, bf16: bool) -> None:
+        """Tensor-parallel weights: the embedding, norms and LM head once (every rank loads them), each
+        layer's projections per rank (:data:`TENSOR_PARALLEL_SPLITS`), rank r's in the resource
+        ``weights.layer{L}.rank{r}``; a kernel graph packs each rank's [q | k | v] and [gate | up] shards
+        and reads a zero residual (module docstring)."""
+        w, per_rank = self.builder.weight, self.builder.rank_weight
+        ranks = self.tensor_parallel
+        self.tok_embd = w(
+            "tok_embd", weights["token_embd.weight"], "weights.embed", bf16=bf16, source="token_embd.weight"
+        )
+        self.layer_weights = []
+        for layer in range(self.model_shape.layers):
+            names = tensor_names(layer)
+            rid = f"weights.layer{layer}"
+            shards = {
+                key: np.split(np.asarray(weights[names[key]]), ranks, axis=axis)
+                for key, axis in TENSOR_PARALLEL_SPLITS.items()
+            }
+            views = {
+                "attn_norm": w(names["attn_norm"], weights[names["attn_norm"]], rid),
+                "ffn_norm": w(names["ffn_norm"], weights[names["ffn_norm"]], rid),
+            }
+            if self.fused:
+                qkv = [np.concatenate(parts) for parts in zip(shards["wq"], shards["wk"], shards["wv"], strict=True)]
+                gate_up = [np.concatenate(parts) for parts in zip(shards["w_gate"], shards["w_up"], strict=True)]
+                views["wqkv"] = per_rank(f"blk.{layer}.attn_qkv.weight", qkv, rid, bf16=bf16)
+                views["w_gate_up"] = per_rank(f"blk.{layer}.ffn_gate_up.weight", gate_up, rid, bf16=bf16)
+                sharded: tuple[str, ...] = ("wo", "w_down")
+            else:
+                sharded = tuple(TENSOR_PARALLEL_SPLITS)
+            for key in sharded:
+                views[key] = per_rank(names[key], shards[key], rid, bf16=bf16)
+            self.layer_weights.append(views)
+        self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
+        head = weights.get("output.weight")
+        self.lm_head = w("output.weight", head, "weights.head", bf16=bf16) if head is not None else self.tok_embd
+        if self.fused:
+            zeros = np.zeros((self.caps.max_packed, self.shape.hidden), dtype=np.float32)
+            self.zero_residual = w("tensor_parallel.zero_residual", zeros, "constants")
 
     def _declare_speculative(self) -> None:
         """Copied-proposal inputs, and the row tables that place narrower results in the wide record.
@@ -574,6 +686,8 @@ class LlamaProgramWriter(TextProgramWriter):
         """The decoder's input rows: the token embedding of ``ids`` into the residual stream ``h`` (a
         recipe whose inputs are more than token ids adds its own rows here)."""
         prog.node("embedding", {"table": self.tok_embd, "ids": ids, "out": h}, name=f"{label}embedding")
+        if self.engram is not None:
+            add_engram(prog, self.engram, h, label)
 
     def _fused_decoder(
         self,
@@ -617,6 +731,9 @@ class LlamaProgramWriter(TextProgramWriter):
                 name=f"{label}l{layer}.attention_input",
             )
             self._attention(prog, layer, rows, p, q, View(sc.attn.buffer, (p, s.heads, s.head_dim)), where, label)
+            if self.tensor_parallel:
+                self._fused_rank_tail(prog, layer, p, label)
+                continue
             prog.node(
                 "linear_add",
                 {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
@@ -633,6 +750,63 @@ class LlamaProgramWriter(TextProgramWriter):
                 {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
                 name=f"{label}l{layer}.down_residual",
             )
+
+    def _fused_rank_tail(self, prog: ProgramBuilder, layer: int, tokens: int, label: str) -> None:
+        """A tensor-parallel kernel graph's layer after attention: the output projection's partial
+        product, ``all_reduce``, residual add; RMSNorm and the [gate | up] shard; the down projection's
+        partial product (``silu_mul_linear_add`` over the zero residual), ``all_reduce``, residual add. With
+        one rank, the fused residual kernels followed by an in-place ``all_reduce`` of the residual stream."""
+        s, sc, lw = self.shape, self.scratch, self.layer_weights[layer]
+        if sc.gate_up is None or self.zero_residual is None:
+            raise ValueError("the tensor-parallel kernel graph needs the [gate|up] scratch and the zero residual")
+        p = tokens
+        h, o, gate_up = prefix(sc.h, p), prefix(sc.o, p), prefix(sc.gate_up, p)
+        attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
+        if self.tensor_parallel == 1:
+            # One rank: the sum over the ranks of (residual + partial product) is residual + partial product,
+            # so the fused residual kernels of the single-rank graph stay and each all_reduce sums the residual
+            # stream in place (an identity on one rank): the core differs from a core without collectives by
+            # its collectives alone.
+            prog.node(
+                "linear_add",
+                {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
+                name=f"{label}l{layer}.o_residual",
+            )
+            self._all_reduce(prog, h, f"{label}l{layer}.o_all_reduce")
+            prog.node(
+                "rmsnorm_linear",
+                {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
+                {"eps": s.rms_eps},
+                name=f"{label}l{layer}.gate_up",
+            )
+            prog.node(
+                "silu_mul_linear_add",
+                {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
+                name=f"{label}l{layer}.down_residual",
+            )
+            self._all_reduce(prog, h, f"{label}l{layer}.down_all_reduce")
+            return
+        prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
+        self._all_reduce(prog, o, f"{label}l{layer}.o_all_reduce")
+        prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
+        prog.node(
+            "rmsnorm_linear",
+            {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
+            {"eps": s.rms_eps},
+            name=f"{label}l{layer}.gate_up",
+        )
+        prog.node(
+            "silu_mul_linear_add",
+            {"gate_up": gate_up, "weight": lw["w_down"], "residual": prefix(self.zero_residual, p), "out": o},
+            name=f"{label}l{layer}.down",
+        )
+        self._all_reduce(prog, o, f"{label}l{layer}.down_all_reduce")
+        prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
+
+    @staticmethod
+    def _all_reduce(prog: ProgramBuilder, partial: View, name: str) -> None:
+        """Sum ``partial`` over the ranks, in place (every rank then holds the whole product)."""
+        prog.node("all_reduce", {"x": partial, "out": partial}, name=name)
 
     def _decoder(
         self,
@@ -700,6 +874,8 @@ class LlamaProgramWriter(TextProgramWriter):
         gate, up, act = prefix(sc.gate, p), prefix(sc.up, p), prefix(sc.act, p)
         attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
         prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
+        if self.tensor_parallel:
+            self._all_reduce(prog, o, f"{label}l{layer}.o_all_reduce")
         prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
         prog.node(
             "rmsnorm",
@@ -711,6 +887,8 @@ class LlamaProgramWriter(TextProgramWriter):
         prog.node("linear", {"x": xn, "weight": lw["w_up"], "out": up}, name=f"{label}l{layer}.up")
         prog.node("silu_mul", {"gate": gate, "up": up, "out": act}, name=f"{label}l{layer}.silu_mul")
         prog.node("linear", {"x": act, "weight": lw["w_down"], "out": o}, name=f"{label}l{layer}.down")
+        if self.tensor_parallel:
+            self._all_reduce(prog, o, f"{label}l{layer}.down_all_reduce")
         prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
 
     # -- programs --------------------------------------------------------------
@@ -856,7 +1034,11 @@ class LlamaProgramWriter(TextProgramWriter):
         ``sample_verify`` samples them as plain decode would (``sample_verify_sampled`` accepts a sampled
         draft's tokens by speculative sampling, so the emitted tokens follow the target's distribution
         exactly). Positions and cache slots are computed
-        on the device from the consumed endpoints and page tables.
+        on the device from the consumed endpoints and page tables. A tensor-parallel program that draws
+        proposals broadcasts rank 0's confidences right before ``draft_allocate``
+        (:data:`CONFIDENCE_BROADCAST`, :meth:`_broadcast_confidence`), so every rank allocates the same
+        prefixes; history programs (``speculative_w{W}_b{B}``) take their lane lengths from the host, the
+        same staged values on every rank.
         """
         caps = self.caps
         graphs: list[ct.GraphContract] = []
@@ -939,6 +1121,20 @@ class LlamaProgramWriter(TextProgramWriter):
         view = View(sd.draft_probabilities.buffer, (rows, draws, self.shape.vocab))
         return "sample_verify_sampled", {"draft_probabilities": view}
 
+    @staticmethod
+    def _broadcast_confidence(prog: ProgramBuilder, confidence: View) -> None:
+        """Give every tensor-parallel rank rank 0's draft confidences, in place, right before
+        ``draft_allocate`` reads them.
+
+        Every rank computes the draft's logits from the same all-reduced sums, but a collective's
+        floating-point sum may differ between ranks in its last bits where the reduction order does (a
+        device collective need not add in rank order on every rank), and a confidence that differs in its
+        last bit can change which frontier the allocation admits. Ranks that allocate differently lay out,
+        verify and commit different rows, and rank agreement then rejects the whole cohort. Broadcasting
+        rank 0's confidences makes the allocation identical on every rank by construction, whatever the
+        reductions did (``docs/ignition.md``, "Tensor-parallel speculation")."""
+        prog.node("broadcast", {"x": confidence, "out": confidence}, {"root": 0}, name=CONFIDENCE_BROADCAST)
+
     def _self_draft_body(
         self, prog: ProgramBuilder, views: decl.SelfDraftViews, rows: int, width: int, draws: int, packed: int
     ) -> None:
@@ -1006,6 +1202,8 @@ class LlamaProgramWriter(TextProgramWriter):
                 },
                 name="draft_candidates",
             )
+            if self.tensor_parallel:
+                self._broadcast_confidence(prog, confidence)
         prog.node(
             "draft_allocate",
             {"confidence": confidence, "ceilings": ceilings, "query_length": query_length},

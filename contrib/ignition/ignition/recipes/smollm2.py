@@ -27,7 +27,7 @@ import numpy.typing as npt
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 from ignition.build import TextModelDeclaration
-from ignition.gguf import locate_smollm2_gguf, read_gguf
+from ignition.gguf import GGUFFile, locate_smollm2_gguf, read_gguf
 from ignition.gguf_tokenizer import tokenizer_from_gguf
 from ignition.preparation import frontend as frontend_declarations
 from ignition.recipes.llama import LlamaShape
@@ -98,6 +98,29 @@ def json_tags_frontend() -> ct.FrontendContract:
     return frontend
 
 
+def gguf_shape(gguf: GGUFFile) -> LlamaShape:
+    """The decoder shape a Llama-architecture GGUF declares in its metadata."""
+    arch = gguf.architecture
+    return LlamaShape(
+        vocab=len(gguf.get_str_list("tokenizer.ggml.tokens")),
+        hidden=gguf.get_int(f"{arch}.embedding_length"),
+        layers=gguf.get_int(f"{arch}.block_count"),
+        heads=gguf.get_int(f"{arch}.attention.head_count"),
+        kv_heads=gguf.get_int(f"{arch}.attention.head_count_kv"),
+        head_dim=gguf.get_int(f"{arch}.embedding_length") // gguf.get_int(f"{arch}.attention.head_count"),
+        ffn=gguf.get_int(f"{arch}.feed_forward_length"),
+        rope_theta=gguf.get_float(f"{arch}.rope.freq_base"),
+        rms_eps=gguf.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_style="interleaved",
+        context=gguf.get_int(f"{arch}.context_length"),
+    )
+
+
+def smollm2_shape() -> LlamaShape:
+    """The packaged model's shape, from the GGUF's metadata alone (no tensor is read)."""
+    return gguf_shape(read_gguf(locate_smollm2_gguf()))
+
+
 def smollm2_declaration(
     progress: Callable[[str, int, int], None] | None = None, *, tool_syntax: str = "none"
 ) -> TextModelDeclaration:
@@ -113,20 +136,7 @@ def smollm2_declaration(
         )
     path = locate_smollm2_gguf()
     gguf = read_gguf(path)
-    arch = gguf.architecture
-    shape = LlamaShape(
-        vocab=len(gguf.get_str_list("tokenizer.ggml.tokens")),
-        hidden=gguf.get_int(f"{arch}.embedding_length"),
-        layers=gguf.get_int(f"{arch}.block_count"),
-        heads=gguf.get_int(f"{arch}.attention.head_count"),
-        kv_heads=gguf.get_int(f"{arch}.attention.head_count_kv"),
-        head_dim=gguf.get_int(f"{arch}.embedding_length") // gguf.get_int(f"{arch}.attention.head_count"),
-        ffn=gguf.get_int(f"{arch}.feed_forward_length"),
-        rope_theta=gguf.get_float(f"{arch}.rope.freq_base"),
-        rms_eps=gguf.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
-        rope_style="interleaved",
-        context=gguf.get_int(f"{arch}.context_length"),
-    )
+    shape = gguf_shape(gguf)
     weights: dict[str, npt.NDArray[np.float32]] = {}
     names = sorted(gguf.tensors)
     for index, name in enumerate(names):
