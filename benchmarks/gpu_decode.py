@@ -1265,7 +1265,8 @@ def print_table(report: Report) -> None:
         "Prefill rows: submit to first token, batch 1."
         + (
             " tp1 ms/step: the same shape built with --tensor-parallel 1 (an all_reduce after every output and down "
-            "projection, each a captured one-rank NCCL call in the program's CUDA graph), batch 1."
+            "projection, each a one-rank NCCL call captured at load; one that enqueues no work adds no graph node), "
+            "batch 1."
             if plan.get("tensor_parallel_1")
             else ""
         )

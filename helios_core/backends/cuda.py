@@ -902,10 +902,12 @@ class CudaBackend:
             node, launch = step.node, step.launch
             where = f"program {program.name!r} node {node.name!r} frame {frame}"
             if launch is None:
-                previous = self._add_collective(builder, node, state.addresses, previous, where)
-                previous_is_kernel = False  # the next kernel waits for the collective by a plain edge
+                child = self._add_collective(builder, node, state.addresses, previous, where)
                 collectives += 1
-                continue
+                if child is not None:
+                    previous = child
+                    previous_is_kernel = False  # the next kernel waits for the collective by a plain edge
+                continue  # a call that enqueues nothing (one rank, in place) leaves the kernel chain as it was
             try:
                 params = pack_params(launch.params, state.addresses)
             except CudaError as exc:
@@ -944,8 +946,10 @@ class CudaBackend:
 
     def _add_collective(
         self, builder: GraphBuilder, node: mf.Node, addresses: Mapping[str, int], previous: Any, where: str
-    ) -> Any:
-        """Capture the node's NCCL call into a graph and add it as a child graph node after ``previous``."""
+    ) -> Any | None:
+        """Capture the node's NCCL call into a graph and add it as a child graph node after ``previous``;
+        None, and no node, when the call enqueued no work (an in-place collective of a one-rank
+        communicator, which NCCL completes on the host): the graph then stays as it was without it."""
         communicator = self._communicator
         if communicator is None:
             raise CudaError(f"{where}: no NCCL communicator was made for the core's collective nodes")
@@ -973,6 +977,8 @@ class CudaBackend:
         except (CudaError, NcclError) as exc:
             raise CudaError(f"{where}: capturing {call.operator}: {exc}") from exc
         try:
+            if context.captured_nodes(captured) == 0:
+                return None
             return builder.child(captured, previous)
         except CudaError as exc:
             raise CudaError(f"{where}: {exc}") from exc

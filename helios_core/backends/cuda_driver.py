@@ -347,6 +347,11 @@ class Context:
             raise
         return check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
 
+    def captured_nodes(self, graph: Any) -> int:
+        """How many nodes a graph made by :meth:`capture` holds (0: the captured call enqueued no work)."""
+        _, count = check(self._cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+        return int(count)
+
     def destroy_captured(self, graph: Any) -> None:
         """Destroy a graph made by :meth:`capture`."""
         check(self._cu.cuGraphDestroy(graph), "cuGraphDestroy")

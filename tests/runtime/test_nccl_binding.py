@@ -402,8 +402,10 @@ class FakeBuilder:
 
 
 class FakeContext:
-    def __init__(self) -> None:
+    def __init__(self, captured_nodes: int = 1) -> None:
         self.log: list[tuple[Any, ...]] = []
+        self.nodes = captured_nodes
+        """The nodes every capture records (0: the NCCL call enqueued nothing, as a one-rank in-place one)."""
 
     def graph(self) -> FakeBuilder:
         return FakeBuilder(self.log)
@@ -413,6 +415,9 @@ class FakeContext:
         issue(0x5EED)
         self.log.append(("end_capture",))
         return "captured"
+
+    def captured_nodes(self, graph: Any) -> int:
+        return self.nodes
 
     def destroy_captured(self, graph: Any) -> None:
         self.log.append(("destroy_captured", graph))
@@ -428,8 +433,8 @@ class RecordingCommunicator:
         self.log.append(("ncclAllReduce", send, recv, count, dtype, stream))
 
 
-def _fake_backend(programmatic: bool = True) -> tuple[CudaBackend, FakeContext]:
-    context = FakeContext()
+def _fake_backend(programmatic: bool = True, captured_nodes: int = 1) -> tuple[CudaBackend, FakeContext]:
+    context = FakeContext(captured_nodes)
     backend = CudaBackend.__new__(CudaBackend)
     shared = {
         name: cuda_backend._Shared(address, np.dtype(np.uint16), (1, 8))
@@ -464,6 +469,28 @@ def test_a_collective_is_a_captured_child_graph_between_its_neighbours() -> None
         ("n5", "kernel", "add_k", "n4", False),  # marked programmatic_wait, yet a plain edge after the collective
         ("n6", "kernel", "head_k", "n5", True),
         ("n7", "copy_out", "n6"),
+    ]
+    assert dict(backend.collectives) == {"decode_b1": 1}
+
+
+def test_a_collective_that_enqueues_nothing_leaves_the_kernel_chain_whole() -> None:
+    """An in-place all_reduce of a one-rank communicator captures no work: no child node is added, and the
+    kernel after it keeps its programmatic edge to the kernel before it (the graph of a core without the
+    collective)."""
+    backend, context = _fake_backend(captured_nodes=0)
+    functions = {("m", symbol): symbol for symbol in ("norm_k", "linear_k", "add_k", "head_k")}
+    assert backend._build_graph(_program(), 0, functions) == "executable"
+    assert context.log == [
+        ("n1", "copy_in", None),
+        ("n2", "kernel", "norm_k", "n1", False),
+        ("n3", "kernel", "linear_k", "n2", False),
+        ("begin_capture",),
+        ("ncclAllReduce", 0x3000, 0x3000, 8, 9, 0x5EED),
+        ("end_capture",),
+        ("destroy_captured", "captured"),
+        ("n4", "kernel", "add_k", "n3", True),  # programmatic_wait on the linear kernel, as without the node
+        ("n5", "kernel", "head_k", "n4", True),
+        ("n6", "copy_out", "n5"),
     ]
     assert dict(backend.collectives) == {"decode_b1": 1}
 
