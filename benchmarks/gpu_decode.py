@@ -26,7 +26,14 @@ programs plus an ``all_reduce`` after every output and down projection, run on o
 NCCL communicator captured into each program's CUDA graph) and its batch-1 decode is measured the same way
 and shown beside the plain core's, in the ``tp1 ms/step`` column.
 
+``--kinds llama,recurrent,latent,window`` adds, for each shape, one batch-1 decode row per other history kind
+beside the Llama row: ``recurrent`` a ``recurrent-synthetic`` core, ``latent`` a ``latent-synthetic`` core
+(their ``small`` shape, ``tiny`` for the ``tiny`` shape; float32 weights, the same capacities and targets),
+``window`` the shape's ``llama-synthetic`` core built with ``--window`` :data:`WINDOW_TOKENS`. A kind whose
+build fails (a target it has no kernels for) is reported as a failure of that row only.
+
     python benchmarks/gpu_decode.py [--shapes 135m,1b,8b] [--cores DIR] [--out FILE] [--tensor-parallel-1]
+    python benchmarks/gpu_decode.py --shapes 1b --kinds llama,recurrent,latent,window
     python benchmarks/gpu_decode.py --device cpu --shapes tiny    # checks the script without a GPU
 
 Cores build in parallel child processes before any measurement. Compiled kernels are cached in
@@ -71,6 +78,11 @@ KERNEL_CACHE = ROOT / "build" / "kernel-cache"
 RETURN_LIMIT = 16 * 1024 * 1024
 """Largest file the GPU machine hands back from $OUT."""
 STARTED = time.monotonic()
+KINDS = ("llama", "recurrent", "latent", "window")
+"""History kinds ``--kinds`` may name: the Llama core itself and the cores measured beside it."""
+KIND_RECIPES = {"recurrent": "recurrent-synthetic", "latent": "latent-synthetic", "window": "llama-synthetic"}
+WINDOW_TOKENS = 64
+"""The attention window of the ``window`` kind's core."""
 
 
 def log(message: str) -> None:
@@ -109,6 +121,8 @@ class Plan:
     seed: int
     tensor_parallel_1: bool = False
     """Also build each shape with ``--tensor-parallel 1`` and measure its batch-1 decode."""
+    kinds: tuple[str, ...] = ("llama",)
+    """History kinds measured; each but ``llama`` adds a batch-1 decode row per shape."""
 
     @property
     def max_rows(self) -> int:
@@ -149,7 +163,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
         budget_s=args.budget,
         seed=args.seed,
         tensor_parallel_1=args.tensor_parallel_1,
+        kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
     )
+    unknown_kinds = [k for k in plan.kinds if k not in KINDS]
+    if unknown_kinds or "llama" not in plan.kinds:
+        raise SystemExit(f"--kinds must name llama and any of {', '.join(KINDS[1:])}, got {args.kinds}")
     if not batches or min(batches) <= 0 or plan.prompt <= 0 or plan.tokens < 4:
         raise SystemExit("batches and prompt must be positive and --tokens at least 4")
     if plan.prompt + plan.tokens > plan.context or plan.prefill + 2 > plan.context:
@@ -169,6 +187,8 @@ class CoreSpec:
     arguments: tuple[str, ...]
     tensor_parallel: int = 0
     """1: the ``--tensor-parallel 1`` twin of the shape's core (its figures go to the shape's ``tp1`` entry)."""
+    kind: str = "llama"
+    """Another history kind's core of the shape (its figures go to the shape's entry of that kind)."""
 
     @property
     def record(self) -> Path:
@@ -199,7 +219,29 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
             specs.append(
                 CoreSpec(shape, str(twin), (*arguments, "--tensor-parallel", "1", "--sign-key", str(signing_key)), 1)
             )
+        for kind in plan.kinds:
+            if kind != "llama":
+                specs.append(kind_spec(plan, kind, shape, arguments, path, signing_key))
     return specs
+
+
+def kind_spec(
+    plan: Plan, kind: str, shape: str, llama_arguments: tuple[str, ...], llama_path: Path, signing_key: Path
+) -> CoreSpec:
+    """The core of history kind ``kind`` measured beside ``shape``'s Llama core."""
+    if kind == "window":
+        arguments = (*llama_arguments, "--window", str(WINDOW_TOKENS))
+        path = llama_path.with_name(llama_path.stem + f"-window{WINDOW_TOKENS}.core")
+    else:
+        own_shape = "tiny" if shape == "tiny" else "small"
+        arguments = (
+            "build", KIND_RECIPES[kind], "--shape", own_shape, "--targets", ",".join(plan.targets),
+            "--max-rows", str(plan.max_rows), "--decode-rows", ",".join(map(str, plan.decode_rows)),
+            "--prefill-tokens", ",".join(map(str, plan.prefill_variants)), "--context", str(plan.context),
+            "--page-tokens", str(plan.page_tokens), "--namespace", NAMESPACE, "--seed", str(plan.seed),
+        )  # fmt: skip
+        path = llama_path.with_name(f"{kind}-{own_shape}-" + llama_path.name.split("-", 2)[2])
+    return CoreSpec(shape, str(path), (*arguments, "--sign-key", str(signing_key)), kind=kind)
 
 
 def spec_entry(report: Report, spec: CoreSpec) -> dict[str, Any]:
@@ -208,17 +250,28 @@ def spec_entry(report: Report, spec: CoreSpec) -> dict[str, Any]:
     if spec.tensor_parallel:
         twin: dict[str, Any] = entry.setdefault("tp1", {})
         return twin
+    if spec.kind != "llama":
+        beside: dict[str, Any] = entry.setdefault("kinds", {}).setdefault(spec.kind, {})
+        return beside
     return entry
 
 
 def spec_phase(spec: CoreSpec, phase: str) -> str:
+    if spec.kind != "llama":
+        return f"{spec.kind} {phase}"
     return f"tp1 {phase}" if spec.tensor_parallel else phase
 
 
 def build_child(spec_json: str) -> int:
     """The child process that builds one core (``--build-spec``)."""
     fields = json.loads(spec_json)
-    spec = CoreSpec(str(fields["shape"]), str(fields["path"]), tuple(str(a) for a in fields["arguments"]))
+    spec = CoreSpec(
+        str(fields["shape"]),
+        str(fields["path"]),
+        tuple(str(a) for a in fields["arguments"]),
+        int(fields.get("tensor_parallel", 0)),
+        str(fields.get("kind", "llama")),
+    )
     from ignition.cli import main as ignition_main
 
     code = int(ignition_main([*spec.arguments, "--out", spec.path, "--quiet"]))
@@ -632,7 +685,8 @@ def measure_helios(
 
 
 def measure_tp1_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: dict[str, Any]) -> None:
-    """Batch-1 decode of the ``--tensor-parallel 1`` core into ``entry`` (the shape's ``tp1`` entry)."""
+    """Batch-1 decode of the ``--tensor-parallel 1`` core, or of another history kind's core, into ``entry``
+    (the shape's ``tp1`` entry or its entry of that kind)."""
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
     from helios_core.ops.catalogue import COLLECTIVE_OPERATORS
@@ -652,10 +706,9 @@ def measure_tp1_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: dict
         collect([running.engine.submit(r) for r in _requests("warm", 1, plan.prompt, 8, vocab, rng)], plan.timeout_s)
         window = _decode_wave(running.engine, clock, 1, plan, vocab, rng)
         entry["decode_b1"] = window
-        log(
-            f"{spec.shape}: --tensor-parallel 1 batch 1: {window['ms_per_step']:.3f} ms/step "
-            f"({entry['collectives_per_decode']} collectives a step)"
-        )
+        what = f"{spec.kind} core" if spec.kind != "llama" else "--tensor-parallel 1"
+        collectives = f" ({entry['collectives_per_decode']} collectives a step)" if spec.tensor_parallel else ""
+        log(f"{spec.shape}: {what} batch 1: {window['ms_per_step']:.3f} ms/step{collectives}")
     except BaseException:
         wedged = True
         raise
@@ -1234,6 +1287,14 @@ def table_rows(report: Report) -> list[list[str]]:
                 f"{roof / ms:.0%}" if ms and roof else "-", "-",
             ]
         )  # fmt: skip
+        for kind, beside in entry.get("kinds", {}).items():
+            window = beside.get("decode_b1", {})
+            rows.append(
+                [
+                    f"{name} {kind}", "1", _cell(window.get("ms_per_step")), _cell(window.get("tokens_per_s"), 0),
+                    "-", "-", "-", "-", "-", "-", "-", _cell(window.get("host", {}).get("host_us_median"), 0),
+                ]
+            )  # fmt: skip
     return rows
 
 
@@ -1263,6 +1324,13 @@ def print_table(report: Report) -> None:
         "the mean context) / copy bandwidth; compute = matmul FLOPs / matmul rate. host µs/round = time between "
         "consecutive decode completions minus the waits inside backend.completion and transport (median). "
         "Prefill rows: submit to first token, batch 1."
+        + (
+            " Rows '<shape> <kind>': batch-1 decode of a core of another history kind (recurrent-synthetic and "
+            "latent-synthetic at their small shape, tiny for tiny; window: the shape with --window "
+            f"{WINDOW_TOKENS})."
+            if len(plan.get("kinds", ())) > 1
+            else ""
+        )
         + (
             " tp1 ms/step: the same shape built with --tensor-parallel 1 (an all_reduce after every output and down "
             "projection, each a one-rank NCCL call captured at load; one that enqueues no work adds no graph node), "
@@ -1327,6 +1395,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also build each shape with --tensor-parallel 1 and report its batch-1 decode beside the plain core",
     )
+    parser.add_argument(
+        "--kinds",
+        default="llama",
+        help="history kinds: llama plus any of recurrent,latent,window, each a batch-1 decode row per shape",
+    )
     parser.add_argument("--build-spec", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -1388,18 +1461,18 @@ def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
     report.save()
     for spec in specs:
         entry = report.shape(spec.shape)
-        if spec.tensor_parallel:
+        if spec.tensor_parallel or spec.kind != "llama":
             if spec_phase(spec, "build") in entry.get("errors", {}):
                 continue
             if time.monotonic() - STARTED > plan.budget_s:
-                report.fail(spec.shape, "tp1 decode", f"skipped: past the {plan.budget_s:.0f} s budget")
+                report.fail(spec.shape, spec_phase(spec, "decode"), f"skipped: past the {plan.budget_s:.0f} s budget")
                 continue
             try:
                 measure_tp1_decode(spec, public, plan, spec_entry(report, spec))
             except (Interrupted, KeyboardInterrupt):
                 raise
             except Exception as exc:  # the plain core's figures stand without it
-                report.fail(spec.shape, "tp1 decode", f"{type(exc).__name__}: {exc}")
+                report.fail(spec.shape, spec_phase(spec, "decode"), f"{type(exc).__name__}: {exc}")
             finally:
                 gc.collect()
             table_rows(report)

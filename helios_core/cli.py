@@ -281,7 +281,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
-    "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "worker_process",
+    "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "offload_checkpoints",
+    "worker_process",
     "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout", "ranks",
     "rank_listen", "rank_secret_file", "rank_join_timeout",
 )  # fmt: skip
@@ -313,6 +314,12 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
     run.add_argument(
         "--offload-pages", type=int, metavar="N", help="host-memory pages evicted cache pages move to (default 0: off)"
+    )
+    run.add_argument(
+        "--offload-checkpoints",
+        type=int,
+        metavar="N",
+        help="host-memory slots evicted prefix checkpoints move to (default 0: off)",
     )
     run.add_argument(
         "--ranks", type=int, metavar="N", help="tensor-parallel ranks as threads on this host (default: the core's)"

@@ -52,7 +52,10 @@ and :meth:`CudaBackend.copy_page_to_device` enqueue one asynchronous copy per pl
 graphs run on and return at once: stream order places each copy after every round launched before it
 and before every round launched after, and each round's frame fence (recorded after its graph) covers
 the copies enqueued before that round; :meth:`CudaBackend.drain` and :meth:`CudaBackend.close`
-synchronize the stream, so no copy outlives the backend.
+synchronize the stream, so no copy outlives the backend. The host tier of checkpoints
+(:meth:`CudaBackend.reserve_host_snapshots`) is laid out and copied the same way, one slot holding a
+request's rows of every buffer with a ``SNAPSHOT_ROWS`` leading dimension
+(:meth:`CudaBackend.copy_snapshot_to_host`, :meth:`CudaBackend.copy_snapshot_to_device`).
 
 Buffer shapes follow the reference backend exactly (:func:`runtime_shape`): a leading
 ``CACHE_PAGES`` or ``STATE_ROWS`` dimension takes the load-time extent, ``SNAPSHOT_ROWS`` the chosen
@@ -476,6 +479,16 @@ class CudaBackend:
         self._page_planes: list[tuple[int, int, int]] = []
         """Per paged buffer: (device address, bytes per page, offset within a host slot)."""
         self._cache_pages = cache_pages
+        self._snapshot_buffers = [
+            d.name for d in contract.execution.buffers if d.shape and d.shape[0].symbol == mf.DIM_SYMBOL_SNAPSHOT_ROWS
+        ]
+        self._host_snapshots: HostBuffer | None = None
+        """The checkpoint host tier's slots (:meth:`reserve_host_snapshots`)."""
+        self._host_snapshot_count = 0
+        self._host_snapshot_bytes = 0
+        self._snapshot_planes: list[tuple[int, int, int]] = []
+        """Per snapshot buffer: (device address, bytes per snapshot row, offset within a host slot)."""
+        self._snapshot_row_count = 0
         try:
             if self._context is None:
                 self._context = open_context(device)
@@ -617,6 +630,61 @@ class CudaBackend:
             )
         return self._host_pages
 
+    # -- the host tier of checkpoints --------------------------------------------------------------
+    def reserve_host_snapshots(self, count: int, rows: int) -> None:
+        """Page-locked host slots for ``count`` checkpoints of ``rows`` rows of every buffer with a
+        ``SNAPSHOT_ROWS`` leading dimension, once, at load (laid out as the page slots are)."""
+        if count <= 0 or rows <= 0 or self._host_snapshot_count:
+            raise ValueError(f"host checkpoint slots are reserved once, a positive count and rows; got {count}, {rows}")
+        planes: list[tuple[int, int, int]] = []
+        offset = 0
+        snapshot_rows = 0
+        for name in self._snapshot_buffers:
+            shared = self._shared[name]
+            snapshot_rows = shared.shape[0] // rows
+            nbytes = rows * math.prod(shared.shape[1:]) * shared.dtype.itemsize
+            planes.append((shared.address, nbytes, offset))
+            offset = _align(offset + nbytes, STAGING_ALIGNMENT)
+        if not snapshot_rows:
+            raise ValueError("the core has no snapshot rows to copy")
+        context = self._ctx
+        context.bind()
+        self._host_snapshots = context.host_alloc(count * offset)
+        self._snapshot_planes = planes
+        self._host_snapshot_bytes = offset
+        self._host_snapshot_count = count
+        self._snapshot_row_count = snapshot_rows
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None:
+        """Enqueue the copy of snapshot row ``row`` of every snapshot buffer into host slot ``slot``."""
+        host = self._check_snapshot_copy(row, slot)
+        context = self._ctx
+        context.bind()
+        base = host.pointer + slot * self._host_snapshot_bytes
+        for address, nbytes, offset in self._snapshot_planes:
+            context.copy_to_host_async(base + offset, address + row * nbytes, nbytes)
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None:
+        """Enqueue the copy of host slot ``slot`` into snapshot row ``row`` of every snapshot buffer."""
+        host = self._check_snapshot_copy(row, slot)
+        context = self._ctx
+        context.bind()
+        base = host.pointer + slot * self._host_snapshot_bytes
+        for address, nbytes, offset in self._snapshot_planes:
+            context.copy_to_device_async(address + row * nbytes, base + offset, nbytes)
+
+    def _check_snapshot_copy(self, row: int, slot: int) -> HostBuffer:
+        if self._closed:
+            raise CudaError("the CUDA backend is closed")
+        if self._host_snapshots is None:
+            raise ValueError("no host checkpoint slots are reserved")
+        if not (0 <= row < self._snapshot_row_count and 0 <= slot < self._host_snapshot_count):
+            raise ValueError(
+                f"snapshot row {row} or host slot {slot} is outside [0, {self._snapshot_row_count}) or "
+                f"[0, {self._host_snapshot_count})"
+            )
+        return self._host_snapshots
+
     def drain(self) -> None:
         """Wait for every frame's fence and the stream (nothing of this backend runs afterwards)."""
         context = self._ctx
@@ -666,6 +734,9 @@ class CudaBackend:
         if self._host_pages is not None:
             attempt(context.host_free, self._host_pages)
             self._host_pages = None
+        if self._host_snapshots is not None:
+            attempt(context.host_free, self._host_snapshots)
+            self._host_snapshots = None
         for shared in self._shared.values():
             attempt(context.free, shared.address)
         attempt(context.close)  # unloads the modules, frees anything left, releases the context

@@ -35,6 +35,7 @@ class NullBackend:
         self.ranks = ranks
         """The tensor-parallel ranks the model was loaded with (nothing is computed, so one record serves)."""
         self._host_page_count = 0
+        self._host_snapshot_count = 0
         execution = contract.execution
         self._transport = [
             {e.name: np.zeros(tuple(e.shape), dtype=NUMPY_DTYPES[e.dtype]) for e in execution.transport.entries}
@@ -98,6 +99,22 @@ class NullBackend:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self._host_page_count:
             raise ValueError(f"host slot {slot} is outside the reserved host pages")
+
+    # -- the host tier of checkpoints (no snapshot buffers here: only the slot bookkeeping is checked) ----
+    def reserve_host_snapshots(self, count: int, rows: int) -> None:
+        if count <= 0 or rows <= 0:
+            raise ValueError(f"host checkpoint slots are reserved in a positive count; got {count}, {rows}")
+        self._host_snapshot_count = count
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None:
+        self._check_snapshot_slot(slot)
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None:
+        self._check_snapshot_slot(slot)
+
+    def _check_snapshot_slot(self, slot: int) -> None:
+        if not 0 <= slot < self._host_snapshot_count:
+            raise ValueError(f"host slot {slot} is outside the reserved host checkpoint slots")
 
     def close(self) -> None:
         self._transport.clear()

@@ -614,6 +614,15 @@ class ProcessRankedBackend:
             CopyPage(0, False, page, slot), lambda backend: backend.copy_page_to_device(slot, page), "a page copy"
         )
 
+    def reserve_host_snapshots(self, count: int, rows: int) -> None:
+        raise ValueError("rank processes keep no host tier of checkpoints; serve without --offload-checkpoints")
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None:
+        raise ValueError("rank processes keep no host tier of checkpoints")
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None:
+        raise ValueError("rank processes keep no host tier of checkpoints")
+
     def close(self) -> None:
         """Tell every peer to stop, close the connections, then close rank 0's backend."""
         with self._lock:

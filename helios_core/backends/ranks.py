@@ -368,6 +368,18 @@ class RankedBackend:
         for backend in self._backends:
             backend.copy_page_to_device(slot, page)
 
+    def reserve_host_snapshots(self, count: int, rows: int) -> None:
+        for backend in self._backends:
+            backend.reserve_host_snapshots(count, rows)
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None:
+        for backend in self._backends:
+            backend.copy_snapshot_to_host(row, slot)
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None:
+        for backend in self._backends:
+            backend.copy_snapshot_to_device(slot, row)
+
     def close(self) -> None:
         """Close every rank's backend (the first failure is raised once all are closed)."""
         self._pool.shutdown(wait=self._broken is None, cancel_futures=True)

@@ -1136,6 +1136,14 @@ class ReferenceBackend:
         self._host_pages: dict[str, AnyArray] = {}
         """The host tier's page slots, per paged buffer (:meth:`reserve_host_pages`)."""
         self._host_page_count = 0
+        self._snapshot_planes = [
+            d.name for d in execution.buffers if d.shape and d.shape[0].symbol == mf.DIM_SYMBOL_SNAPSHOT_ROWS
+        ]
+        self._host_snapshots: dict[str, AnyArray] = {}
+        """The checkpoint host tier's slots, per snapshot buffer (:meth:`reserve_host_snapshots`)."""
+        self._host_snapshot_count = 0
+        self._snapshot_row_span = 0
+        """Buffer rows of one snapshot row (a request's rows)."""
         self._programs: dict[str, list[list[Step]]] = {}
         for program in list(execution.programs) + list(execution.tuning_programs):
             self._programs[program.name] = [self._resolve(program, frame) for frame in range(frames)]
@@ -1224,9 +1232,48 @@ class ReferenceBackend:
         if not (0 <= page < pages and 0 <= slot < self._host_page_count):
             raise ValueError(f"page {page} or host slot {slot} is outside [0, {pages}) or [0, {self._host_page_count})")
 
+    # -- the host tier of checkpoints ----------------------------------------------
+    def reserve_host_snapshots(self, count: int, rows: int) -> None:
+        """Host slots for ``count`` checkpoints of ``rows`` rows of every buffer with a ``SNAPSHOT_ROWS``
+        leading dimension (plain numpy memory), once, at load."""
+        if count <= 0 or rows <= 0 or self._host_snapshot_count:
+            raise ValueError(f"host checkpoint slots are reserved once, a positive count and rows; got {count}, {rows}")
+        if not self._snapshot_rows:
+            raise ValueError("the core has no snapshot rows to copy")
+        self._host_snapshots = {
+            name: np.zeros((count, rows, *self._shared[name].shape[1:]), dtype=self._shared[name].dtype)
+            for name in self._snapshot_planes
+        }
+        self._host_snapshot_count = count
+        self._snapshot_row_span = rows
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None:
+        """Copy snapshot row ``row`` (a request's rows) of every snapshot buffer into host slot ``slot``."""
+        rows = self._check_snapshot_copy(row, slot)
+        for name, host in self._host_snapshots.items():
+            host[slot] = self._shared[name][rows]
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None:
+        """Copy host slot ``slot`` into snapshot row ``row`` of every snapshot buffer."""
+        rows = self._check_snapshot_copy(row, slot)
+        for name, host in self._host_snapshots.items():
+            self._shared[name][rows] = host[slot]
+
+    def _check_snapshot_copy(self, row: int, slot: int) -> slice:
+        if not self._host_snapshot_count:
+            raise ValueError("no host checkpoint slots are reserved")
+        span = self._snapshot_row_span
+        rows = self._snapshot_rows // span
+        if not (0 <= row < rows and 0 <= slot < self._host_snapshot_count):
+            raise ValueError(
+                f"snapshot row {row} or host slot {slot} is outside [0, {rows}) or [0, {self._host_snapshot_count})"
+            )
+        return slice(row * span, (row + 1) * span)
+
     def close(self) -> None:
         """Release every array and resource buffer (nothing is in flight on the CPU)."""
         self._host_pages.clear()
+        self._host_snapshots.clear()
         self._programs.clear()
         self._transport.clear()
         self._completion_buffers.clear()

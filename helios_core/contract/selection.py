@@ -64,6 +64,8 @@ class LoadOptions:
     cache_pages: int | None = None
     offload_pages: int = 0
     """Host-memory pages of the prefix cache's host tier (0: off); read by ``NativeModel.load``, not by selection."""
+    offload_checkpoints: int = 0
+    """Host-memory slots of the checkpoint host tier (0: off); read by ``NativeModel.load``, not by selection."""
     ranks: int | None = None
     """Tensor-parallel thread ranks (None: the core's rank count; any other count than the core's is a
     StartupError); read by ``NativeModel.load``, not by selection."""

@@ -71,7 +71,7 @@ from helios_core.runtime.messages import (
     WorkerMessage,
 )
 from helios_core.runtime.native_model import NativeModel
-from helios_core.runtime.offload import HostPageStore
+from helios_core.runtime.offload import HostCheckpointStore, HostPageStore
 from helios_core.runtime.packing import Submission
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.plan import RoundPlan
@@ -219,6 +219,9 @@ class Engine:
             self._stats,
             make_gate=make_gate,
             clock_origin_ns=model.clock_origin_ns,
+            checkpoint_host=(
+                HostCheckpointStore(model.offload_checkpoints, model.backend) if model.offload_checkpoints else None
+            ),
         )
         self._inbox: queue.SimpleQueue[WorkerMessage] = queue.SimpleQueue()
         self.queue_capacity = model.selection.queue_capacity
@@ -639,6 +642,20 @@ def _checkpoint_statistics(checkpoints: CheckpointIndex | None) -> dict[str, int
         "checkpoint_reused_tokens": stats.reused_tokens,
         "checkpoints_evicted": stats.evicted,
         "checkpoints_abandoned": stats.abandoned,
+        **_checkpoint_host_statistics(checkpoints.host),
+    }
+
+
+def _checkpoint_host_statistics(host: HostCheckpointStore | None) -> dict[str, int]:
+    """The snapshot's checkpoint host-tier fields (their defaults, 0, without one)."""
+    if host is None:
+        return {}
+    return {
+        "offload_capacity_checkpoints": host.capacity,
+        "offload_checkpoints": len(host),
+        "offloaded_checkpoints": host.stats.stored,
+        "restored_checkpoints": host.stats.restored,
+        "offload_evicted_checkpoints": host.stats.evicted,
     }
 
 

@@ -15,6 +15,8 @@ the operator's ``cache_pages`` option.
 
 Host pages (``offload_pages``, default 0: none): the backend reserves that many host slots of one page
 each at load (:mod:`helios_core.runtime.offload`), so a shortage of host memory is a startup error.
+Host checkpoint slots (``offload_checkpoints``, default 0: none) likewise: each holds one snapshot row
+(a request's rows of every ``SNAPSHOT_ROWS`` buffer) of a published checkpoint evicted from its row.
 
 Engram tables (a core that declares them): read once at load into host memory by
 :func:`~helios_core.runtime.engram.load_engram`; :attr:`NativeModel.engram` owns them and their two staging
@@ -71,6 +73,12 @@ class Backend(Protocol):
     def copy_page_to_host(self, page: int, slot: int) -> None: ...
 
     def copy_page_to_device(self, slot: int, page: int) -> None: ...
+
+    def reserve_host_snapshots(self, count: int, rows: int) -> None: ...
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None: ...
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -339,6 +347,16 @@ def _reserve_host_pages(executor: Backend, count: int, page_bytes: int) -> None:
         ) from exc
 
 
+def _reserve_host_snapshots(executor: Backend, count: int, rows: int) -> None:
+    """The checkpoint host tier's slots, or a StartupError naming what could not be had."""
+    try:
+        executor.reserve_host_snapshots(count, rows)
+    except (HeliosError, MemoryError, ValueError) as exc:
+        raise StartupError(
+            f"cannot reserve {count} host checkpoint slots for --offload-checkpoints: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class NativeModel:
     """A loaded core ready to execute its selected programs."""
 
@@ -355,6 +373,7 @@ class NativeModel:
         offload_pages: int = 0,
         engram: EngramStaging | None = None,
         ranks: int = 1,
+        offload_checkpoints: int = 0,
     ) -> None:
         self.contract = contract
         self.selection = selection
@@ -363,6 +382,8 @@ class NativeModel:
         self.cache_pages = cache_pages
         self.offload_pages = offload_pages
         """Host slots of the prefix cache's host tier (0: evicted pages are dropped)."""
+        self.offload_checkpoints = offload_checkpoints
+        """Host slots of the checkpoint host tier (0: evicted checkpoints are dropped)."""
         self.state_rows = state_rows
         self.frames = frames
         self.engram = engram
@@ -392,6 +413,7 @@ class NativeModel:
         capabilities: RuntimeCapabilities | None = None,
         offload_pages: int = 0,
         ranks: int | None = None,
+        offload_checkpoints: int = 0,
     ) -> NativeModel:
         """Check runtime support, choose capacities, build the backend and every program once.
 
@@ -401,6 +423,8 @@ class NativeModel:
         :class:`~helios_core.backends.ranks.RankedBackend`)."""
         if offload_pages < 0:
             raise StartupError(f"--offload-pages must not be negative, not {offload_pages}")
+        if offload_checkpoints < 0:
+            raise StartupError(f"--offload-checkpoints must not be negative, not {offload_checkpoints}")
         rank_count = choose_ranks(contract, ranks)
         backend = resolve_backend(backend, contract)
         check_runtime_support(contract, capabilities or backend_capabilities(backend))
@@ -447,10 +471,12 @@ class NativeModel:
         try:
             if offload_pages:
                 _reserve_host_pages(executor, offload_pages, bytes_per_page(contract))
+            if offload_checkpoints:
+                _reserve_host_snapshots(executor, offload_checkpoints, selection.state_rows_per_request)
             engram = load_engram(contract, core, participants=contract.ranks)
             return cls(
                 contract, selection, executor, backend, cache_pages=pages, state_rows=state_rows, frames=frames,
-                offload_pages=offload_pages, engram=engram, ranks=rank_count,
+                offload_pages=offload_pages, engram=engram, ranks=rank_count, offload_checkpoints=offload_checkpoints,
             )  # fmt: skip
         except BaseException:
             with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see

@@ -5,6 +5,11 @@ the prefix-index key each occupied slot holds, the host tier's eviction order, i
 copies between a device page and a host slot, which it asks of the backend (:class:`PageCopier`: plain
 numpy memory on the reference backend, pinned host memory on the CUDA backend).
 
+It also owns the host slots of published prefix checkpoints (:class:`HostCheckpointStore`, their number fixed
+at load: ``--offload-checkpoints``, ``LoadOptions.offload_checkpoints``) and their copies between a snapshot row
+and a host slot (:class:`SnapshotCopier`); the :class:`~helios_core.runtime.checkpoints.CheckpointIndex` decides
+when a checkpoint moves, by the same rules and copy ordering as pages below.
+
 The :class:`~helios_core.runtime.pages.PageAllocator` decides when a page moves: when it evicts a
 published page from the device, :meth:`HostPageStore.store` copies the page into a host slot instead of
 dropping it, and the page's key stays in the prefix index; when a prefix match reaches a key held here,
@@ -162,3 +167,113 @@ class HostPageStore:
             raise OffloadError(f"occupied {len(occupied)} + free {len(free)} host slots != capacity {self.capacity}")
         if self._pinned:
             raise OffloadError("host entries are still pinned outside a claim")
+
+
+# -- the host tier of prefix checkpoints ------------------------------------------------------------------
+class SnapshotCopier(Protocol):
+    """The backend's checkpoint copies: every buffer with a ``SNAPSHOT_ROWS`` leading dimension, one
+    checkpoint (a request's rows of snapshot state) at a time."""
+
+    def copy_snapshot_to_host(self, row: int, slot: int) -> None:
+        """Copy snapshot row ``row`` (in units of a request's rows) into host slot ``slot`` (ordered after
+        every round launched before)."""
+
+    def copy_snapshot_to_device(self, slot: int, row: int) -> None:
+        """Copy host slot ``slot`` into snapshot row ``row`` (ordered before every round launched after)."""
+
+
+@dataclass
+class CheckpointOffloadStats:
+    """Counters of the checkpoint host tier's traffic (exported as metrics)."""
+
+    stored: int = 0
+    """Evicted published checkpoints copied from their snapshot row into a host slot."""
+    restored: int = 0
+    """Host checkpoints copied back into a snapshot row for a prompt that shares their prefix."""
+    evicted: int = 0
+    """Host checkpoints dropped to make room (or evicted checkpoints dropped when every host entry was pinned)."""
+
+
+class HostCheckpointStore:
+    """The host slots of published checkpoints evicted from their snapshot rows (``--offload-checkpoints``).
+
+    Same rules as :class:`HostPageStore`: an entry is used once, by the restore that ends its stay, so the
+    least recently used entry is the one that arrived first; storing into a full store drops that entry
+    (skipping pinned ones, which a restore in progress holds), or drops the arriving checkpoint when every
+    entry is pinned. Copies go through the backend in program order with its rounds."""
+
+    def __init__(self, capacity: int, copier: SnapshotCopier) -> None:
+        if capacity <= 0:
+            raise OffloadError(f"a checkpoint host tier needs at least one slot, not {capacity}")
+        self.capacity = capacity
+        self._copier = copier
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() yields the lowest slot
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        """Occupied slots by checkpoint key, least recently used (first arrived) first."""
+        self._pinned: set[bytes] = set()
+        self.stats = CheckpointOffloadStats()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def eviction_order(self) -> list[bytes]:
+        """Keys held here, next victim first."""
+        return list(self._slot_of)
+
+    def store(self, key: bytes, row: int) -> tuple[bytes, ...]:
+        """Copy the checkpoint published under ``key`` from snapshot ``row`` into a host slot; the keys that
+        left the host tier to make room, or ``(key,)`` when every slot is pinned and it is dropped instead."""
+        if key in self._slot_of:
+            raise OffloadError("a checkpoint is stored in the host tier twice")
+        gone: tuple[bytes, ...] = ()
+        if not self._free:
+            victim = next((k for k in self._slot_of if k not in self._pinned), None)
+            self.stats.evicted += 1
+            if victim is None:
+                return (key,)
+            self._free.append(self._slot_of.pop(victim))
+            gone = (victim,)
+        slot = self._free.pop()
+        self._copier.copy_snapshot_to_host(row, slot)
+        self._slot_of[key] = slot
+        self.stats.stored += 1
+        return gone
+
+    def restore(self, key: bytes, row: int) -> None:
+        """Copy the entry of ``key`` into snapshot ``row`` and free its slot (it leaves the host tier)."""
+        slot = self._slot_of.pop(key, None)
+        if slot is None:
+            raise OffloadError("a checkpoint the host tier does not hold is restored")
+        self._pinned.discard(key)
+        self._copier.copy_snapshot_to_device(slot, row)
+        self._free.append(slot)
+        self.stats.restored += 1
+
+    def pin(self, key: bytes) -> None:
+        """Keep ``key`` from being dropped to make room (while a snapshot row is freed for its restore)."""
+        if key not in self._slot_of:
+            raise OffloadError("a checkpoint the host tier does not hold is pinned")
+        self._pinned.add(key)
+
+    def unpin(self, key: bytes) -> None:
+        self._pinned.discard(key)
+
+    def check(self) -> None:
+        """Raise OffloadError unless occupied + free == capacity with no slot twice and nothing pinned."""
+        occupied = set(self._slot_of.values())
+        free = set(self._free)
+        if len(occupied) != len(self._slot_of) or len(free) != len(self._free):
+            raise OffloadError("a checkpoint host slot is used twice")
+        if occupied & free or len(occupied) + len(free) != self.capacity:
+            raise OffloadError(
+                f"occupied {len(occupied)} + free {len(free)} checkpoint host slots != capacity {self.capacity}"
+            )
+        if self._pinned:
+            raise OffloadError("host checkpoints are still pinned outside a restore")

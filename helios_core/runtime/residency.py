@@ -12,8 +12,9 @@ flight), cancellation, page publication into the prefix index, and, with a slidi
 the release of pages no later round attends (:meth:`Residency.release_outside_window`), and, for a core
 whose recurrent history no page holds, published prefix checkpoints: taken at page boundaries of a
 prefilling request (:meth:`Residency.take_checkpoint`), published once their snapshot round validated
-(:meth:`Residency.publish_checkpoint`), restored at admission from the deepest one a prompt shares,
-and evicted when a snapshot row is needed. Progress
+(:meth:`Residency.publish_checkpoint`), restored at admission from the deepest one a prompt shares (one
+the host tier holds is first copied back into a snapshot row), and evicted (to the host tier, with
+``--offload-checkpoints``) when a snapshot row is needed. Progress
 itself lives in the :class:`~helios_core.runtime.slots.SlotTable`; both the planner and the completion
 of the scheduler use this object for the transitions they cause.
 """
@@ -32,7 +33,7 @@ import numpy as np
 from helios_core.contract import PreparedContract, PreparedGraph
 from helios_core.contract.boundaries import last_cut
 from helios_core.dtypes import NUMPY_DTYPES
-from helios_core.runtime.checkpoints import Checkpoint, CheckpointIndex
+from helios_core.runtime.checkpoints import ON_HOST, Checkpoint, CheckpointIndex
 from helios_core.runtime.gates import HostGate, format_param, gate_failure
 from helios_core.runtime.messages import (
     AdmissionRejected,
@@ -43,6 +44,7 @@ from helios_core.runtime.messages import (
     PreparedRequest,
     PromptImage,
 )
+from helios_core.runtime.offload import HostCheckpointStore
 from helios_core.runtime.packing import image_values
 from helios_core.runtime.pages import PageAllocator, PrefixMatch, inside_span, page_images
 from helios_core.runtime.slots import Phase, RequestState, SlotTable
@@ -71,9 +73,11 @@ class Residency:
         scored_prefill: bool,
         make_gate: Callable[[PreparedRequest], HostGate | None] | None,
         graphs: Iterable[PreparedGraph] | None = None,
+        checkpoint_host: HostCheckpointStore | None = None,
     ) -> None:
         """``graphs``: the selected programs (the core's, by default); their image capacities bound what
-        images a request may carry."""
+        images a request may carry. ``checkpoint_host``: the host tier evicted checkpoints move to (None:
+        they are dropped)."""
         self.allocator = allocator
         self.image_programs = ImagePrograms.of(contract, contract.graphs.values() if graphs is None else graphs)
         """The selected programs that take images, by operation (admission checks a request's images)."""
@@ -98,7 +102,7 @@ class Residency:
         self.window = history_window(contract.model.cache)
         """The sliding-window extent in tokens every page-table view's history declares; 0 for unlimited."""
         self.checkpoints = (
-            CheckpointIndex(self.page_tokens, allocator.chain_hash)
+            CheckpointIndex(self.page_tokens, allocator.chain_hash, host=checkpoint_host)
             if not self.paged_prefixes and snapshot_rows > 0
             else None
         )
@@ -354,13 +358,34 @@ class Residency:
             match, keys = _NO_MATCH, self._prompt_keys(tokens, limit, state.request.images)
         any_presence = state.sampling.repetition_penalty == 1.0  # prompt presence is read by that penalty only
         presence = frozenset(tokens[: state.prompt_len]) if keys and not any_presence else frozenset()
-        found = checkpoints.deepest(keys, lambda checkpoint: any_presence or checkpoint.presence == presence)
+
+        def usable(checkpoint: Checkpoint) -> bool:
+            return any_presence or checkpoint.presence == presence
+
+        found = checkpoints.deepest(keys, usable)
+        if found is not None and found.row == ON_HOST and not self._bring_back(found):
+            found = checkpoints.deepest(keys, lambda checkpoint: checkpoint.row != ON_HOST and usable(checkpoint))
         if found is None:
             return None, _NO_MATCH, []
         pages = found.endpoint // self.page_tokens
         if self.paged_history:
             match = PrefixMatch(match.pages[:pages], match.hashes[:pages], found.endpoint)
         return found, match, keys[:pages]
+
+    def _bring_back(self, checkpoint: Checkpoint) -> bool:
+        """Copy the host tier's ``checkpoint`` into a snapshot row (a free one, else that of the least
+        recently used unpinned checkpoint, which moves to the host); False when no row can be had."""
+        checkpoints = self.checkpoints
+        if checkpoints is None:
+            return False
+        checkpoints.pin_on_host(checkpoint)  # the eviction that frees a row must not drop it from the host
+        try:
+            if not self._free_snapshot_row():
+                return False
+        finally:
+            checkpoints.unpin_on_host(checkpoint)
+        checkpoints.bring_back(checkpoint, self.free_snapshot_rows.pop())
+        return True
 
     def _prompt_keys(self, tokens: Sequence[int], limit: int, images: Sequence[PromptImage]) -> list[bytes]:
         """The chain key of each complete page of ``tokens[:limit]`` (image digests included), in order."""
@@ -396,8 +421,9 @@ class Residency:
         """``state``'s prefill chunk was applied: when it ended at a page boundary before its last known token
         and its sampling state rows hold what a checkpoint may copy, mark it for a checkpoint there (its
         SNAPSHOT round comes next; it keeps its slot). The snapshot row is a free one or, with none free,
-        that of the least recently used checkpoint of the same chain (a shorter prefix of its tokens);
-        with neither, no checkpoint is taken."""
+        that of the least recently used checkpoint of the same chain (a shorter prefix of its tokens,
+        dropped), or, with a host tier, of any chain (it moves to the host tier); with none, no checkpoint
+        is taken."""
         checkpoints, table, slot = self.checkpoints, self.table, state.slot
         if checkpoints is None or state.presence is None or state.snapshot_row >= 0:
             return
@@ -409,7 +435,9 @@ class Residency:
             return
         if not self.free_snapshot_rows:
             chain = frozenset(table.hashes[slot][: endpoint // self.page_tokens])
-            row = checkpoints.evict(lambda checkpoint: checkpoint.key in chain)
+            row = checkpoints.evict(lambda checkpoint: checkpoint.key in chain, offload=False)
+            if row is None and checkpoints.host is not None:
+                row = checkpoints.evict()  # another prefix's: it moves to the host tier
             if row is None:
                 return
             self.free_snapshot_rows.append(row)

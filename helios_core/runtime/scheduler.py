@@ -36,6 +36,7 @@ from helios_core.contract.boundaries import PrefixBoundaries, PromptLayout
 from helios_core.runtime.completion import CompletionError, LaneResult
 from helios_core.runtime.gates import HostGate, gate_failure
 from helios_core.runtime.messages import AdmissionRejected, Event, Outgoing, PreparedRequest
+from helios_core.runtime.offload import HostCheckpointStore
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.plan import RoundPlan
 from helios_core.runtime.planner import GateFault, RoundPlanner
@@ -60,6 +61,7 @@ class Scheduler:
         *,
         make_gate: Callable[[PreparedRequest], HostGate | None] | None = None,
         clock_origin_ns: int = 0,
+        checkpoint_host: HostCheckpointStore | None = None,
     ) -> None:
         self.contract = contract
         self.stats = stats
@@ -75,6 +77,7 @@ class Scheduler:
             scored_prefill=ct.OPERATION_SCORED_PREFILL in operations,
             make_gate=make_gate,
             graphs=selection.graphs.values(),
+            checkpoint_host=checkpoint_host,
         )
         self.residency.resumable = ct.OPERATION_RESUME in operations
         self.table: SlotTable = self.residency.table

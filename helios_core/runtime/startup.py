@@ -53,6 +53,7 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
             cache_pages=options.cache_pages,
             offload_pages=options.offload_pages,
             ranks=options.ranks,
+            offload_checkpoints=options.offload_checkpoints,
         )
         try:
             contract = verified.contract

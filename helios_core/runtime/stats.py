@@ -124,3 +124,13 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     checkpoints_evicted: int = 0
     checkpoints_abandoned: int = 0
     """Checkpoint snapshots never published (their round failed, or their request left first)."""
+    offload_capacity_checkpoints: int = 0
+    """Checkpoint host-tier slots (``--offload-checkpoints``; 0: no host tier); the next four are 0 without one."""
+    offload_checkpoints: int = 0
+    """Host slots holding an evicted checkpoint."""
+    offloaded_checkpoints: int = 0
+    """Checkpoints copied from their snapshot row into a host slot when evicted."""
+    restored_checkpoints: int = 0
+    """Host checkpoints copied back into a snapshot row for a prompt sharing their prefix."""
+    offload_evicted_checkpoints: int = 0
+    """Checkpoints that left the host tier to make room (least recently used first)."""

@@ -234,6 +234,29 @@ class EngineCollector(Collector):
             "Prefix checkpoint snapshots never published (failed round, or the request left first).",
             s.checkpoints_abandoned,
         )
+        yield _gauge(
+            "helios_offload_capacity_checkpoints",
+            "Host-memory slots of the checkpoint host tier (0: off).",
+            s.offload_capacity_checkpoints,
+        )
+        yield _gauge(
+            "helios_offload_checkpoints", "Host-tier slots holding evicted prefix checkpoints.", s.offload_checkpoints
+        )
+        yield _counter(
+            "helios_offloaded_checkpoints",
+            "Prefix checkpoints copied to the host tier when evicted from their snapshot rows.",
+            s.offloaded_checkpoints,
+        )
+        yield _counter(
+            "helios_restored_checkpoints",
+            "Host-tier prefix checkpoints copied back into a snapshot row for a prompt sharing their prefix.",
+            s.restored_checkpoints,
+        )
+        yield _counter(
+            "helios_offload_evicted_checkpoints",
+            "Prefix checkpoints that left the host tier to make room (least recently used first).",
+            s.offload_evicted_checkpoints,
+        )
         yield _gauge("helios_requests_active", "Requests holding a model slot.", s.active_requests)
         yield _gauge("helios_requests_waiting", "Requests queued for a model slot.", s.waiting_requests)
         yield _gauge("helios_max_active", "Selected model slots (max_active).", s.max_active)

@@ -106,6 +106,8 @@ class RunOptions:
     cache_pages: int | None = None
     offload_pages: int = 0
     """Host-memory pages of the prefix cache's host tier (0: evicted pages are dropped)."""
+    offload_checkpoints: int = 0
+    """Host-memory slots of the checkpoint host tier (0: evicted prefix checkpoints are dropped)."""
     ranks: int | None = None
     """Tensor-parallel thread ranks on this host (None: the core's rank count; another count is refused)."""
     rank_listen: str | None = None
@@ -303,6 +305,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         history_drafting=options.history_drafting,
         cache_pages=options.cache_pages,
         offload_pages=options.offload_pages,
+        offload_checkpoints=options.offload_checkpoints,
         ranks=options.ranks,
         rank_peers=rank_peers,
     )

@@ -8,9 +8,10 @@ the same node through the reference backend's adapter. Arrays are bound as whole
 shapes and dtypes come from the arrays: float32 -> F32, uint16 -> BF16 bit patterns, int32 -> I32,
 int64 -> I64, uint8 -> U8, uint64 -> U64.
 
-``build_gpu_core`` builds a signed tiny ``llama-synthetic`` core with bf16 weights for the
-``reference,sm_90a`` targets (skipping the test on another GPU); the ``verified`` fixture of
-``tests/gpu/conftest.py`` opens a module's ``gpu_core``.
+``build_gpu_core`` builds a signed tiny synthetic core (``llama-synthetic`` with bf16 weights by default)
+for the ``reference,sm_90a`` targets (skipping the test on another GPU); the ``verified`` fixture of
+``tests/gpu/conftest.py`` opens a module's ``gpu_core``. ``start_core`` serves such a core on a backend
+and ``assert_cuda_matches_reference`` compares greedy requests on the CUDA backend with the reference.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ from ignition.preparation.program import set_attribute
 from helios_core.backends import reference
 from helios_core.backends.cuda_driver import Context, pack_params
 from helios_core.container.keys import generate_keys
+from helios_core.contract import LoadOptions
 from helios_core.loading import TrustSettings
+from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
+from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import manifest_pb2 as mf
+
+GREEDY = SamplingParams(temperature=0.0)
 
 WIRE_DTYPES = {
     np.dtype(np.float32): mf.DTYPE_F32,
@@ -179,10 +185,13 @@ def build_gpu_core(
     namespace: str,
     *options: str,
     core_name: str = "tiny.core",
+    recipe: str = "llama-synthetic",
+    dtype: str | None = "bf16",
 ) -> tuple[Path, TrustSettings]:
-    """A signed tiny ``llama-synthetic`` core with bf16 weights and ``reference,sm_90a`` kernels, built by
-    the Ignition command line with the extra ``options`` (capacities, speculation) into a new temporary
-    ``directory``; the test is skipped on a GPU other than sm_90a."""
+    """A signed tiny ``recipe`` core (``llama-synthetic`` with bf16 weights unless told otherwise; ``dtype``
+    ``None`` keeps the recipe's default) and ``reference,sm_90a`` kernels, built by the Ignition command
+    line with the extra ``options`` (capacities, speculation) into a new temporary ``directory``; the test
+    is skipped on a GPU other than sm_90a."""
     if cuda_context.architecture != "sm_90a":
         pytest.skip(f"the kernels are built for sm_90a; this GPU is {cuda_context.architecture}")
     from ignition.cli import main as ignition_main
@@ -190,11 +199,66 @@ def build_gpu_core(
     folder = tmp_path_factory.mktemp(directory)
     keys = generate_keys(folder / "keys")
     core = folder / core_name
+    weights = ("--dtype", dtype) if dtype is not None else ()
     code = ignition_main(
         [
-            "build", "llama-synthetic", "--shape", "tiny", "--targets", "reference,sm_90a", "--dtype", "bf16",
+            "build", recipe, "--shape", "tiny", "--targets", "reference,sm_90a", *weights,
             "--out", str(core), "--sign-key", str(keys["signing"]), "--namespace", namespace, *options, "--quiet",
         ]
     )  # fmt: skip
     assert code == 0
     return core, TrustSettings((keys["public"],), namespace, None)
+
+
+NEAR_TIE = 0.05
+"""Top-2 log-probability gap below which GPU arithmetic may legitimately pick the other token."""
+
+
+def start_core(gpu_core: tuple[Path, TrustSettings], backend: str, max_active: int = 4) -> RunningModel:
+    """The core served on ``backend`` (``reference`` or ``cuda``)."""
+    return start(gpu_core[0], gpu_core[1], LoadOptions(max_active=max_active), backend=backend)
+
+
+def question_prompts(running: RunningModel, prefill_tokens: int = 16) -> list[list[int]]:
+    """Four chat prompts, each spanning several ``prefill_tokens``-token prefill chunks."""
+    prompts = [
+        running.bootstrap.encode_prompt([{"role": "user", "content": f"Question {i}: " + "what comes next? " * 3}])
+        for i in range(4)
+    ]
+    assert all(len(p) > 2 * prefill_tokens for p in prompts)
+    return prompts
+
+
+def greedy_token_events(running: RunningModel, prompts: list[list[int]], max_tokens: int) -> list[list[TokenEvent]]:
+    """The token events of one greedy request a prompt (EOS ignored, top-2 log-probabilities), all finished."""
+    streams = [
+        running.engine.submit(PreparedRequest(f"r{i}", p, max_tokens, GREEDY, ignore_eos=True, top_logprobs=2))
+        for i, p in enumerate(prompts)
+    ]
+    outcomes = [list(stream) for stream in streams]
+    assert all(isinstance(events[-1], Finished) for events in outcomes), [o[-1] for o in outcomes]
+    return [[e for e in events if isinstance(e, TokenEvent)] for events in outcomes]
+
+
+def assert_cuda_matches_reference(
+    gpu_core: tuple[Path, TrustSettings], reference_running: RunningModel, max_tokens: int = 10
+) -> None:
+    """The core on the CUDA backend gives the reference's greedy tokens for :func:`question_prompts` (up to
+    a step the reference itself decided by less than :data:`NEAR_TIE`) and its log-probabilities within 2e-2."""
+    prompts = question_prompts(reference_running)
+    expected = greedy_token_events(reference_running, prompts, max_tokens)
+    running = start_core(gpu_core, "cuda")
+    try:
+        assert running.model.backend_name == "cuda"
+        got = greedy_token_events(running, prompts, max_tokens)
+    finally:
+        running.close()
+    for mine, theirs in zip(got, expected, strict=True):
+        assert len(mine) == len(theirs) == max_tokens
+        for step, (token, want) in enumerate(zip(mine, theirs, strict=True)):
+            if token.token_id != want.token_id:
+                assert want.top[0][1] - want.top[1][1] < NEAR_TIE, (step, token, want)
+                break
+            assert relative_error(np.array([token.logprob]), np.array([want.logprob])) < 2e-2 or (
+                abs(token.logprob - want.logprob) < 1e-3
+            ), (step, token.logprob, want.logprob)

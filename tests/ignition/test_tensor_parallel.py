@@ -1,14 +1,16 @@
 """``ignition build --tensor-parallel N``: the per-rank declarations, shards and collectives of a core.
 
 Tiny synthetic cores of one seed are built through the command line (module fixture): without the
-flag, with ``--tensor-parallel 1`` and with ``--tensor-parallel 2``, then opened with Helios' own trust
-and contract checks. The tests read the manifests (ranks, per-rank weight declarations and their
-resources, replicated cache planes of each rank's key-value heads, weight catalogs, collective nodes),
-reassemble the two ranks' shards with numpy and compare them with the one-rank core's weights, and run
-the rank programs on per-rank reference backends whose ``all_reduce`` is a sum over the ranks written
-here: the logits equal the one-rank core's within float tolerance (exactly with one rank), as they do
-through the runtime's thread ranks. The refusals come from the command line before any key or weight
-is touched.
+flag, with ``--tensor-parallel 1``, ``2`` and ``3`` (three ranks do not divide the tiny shape's 2
+key-value heads and 64 feed-forward rows: each rank holds 1 key-value head and 22 rows, zero-padded, so
+rank 2 holds no real head and 20 real rows), then opened with Helios' own trust and contract checks.
+The tests read the manifests (ranks, per-rank weight declarations and their resources, replicated cache
+planes of each rank's key-value heads, weight catalogs and the real extents they list, collective
+nodes), reassemble the ranks' shards without their padding with numpy and compare them with the
+one-rank core's weights, and run the rank programs on per-rank reference backends whose ``all_reduce``
+is a sum over the ranks written here: the logits equal the one-rank core's within float tolerance
+(exactly with one rank), as they do through the runtime's thread ranks, and a padded head's attention
+output is exactly zero. The refusals come from the command line before any key or weight is touched.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import numpy.typing as npt
 import pytest
 from ignition.build import assemble, validate_and_write
 from ignition.cli import main as ignition_main
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
+from ignition.recipes.llama import Capacities, partition_ranks
+from ignition.recipes.synthetic import SHAPES, synthetic_declaration
 
 from helios_core.backends.reference import ReferenceBackend
 from helios_core.container.keys import generate_keys, load_private_key
@@ -65,6 +67,7 @@ def cores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Verifi
         "plain": _build(directory, "plain"),
         "tp1": _build(directory, "tp1", "--tensor-parallel", "1"),
         "tp2": _build(directory, "tp2", "--tensor-parallel", "2"),
+        "tp3": _build(directory, "tp3", "--tensor-parallel", "3"),
     }
     yield built
     for core in built.values():
@@ -132,6 +135,67 @@ def test_ranks_and_the_per_rank_weight_declarations(cores: dict[str, VerifiedCor
     assert _shape(decls["scratch.logits"][0]) == [MAX_ROWS, VOCAB]  # the head is replicated
 
 
+@pytest.mark.parametrize(
+    ("shape", "ranks", "extents", "real_kv_heads", "real_ffn"),
+    [
+        # SmolLM2-135M: 9 heads, 3 key-value heads of 64, feed-forward 1536
+        ("135m", 2, (6, 2, 768), [2, 1], [768, 768]),
+        ("135m", 3, (3, 1, 512), [1, 1, 1], [512, 512, 512]),
+        ("135m", 4, (3, 1, 384), [1, 1, 1, 0], [384, 384, 384, 384]),
+        ("tiny", 3, (2, 1, 22), [1, 1, 0], [22, 22, 20]),
+        ("tiny", 4, (2, 1, 16), [1, 1, 0, 0], [16, 16, 16, 16]),
+        ("small", 3, (4, 2, 128), [2, 2, 0], [128, 128, 128]),
+    ],
+)
+def test_each_rank_holds_the_same_padded_extents(
+    shape: str, ranks: int, extents: tuple[int, int, int], real_kv_heads: list[int], real_ffn: list[int]
+) -> None:
+    """ceil(KV/N) key-value heads and their query heads, ceil(F/N) feed-forward rows a rank; the model's
+    from the first rank on, zeros where they run out."""
+    model = SHAPES[shape]
+    partition = partition_ranks(model, ranks)
+    assert (partition.heads, partition.kv_heads, partition.ffn) == extents
+    assert partition.padded == (ranks != 3 or shape != "135m")
+    head_dim, group = model.head_dim, model.heads // model.kv_heads
+    assert [partition.real("wk", r) for r in range(ranks)] == [n * head_dim for n in real_kv_heads]
+    assert [partition.real("wq", r) for r in range(ranks)] == [n * group * head_dim for n in real_kv_heads]
+    assert [partition.real("wo", r) for r in range(ranks)] == [n * group * head_dim for n in real_kv_heads]
+    assert [partition.real("w_down", r) for r in range(ranks)] == real_ffn
+    weight = np.arange(model.heads * head_dim * model.hidden, dtype=np.float32).reshape(-1, model.hidden)
+    shards = partition.shards("wq", weight)
+    assert [s.shape for s in shards] == [(extents[0] * head_dim, model.hidden)] * ranks
+    real = [shard[: partition.real("wq", r)] for r, shard in enumerate(shards)]
+    assert np.array_equal(np.concatenate(real), weight)
+    assert all(not shard[partition.real("wq", r) :].any() for r, shard in enumerate(shards))
+
+
+def test_three_ranks_declare_padded_shards_of_one_shape(cores: dict[str, VerifiedCore]) -> None:
+    """The tiny shape on three ranks: 1 key-value head (2 query heads) and 22 feed-forward rows a rank."""
+    core = cores["tp3"]
+    assert core.contract.ranks == 3
+    decls = _decls(core)
+    expected_shapes = {
+        "attn_q": [2 * HEAD_DIM, HIDDEN],
+        "attn_k": [HEAD_DIM, HIDDEN],
+        "attn_v": [HEAD_DIM, HIDDEN],
+        "attn_output": [HIDDEN, 2 * HEAD_DIM],
+        "ffn_gate": [22, HIDDEN],
+        "ffn_up": [22, HIDDEN],
+        "ffn_down": [HIDDEN, 22],
+    }
+    for layer in range(LAYERS):
+        for kind, shape in expected_shapes.items():
+            found = decls[f"blk.{layer}.{kind}.weight"]
+            assert [(d.rank, _shape(d), d.resource_id) for d in found] == [
+                (rank, shape, f"weights.layer{layer}.rank{rank}") for rank in range(3)
+            ]
+        for kind in ("k", "v"):
+            (plane,) = decls[f"cache.{kind}{layer}"]
+            assert (plane.rank, _shape(plane)) == (0, [16, PAGE_TOKENS, 1, HEAD_DIM])
+    assert _shape(decls["scratch.q"][0]) == [PREFILL, 2, HEAD_DIM]
+    assert _shape(decls["scratch.gate"][0]) == [PREFILL, 22]
+
+
 def test_one_rank_and_no_flag(cores: dict[str, VerifiedCore]) -> None:
     plain, tp1 = cores["plain"], cores["tp1"]
     for core in (plain, tp1):
@@ -163,6 +227,72 @@ def test_one_catalog_a_rank(cores: dict[str, VerifiedCore]) -> None:
             assert (tensor.dtype, list(tensor.shape)) == (decl.dtype, _shape(decl))
 
 
+REAL_ROWS_OF_THREE = {
+    "attn_q": [16, 16, 0],
+    "attn_k": [8, 8, 0],
+    "attn_v": [8, 8, 0],
+    "attn_output": [16, 16, 0],
+    "ffn_gate": [22, 22, 20],
+    "ffn_up": [22, 22, 20],
+    "ffn_down": [22, 22, 20],
+}
+"""The tiny shape on three ranks: each rank's real rows (columns of output and down) of each shard."""
+
+
+def test_a_padded_shard_s_catalog_entry_gives_its_real_extent(cores: dict[str, VerifiedCore]) -> None:
+    core = cores["tp3"]
+    decls = _decls(core)
+    catalogs = _catalogs(core)
+    assert [(c.version, c.rank) for c in catalogs] == [(1, 0), (1, 1), (1, 2)]
+    for catalog in catalogs:
+        listed = {t.name: t for t in catalog.tensors}
+        assert len(listed) == len(catalog.tensors)
+        for layer in range(LAYERS):
+            for kind, axis in SPLIT_AXIS.items():
+                name = f"blk.{layer}.{kind}.weight"
+                (decl,) = [d for d in decls[name] if d.rank == catalog.rank]
+                tensor = listed[name]
+                real = _shape(decl)
+                real[axis] = REAL_ROWS_OF_THREE[kind][catalog.rank]
+                assert (tensor.resource_id, tensor.byte_offset, tensor.dtype) == (
+                    decl.resource_id,
+                    decl.resource_offset,
+                    decl.dtype,
+                )
+                assert list(tensor.shape) == real
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_packed_shard_is_listed_as_its_source_tensors_real_rows(bf16: bool) -> None:
+    """A kernel graph's [q | k | v] and [gate | up] shards: each source tensor's real rows at its
+    start in the packed shard (rank 2 of three holds none of q, k, v and 20 of its 22 gate and up rows),
+    byte offsets in the stored type's size."""
+    caps = Capacities(
+        max_rows=MAX_ROWS, prefill_tokens=(PREFILL,), decode_rows=(1, 2), page_tokens=PAGE_TOKENS, cache_pages=16
+    )
+    declaration = synthetic_declaration("tiny", seed=SEED)
+    _, builder, _ = assemble(declaration, caps, bf16=bf16, kernel_graph=True, tensor_parallel=3)
+    packed = {(d.name, d.rank): d for d in builder.manifest.buffers if d.name.startswith("blk.0.")}
+    size = 2 if bf16 else 4
+    for catalog in builder.weight_catalogs():
+        rank = catalog.rank
+        listed = {t.name: (t.resource_id, t.byte_offset, list(t.shape)) for t in catalog.tensors}
+        assert "blk.0.attn_qkv.weight" not in listed and "blk.0.ffn_gate_up.weight" not in listed
+        qkv, gate_up = packed["blk.0.attn_qkv.weight", rank], packed["blk.0.ffn_gate_up.weight", rank]
+        assert _shape(qkv) == [32, HIDDEN] and _shape(gate_up) == [44, HIDDEN]
+        starts = {"attn_q": 0, "attn_k": 16 * HIDDEN, "attn_v": 24 * HIDDEN}
+        for kind, start in starts.items():
+            where = (qkv.resource_id, qkv.resource_offset + start * size, [REAL_ROWS_OF_THREE[kind][rank], HIDDEN])
+            assert listed[f"blk.0.{kind}.weight"] == where
+        for kind, start in {"ffn_gate": 0, "ffn_up": 22 * HIDDEN}.items():
+            offset = gate_up.resource_offset + start * size
+            assert listed[f"blk.0.{kind}.weight"] == (
+                gate_up.resource_id,
+                offset,
+                [REAL_ROWS_OF_THREE[kind][rank], HIDDEN],
+            )
+
+
 def _collectives(program: mf.ProgramDecl) -> list[tuple[str, str, str]]:
     """Each collective node's (name, the node before it, the node after it)."""
     nodes = list(program.nodes)
@@ -173,7 +303,7 @@ def _collectives(program: mf.ProgramDecl) -> list[tuple[str, str, str]]:
     ]
 
 
-@pytest.mark.parametrize("which", ["tp1", "tp2"])
+@pytest.mark.parametrize("which", ["tp1", "tp2", "tp3"])
 def test_every_row_parallel_projection_is_summed_before_its_residual_add(
     cores: dict[str, VerifiedCore], which: str
 ) -> None:
@@ -205,22 +335,30 @@ def _weight(core: VerifiedCore, decl: mf.BufferDecl) -> npt.NDArray[np.float32]:
 
 
 def _check_reassembly(one_rank: VerifiedCore, ranked: VerifiedCore) -> None:
-    """Every sharded weight of ``ranked`` (rank order, along its split axis) equals ``one_rank``'s; every
+    """Every sharded weight of ``ranked`` (rank order, along its split axis, each shard cut to the real
+    extent its rank's catalog lists) equals ``one_rank``'s, and the rest of every shard is zeros; every
     replicated one equals it as stored."""
-    plain, tp2 = _decls(one_rank), _decls(ranked)
+    plain, decls = _decls(one_rank), _decls(ranked)
+    catalogs = {c.rank: {t.name: t for t in c.tensors} for c in _catalogs(ranked)}
     for layer in range(LAYERS):
         for kind, axis in SPLIT_AXIS.items():
             name = f"blk.{layer}.{kind}.weight"
-            shards = [_weight(ranked, d) for d in sorted(tp2[name], key=lambda d: d.rank)]
+            shards = [_weight(ranked, d) for d in sorted(decls[name], key=lambda d: d.rank)]
+            real = []
+            for rank, shard in enumerate(shards):
+                extent = catalogs[rank][name].shape[axis]
+                real.append(np.take(shard, range(extent), axis=axis))
+                assert not np.take(shard, range(extent, shard.shape[axis]), axis=axis).any()  # zero padding
             whole = _weight(one_rank, plain[name][0])
-            assert np.array_equal(np.concatenate(shards, axis=axis), whole)
+            assert np.array_equal(np.concatenate(real, axis=axis), whole)
             assert not np.array_equal(shards[0], shards[1])
     for name in REPLICATED:
-        assert np.array_equal(_weight(ranked, tp2[name][0]), _weight(one_rank, plain[name][0]))
+        assert np.array_equal(_weight(ranked, decls[name][0]), _weight(one_rank, plain[name][0]))
 
 
-def test_the_shards_reassemble_the_one_rank_weights_exactly(cores: dict[str, VerifiedCore]) -> None:
-    _check_reassembly(cores["plain"], cores["tp2"])
+@pytest.mark.parametrize("which", ["tp2", "tp3"])
+def test_the_shards_reassemble_the_one_rank_weights_exactly(cores: dict[str, VerifiedCore], which: str) -> None:
+    _check_reassembly(cores["plain"], cores[which])
 
 
 def test_the_golden_two_rank_fixture_holds_the_one_rank_fixture_s_weights() -> None:
@@ -341,9 +479,12 @@ def _one_rank(core: VerifiedCore, decodes: int = 2) -> list[npt.NDArray[Any]]:
     return _rounds(run, lambda: backend.buffers["scratch.logits"][0], decodes)
 
 
-def _thread_ranks(core: VerifiedCore, decodes: int = 2) -> tuple[list[npt.NDArray[Any]], list[npt.NDArray[Any]]]:
+def _thread_ranks(
+    core: VerifiedCore, decodes: int = 2, inspect: Callable[[str, list[ReferenceBackend]], None] | None = None
+) -> tuple[list[npt.NDArray[Any]], list[npt.NDArray[Any]]]:
     """Every rank's backend on its own thread, ``all_reduce`` through :class:`_SumOverRanks`; rank 0's
-    logits after each round, and rank 1's."""
+    logits after each round, and the last rank's; ``inspect`` sees each program's name and every rank's
+    backend after it ran."""
     ranks = core.contract.ranks
     communicators = _SumOverRanks.group(ranks)
     backends = [
@@ -377,6 +518,8 @@ def _thread_ranks(core: VerifiedCore, decodes: int = 2) -> tuple[list[npt.NDArra
             thread.join()
         if errors:
             raise errors[0]
+        if inspect is not None:
+            inspect(program, backends)
 
     other: list[npt.NDArray[Any]] = []
 
@@ -396,17 +539,42 @@ def test_two_ranks_compute_the_one_rank_logits(cores: dict[str, VerifiedCore]) -
         assert int(np.argmax(got)) == int(np.argmax(want))
 
 
+def test_three_padded_ranks_compute_the_one_rank_logits(cores: dict[str, VerifiedCore]) -> None:
+    """Rank 2 of three holds one zero-padded key-value head (its two query heads) and 2 zero feed-forward
+    rows: its attention output is exactly zero (finite: the softmax of equal zero scores over zero
+    values), its padded SwiGLU columns are exactly zero, and the ranks' sum is the one-rank product."""
+    checked: list[str] = []
+
+    def padding_adds_nothing(program: str, backends: list[ReferenceBackend]) -> None:
+        if program == "initialize":
+            return  # no layer runs
+        real, padded = backends[1].buffers, backends[2].buffers
+        assert np.isfinite(padded["scratch.attn"]).all() and not padded["scratch.attn"].any()
+        assert real["scratch.attn"].any()  # rank 1's head is the model's
+        assert not padded["scratch.act"][:, 20:].any() and padded["scratch.act"][:, :20].any()
+        checked.append(program)
+
+    expected = _one_rank(cores["plain"])
+    rank0, rank2 = _thread_ranks(cores["tp3"], inspect=padding_adds_nothing)
+    assert checked == [f"prefill_p{PREFILL}", "decode_b1", "decode_b1"]
+    for want, got, peer in zip(expected, rank0, rank2, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        assert np.array_equal(got, peer)
+        assert int(np.argmax(got)) == int(np.argmax(want))
+
+
 def test_one_rank_with_collectives_computes_the_same_bits(cores: dict[str, VerifiedCore]) -> None:
     expected = _one_rank(cores["plain"])
     for want, got in zip(expected, _one_rank(cores["tp1"]), strict=True):
         assert np.array_equal(got, want)
 
 
-def test_the_kernel_graph_of_two_ranks_computes_the_one_rank_logits(
-    cores: dict[str, VerifiedCore], tmp_path: Path
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_kernel_graph_of_several_ranks_computes_the_one_rank_logits(
+    cores: dict[str, VerifiedCore], tmp_path: Path, ranks: int
 ) -> None:
-    """The fused form: packed [q | k | v] and [gate | up] shards, and the down projection's partial
-    product over the zero residual."""
+    """The fused form: packed [q | k | v] and [gate | up] shards (three ranks: zero-padded), and the down
+    projection's partial product over the zero residual."""
     caps = Capacities(
         max_rows=MAX_ROWS,
         prefill_tokens=(PREFILL,),
@@ -416,7 +584,7 @@ def test_the_kernel_graph_of_two_ranks_computes_the_one_rank_logits(
         context=CONTEXT,
     )
     serving, builder, resources = assemble(
-        synthetic_declaration("tiny", seed=SEED), caps, kernel_graph=True, tensor_parallel=2
+        synthetic_declaration("tiny", seed=SEED), caps, kernel_graph=True, tensor_parallel=ranks
     )
     nodes = [n.op.name for n in _program_of(builder.manifest, "decode_b1").nodes]
     layer = nodes[nodes.index("rmsnorm_linear_rope_kv_cache_write") :][:9]
@@ -432,7 +600,7 @@ def test_the_kernel_graph_of_two_ranks_computes_the_one_rank_logits(
         "add",
     ]
     paths = generate_keys(tmp_path / "keys")
-    out = tmp_path / "tp2-kernel.core"
+    out = tmp_path / f"tp{ranks}-kernel.core"
     validate_and_write(
         out,
         serving,
@@ -502,20 +670,21 @@ def test_the_runtime_s_thread_ranks_compute_the_one_rank_logits(cores: dict[str,
     ("extra", "message"),
     [
         (
-            ["--tensor-parallel", "4"],
-            "--tensor-parallel 4 does not divide the key-value heads (2) of llama-synthetic shape 'tiny'; the rank "
-            "count must divide the attention heads (4), key-value heads (2) and feed-forward width (64)",
+            ["--tensor-parallel", "9"],
+            "--tensor-parallel 9 would leave rank 8 of llama-synthetic shape 'tiny' with zero padding only: a "
+            "rank holds 1 of the 2 key-value heads, which ranks 0..1 hold, and 8 of the 64 feed-forward rows, "
+            "which ranks 0..7 hold",
         ),
         (
-            ["--tensor-parallel", "3"],
-            "--tensor-parallel 3 does not divide the attention heads (4), key-value heads (2), feed-forward width "
-            "(64) of llama-synthetic shape 'tiny'; the rank count must divide the attention heads (4), key-value "
-            "heads (2) and feed-forward width (64)",
+            ["--tensor-parallel", "40"],
+            "--tensor-parallel 40 would leave ranks 32..39 of llama-synthetic shape 'tiny' with zero padding "
+            "only: a rank holds 1 of the 2 key-value heads, which ranks 0..1 hold, and 2 of the 64 feed-forward "
+            "rows, which ranks 0..31 hold",
         ),
         (["--tensor-parallel", "0"], "--tensor-parallel must be at least 1 (the ranks), got 0"),
     ],
 )
-def test_a_rank_count_that_does_not_cut_whole_shards_is_refused(
+def test_a_rank_count_that_would_leave_a_rank_padding_only_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
     out = tmp_path / "refused.core"
@@ -525,13 +694,15 @@ def test_a_rank_count_that_does_not_cut_whole_shards_is_refused(
     assert not (tmp_path / "refused.core.keys").exists()  # refused before any key is made
 
 
-def test_smollm2_refuses_two_ranks_for_its_nine_heads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_smollm2_refuses_ranks_that_would_hold_padding_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its 3 key-value heads and 1536 feed-forward rows (read from the GGUF's metadata): 769 ranks of 2
+    rows use the rows up on rank 767. Two and four ranks build (tests/runtime/test_smollm2_ranks.py)."""
     out = tmp_path / "smol.core"
-    assert ignition_main(["build", "smollm2-135m-instruct", "--out", str(out), "--tensor-parallel", "2"]) == 1
+    assert ignition_main(["build", "smollm2-135m-instruct", "--out", str(out), "--tensor-parallel", "769"]) == 1
     assert capsys.readouterr().err == (
-        "ignition: error: --tensor-parallel 2 does not divide the attention heads (9), key-value heads (3) of "
-        "smollm2-135m-instruct; the rank count must divide the attention heads (9), key-value heads (3) and "
-        "feed-forward width (1536)\n"
+        "ignition: error: --tensor-parallel 769 would leave rank 768 of smollm2-135m-instruct with zero padding "
+        "only: a rank holds 1 of the 3 key-value heads, which ranks 0..2 hold, and 2 of the 1536 feed-forward "
+        "rows, which ranks 0..767 hold\n"
     )
     assert not out.exists()
 

@@ -44,9 +44,9 @@ def test_a_windowed_build_declares_its_window_on_the_history_and_every_attention
     ("extra", "message"),
     [
         (
-            ["--window", "8", "--targets", "reference,sm_90a"],
-            "sliding-window attention (--window) is built for the reference target only; build with --targets "
-            "reference, or without --window for sm_90a",
+            ["--window", "8", "--targets", "reference,sm_80"],
+            "sliding-window attention (--window) is built for the targets reference, sm_90a only; build without "
+            "--window for sm_80",
         ),
         (["--window", "-1"], "--window must be 0 (unlimited) or positive, got -1"),
         (
@@ -66,15 +66,17 @@ def test_the_cli_refuses_a_window_it_cannot_build(
 
 
 def test_build_core_callers_get_the_same_refusal() -> None:
-    with pytest.raises(ValueError, match=r"built for the reference target only"):
-        check_window(Capacities(window=8), ("sm_90a",))
-    check_window(Capacities(window=8), ("reference",))
+    with pytest.raises(ValueError, match=r"built for the targets reference, sm_90a only"):
+        check_window(Capacities(window=8), ("sm_80",))
+    check_window(Capacities(window=8), ("reference", "sm_90a"))
     check_window(Capacities(), ("sm_90a",))
 
 
-def test_the_cli_builds_a_windowed_core(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("targets", ["reference", "reference,sm_90a"])
+def test_the_cli_builds_a_windowed_core(tmp_path: Path, capsys: pytest.CaptureFixture[str], targets: str) -> None:
     out = tmp_path / "windowed.core"
     argv = ["build", "llama-synthetic", "--out", str(out), "--shape", "tiny", "--quiet", "--window", "8"]
+    argv += ["--targets", targets]
     argv += ["--max-rows", "2", "--page-tokens", "4", "--cache-pages", "32", "--context", "64"]
     assert ignition_main(argv) == 0
     assert out.exists()

@@ -5,7 +5,8 @@ A test module builds its core once (``build_signed_core`` with an Ignition build
 its capacities), starts models with ``run`` (the ``started`` fixture of ``tests/runtime/conftest.py``
 closes them), and compares what requests served together produce with what each produces alone:
 ``solo_tokens`` runs each prompt by itself, ``submit_all`` queues every prompt at once, and
-``assert_each_finishes_at_length`` checks every stream's tokens and end.
+``assert_each_finishes_at_length`` checks every stream's tokens and end. ``FailingRank`` wraps a rank's
+backend so that its next runs raise, for the rank-failure tests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ignition.build import build_core
 from ignition.recipes.llama import Capacities
 from ignition.recipes.synthetic import synthetic_declaration
 
+from helios_core.backends.reference import ReferenceBackend
 from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.contract import LoadOptions
 from helios_core.loading import TrustSettings
@@ -37,6 +39,23 @@ class SignedCore(NamedTuple):
 
     path: Path
     trust: TrustSettings
+
+
+class FailingRank:
+    """A rank's backend whose next ``failures`` runs raise ``FloatingPointError`` (then it runs normally)."""
+
+    def __init__(self, backend: ReferenceBackend, failures: int = 1) -> None:
+        self.backend = backend
+        self.failures = failures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    def run(self, program: str, frame: int) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise FloatingPointError("overflow in the rank's projection")
+        self.backend.run(program, frame)
 
 
 def build_signed_core(

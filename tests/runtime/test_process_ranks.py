@@ -47,7 +47,7 @@ from helios_core.runtime.messages import ExecutionFailed, Finished
 from helios_core.runtime.startup import RunningModel, start
 
 from .conftest import FIXTURES, fixture_settings
-from .engine_harness import SignedCore, build_signed_core, prompt_of, solo_tokens, submit_all, token_ids
+from .engine_harness import FailingRank, SignedCore, build_signed_core, prompt_of, solo_tokens, submit_all, token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 TP2 = FIXTURES / "tp2-tiny.core"
@@ -324,23 +324,6 @@ def test_a_secret_file_readable_by_others_or_empty_is_refused(
 # ------------------------------------------------------------------------------------------------ failures
 
 
-class _FailingOnce:
-    """A rank's backend whose next run raises (then runs normally)."""
-
-    def __init__(self, backend: ReferenceBackend) -> None:
-        self.backend = backend
-        self.failures = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
-
-    def run(self, program: str, frame: int) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise FloatingPointError("overflow in the rank's projection")
-        self.backend.run(program, frame)
-
-
 def test_a_failing_rank_fails_only_its_round_naming_it_and_the_next_round_runs(started: list[RunningModel]) -> None:
     one_rank = start(FIXTURES / "payload-v3.core", fixture_settings(), LoadOptions(), backend="reference")
     started.append(one_rank)
@@ -353,12 +336,12 @@ def test_a_failing_rank_fails_only_its_round_naming_it_and_the_next_round_runs(s
         peer = join_leader("127.0.0.1", port, 1, SECRET, contract_digest(verified.contract), timeout_s=DEADLINE_S)
         welcome = peer.welcome
 
-        def build(communicator: Any) -> _FailingOnce:
+        def build(communicator: Any) -> FailingRank:
             backend = ReferenceBackend(
                 verified.contract, verified.core, cache_pages=welcome.cache_pages, state_rows=welcome.state_rows,
                 frames=welcome.frames, snapshot_rows=welcome.snapshot_rows, rank=1, communicator=communicator,
             )  # fmt: skip
-            holder["backend"] = wrapped = _FailingOnce(backend)
+            holder["backend"] = wrapped = FailingRank(backend, failures=0)
             return wrapped
 
         peer.load(build)

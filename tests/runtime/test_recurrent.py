@@ -182,9 +182,9 @@ def test_the_command_line_builds_the_recipe_and_refuses_attention_options(
     refused = tmp_path / "refused.core"
     assert main(["build", "recurrent-synthetic", "--out", str(refused), "--window", "4", "--tool-syntax", "xtml"]) == 1
     assert capsys.readouterr().err == "ignition: error: recurrent-synthetic does not take --window, --tool-syntax\n"
-    assert main(["build", "recurrent-synthetic", "--out", str(refused), "--targets", "reference,sm_90a"]) == 1
+    assert main(["build", "recurrent-synthetic", "--out", str(refused), "--targets", "reference,sm_80"]) == 1
     assert capsys.readouterr().err == (
-        "ignition: error: recurrent-synthetic is built for the targets reference only; build without sm_90a\n"
+        "ignition: error: recurrent-synthetic is built for the targets reference, sm_90a only; build without sm_80\n"
     )
     assert not refused.exists() and not (tmp_path / "refused.core.keys").exists()  # refused before any key
 

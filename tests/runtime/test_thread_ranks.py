@@ -33,7 +33,16 @@ from helios_core.runtime.native_model import NativeModel
 from helios_core.wire import manifest_pb2 as mf
 
 from .conftest import FIXTURES, fixture_settings
-from .engine_harness import SignedCore, build_signed_core, prompt_of, run, solo_tokens, submit_all, token_ids
+from .engine_harness import (
+    FailingRank,
+    SignedCore,
+    build_signed_core,
+    prompt_of,
+    run,
+    solo_tokens,
+    submit_all,
+    token_ids,
+)
 
 DEADLINE_S = 0.5
 """The collective deadline of the failure tests: short, so a missing rank is found quickly."""
@@ -298,25 +307,8 @@ def test_a_per_rank_program_through_thread_ranks_equals_the_one_rank_program(ran
         backend.close()
 
 
-class _FailingRank:
-    """A rank whose program raises on its first run (then runs normally)."""
-
-    def __init__(self, backend: ReferenceBackend) -> None:
-        self.backend = backend
-        self.failures = 1
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
-
-    def run(self, program: str, frame: int) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise FloatingPointError("overflow in the rank's projection")
-        self.backend.run(program, frame)
-
-
 def test_a_failing_rank_fails_the_round_naming_it_and_the_next_round_runs() -> None:
-    backend = ranked_mlp(4, lambda rank, ref: _FailingRank(ref) if rank == 2 else ref)
+    backend = ranked_mlp(4, lambda rank, ref: FailingRank(ref) if rank == 2 else ref)
     try:
         backend.transport(0)["x"][...] = X
         began = time.monotonic()

@@ -6,7 +6,7 @@ Helios' container writer. Every core it writes is validated with Helios'
 own contract checks before it is signed, so a recipe error fails here rather
 than at an operator's startup. The assembly steps every recipe shares (resources,
 cache identity, model and serving contracts, validation and writing, the
-reference-only target check) live here, used by the Llama, recurrent and latent
+target checks) live here, used by the Llama, recurrent and latent
 recipes alike. A tensor-parallel Llama core (``tensor_parallel`` N) stores each rank's weight shards
 in resources of that rank and one weight catalog a rank.
 """
@@ -71,6 +71,9 @@ SPECULATIVE_TARGETS = ("reference", "sm_90a")
 self-drafting (``lane_positions``, ``draft_argmax``, ``draft_allocate``, ``speculative_layout``,
 ``completion_self_draft``)."""
 
+WINDOW_TARGETS = ("reference", "sm_90a")
+"""Targets whose ``paged_attention`` honours the ``window`` attribute (sliding-window attention)."""
+
 
 def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
     """Refuse speculative programs for a target without kernels for the speculative operators.
@@ -99,19 +102,19 @@ def check_window(caps: Capacities, targets: Sequence[str]) -> None:
     """Refuse a sliding window the build cannot honour.
 
     Raises:
-        ValueError: ``caps.window`` is negative, or positive with a GPU target (the GPU attention kernel
-            attends to every position) or with self-drafting programs (their draft cursor is not
-            windowed yet).
+        ValueError: ``caps.window`` is negative, or positive with a target outside
+            :data:`WINDOW_TARGETS` or with self-drafting programs (their draft cursor is not windowed
+            yet).
     """
     if caps.window < 0:
         raise ValueError(f"--window must be 0 (unlimited) or positive, got {caps.window}")
     if not caps.window:
         return
-    gpu = [t for t in targets if t != "reference"]
-    if gpu:
+    unsupported = [t for t in targets if t not in WINDOW_TARGETS]
+    if unsupported:
         raise ValueError(
-            "sliding-window attention (--window) is built for the reference target only; "
-            f"build with --targets reference, or without --window for {', '.join(gpu)}"
+            f"sliding-window attention (--window) is built for the targets {', '.join(WINDOW_TARGETS)} only; "
+            f"build without --window for {', '.join(unsupported)}"
         )
     if caps.self_drafting:
         raise ValueError("sliding-window attention (--window) cannot be combined with --speculative self-draft")
@@ -137,7 +140,8 @@ def assemble(
 
     Raises:
         ValueError: speculative widths with a target outside :data:`SPECULATIVE_TARGETS`, or a rank
-            count that does not divide the heads, key-value heads and feed-forward width.
+            count :func:`~ignition.recipes.llama.partition_ranks` refuses (below 1, or leaving a rank
+            zero padding only).
     """
     check_speculative_targets(caps, gpu_targets)
     if tensor_parallel:
@@ -154,14 +158,7 @@ def assemble(
         tensor_parallel=tensor_parallel,
     )
     graphs = writer.write()
-    modules: list[ResourceInput] = []
-    for index, target in enumerate(gpu_targets):
-        from ignition.kernels.lowering import lower_manifest
-
-        if progress is not None:
-            progress(f"kernels for {target}", index, len(gpu_targets))
-        for module in lower_manifest(builder.manifest, target):
-            modules.append(ResourceInput(id=module.decl.resource_id, kind=cb.RESOURCE_KIND_MODULE, data=module.data))
+    modules = lower_for_targets(builder, gpu_targets, progress)
 
     resources = core_resources(builder, model.tokenizer_json, model.chat_template, modules)
     settings = [
@@ -209,6 +206,20 @@ def assemble(
     return serving, builder, resources
 
 
+def known_gpu_targets(targets: Sequence[str]) -> list[str]:
+    """The GPU targets among ``targets`` (all but ``reference``).
+
+    Raises:
+        ValueError: a target that is neither ``reference`` nor one the kernel compiler supports.
+    """
+    from ignition.kernels.compiler import SUPPORTED_TARGETS
+
+    unknown = [t for t in targets if t != "reference" and t not in SUPPORTED_TARGETS]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; known: reference, {', '.join(SUPPORTED_TARGETS)}")
+    return [t for t in targets if t != "reference"]
+
+
 def build_core(
     model: TextModelDeclaration,
     out: Path,
@@ -225,13 +236,8 @@ def build_core(
 ) -> ct.ServingContract:
     """Assemble, validate, sign and write a core (of ``tensor_parallel`` ranks with collectives when
     positive); returns its serving contract."""
-    from ignition.kernels.compiler import SUPPORTED_TARGETS
-
-    unknown = [t for t in targets if t != "reference" and t not in SUPPORTED_TARGETS]
-    if unknown:
-        raise ValueError(f"unknown targets {unknown}; known: reference, {', '.join(SUPPORTED_TARGETS)}")
+    gpu_targets = known_gpu_targets(targets)
     check_window(caps, targets)
-    gpu_targets = [t for t in targets if t != "reference"]
     serving, builder, resources = assemble(
         model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress, tensor_parallel=tensor_parallel
     )
@@ -257,12 +263,36 @@ def check_reference_only(recipe: str, targets: Sequence[str]) -> None:
     Raises:
         ValueError: ``targets`` names a target other than ``reference``.
     """
-    unsupported = [t for t in targets if t not in REFERENCE_ONLY_TARGETS]
+    check_recipe_targets(recipe, targets, REFERENCE_ONLY_TARGETS)
+
+
+def check_recipe_targets(recipe: str, targets: Sequence[str], supported: Sequence[str]) -> None:
+    """Refuse targets a recipe has no kernels for.
+
+    Raises:
+        ValueError: ``targets`` names a target outside ``supported``.
+    """
+    unsupported = [t for t in targets if t not in supported]
     if unsupported:
         raise ValueError(
-            f"{recipe} is built for the targets {', '.join(REFERENCE_ONLY_TARGETS)} only; "
-            f"build without {', '.join(unsupported)}"
+            f"{recipe} is built for the targets {', '.join(supported)} only; build without {', '.join(unsupported)}"
         )
+
+
+def lower_for_targets(
+    builder: ManifestBuilder, gpu_targets: Sequence[str], progress: Progress | None = None
+) -> list[ResourceInput]:
+    """Give every node of ``builder``'s programs the launches of each GPU target; returns the module
+    resources holding their code."""
+    modules: list[ResourceInput] = []
+    for index, target in enumerate(gpu_targets):
+        from ignition.kernels.lowering import lower_manifest
+
+        if progress is not None:
+            progress(f"kernels for {target}", index, len(gpu_targets))
+        for module in lower_manifest(builder.manifest, target):
+            modules.append(ResourceInput(id=module.decl.resource_id, kind=cb.RESOURCE_KIND_MODULE, data=module.data))
+    return modules
 
 
 def core_resources(

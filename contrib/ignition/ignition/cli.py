@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--window",
         type=int,
         default=0,
-        help="sliding-window attention: every layer attends to the last N positions (reference target only)",
+        help="sliding-window attention: every layer attends to the last N positions (targets reference and sm_90a)",
     )
     build.add_argument(
         "--tokens-per-record",
@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=(
             "llama-synthetic and smollm2-135m-instruct: a core of N tensor-parallel ranks with collectives "
-            "(N must divide the heads, key-value heads and feed-forward width; 1 keeps the collectives on one rank)"
+            "(each rank holds ceil(KV/N) key-value heads and ceil(F/N) feed-forward rows, the surplus zero-padded; "
+            "refused where a rank would hold padding only; 1 keeps the collectives on one rank)"
         ),
     )
     build.add_argument(
@@ -307,8 +308,8 @@ TENSOR_PARALLEL_RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
 
 def _check_tensor_parallel(args: argparse.Namespace) -> None:
     """Refuse, before any key or weight is touched, ``--tensor-parallel`` for another recipe, below 1,
-    or not dividing the model's heads, key-value heads and feed-forward width (SmolLM2's shape comes
-    from the GGUF's metadata)."""
+    or so large that a rank would hold zero padding only (SmolLM2's shape comes from the GGUF's
+    metadata)."""
     ranks = args.tensor_parallel
     if ranks is None:
         return
@@ -335,27 +336,29 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
         raise HeliosError(str(error)) from error
 
 
+def _refuse_options(recipe: str, *options: tuple[str, bool]) -> None:
+    """Refuse every ``(option, given)`` pair that was given, naming them all in one error."""
+    refused = [option for option, given in options if given]
+    if refused:
+        raise HeliosError(f"{recipe} does not take {', '.join(refused)}")
+
+
 def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...]) -> None:
     """Refuse, before any key or weight is touched, the options the recurrent and latent recipes do not
     take (the latent recipe: every option it has no programs for)."""
     from ignition.recipes.latent import check_latent_options, check_latent_targets
     from ignition.recipes.recurrent import check_recurrent_targets
 
-    refused = [
-        option
-        for option, given in (
-            ("--speculative", args.speculative is not None),
-            ("--window", bool(args.window)),
-            ("--tool-syntax", args.tool_syntax != "none"),
-            ("--extra-special", bool(args.extra_special)),
-            ("--dtype bf16", args.dtype == "bf16"),
-            ("--tokens-per-record", args.recipe != "latent-synthetic" and args.tokens_per_record != 1),
-            ("--page-offset", args.recipe != "latent-synthetic" and bool(args.page_offset)),
-        )
-        if given
-    ]
-    if refused:
-        raise HeliosError(f"{args.recipe} does not take {', '.join(refused)}")
+    _refuse_options(
+        args.recipe,
+        ("--speculative", args.speculative is not None),
+        ("--window", bool(args.window)),
+        ("--tool-syntax", args.tool_syntax != "none"),
+        ("--extra-special", bool(args.extra_special)),
+        ("--dtype bf16", args.dtype == "bf16"),
+        ("--tokens-per-record", args.recipe != "latent-synthetic" and args.tokens_per_record != 1),
+        ("--page-offset", args.recipe != "latent-synthetic" and bool(args.page_offset)),
+    )
     if args.recipe == "latent-synthetic":
         check_latent_targets(targets)
         try:
@@ -414,18 +417,13 @@ def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: t
     unknown shape and an unknown layout."""
     from ignition.recipes.vision import TOWERS, VISION_TOOL_SYNTAXES, check_vision_options, image_layout_choice
 
-    refused = [
-        option
-        for option, given in (
-            ("--speculative", args.speculative is not None),
-            ("--window", bool(args.window)),
-            (f"--tool-syntax {args.tool_syntax}", args.tool_syntax not in VISION_TOOL_SYNTAXES),
-            ("--extra-special", bool(args.extra_special)),
-        )
-        if given
-    ]
-    if refused:
-        raise HeliosError(f"vision-synthetic does not take {', '.join(refused)}")
+    _refuse_options(
+        "vision-synthetic",
+        ("--speculative", args.speculative is not None),
+        ("--window", bool(args.window)),
+        (f"--tool-syntax {args.tool_syntax}", args.tool_syntax not in VISION_TOOL_SYNTAXES),
+        ("--extra-special", bool(args.extra_special)),
+    )
     tower = TOWERS.get(args.shape)
     if tower is None:
         raise HeliosError(f"unknown vision shape {args.shape!r}; known shapes: {', '.join(TOWERS)}")

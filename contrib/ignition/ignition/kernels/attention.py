@@ -17,7 +17,12 @@ second launch. The group's query heads are padded to a 16-row tile and both prod
 and ``p @ V``) run on the matrix units as three TF32 products each (float32 accuracy; see
 ``benchmarks/attention_splits.py`` for the measured choice against float32 FMAs). Softmax is
 computed online in float32 (the reference subtracts the exact maximum first; the two agree to
-float32 rounding). Tokens whose row is negative (padding) get zero output. When the rows,
+float32 rounding). With a ``window`` ``N`` (the ``WINDOW`` constant; 0 attends every earlier
+position) a token attends positions ``lowest = max(position - N + 1, 0) .. position``, as the
+reference: its splits start at ``lowest`` rather than 0, so the launch needs only the splits ``N``
+positions reach, and no page-table entry or key and value row of a position before ``lowest`` is
+read (pages wholly before a window may already be released and hold another request's tokens).
+Tokens whose row is negative (padding) get zero output. When the rows,
 positions and page table are settled (no earlier node of the program writes them, see
 ``lowering.py``), a program reads them and its first block's pages before ``gdc_wait``; each block
 loads the next block's pages ahead.
@@ -76,17 +81,28 @@ def _split_pages(  # type: ignore[no-untyped-def]
     row_ptr,
     position_ptr,
     token,
-    start,
+    split,
     PAGE_TOKENS: tl.constexpr,
     TABLE_WIDTH: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """(the token's row, its position, the pages of its split's first block of positions)."""
+    """(the token's row, its position, its first attended position, its split's first position, the
+    pages of that split's first block of positions).
+
+    With a window ``N`` the token attends positions ``max(position - N + 1, 0) .. position`` and its
+    splits start at the first of them, so no page wholly before the window is named or read.
+    """
     row = tl.load(row_ptr + token)
     position = tl.load(position_ptr + token)
+    lowest = position * 0
+    if WINDOW > 0:
+        lowest = tl.maximum(position - (WINDOW - 1), 0)
+    start = lowest + split * SPLIT
     offs = start + tl.arange(0, BLOCK_N)
     page = tl.load(table_ptr + row * TABLE_WIDTH + offs // PAGE_TOKENS, mask=(row >= 0) & (offs <= position), other=0)
-    return row, position, page
+    return row, position, lowest, start, page
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -118,28 +134,29 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     HEADS_M: tl.constexpr,
     D_P: tl.constexpr,
     TF32X3: tl.constexpr,
+    WINDOW: tl.constexpr,
     SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
-    start = split * SPLIT
     if SETTLED:  # rows, positions and the page table: read before the wait (module docstring)
-        row, position, page = _split_pages(
-            table_ptr, row_ptr, position_ptr, token, start, PAGE_TOKENS, TABLE_WIDTH, BLOCK_N
+        row, position, lowest, start, page = _split_pages(
+            table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, BLOCK_N, WINDOW
         )
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if not SETTLED:
-        row, position, page = _split_pages(
-            table_ptr, row_ptr, position_ptr, token, start, PAGE_TOKENS, TABLE_WIDTH, BLOCK_N
+        row, position, lowest, start, page = _split_pages(
+            table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, BLOCK_N, WINDOW
         )
-    # A context of at most SHORT positions (and a padding token) is attended by split 0 alone;
-    # a longer one by the splits its positions reach. The others have nothing to do.
-    short = (row < 0) | (position < SHORT)
-    active = tl.cdiv(position + 1, SPLIT)
+    # A context (the positions lowest..position) of at most SHORT positions, and a padding token, is
+    # attended by split 0 alone; a longer one by the splits its positions reach. The others have
+    # nothing to do.
+    short = (row < 0) | (position - lowest < SHORT)
+    active = tl.cdiv(position + 1 - lowest, SPLIT)
     stop = position + 1
     if short:
         active = 1
@@ -288,10 +305,14 @@ def attention_launches(
     for view, name in ((table, "page_table"), (rows, "token_row"), (positions, "token_position")):
         if ctx.dtype(view) != mf.DTYPE_I32:
             raise ctx.fail(f"{name} must be int32")
+    window = ctx.attribute(node, "window", 0)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ctx.fail(f"window must be 0 (unlimited) or a positive integer, got {window!r}")
     group = heads // kv_heads
     span = width * page_tokens
-    split = min(SPLIT_POSITIONS, next_power_of_two(span))
-    splits = cdiv(span, split)
+    reach = min(span, window) if window else span  # the most positions one token attends
+    split = min(SPLIT_POSITIONS, next_power_of_two(reach))
+    splits = cdiv(reach, split)
     block_n = max(16, min(split, 64 if head_dim <= 64 else 32))
     max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
     sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
@@ -326,11 +347,12 @@ def attention_launches(
             "SPLITS": splits,
             "SPLITS_P2": next_power_of_two(splits),
             "SPLIT": split,
-            "SHORT": max(split, min(short, span)),
+            "SHORT": max(split, min(short, reach)),
             "BLOCK_N": block_n,
             "HEADS_M": max(16, next_power_of_two(group)),
             "D_P": max(16, head_dim),
             "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
+            "WINDOW": window,
             "SETTLED": ctx.settled(table, rows, positions),
         },
         (tokens, kv_heads, splits),

@@ -9,7 +9,9 @@ module turns it into ``ExecutionManifest`` messages.
 Tensor-parallel builds (``ManifestBuilder(tensor_parallel=N)``) declare a per-rank weight as N
 ``BufferDecl`` of one name, rank 0..N-1, each filled from a resource of its own rank
 (:meth:`ManifestBuilder.rank_weight`); every other buffer is declared once (rank 0: replicated).
-Such a builder also lists each rank's stored tensors as a ``WeightCatalog`` (version 1).
+Such a builder also lists each rank's stored tensors as a ``WeightCatalog`` (version 1): a whole
+shard, or the parts a recipe names within it (:class:`CatalogPart`: a source tensor's real rows of a
+zero-padded or packed shard).
 """
 
 from __future__ import annotations
@@ -196,11 +198,17 @@ class ManifestBuilder:
         *,
         bf16: bool = False,
         source: str | None = None,
+        parts: Sequence[Sequence[CatalogPart]] | None = None,
     ) -> View:
         """Declare a per-rank weights buffer: one ``BufferDecl`` named ``name`` for each rank r, holding
-        ``shards[r]``, stored in the resource ``{resource_id}.rank{r}`` of rank r (shards of one shape)."""
+        ``shards[r]``, stored in the resource ``{resource_id}.rank{r}`` of rank r (shards of one shape).
+
+        Rank r's weight catalog lists ``parts[r]`` (each at its start within the stored shard), or,
+        without ``parts``, the whole shard under ``source`` (default: ``name``)."""
         if len(shards) != self.ranks:
             raise ValueError(f"per-rank weight {name!r} has {len(shards)} shards for {self.ranks} ranks")
+        if parts is not None and len(parts) != self.ranks:
+            raise ValueError(f"per-rank weight {name!r} lists catalog parts of {len(parts)} ranks, not {self.ranks}")
         shapes = {tuple(shard.shape) for shard in shards}
         if len(shapes) != 1:
             raise ValueError(f"the shards of per-rank weight {name!r} differ in shape: {sorted(shapes)}")
@@ -225,7 +233,15 @@ class ManifestBuilder:
                 decl.shape.add(size=int(size))
             if rank == 0:
                 self._buffers[name] = decl
-            self._catalog.append((rank, _catalog_tensor(source or name, rid, offset, dtype, shard.shape)))
+            if parts is None:
+                self._catalog.append((rank, _catalog_tensor(source or name, rid, offset, dtype, shard.shape)))
+                continue
+            itemsize = 2 if dtype == mf.DTYPE_BF16 else shard.dtype.itemsize
+            for part in parts[rank]:
+                if part.start < 0 or part.start + math.prod(part.shape) > shard.size:
+                    raise ValueError(f"catalog part {part.name!r} lies outside rank {rank}'s shard of {name!r}")
+                start = offset + part.start * itemsize
+                self._catalog.append((rank, _catalog_tensor(part.name, rid, start, dtype, part.shape)))
             view = View(name, tuple(int(s) for s in shard.shape))
         if view is None:
             raise ValueError(f"per-rank weight {name!r} has no shards")
@@ -272,6 +288,19 @@ class ManifestBuilder:
 
     def add_program(self, program: ProgramBuilder) -> None:
         self.manifest.programs.append(program.program)
+
+
+@dataclass(frozen=True)
+class CatalogPart:
+    """A tensor a rank's weight catalog lists inside one of its stored per-rank shards (a source tensor's
+    real rows or columns, where the shard also holds padding or other tensors)."""
+
+    name: str
+    """The source tensor's name."""
+    start: int
+    """The element of the stored shard (row-major) where the part's first element lies."""
+    shape: tuple[int, ...]
+    """The part's real extent (its rows keep the stored shard's row length)."""
 
 
 def _catalog_tensor(name: str, resource_id: str, offset: int, dtype: int, shape: Sequence[int]) -> cb.CatalogTensor:

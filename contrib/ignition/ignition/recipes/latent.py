@@ -20,7 +20,10 @@ read page ``j`` of a lane at column ``k + j``.
 
 Programs: ``initialize``, ``prefill_p{P}``, ``mixed_p{P}``, ``resume_p{P}``, ``scored_prefill_p{P}``
 and ``decode_b{B}``, as the Llama recipe writes them; no speculative, self-drafting or snapshot
-programs (a preempted request is recomputed from its tokens), reference target only.
+programs (a preempted request is recomputed from its tokens).
+
+Targets: ``reference`` and ``sm_90a`` (:data:`GPU_TARGETS`); a GPU target gives every node of the same
+operator graph its launches (the latent kernels are :mod:`ignition.kernels.latent`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ from ignition.build import (
     Layout,
     Progress,
     cache_identity,
-    check_reference_only,
+    check_recipe_targets,
     core_resources,
     default_frontend,
+    lower_for_targets,
     serving_contract,
     text_model_contract,
     validate_and_write,
@@ -296,19 +300,29 @@ def latent_declaration(
     )
 
 
+GPU_TARGETS = ("sm_90a",)
+"""GPU targets with kernels for every operator of the latent programs (``latent_cache_write`` and
+``latent_attention`` in :mod:`ignition.kernels.latent`)."""
+
+
 def check_latent_targets(targets: Sequence[str]) -> None:
     """Refuse targets this recipe has no kernels for.
 
     Raises:
-        ValueError: a target other than ``reference``.
+        ValueError: a target other than ``reference`` and :data:`GPU_TARGETS`.
     """
-    check_reference_only("latent-synthetic", targets)
+    check_recipe_targets("latent-synthetic", targets, ("reference", *GPU_TARGETS))
 
 
 def assemble_latent(
-    model: LatentDeclaration, caps: Capacities
+    model: LatentDeclaration,
+    caps: Capacities,
+    *,
+    gpu_targets: Sequence[str] = (),
+    progress: Progress | None = None,
 ) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
-    """The serving contract, execution manifest and resources of a latent core (reference target)."""
+    """The serving contract, execution manifest and resources of a latent core; every node of the
+    operator graph also gets the launches of each of ``gpu_targets``."""
     builder = ManifestBuilder()
     writer = LatentProgramWriter(
         builder,
@@ -320,7 +334,8 @@ def assemble_latent(
         page_offset=model.page_offset,
     )
     graphs = writer.write()
-    resources = core_resources(builder, model.tokenizer_json, model.chat_template)
+    modules = lower_for_targets(builder, gpu_targets, progress)
+    resources = core_resources(builder, model.tokenizer_json, model.chat_template, modules)
     identity = cache_identity(
         resources,
         family=b"latent-attention",
@@ -369,7 +384,8 @@ def build_latent_core(
 ) -> ct.ServingContract:
     """Assemble, validate (with Helios' own contract rules), sign and write a latent core."""
     check_latent_targets(targets)
-    serving, builder, resources = assemble_latent(model, caps)
+    gpu_targets = [t for t in targets if t != "reference"]
+    serving, builder, resources = assemble_latent(model, caps, gpu_targets=gpu_targets, progress=progress)
     validate_and_write(
         out,
         serving,

@@ -26,11 +26,15 @@ cache); a restore copies them back into the request's private tail page and
 state row.
 
 Tensor parallelism (``tensor_parallel`` N >= 1): every rank runs the same programs over its shard of
-each layer. Q, K and V are column-parallel (rank r holds query heads r x H/N .. and key-value heads
-r x KV/N .., whole heads, so its cache planes hold its KV/N heads); the output projection is
-row-parallel, its partial product summed by ``all_reduce`` before the residual add; the MLP's gate and
-up projections are column-parallel (F/N rows each), the down projection row-parallel, then
-``all_reduce`` and the residual add. The embedding, every norm and the LM head are replicated, so
+each layer (:class:`RankPartition`). Q, K and V are column-parallel (each rank holds ceil(KV/N) whole
+key-value heads and the query heads that read them, so its cache planes hold its key-value heads); the
+output projection is row-parallel, its partial product summed by ``all_reduce`` before the residual
+add; the MLP's gate and up projections are column-parallel (ceil(F/N) rows each), the down projection
+row-parallel, then ``all_reduce`` and the residual add. Where N does not divide the heads or the
+feed-forward width, the last ranks' surplus heads and rows are zeros: a zero head's scores are all
+zero, its softmax finite and its values zero, so its output is zero, and its zero output-projection
+columns (as the zero down-projection columns of zero rows, silu(0) x 0 = 0) add exactly zero to the
+partial product. The embedding, every norm and the LM head are replicated, so
 every rank computes the whole logits and samples the same tokens. With N = 1 the programs carry the
 collective nodes (identity on one rank). In a kernel graph the down projection's partial product comes
 from ``silu_mul_linear_add`` over a replicated zero residual (``tensor_parallel.zero_residual``), the
@@ -49,7 +53,7 @@ import numpy.typing as npt
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from ignition.preparation import contract as decl
-from ignition.preparation.program import ManifestBuilder, ProgramBuilder, View, prefix
+from ignition.preparation.program import CatalogPart, ManifestBuilder, ProgramBuilder, View, prefix
 from ignition.recipes.common import TextProgramWriter
 from ignition.recipes.engram import EngramViews, add_engram, declare_engram, engram_shape
 
@@ -283,33 +287,130 @@ class _SpeculativeScratch:
 TENSOR_PARALLEL_SPLITS = {"wq": 0, "wk": 0, "wv": 0, "w_gate": 0, "w_up": 0, "wo": 1, "w_down": 1}
 """The axis each sharded layer weight is cut along (0: rows, column-parallel; 1: columns, row-parallel)."""
 
+_SPLIT_EXTENTS = {
+    "wq": "heads",
+    "wo": "heads",
+    "wk": "kv_heads",
+    "wv": "kv_heads",
+    "w_gate": "ffn",
+    "w_up": "ffn",
+    "w_down": "ffn",
+}
+"""Which per-rank extent each sharded layer weight's split axis holds (heads count ``head_dim`` each)."""
 
-def check_tensor_parallel(shape: LlamaShape, ranks: int, model: str = "the model") -> None:
-    """Refuse a rank count that does not cut the attention and MLP into whole, equal shards.
+
+@dataclass(frozen=True)
+class RankPartition:
+    """How ``ranks`` tensor-parallel ranks share a model's attention heads and feed-forward rows.
+
+    Every rank holds ``kv_heads`` = ceil(KV / N) key-value heads, the ``heads`` = ``kv_heads`` x (H / KV)
+    query heads that read them, and ``ffn`` = ceil(F / N) feed-forward rows, so every rank's shapes are
+    the same. Rank r holds the model's key-value heads from r x ``kv_heads`` (with their query heads)
+    and its feed-forward rows from r x ``ffn``; where the model's run out, the rank's last heads and rows
+    are zero padding (zero q, k, v rows and output columns; zero gate and up rows and down columns),
+    whose contribution to every partial product is exactly zero.
+    """
+
+    model: LlamaShape
+    ranks: int
+    kv_heads: int
+    heads: int
+    ffn: int
+
+    @property
+    def padded(self) -> bool:
+        """Whether any rank holds padding (N does not divide the key-value heads or the feed-forward width)."""
+        return self.kv_heads * self.ranks != self.model.kv_heads or self.ffn * self.ranks != self.model.ffn
+
+    def extent(self, key: str) -> int:
+        """The rows (axis 0) or columns (axis 1) of sharded weight ``key`` (:data:`TENSOR_PARALLEL_SPLITS`)
+        that each rank stores, padding included."""
+        return self._extent(key, self.heads, self.kv_heads, self.ffn)
+
+    def whole(self, key: str) -> int:
+        """The model's extent along the split axis of ``key``."""
+        m = self.model
+        return self._extent(key, m.heads, m.kv_heads, m.ffn)
+
+    def real(self, key: str, rank: int) -> int:
+        """How many of rank ``rank``'s stored rows (or columns) of ``key`` are the model's; the rest are zeros."""
+        return min(max(self.whole(key) - rank * self.extent(key), 0), self.extent(key))
+
+    def shards(self, key: str, array: npt.NDArray[np.float32]) -> list[npt.NDArray[np.float32]]:
+        """``array`` (the model's weight ``key``) zero-padded along its split axis to N x :meth:`extent`,
+        cut into the N ranks' shards."""
+        axis = TENSOR_PARALLEL_SPLITS[key]
+        whole = np.asarray(array)
+        if whole.shape[axis] != self.whole(key):
+            raise ValueError(f"{key} has {whole.shape[axis]} along axis {axis}, the shape says {self.whole(key)}")
+        widths = [(0, 0)] * whole.ndim
+        widths[axis] = (0, self.extent(key) * self.ranks - self.whole(key))
+        return np.split(np.pad(whole, widths), self.ranks, axis=axis)
+
+    def real_shape(self, key: str, rank: int) -> tuple[int, int]:
+        """The shape of the model's part of rank ``rank``'s shard of ``key``: its first :meth:`real` rows
+        (of ``hidden`` columns) or columns (of ``hidden`` rows)."""
+        real = self.real(key, rank)
+        return (real, self.model.hidden) if TENSOR_PARALLEL_SPLITS[key] == 0 else (self.model.hidden, real)
+
+    def _extent(self, key: str, heads: int, kv_heads: int, ffn: int) -> int:
+        kind = _SPLIT_EXTENTS[key]
+        if kind == "ffn":
+            return ffn
+        return (heads if kind == "heads" else kv_heads) * self.model.head_dim
+
+
+def partition_ranks(shape: LlamaShape, ranks: int, model: str = "the model") -> RankPartition:
+    """Share ``shape`` among ``ranks`` tensor-parallel ranks (:class:`RankPartition`).
 
     Raises:
-        ValueError: ``ranks`` below 1, or not dividing the attention heads, the key-value heads and the
-            feed-forward width of ``shape``.
+        ValueError: ``ranks`` below 1, or so many ranks that the last would hold padding only (no
+            key-value head and no feed-forward row of the model's).
     """
     if ranks < 1:
         raise ValueError(f"--tensor-parallel must be at least 1 (the ranks), got {ranks}")
-    extents = (("attention heads", shape.heads), ("key-value heads", shape.kv_heads), ("feed-forward width", shape.ffn))
-    undivided = [f"{what} ({count})" for what, count in extents if count % ranks]
-    if undivided:
+    if shape.kv_heads < 1 or shape.heads % shape.kv_heads:
         raise ValueError(
-            f"--tensor-parallel {ranks} does not divide the {', '.join(undivided)} of {model}; the rank count "
-            f"must divide the attention heads ({shape.heads}), key-value heads ({shape.kv_heads}) and "
-            f"feed-forward width ({shape.ffn})"
+            f"the attention heads ({shape.heads}) of {model} are not a multiple of its key-value heads "
+            f"({shape.kv_heads})"
         )
+    kv_heads, ffn = -(-shape.kv_heads // ranks), -(-shape.ffn // ranks)
+    attention_ranks, feed_forward_ranks = -(-shape.kv_heads // kv_heads), -(-shape.ffn // ffn)
+    used = max(attention_ranks, feed_forward_ranks)
+    if used < ranks:
+        idle = f"rank {used}" if used == ranks - 1 else f"ranks {used}..{ranks - 1}"
+        raise ValueError(
+            f"--tensor-parallel {ranks} would leave {idle} of {model} with zero padding only: a rank holds "
+            f"{kv_heads} of the {shape.kv_heads} key-value heads, which {_first_ranks(attention_ranks)}, and "
+            f"{ffn} of the {shape.ffn} feed-forward rows, which {_first_ranks(feed_forward_ranks)}"
+        )
+    group = shape.heads // shape.kv_heads
+    return RankPartition(model=shape, ranks=ranks, kv_heads=kv_heads, heads=kv_heads * group, ffn=ffn)
+
+
+def _first_ranks(count: int) -> str:
+    return "rank 0 holds" if count == 1 else f"ranks 0..{count - 1} hold"
+
+
+def check_tensor_parallel(shape: LlamaShape, ranks: int, model: str = "the model") -> None:
+    """Refuse a rank count :func:`partition_ranks` refuses (below 1, or leaving a rank padding only).
+
+    Raises:
+        ValueError: as :func:`partition_ranks`.
+    """
+    partition_ranks(shape, ranks, model)
 
 
 def rank_shape(shape: LlamaShape, ranks: int) -> LlamaShape:
-    """The shape one of ``ranks`` tensor-parallel ranks computes: H/N heads, KV/N key-value heads, F/N
-    feed-forward width (checked by :func:`check_tensor_parallel`)."""
-    check_tensor_parallel(shape, ranks)
-    return dataclasses.replace(
-        shape, heads=shape.heads // ranks, kv_heads=shape.kv_heads // ranks, ffn=shape.ffn // ranks
-    )
+    """The shape one of ``ranks`` tensor-parallel ranks computes: ceil(KV/N) key-value heads, as many
+    groups of query heads, ceil(F/N) feed-forward rows, padding included (:class:`RankPartition`)."""
+    partition = partition_ranks(shape, ranks)
+    return dataclasses.replace(shape, heads=partition.heads, kv_heads=partition.kv_heads, ffn=partition.ffn)
+
+
+def _moved(part: CatalogPart, start: int) -> CatalogPart:
+    """``part`` starting at element ``start`` of a packed shard."""
+    return dataclasses.replace(part, start=start)
 
 
 def tensor_names(layer: int) -> dict[str, str]:
@@ -359,6 +460,8 @@ class LlamaProgramWriter(TextProgramWriter):
         self.tensor_parallel = tensor_parallel
         self.model_shape = shape
         """The whole model's shape (the weights' shapes)."""
+        self.partition = partition_ranks(shape, tensor_parallel) if tensor_parallel else None
+        """How the ranks share the heads and feed-forward rows (None without ``tensor_parallel``)."""
         self.shape = rank_shape(shape, tensor_parallel) if tensor_parallel else shape
         self.caps = caps
         self.text_caps = decl.TextCapacities(
@@ -435,11 +538,17 @@ class LlamaProgramWriter(TextProgramWriter):
 
     def _declare_rank_weights(self, weights: Weights, bf16: bool) -> None:
         """Tensor-parallel weights: the embedding, norms and LM head once (every rank loads them), each
-        layer's projections per rank (:data:`TENSOR_PARALLEL_SPLITS`), rank r's in the resource
-        ``weights.layer{L}.rank{r}``; a kernel graph packs each rank's [q | k | v] and [gate | up] shards
-        and reads a zero residual (module docstring)."""
+        layer's projections per rank (:data:`TENSOR_PARALLEL_SPLITS`, zero-padded by
+        :class:`RankPartition`), rank r's in the resource ``weights.layer{L}.rank{r}``; a kernel graph packs
+        each rank's [q | k | v] and [gate | up] shards and reads a zero residual (module docstring).
+
+        Rank r's weight catalog lists each source tensor's real part of its shard: the shard's first
+        rows (or columns) that are the model's, its padding left out; a packed shard as its parts."""
         w, per_rank = self.builder.weight, self.builder.rank_weight
-        ranks = self.tensor_parallel
+        partition = self.partition
+        if partition is None:
+            raise ValueError("tensor-parallel weights need the rank partition")
+        ranks = range(partition.ranks)
         self.tok_embd = w(
             "tok_embd", weights["token_embd.weight"], "weights.embed", bf16=bf16, source="token_embd.weight"
         )
@@ -447,9 +556,10 @@ class LlamaProgramWriter(TextProgramWriter):
         for layer in range(self.model_shape.layers):
             names = tensor_names(layer)
             rid = f"weights.layer{layer}"
-            shards = {
-                key: np.split(np.asarray(weights[names[key]]), ranks, axis=axis)
-                for key, axis in TENSOR_PARALLEL_SPLITS.items()
+            shards = {key: partition.shards(key, weights[names[key]]) for key in TENSOR_PARALLEL_SPLITS}
+            real = {
+                key: [CatalogPart(names[key], 0, partition.real_shape(key, r)) for r in ranks]
+                for key in TENSOR_PARALLEL_SPLITS
             }
             views = {
                 "attn_norm": w(names["attn_norm"], weights[names["attn_norm"]], rid),
@@ -458,13 +568,22 @@ class LlamaProgramWriter(TextProgramWriter):
             if self.fused:
                 qkv = [np.concatenate(parts) for parts in zip(shards["wq"], shards["wk"], shards["wv"], strict=True)]
                 gate_up = [np.concatenate(parts) for parts in zip(shards["w_gate"], shards["w_up"], strict=True)]
-                views["wqkv"] = per_rank(f"blk.{layer}.attn_qkv.weight", qkv, rid, bf16=bf16)
-                views["w_gate_up"] = per_rank(f"blk.{layer}.ffn_gate_up.weight", gate_up, rid, bf16=bf16)
+                q_size, k_size, gate_size = (shards[key][0].size for key in ("wq", "wk", "w_gate"))
+                qkv_parts = [
+                    [real["wq"][r], _moved(real["wk"][r], q_size), _moved(real["wv"][r], q_size + k_size)]
+                    for r in ranks
+                ]
+                gate_up_parts = [[real["w_gate"][r], _moved(real["w_up"][r], gate_size)] for r in ranks]
+                views["wqkv"] = per_rank(f"blk.{layer}.attn_qkv.weight", qkv, rid, bf16=bf16, parts=qkv_parts)
+                views["w_gate_up"] = per_rank(
+                    f"blk.{layer}.ffn_gate_up.weight", gate_up, rid, bf16=bf16, parts=gate_up_parts
+                )
                 sharded: tuple[str, ...] = ("wo", "w_down")
             else:
                 sharded = tuple(TENSOR_PARALLEL_SPLITS)
             for key in sharded:
-                views[key] = per_rank(names[key], shards[key], rid, bf16=bf16)
+                parts = [[part] for part in real[key]]
+                views[key] = per_rank(names[key], shards[key], rid, bf16=bf16, parts=parts)
             self.layer_weights.append(views)
         self.out_norm = w("output_norm.weight", weights["output_norm.weight"], "weights.head")
         head = weights.get("output.weight")
@@ -734,22 +853,35 @@ class LlamaProgramWriter(TextProgramWriter):
             if self.tensor_parallel:
                 self._fused_rank_tail(prog, layer, p, label)
                 continue
-            prog.node(
-                "linear_add",
-                {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
-                name=f"{label}l{layer}.o_residual",
-            )
-            prog.node(
-                "rmsnorm_linear",
-                {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
-                {"eps": s.rms_eps},
-                name=f"{label}l{layer}.gate_up",
-            )
-            prog.node(
-                "silu_mul_linear_add",
-                {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
-                name=f"{label}l{layer}.down_residual",
-            )
+            self._fused_residual_tail(prog, layer, h, attn2, gate_up, label, all_reduce=False)
+
+    def _fused_residual_tail(
+        self, prog: ProgramBuilder, layer: int, h: View, attn2: View, gate_up: View, label: str, *, all_reduce: bool
+    ) -> None:
+        """A kernel graph's layer after attention: output projection + residual, RMSNorm + [gate|up]
+        projection, SwiGLU + down projection + residual; with ``all_reduce``, each residual add is followed
+        by an in-place ``all_reduce`` of the residual stream ``h`` (an identity on one rank)."""
+        s, lw = self.shape, self.layer_weights[layer]
+        prog.node(
+            "linear_add",
+            {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
+            name=f"{label}l{layer}.o_residual",
+        )
+        if all_reduce:
+            self._all_reduce(prog, h, f"{label}l{layer}.o_all_reduce")
+        prog.node(
+            "rmsnorm_linear",
+            {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
+            {"eps": s.rms_eps},
+            name=f"{label}l{layer}.gate_up",
+        )
+        prog.node(
+            "silu_mul_linear_add",
+            {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
+            name=f"{label}l{layer}.down_residual",
+        )
+        if all_reduce:
+            self._all_reduce(prog, h, f"{label}l{layer}.down_all_reduce")
 
     def _fused_rank_tail(self, prog: ProgramBuilder, layer: int, tokens: int, label: str) -> None:
         """A tensor-parallel kernel graph's layer after attention: the output projection's partial
@@ -767,24 +899,7 @@ class LlamaProgramWriter(TextProgramWriter):
             # so the fused residual kernels of the single-rank graph stay and each all_reduce sums the residual
             # stream in place (an identity on one rank): the core differs from a core without collectives by
             # its collectives alone.
-            prog.node(
-                "linear_add",
-                {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
-                name=f"{label}l{layer}.o_residual",
-            )
-            self._all_reduce(prog, h, f"{label}l{layer}.o_all_reduce")
-            prog.node(
-                "rmsnorm_linear",
-                {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
-                {"eps": s.rms_eps},
-                name=f"{label}l{layer}.gate_up",
-            )
-            prog.node(
-                "silu_mul_linear_add",
-                {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
-                name=f"{label}l{layer}.down_residual",
-            )
-            self._all_reduce(prog, h, f"{label}l{layer}.down_all_reduce")
+            self._fused_residual_tail(prog, layer, h, attn2, gate_up, label, all_reduce=True)
             return
         prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
         self._all_reduce(prog, o, f"{label}l{layer}.o_all_reduce")

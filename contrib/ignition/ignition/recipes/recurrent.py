@@ -22,6 +22,9 @@ set to zero), ``prefill_p{P}``, ``mixed_p{P}``, ``resume_p{P}``, ``scored_prefil
 ``decode_b{B}``, and with snapshots ``snapshot`` / ``restore``: a snapshot copies the request's
 recurrent state rows, pending token and sampling state into continuation rows at its exact consumed
 endpoint (the whole committed history: there are no pages to keep), a restore copies them back.
+
+Targets: ``reference`` and ``sm_90a`` (:data:`GPU_TARGETS`); a GPU target gives every node of the same
+operator graph its launches (the recurrence kernels are :mod:`ignition.kernels.recurrence`).
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ from ignition.build import (
     Layout,
     Progress,
     cache_identity,
-    check_reference_only,
+    check_recipe_targets,
     core_resources,
     default_frontend,
+    lower_for_targets,
     serving_contract,
     text_model_contract,
     validate_and_write,
@@ -395,23 +399,34 @@ def recurrent_declaration(shape_name: str, *, seed: int = 0) -> RecurrentDeclara
     )
 
 
+GPU_TARGETS = ("sm_90a",)
+"""GPU targets with kernels for every operator of the recurrent programs (``gated_recurrence_scan`` and
+``gated_recurrence_step`` in :mod:`ignition.kernels.recurrence`)."""
+
+
 def check_recurrent_targets(targets: Sequence[str]) -> None:
     """Refuse targets this recipe has no kernels for.
 
     Raises:
-        ValueError: a target other than ``reference``.
+        ValueError: a target other than ``reference`` and :data:`GPU_TARGETS`.
     """
-    check_reference_only("recurrent-synthetic", targets)
+    check_recipe_targets("recurrent-synthetic", targets, ("reference", *GPU_TARGETS))
 
 
 def assemble_recurrent(
-    model: RecurrentDeclaration, caps: Capacities
+    model: RecurrentDeclaration,
+    caps: Capacities,
+    *,
+    gpu_targets: Sequence[str] = (),
+    progress: Progress | None = None,
 ) -> tuple[ct.ServingContract, ManifestBuilder, list[ResourceInput]]:
-    """The serving contract, execution manifest and resources of a recurrent core (reference target)."""
+    """The serving contract, execution manifest and resources of a recurrent core; every node of the
+    operator graph also gets the launches of each of ``gpu_targets``."""
     builder = ManifestBuilder()
     writer = RecurrentProgramWriter(builder, model.shape, caps, model.weights, sampled_size=model.sampled_size)
     graphs = writer.write()
-    resources = core_resources(builder, model.tokenizer_json, model.chat_template)
+    modules = lower_for_targets(builder, gpu_targets, progress)
+    resources = core_resources(builder, model.tokenizer_json, model.chat_template, modules)
     contract_model = text_model_contract(model.sampled_size, model.shape.vocab, caps.page_tokens)
     recurrent = contract_model.cache.regions.add(name="recurrent", kind=ct.HISTORY_KIND_RECURRENT)
     recurrent.planes.extend(state.buffer for state in writer.states)
@@ -446,7 +461,8 @@ def build_recurrent_core(
 ) -> ct.ServingContract:
     """Assemble, validate (with Helios' own contract rules), sign and write a recurrent core."""
     check_recurrent_targets(targets)
-    serving, builder, resources = assemble_recurrent(model, caps)
+    gpu_targets = [t for t in targets if t != "reference"]
+    serving, builder, resources = assemble_recurrent(model, caps, gpu_targets=gpu_targets, progress=progress)
     validate_and_write(
         out,
         serving,

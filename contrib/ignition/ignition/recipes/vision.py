@@ -39,7 +39,6 @@ import numpy.typing as npt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from helios_core.container.writer import ResourceInput
-from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from ignition.build import (
@@ -50,6 +49,8 @@ from ignition.build import (
     check_window,
     core_resources,
     default_frontend,
+    known_gpu_targets,
+    lower_for_targets,
     serving_contract,
     text_model_contract,
     validate_and_write,
@@ -606,14 +607,7 @@ def assemble_vision(
     builder = ManifestBuilder()
     writer = VisionProgramWriter(builder, model, caps, bf16=bf16, fused=kernel_graph or bool(gpu_targets))
     graphs = writer.write()
-    modules: list[ResourceInput] = []
-    for index, target in enumerate(gpu_targets):
-        from ignition.kernels.lowering import lower_manifest
-
-        if progress is not None:
-            progress(f"kernels for {target}", index, len(gpu_targets))
-        for module in lower_manifest(builder.manifest, target):
-            modules.append(ResourceInput(id=module.decl.resource_id, kind=cb.RESOURCE_KIND_MODULE, data=module.data))
+    modules = lower_for_targets(builder, gpu_targets, progress)
     resources = core_resources(builder, model.tokenizer_json, model.chat_template, modules)
     choice = model.choice
     settings = [
@@ -662,13 +656,8 @@ def build_vision_core(
     progress: Progress | None = None,
 ) -> ct.ServingContract:
     """Assemble, validate (with Helios' own contract rules), sign and write a vision core."""
-    from ignition.kernels.compiler import SUPPORTED_TARGETS
-
-    unknown = [t for t in targets if t != "reference" and t not in SUPPORTED_TARGETS]
-    if unknown:
-        raise ValueError(f"unknown targets {unknown}; known: reference, {', '.join(SUPPORTED_TARGETS)}")
+    gpu_targets = known_gpu_targets(targets)
     check_vision_options(caps, targets)
-    gpu_targets = [t for t in targets if t != "reference"]
     serving, builder, resources = assemble_vision(model, caps, bf16=bf16, gpu_targets=gpu_targets, progress=progress)
     validate_and_write(
         out,
