@@ -81,6 +81,11 @@ CANDIDATES = (
         )
         for split in (2, 4, 8)
     ),
+    Tiles(64, 128, 64, 8, 3),
+    Tiles(64, 256, 64, 8, 3),
+    Tiles(64, 128, 128, 8, 3),
+    *(Tiles(64, 256, 64, 8, 3, split=split) for split in (2, 4)),
+    *(Tiles(128, 256, 64, 8, 3, split=split) for split in (2, 4)),
 )
 
 
@@ -199,8 +204,11 @@ def _time_ours(
     scratch = {name: cuda.alloc(max(count * 4, 4)) for name, count in workspaces.items()}
     for name, count in workspaces.items():
         cuda.memset(scratch[name], max(count * 4, 4))
-    if "workspace.projection_input" in scratch:  # the staged prologue's output is the projection's input
+    # the staged prologue's output (float32, or the bf16 weights' type) is the projection's input
+    if "workspace.projection_input" in scratch:
         cuda.upload(scratch["workspace.projection_input"], np.ones(rows * k, dtype=np.float32))
+    if "workspace.projection_input_bf16" in scratch:
+        cuda.upload(scratch["workspace.projection_input_bf16"], np.full(rows * k, 0x3F80, dtype=np.uint16))
     function = cuda.function(module, launch.symbol, launch.shared_bytes)
     x = cuda.alloc(rows * (2 * k if gated else k) * 4)
     out = cuda.alloc(rows * n * 4)

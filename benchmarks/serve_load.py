@@ -305,7 +305,8 @@ def serve_subprocess(
             served = client.get(f"http://127.0.0.1:{port}/v1/models").status_code
         log(
             f"helios run{' --worker-process' if worker_process else ''} ({backend}): ready in {ready_s:.2f} s, "
-            f"/v1/models {served} at {time.monotonic() - began:.2f} s after the command started"
+            f"/v1/models {served} at {time.monotonic() - began:.2f} s after the command started; "
+            f"its own account: {seen[-1].strip().partition(' (')[2].rstrip(')') or 'none'}"
         )
         yield f"http://127.0.0.1:{port}", None
     finally:

@@ -12,8 +12,9 @@ everything that runs in the worker process. The two processes talk over one dupl
   ``Engine.submit`` compiles it again from ``response_format``, on the worker process's receiving
   thread, never on its model worker thread.
 * worker → server: a list of :data:`FromWorker` per frame, in publication order: first
-  :class:`WorkerReady` (or :class:`WorkerStartFailed`), then the engine's events as it publishes them
-  (a decode round's :class:`~helios_core.runtime.messages.RoundTokens` once per round, wrapped in
+  :class:`WorkerReady` (with how long the worker process took to load) or :class:`WorkerStartFailed`,
+  then the engine's events as it publishes them (a decode round's
+  :class:`~helios_core.runtime.messages.RoundTokens` once per round, wrapped in
   :class:`RoundDelivery`), :class:`LoadUpdate` whenever the statistics, the live load gauges or the
   KV-cache event counters changed (checked every :data:`LOAD_INTERVAL_SECONDS`), the answer to a
   :class:`StartKvEvents` (:class:`KvEventsStarted` or :class:`KvEventsFailed`), and
@@ -39,6 +40,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -99,6 +101,10 @@ class WorkerReady(msgspec.Struct, frozen=True, tag="ready", gc=False):
     page_tokens: int
     total_pages: int
     snapshot: StatsSnapshot
+    load_seconds: float = 0.0
+    """How long the worker process took from entering :func:`serve_worker` (Helios imported, the
+    specification received) to ready: verifying the core, loading the native model and starting the
+    engine (``time.monotonic`` there)."""
 
 
 class WorkerStartFailed(msgspec.Struct, frozen=True, tag="start_failed", gc=False):
@@ -287,6 +293,7 @@ def _publish_load(engine: Engine, kv_events: _KvEvents, outbox: _Outbox, stopped
 
 def serve_worker(connection: Connection, spec: WorkerSpec) -> None:
     """The worker process's entry point: load, announce, serve the pipe until ``Stop`` or its end."""
+    began = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from helios_core.runtime.startup import start
@@ -306,7 +313,12 @@ def serve_worker(connection: Connection, spec: WorkerSpec) -> None:
     pages = engine.allocator
     outbox.put(
         WorkerReady(
-            os.getpid(), running.model.clock_origin_ns, pages.page_tokens, pages.total_pages, engine.statistics()
+            os.getpid(),
+            running.model.clock_origin_ns,
+            pages.page_tokens,
+            pages.total_pages,
+            engine.statistics(),
+            load_seconds=time.monotonic() - began,
         )
     )
     stopped = threading.Event()

@@ -50,6 +50,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -377,6 +378,13 @@ class _Loader:
     service is installed every route but ``/health`` answers 503 ``not_ready``. :meth:`close` (after the
     server stopped and the startup thread ended) stops the model worker, closes the core, then the
     publisher (the worker process closes its own once its engine stopped).
+
+    The readiness line ends with the startup time and its main phases, each measured around the real
+    step: ``(startup T s: model loaded L s, warm-up W s)``, where ``startup`` counts from this loader's
+    creation (just before the server listens) to the end of the warm-up, ``model loaded`` is the load
+    step (with ``--worker-process``: from starting the worker process until it is ready, and then
+    ``worker loaded P s`` follows, the worker process's own load as it measured it) and ``warm-up`` the
+    warm-up generation.
     """
 
     def __init__(
@@ -402,6 +410,8 @@ class _Loader:
         self.readiness_line = ""
         self.finished = threading.Event()
         """Set once the startup thread ended (loaded and warmed up, or failed)."""
+        self._began = time.monotonic()
+        """When the server began starting (the readiness line's startup time counts from here)."""
 
     def load_and_warm_up(self) -> None:
         """On the startup thread: load, install the service, warm up. Raises what failed."""
@@ -417,7 +427,9 @@ class _Loader:
                     from helios_core.server.worker_process import start_worker_process
 
                     start = start_worker_process
+                loading = time.monotonic()
                 self.running = start(options.core or Path(), self._trust, self._load, backend=options.backend)
+                model_seconds = time.monotonic() - loading
                 settings = ServerSettings(
                     options.served_name,
                     options.alias,
@@ -446,12 +458,19 @@ class _Loader:
                 raise
             serving = self.running.verified.contract.serving
             names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
-            self.readiness_line = (
-                f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port}"
-            )
             attach_service(self._app, service)
             self._readiness.starting("the warm-up generation is running")
+            warming = time.monotonic()
             service.warm_up()
+            ended = time.monotonic()
+            phases = [f"model loaded {model_seconds:.2f} s"]
+            if self.running.worker_load_seconds is not None:
+                phases.append(f"worker loaded {self.running.worker_load_seconds:.2f} s")
+            phases.append(f"warm-up {ended - warming:.2f} s")
+            self.readiness_line = (
+                f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port} "
+                f"(startup {ended - self._began:.2f} s: {', '.join(phases)})"
+            )
         finally:
             self.finished.set()
 

@@ -1,10 +1,11 @@
 """The server side of a model worker in its own process (``helios run --worker-process``).
 
 Owns starting the worker process and :class:`WorkerProcessEngine`, the ``Engine``-compatible proxy the
-chat service uses in its place. The server process opens and verifies the core itself (its contract,
-frontend assets and load-time selection: what preparation, presentation and admission read) and builds
-its own structured-output compiler; the worker process (:func:`helios_core.runtime.remote.serve_worker`)
-verifies it again and loads the native model. The messages between them are
+chat service uses in its place. The worker process (:func:`helios_core.runtime.remote.serve_worker`)
+is started first and verifies the core and loads the native model; meanwhile the server process opens
+and verifies the core itself (its contract, frontend assets and load-time selection: what preparation,
+presentation and admission read) and builds its own structured-output compiler, then waits for
+:class:`~helios_core.runtime.remote.WorkerReady`. The messages between them are
 :mod:`helios_core.runtime.remote`'s.
 
 The proxy keeps the engine's API and its behaviour: :meth:`WorkerProcessEngine.submit` returns a
@@ -308,11 +309,35 @@ class WorkerProcessEngine:
 def start_worker_process(
     path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto"
 ) -> RunningModel:
-    """Verify ``path`` here, start the model worker process on it and wait until it is ready.
+    """Start the model worker process on ``path``, verify the core here while it loads, and wait until
+    it is ready.
 
-    Raises the verification error itself when the core does not open here, and a StartupError naming
-    what failed when the worker process does not start (its own loading error, or its exit)."""
-    verified = open_core(path, settings, check_resources=False)
+    The worker process is started first: opening and verifying the core here, its frontend assets,
+    the load-time selection and the structured-output compiler are built while the worker process
+    imports Helios and loads the native model. Raises the verification error itself when the core does
+    not open here (the worker process is then killed and joined), and a StartupError naming what failed
+    when the worker process does not start (its own loading error, or its exit); either way nothing
+    started here is left running or open."""
+    context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+    connection, child = context.Pipe(duplex=True)
+    process = context.Process(
+        target=serve_worker,
+        args=(child, WorkerSpec(path, settings, options, backend)),
+        name="helios-model-worker",
+        daemon=True,
+    )
+    try:
+        process.start()
+    except BaseException:
+        connection.close()
+        raise
+    finally:
+        child.close()
+    try:
+        verified = open_core(path, settings, check_resources=False)
+    except BaseException:
+        _stop_worker(process, connection)
+        raise
     try:
         bootstrap = Bootstrap.load(verified.core, verified.contract)
         contract = verified.contract
@@ -323,31 +348,32 @@ def start_worker_process(
             logits_width=contract.logits_width,
             eos_token_ids=contract.eos_token_ids,
         )
-        context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
-        connection, child = context.Pipe(duplex=True)
-        process = context.Process(
-            target=serve_worker,
-            args=(child, WorkerSpec(path, settings, options, backend)),
-            name="helios-model-worker",
-            daemon=True,
-        )
-        process.start()
-        child.close()
-        try:
-            ready = _await_ready(process, connection)
-        except BaseException:
-            connection.close()
-            if process.is_alive():
-                process.kill()
-            process.join()
-            raise
+        ready = _await_ready(process, connection)
         engine = WorkerProcessEngine(process, connection, ready, selection, bootstrap.tokenizer, grammar_compiler)
     except BaseException:
-        verified.close()
+        try:
+            _stop_worker(process, connection)
+        finally:
+            verified.close()
         raise
     model = _RemoteModel(contract, selection, ready.clock_origin_ns)
     # the proxy and the stand-in offer what the server reads of an engine and a model
-    return RunningModel(verified, bootstrap, cast(NativeModel, model), cast(Engine, engine), grammar_compiler)
+    return RunningModel(
+        verified,
+        bootstrap,
+        cast(NativeModel, model),
+        cast(Engine, engine),
+        grammar_compiler,
+        worker_load_seconds=ready.load_seconds,
+    )
+
+
+def _stop_worker(process: BaseProcess, connection: Connection) -> None:
+    """Close the pipe, kill the worker process if it still runs, and join it (no orphan is left)."""
+    connection.close()
+    if process.is_alive():
+        process.kill()
+    process.join()
 
 
 def _await_ready(process: BaseProcess, connection: Connection) -> WorkerReady:

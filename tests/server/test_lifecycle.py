@@ -388,7 +388,7 @@ def test_the_port_answers_while_the_core_loads_then_the_server_turns_ready(tmp_p
         key.write_bytes((KEYS / "signing.pub.pem").read_bytes())  # the load goes on
         assert process.stderr is not None
         line = process.stderr.readline()
-        assert line == f"helios run: ready: serving llama-synthetic-tiny at {base}\n"
+        assert line.startswith(f"helios run: ready: serving llama-synthetic-tiny at {base} (startup "), line
         assert httpx.get(base + "/ready", timeout=5).json() == {"status": "ready", "model": "llama-synthetic-tiny"}
         assert chat(base, max_tokens=2).status_code == 200
         process.send_signal(signal.SIGTERM)

@@ -115,7 +115,8 @@ def test_a_rank_without_the_secret_is_refused_the_right_one_serves_and_its_death
     )
     processes.append(joined := rank(rank_port, secret))
     ready = served.wait_for_line("ready")
-    assert ready == f"helios run: ready: serving llama-synthetic-tiny at http://127.0.0.1:{port}"
+    expected = f"helios run: ready: serving llama-synthetic-tiny at http://127.0.0.1:{port} (startup "
+    assert ready.startswith(expected), ready
     response = httpx.post(
         f"http://127.0.0.1:{port}/v1/completions",
         json={"prompt": "hello", "max_tokens": 4, "temperature": 0},

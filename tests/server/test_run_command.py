@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,39 @@ def test_run_serves_and_stops_on_sigterm() -> None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=8) == 0
         assert time.monotonic() - started < 6
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+READY = re.compile(
+    r"^helios run: ready: serving (?P<names>.+) at (?P<url>http://\S+) "
+    r"\(startup (?P<startup>\d+\.\d\d) s: model loaded (?P<model>\d+\.\d\d) s, warm-up (?P<warm>\d+\.\d\d) s\)$"
+)
+
+
+def test_the_readiness_line_reports_the_startup_time_and_its_phases() -> None:
+    port = free_port()
+    command = _helios(
+        "--core", str(CORE), "--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE, "--port",
+        str(port), "--backend", "reference",
+    )  # fmt: skip
+    began = time.monotonic()
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline().rstrip("\n")
+        elapsed = time.monotonic() - began
+        match = READY.match(line)
+        assert match is not None, line
+        assert (match["names"], match["url"]) == ("llama-synthetic-tiny", f"http://127.0.0.1:{port}")
+        startup, model, warm = (float(match[name]) for name in ("startup", "model", "warm"))
+        assert model > 0 and warm >= 0
+        assert model + warm <= startup + 0.01  # both phases lie within the startup (each rounded)
+        assert startup <= elapsed
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=8) == 0
     finally:
         if process.poll() is None:
             process.kill()

@@ -5,13 +5,16 @@ two model slots, two queue places) with the worker in a process of its own. Gree
 of the thread mode on the same core; stops, structured output, admission (429 at exactly
 ``queue_capacity + max_active``), cancellation on disconnect and the ``/metrics`` gauges behave as in
 the thread mode; killing the worker process ends open streams with ``execution_error`` and turns
-``/health`` 503; SIGTERM drains admitted requests before the worker stops.
+``/health`` 503; SIGTERM drains admitted requests before the worker stops. At startup the worker
+process starts before the core is verified in the server process: every failure ordering leaves no
+worker process alive and nothing open, and the readiness line reports the startup phases.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -20,12 +23,18 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from helios_core.contract import LoadOptions
+from helios_core.errors import ContractError, StartupError, TrustError
+from helios_core.frontend.structured import GrammarCompiler
+from helios_core.loading import TrustSettings, VerifiedCore, open_core
+from helios_core.server import worker_process
 from helios_core.server.app import ServerSettings
 from tests.server.helpers import BuiltCore, build_synthetic_core, sse_events
 
@@ -241,7 +250,6 @@ def _zombie(pid: int) -> bool:
 
 
 def test_the_option_comes_from_the_environment_and_the_config_file(tmp_path: Path) -> None:
-    from helios_core.errors import StartupError
     from helios_core.server.serve import resolve_options
 
     core = {"core": Path("x.core")}
@@ -252,3 +260,115 @@ def test_the_option_comes_from_the_environment_and_the_config_file(tmp_path: Pat
     assert resolve_options(core, config, environ={}).worker_process is True
     with pytest.raises(StartupError, match=r"^worker-process \(from \$HELIOS_WORKER_PROCESS\) must be a boolean$"):
         resolve_options(core, environ={"HELIOS_WORKER_PROCESS": "maybe"})
+
+
+READY = re.compile(
+    r"^helios run: ready: serving (?P<names>.+) at (?P<url>http://\S+) \(startup (?P<startup>\d+\.\d\d) s: "
+    r"model loaded (?P<model>\d+\.\d\d) s, worker loaded (?P<worker>\d+\.\d\d) s, warm-up (?P<warm>\d+\.\d\d) s\)$"
+)
+
+
+def test_the_readiness_line_reports_the_startup_phases_of_the_worker_process(core: BuiltCore) -> None:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "helios_core.cli", "run", "--core", str(core.path), "--trust-key",
+        str(core.public_key), "--accept", NAMESPACE, "--port", str(port), "--backend", "reference",
+        "--worker-process",
+    ]  # fmt: skip
+    began = time.monotonic()
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline().rstrip("\n")
+        elapsed = time.monotonic() - began
+        match = READY.match(line)
+        assert match is not None, line
+        assert (match["names"], match["url"]) == ("llama-synthetic-tiny", f"http://127.0.0.1:{port}")
+        startup, model, worker, warm = (float(match[name]) for name in ("startup", "model", "worker", "warm"))
+        assert 0 < worker <= model  # the worker's own load is part of the wait for it
+        assert model + warm <= startup + 0.01  # both phases lie within the startup (each rounded)
+        assert startup <= elapsed
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+def _spawned_workers() -> list[str]:
+    return [child.name for child in multiprocessing.active_children()]
+
+
+def test_a_core_that_fails_verification_here_stops_the_running_worker(
+    core: BuiltCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker process is started before the core is verified here; a verification error here is
+    raised as it is and the worker process is killed and joined."""
+    running: list[BaseProcess] = []
+    refused = TrustSettings(core.trust.trust_keys, "helios-tests/someone-else", None)
+
+    def open_core_while_the_worker_loads(path: Path, settings: TrustSettings, **options: Any) -> VerifiedCore:
+        running.extend(multiprocessing.active_children())
+        return open_core(path, refused, **options)  # the worker process itself accepts the core
+
+    monkeypatch.setattr(worker_process, "open_core", open_core_while_the_worker_loads)
+    with pytest.raises(TrustError) as raised:
+        worker_process.start_worker_process(core.path, core.trust, LoadOptions(), backend="reference")
+    with pytest.raises(TrustError) as direct:
+        open_core(core.path, refused, check_resources=False)
+    assert str(raised.value) == str(direct.value)
+    assert [process.name for process in running] == ["helios-model-worker"]
+    assert not running[0].is_alive() and running[0].exitcode is not None  # killed and joined
+    assert _spawned_workers() == []
+
+
+def test_a_failure_here_after_verifying_stops_the_worker_and_closes_the_core(
+    core: BuiltCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[VerifiedCore] = []
+
+    def open_core_and_keep(path: Path, settings: TrustSettings, **options: Any) -> VerifiedCore:
+        opened.append(open_core(path, settings, **options))
+        return opened[-1]
+
+    def no_compiler(*args: Any, **kwargs: Any) -> GrammarCompiler:
+        raise ContractError("structured output needs at least one EOS token id")
+
+    monkeypatch.setattr(worker_process, "open_core", open_core_and_keep)
+    monkeypatch.setattr(worker_process, "GrammarCompiler", no_compiler)
+    with pytest.raises(ContractError, match=r"^structured output needs at least one EOS token id$"):
+        worker_process.start_worker_process(core.path, core.trust, LoadOptions(), backend="reference")
+    assert len(opened) == 1 and opened[0].core._fd is None  # closed
+    assert _spawned_workers() == []
+
+
+def test_a_worker_that_fails_to_start_names_its_reason_and_closes_what_was_opened_here(
+    core: BuiltCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened: list[VerifiedCore] = []
+
+    def open_core_and_keep(path: Path, settings: TrustSettings, **options: Any) -> VerifiedCore:
+        opened.append(open_core(path, settings, **options))
+        return opened[-1]
+
+    monkeypatch.setattr(worker_process, "open_core", open_core_and_keep)
+    with pytest.raises(StartupError) as raised:
+        worker_process.start_worker_process(core.path, core.trust, LoadOptions(), backend="bogus")
+    assert str(raised.value) == (
+        "the model worker process could not start: backend 'bogus' is not available; use auto, reference or cuda"
+    )
+    assert len(opened) == 1 and opened[0].core._fd is None  # verified here first, then closed
+    assert _spawned_workers() == []
+
+
+def test_the_worker_reports_its_own_load_time_when_ready(core: BuiltCore) -> None:
+    began = time.monotonic()
+    running = worker_process.start_worker_process(core.path, core.trust, LoadOptions(), backend="reference")
+    try:
+        elapsed = time.monotonic() - began
+        assert running.worker_load_seconds is not None
+        assert 0 < running.worker_load_seconds < elapsed
+    finally:
+        running.close()
+    assert _spawned_workers() == []

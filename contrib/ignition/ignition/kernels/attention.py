@@ -68,6 +68,20 @@ TF32X3_PRODUCTS = True
 """Attention's two matrix products as three TF32 products each (float32 accuracy on the matrix
 units), else as float32 FMAs (1.5 to 2.4 times slower on an H200, docs/benchmarks.md)."""
 
+WIDE_SPLIT_POSITIONS = 256
+"""Positions one attention program covers in a wide launch: one whose tokens and KV heads already give
+every multiprocessor at least two programs (decode at 64 rows and more on the 1B shape, prefill
+chunks). Splitting such a launch's usual contexts into 64-position programs only adds merges and
+idle programs; 256-position splits still spread a long context over several programs."""
+
+TILE_MIN_TOKENS = 64
+"""The fewest tokens for which a node with at least two tokens a page-table row (prompt chunks, verified
+proposals) runs as query tiles (:func:`attention_tile_kernel`) rather than per token."""
+
+TILE_QUERY_ROWS = 64
+"""Query rows of one tile: consecutive tokens times the KV head's query group (padded to a power of
+two)."""
+
 SHORT_POSITIONS = 64
 """Contexts of at most this many positions are attended by one program per (token, KV head), unsplit.
 Measured on an H200 (``benchmarks/attention_splits.py``, docs/benchmarks.md): each further block of
@@ -76,7 +90,7 @@ one split are split."""
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
-def _split_pages(  # type: ignore[no-untyped-def]
+def _split_extent(  # type: ignore[no-untyped-def]
     table_ptr,
     row_ptr,
     position_ptr,
@@ -85,14 +99,17 @@ def _split_pages(  # type: ignore[no-untyped-def]
     PAGE_TOKENS: tl.constexpr,
     TABLE_WIDTH: tl.constexpr,
     SPLIT: tl.constexpr,
+    SHORT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    """(the token's row, its position, its first attended position, its split's first position, the
-    pages of that split's first block of positions).
+    """(the token's row, the token's active splits, this split's
+    positions ``start .. stop - 1`` (none for an idle split), the pages of its first block).
 
     With a window ``N`` the token attends positions ``max(position - N + 1, 0) .. position`` and its
-    splits start at the first of them, so no page wholly before the window is named or read.
+    splits start at the first of them, so no page wholly before the window is named or read. A
+    context of at most ``SHORT`` positions, and a padding token, is attended by split 0 alone; a longer
+    one by the splits its positions reach. An idle split reads no page-table entry.
     """
     row = tl.load(row_ptr + token)
     position = tl.load(position_ptr + token)
@@ -100,9 +117,18 @@ def _split_pages(  # type: ignore[no-untyped-def]
     if WINDOW > 0:
         lowest = tl.maximum(position - (WINDOW - 1), 0)
     start = lowest + split * SPLIT
+    short = (row < 0) | (position - lowest < SHORT)
+    active = tl.cdiv(position + 1 - lowest, SPLIT)
+    stop = position + 1
+    if short:
+        active = 1
+    elif stop > start + SPLIT:
+        stop = start + SPLIT
+    if (row < 0) | (split >= active):
+        stop = start
     offs = start + tl.arange(0, BLOCK_N)
-    page = tl.load(table_ptr + row * TABLE_WIDTH + offs // PAGE_TOKENS, mask=(row >= 0) & (offs <= position), other=0)
-    return row, position, lowest, start, page
+    page = tl.load(table_ptr + row * TABLE_WIDTH + offs // PAGE_TOKENS, mask=offs < stop, other=0)
+    return row, active, start, stop, page
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -142,28 +168,22 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     kv = tl.program_id(1)
     split = tl.program_id(2)
     if SETTLED:  # rows, positions and the page table: read before the wait (module docstring)
-        row, position, lowest, start, page = _split_pages(
-            table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, BLOCK_N, WINDOW
+        row, active, start, stop, page = _split_extent(
+            table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, SHORT, BLOCK_N, WINDOW
         )
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if not SETTLED:
-        row, position, lowest, start, page = _split_pages(
-            table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, BLOCK_N, WINDOW
+        # An idle split exits without waiting: split 0 of every token is active and waits, so this
+        # launch still completes only after its predecessor did.
+        if USE_PDL:  # noqa: SIM102 (a compile-time constant and a tensor do not combine with ``and``)
+            if split < active:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        row, active, start, stop, page = _split_extent(
+            table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, SHORT, BLOCK_N, WINDOW
         )
-    # A context (the positions lowest..position) of at most SHORT positions, and a padding token, is
-    # attended by split 0 alone; a longer one by the splits its positions reach. The others have
-    # nothing to do.
-    short = (row < 0) | (position - lowest < SHORT)
-    active = tl.cdiv(position + 1 - lowest, SPLIT)
-    stop = position + 1
-    if short:
-        active = 1
-    elif stop > start + SPLIT:
-        stop = start + SPLIT
-    if row < 0:
-        stop = start
     if split < active:
         heads = tl.arange(0, HEADS_M)  # the group's query heads, padded to a matrix-product tile
         head_ok = heads < GROUP
@@ -271,17 +291,124 @@ def _merge_splits(  # type: ignore[no-untyped-def]
     tl.store(out_ptr + rows[:, None] * D + dims[None, :], result, mask=head_ok[:, None])
 
 
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def attention_tile_kernel(  # type: ignore[no-untyped-def]
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    row_ptr,
+    position_ptr,
+    out_ptr,
+    scale,
+    TOKENS: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    D: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    TABLE_WIDTH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_P: tl.constexpr,
+    TF32X3: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SETTLED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Attention of ``BLOCK_T`` consecutive tokens and one KV head's query group in one program.
+
+    The tile's ``BLOCK_T * GROUP_P2`` query rows (token-major) attend each cache row of the block's
+    tokens in turn: for the lowest row not yet done, every token of that row attends the positions
+    from the lowest first position to the highest position among them, each masked to its own
+    ``lowest .. position``, so the keys and values of a prompt chunk's positions are read once per
+    tile rather than once per token. Padding tokens (negative row) get zero output.
+    """
+    block = tl.program_id(0)
+    kv = tl.program_id(1)
+    M: tl.constexpr = BLOCK_T * GROUP_P2
+    lanes = tl.arange(0, M)
+    token = block * BLOCK_T + lanes // GROUP_P2
+    head = lanes % GROUP_P2
+    valid = (token < TOKENS) & (head < GROUP)
+    if SETTLED:
+        rows = tl.load(row_ptr + token, mask=valid, other=-1)
+        positions = tl.load(position_ptr + token, mask=valid, other=0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if not SETTLED:
+        rows = tl.load(row_ptr + token, mask=valid, other=-1)
+        positions = tl.load(position_ptr + token, mask=valid, other=0)
+    lowest = positions * 0
+    if WINDOW > 0:
+        lowest = tl.maximum(positions - (WINDOW - 1), 0)
+    dims = tl.arange(0, D_P)
+    dim_ok = dims < D
+    q_rows = token * HEADS + kv * GROUP + head
+    addresses = q_rows[:, None] * D + dims[None, :]
+    q = tl.load(q_ptr + addresses, mask=valid[:, None] & dim_ok[None, :], other=0.0) * scale  # [M, D_P]
+    padding = (valid & (rows < 0))[:, None] & dim_ok[None, :]
+    tl.store(out_ptr + addresses, tl.zeros([M, D_P], dtype=tl.float32), mask=padding)
+    done = rows < 0
+    none = 2147483647
+    current = tl.min(tl.where(done, none, rows), axis=0)
+    while current != none:
+        mine = (rows == current) & (~done)
+        first = tl.min(tl.where(mine, lowest, none), axis=0)
+        last = tl.max(tl.where(mine, positions, -1), axis=0)
+        running_max = tl.full([M], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([M], dtype=tl.float32)
+        acc = tl.zeros([M, D_P], dtype=tl.float32)
+        for start in range(first, last + 1, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            ok = offs <= last
+            page = tl.load(table_ptr + current * TABLE_WIDTH + offs // PAGE_TOKENS, mask=ok, other=0)
+            slot = page.to(tl.int64) * PAGE_TOKENS + (offs % PAGE_TOKENS)
+            kv_address = (slot * KV_HEADS + kv)[:, None] * D + dims[None, :]
+            kv_ok = ok[:, None] & dim_ok[None, :]
+            keys = tl.load(k_ptr + kv_address, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D_P]
+            values = tl.load(v_ptr + kv_address, mask=kv_ok, other=0.0).to(tl.float32)
+            scores = _product(q, tl.trans(keys), TF32X3)  # [M, BLOCK_N]
+            allowed = (
+                mine[:, None] & ok[None, :] & (offs[None, :] <= positions[:, None]) & (offs[None, :] >= lowest[:, None])
+            )
+            scores = tl.where(allowed, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            correction = tl.exp(running_max - safe_max)
+            weights = tl.exp(scores - safe_max[:, None])
+            running_sum = running_sum * correction + tl.sum(weights, axis=1)
+            acc = acc * correction[:, None] + _product(weights, values, TF32X3)
+            running_max = new_max
+        total = tl.where(running_sum > 0.0, running_sum, 1.0)
+        result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
+        tl.store(out_ptr + addresses, result, mask=(mine & valid)[:, None] & dim_ok[None, :])
+        done = done | mine
+        current = tl.min(tl.where(done, none, rows), axis=0)
+
+
 @lowering("paged_attention")
 def lower_paged_attention(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     return attention_launches(ctx, node)
 
 
 def attention_launches(
-    ctx: LoweringContext, node: mf.Node, *, short_positions: int | None = None, tf32x3: bool | None = None
+    ctx: LoweringContext,
+    node: mf.Node,
+    *,
+    short_positions: int | None = None,
+    tf32x3: bool | None = None,
+    split_positions: int | None = None,
+    tiled: bool | None = None,
 ) -> list[mf.KernelLaunch]:
     """The launch of one ``paged_attention`` node; ``short_positions`` (default :data:`SHORT_POSITIONS`)
     is the longest context one program per (token, KV head) attends unsplit, ``tf32x3`` (default
-    :data:`TF32X3_PRODUCTS`) how its two matrix products run."""
+    :data:`TF32X3_PRODUCTS`) how its two matrix products run, ``split_positions`` the positions of one
+    split (default :data:`SPLIT_POSITIONS`, :data:`WIDE_SPLIT_POSITIONS` for a wide launch), ``tiled``
+    whether the query tiles of :func:`attention_tile_kernel` run instead (default: when the node has at
+    least :data:`TILE_MIN_TOKENS` tokens and two a page-table row, as a prompt chunk has)."""
     short = SHORT_POSITIONS if short_positions is None else short_positions
     q, out = ctx.need(node, "q"), ctx.need(node, "out")
     k_plane, v_plane = ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
@@ -309,9 +436,51 @@ def attention_launches(
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ctx.fail(f"window must be 0 (unlimited) or a positive integer, got {window!r}")
     group = heads // kv_heads
+    scale = float(ctx.attribute(node, "scale", 1.0 / math.sqrt(head_dim)))
+    settled = ctx.settled(table, rows, positions)
+    if tiled if tiled is not None else tokens >= max(TILE_MIN_TOKENS, 2 * table_shape[0]):
+        group_p2 = next_power_of_two(group)
+        block_t = max(1, TILE_QUERY_ROWS // group_p2)
+        return [
+            ctx.launch(
+                attention_tile_kernel,
+                {
+                    "q_ptr": ctx.pointer(q),
+                    "k_ptr": ctx.pointer(k_plane),
+                    "v_ptr": ctx.pointer(v_plane),
+                    "table_ptr": ctx.pointer(table),
+                    "row_ptr": ctx.pointer(rows),
+                    "position_ptr": ctx.pointer(positions),
+                    "out_ptr": ctx.pointer(out),
+                    "scale": ctx.f32(scale),
+                },
+                {
+                    "TOKENS": tokens,
+                    "HEADS": heads,
+                    "KV_HEADS": kv_heads,
+                    "GROUP": group,
+                    "GROUP_P2": group_p2,
+                    "BLOCK_T": block_t,
+                    "D": head_dim,
+                    "PAGE_TOKENS": page_tokens,
+                    "TABLE_WIDTH": width,
+                    "BLOCK_N": 64 if head_dim <= 64 else 32,
+                    "D_P": max(16, head_dim),
+                    "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
+                    "WINDOW": window,
+                    "SETTLED": settled,
+                },
+                (cdiv(tokens, block_t), kv_heads),
+                num_warps=8,
+                num_stages=2,
+            )
+        ]
     span = width * page_tokens
     reach = min(span, window) if window else span  # the most positions one token attends
-    split = min(SPLIT_POSITIONS, next_power_of_two(reach))
+    if split_positions is None:
+        wide = tokens * kv_heads >= 2 * MULTIPROCESSORS
+        split_positions = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
+    split = min(split_positions, next_power_of_two(reach))
     splits = cdiv(reach, split)
     block_n = max(16, min(split, 64 if head_dim <= 64 else 32))
     max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
@@ -319,7 +488,6 @@ def attention_launches(
     acc_ws = ctx.workspace("attention_acc", mf.DTYPE_F32, tokens * heads * splits * head_dim)
     # zero at allocation; every launch leaves each counter at zero again
     count_ws = ctx.workspace("attention_splits_done", mf.DTYPE_I32, tokens * kv_heads)
-    scale = float(ctx.attribute(node, "scale", 1.0 / math.sqrt(head_dim)))
     launch = ctx.launch(
         attention_split_kernel,
         {
@@ -353,7 +521,7 @@ def attention_launches(
             "D_P": max(16, head_dim),
             "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
             "WINDOW": window,
-            "SETTLED": ctx.settled(table, rows, positions),
+            "SETTLED": settled,
         },
         (tokens, kv_heads, splits),
         num_warps=4,

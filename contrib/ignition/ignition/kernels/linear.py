@@ -356,6 +356,10 @@ def check_projection(
     return rows, n, k
 
 
+_STAGED_INPUT_KEYS: dict[int, str] = {mf.DTYPE_BF16: "projection_input_bf16", mf.DTYPE_F16: "projection_input_f16"}
+"""The workspace of a staged prologue's output, per 16-bit weight type (float32 weights: ``projection_input``)."""
+
+
 def project(
     ctx: LoweringContext,
     node: mf.Node,
@@ -377,8 +381,12 @@ def project(
     if chosen.block_m > 1 and (norm is not None or gated):
         # Matrix tiles: the row-wise prologue once into a workspace (instead of once per column tile),
         # then the plain projection reads it. (Run in the projection's steps instead, as measured on
-        # an H200, it made 8-row projections about 1.5x slower: a row reduction every step.)
-        staged = ctx.workspace("projection_input", mf.DTYPE_F32, rows * k)
+        # an H200, it made 8-row projections about 1.5x slower: a row reduction every step.) The
+        # workspace holds the weight's 16-bit type where it has one: the products round the inputs to
+        # it anyway, so the results are the same and every column tile reads half the bytes.
+        weight_dtype = ctx.dtype(weight)
+        staged_dtype = weight_dtype if weight_dtype in _STAGED_INPUT_KEYS else mf.DTYPE_F32
+        staged = ctx.workspace(_STAGED_INPUT_KEYS.get(staged_dtype, "projection_input"), staged_dtype, rows * k)
         staged_view = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
         prologue = _prologue(ctx, node, x, staged_view, norm, gated, rows, k)
         x, norm, gated = staged_view, None, False

@@ -28,7 +28,6 @@ kernel reading it waits (``gdc_wait``) as it would after a kernel.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -286,18 +285,11 @@ def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
 
 
-HISTORY_KERNEL_MODULES = ("recurrence", "latent")
-"""Kernel modules of the recurrent and paged-latent history operators, imported (registering their
-lowering functions) with the others before a manifest is lowered."""
-
-
 def lower_manifest(manifest: mf.ExecutionManifest, target: str) -> list[ModuleResource]:
     """Add ``target`` launches to every node of every program; returns the modules to store."""
     from ignition.kernels import load_kernel_modules
 
     load_kernel_modules()
-    for name in HISTORY_KERNEL_MODULES:
-        importlib.import_module(f"ignition.kernels.{name}")
     # Plan on a copy (stand-in kernels), compile every distinct kernel in parallel, then lower for real.
     draft = mf.ExecutionManifest()
     draft.CopyFrom(manifest)

@@ -1,0 +1,84 @@
+"""Which attention kernel a ``paged_attention`` node lowers to, and the staged projection input's type.
+
+Lowered for sm_90a on a machine without a GPU (the real compiler runs): prompt chunks (at least 64
+tokens, two a page-table row) become query tiles, many single-token rows become 256-position splits,
+a few rows keep 64-position splits; a normalised or SwiGLU projection over bf16 weights stages its
+input in bf16, over float32 weights in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from ignition.kernels.attention import TILE_MIN_TOKENS, WIDE_SPLIT_POSITIONS
+
+from helios_core.wire import manifest_pb2 as mf
+from tests.gpu.harness import bf16_bits, lower
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE_TOKENS, TABLE_PAGES = 32, 8, 64, 16, 64
+
+
+def _attention(tokens: int, table_rows: int) -> dict[str, np.ndarray]:
+    return {
+        "q": np.zeros((tokens, HEADS, HEAD_DIM), np.float32),
+        "k_plane": np.zeros((40, PAGE_TOKENS, KV_HEADS, HEAD_DIM), np.float32),
+        "v_plane": np.zeros((40, PAGE_TOKENS, KV_HEADS, HEAD_DIM), np.float32),
+        "page_table": np.zeros((table_rows, TABLE_PAGES), np.int32),
+        "token_row": np.zeros(tokens, np.int32),
+        "token_position": np.zeros(tokens, np.int32),
+        "out": np.zeros((tokens, HEADS, HEAD_DIM), np.float32),
+    }
+
+
+@pytest.mark.parametrize(
+    ("tokens", "table_rows", "symbol", "grid"),
+    [
+        (512, 256, "attention_tile_kernel", (32, KV_HEADS, 1)),  # a prompt chunk: 16 tokens x 4 heads a tile
+        (TILE_MIN_TOKENS, 8, "attention_tile_kernel", (4, KV_HEADS, 1)),
+        # too few tokens to tile, enough for wide splits
+        (TILE_MIN_TOKENS - 1, 8, "attention_split_kernel", (63, KV_HEADS, 1024 // WIDE_SPLIT_POSITIONS)),
+        (64, 64, "attention_split_kernel", (64, KV_HEADS, 1024 // WIDE_SPLIT_POSITIONS)),  # wide decode
+        (256, 256, "attention_split_kernel", (256, KV_HEADS, 1024 // WIDE_SPLIT_POSITIONS)),
+        (8, 8, "attention_split_kernel", (8, KV_HEADS, 16)),  # a few decode rows: 64-position splits
+    ],
+)
+def test_the_attention_kernel_follows_the_node_shape(
+    tokens: int, table_rows: int, symbol: str, grid: tuple[int, int, int]
+) -> None:
+    context, launches = lower("paged_attention", _attention(tokens, table_rows), {"scale": 0.125})
+    (launch,) = launches
+    assert launch.symbol == symbol
+    assert tuple(launch.grid) == grid
+    assert launch.programmatic_wait
+    (module,) = context.modules.values()
+    assert module.data[:4] == b"\x7fELF"  # a cubin
+
+
+@pytest.mark.parametrize(
+    ("weights", "dtype", "key"),
+    [("bf16", mf.DTYPE_BF16, "projection_input_bf16"), ("f32", mf.DTYPE_F32, "projection_input")],
+)
+@pytest.mark.parametrize("op", ["rmsnorm_linear", "silu_mul_linear_add"])
+def test_a_staged_projection_input_takes_the_weights_type(weights: str, dtype: int, key: str, op: str) -> None:
+    rows, n, k = 64, 256, 128
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((n, k)).astype(np.float32)
+    arrays: dict[str, np.ndarray] = {
+        "weight": bf16_bits(weight) if weights == "bf16" else weight,
+        "out": np.zeros((rows, n), np.float32),
+    }
+    if op == "rmsnorm_linear":
+        arrays |= {"x": np.zeros((rows, k), np.float32), "norm_weight": np.ones(k, np.float32)}
+    else:
+        arrays |= {"gate_up": np.zeros((rows, 2 * k), np.float32), "residual": np.zeros((rows, n), np.float32)}
+    context, launches = lower(op, arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
+    staged = {
+        decl.name: decl for decl in context.manifest.buffers if decl.name.startswith("workspace.projection_input")
+    }
+    assert list(staged) == [f"workspace.{key}"]
+    assert staged[f"workspace.{key}"].dtype == dtype
+    assert int(staged[f"workspace.{key}"].shape[0].size) == rows * k
+    assert [launch.symbol for launch in launches][-1] == "projection_kernel"
