@@ -5,7 +5,10 @@ padding tokens and a skipped lane, and ``gated_recurrence_step`` with a skipped 
 outputs and state rows within float32 rounding (the device ``exp``). Core level: a tiny
 ``recurrent-synthetic`` core built for ``reference,sm_90a`` with 16-token prefill programs serves prompts
 of several prefill chunks on the CUDA backend with the reference's greedy tokens (up to a step the
-reference itself decided by a near tie) and the reference's log-probabilities within 2e-2.
+reference itself decided by a near tie) and the reference's log-probabilities within 2e-2. Host tier:
+with one snapshot row and one pinned host checkpoint slot (``offload_checkpoints=1``), a shared prefix's
+checkpoint evicted by another prompt's moves to host memory and a later prompt sharing the prefix
+restores it, with the tokens of a run that reused nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ import numpy as np
 import pytest
 
 from helios_core.backends.cuda_driver import Context
+from helios_core.contract import LoadOptions
 from helios_core.loading import TrustSettings
-from helios_core.runtime.startup import RunningModel
+from helios_core.runtime.engine import Engine
+from helios_core.runtime.messages import Finished
+from helios_core.runtime.startup import RunningModel, start
+from tests.runtime.engine_harness import prompt_of, request, tokens_and_end
 
 from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, run_node, start_core
 
@@ -92,3 +99,37 @@ def test_recurrent_core_on_cuda_gives_the_reference_tokens_and_logprobs(
     gpu_core: tuple[Path, TrustSettings], reference_running: RunningModel
 ) -> None:
     assert_cuda_matches_reference(gpu_core, reference_running)
+
+
+def _served(engine: Engine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    tokens, end = tokens_and_end(engine, request(request_id, prompt, 4))
+    assert isinstance(end, Finished) and end.reason == "length", end
+    return tokens, end.reused_prompt_tokens
+
+
+def test_an_evicted_checkpoint_comes_back_from_pinned_host_memory(gpu_core: tuple[Path, TrustSettings]) -> None:
+    prefix = prompt_of(1, 96)  # six 16-token prefill chunks; the context (128) leaves room for the rest
+    later = [*prefix, 7, 8]
+    alone = start(gpu_core[0], gpu_core[1], LoadOptions(max_active=1), backend="cuda")
+    try:
+        expected, reused = _served(alone.engine, "alone", later)
+        assert reused == 0
+    finally:
+        alone.close()
+    running = start(gpu_core[0], gpu_core[1], LoadOptions(max_active=1, offload_checkpoints=1), backend="cuda")
+    try:
+        engine = running.engine
+        residency = engine.scheduler.residency
+        residency.free_snapshot_rows[:] = residency.free_snapshot_rows[:1]  # one snapshot row
+        index = residency.checkpoints
+        assert index is not None
+        _served(engine, "first", [*prefix, 5])
+        (endpoint,) = index.endpoints()
+        assert index.on_host() == []
+        _served(engine, "unrelated", [*prompt_of(2, 96), 6])  # takes the row: the prefix's checkpoint moves out
+        assert index.on_host() == [endpoint]
+        tokens, reused = _served(engine, "later", later)
+        assert (tokens, reused) == (expected, endpoint)
+        assert engine.statistics().restored_checkpoints == 1
+    finally:
+        running.close()
