@@ -3,7 +3,8 @@
 Owns, for one loaded core on one device, everything serving touches, from construction through the
 confirmed execution drain of :meth:`CudaBackend.close`: the driver context (a
 :class:`~helios_core.backends.cuda_driver.Context`, with its stream), every ``BufferDecl`` as one
-device allocation (weights uploaded once from their WEIGHTS resources, everything else zeroed), the
+device allocation (weights uploaded once from their WEIGHTS resources, decoded a few at once on host
+threads by :mod:`~helios_core.backends.weights_loading`, everything else zeroed), the
 modules and functions of the device's target, each execution frame's transport staging and
 completion record, one instantiated CUDA graph per program and frame, and one event per frame (its
 fence). Serving then only writes staging memory, launches graph executions and reads completion
@@ -81,6 +82,7 @@ from numpy.typing import NDArray
 from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
 from helios_core.backends.cuda_driver import Context, CudaError, GraphBuilder, HostBuffer, open_context, pack_params
 from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclUnavailableError, load_library, nccl_dtype
+from helios_core.backends.weights_loading import DecodedResource, decode_resources
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, HeliosError, StartupError, UnsupportedFeatureError
@@ -909,9 +911,9 @@ class CudaBackend:
                 weights.setdefault(decl.resource_id, []).append(decl)
             else:
                 context.memset(address, nbytes)
-        for resource_id, decls in weights.items():
-            data = core.read_resource(resource_id, cb.RESOURCE_KIND_WEIGHTS)
-            for decl in decls:
+
+        def upload(resource_id: str, data: DecodedResource) -> None:
+            for decl in weights[resource_id]:
                 shared = self._shared[decl.name]
                 offset = int(decl.resource_offset)
                 end = offset + math.prod(shared.shape) * shared.dtype.itemsize
@@ -920,8 +922,11 @@ class CudaBackend:
                         f"weights buffer {decl.name!r} needs bytes [{offset}, {end}) of resource "
                         f"{resource_id!r}, which holds {len(data)}"
                     )
-                context.upload(shared.address, memoryview(data)[offset:end])
-            del data  # the host bytes are not kept once they are on the device
+                context.upload(shared.address, data[offset:end])
+
+        # decoded a few at once on host threads; uploaded here, where the context is current, and the
+        # host bytes of each are dropped once they are on the device
+        decode_resources(core, list(weights), cb.RESOURCE_KIND_WEIGHTS, upload)
 
     def _allocate_frame(self, frame: int, transport: mf.Transport, fields: Mapping[int, str]) -> _Frame:
         context = self._ctx

@@ -2,7 +2,8 @@
 
 Owns the device-buffer stand-ins of one loaded core (every ``BufferDecl`` allocated once as a numpy
 array, symbolic leading dimensions fixed at construction), the weights (numpy views over the
-decoded WEIGHTS resources, read once each), the per-frame transport staging arrays and completion
+decoded WEIGHTS resources, read once each, a few at once through
+:mod:`~helios_core.backends.weights_loading`), the per-frame transport staging arrays and completion
 records, the tuning producers (each run once at construction, before any serving program can
 run), and program execution: each program's nodes are resolved once into closures over bound
 views and the operator implementations of :mod:`helios_core.backends.reference_kernels`, so
@@ -38,6 +39,7 @@ from numpy.typing import NDArray
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
 from helios_core.backends.ranks import Communicator, RankError
+from helios_core.backends.weights_loading import DecodedResource, decode_resources
 from helios_core.container.reader import CoreFile
 from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, StartupError, UnsupportedFeatureError
@@ -1070,7 +1072,7 @@ class ReferenceBackend:
         snapshot_rows: int = 0,
         rank: int = 0,
         communicator: Communicator | None = None,
-        resources: dict[str, bytearray] | None = None,
+        resources: dict[str, Any] | None = None,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(
@@ -1092,15 +1094,16 @@ class ReferenceBackend:
         self._rank = rank
         self._communicator = communicator
         self._decls: dict[str, mf.BufferDecl] = _rank_declarations(execution, rank)
-        self._resources: dict[str, bytearray] = {} if resources is None else resources
+        self._resources: dict[str, DecodedResource] = {} if resources is None else resources
         """Decoded weights resources by id (ranks of one process may share it: replicated weights once)."""
+        self._load_weights(core)
         shared: dict[str, AnyArray] = {}
         completion_decls: list[mf.BufferDecl] = []
         for decl in self._decls.values():
             if decl.role == mf.BUFFER_ROLE_COMPLETION:
                 completion_decls.append(decl)
             elif decl.role == mf.BUFFER_ROLE_WEIGHTS:
-                shared[decl.name] = self._weights(decl, core)
+                shared[decl.name] = self._weights(decl)
             else:
                 shared[decl.name] = np.zeros(self._runtime_shape(decl), dtype=numpy_dtype(decl.name, decl.dtype))
         self._shared = shared
@@ -1310,13 +1313,24 @@ class ReferenceBackend:
             snapshot_rows=self._snapshot_rows,
         )
 
-    def _weights(self, decl: mf.BufferDecl, core: CoreFile) -> AnyArray:
-        if any(dim.symbol in SYMBOLIC for dim in decl.shape):
-            raise ContractError(f"weights buffer {decl.name!r} has a symbolic dimension")
-        data = self._resources.get(decl.resource_id)
-        if data is None:
-            data = core.read_resource(decl.resource_id, cb.RESOURCE_KIND_WEIGHTS)
-            self._resources[decl.resource_id] = data
+    def _load_weights(self, core: CoreFile) -> None:
+        """Decode the WEIGHTS resources this rank's buffers name that no rank sharing the table decoded yet,
+        a few at once (:func:`~helios_core.backends.weights_loading.decode_resources`); they join the table
+        only once all of them decoded, so a failure leaves nothing behind."""
+        wanted: list[str] = []
+        for decl in self._decls.values():
+            if decl.role != mf.BUFFER_ROLE_WEIGHTS:
+                continue
+            if any(dim.symbol in SYMBOLIC for dim in decl.shape):
+                raise ContractError(f"weights buffer {decl.name!r} has a symbolic dimension")
+            if decl.resource_id not in self._resources:
+                wanted.append(decl.resource_id)
+        decoded: dict[str, DecodedResource] = {}
+        decode_resources(core, wanted, cb.RESOURCE_KIND_WEIGHTS, decoded.__setitem__)
+        self._resources.update(decoded)
+
+    def _weights(self, decl: mf.BufferDecl) -> AnyArray:
+        data = self._resources[decl.resource_id]  # decoded by _load_weights
         dtype = numpy_dtype(decl.name, decl.dtype)
         shape = self._runtime_shape(decl)
         count = math.prod(shape)

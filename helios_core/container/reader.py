@@ -171,12 +171,33 @@ class CoreFile:
         A capped kind (tokenizer, chat template, module) is checked against its limit before the
         buffer is allocated; decoding never writes past the signed length.
         """
+        decoded: list[bytearray] = []
+
+        def allocate(nbytes: int) -> memoryview:
+            decoded.append(bytearray(nbytes))
+            return memoryview(decoded[0])
+
+        self.read_resource_into(resource_id, expected_kind, allocate)
+        return decoded[0]
+
+    def read_resource_into(self, resource_id: str, expected_kind: int, allocate: Callable[[int], memoryview]) -> None:
+        """Decode the whole resource into the buffer ``allocate(decoded_nbytes)`` returns.
+
+        The same checks as :meth:`read_resource`: ``allocate`` is called once, only after the limit of a
+        capped kind and the resource's frame header were checked, and must return a writable buffer of
+        exactly that many bytes. It may be uninitialized memory: every byte of it is written, or an error is
+        raised and its contents mean nothing. Safe to call from several threads at once on one open core.
+        """
         resource = self._readable(resource_id, expected_kind)
         check_decoded_limit(resource.id, resource.kind, resource.decoded_nbytes)
         with _OpenedSource(self, resource) as stored:
-            decoder = self._decoder(resource, stored)
-            decoded = bytearray(resource.decoded_nbytes)
-            view = memoryview(decoded)
+            decoder = self._decoder(resource, stored)  # checks the frame header before anything is allocated
+            view = memoryview(allocate(resource.decoded_nbytes)).cast("B")
+            if view.readonly or len(view) != resource.decoded_nbytes:
+                raise ValueError(
+                    f"resource {resource.id!r} decodes to {resource.decoded_nbytes} bytes; the buffer allocated "
+                    f"holds {len(view)}{' and is read-only' if view.readonly else ''}"
+                )
             filled = 0
             while filled < len(view):
                 produced = decoder.readinto(view[filled:])
@@ -184,7 +205,6 @@ class CoreFile:
                     break
                 filled += produced
             decoder.finish()
-        return decoded
 
     def iter_resource(self, resource_id: str, expected_kind: int) -> Iterator[memoryview]:
         """The decoded resource in pieces of at most 1 MiB, each a fresh buffer.

@@ -288,7 +288,7 @@ def _load_thread_ranks(
     from helios_core.backends.reference import ReferenceBackend
 
     communicators = ThreadCommunicator.group(ranks)
-    resources: dict[str, bytearray] = {}  # replicated weights decoded once for every rank
+    resources: dict[str, npt.NDArray[np.uint8]] = {}  # replicated weights decoded once for every rank
 
     def build(rank: int) -> ReferenceBackend:
         try:

@@ -93,6 +93,10 @@ def sse_error(body: dict[str, Any]) -> bytes:
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+_NULL = b"null"
+_CONTENT = b'"delta":{"content":'
+_CHAT_TAIL = b'},"logprobs":null,"finish_reason":null'
+
 
 class _EventPresenter:
     """What every response's presenter shares: observed tokens, logprob matching, usage."""
@@ -123,6 +127,17 @@ class _EventPresenter:
         """Observed token events whose pieces are not presented yet (logprobs only)."""
         self._prompt_logprobs: list[float | None] | None = None
         self._start(prepared, frontend)
+
+    def _chunk_frame(self, object_name: str) -> tuple[bytes, bytes]:
+        """The constant bytes around a one-choice SSE chunk's choice fields: everything before the
+        choice's second key (``data: {"id":...,"choices":[{"index":0,``) and everything after its
+        last (``}]``, ``"usage":null`` when the usage comes last, the closing brace and the blank
+        line). Joined around the choice's fields they are byte for byte :func:`sse_data` of the whole
+        chunk, whose key order they keep; only the changing fields are encoded per chunk."""
+        header = sse_json({"id": self._id, "object": object_name, "created": self._created, "model": self._model})
+        before = b"data: " + header[:-1] + b',"choices":[{"index":0,'
+        after = b'}],"usage":null}\n\n' if self._prepared.include_usage else b"}]}\n\n"
+        return before, after
 
     def _start(self, prepared: Prepared, frontend: Frontend) -> None:
         """The state a kind of response adds (called last by the constructor)."""
@@ -172,6 +187,7 @@ class Presenter(_EventPresenter):
         self._calls_started: set[int] = set()
         self._logprobs: list[dict[str, Any]] = []
         """JSON: every entry; SSE: entries not yet sent on a chunk."""
+        self._before, self._after = self._chunk_frame("chat.completion.chunk")
 
     # -- shared -----------------------------------------------------------------------------------
     def _present_logprobs(self, pieces: list[Piece]) -> None:
@@ -284,11 +300,11 @@ class Presenter(_EventPresenter):
         """The chunks of one token event: its id observation, then its text deltas."""
         self._observe(event)
         out: list[bytes] = []
-        if self._prepared.return_token_ids:
-            extra: dict[str, Any] = {"token_ids": [event.token_id]}
+        if self._prepared.return_token_ids:  # {"delta":{},...,"token_ids":[id]} (and its timestamp)
+            observed = b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[%d]' % event.token_id
             if self._prepared.return_token_timestamps:
-                extra["token_timestamps_ns"] = [event.timestamp_ns]
-            out.append(sse_data(self._chunk([self._choice({}, **extra)])))
+                observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
+            out.append(self._before + observed + self._after)
         self._present_logprobs(event.pieces)
         out.extend(self._delta_chunks(self._pipeline.feed(self._pieces(event.pieces))))
         return out
@@ -318,9 +334,15 @@ class Presenter(_EventPresenter):
     def _delta_chunks(self, deltas: list[OutputDelta]) -> list[bytes]:
         chunks = []
         for delta in deltas:
-            choice = self._choice(self._delta(delta))
-            choice["logprobs"] = self._choice_logprobs()
-            chunks.append(sse_data(self._chunk([choice])))
+            fields = self._delta(delta)
+            if not delta.tool_calls and len(fields) == 1 and "content" in fields and not self._logprobs:
+                # the common chunk, a content delta without logprobs: only the text is encoded
+                chunks.append(self._before + _CONTENT + sse_json(delta.content) + _CHAT_TAIL + self._after)
+                continue
+            logprobs = self._choice_logprobs()
+            encoded = _NULL if logprobs is None else sse_json(logprobs)
+            body = b'"delta":' + sse_json(fields) + b',"logprobs":' + encoded + b',"finish_reason":null'
+            chunks.append(self._before + body + self._after)
         return chunks
 
     def _delta(self, delta: OutputDelta) -> dict[str, Any]:
@@ -369,6 +391,7 @@ class CompletionPresenter(_EventPresenter):
         """Characters of the choice's text so far (the echo included): the next token's offset."""
         self._positions: list[_Position] = []
         """JSON: every generated position; SSE: positions not yet sent on a chunk."""
+        self._before, self._after = self._chunk_frame("text_completion")
 
     def _feed(self, pieces: list[Piece]) -> str:
         """Present ``pieces``: their text (EOS pieces dropped), their logprob positions queued."""
@@ -470,12 +493,20 @@ class CompletionPresenter(_EventPresenter):
         """The chunk of one token event's released text (none while nothing is released)."""
         self._observe(event)
         text = self._feed(event.pieces)
-        return [self._chunk([self._choice(text, self._take_logprobs())])] if text else []
+        return [self._text_chunk(text)] if text else []
+
+    def _text_chunk(self, text: str) -> bytes:
+        """The chunk of released text (and the queued positions): :meth:`_chunk` of its choice, with only
+        the changing fields encoded."""
+        logprobs = self._take_logprobs()
+        encoded = _NULL if logprobs is None else sse_json(logprobs)
+        body = b'"text":' + sse_json(text) + b',"logprobs":' + encoded + b',"finish_reason":null'
+        return self._before + body + self._after
 
     def stream_finish(self, finished: Finished) -> list[bytes]:
         """The last chunks: remaining text, the terminal choice chunk, usage, ``[DONE]``."""
         text = self._feed(finished.pieces)
-        out = [self._chunk([self._choice(text, self._take_logprobs())])] if text else []
+        out = [self._text_chunk(text)] if text else []
         out.append(self._chunk([self._choice("", self._take_logprobs(), self._finish_reason(finished))]))
         if self._prepared.include_usage:
             out.append(self._chunk([], usage=self._usage(finished)))

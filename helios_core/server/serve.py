@@ -4,7 +4,8 @@ Owns the run options (their names, types and defaults), the precedence rule — 
 options over the TOML config file (``--config``) over the environment (``HELIOS_<OPTION>``, e.g.
 ``HELIOS_MAX_ACTIVE``) over the core's defaults — and the serving lifecycle: listen first (uvicorn
 run programmatically, the app built with no model yet), then on a startup thread start the model
-(verify the core, build its programs, back its cache storage), install the chat service and make one
+(verify the core, build its programs, back its cache storage; with ``--worker-process`` the worker
+process was started before the HTTP server was even imported), install the chat service and make one
 warm-up generation through the engine; all that time ``/ready``, ``/v1/models``, ``/metrics`` and
 every inference and render route answer 503 ``not_ready`` with ``Retry-After`` and ``/health``
 answers 200. Then mark the app ready and log one readiness line. A load or warm-up that fails marks
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from helios_core.server.kv_events import KvEventPublisher, KvEventsConfig
     from helios_core.server.readiness import Readiness
     from helios_core.server.service import ChatService
+    from helios_core.server.worker_process import WorkerLaunch
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",
@@ -276,14 +278,14 @@ def resolve_options(
 
 
 def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
-    """Listen, load the core behind the readiness gate, serve it until SIGINT/SIGTERM, drain, close it."""
-    import uvicorn
+    """Listen, load the core behind the readiness gate, serve it until SIGINT/SIGTERM, drain, close it.
 
+    With ``--worker-process`` the worker process is started as soon as the options are checked, before
+    the HTTP server is imported and built; anything that fails before the loader took it stops it."""
+    began = time.monotonic()
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
-    from helios_core.server.app import create_pending_app
     from helios_core.server.kv_events import parse_kv_events_config
-    from helios_core.server.readiness import Readiness
 
     if options.core is None:
         raise StartupError("no core given: pass --core PATH")
@@ -311,26 +313,41 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         rank_peers=rank_peers,
     )
     kv_config = parse_kv_events_config(options.kv_events_config) if options.kv_events_config else None
-    readiness = Readiness()
-    readiness.starting("the core is loading")
-    app = create_pending_app(readiness)
-    loader = _Loader(options, trust, load, kv_config, readiness, app)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
+    launch: WorkerLaunch | None = None
+    if options.worker_process:
+        from helios_core.server.worker_process import launch_worker_process
 
-    def on_ready() -> None:
-        readiness.mark_ready()
-        announce(loader.readiness_line)
-
-    server = draining_server(
-        config,
-        loader.drop_responses,
-        drain_seconds=options.shutdown_timeout,
-        on_started=on_ready,
-        warm_up=loader.load_and_warm_up,
-        in_flight=loader.in_flight,
-        readiness=readiness,
-    )
+        launch = launch_worker_process(options.core, trust, load, backend=options.backend)
     try:
+        import uvicorn
+
+        from helios_core.server.app import create_pending_app
+        from helios_core.server.readiness import Readiness
+
+        readiness = Readiness()
+        readiness.starting("the core is loading")
+        app = create_pending_app(readiness)
+        loader = _Loader(options, trust, load, kv_config, readiness, app, began=began, launch=launch)
+    except BaseException:
+        if launch is not None:
+            launch.stop()
+        raise
+    try:
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
+
+        def on_ready() -> None:
+            readiness.mark_ready()
+            announce(loader.readiness_line)
+
+        server = draining_server(
+            config,
+            loader.drop_responses,
+            drain_seconds=options.shutdown_timeout,
+            on_started=on_ready,
+            warm_up=loader.load_and_warm_up,
+            in_flight=loader.in_flight,
+            readiness=readiness,
+        )
         with _quiet_after_shutdown(), _server_log():
             server.run()
         if server.started:
@@ -379,10 +396,14 @@ class _Loader:
     server stopped and the startup thread ended) stops the model worker, closes the core, then the
     publisher (the worker process closes its own once its engine stopped).
 
+    With ``--worker-process`` the worker process was already started by :func:`serve` (before the HTTP
+    server was imported and built) and is handed in as ``launch``; the load step takes it over, and
+    :meth:`close` stops it if the load step never ran.
+
     The readiness line ends with the startup time and its main phases, each measured around the real
-    step: ``(startup T s: model loaded L s, warm-up W s)``, where ``startup`` counts from this loader's
-    creation (just before the server listens) to the end of the warm-up, ``model loaded`` is the load
-    step (with ``--worker-process``: from starting the worker process until it is ready, and then
+    step: ``(startup T s: model loaded L s, warm-up W s)``, where ``startup`` counts from ``began`` (when
+    :func:`serve` began, once the options were read) to the end of the warm-up, ``model loaded`` is the
+    load step (with ``--worker-process``: from starting the worker process until it is ready, and then
     ``worker loaded P s`` follows, the worker process's own load as it measured it) and ``warm-up`` the
     warm-up generation.
     """
@@ -395,6 +416,9 @@ class _Loader:
         kv_config: KvEventsConfig | None,
         readiness: Readiness,
         app: Any,
+        *,
+        began: float,
+        launch: WorkerLaunch | None = None,
     ) -> None:
         self._options = options
         self._trust = trust
@@ -410,8 +434,10 @@ class _Loader:
         self.readiness_line = ""
         self.finished = threading.Event()
         """Set once the startup thread ended (loaded and warmed up, or failed)."""
-        self._began = time.monotonic()
-        """When the server began starting (the readiness line's startup time counts from here)."""
+        self._began = began
+        """When ``helios run`` began serving (the readiness line's startup time counts from here)."""
+        self._launch = launch
+        """With ``--worker-process``: the worker process already started, until the load step takes it."""
 
     def load_and_warm_up(self) -> None:
         """On the startup thread: load, install the service, warm up. Raises what failed."""
@@ -423,12 +449,19 @@ class _Loader:
         options = self._options
         try:
             try:
+                core = options.core or Path()
+                loading = time.monotonic()
                 if options.worker_process:
                     from helios_core.server.worker_process import start_worker_process
 
-                    start = start_worker_process
-                loading = time.monotonic()
-                self.running = start(options.core or Path(), self._trust, self._load, backend=options.backend)
+                    launched, self._launch = self._launch, None  # start_worker_process owns it from here
+                    if launched is not None:
+                        loading = launched.started
+                    self.running = start_worker_process(
+                        core, self._trust, self._load, backend=options.backend, launched=launched
+                    )
+                else:
+                    self.running = start(core, self._trust, self._load, backend=options.backend)
                 model_seconds = time.monotonic() - loading
                 settings = ServerSettings(
                     options.served_name,
@@ -482,8 +515,13 @@ class _Loader:
         return 0 if self.service is None else self.service.drop_responses(message)
 
     def close(self) -> None:
-        """Close the service, stop the model worker and close the core, then the KV-cache publisher."""
+        """Close the service, stop the model worker and close the core, then the KV-cache publisher (a worker
+        process that was started but never taken by the load step, as when the server could not listen,
+        is stopped too)."""
         try:
+            launch, self._launch = self._launch, None
+            if launch is not None:
+                launch.stop()
             if self.service is not None:
                 self.service.close()
             if self.running is not None:

@@ -413,23 +413,34 @@ class ChatService:
                 else:  # dropped before this response registered, or while its reader was behind
                     event = Interrupt(self._drop_message)
                 pending = None
-                if isinstance(event, Interrupt):
-                    reported = True
-                    _LOG.warning("request %s dropped before it finished: %s", request_id, event.message)
-                    yield sse_error(error_body(RequestCancelled(event.message)))
-                    return
-                terminal = event if isinstance(event, TERMINAL_EVENTS) else None
-                try:
-                    chunk, finished = self._sse_event(presenter, event, prepared)
-                except Exception as exc:  # presentation failed: the request's output error, as its own event
-                    reported = True
-                    self._output_failed(events, terminal)
-                    failure = ExecutionError(f"output handling failed: {type(exc).__name__}: {exc}")
-                    log_failure(request_id, failure)
-                    yield sse_error(error_body(failure))
-                    return
-                if chunk:
-                    yield chunk
+                # the events already queued behind this one go out in the same write, in order: none waits
+                # for another, and a reader that fell behind catches up with one write, not one per event
+                chunks: list[bytes] = []
+                while True:
+                    if isinstance(event, Interrupt):
+                        reported = True
+                        _LOG.warning("request %s dropped before it finished: %s", request_id, event.message)
+                        chunks.append(sse_error(error_body(RequestCancelled(event.message))))
+                        yield b"".join(chunks)
+                        return
+                    terminal = event if isinstance(event, TERMINAL_EVENTS) else None
+                    try:
+                        chunk, finished = self._sse_event(presenter, event, prepared)
+                    except Exception as exc:  # presentation failed: the request's output error, as its own event
+                        reported = True
+                        self._output_failed(events, terminal)
+                        failure = ExecutionError(f"output handling failed: {type(exc).__name__}: {exc}")
+                        log_failure(request_id, failure)
+                        chunks.append(sse_error(error_body(failure)))
+                        yield b"".join(chunks)
+                        return
+                    if chunk:
+                        chunks.append(chunk)
+                    if finished or events.empty() or self._drop_message is not None:
+                        break
+                    event = events.get_nowait()
+                if chunks:
+                    yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
         finally:
             self._responses.pop(request_id, None)
             if not finished:

@@ -2,7 +2,8 @@
 
 Owns starting the worker process and :class:`WorkerProcessEngine`, the ``Engine``-compatible proxy the
 chat service uses in its place. The worker process (:func:`helios_core.runtime.remote.serve_worker`)
-is started first and verifies the core and loads the native model; meanwhile the server process opens
+is started first (:func:`launch_worker_process`; ``helios run`` does so before it imports and builds
+its HTTP server) and verifies the core and loads the native model; meanwhile the server process opens
 and verifies the core itself (its contract, frontend assets and load-time selection: what preparation,
 presentation and admission read) and builds its own structured-output compiler, then waits for
 :class:`~helios_core.runtime.remote.WorkerReady`. The messages between them are
@@ -75,7 +76,14 @@ from helios_core.runtime.remote import (
 from helios_core.runtime.startup import RunningModel
 from helios_core.runtime.stats import StatsSnapshot
 
-__all__ = ["LiveLoad", "RemoteKvEventCounts", "WorkerProcessEngine", "start_worker_process"]
+__all__ = [
+    "LiveLoad",
+    "RemoteKvEventCounts",
+    "WorkerLaunch",
+    "WorkerProcessEngine",
+    "launch_worker_process",
+    "start_worker_process",
+]
 
 _STOP_SECONDS = 60.0
 """How long :meth:`WorkerProcessEngine.shutdown` waits for the worker to stop before killing it."""
@@ -306,18 +314,33 @@ class WorkerProcessEngine:
             stream.put(ExecutionFailed(request_id, message))
 
 
-def start_worker_process(
-    path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto"
-) -> RunningModel:
-    """Start the model worker process on ``path``, verify the core here while it loads, and wait until
-    it is ready.
+@dataclass
+class WorkerLaunch:
+    """A model worker process that was started and is loading: not yet known to be ready.
 
-    The worker process is started first: opening and verifying the core here, its frontend assets,
-    the load-time selection and the structured-output compiler are built while the worker process
-    imports Helios and loads the native model. Raises the verification error itself when the core does
-    not open here (the worker process is then killed and joined), and a StartupError naming what failed
-    when the worker process does not start (its own loading error, or its exit); either way nothing
-    started here is left running or open."""
+    Made by :func:`launch_worker_process` and handed to :func:`start_worker_process`, which then owns it
+    (it stops it on any failure). Whoever holds one that was never handed over stops it with :meth:`stop`.
+    """
+
+    process: BaseProcess
+    connection: Connection
+    """The server's end of the pipe to the worker process."""
+    started: float
+    """``time.monotonic()`` just before the worker process was started."""
+
+    def stop(self) -> None:
+        """Close the pipe, kill the worker process if it still runs, and join it (no orphan is left)."""
+        _stop_worker(self.process, self.connection)
+
+
+def launch_worker_process(
+    path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto"
+) -> WorkerLaunch:
+    """Start the model worker process on ``path`` (spawned: it imports Helios, verifies the core and loads
+    the native model on its own) and return at once, without waiting for it.
+
+    ``helios run --worker-process`` calls this as early as it can, before the HTTP server is imported
+    and built, so the worker process loads while the server process starts."""
     context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
     connection, child = context.Pipe(duplex=True)
     process = context.Process(
@@ -326,6 +349,7 @@ def start_worker_process(
         name="helios-model-worker",
         daemon=True,
     )
+    started = time.monotonic()
     try:
         process.start()
     except BaseException:
@@ -333,10 +357,32 @@ def start_worker_process(
         raise
     finally:
         child.close()
+    return WorkerLaunch(process, connection, started)
+
+
+def start_worker_process(
+    path: Path,
+    settings: TrustSettings,
+    options: LoadOptions,
+    *,
+    backend: str = "auto",
+    launched: WorkerLaunch | None = None,
+) -> RunningModel:
+    """Start the model worker process on ``path`` (or take ``launched``, one :func:`launch_worker_process`
+    started with the same arguments), verify the core here while it loads, and wait until it is ready.
+
+    The worker process is started first: opening and verifying the core here, its frontend assets,
+    the load-time selection and the structured-output compiler are built while the worker process
+    imports Helios and loads the native model. Raises the verification error itself when the core does
+    not open here (the worker process is then killed and joined), and a StartupError naming what failed
+    when the worker process does not start (its own loading error, or its exit); either way nothing
+    started here, or handed over in ``launched``, is left running or open."""
+    launch = launch_worker_process(path, settings, options, backend=backend) if launched is None else launched
+    process, connection = launch.process, launch.connection
     try:
         verified = open_core(path, settings, check_resources=False)
     except BaseException:
-        _stop_worker(process, connection)
+        launch.stop()
         raise
     try:
         bootstrap = Bootstrap.load(verified.core, verified.contract)
@@ -352,7 +398,7 @@ def start_worker_process(
         engine = WorkerProcessEngine(process, connection, ready, selection, bootstrap.tokenizer, grammar_compiler)
     except BaseException:
         try:
-            _stop_worker(process, connection)
+            launch.stop()
         finally:
             verified.close()
         raise

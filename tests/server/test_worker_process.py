@@ -36,6 +36,7 @@ from helios_core.frontend.structured import GrammarCompiler
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.server import worker_process
 from helios_core.server.app import ServerSettings
+from helios_core.server.serve import RunOptions, resolve_options, serve
 from tests.server.helpers import BuiltCore, build_synthetic_core, sse_events
 
 from .conftest import free_port, serve_fixture
@@ -371,4 +372,53 @@ def test_the_worker_reports_its_own_load_time_when_ready(core: BuiltCore) -> Non
         assert 0 < running.worker_load_seconds < elapsed
     finally:
         running.close()
+    assert _spawned_workers() == []
+
+
+def _run_options(core: BuiltCore) -> RunOptions:
+    return resolve_options(
+        {
+            "core": core.path, "trust_key": [core.public_key], "accept": NAMESPACE, "backend": "reference",
+            "worker_process": True, "port": free_port(),
+        },
+        environ={},
+    )  # fmt: skip
+
+
+def test_helios_run_starts_the_worker_process_before_it_builds_the_http_server(
+    core: BuiltCore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker process already loads while the app is built; a failure there stops it (no orphan)."""
+    from helios_core.server import app
+
+    running: list[str] = []
+
+    def no_app(readiness: Any) -> Any:
+        running.extend(_spawned_workers())
+        raise RuntimeError("the app could not be built")
+
+    monkeypatch.setattr(app, "create_pending_app", no_app)
+    with pytest.raises(RuntimeError, match=r"^the app could not be built$"):
+        serve(_run_options(core), announce=lambda line: None)
+    assert running == ["helios-model-worker"]
+    assert _spawned_workers() == []
+
+
+def test_a_worker_process_the_load_step_never_took_is_stopped(core: BuiltCore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that does not listen never runs the load step: closing the loader stops the worker process."""
+    from helios_core.server import serve as serve_module
+
+    running: list[str] = []
+
+    class NotListening:
+        started = False
+        startup_failure = None
+
+        def run(self) -> None:
+            running.extend(_spawned_workers())
+
+    monkeypatch.setattr(serve_module, "draining_server", lambda *args, **kwargs: NotListening())
+    with pytest.raises(StartupError, match=r"^could not listen on 127\.0\.0\.1:\d+$"):
+        serve(_run_options(core), announce=lambda line: None)
+    assert running == ["helios-model-worker"]
     assert _spawned_workers() == []
