@@ -1072,7 +1072,7 @@ class ReferenceBackend:
         snapshot_rows: int = 0,
         rank: int = 0,
         communicator: Communicator | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, DecodedResource] | None = None,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(

@@ -47,11 +47,7 @@ def decode_workers(resources: int) -> int:
 
 
 def decode_resource(core: CoreFile, resource_id: str, expected_kind: int) -> DecodedResource:
-    """One resource decoded and verified into a fresh host array (see the module docstring).
-
-    An in-memory stand-in for a core file that offers only ``read_resource`` is read through it."""
-    if not hasattr(core, "read_resource_into"):
-        return np.frombuffer(core.read_resource(resource_id, expected_kind), dtype=np.uint8)
+    """One resource decoded and verified into a fresh host array (see the module docstring)."""
     decoded: list[DecodedResource] = []
 
     def allocate(nbytes: int) -> memoryview:  # called once the resource's frame header was checked

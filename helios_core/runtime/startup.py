@@ -13,7 +13,6 @@ the selection and the native model, the structured-output compiler after them).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,31 +63,25 @@ class FrontendBuild:
         """What ``Bootstrap.load`` raised (the compiler is then not built)."""
         self.grammar_failure: BaseException | None = None
         """What building the structured-output compiler raised."""
-        self.seconds = 0.0
-        """How long the build took (set once it ended)."""
         self._thread = threading.Thread(target=self._build, name="helios-frontend-build", daemon=True)
         self._thread.start()
 
     def _build(self) -> None:
-        began = time.monotonic()
+        contract = self._contract
         try:
-            contract = self._contract
-            try:
-                self.bootstrap = Bootstrap.load(self._core, contract)
-            except BaseException as exc:
-                self.bootstrap_failure = exc
-                return
-            try:
-                self.grammar_compiler = GrammarCompiler(
-                    self.bootstrap.tokenizer,
-                    sampled_size=contract.sampled_size,
-                    logits_width=contract.logits_width,
-                    eos_token_ids=contract.eos_token_ids,
-                )
-            except BaseException as exc:
-                self.grammar_failure = exc
-        finally:
-            self.seconds = time.monotonic() - began
+            self.bootstrap = Bootstrap.load(self._core, contract)
+        except BaseException as exc:
+            self.bootstrap_failure = exc
+            return
+        try:
+            self.grammar_compiler = GrammarCompiler(
+                self.bootstrap.tokenizer,
+                sampled_size=contract.sampled_size,
+                logits_width=contract.logits_width,
+                eos_token_ids=contract.eos_token_ids,
+            )
+        except BaseException as exc:
+            self.grammar_failure = exc
 
     def join(self) -> None:
         """Wait until the build ended (it reads the core file: join before closing it)."""

@@ -664,6 +664,10 @@ class EmulatedCore:
         data: bytearray = self.core.read_resource(resource_id, kind)
         return data
 
+    def read_resource_into(self, resource_id: str, kind: int, allocate: Callable[[int], memoryview]) -> None:
+        self.reads.append(resource_id)
+        self.core.read_resource_into(resource_id, kind, allocate)
+
 
 @dataclasses.dataclass
 class Emulated:

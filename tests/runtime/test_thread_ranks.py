@@ -194,6 +194,10 @@ class _MemoryCore:
     def read_resource(self, resource_id: str, kind: int) -> bytearray:
         return bytearray(self._resources[resource_id])
 
+    def read_resource_into(self, resource_id: str, kind: int, allocate: Callable[[int], memoryview]) -> None:
+        data = self._resources[resource_id]
+        allocate(len(data))[:] = data
+
 
 def _weights() -> tuple[np.ndarray, np.ndarray]:
     generator = np.random.default_rng(7)

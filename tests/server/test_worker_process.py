@@ -324,19 +324,25 @@ def test_a_core_that_fails_verification_here_stops_the_running_worker(
     assert _spawned_workers() == []
 
 
-def test_a_failure_here_after_verifying_stops_the_worker_and_closes_the_core(
-    core: BuiltCore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    opened: list[VerifiedCore] = []
+@pytest.fixture
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[VerifiedCore]:
+    """Every core the server side of the worker process opens, kept to check that it was closed."""
+    cores: list[VerifiedCore] = []
 
     def open_core_and_keep(path: Path, settings: TrustSettings, **options: Any) -> VerifiedCore:
-        opened.append(open_core(path, settings, **options))
-        return opened[-1]
+        cores.append(open_core(path, settings, **options))
+        return cores[-1]
 
+    monkeypatch.setattr(worker_process, "open_core", open_core_and_keep)
+    return cores
+
+
+def test_a_failure_here_after_verifying_stops_the_worker_and_closes_the_core(
+    core: BuiltCore, monkeypatch: pytest.MonkeyPatch, opened: list[VerifiedCore]
+) -> None:
     def no_compiler(*args: Any, **kwargs: Any) -> GrammarCompiler:
         raise ContractError("structured output needs at least one EOS token id")
 
-    monkeypatch.setattr(worker_process, "open_core", open_core_and_keep)
     monkeypatch.setattr(worker_process, "GrammarCompiler", no_compiler)
     with pytest.raises(ContractError, match=r"^structured output needs at least one EOS token id$"):
         worker_process.start_worker_process(core.path, core.trust, LoadOptions(), backend="reference")
@@ -345,15 +351,8 @@ def test_a_failure_here_after_verifying_stops_the_worker_and_closes_the_core(
 
 
 def test_a_worker_that_fails_to_start_names_its_reason_and_closes_what_was_opened_here(
-    core: BuiltCore, monkeypatch: pytest.MonkeyPatch
+    core: BuiltCore, opened: list[VerifiedCore]
 ) -> None:
-    opened: list[VerifiedCore] = []
-
-    def open_core_and_keep(path: Path, settings: TrustSettings, **options: Any) -> VerifiedCore:
-        opened.append(open_core(path, settings, **options))
-        return opened[-1]
-
-    monkeypatch.setattr(worker_process, "open_core", open_core_and_keep)
     with pytest.raises(StartupError) as raised:
         worker_process.start_worker_process(core.path, core.trust, LoadOptions(), backend="bogus")
     assert str(raised.value) == (

@@ -211,14 +211,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
             values = tl.load(v_ptr + address, mask=kv_ok, other=0.0).to(tl.float32)
             scores = _product(q, tl.trans(keys), TF32X3)  # [HEADS_M, BLOCK_N]
             scores = tl.where(ok[None, :], scores, float("-inf"))
-            block_max = tl.max(scores, axis=1)
-            new_max = tl.maximum(running_max, block_max)
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            correction = tl.exp(running_max - safe_max)
-            weights = tl.exp(scores - safe_max[:, None])
-            running_sum = running_sum * correction + tl.sum(weights, axis=1)
-            acc = acc * correction[:, None] + _product(weights, values, TF32X3)
-            running_max = new_max
+            running_max, running_sum, acc = _online_softmax(running_max, running_sum, acc, scores, values, TF32X3)
             page = next_page
         mine = head_ok[:, None] & dim_ok[None, :]
         if active == 1:  # one split: its sums are the result
@@ -250,6 +243,19 @@ def _product(a, b, TF32X3: tl.constexpr):  # type: ignore[no-untyped-def]
     if TF32X3:
         return tl.dot(a, b, input_precision="tf32x3")
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _online_softmax(running_max, running_sum, acc, scores, values, TF32X3: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One block of keys folded into the running (maximum, sum, unnormalised output) of each query row;
+    masked scores are ``-inf`` (a row with none yet keeps zero sums)."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    correction = tl.exp(running_max - safe_max)
+    weights = tl.exp(scores - safe_max[:, None])
+    running_sum = running_sum * correction + tl.sum(weights, axis=1)
+    acc = acc * correction[:, None] + _product(weights, values, TF32X3)
+    return new_max, running_sum, acc
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -375,13 +381,7 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
                 mine[:, None] & ok[None, :] & (offs[None, :] <= positions[:, None]) & (offs[None, :] >= lowest[:, None])
             )
             scores = tl.where(allowed, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            correction = tl.exp(running_max - safe_max)
-            weights = tl.exp(scores - safe_max[:, None])
-            running_sum = running_sum * correction + tl.sum(weights, axis=1)
-            acc = acc * correction[:, None] + _product(weights, values, TF32X3)
-            running_max = new_max
+            running_max, running_sum, acc = _online_softmax(running_max, running_sum, acc, scores, values, TF32X3)
         total = tl.where(running_sum > 0.0, running_sum, 1.0)
         result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
         tl.store(out_ptr + addresses, result, mask=(mine & valid)[:, None] & dim_ok[None, :])
@@ -437,44 +437,35 @@ def attention_launches(
         raise ctx.fail(f"window must be 0 (unlimited) or a positive integer, got {window!r}")
     group = heads // kv_heads
     scale = float(ctx.attribute(node, "scale", 1.0 / math.sqrt(head_dim)))
-    settled = ctx.settled(table, rows, positions)
-    if tiled if tiled is not None else tokens >= max(TILE_MIN_TOKENS, 2 * table_shape[0]):
-        group_p2 = next_power_of_two(group)
-        block_t = max(1, TILE_QUERY_ROWS // group_p2)
-        return [
-            ctx.launch(
-                attention_tile_kernel,
-                {
-                    "q_ptr": ctx.pointer(q),
-                    "k_ptr": ctx.pointer(k_plane),
-                    "v_ptr": ctx.pointer(v_plane),
-                    "table_ptr": ctx.pointer(table),
-                    "row_ptr": ctx.pointer(rows),
-                    "position_ptr": ctx.pointer(positions),
-                    "out_ptr": ctx.pointer(out),
-                    "scale": ctx.f32(scale),
-                },
-                {
-                    "TOKENS": tokens,
-                    "HEADS": heads,
-                    "KV_HEADS": kv_heads,
-                    "GROUP": group,
-                    "GROUP_P2": group_p2,
-                    "BLOCK_T": block_t,
-                    "D": head_dim,
-                    "PAGE_TOKENS": page_tokens,
-                    "TABLE_WIDTH": width,
-                    "BLOCK_N": 64 if head_dim <= 64 else 32,
-                    "D_P": max(16, head_dim),
-                    "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
-                    "WINDOW": window,
-                    "SETTLED": settled,
-                },
-                (cdiv(tokens, block_t), kv_heads),
-                num_warps=8,
-                num_stages=2,
-            )
-        ]
+    pointers = {
+        "q_ptr": ctx.pointer(q),
+        "k_ptr": ctx.pointer(k_plane),
+        "v_ptr": ctx.pointer(v_plane),
+        "table_ptr": ctx.pointer(table),
+        "row_ptr": ctx.pointer(rows),
+        "position_ptr": ctx.pointer(positions),
+    }
+    constants = {
+        "HEADS": heads,
+        "KV_HEADS": kv_heads,
+        "GROUP": group,
+        "GROUP_P2": next_power_of_two(group),
+        "D": head_dim,
+        "PAGE_TOKENS": page_tokens,
+        "TABLE_WIDTH": width,
+        "D_P": max(16, head_dim),
+        "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
+        "WINDOW": window,
+        "SETTLED": ctx.settled(table, rows, positions),
+    }
+    if tiled is None:
+        tiled = tokens >= max(TILE_MIN_TOKENS, 2 * table_shape[0])
+    if tiled:
+        block_t = max(1, TILE_QUERY_ROWS // next_power_of_two(group))
+        arguments = {**pointers, "out_ptr": ctx.pointer(out), "scale": ctx.f32(scale)}
+        constants |= {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": 64 if head_dim <= 64 else 32}
+        grid = (cdiv(tokens, block_t), kv_heads)
+        return [ctx.launch(attention_tile_kernel, arguments, constants, grid, num_warps=8, num_stages=2)]
     span = width * page_tokens
     reach = min(span, window) if window else span  # the most positions one token attends
     if split_positions is None:
@@ -482,50 +473,30 @@ def attention_launches(
         split_positions = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
     split = min(split_positions, next_power_of_two(reach))
     splits = cdiv(reach, split)
-    block_n = max(16, min(split, 64 if head_dim <= 64 else 32))
     max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
     sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
     acc_ws = ctx.workspace("attention_acc", mf.DTYPE_F32, tokens * heads * splits * head_dim)
     # zero at allocation; every launch leaves each counter at zero again
     count_ws = ctx.workspace("attention_splits_done", mf.DTYPE_I32, tokens * kv_heads)
+    arguments = {
+        **pointers,
+        "max_ws": ctx.pointer(max_ws),
+        "sum_ws": ctx.pointer(sum_ws),
+        "acc_ws": ctx.pointer(acc_ws),
+        "count_ws": ctx.pointer(count_ws),
+        "out_ptr": ctx.pointer(out),
+        "scale": ctx.f32(scale),
+    }
+    constants |= {
+        "SPLITS": splits,
+        "SPLITS_P2": next_power_of_two(splits),
+        "SPLIT": split,
+        "SHORT": max(split, min(short, reach)),
+        "BLOCK_N": max(16, min(split, 64 if head_dim <= 64 else 32)),
+        "HEADS_M": max(16, next_power_of_two(group)),
+    }
     launch = ctx.launch(
-        attention_split_kernel,
-        {
-            "q_ptr": ctx.pointer(q),
-            "k_ptr": ctx.pointer(k_plane),
-            "v_ptr": ctx.pointer(v_plane),
-            "table_ptr": ctx.pointer(table),
-            "row_ptr": ctx.pointer(rows),
-            "position_ptr": ctx.pointer(positions),
-            "max_ws": ctx.pointer(max_ws),
-            "sum_ws": ctx.pointer(sum_ws),
-            "acc_ws": ctx.pointer(acc_ws),
-            "count_ws": ctx.pointer(count_ws),
-            "out_ptr": ctx.pointer(out),
-            "scale": ctx.f32(scale),
-        },
-        {
-            "HEADS": heads,
-            "KV_HEADS": kv_heads,
-            "GROUP": group,
-            "GROUP_P2": next_power_of_two(group),
-            "D": head_dim,
-            "PAGE_TOKENS": page_tokens,
-            "TABLE_WIDTH": width,
-            "SPLITS": splits,
-            "SPLITS_P2": next_power_of_two(splits),
-            "SPLIT": split,
-            "SHORT": max(split, min(short, reach)),
-            "BLOCK_N": block_n,
-            "HEADS_M": max(16, next_power_of_two(group)),
-            "D_P": max(16, head_dim),
-            "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
-            "WINDOW": window,
-            "SETTLED": settled,
-        },
-        (tokens, kv_heads, splits),
-        num_warps=4,
-        num_stages=2,
+        attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=4, num_stages=2
     )
     return [launch]
 
