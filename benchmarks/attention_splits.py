@@ -47,7 +47,9 @@ of them from one replay to the next, as a decode step's weight stream evicts the
 MAX_LAYERS = 1024
 
 
-def _manifest(rows: int, heads: int, kv_heads: int, head_dim: int) -> tuple[mf.ExecutionManifest, mf.Node]:
+def _manifest(
+    rows: int, heads: int, kv_heads: int, head_dim: int, plane_dtype: int = mf.DTYPE_F32
+) -> tuple[mf.ExecutionManifest, mf.Node]:
     width = SPAN // PAGE_TOKENS
     manifest = mf.ExecutionManifest()
     program = manifest.programs.add(name="bench")
@@ -57,8 +59,8 @@ def _manifest(rows: int, heads: int, kv_heads: int, head_dim: int) -> tuple[mf.E
     buffers = [
         ("q", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
         ("out", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
-        ("k_plane", mf.DTYPE_F32, planes, mf.BUFFER_ROLE_CACHE_PLANE),
-        ("v_plane", mf.DTYPE_F32, planes, mf.BUFFER_ROLE_CACHE_PLANE),
+        ("k_plane", plane_dtype, planes, mf.BUFFER_ROLE_CACHE_PLANE),
+        ("v_plane", plane_dtype, planes, mf.BUFFER_ROLE_CACHE_PLANE),
         ("page_table", mf.DTYPE_I32, (rows, width), mf.BUFFER_ROLE_TRANSPORT),
         ("token_row", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_TRANSPORT),
         ("token_position", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_TRANSPORT),
@@ -68,29 +70,48 @@ def _manifest(rows: int, heads: int, kv_heads: int, head_dim: int) -> tuple[mf.E
 
 
 def _lowered(
-    rows: int, heads: int, kv_heads: int, head_dim: int, short: int, tf32x3: bool
+    rows: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    short: int,
+    tf32x3: bool,
+    plane_dtype: int = mf.DTYPE_F32,
+    split_config: tuple[int, int, int] | None = None,
 ) -> tuple[mf.ExecutionManifest, bytes, mf.KernelLaunch]:
     """The manifest (with its workspaces), the compiled module and the launch of one attention node."""
-    manifest, node = _manifest(rows, heads, kv_heads, head_dim)
+    manifest, node = _manifest(rows, heads, kv_heads, head_dim, plane_dtype)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
-    (launch,) = attention_launches(ctx, node, short_positions=short, tf32x3=tf32x3)
+    (launch,) = attention_launches(ctx, node, short_positions=short, tf32x3=tf32x3, split_config=split_config)
     return manifest, next(iter(ctx.modules.values())).data, launch
+
+
+def _config(text: str) -> tuple[int, int, int]:
+    """``wWsSbB`` -> ``(W, S, B)``."""
+    try:
+        warps, rest = text.removeprefix("w").split("s")
+        stages, block = rest.split("b")
+        return int(warps), int(stages), int(block)
+    except ValueError as error:
+        raise SystemExit(f"--configs: {text!r} is not wWARPSsSTAGESbBLOCK_N") from error
 
 
 class Layers:
     """Device buffers of one benchmark case: a query, an output, and every layer's cache planes."""
 
-    def __init__(self, cuda: Context, rows: int, heads: int, kv_heads: int, head_dim: int, layers: int) -> None:
+    def __init__(
+        self, cuda: Context, rows: int, heads: int, kv_heads: int, head_dim: int, layers: int, itemsize: int = 4
+    ) -> None:
         self.cuda = cuda
         width = SPAN // PAGE_TOKENS
         rng = np.random.default_rng(0)
-        self.plane_bytes = rows * width * PAGE_TOKENS * kv_heads * head_dim * 4
+        self.plane_bytes = rows * width * PAGE_TOKENS * kv_heads * head_dim * itemsize
         self.pointers: dict[str, int] = {}
         self.layer_planes: list[tuple[int, int]] = []
         for _ in range(layers):
             planes = (cuda.alloc(self.plane_bytes), cuda.alloc(self.plane_bytes))
             for plane in planes:
-                cuda.memset(plane, self.plane_bytes, 0x3C)  # every value 0.0115: timing only
+                cuda.memset(plane, self.plane_bytes, 0x3C)  # every value 0.0115 (f32 and bf16): timing only
             self.layer_planes.append(planes)
         q_bytes = rows * heads * head_dim * 4
         for name, nbytes in (("q", q_bytes), ("out", q_bytes), ("page_table", rows * width * 4)):
@@ -146,14 +167,15 @@ def _graph_us(cuda: Context, layers: Layers, launch: mf.KernelLaunch, function: 
     return elapsed
 
 
-def _torch_us(rows: int, heads: int, kv_heads: int, head_dim: int, context: int, layers: int) -> float:
+def _torch_us(rows: int, heads: int, kv_heads: int, head_dim: int, context: int, layers: int, bf16: bool) -> float:
     import torch
 
-    q = torch.randn(rows, heads, 1, head_dim, device="cuda")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q = torch.randn(rows, heads, 1, head_dim, device="cuda", dtype=dtype)
     caches = [
         (
-            torch.randn(rows, kv_heads, context, head_dim, device="cuda"),
-            torch.randn(rows, kv_heads, context, head_dim, device="cuda"),
+            torch.randn(rows, kv_heads, context, head_dim, device="cuda", dtype=dtype),
+            torch.randn(rows, kv_heads, context, head_dim, device="cuda", dtype=dtype),
         )
         for _ in range(layers)
     ]
@@ -172,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="32,100,160,256,512,1000")
     parser.add_argument("--short", default="64,128,192,256", help="short_positions candidates")
     parser.add_argument("--products", default="tf32x3,ieee", help="how the two matrix products run")
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="split-kernel candidates wWsSbB (num_warps W, num_stages S, BLOCK_N B), e.g. w4s2b64,w2s1b32",
+    )
+    parser.add_argument("--cache-dtype", choices=("f32", "bf16"), default="f32", help="the cache planes' type")
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -181,43 +209,55 @@ def main(argv: list[str] | None = None) -> int:
     products = dict.fromkeys(["tf32x3" if TF32X3_PRODUCTS else "ieee", *args.products.split(",")])
     if set(products) - {"tf32x3", "ieee"}:
         raise SystemExit("--products takes tf32x3 and ieee")
-    candidates = [(short, product) for product in products for short in shorts]
+    candidates: list[tuple[int, str, tuple[int, int, int] | None]] = [
+        (short, product, None) for product in products for short in shorts
+    ]
+    default_product = "tf32x3" if TF32X3_PRODUCTS else "ieee"
+    candidates += [(SHORT_POSITIONS, default_product, _config(text)) for text in args.configs.split(",") if text]
+    bf16 = args.cache_dtype == "bf16"
+    plane_dtype = mf.DTYPE_BF16 if bf16 else mf.DTYPE_F32
     if args.compile_only:
         for shape_name in args.shapes.split(","):
             shape = SHAPES[shape_name]
             for rows in (int(r) for r in args.rows.split(",")):
-                for short, product in candidates:
-                    _lowered(rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3")
+                for short, product, config in candidates:
+                    _lowered(
+                        rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3", plane_dtype,
+                        config,
+                    )  # fmt: skip
         return 0
     bandwidth = copy_bandwidth("cuda")
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); span {SPAN}, pages of {PAGE_TOKENS}")
-    print("shape rows context short products   graph us  torch us  floor us")
+    print(f"cache planes {args.cache_dtype}; config: split kernel wWARPS sSTAGES bBLOCK_N (- the lowering's choice)")
+    print("shape rows context short products config      graph us  torch us  floor us")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         for rows in (int(r) for r in args.rows.split(",")):
-            touched = 2 * rows * min(contexts) * shape.kv_heads * shape.head_dim * 4
+            itemsize = 2 if bf16 else 4
+            touched = 2 * rows * min(contexts) * shape.kv_heads * shape.head_dim * itemsize
             count = min(MAX_LAYERS, max(16, cdiv(COLD_BYTES, touched)))
-            layers = Layers(cuda, rows, shape.heads, shape.kv_heads, shape.head_dim, count)
+            layers = Layers(cuda, rows, shape.heads, shape.kv_heads, shape.head_dim, count, itemsize)
             lowered = []
-            for short, product in candidates:
+            for short, product, config in candidates:
                 manifest, module_data, launch = _lowered(
-                    rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3"
+                    rows, shape.heads, shape.kv_heads, shape.head_dim, short, product == "tf32x3", plane_dtype, config
                 )
                 layers.workspaces(manifest)
                 module = cuda.load_module(module_data)
                 function = cuda.function(module, launch.symbol, launch.shared_bytes)
-                lowered.append((short, product, launch, function))
+                lowered.append((short, product, config, launch, function))
             for context in contexts:
-                kv_bytes = 2 * rows * context * shape.kv_heads * shape.head_dim * 4
+                kv_bytes = 2 * rows * context * shape.kv_heads * shape.head_dim * itemsize
                 floor = kv_bytes / bandwidth * 1e6  # as gpu_decode's HBM roofline
-                torch_us = _torch_us(rows, shape.heads, shape.kv_heads, shape.head_dim, context, 64)
-                for short, product, launch, function in lowered:
-                    chosen = short == SHORT_POSITIONS and (product == "tf32x3") == TF32X3_PRODUCTS
+                torch_us = _torch_us(rows, shape.heads, shape.kv_heads, shape.head_dim, context, 64, bf16)
+                for short, product, config, launch, function in lowered:
+                    chosen = config is None and short == SHORT_POSITIONS and (product == "tf32x3") == TF32X3_PRODUCTS
+                    label = "-" if config is None else "w{}s{}b{}".format(*config)
                     us = _graph_us(cuda, layers, launch, function, context - 1, rows)
                     print(
                         f"{shape_name:<5} {rows:>4} {context:>7} {'*' if chosen else ' '}{short:>4} {product:<8} "
-                        f"{us:>10.2f} {torch_us:>9.2f} {floor:>9.3f}",
+                        f"{label:<9} {us:>10.2f} {torch_us:>9.2f} {floor:>9.3f}",
                         flush=True,
                     )
             layers.close()

@@ -2,7 +2,8 @@
 
 One run prints one table. For each shape of ``--shapes`` (default 135m, 1b, 8b) it builds a bf16
 ``reference,sm_90a`` core (decode rows 1, 8, 64 and 256, prefill variants for a 32-token and a
-512-token prompt, context 1024; or reuses it from ``--cores DIR``), then measures:
+512-token prompt, context 1024, key and value cache planes of ``--cache-dtype``, default bf16 as the
+PyTorch baseline's cache; or reuses it from ``--cores DIR``), then measures:
 
 * Helios, through the real engine and its worker loop on backend ``cuda``: decode latency at batch 1
   (one request, 32-token prompt, ``ignore_eos``, 128 new tokens; ms per token after the first),
@@ -123,6 +124,8 @@ class Plan:
     """Also build each shape with ``--tensor-parallel 1`` and measure its batch-1 decode."""
     kinds: tuple[str, ...] = ("llama",)
     """History kinds measured; each but ``llama`` adds a batch-1 decode row per shape."""
+    cache_dtype: str = "bf16"
+    """Storage type of the Llama cores' key and value cache planes (``ignition build --cache-dtype``)."""
 
     @property
     def max_rows(self) -> int:
@@ -164,6 +167,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         seed=args.seed,
         tensor_parallel_1=args.tensor_parallel_1,
         kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+        cache_dtype=args.cache_dtype,
     )
     unknown_kinds = [k for k in plan.kinds if k not in KINDS]
     if unknown_kinds or "llama" not in plan.kinds:
@@ -210,9 +214,10 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
             "--max-rows", str(plan.max_rows), "--decode-rows", ",".join(map(str, plan.decode_rows)),
             "--prefill-tokens", ",".join(map(str, plan.prefill_variants)), "--context", str(plan.context),
             "--page-tokens", str(plan.page_tokens), "--namespace", NAMESPACE, "--seed", str(plan.seed),
+            "--cache-dtype", plan.cache_dtype,
         )  # fmt: skip
         targets = "-".join(t.replace("_", "") for t in plan.targets)
-        path = directory / f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}.core"
+        path = directory / f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}-kv{plan.cache_dtype}.core"
         specs.append(CoreSpec(shape, str(path), (*arguments, "--sign-key", str(signing_key))))
         if plan.tensor_parallel_1:
             twin = path.with_name(path.stem + "-tp1.core")
@@ -1308,7 +1313,7 @@ def print_table(report: Report) -> None:
         f"gpu decode, {machine.get('device', '?')}, torch {machine.get('torch', '?')}, triton "
         f"{machine.get('triton', '?')}, {data['date']}; copy {copy:.2f} TB/s (read + write), matmul "
         f"{flops:.1f} TFLOP/s; prompt {plan['prompt']}, {plan['tokens']} new tokens per request, backend "
-        f"{plan['backend']}"
+        f"{plan['backend']}, KV cache {plan.get('cache_dtype', 'f32')}"
     )
     rows = table_rows(report)
     shown = [i for i, header in enumerate(HEADERS) if header != "tp1 ms/step" or plan.get("tensor_parallel_1")]
@@ -1399,6 +1404,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kinds",
         default="llama",
         help="history kinds: llama plus any of recurrent,latent,window, each a batch-1 decode row per shape",
+    )
+    parser.add_argument(
+        "--cache-dtype",
+        choices=("f32", "bf16"),
+        default="bf16",
+        help="storage type of the Llama cores' key and value cache planes (default bf16, as the baseline's)",
     )
     parser.add_argument("--build-spec", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """History drafting against plain decode on synthetic Llama shapes: tokens per round, acceptance, speed.
 
-For each shape of ``--shapes`` (default 1b) it builds one bf16 ``reference,sm_90a`` core with
-``--speculative history --draft-tokens 7`` (speculative widths 1, 2, 4 and 8; decode rows 1, 8, 64
+For each shape of ``--shapes`` (default 1b) it builds one bf16 ``reference,sm_90a`` core (bf16 key and value
+cache planes) with ``--speculative history --draft-tokens 7`` (speculative widths 1, 2, 4 and 8; decode rows 1, 8, 64
 and 256; or reuses it from ``--cores DIR``) and measures, in one run, Helios on that core twice:
 without history drafting (plain decode) and with it. The workload repeats earlier text so that
 copied proposals can hold: each request's prompt is ``p + c + p``, where ``p`` is a random prompt
@@ -135,11 +135,11 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
             "--max-rows", str(plan.max_rows), "--decode-rows", ",".join(map(str, plan.decode_rows)),
             "--prefill-tokens", ",".join(map(str, plan.prefill_variants)), "--context", str(plan.context),
             "--page-tokens", str(plan.page_tokens), "--namespace", NAMESPACE, "--seed", str(plan.seed),
-            "--speculative", plan.kind, "--draft-tokens", str(plan.draft_tokens),
+            "--speculative", plan.kind, "--draft-tokens", str(plan.draft_tokens), "--cache-dtype", "bf16",
         )  # fmt: skip
         targets = "-".join(t.replace("_", "") for t in plan.targets)
         kind = "" if plan.kind == "history" else "-selfdraft"
-        name = f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}-d{plan.draft_tokens}{kind}.core"
+        name = f"{shape}-bf16-{targets}-r{plan.max_rows}-c{plan.context}-d{plan.draft_tokens}{kind}-kvbf16.core"
         specs.append(CoreSpec(shape, str(directory / name), (*arguments, "--sign-key", str(signing_key))))
         if plan.kind == "self-draft":  # the same draft with room for every ceiling: fixed-width speculation
             fixed = name.replace(".core", "-fixed.core")

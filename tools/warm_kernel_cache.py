@@ -6,7 +6,7 @@ no data, lowers them for the target, and leaves every compiled kernel in ``IGNIT
 this machine or on a GPU machine the folder is carried to) compiles nothing. No GPU is needed.
 
     python tools/warm_kernel_cache.py --shapes 135m,1b,8b --max-rows 256 --decode-rows 1,8,64,256 \\
-        --prefill-tokens 32,512 --context 1024
+        --prefill-tokens 32,512 --context 1024 --cache-dtype bf16
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefill-tokens", default="32,512")
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--cache-dtype", choices=("f32", "bf16"), default="bf16", help="cache planes' type")
     args = parser.parse_args(argv)
     os.environ.setdefault("IGNITION_KERNEL_CACHE", str(ROOT / "build" / "kernel-cache"))
     caps = Capacities(
@@ -107,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         decode_rows=_ints(args.decode_rows),
         page_tokens=args.page_tokens,
         context=args.context,
+        cache_dtype=args.cache_dtype,
     )
     for shape_name in args.shapes.split(","):
         started = time.monotonic()

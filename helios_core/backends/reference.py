@@ -63,13 +63,6 @@ class _Bound:
     dtype: int
 
 
-def _bf16_round(values: AnyArray) -> AnyArray:
-    """float32 -> bfloat16 bit patterns (round to nearest even)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
-    return rounded.astype(np.uint16)
-
-
 class _Node:
     """One node's bound arguments and attributes, as the operator adapters read them."""
 
@@ -110,6 +103,21 @@ class _Node:
             return lambda: rk.bf16_bits_to_float32(array)
         return lambda: array
 
+    def cache_planes(self) -> tuple[AnyArray, AnyArray]:
+        """The ``k_plane`` and ``v_plane`` arrays: float32, float16 or bfloat16 (uint16 bit patterns, which
+        the reference kernels round to on write and widen on read), both of one dtype."""
+        planes = []
+        for name in ("k_plane", "v_plane"):
+            bound = self._args.get(name)
+            if bound is None:
+                raise self.fail(f"lacks the tensor argument {name!r}")
+            if bound.dtype not in (mf.DTYPE_F32, mf.DTYPE_F16, mf.DTYPE_BF16):
+                raise self.fail(f"cache plane {name!r} must be float32, float16 or bfloat16")
+            planes.append(bound.array)
+        if planes[0].dtype != planes[1].dtype:
+            raise self.fail(f"cache planes differ in dtype: {planes[0].dtype} and {planes[1].dtype}")
+        return planes[0], planes[1]
+
     def store(self, name: str) -> Callable[[AnyArray], None]:
         """A writer into an output view (shape checked at each write, bfloat16 rounded)."""
         bound = self._args.get(name)
@@ -123,7 +131,7 @@ class _Node:
             if value.size != out.size:
                 raise ValueError(f"{where}: result of shape {value.shape} does not fit the view {out.shape}")
             result = value.reshape(out.shape)
-            out[...] = _bf16_round(result) if bf16 else result
+            out[...] = rk.float32_to_bf16_bits(result) if bf16 else result
 
         return write
 
@@ -190,14 +198,12 @@ def _rope(n: _Node) -> Step:
 
 def _kv_cache_write(n: _Node) -> Step:
     k, v, slots = n.floats("k"), n.floats("v"), n.tensor("slots")
-    k_plane, v_plane = n.tensor("k_plane"), n.tensor("v_plane")
-    if k_plane.dtype.kind != "f" or v_plane.dtype.kind != "f":
-        raise n.fail(f"cache planes must be float32/float16, got {k_plane.dtype} and {v_plane.dtype}")
+    k_plane, v_plane = n.cache_planes()
     return lambda: rk.kv_cache_write(k_plane, v_plane, k(), v(), slots.reshape(-1))
 
 
 def _paged_attention(n: _Node) -> Step:
-    q, k_plane, v_plane = n.floats("q"), n.tensor("k_plane"), n.tensor("v_plane")
+    q, (k_plane, v_plane) = n.floats("q"), n.cache_planes()
     page_table, token_row, token_position = n.tensor("page_table"), n.tensor("token_row"), n.tensor("token_position")
     out, scale, window = n.store("out"), n.attr_float("scale"), n.attr_int("window", 0)
     if window < 0:
@@ -277,13 +283,11 @@ def _rope_scaling(n: _Node) -> tuple[rk.RopeStyle, rk.FrequencyBandScaling | Non
 def _rope_cache_step(n: _Node, qkv: Callable[[], AnyArray]) -> Step:
     """The step that rotates and splits the packed rows ``qkv()`` (the ``rope_kv_cache_write`` part)."""
     positions, slots = n.tensor("positions"), n.tensor("slots")
-    q_out, k_plane, v_plane = n.store("q"), n.tensor("k_plane"), n.tensor("v_plane")
+    q_out, (k_plane, v_plane) = n.store("q"), n.cache_planes()
     theta = n.attr_float("theta")
     style, scaling = _rope_scaling(n)
     tokens, heads, head_dim = n.tensor("q").shape
     kv_heads = int(k_plane.shape[2])
-    if k_plane.dtype.kind != "f" or v_plane.dtype.kind != "f":
-        raise n.fail(f"cache planes must be float32/float16, got {k_plane.dtype} and {v_plane.dtype}")
 
     def step() -> None:
         packed = qkv().reshape(tokens, heads + 2 * kv_heads, head_dim)

@@ -162,6 +162,20 @@ def _in_place_target(name: str, value: AnyArray) -> AnyArray:
 # ----------------------------------------------------------------------------------------------
 
 
+def float32_to_bf16_bits(values: AnyArray) -> NDArray[np.uint16]:
+    """Round float values to bfloat16 (round to nearest, ties to even), as uint16 bit patterns.
+
+    Args:
+        values: float array of any shape (widened to float32 first).
+    Returns:
+        uint16 array of the same shape; :func:`bf16_bits_to_float32` widens it back exactly.
+    """
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+    out: NDArray[np.uint16] = rounded.astype(np.uint16)
+    return out
+
+
 def bf16_bits_to_float32(bits: AnyArray) -> F32:
     """Widen bfloat16 values stored as uint16 bit patterns to float32 (exact).
 
@@ -487,8 +501,11 @@ def _check_planes(k_plane: AnyArray, v_plane: AnyArray) -> tuple[int, int, int, 
         _fail(f"k_plane: expected [num_pages, page_tokens, kvh, hd], got shape {k_plane.shape}")
     if v_plane.shape != k_plane.shape:
         _fail(f"v_plane: shape {v_plane.shape} differs from k_plane {k_plane.shape}")
-    if k_plane.dtype.kind != "f" or v_plane.dtype.kind != "f":
-        _fail(f"k_plane/v_plane: expected floating dtypes, got {k_plane.dtype} and {v_plane.dtype}")
+    if k_plane.dtype != v_plane.dtype or not (k_plane.dtype.kind == "f" or k_plane.dtype == np.uint16):
+        _fail(
+            f"k_plane/v_plane: expected equal float (or uint16 bfloat16-bit) dtypes, got {k_plane.dtype} and "
+            f"{v_plane.dtype}"
+        )
     pages, page_tokens, kv_heads, head_dim = k_plane.shape
     return int(pages), int(page_tokens), int(kv_heads), int(head_dim)
 
@@ -497,8 +514,9 @@ def kv_cache_write(k_plane: AnyArray, v_plane: AnyArray, k: AnyArray, v: AnyArra
     """Write the keys and values of packed tokens into paged cache planes, in place.
 
     Args:
-        k_plane, v_plane: ``[num_pages, page_tokens, kvh, hd]`` float, C-contiguous, writable.
-        k, v: ``[T, kvh, hd]`` float (cast to the plane dtype).
+        k_plane, v_plane: ``[num_pages, page_tokens, kvh, hd]`` float, or uint16 holding bfloat16 bit
+            patterns, C-contiguous, writable.
+        k, v: ``[T, kvh, hd]`` float (cast to the plane dtype; rounded to nearest even for bfloat16).
         slot: ``[T]`` integer (int64 on the wire): ``page_id * page_tokens + offset``, or < 0 to
             skip the token (padding). Two tokens may not share a slot.
     """
@@ -522,19 +540,25 @@ def kv_cache_write(k_plane: AnyArray, v_plane: AnyArray, k: AnyArray, v: AnyArra
         _fail(f"slot: {int(targets.max())} is out of range for {pages} pages of {page_tokens} tokens")
     if np.unique(targets).size != targets.size:
         _fail("slot: two tokens write the same slot")
-    k_plane.reshape(capacity, kv_heads, head_dim)[targets] = k32[keep]
-    v_plane.reshape(capacity, kv_heads, head_dim)[targets] = v32[keep]
+    bf16 = k_plane.dtype == np.uint16
+    k_rows = float32_to_bf16_bits(k32[keep]) if bf16 else k32[keep]
+    v_rows = float32_to_bf16_bits(v32[keep]) if bf16 else v32[keep]
+    k_plane.reshape(capacity, kv_heads, head_dim)[targets] = k_rows
+    v_plane.reshape(capacity, kv_heads, head_dim)[targets] = v_rows
 
 
 def _heads_major(plane: AnyArray, pages: I64, length: int) -> F32:
     """Positions ``0..length-1`` of a paged sequence as float32 ``[kvh, length, hd]``.
 
-    One gather pass; each head's ``[length, hd]`` block is a contiguous row-major matrix.
+    One gather pass; each head's ``[length, hd]`` block is a contiguous row-major matrix. A uint16 plane
+    holds bfloat16 bit patterns, widened exactly after the gather.
     """
     _, page_tokens, kv_heads, head_dim = plane.shape
     # Gather whole pages first (contiguous copies of the few pages needed), then move heads to the front.
     # Gathering along a transposed view of the whole plane is ~30x slower.
     seq = plane[pages].reshape(pages.size * page_tokens, kv_heads, head_dim)[:length]  # [length, kvh, hd]
+    if seq.dtype == np.uint16:
+        seq = bf16_bits_to_float32(seq)
     out: F32 = np.ascontiguousarray(seq.transpose(1, 0, 2), dtype=np.float32)  # [kvh, length, hd]
     return out
 
@@ -564,8 +588,8 @@ def paged_attention(
 
     Args:
         q: ``[T, h, hd]`` float queries of the packed tokens (RoPE already applied).
-        k_plane, v_plane: ``[num_pages, page_tokens, kvh, hd]`` float; ``h`` must be a multiple of
-            ``kvh``; query head ``j`` reads KV head ``j // (h // kvh)``.
+        k_plane, v_plane: ``[num_pages, page_tokens, kvh, hd]`` float (or uint16 bfloat16 bit patterns,
+            widened exactly); ``h`` must be a multiple of ``kvh``; query head ``j`` reads KV head ``j // (h // kvh)``.
         page_table: ``[R, max_pages]`` integer: position ``p`` of request row ``r`` lives at page
             ``page_table[r, p // page_tokens]``, offset ``p % page_tokens``. Only the entries a
             token needs are read (and must be valid page ids); with a window, entries of pages wholly

@@ -385,11 +385,6 @@ def test_a_narrower_program_drafts_the_full_block_and_fills_its_columns(core: Ve
     ("extra", "message"),
     [
         (
-            ["--targets", "reference,sm_90a", "--draft-sampling", "sampled"],
-            "self-drafting programs with sampled drafts are built for the reference target only; build with "
-            "--targets reference, or with --draft-sampling greedy for sm_90a",
-        ),
-        (
             ["--targets", "reference,sm_80"],
             "speculative programs are built for the targets reference, sm_90a only; build without --speculative "
             "for sm_80",
@@ -406,18 +401,17 @@ def test_the_cli_refuses_before_making_keys(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_greedy_self_drafting_is_accepted_for_sm_90a_and_sampled_drafts_are_not() -> None:
-    """Greedy self-drafting operators have sm_90a kernels; the sampled ones (``draft_sample``,
-    ``sample_verify_sampled``) have reference kernels only."""
-    greedy = Capacities(speculative_widths=(1, 2, 4), speculation="self-draft", draft_tokens=3)
-    check_speculative_targets(greedy, ("reference", "sm_90a"))
-    check_speculative_targets(greedy, ("sm_90a",))
-    sampled = Capacities(
-        speculative_widths=(1, 2, 4), speculation="self-draft", draft_tokens=3, draft_sampling="sampled"
-    )
-    check_speculative_targets(sampled, ("reference",))
-    with pytest.raises(ValueError, match=r"^self-drafting programs with sampled drafts are built for the reference"):
-        check_speculative_targets(sampled, ("sm_90a",))
+def test_greedy_and_sampled_self_drafting_are_accepted_for_sm_90a_and_not_for_sm_80() -> None:
+    """Every self-drafting operator, of greedy drafts and of sampled ones (``draft_sample``,
+    ``sample_verify_sampled``), has sm_90a kernels."""
+    for draft_sampling in ("greedy", "sampled"):
+        caps = Capacities(
+            speculative_widths=(1, 2, 4), speculation="self-draft", draft_tokens=3, draft_sampling=draft_sampling
+        )
+        check_speculative_targets(caps, ("reference", "sm_90a"))
+        check_speculative_targets(caps, ("sm_90a",))
+        with pytest.raises(ValueError, match=r"^speculative programs are built for the targets reference, sm_90a"):
+            check_speculative_targets(caps, ("sm_80",))
 
 
 def test_proposal_budget_needs_self_drafting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,9 +67,9 @@ REFERENCE_ONLY_TARGETS = ("reference",)
 
 SPECULATIVE_TARGETS = ("reference", "sm_90a")
 """Targets with kernels for every speculative operator: those of copied proposals
-(``speculative_inputs``, ``sample_verify``, ``completion_speculative``) and those of greedy
-self-drafting (``lane_positions``, ``draft_argmax``, ``draft_allocate``, ``speculative_layout``,
-``completion_self_draft``)."""
+(``speculative_inputs``, ``sample_verify``, ``completion_speculative``), those of self-drafting
+(``lane_positions``, ``draft_argmax``, ``draft_allocate``, ``speculative_layout``,
+``completion_self_draft``) and those of sampled drafts (``draft_sample``, ``sample_verify_sampled``)."""
 
 WINDOW_TARGETS = ("reference", "sm_90a")
 """Targets whose ``paged_attention`` honours the ``window`` attribute (sliding-window attention)."""
@@ -78,18 +78,13 @@ WINDOW_TARGETS = ("reference", "sm_90a")
 def check_speculative_targets(caps: Capacities, targets: Sequence[str]) -> None:
     """Refuse speculative programs for a target without kernels for the speculative operators.
 
+    Self-drafting programs, with greedy or sampled drafts, are built for every target of
+    :data:`SPECULATIVE_TARGETS`.
+
     Raises:
         ValueError: ``caps`` declares speculative widths and ``targets`` names a target outside
-            :data:`SPECULATIVE_TARGETS`, or ``caps`` declares self-drafting programs with sampled
-            drafts (``draft_sample``, ``sample_verify_sampled``: reference kernels only) and
-            ``targets`` names any GPU target.
+            :data:`SPECULATIVE_TARGETS`.
     """
-    gpu = [t for t in targets if t != "reference"]
-    if caps.self_drafting and caps.draft_sampling == "sampled" and gpu:
-        raise ValueError(
-            "self-drafting programs with sampled drafts are built for the reference target only; "
-            f"build with --targets reference, or with --draft-sampling greedy for {', '.join(gpu)}"
-        )
     unsupported = [t for t in targets if t not in SPECULATIVE_TARGETS]
     if caps.speculative_widths and unsupported:
         raise ValueError(
@@ -170,6 +165,8 @@ def assemble(
         settings.append(f"window={caps.window}".encode())
     if tensor_parallel:  # each rank's planes hold its own key-value heads
         settings.append(f"tensor_parallel={tensor_parallel}".encode())
+    if caps.cache_dtype != "f32":  # the cached keys and values are rounded to another type
+        settings.append(f"cache_dtype={caps.cache_dtype}".encode())
 
     contract_model = text_model_contract(model.sampled_size, model.shape.vocab, caps.page_tokens)
     if caps.window:  # the same paged planes, of which attention reads only the last window_tokens positions

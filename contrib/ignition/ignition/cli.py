@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--core-key", type=Path, help="AES-256 core key file (logical-v4)")
     build.add_argument("--targets", default="reference", help="comma-separated targets (reference, sm_90a)")
     build.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="weight storage type")
+    build.add_argument(
+        "--cache-dtype",
+        choices=("f32", "bf16"),
+        default="f32",
+        help="storage type of the key and value cache planes (bf16 halves the bytes attention reads)",
+    )
     build.add_argument("--max-rows", type=int, default=8, help="captured concurrency (decode rows)")
     build.add_argument("--decode-rows", type=_int_tuple, help="decode variants (default: powers of two)")
     build.add_argument("--prefill-tokens", type=_int_tuple, default=(16, 64), help="prefill variants (packed tokens)")
@@ -114,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DRAFT_SAMPLING_KINDS,
         help=(
             "with --speculative self-draft: greedy drafts (default) or drafts sampled from the draft's "
-            "distribution and verified by speculative sampling (reference target only)"
+            "distribution and verified by speculative sampling"
         ),
     )
     build.add_argument(
@@ -215,6 +221,7 @@ def run_build(args: argparse.Namespace) -> int:
         draft_sampling=args.draft_sampling or "greedy",
         proposal_budget=args.proposal_budget or "half",
         window=args.window,
+        cache_dtype=args.cache_dtype,
         engram=args.engram,
     )
     if args.engram and args.recipe != "llama-synthetic":
@@ -356,6 +363,7 @@ def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...])
         ("--tool-syntax", args.tool_syntax != "none"),
         ("--extra-special", bool(args.extra_special)),
         ("--dtype bf16", args.dtype == "bf16"),
+        ("--cache-dtype bf16", args.cache_dtype == "bf16"),
         ("--tokens-per-record", args.recipe != "latent-synthetic" and args.tokens_per_record != 1),
         ("--page-offset", args.recipe != "latent-synthetic" and bool(args.page_offset)),
     )

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import importlib
 
-KERNEL_MODULES = ("elementwise", "linear", "attention", "sampling", "speculative", "self_draft", "recurrence", "latent")
+KERNEL_MODULES = (
+    "elementwise",
+    "linear",
+    "attention",
+    "sampling",
+    "speculative",
+    "self_draft",
+    "sampled_draft",
+    "recurrence",
+    "latent",
+)
 """Modules whose import registers lowering functions."""
 
 

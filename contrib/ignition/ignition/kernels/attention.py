@@ -6,26 +6,26 @@ Owns the lowering of ``paged_attention``, ``rope_kv_cache_write`` and
 ``paged_attention`` runs in one launch (split-position attention): every (token, KV head, position
 split) gets one program that attends the group of query heads sharing that KV head to its split's
 positions ``[s * SPLIT, (s + 1) * SPLIT)`` up to the token's own position, reading keys and values
-through the page table. A token's context reaches ``ceil((position + 1) / SPLIT)`` active splits;
-the programs of the other splits return at once. With one active split (a context of at most
-``SPLIT`` positions, or of at most ``SHORT`` where ``SHORT`` is longer: split 0 then walks it whole)
-the program writes the output itself. Otherwise each active program writes its split's running
-maximum, sum and unnormalised output to workspaces, and the last of them to finish (an atomic count
-of finished splits, which it resets) merges the active splits of that group's query heads. A decode
-step therefore spreads a long context over many programs instead of walking it in one, without a
-second launch. The group's query heads are padded to a 16-row tile and both products (``q @ K.T``
-and ``p @ V``) run on the matrix units as three TF32 products each (float32 accuracy; see
-``benchmarks/attention_splits.py`` for the measured choice against float32 FMAs). Softmax is
-computed online in float32 (the reference subtracts the exact maximum first; the two agree to
-float32 rounding). With a ``window`` ``N`` (the ``WINDOW`` constant; 0 attends every earlier
-position) a token attends positions ``lowest = max(position - N + 1, 0) .. position``, as the
-reference: its splits start at ``lowest`` rather than 0, so the launch needs only the splits ``N``
-positions reach, and no page-table entry or key and value row of a position before ``lowest`` is
-read (pages wholly before a window may already be released and hold another request's tokens).
-Tokens whose row is negative (padding) get zero output. When the rows,
-positions and page table are settled (no earlier node of the program writes them, see
-``lowering.py``), a program reads them and its first block's pages before ``gdc_wait``; each block
-loads the next block's pages ahead.
+through the page table. Cache planes hold float32 or bfloat16 (:data:`CACHE_PLANE_DTYPES`); every kernel
+widens what it reads to float32, and the cache writes round to the plane's type. A token's context
+reaches ``ceil((position + 1) / SPLIT)`` active splits; the programs of the other splits return at once.
+With one active split (a context of at most ``SPLIT`` positions, or of at most ``SHORT`` where ``SHORT``
+is longer: split 0 then walks it whole) the program writes the output itself. Otherwise each active
+program writes its split's running maximum, sum and unnormalised output to workspaces, and the last of
+them to finish (an atomic count of finished splits, which it resets) merges the active splits of that
+group's query heads. A decode step therefore spreads a long context over many programs instead of
+walking it in one, without a second launch. The group's query heads are padded to a 16-row tile and both
+products (``q @ K.T`` and ``p @ V``) run on the matrix units as three TF32 products each (float32
+accuracy; see ``benchmarks/attention_splits.py`` for the measured choice against float32 FMAs). Softmax
+is computed online in float32 (the reference subtracts the exact maximum first; the two agree to float32
+rounding). With a ``window`` ``N`` (the ``WINDOW`` constant; 0 attends every earlier position) a token
+attends positions ``lowest = max(position - N + 1, 0) .. position``, as the reference: its splits start
+at ``lowest`` rather than 0, so the launch needs only the splits ``N`` positions reach, and no
+page-table entry or key and value row of a position before ``lowest`` is read (pages wholly before a
+window may already be released and hold another request's tokens). Tokens whose row is negative
+(padding) get zero output. When the rows, positions and page table are settled (no earlier node of the
+program writes them, see ``lowering.py``), a program reads them and its first block's pages before
+``gdc_wait``; each block loads the next block's pages ahead.
 
 ``rope_kv_cache_write`` gives each packed token one program: it splits the token's packed
 ``[q | k | v]`` projection, rotates the query and key heads (both pair layouts; inverse frequencies
@@ -402,13 +402,15 @@ def attention_launches(
     tf32x3: bool | None = None,
     split_positions: int | None = None,
     tiled: bool | None = None,
+    split_config: tuple[int, int, int] | None = None,
 ) -> list[mf.KernelLaunch]:
     """The launch of one ``paged_attention`` node; ``short_positions`` (default :data:`SHORT_POSITIONS`)
     is the longest context one program per (token, KV head) attends unsplit, ``tf32x3`` (default
     :data:`TF32X3_PRODUCTS`) how its two matrix products run, ``split_positions`` the positions of one
     split (default :data:`SPLIT_POSITIONS`, :data:`WIDE_SPLIT_POSITIONS` for a wide launch), ``tiled``
     whether the query tiles of :func:`attention_tile_kernel` run instead (default: when the node has at
-    least :data:`TILE_MIN_TOKENS` tokens and two a page-table row, as a prompt chunk has)."""
+    least :data:`TILE_MIN_TOKENS` tokens and two a page-table row, as a prompt chunk has), ``split_config``
+    the split kernel's ``(num_warps, num_stages, BLOCK_N)`` (default :func:`split_kernel_config`)."""
     short = SHORT_POSITIONS if short_positions is None else short_positions
     q, out = ctx.need(node, "q"), ctx.need(node, "out")
     k_plane, v_plane = ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
@@ -426,9 +428,10 @@ def attention_launches(
     if len(table_shape) != 2:
         raise ctx.fail("page_table must be [rows, pages]")
     width = table_shape[1]
-    for view, name in ((q, "q"), (out, "out"), (k_plane, "k_plane"), (v_plane, "v_plane")):
+    for view, name in ((q, "q"), (out, "out")):
         if ctx.dtype(view) != mf.DTYPE_F32:
             raise ctx.fail(f"{name} must be float32")
+    _check_plane_dtypes(ctx, k_plane, v_plane)
     for view, name in ((table, "page_table"), (rows, "token_row"), (positions, "token_position")):
         if ctx.dtype(view) != mf.DTYPE_I32:
             raise ctx.fail(f"{name} must be int32")
@@ -492,13 +495,31 @@ def attention_launches(
         "SPLITS_P2": next_power_of_two(splits),
         "SPLIT": split,
         "SHORT": max(split, min(short, reach)),
-        "BLOCK_N": max(16, min(split, 64 if head_dim <= 64 else 32)),
         "HEADS_M": max(16, next_power_of_two(group)),
     }
+    warps, stages, block_n = split_config or split_kernel_config(split, head_dim)
+    constants["BLOCK_N"] = block_n
     launch = ctx.launch(
-        attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=4, num_stages=2
+        attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=warps, num_stages=stages
     )
     return [launch]
+
+
+def split_kernel_config(split: int, head_dim: int) -> tuple[int, int, int]:
+    """``(num_warps, num_stages, BLOCK_N)`` of the split kernel: 4 warps, two stages, blocks of up to 64
+    positions (32 for heads over 64), at least 16 and at most the split."""
+    return 4, 2, max(16, min(split, 64 if head_dim <= 64 else 32))
+
+
+CACHE_PLANE_DTYPES = (mf.DTYPE_F32, mf.DTYPE_BF16)
+"""Storage types of key and value cache planes: the kernels read either into float32 and write the
+rotated keys and the values rounded to the plane's type (nearest, ties to even, as the reference)."""
+
+
+def _check_plane_dtypes(ctx: LoweringContext, k_plane: mf.BufferView, v_plane: mf.BufferView) -> None:
+    dtypes = (ctx.dtype(k_plane), ctx.dtype(v_plane))
+    if dtypes[0] != dtypes[1] or dtypes[0] not in CACHE_PLANE_DTYPES:
+        raise ctx.fail("k_plane and v_plane must both be float32 or both bfloat16")
 
 
 def _three(ctx: LoweringContext, view: mf.BufferView, name: str) -> tuple[int, int, int]:
@@ -594,9 +615,9 @@ def _rope_cache_geometry(ctx: LoweringContext, node: mf.Node, packed_width: int)
         raise ctx.fail(f"packed rows hold {packed_width} values, not {(heads + 2 * kv_heads) * head_dim}")
     if head_dim != next_power_of_two(head_dim) or head_dim < 2:
         raise ctx.fail(f"head_dim {head_dim} must be a power of two")
-    for view, name in ((q, "q"), (k_plane, "k_plane"), (v_plane, "v_plane")):
-        if ctx.dtype(view) != mf.DTYPE_F32:
-            raise ctx.fail(f"{name} must be float32")
+    if ctx.dtype(q) != mf.DTYPE_F32:
+        raise ctx.fail("q must be float32")
+    _check_plane_dtypes(ctx, k_plane, v_plane)
     if ctx.dtype(positions) != mf.DTYPE_I32 or ctx.dtype(slots) != mf.DTYPE_I64:
         raise ctx.fail("positions must be int32 and slots int64")
     style = ctx.attribute(node, "style", "")

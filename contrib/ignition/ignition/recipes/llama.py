@@ -118,10 +118,18 @@ class Capacities:
     """With ``self-draft``, how the draft chooses its tokens (one of :data:`DRAFT_SAMPLING_KINDS`):
     ``greedy`` (``draft_argmax``, verified by ``sample_verify``) or ``sampled`` (``draft_sample`` from the
     draft's distribution at the request's settings, verified by ``sample_verify_sampled``)."""
+    cache_dtype: str = "f32"
+    """Storage type of the key and value cache planes and their snapshot rows (one of
+    :data:`CACHE_DTYPES`): ``f32``, or ``bf16`` (half the bytes a decode step reads per cached token;
+    keys and values are rounded to nearest even when written)."""
     engram: bool = False
     """A hashed n-gram memory table (:mod:`ignition.recipes.engram`) staged by the host each round and
     added to the residual stream after the embedding; the decode programs then take host-fed pending
     tokens."""
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
 
     @property
     def self_drafting(self) -> bool:
@@ -167,6 +175,9 @@ SPECULATIVE_WIDTHS = (1, 2, 4, 8)
 DRAFT_SAMPLING_KINDS = ("greedy", "sampled")
 """How a self-drafting program's draft chooses its tokens: ``greedy`` takes the draft's argmax, ``sampled``
 draws from the draft's distribution (exact speculative sampling at any temperature)."""
+
+CACHE_DTYPES = {"f32": mf.DTYPE_F32, "bf16": mf.DTYPE_BF16}
+"""Storage types of the key and value cache planes, by their ``--cache-dtype`` names."""
 
 SPECULATION_KINDS = ("history", "self-draft")
 """Proposal sources a core's speculative programs are built for: ``history`` verifies copied proposals,
@@ -662,7 +673,7 @@ class LlamaProgramWriter(TextProgramWriter):
                     self.builder.buffer(
                         f"cache.{kind}{layer}",
                         mf.BUFFER_ROLE_CACHE_PLANE,
-                        mf.DTYPE_F32,
+                        CACHE_DTYPES[c.cache_dtype],
                         plane_shape,
                         leading_symbol=mf.DIM_SYMBOL_CACHE_PAGES,
                     )
@@ -680,7 +691,7 @@ class LlamaProgramWriter(TextProgramWriter):
                     self.builder.buffer(
                         f"continuation.{kind}{layer}",
                         mf.BUFFER_ROLE_PERSISTENT_STATE,
-                        mf.DTYPE_F32,
+                        CACHE_DTYPES[c.cache_dtype],
                         row_shape,
                         leading_symbol=mf.DIM_SYMBOL_SNAPSHOT_ROWS,
                     )
