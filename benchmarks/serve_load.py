@@ -1,11 +1,12 @@
-"""Streaming load on the real HTTP server beside the engine's own figures: throughput, TTFT, ITL, ratio.
+"""Streaming load on the real HTTP server beside the engine's own figures: throughput, TTFT, TPOT, token gaps.
 
 One run prints one markdown table, one row per (backend, server mode, clients). For each backend of
 ``--backends`` it serves one core and drives it with N concurrent streaming clients (SSE, httpx
 async) spread over ``--client-processes`` processes (default 8, ``multiprocessing`` spawn, results
-gathered to this process; 0 runs the clients in this process). Every wave sends
-``max(--requests, N)`` chat requests (greedy, ``ignore_eos``, ``--max-tokens`` each), handed to the
-clients round-robin; each client sends its requests one after the other. Per wave:
+gathered to this process; 0 runs the clients in this process; each process makes one request to
+``/v1/models`` before the wave starts, so that its first stream does not wait for httpx's transport to
+load). Every wave sends ``max(--requests, N)`` chat requests (greedy, ``ignore_eos``, ``--max-tokens``
+each), handed to the clients round-robin; each client sends its requests one after the other. Per wave:
 
 * tok/s: the completion tokens of the wave over its wall time (first request sent to last stream
   closed);
@@ -13,12 +14,18 @@ clients round-robin; each client sends its requests one after the other. Per wav
   first content chunk to the first client's last one); each content chunk in the window counts for
   its request's ``usage.completion_tokens`` divided by its content chunks (a chunk's text may hold
   several tokens, or a token none);
-* TTFT (request sent to first content chunk) and ITL (gaps between consecutive content chunks) p50
-  and p99;
+* TTFT (request sent to first content chunk) p50 and p99;
+* TPOT p50 and p99 over the wave's requests of 2 tokens or more: per request, (arrival of its last content
+  chunk - arrival of its first) / (its completion tokens - 1);
+* gap p50 and p99 over the wave's tokens: the server writes every event queued for a response at once, so
+  a client reads several content chunks together; consecutive chunks of one response that arrive within
+  ``DELIVERY_GAP_S`` (0.5 ms) of the one before are one delivery, and each delivery after a request's first
+  gives each of its tokens (apportioned as for the window) the time since the previous delivery divided by
+  its tokens: the gap between tokens as the client sees them, weighted by tokens;
 * the engine alone (no HTTP): the same core started in this process, ``N`` concurrent requests of
   the HTTP prompt's length and ``--max-tokens`` new tokens submitted to the engine, decode tokens/s
   over the window in which every request decodes and ms per step (``gpu_decode.py``'s measurement);
-  and the ratio window tok/s over HTTP / engine tok/s.
+  the ratio window tok/s over HTTP / engine tok/s, and TPOT / step (TPOT p50 / engine ms per step).
 
 Server modes (``--modes``): ``in-process`` (uvicorn in a thread of this process; the backend's
 ``run`` is wrapped so the engine run time and the non-overlapped overhead per token are known),
@@ -53,6 +60,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import multiprocessing
@@ -93,6 +101,9 @@ ENGINE_PROMPT_FALLBACK = 45
 """Prompt tokens of the engine's requests when no HTTP request reported its own (the chat prompt's length)."""
 MAX_CHAT_PROMPT = 64
 """Prompt tokens a wave's chat request stays under (its template and text); sizes the cache pages."""
+DELIVERY_GAP_S = 0.0005
+"""Content chunks of one response that arrive within this many seconds of the one before are one delivery
+(the server writes every event queued for a response at once, so the client reads them together)."""
 
 
 class Interrupted(Exception):
@@ -345,8 +356,36 @@ class Sample(NamedTuple):
         return self.arrivals[0] - self.begin if self.arrivals else float("nan")
 
     @property
-    def gaps_s(self) -> list[float]:
-        return [later - earlier for earlier, later in zip(self.arrivals, self.arrivals[1:], strict=False)]
+    def tpot_s(self) -> float:
+        """Time per output token as the client sees it: first to last content chunk over ``tokens - 1``."""
+        if not self.arrivals or self.tokens < 2:
+            return float("nan")
+        return (self.arrivals[-1] - self.arrivals[0]) / (self.tokens - 1)
+
+    def deliveries(self) -> list[tuple[float, int]]:
+        """(arrival of its first chunk, content chunks) of each delivery: consecutive content chunks that
+        arrived within ``DELIVERY_GAP_S`` of the one before belong to one delivery (one read from the socket)."""
+        groups: list[tuple[float, int]] = []
+        previous = float("-inf")
+        for arrival in self.arrivals:
+            if groups and arrival - previous <= DELIVERY_GAP_S:
+                groups[-1] = (groups[-1][0], groups[-1][1] + 1)
+            else:
+                groups.append((arrival, 1))
+            previous = arrival
+        return groups
+
+    def token_gaps(self) -> list[tuple[float, float]]:
+        """(gap per token, tokens) of each delivery after the first: the time since the previous delivery
+        divided by the delivery's tokens (``tokens / content chunks`` a chunk), weighted by those tokens."""
+        if not self.arrivals or self.tokens <= 0:
+            return []
+        per_chunk = self.tokens / len(self.arrivals)
+        groups = self.deliveries()
+        return [
+            ((later - earlier) / (chunks * per_chunk), chunks * per_chunk)
+            for (earlier, _), (later, chunks) in itertools.pairwise(groups)
+        ]
 
 
 async def one_request(client: Any, url: str, max_tokens: int, index: int, client_index: int = 0) -> Sample:
@@ -413,6 +452,16 @@ async def client_set(
     return finished, ""
 
 
+async def warm_client(url: str, timeout: float) -> None:
+    """One request to ``/v1/models`` before a client process says ready: the first request of a process loads
+    httpx's transport (httpcore, anyio, h11; over 0.1 s), which would otherwise delay the process's first
+    stream, inflate its TTFT and start the process's clients after the others."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        (await client.get(url + "/v1/models")).raise_for_status()
+
+
 def client_process(
     position: int,
     url: str,
@@ -423,12 +472,14 @@ def client_process(
     start: Any,
     results: Any,
 ) -> None:
-    """A client process: import, say ready, wait for the start, stream, put (position, samples, error)."""
+    """A client process: warm its HTTP client, say ready, wait for the start, stream, put (position, samples,
+    error)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    said_ready = False
     try:
-        import httpx  # noqa: F401  (imported before the start so that the waves start together)
-
+        asyncio.run(warm_client(url, timeout))
         ready.put(position)
+        said_ready = True
         if not start.wait(timeout):
             results.put((position, [], "the start signal never came"))
             return
@@ -436,6 +487,8 @@ def client_process(
         results.put((position, [tuple(s) for s in samples], error))
     except BaseException as exc:  # reported to the parent, which fails the wave
         results.put((position, [], f"{type(exc).__name__}: {exc}"))
+        if not said_ready:  # the parent waits for every process's word before it gathers results
+            ready.put(position)
 
 
 def assign(clients: int, requests: int, processes: int) -> list[list[tuple[int, list[int]]]]:
@@ -508,6 +561,21 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def weighted_percentile(pairs: Sequence[tuple[float, float]], q: float) -> float:
+    """The value at ``q`` of the way through the total weight of ``(value, weight)`` pairs ordered by value
+    (each pair spans its weight; q = 1 is the largest value); NaN without positive weight."""
+    ordered = sorted((value, weight) for value, weight in pairs if weight > 0)
+    total = sum(weight for _, weight in ordered)
+    if not ordered:
+        return float("nan")
+    target, passed = q * total, 0.0
+    for value, weight in ordered:
+        passed += weight
+        if passed > target:
+            return value
+    return ordered[-1][0]
+
+
 def stream_window(samples: Sequence[Sample]) -> dict[str, float]:
     """Output tokens/s over the window in which every client streams: from the last client's first content
     chunk to the first client's last one; each chunk in it counts ``tokens / content chunks`` of its request."""
@@ -541,7 +609,10 @@ class Row:
     engine_s: float
     launches: int
     ttft: list[float]
-    itl: list[float]
+    tpot: list[float]
+    """Per request: first to last content chunk over its tokens - 1 (requests of 2 tokens or more)."""
+    gaps: list[tuple[float, float]]
+    """Per delivery after a request's first: (gap since the previous delivery per token, its tokens)."""
     errors: list[str] = field(default_factory=list)
     engine: dict[str, Any] = field(default_factory=dict)
     """The engine alone at this batch: ``tokens_per_s``, ``ms_per_step`` (``gpu_decode._decode_wave``)."""
@@ -555,6 +626,12 @@ class Row:
         engine = self.engine.get("tokens_per_s")
         return self.window["tokens_per_s"] / engine if engine else float("nan")
 
+    @property
+    def tpot_per_step(self) -> float:
+        """TPOT p50 over the engine's ms per step alone at this batch (NaN without the engine figure)."""
+        step_ms = self.engine.get("ms_per_step")
+        return percentile(self.tpot, 0.5) * 1000.0 / step_ms if step_ms else float("nan")
+
     def cells(self) -> list[str]:
         ms = 1000.0
         overhead_us = (self.wall_s - self.engine_s) / max(self.tokens, 1) * 1e6
@@ -567,26 +644,37 @@ class Row:
             _cell(self.window["tokens_per_s"], 0),
             _cell(percentile(self.ttft, 0.5) * ms, 1),
             _cell(percentile(self.ttft, 0.99) * ms, 1),
-            _cell(percentile(self.itl, 0.5) * ms, 2),
-            _cell(percentile(self.itl, 0.99) * ms, 2),
+            _cell(percentile(self.tpot, 0.5) * ms, 2),
+            _cell(percentile(self.tpot, 0.99) * ms, 2),
+            _cell(weighted_percentile(self.gaps, 0.5) * ms, 2),
+            _cell(weighted_percentile(self.gaps, 0.99) * ms, 2),
             _cell(self.wall_s, 2),
             _cell(self.engine_s, 2),
             _cell(overhead_us, 0),
             _cell(self.engine.get("tokens_per_s"), 0),
             _cell(self.engine.get("ms_per_step"), 3),
             _cell(self.ratio, 2),
+            _cell(self.tpot_per_step, 2),
         ]
 
     def summary(self) -> dict[str, Any]:
-        """What the JSON keeps of the row: every figure, the latency lists as percentiles."""
-        figures = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ttft", "itl")}
-        for name, values in (("ttft_s", self.ttft), ("itl_s", self.itl)):
+        """What the JSON keeps of the row: every figure, the latency lists as percentiles (``gap_s`` over tokens:
+        ``count`` is its deliveries, ``tokens`` their tokens, ``mean`` weighted by them)."""
+        figures = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ttft", "tpot", "gaps")}
+        for name, values in (("ttft_s", self.ttft), ("tpot_s", self.tpot)):
             figures[name] = {f"p{q}": percentile(values, q / 100) for q in (50, 90, 99)} | {
                 "mean": statistics.fmean(values) if values else float("nan"),
                 "count": len(values),
                 "max": max(values, default=float("nan")),
             }
-        figures["label"], figures["ratio"] = self.label, self.ratio
+        weight = sum(w for _, w in self.gaps)
+        figures["gap_s"] = {f"p{q}": weighted_percentile(self.gaps, q / 100) for q in (50, 90, 99)} | {
+            "mean": sum(v * w for v, w in self.gaps) / weight if weight else float("nan"),
+            "count": len(self.gaps),
+            "tokens": weight,
+            "max": max((v for v, _ in self.gaps), default=float("nan")),
+        }
+        figures["label"], figures["ratio"], figures["tpot_per_step"] = self.label, self.ratio, self.tpot_per_step
         return figures
 
 
@@ -597,8 +685,9 @@ def _cell(value: float | None, digits: int) -> str:
 
 
 HEADERS = [
-    "server", "clients", "ok", "out tokens", "tok/s", "window tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-    "ITL p99 ms", "wall s", "engine run s", "overhead µs/token", "engine tok/s", "engine ms/step", "HTTP / engine",
+    "server", "clients", "ok", "out tokens", "tok/s", "window tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+    "TPOT p99 ms", "gap p50 ms", "gap p99 ms", "wall s", "engine run s", "overhead µs/token", "engine tok/s",
+    "engine ms/step", "HTTP / engine", "TPOT / step",
 ]  # fmt: skip
 
 
@@ -609,7 +698,8 @@ def make_row(backend: str, mode: str, clients: int, samples: Sequence[Sample], e
     return Row(
         backend, mode, clients, len(ok), len(samples), sum(s.tokens for s in ok),
         int(statistics.median(prompts)) if prompts else 0, wall, stream_window(samples), engine_s, launches,
-        [s.ttft_s for s in ok if s.arrivals], [g for s in ok for g in s.gaps_s],
+        [s.ttft_s for s in ok if s.arrivals], [s.tpot_s for s in ok if s.arrivals and s.tokens >= 2],
+        [gap for s in ok for gap in s.token_gaps()],
         sorted({s.error for s in samples if s.error})[:3],
     )  # fmt: skip
 
@@ -718,7 +808,8 @@ def measure_http(
             log(
                 f"{row.label} {count} clients: {row.ok}/{row.requests} ok, window "
                 f"{_cell(row.window['tokens_per_s'], 0)} tok/s, TTFT p50 {percentile(row.ttft, 0.5) * 1000:.1f} ms, "
-                f"ITL p50 {percentile(row.itl, 0.5) * 1000:.2f} ms"
+                f"TPOT p50 {percentile(row.tpot, 0.5) * 1000:.2f} ms, "
+                f"gap p50 {weighted_percentile(row.gaps, 0.5) * 1000:.2f} ms"
             )
     return rows
 
@@ -937,10 +1028,13 @@ def print_table(report: Report, args: argparse.Namespace) -> None:
     )
     print(markdown(report.rows))
     print(
-        "tok/s = completion tokens / wall; window tok/s = output tokens while every client streams; engine run = "
-        "sum of backend.run durations (in-process only), overhead µs/token = (wall - engine run) / tokens; engine "
-        "tok/s and ms/step: the engine alone, that many concurrent requests, over the window in which all decode; "
-        "HTTP / engine = window tok/s / engine tok/s"
+        "tok/s = completion tokens / wall; window tok/s = output tokens while every client streams; TPOT = per "
+        "request, first to last content chunk / (tokens - 1); gap = per token, the time since the previous "
+        f"delivery (chunks read together, within {DELIVERY_GAP_S * 1000:g} ms) / the delivery's tokens, over "
+        "every token after a request's first delivery; engine run = sum of backend.run durations (in-process "
+        "only), overhead µs/token = (wall - engine run) / tokens; engine tok/s and ms/step: the engine alone, that "
+        "many concurrent requests, over the window in which all decode; HTTP / engine = window tok/s / engine "
+        "tok/s; TPOT / step = TPOT p50 / engine ms/step"
     )
     launches = [f"{r.label}/{r.clients}: {r.launches}" for r in report.rows if r.mode == "in-process"]
     if launches:
