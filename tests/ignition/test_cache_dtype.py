@@ -138,3 +138,46 @@ def test_recipes_without_key_value_planes_refuse_the_option(tmp_path: Path, caps
     argv = ["build", "recurrent-synthetic", "--out", str(tmp_path / "r.core"), "--quiet", "--cache-dtype", "bf16"]
     assert ignition_main(argv) == 1
     assert capsys.readouterr().err == "ignition: error: recurrent-synthetic does not take --cache-dtype bf16\n"
+
+
+def test_bf16_planes_take_two_bf16_products_where_float32_planes_take_three_tf32_ones(tmp_path: Path) -> None:
+    """The sm_90a attention multiplies bf16 keys and values as they are (module docstring of
+    ``ignition.kernels.attention``): a third of the matrix instructions of the TF32 form."""
+    pytest.importorskip("triton")
+    import glob
+    import subprocess
+
+    import triton
+
+    from tests.gpu.harness import lower
+
+    tools = glob.glob(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"))
+    if not tools:
+        pytest.skip("nvdisasm is not shipped with this triton")
+    counts = {}
+    for plane in (np.float32, np.uint16):
+        arrays = {
+            "q": np.zeros((256, 32, 64), np.float32),
+            "k_plane": np.zeros((64, 16, 8, 64), plane),
+            "v_plane": np.zeros((64, 16, 8, 64), plane),
+            "page_table": np.zeros((256, 64), np.int32),
+            "token_row": np.zeros(256, np.int32),
+            "token_position": np.zeros(256, np.int32),
+            "out": np.zeros((256, 32, 64), np.float32),
+        }
+        context, _ = lower("paged_attention", arrays, {"scale": 0.125})
+        (module,) = context.modules.values()
+        cubin = tmp_path / f"{np.dtype(plane).name}.cubin"
+        cubin.write_bytes(module.data)
+        sass = subprocess.run([tools[0], str(cubin)], capture_output=True, text=True, check=True).stdout
+        words = [word for line in sass.splitlines() for word in line.split()]
+        counts[np.dtype(plane).name] = (
+            sum(word.startswith("HMMA") and word.endswith(".BF16") for word in words),
+            sum(word.startswith("HMMA") and word.endswith(".TF32") for word in words),
+        )
+    bf16_products, tf32_products = counts["float32"]
+    assert bf16_products == 0 and tf32_products > 0
+    bf16_products, tf32_products_of_bf16 = counts["uint16"]
+    assert tf32_products_of_bf16 == 0
+    # each product: three TF32 instructions of k = 8 against two bf16 ones of k = 16
+    assert bf16_products * 3 == tf32_products

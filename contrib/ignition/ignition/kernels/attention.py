@@ -6,8 +6,9 @@ Owns the lowering of ``paged_attention``, ``rope_kv_cache_write`` and
 ``paged_attention`` runs in one launch (split-position attention): every (token, KV head, position
 split) gets one program that attends the group of query heads sharing that KV head to its split's
 positions ``[s * SPLIT, (s + 1) * SPLIT)`` up to the token's own position, reading keys and values
-through the page table. Cache planes hold float32 or bfloat16 (:data:`CACHE_PLANE_DTYPES`); every kernel
-widens what it reads to float32, and the cache writes round to the plane's type. A token's context
+through the page table. Cache planes hold float32 or bfloat16 (:data:`CACHE_PLANE_DTYPES`); the cache
+writes round to the plane's type, and attention takes bfloat16 rows as they are (see the products below). A
+token's context
 reaches ``ceil((position + 1) / SPLIT)`` active splits; the programs of the other splits return at once.
 With one active split (a context of at most ``SPLIT`` positions, or of at most ``SHORT`` where ``SHORT``
 is longer: split 0 then walks it whole) the program writes the output itself. Otherwise each active
@@ -15,8 +16,12 @@ program writes its split's running maximum, sum and unnormalised output to works
 them to finish (an atomic count of finished splits, which it resets) merges the active splits of that
 group's query heads. A decode step therefore spreads a long context over many programs instead of
 walking it in one, without a second launch. The group's query heads are padded to a 16-row tile and both
-products (``q @ K.T`` and ``p @ V``) run on the matrix units as three TF32 products each (float32
-accuracy; see ``benchmarks/attention_splits.py`` for the measured choice against float32 FMAs). Softmax
+products (``q @ K.T`` and ``p @ V``) run on the matrix units as three TF32 products each over float32
+planes (float32 accuracy; see ``benchmarks/attention_splits.py`` for the measured choice against float32
+FMAs), and over bfloat16 planes, whose keys and values are exact in bfloat16, as two bfloat16 products
+each: the float32 operand (queries, softmax weights) split into its bfloat16 rounding and the bfloat16
+rounding of the remainder, accumulated in float32 (16 mantissa bits of that operand; half the registers
+and a third of the matrix instructions of the TF32 form, so more programs fit a multiprocessor). Softmax
 is computed online in float32 (the reference subtracts the exact maximum first; the two agree to float32
 rounding). With a ``window`` ``N`` (the ``WINDOW`` constant; 0 attends every earlier position) a token
 attends positions ``lowest = max(position - N + 1, 0) .. position``, as the reference: its splits start
@@ -160,6 +165,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     HEADS_M: tl.constexpr,
     D_P: tl.constexpr,
     TF32X3: tl.constexpr,
+    BF16_PLANES: tl.constexpr,
     WINDOW: tl.constexpr,
     SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -207,11 +213,13 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
             slot = page.to(tl.int64) * PAGE_TOKENS + (offs % PAGE_TOKENS)
             address = (slot * KV_HEADS + kv)[:, None] * D + dims[None, :]
             kv_ok = ok[:, None] & dim_ok[None, :]
-            keys = tl.load(k_ptr + address, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D_P]
-            values = tl.load(v_ptr + address, mask=kv_ok, other=0.0).to(tl.float32)
-            scores = _product(q, tl.trans(keys), TF32X3)  # [HEADS_M, BLOCK_N]
+            keys = _plane_rows(k_ptr + address, kv_ok, BF16_PLANES)  # [BLOCK_N, D_P]
+            values = _plane_rows(v_ptr + address, kv_ok, BF16_PLANES)
+            scores = _product(q, tl.trans(keys), TF32X3, BF16_PLANES)  # [HEADS_M, BLOCK_N]
             scores = tl.where(ok[None, :], scores, float("-inf"))
-            running_max, running_sum, acc = _online_softmax(running_max, running_sum, acc, scores, values, TF32X3)
+            running_max, running_sum, acc = _online_softmax(
+                running_max, running_sum, acc, scores, values, TF32X3, BF16_PLANES
+            )
             page = next_page
         mine = head_ok[:, None] & dim_ok[None, :]
         if active == 1:  # one split: its sums are the result
@@ -238,15 +246,35 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
-def _product(a, b, TF32X3: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``a @ b`` in float32 on the matrix units: three TF32 products (float32 accuracy), or FMAs."""
-    if TF32X3:
-        return tl.dot(a, b, input_precision="tf32x3")
-    return tl.dot(a, b, input_precision="ieee")
+def _plane_rows(pointers, mask, BF16_PLANES: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Key or value rows of a cache plane: bfloat16 planes' rows as they are (the products take them
+    exactly), float32 ones as float32."""
+    rows = tl.load(pointers, mask=mask, other=0.0)
+    if not BF16_PLANES:
+        rows = rows.to(tl.float32)
+    return rows
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
-def _online_softmax(running_max, running_sum, acc, scores, values, TF32X3: tl.constexpr):  # type: ignore[no-untyped-def]
+def _product(a, b, TF32X3: tl.constexpr, BF16_B: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``a @ b`` for float32 ``a`` on the matrix units. With ``BF16_B`` (``b`` holds bfloat16 values, which
+    are exact): ``a`` split into a bfloat16 head and the bfloat16 rounding of its remainder, two bfloat16
+    products accumulated in float32 (16 of ``a``'s mantissa bits, a relative error of at most about
+    ``2**-16`` a product, against float32 rounding for the other forms); else three TF32 products
+    (float32 accuracy), or FMAs."""
+    if BF16_B:
+        head = a.to(tl.bfloat16)
+        tail = (a - head.to(tl.float32)).to(tl.bfloat16)
+        product = tl.dot(tail, b, tl.dot(head, b))
+    elif TF32X3:
+        product = tl.dot(a, b, input_precision="tf32x3")
+    else:
+        product = tl.dot(a, b, input_precision="ieee")
+    return product
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _online_softmax(running_max, running_sum, acc, scores, values, TF32X3: tl.constexpr, BF16_PLANES: tl.constexpr):  # type: ignore[no-untyped-def]
     """One block of keys folded into the running (maximum, sum, unnormalised output) of each query row;
     masked scores are ``-inf`` (a row with none yet keeps zero sums)."""
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -254,7 +282,7 @@ def _online_softmax(running_max, running_sum, acc, scores, values, TF32X3: tl.co
     correction = tl.exp(running_max - safe_max)
     weights = tl.exp(scores - safe_max[:, None])
     running_sum = running_sum * correction + tl.sum(weights, axis=1)
-    acc = acc * correction[:, None] + _product(weights, values, TF32X3)
+    acc = acc * correction[:, None] + _product(weights, values, TF32X3, BF16_PLANES)
     return new_max, running_sum, acc
 
 
@@ -319,6 +347,7 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     D_P: tl.constexpr,
     TF32X3: tl.constexpr,
+    BF16_PLANES: tl.constexpr,
     WINDOW: tl.constexpr,
     SETTLED: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -374,14 +403,16 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
             slot = page.to(tl.int64) * PAGE_TOKENS + (offs % PAGE_TOKENS)
             kv_address = (slot * KV_HEADS + kv)[:, None] * D + dims[None, :]
             kv_ok = ok[:, None] & dim_ok[None, :]
-            keys = tl.load(k_ptr + kv_address, mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_N, D_P]
-            values = tl.load(v_ptr + kv_address, mask=kv_ok, other=0.0).to(tl.float32)
-            scores = _product(q, tl.trans(keys), TF32X3)  # [M, BLOCK_N]
+            keys = _plane_rows(k_ptr + kv_address, kv_ok, BF16_PLANES)  # [BLOCK_N, D_P]
+            values = _plane_rows(v_ptr + kv_address, kv_ok, BF16_PLANES)
+            scores = _product(q, tl.trans(keys), TF32X3, BF16_PLANES)  # [M, BLOCK_N]
             allowed = (
                 mine[:, None] & ok[None, :] & (offs[None, :] <= positions[:, None]) & (offs[None, :] >= lowest[:, None])
             )
             scores = tl.where(allowed, scores, float("-inf"))
-            running_max, running_sum, acc = _online_softmax(running_max, running_sum, acc, scores, values, TF32X3)
+            running_max, running_sum, acc = _online_softmax(
+                running_max, running_sum, acc, scores, values, TF32X3, BF16_PLANES
+            )
         total = tl.where(running_sum > 0.0, running_sum, 1.0)
         result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
         tl.store(out_ptr + addresses, result, mask=(mine & valid)[:, None] & dim_ok[None, :])
@@ -458,6 +489,7 @@ def attention_launches(
         "TABLE_WIDTH": width,
         "D_P": max(16, head_dim),
         "TF32X3": TF32X3_PRODUCTS if tf32x3 is None else tf32x3,
+        "BF16_PLANES": ctx.dtype(k_plane) == mf.DTYPE_BF16,
         "WINDOW": window,
         "SETTLED": ctx.settled(table, rows, positions),
     }

@@ -5,9 +5,10 @@ semantics are those of :mod:`helios_core.backends.reference_kernels` (``draft_sa
 ``sample_verify_sampled``, ``stream_uniform`` with ``PROPOSAL_STREAM_KEY`` and ``RESIDUAL_STREAM_KEY``).
 Both reuse the ``sample`` kernels of :mod:`ignition.kernels.sampling` and their workspaces: the
 per-chunk weights launch unchanged, and the kept set of a row (temperature, ``top_k``, ``top_p``,
-``min_p``) found by the same searches ``sample``'s draw runs. A kept set is a prefix of the order
-``(w desc, id asc)``, recorded as a *cut* ``(w_c, id_c)``: id ``i`` is kept iff ``w_i > w_c``, or ``w_i
-== w_c`` and ``i <= id_c`` (the min-p cut is ``w_c`` just below ``min_p``, no id; no cut is ``w_c = 0``).
+``min_p``) found by ``sample``'s own search helper (as the draw's top-k and top-p cuts are). A kept
+set is a prefix of the order ``(w desc, id asc)``, recorded as a *cut* ``(w_c, id_c)``: id ``i`` is
+kept iff ``w_i > w_c``, or ``w_i == w_c`` and ``i <= id_c`` (the min-p cut is ``w_c`` just below
+``min_p``, no id; no cut is ``w_c = 0``).
 
 ``draft_sample``, launches in order:
 
@@ -97,32 +98,34 @@ from ignition.kernels.sampling import (
     WINDOW_SAMPLES,
     _counter_uniform,
     _next_down,
-    _next_up,
-    _partition,
     _pdl_prologue,
-    _pick,
-    _reached,
+    _row_totals,
     _sample_chunk_kernel,
     _sample_weight_kernel,
+    _search,
     _sort_candidates,
-    _window,
-    lower_sample,
+    _state_tables,
 )
 from ignition.kernels.self_draft import lower_draft_argmax
 from ignition.kernels.speculative import (
     _FLAGS,
-    _FLOATS,
     _INTS,
-    _SAMPLE_SETTINGS,
     GATHER_BLOCK,
     ROW_ALIGN,
     _candidates,
+    _copy_next_row,
     _lane_walk,
     _numel,
     _per_lane,
+    _position_sample,
+    _position_token,
+    _record_token,
     _row_view,
     _typed,
     _verify_begin_kernel,
+    _verify_ids,
+    _verify_logits,
+    _verify_outputs,
 )
 
 __all__ = ["DRAFT_MASS_BLOCK", "lower_draft_sample", "lower_sample_verify_sampled"]
@@ -157,132 +160,6 @@ def _stream_uniform(seed: tl.tensor, step: tl.tensor, KEY: tl.constexpr) -> Any:
 
 
 @_jit
-def _search(
-    r: tl.tensor,
-    rowv: tl.tensor,
-    mode: tl.tensor,
-    target_count: tl.tensor,
-    target_mass: tl.tensor,
-    run: tl.tensor,
-    positive: tl.tensor,
-    mass_all: tl.tensor,
-    n_heavy: tl.tensor,
-    m_heavy: tl.tensor,
-    tau: tl.tensor,
-    small_h: tl.tensor,
-    ends: tl.tensor,
-    proc: tl.tensor,
-    wts: tl.tensor,
-    heavy: tl.tensor,
-    lists: tl.tensor,
-    sorted_ids: tl.tensor,
-    sorted_w: tl.tensor,
-    V: tl.constexpr,
-    CH: tl.constexpr,
-    REG: tl.constexpr,
-    SAMPLES: tl.constexpr,
-    HALF: tl.constexpr,
-    BLK: tl.constexpr,
-    LOG_C: tl.constexpr,
-) -> Any:
-    """One search of ``sample``'s draw (``ignition.kernels.sampling._draw``) over the order ``(w desc, id
-    asc)``: ``(exists, id, rank, running weight)`` of the first id reaching the target."""
-    tiny = tl.full([], 1, tl.int64).to(tl.float64, bitcast=True)
-    no = positive < 0
-    yes = positive >= 0
-    region0 = r.to(tl.int64) * (2 * V)
-    slot_h = r.to(tl.int64) * (4 * REG)
-    slot_c = slot_h + 2 * REG
-    exists = _reached(mode, target_count, target_mass, positive, mass_all)
-    res_id = tl.full([], -1, tl.int32)
-    res_rank = tl.zeros([], tl.int64)
-    res_run = tl.zeros([], tl.float64)
-    in_heavy = _reached(mode, target_count, target_mass, n_heavy, m_heavy)
-    if run & exists & in_heavy & small_h:
-        res_id, res_rank, res_run = _pick(
-            sorted_ids + slot_h, sorted_w + slot_h, n_heavy, 0, 0.0, mode, target_count, target_mass, REG
-        )
-    elif run & exists:
-        lo = tiny
-        hi = tl.full([], 1.0, tl.float64)
-        bc = tl.zeros([], tl.int64)
-        bm = tl.zeros([], tl.float64)
-        n_range = n_heavy
-        mass_range = m_heavy
-        if in_heavy:  # more heavy ids than fit in registers
-            lo = tl.maximum(tau, tiny)
-        else:
-            hi = _next_down(tau)
-            bc = n_heavy
-            bm = m_heavy
-            n_range = positive - n_heavy
-            mass_range = mass_all - m_heavy
-        src = region0
-        src_is_row = yes
-        n_src = tl.full([], V, tl.int64)
-        exact = no
-        direct = no
-        go = ~(exact & (n_range <= REG))
-        while go:
-            t_lo = lo
-            t_hi = hi
-            if n_range > REG:
-                w_lo, w_hi, sparse = _window(
-                    lists, src, src_is_row, n_src, wts, rowv, lo, hi, n_range, mass_range, bc, bm, mode,
-                    target_count, target_mass, SAMPLES, HALF,
-                )  # fmt: skip
-                if ~sparse:
-                    t_lo = w_lo
-                    t_hi = w_hi
-            dst = tl.where(src == region0, region0 + V, region0)
-            c0, m0, c1, m1, c2 = _partition(lists, src, src_is_row, n_src, dst, wts, rowv, lo, hi, t_lo, t_hi, BLK)
-            tl.debug_barrier()
-            if (c0 > 0) & _reached(mode, target_count, target_mass, bc + c0, bm + m0):
-                lo = _next_up(t_hi)
-                n_range = c0
-                mass_range = m0
-                exact = no
-            elif _reached(mode, target_count, target_mass, bc + c0 + c1, bm + m0 + m1) | (c2 == 0):
-                bc = bc + c0
-                bm = bm + m0
-                lo = t_lo
-                hi = t_hi
-                n_range = c1
-                mass_range = m1
-                src = dst
-                src_is_row = no
-                n_src = c1
-                exact = yes
-                if (t_lo == t_hi) & (c1 > REG):
-                    need = tl.minimum(tl.maximum((target_mass - bm) / t_hi, 0.0), c1.to(tl.float64))
-                    whole = need.to(tl.int64)
-                    by_ge = tl.where(need == whole.to(tl.float64), whole - 1, whole)
-                    at = tl.where(mode == 0, target_count - 1 - bc, tl.where(mode == 1, by_ge, whole))
-                    at = tl.minimum(tl.maximum(at, 0), c1 - 1)
-                    res_id = tl.load(lists + dst + at)
-                    res_rank = bc + at
-                    res_run = bm + (at + 1).to(tl.float64) * t_hi
-                    direct = yes
-            else:
-                bc = bc + c0 + c1
-                bm = bm + m0 + m1
-                hi = _next_down(t_lo)
-                n_range = c2
-                mass_range = mass_range - m0 - m1
-                exact = no
-            go = (~direct) & (~(exact & (n_range <= REG)))
-        if ~direct:
-            _sort_candidates(
-                lists, src, heavy, ends, no, n_range, proc, wts, rowv, sorted_ids + slot_c, sorted_w + slot_c,
-                CH, LOG_C, REG,
-            )  # fmt: skip
-            res_id, res_rank, res_run = _pick(
-                sorted_ids + slot_c, sorted_w + slot_c, n_range, bc, bm, mode, target_count, target_mass, REG
-            )
-    return exists, res_id, res_rank, res_run
-
-
-@_jit
 def _kept_cut(
     r: tl.tensor,
     rowv: tl.tensor,
@@ -309,18 +186,7 @@ def _kept_cut(
 ) -> Any:
     """The kept set of one row with temperature > 0 (after ``sample``'s weights launch), as ``sample``'s
     draw cuts it: returns the cut ``(w_c, id_c)`` and the kept mass."""
-    ci = tl.arange(0, C_PAD)
-    live = ci < C
-    base = (r * C + ci) * 4
-    positive = tl.sum(tl.load(agg_count + base + 0, mask=live, other=0).to(tl.int64), axis=0)
-    min_count = tl.sum(tl.load(agg_count + base + 1, mask=live, other=0).to(tl.int64), axis=0)
-    hcv = tl.load(agg_count + base + 2, mask=live, other=0)
-    n_heavy = tl.sum(hcv.to(tl.int64), axis=0)
-    ends = tl.cumsum(hcv, axis=0)
-    mass_all = tl.sum(tl.load(agg_mass + base + 0, mask=live, other=0.0), axis=0)
-    min_mass = tl.sum(tl.load(agg_mass + base + 1, mask=live, other=0.0), axis=0)
-    m_heavy = tl.sum(tl.load(agg_mass + base + 2, mask=live, other=0.0), axis=0)
-    tau = tl.load(agg_mass + r * C * 4 + 3)
+    positive, min_count, n_heavy, ends, mass_all, min_mass, m_heavy, tau = _row_totals(r, agg_count, agg_mass, C, C_PAD)
     k = tl.load(top_k + r).to(tl.int64)
     tp = tl.load(top_p + r).to(tl.float64)
     mp = tl.load(min_p + r).to(tl.float64)
@@ -879,32 +745,23 @@ def _verify_record_kernel(
     _pdl_prologue(USE_PDL)
     j = position.to(tl.int64)
     here = j * STRIDE + r
-    token = tl.load(drawn + here)
-    reached = (tl.load(flags + here) != 0) & (token >= 0)
-    offers = tl.minimum(tl.load(query_length + r).to(tl.int64) - 1, CAPACITY)
-    more = reached & (j < offers)
-    offered = tl.load(candidates + r.to(tl.int64) * CAPACITY + j, mask=more, other=-1).to(tl.int64)
+    token, reached, offers, more, offered = _position_token(
+        drawn, flags, query_length, candidates, r, j, here, CAPACITY
+    )
     verified = tl.load(verify_flags + here) != 0
     go_on = more & tl.where(verified, tl.load(taken + here) != 0, token.to(tl.int64) == offered)
     if c == 0:
         if reached:
-            tl.store(ids + r * WIDTH + j, token)
-            if HAS_LOGPROB:
-                tl.store(logprob + r * WIDTH + j, tl.load(drawn_logprob + here))
-            tl.store(accepted + r, j.to(tl.int32))
-            tl.store(emitted + r, (j + 1).to(tl.int32))
-            tl.store(pending + r, token)
+            _record_token(
+                ids, logprob, drawn_logprob, accepted, emitted, pending, token, r, j, here, WIDTH, HAS_LOGPROB
+            )
         if HAS_NEXT:
             next_verified = go_on & (j + 1 < offers) & (tl.load(temperature + r).to(tl.float64) > 0.0)
             tl.store(flags + here + STRIDE, go_on.to(tl.uint8))
             tl.store(sample_flags + here + STRIDE, (go_on & (~next_verified)).to(tl.uint8))
             tl.store(verify_flags + here + STRIDE, next_verified.to(tl.uint8))
     if HAS_NEXT:
-        offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
-        valid = (offs < V) & go_on
-        source = (tl.load(starts + r) + j + 1) * V
-        row = tl.load(logits + source + offs, mask=valid, other=0.0)
-        tl.store(scratch + r.to(tl.int64) * V + offs, row, mask=valid)
+        _copy_next_row(logits, starts, scratch, go_on, r, c, j, V, BLOCK_V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -990,6 +847,27 @@ def _weights_launch(
     )
 
 
+def _search_spaces(spaces: dict[str, KernelArg]) -> dict[str, KernelArg]:
+    """The workspaces a kept-set search reads and sorts into, in the order the kernels take them."""
+    return {name: spaces[name] for name in ("wts", "heavy", "lists", "sorted_ids", "sorted_w", "agg_count", "agg_mass")}
+
+
+def _cut_spaces(ctx: LoweringContext, lanes: int) -> dict[str, KernelArg]:
+    """Each lane's cut ``(w_c, id_c)`` and kept mass: ``cut_w``, ``cut_id`` and ``cut_total``."""
+    return {
+        "cut_w": ctx.pointer(ctx.workspace("sampled.cut_weight", mf.DTYPE_F64, lanes)),
+        "cut_id": ctx.pointer(ctx.workspace("sampled.cut_id", mf.DTYPE_I32, lanes)),
+        "cut_total": ctx.pointer(ctx.workspace("sampled.cut_total", mf.DTYPE_F64, lanes)),
+    }
+
+
+def _chunk_spaces(ctx: LoweringContext, lanes: int, chunks: int) -> tuple[KernelArg, KernelArg]:
+    """Each lane's per-chunk float64 sums and last positive ids of a draw (two of each a chunk)."""
+    sums = ctx.pointer(ctx.workspace("sampled.chunk_sums", mf.DTYPE_F64, lanes * chunks * 2))
+    lasts = ctx.pointer(ctx.workspace("sampled.chunk_lasts", mf.DTYPE_I32, lanes * chunks * 2))
+    return sums, lasts
+
+
 def _int_attribute(ctx: LoweringContext, node: mf.Node, name: str, low: int, high: int) -> int:
     value = ctx.attribute(node, name)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -1035,11 +913,8 @@ def lower_draft_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLau
     status = ctx.pointer(ctx.workspace("draft_sample.status", mf.DTYPE_I32, lanes))
     sampled = ctx.pointer(ctx.workspace("draft_sample.sampled", mf.DTYPE_U8, lanes))
     chunk_bad = ctx.pointer(ctx.workspace("draft_sample.chunk_bad", mf.DTYPE_I32, lanes * chunks))
-    cut_w = ctx.pointer(ctx.workspace("sampled.cut_weight", mf.DTYPE_F64, lanes))
-    cut_id = ctx.pointer(ctx.workspace("sampled.cut_id", mf.DTYPE_I32, lanes))
-    cut_total = ctx.pointer(ctx.workspace("sampled.cut_total", mf.DTYPE_F64, lanes))
-    row_sum = ctx.pointer(ctx.workspace("sampled.chunk_sums", mf.DTYPE_F64, lanes * chunks * 2))
-    row_last = ctx.pointer(ctx.workspace("sampled.chunk_lasts", mf.DTYPE_I32, lanes * chunks * 2))
+    cut = _cut_spaces(ctx, lanes)
+    row_sum, row_last = _chunk_spaces(ctx, lanes, chunks)
     launches = lower_draft_argmax(ctx, node)
     launches.append(
         ctx.launch(
@@ -1075,7 +950,6 @@ def lower_draft_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLau
         )
     )
     launches.append(_weights_launch(ctx, sampled, settings["temperature"], settings["min_p"], spaces, lanes, vocab))
-    search = {name: spaces[name] for name in ("proc", "wts", "heavy", "lists", "sorted_ids", "sorted_w")}
     launches.append(
         ctx.launch(
             _draft_cut_kernel,
@@ -1084,12 +958,9 @@ def lower_draft_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLau
                 "top_k": settings["top_k"],
                 "top_p": settings["top_p"],
                 "min_p": settings["min_p"],
-                **search,
-                "agg_count": spaces["agg_count"],
-                "agg_mass": spaces["agg_mass"],
-                "cut_w": cut_w,
-                "cut_id": cut_id,
-                "cut_total": cut_total,
+                "proc": spaces["proc"],
+                **_search_spaces(spaces),
+                **cut,
             },
             {"V": vocab, **consts},
             (lanes,),
@@ -1103,9 +974,7 @@ def lower_draft_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLau
                 "status": status,
                 "ids": ids,
                 "wts": spaces["wts"],
-                "cut_w": cut_w,
-                "cut_id": cut_id,
-                "cut_total": cut_total,
+                **cut,
                 "probabilities": probabilities,
                 "row_sum": row_sum,
                 "row_last": row_last,
@@ -1142,14 +1011,7 @@ def lower_draft_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLau
 def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     """A begin and a split launch, then per position the ``sample`` launches over the sampled lanes,
     the verified lanes' launches and a record-and-copy launch."""
-    logits_view = ctx.need(node, "logits")
-    logits_shape = ctx.shape(logits_view)
-    if len(logits_shape) != 2 or logits_shape[0] < 1 or logits_shape[1] < 1:
-        raise ctx.fail(f"logits: expected [P, V], got shape {list(logits_shape)}")
-    packed, vocab = int(logits_shape[0]), int(logits_shape[1])
-    logits_dtype = ctx.dtype(logits_view)
-    if logits_dtype not in _FLOATS:
-        raise ctx.fail(f"logits: dtype {mf.DType.Name(logits_dtype)} is not a 16- or 32-bit float")
+    logits_view, packed, vocab, logits_dtype = _verify_logits(ctx, node)
     limit = _int_attribute(ctx, node, "vocab_limit", 1, vocab)
     lengths = ctx.need(node, "query_length")
     lanes = _numel(ctx.shape(lengths))
@@ -1159,24 +1021,10 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
     drafts, depth = _draft_rows(ctx, node, lanes, vocab)
     if depth < capacity:
         raise ctx.fail(f"draft_probabilities: {depth} draft rows cannot cover {capacity} candidates")
-    ids_view = ctx.need(node, "ids")
-    ids_shape = ctx.shape(ids_view)
-    if len(ids_shape) != 2 or ids_shape[0] != lanes or ids_shape[1] < capacity + 1:
-        raise ctx.fail(f"ids: expected [{lanes}, W >= {capacity + 1}], got shape {list(ids_shape)}")
-    width = int(ids_shape[1])
-    logprob_view = ctx.arg(node, "logprob")
-    if logprob_view is not None and _numel(ctx.shape(logprob_view)) != lanes * width:
-        raise ctx.fail(f"logprob: expected {lanes * width} elements, got shape {list(ctx.shape(logprob_view))}")
+    ids_view, width, logprob_view = _verify_ids(ctx, node, lanes, capacity)
     has_logprob = logprob_view is not None
     positions = capacity + 1
-    outputs = {
-        "ids": _typed(ctx, ids_view, "ids", (mf.DTYPE_I32,)),
-        "accepted": _per_lane(ctx, node, "accepted", lanes, (mf.DTYPE_I32,)),
-        "emitted": _per_lane(ctx, node, "emitted", lanes, (mf.DTYPE_I32,)),
-        "pending": _per_lane(ctx, node, "pending", lanes, (mf.DTYPE_I32,)),
-    }
-    # without a logprob output the kernels never write the logprob parameter (given the ids)
-    outputs["logprob"] = _typed(ctx, logprob_view, "logprob", (mf.DTYPE_F32,)) if logprob_view else outputs["ids"]
+    outputs = _verify_outputs(ctx, node, ids_view, logprob_view, lanes)
     lane_args = {
         name: _per_lane(ctx, node, name, lanes, allowed)
         for name, allowed in (
@@ -1193,13 +1041,7 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
             ("seed", _SEEDS),
         )
     }
-    state: dict[str, KernelArg] = {}
-    for name, allowed in (("prompt_presence", (mf.DTYPE_U8, mf.DTYPE_I32)), ("output_counts", (mf.DTYPE_I32,))):
-        view = ctx.need(node, name)
-        shape = ctx.shape(view)
-        if len(shape) != 2 or shape[1] != vocab:
-            raise ctx.fail(f"{name}: expected [state rows, {vocab}], got shape {list(shape)}")
-        state[name] = _typed(ctx, view, name, allowed)
+    state = _state_tables(ctx, node, vocab)
     query_length = _typed(ctx, lengths, "query_length", _INTS)
     scratch_view = ctx.workspace("verify.logits", logits_dtype, lanes * vocab)
     scratch = ctx.pointer(scratch_view)
@@ -1218,16 +1060,12 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
     consts = _chunking(vocab)
     chunk, chunks, chunk_pad = consts["CH"], consts["C"], consts["C_PAD"]
     spaces = _sample_workspaces(ctx, lanes, vocab)
-    per_lane_space = {
-        "cut_w": ctx.workspace("sampled.cut_weight", mf.DTYPE_F64, lanes),
-        "cut_id": ctx.workspace("sampled.cut_id", mf.DTYPE_I32, lanes),
-        "cut_total": ctx.workspace("sampled.cut_total", mf.DTYPE_F64, lanes),
-        "draft_mass": ctx.workspace("sampled.draft_mass", mf.DTYPE_F64, lanes),
-        "verdict": ctx.workspace("sampled.verdict", mf.DTYPE_I32, lanes),
+    lane_space = {
+        **_cut_spaces(ctx, lanes),
+        "draft_mass": ctx.pointer(ctx.workspace("sampled.draft_mass", mf.DTYPE_F64, lanes)),
+        "verdict": ctx.pointer(ctx.workspace("sampled.verdict", mf.DTYPE_I32, lanes)),
     }
-    lane_space = {name: ctx.pointer(view) for name, view in per_lane_space.items()}
-    sums = ctx.pointer(ctx.workspace("sampled.chunk_sums", mf.DTYPE_F64, lanes * chunks * 2))
-    lasts = ctx.pointer(ctx.workspace("sampled.chunk_lasts", mf.DTYPE_I32, lanes * chunks * 2))
+    sums, lasts = _chunk_spaces(ctx, lanes, chunks)
     block_v = min(GATHER_BLOCK, next_power_of_two(vocab))
     copies = cdiv(vocab, block_v)
     block_l, _ = _lane_walk(lanes)
@@ -1248,11 +1086,7 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
                 "masks": outputs["ids"],
                 "constrained": outputs["ids"],
                 "mask_scratch": outputs["ids"],
-                "ids": outputs["ids"],
-                "logprob": outputs["logprob"],
-                "accepted": outputs["accepted"],
-                "emitted": outputs["emitted"],
-                "pending": outputs["pending"],
+                **outputs,
             },
             {
                 "HAS_MASK": False,
@@ -1288,22 +1122,14 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
     ]
     for position in range(positions):
         row = {name: ctx.pointer(_row_view(view, position, stride, [lanes])) for name, view in rows_of.items()}
-        sample = mf.Node(name=node.name)
-        sample.op.name = "sample"
-        sample.op.version = 1
-        views = {name: ctx.need(node, name) for name in _SAMPLE_SETTINGS}
-        views["logits"] = mf.BufferView(buffer=scratch_view.buffer, element_offset=0, shape=[lanes, vocab])
-        views["active"] = _row_view(rows_of["sample_flags"], position, stride, [lanes])
-        views["step"] = _row_view(rows_of["steps"], position, stride, [lanes])
-        views["ids"] = _row_view(rows_of["drawn"], position, stride, [lanes, 1])
+        views = {
+            "active": _row_view(rows_of["sample_flags"], position, stride, [lanes]),
+            "step": _row_view(rows_of["steps"], position, stride, [lanes]),
+            "ids": _row_view(rows_of["drawn"], position, stride, [lanes, 1]),
+        }
         if has_logprob:
             views["logprob"] = _row_view(rows_of["drawn_logprob"], position, stride, [lanes, 1])
-        for name, view in views.items():
-            sample.args.add(name=name, view=view)
-        for attr in node.attributes:
-            if attr.name == "vocab_limit":
-                sample.attributes.add().CopyFrom(attr)
-        launches.extend(lower_sample(ctx, sample))
+        launches.extend(_position_sample(ctx, node, scratch_view, lanes, vocab, views))
         last = position == positions - 1
         if position < capacity:  # a position at which a lane may verify a candidate
             launches.append(
@@ -1360,13 +1186,7 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
                         "drafts": drafts,
                         "proc": spaces["proc"],
                         "chunk_max": spaces["chunk_max"],
-                        "wts": spaces["wts"],
-                        "heavy": spaces["heavy"],
-                        "lists": spaces["lists"],
-                        "sorted_ids": spaces["sorted_ids"],
-                        "sorted_w": spaces["sorted_w"],
-                        "agg_count": spaces["agg_count"],
-                        "agg_mass": spaces["agg_mass"],
+                        **_search_spaces(spaces),
                         **lane_space,
                         "position": ctx.i32(position),
                     },
@@ -1458,11 +1278,7 @@ def lower_sample_verify_sampled(ctx: LoweringContext, node: mf.Node) -> list[mf.
                     "drawn": whole["drawn"],
                     "drawn_logprob": whole["drawn_logprob"],
                     "scratch": scratch,
-                    "ids": outputs["ids"],
-                    "logprob": outputs["logprob"],
-                    "accepted": outputs["accepted"],
-                    "emitted": outputs["emitted"],
-                    "pending": outputs["pending"],
+                    **outputs,
                     "position": ctx.i32(position),
                 },
                 {

@@ -351,6 +351,161 @@ def _partition(
     )
 
 
+@_jit
+def _row_totals(r: tl.tensor, agg_count: tl.tensor, agg_mass: tl.tensor, C: tl.constexpr, C_PAD: tl.constexpr) -> Any:
+    """A row's totals over the weights launch's per-chunk partials: ``(positive, min_count, n_heavy,
+    ends, mass_all, min_mass, m_heavy, tau)``, ``ends`` the running counts of heavy ids by chunk and
+    ``tau`` the heavy-weight threshold."""
+    ci = tl.arange(0, C_PAD)
+    live = ci < C
+    base = (r * C + ci) * 4
+    positive = tl.sum(tl.load(agg_count + base + 0, mask=live, other=0).to(tl.int64), axis=0)
+    min_count = tl.sum(tl.load(agg_count + base + 1, mask=live, other=0).to(tl.int64), axis=0)
+    hcv = tl.load(agg_count + base + 2, mask=live, other=0)
+    n_heavy = tl.sum(hcv.to(tl.int64), axis=0)
+    ends = tl.cumsum(hcv, axis=0)
+    mass_all = tl.sum(tl.load(agg_mass + base + 0, mask=live, other=0.0), axis=0)
+    min_mass = tl.sum(tl.load(agg_mass + base + 1, mask=live, other=0.0), axis=0)
+    m_heavy = tl.sum(tl.load(agg_mass + base + 2, mask=live, other=0.0), axis=0)
+    tau = tl.load(agg_mass + r * C * 4 + 3)
+    return positive, min_count, n_heavy, ends, mass_all, min_mass, m_heavy, tau
+
+
+@_jit
+def _search(
+    r: tl.tensor,
+    rowv: tl.tensor,
+    mode: tl.tensor,
+    target_count: tl.tensor,
+    target_mass: tl.tensor,
+    run: tl.tensor,
+    positive: tl.tensor,
+    mass_all: tl.tensor,
+    n_heavy: tl.tensor,
+    m_heavy: tl.tensor,
+    tau: tl.tensor,
+    small_h: tl.tensor,
+    ends: tl.tensor,
+    proc: tl.tensor,
+    wts: tl.tensor,
+    heavy: tl.tensor,
+    lists: tl.tensor,
+    sorted_ids: tl.tensor,
+    sorted_w: tl.tensor,
+    V: tl.constexpr,
+    CH: tl.constexpr,
+    REG: tl.constexpr,
+    SAMPLES: tl.constexpr,
+    HALF: tl.constexpr,
+    BLK: tl.constexpr,
+    LOG_C: tl.constexpr,
+) -> Any:
+    """One search of the draw over the order ``(w desc, id asc)`` of a row's positive weights:
+    ``(exists, id, rank, running weight)`` of the first id whose running count or weight reaches the
+    target (``mode`` as for :func:`_reached`); ``run`` false skips it (id -1, rank 0, weight 0).
+
+    The heavy ids, when they fit in registers (``small_h``), are already sorted into slot 0 of the
+    row's ``sorted_ids``/``sorted_w``; a search ending among them picks from there. Other searches
+    narrow the range of weights by windows over the row, then sort the remaining candidates into
+    slot 1.
+    """
+    tiny = tl.full([], 1, tl.int64).to(tl.float64, bitcast=True)
+    no = positive < 0
+    yes = positive >= 0
+    region0 = r.to(tl.int64) * (2 * V)
+    slot_h = r.to(tl.int64) * (4 * REG)  # sorted heavy ids (slot 0) and a search's candidates (slot 1)
+    slot_c = slot_h + 2 * REG
+    exists = _reached(mode, target_count, target_mass, positive, mass_all)
+    res_id = tl.full([], -1, tl.int32)
+    res_rank = tl.zeros([], tl.int64)
+    res_run = tl.zeros([], tl.float64)
+    in_heavy = _reached(mode, target_count, target_mass, n_heavy, m_heavy)
+    if run & exists & in_heavy & small_h:
+        res_id, res_rank, res_run = _pick(
+            sorted_ids + slot_h, sorted_w + slot_h, n_heavy, 0, 0.0, mode, target_count, target_mass, REG
+        )
+    elif run & exists:
+        lo = tiny
+        hi = tl.full([], 1.0, tl.float64)
+        bc = tl.zeros([], tl.int64)
+        bm = tl.zeros([], tl.float64)
+        n_range = n_heavy
+        mass_range = m_heavy
+        if in_heavy:  # more heavy ids than fit in registers
+            lo = tl.maximum(tau, tiny)
+        else:
+            hi = _next_down(tau)
+            bc = n_heavy
+            bm = m_heavy
+            n_range = positive - n_heavy
+            mass_range = mass_all - m_heavy
+        # the first source is the row itself (ids 0..V-1); windows are compacted into two lists
+        src = region0
+        src_is_row = yes
+        n_src = tl.full([], V, tl.int64)
+        exact = no
+        direct = no
+        go = ~(exact & (n_range <= REG))
+        while go:
+            t_lo = lo
+            t_hi = hi
+            if n_range > REG:
+                w_lo, w_hi, sparse = _window(
+                    lists, src, src_is_row, n_src, wts, rowv, lo, hi, n_range, mass_range, bc, bm, mode,
+                    target_count, target_mass, SAMPLES, HALF,
+                )  # fmt: skip
+                if ~sparse:
+                    t_lo = w_lo
+                    t_hi = w_hi
+            dst = tl.where(src == region0, region0 + V, region0)
+            c0, m0, c1, m1, c2 = _partition(lists, src, src_is_row, n_src, dst, wts, rowv, lo, hi, t_lo, t_hi, BLK)
+            tl.debug_barrier()
+            if (c0 > 0) & _reached(mode, target_count, target_mass, bc + c0, bm + m0):
+                lo = _next_up(t_hi)
+                n_range = c0
+                mass_range = m0
+                exact = no
+            elif _reached(mode, target_count, target_mass, bc + c0 + c1, bm + m0 + m1) | (c2 == 0):
+                bc = bc + c0
+                bm = bm + m0
+                lo = t_lo
+                hi = t_hi
+                n_range = c1
+                mass_range = m1
+                src = dst
+                src_is_row = no
+                n_src = c1
+                exact = yes
+                if (t_lo == t_hi) & (c1 > REG):
+                    # one weight value: the answer is the j-th id of the window (id order)
+                    need = tl.minimum(tl.maximum((target_mass - bm) / t_hi, 0.0), c1.to(tl.float64))
+                    whole = need.to(tl.int64)
+                    by_ge = tl.where(need == whole.to(tl.float64), whole - 1, whole)
+                    at = tl.where(mode == 0, target_count - 1 - bc, tl.where(mode == 1, by_ge, whole))
+                    at = tl.minimum(tl.maximum(at, 0), c1 - 1)
+                    res_id = tl.load(lists + dst + at)
+                    res_rank = bc + at
+                    res_run = bm + (at + 1).to(tl.float64) * t_hi
+                    direct = yes
+            else:
+                bc = bc + c0 + c1
+                bm = bm + m0 + m1
+                hi = _next_down(t_lo)
+                n_range = c2
+                mass_range = mass_range - m0 - m1
+                exact = no
+            go = (~direct) & (~(exact & (n_range <= REG)))
+        if ~direct:
+            _sort_candidates(
+                lists, src, heavy, ends, no, n_range, proc, wts, rowv, sorted_ids + slot_c, sorted_w + slot_c,
+                CH, LOG_C, REG,
+            )  # fmt: skip
+            res_id, res_rank, res_run = _pick(
+                sorted_ids + slot_c, sorted_w + slot_c, n_range, bc, bm, mode, target_count, target_mass, REG
+            )
+    return exists, res_id, res_rank, res_run
+
+
 # ----------------------------------------------------------------------------------------------
 # sample: launch 1, per (row, chunk)
 # ----------------------------------------------------------------------------------------------
@@ -658,19 +813,7 @@ def _draw(
     LOG_C: tl.constexpr,
 ) -> Any:
     """The reference's filtered draw for one row with temperature > 0; returns the id."""
-    ci = tl.arange(0, C_PAD)
-    live = ci < C
-    base = (r * C + ci) * 4
-    positive = tl.sum(tl.load(agg_count + base + 0, mask=live, other=0).to(tl.int64), axis=0)
-    min_count = tl.sum(tl.load(agg_count + base + 1, mask=live, other=0).to(tl.int64), axis=0)
-    hcv = tl.load(agg_count + base + 2, mask=live, other=0)
-    n_heavy = tl.sum(hcv.to(tl.int64), axis=0)
-    ends = tl.cumsum(hcv, axis=0)
-    mass_all = tl.sum(tl.load(agg_mass + base + 0, mask=live, other=0.0), axis=0)
-    min_mass = tl.sum(tl.load(agg_mass + base + 1, mask=live, other=0.0), axis=0)
-    m_heavy = tl.sum(tl.load(agg_mass + base + 2, mask=live, other=0.0), axis=0)
-    tau = tl.load(agg_mass + r * C * 4 + 3)
-    tiny = tl.full([], 1, tl.int64).to(tl.float64, bitcast=True)
+    positive, min_count, n_heavy, ends, mass_all, min_mass, m_heavy, tau = _row_totals(r, agg_count, agg_mass, C, C_PAD)
     k = tl.load(top_k + r).to(tl.int64)
     tp = tl.load(top_p + r).to(tl.float64)
     mp = tl.load(min_p + r).to(tl.float64)
@@ -690,8 +833,7 @@ def _draw(
     draw_id = tl.full([], -1, tl.int32)
     draw_ok = no
     small_h = n_heavy <= REG
-    slot_h = r.to(tl.int64) * (4 * REG)  # sorted heavy ids (slot 0) and a search's candidates (slot 1)
-    slot_c = slot_h + 2 * REG
+    slot_h = r.to(tl.int64) * (4 * REG)  # the sorted heavy ids: slot 0 of the row's sorted lists
     if small_h:  # every search that ends among the heavy ids shares one sort of them
         _sort_candidates(
             lists, region0, heavy, ends, yes, n_heavy, proc, wts, rowv, sorted_ids + slot_h, sorted_w + slot_h,
@@ -703,109 +845,10 @@ def _draw(
         target_count = tl.where(s == 0, k, keep)
         target_mass = tl.where(s == 1, tp * mass_k, u * total)
         run = tl.where(s == 0, k_on, tl.where(s == 1, p_on, tl.where(s == 2, True, need_last)))
-        exists = _reached(mode, target_count, target_mass, positive, mass_all)
-        res_id = tl.full([], -1, tl.int32)
-        res_rank = tl.zeros([], tl.int64)
-        res_run = tl.zeros([], tl.float64)
-        in_heavy = _reached(mode, target_count, target_mass, n_heavy, m_heavy)
-        if run & exists & in_heavy & small_h:
-            res_id, res_rank, res_run = _pick(
-                sorted_ids + slot_h, sorted_w + slot_h, n_heavy, 0, 0.0, mode, target_count, target_mass, REG
-            )
-        elif run & exists:
-            lo = tiny
-            hi = tl.full([], 1.0, tl.float64)
-            bc = tl.zeros([], tl.int64)
-            bm = tl.zeros([], tl.float64)
-            n_range = n_heavy
-            mass_range = m_heavy
-            if in_heavy:  # more heavy ids than fit in registers
-                lo = tl.maximum(tau, tiny)
-            else:
-                hi = _next_down(tau)
-                bc = n_heavy
-                bm = m_heavy
-                n_range = positive - n_heavy
-                mass_range = mass_all - m_heavy
-            # the first source is the row itself (ids 0..V-1); windows are compacted into two lists
-            src = region0
-            src_is_row = yes
-            n_src = tl.full([], V, tl.int64)
-            exact = no
-            direct = no
-            go = ~(exact & (n_range <= REG))
-            while go:
-                t_lo = lo
-                t_hi = hi
-                if n_range > REG:
-                    w_lo, w_hi, sparse = _window(
-                        lists,
-                        src,
-                        src_is_row,
-                        n_src,
-                        wts,
-                        rowv,
-                        lo,
-                        hi,
-                        n_range,
-                        mass_range,
-                        bc,
-                        bm,
-                        mode,
-                        target_count,
-                        target_mass,
-                        SAMPLES,
-                        HALF,
-                    )
-                    if ~sparse:
-                        t_lo = w_lo
-                        t_hi = w_hi
-                dst = tl.where(src == region0, region0 + V, region0)
-                c0, m0, c1, m1, c2 = _partition(lists, src, src_is_row, n_src, dst, wts, rowv, lo, hi, t_lo, t_hi, BLK)
-                tl.debug_barrier()
-                if (c0 > 0) & _reached(mode, target_count, target_mass, bc + c0, bm + m0):
-                    lo = _next_up(t_hi)
-                    n_range = c0
-                    mass_range = m0
-                    exact = no
-                elif _reached(mode, target_count, target_mass, bc + c0 + c1, bm + m0 + m1) | (c2 == 0):
-                    bc = bc + c0
-                    bm = bm + m0
-                    lo = t_lo
-                    hi = t_hi
-                    n_range = c1
-                    mass_range = m1
-                    src = dst
-                    src_is_row = no
-                    n_src = c1
-                    exact = yes
-                    if (t_lo == t_hi) & (c1 > REG):
-                        # one weight value: the answer is the j-th id of the window (id order)
-                        need = tl.minimum(tl.maximum((target_mass - bm) / t_hi, 0.0), c1.to(tl.float64))
-                        whole = need.to(tl.int64)
-                        by_ge = tl.where(need == whole.to(tl.float64), whole - 1, whole)
-                        at = tl.where(mode == 0, target_count - 1 - bc, tl.where(mode == 1, by_ge, whole))
-                        at = tl.minimum(tl.maximum(at, 0), c1 - 1)
-                        res_id = tl.load(lists + dst + at)
-                        res_rank = bc + at
-                        res_run = bm + (at + 1).to(tl.float64) * t_hi
-                        direct = yes
-                else:
-                    bc = bc + c0 + c1
-                    bm = bm + m0 + m1
-                    hi = _next_down(t_lo)
-                    n_range = c2
-                    mass_range = mass_range - m0 - m1
-                    exact = no
-                go = (~direct) & (~(exact & (n_range <= REG)))
-            if ~direct:
-                _sort_candidates(
-                    lists, src, heavy, ends, no, n_range, proc, wts, rowv, sorted_ids + slot_c, sorted_w + slot_c,
-                    CH, LOG_C, REG,
-                )  # fmt: skip
-                res_id, res_rank, res_run = _pick(
-                    sorted_ids + slot_c, sorted_w + slot_c, n_range, bc, bm, mode, target_count, target_mass, REG
-                )
+        exists, res_id, res_rank, res_run = _search(
+            r, rowv, mode, target_count, target_mass, run, positive, mass_all, n_heavy, m_heavy, tau, small_h, ends,
+            proc, wts, heavy, lists, sorted_ids, sorted_w, V, CH, REG, SAMPLES, HALF, BLK, LOG_C,
+        )  # fmt: skip
         if (s == 0) & run:
             mass_k = res_run
             keep = k
@@ -951,6 +994,18 @@ def _mask_words(ctx: LoweringContext, view: mf.BufferView, rows: int, vocab: int
     return shape[1]
 
 
+def _state_tables(ctx: LoweringContext, node: mf.Node, vocab: int) -> dict[str, KernelArg]:
+    """The per-state-row tables of the penalties, ``prompt_presence`` and ``output_counts`` (``[S, V]``)."""
+    state: dict[str, KernelArg] = {}
+    for name, allowed in (("prompt_presence", (mf.DTYPE_U8, mf.DTYPE_I32)), ("output_counts", (mf.DTYPE_I32,))):
+        view = ctx.need(node, name)
+        shape = ctx.shape(view)
+        if len(shape) != 2 or shape[1] != vocab:
+            raise ctx.fail(f"{name}: expected [state rows, {vocab}], got shape {list(shape)}")
+        state[name] = _typed(ctx, view, name, allowed)
+    return state
+
+
 @lowering("sample")
 def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     """Three launches: per-chunk processing, per-chunk weights (random rows), per-row finish."""
@@ -974,13 +1029,7 @@ def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     presence_pen = _per_row(ctx, node, "presence_penalty", rows, _FLOATS)
     seed = _per_row(ctx, node, "seed", rows, (mf.DTYPE_U64, mf.DTYPE_I64))
     step = _per_row(ctx, node, "step", rows, _INTS)
-    state: dict[str, KernelArg] = {}
-    for name, allowed in (("prompt_presence", (mf.DTYPE_U8, mf.DTYPE_I32)), ("output_counts", (mf.DTYPE_I32,))):
-        view = ctx.need(node, name)
-        shape = ctx.shape(view)
-        if len(shape) != 2 or shape[1] != vocab:
-            raise ctx.fail(f"{name}: expected [state rows, {vocab}], got shape {list(shape)}")
-        state[name] = _typed(ctx, view, name, allowed)
+    state = _state_tables(ctx, node, vocab)
     mask_view = ctx.arg(node, "allowed_mask")
     constrained_view = ctx.arg(node, "constrained")
     if (mask_view is None) != (constrained_view is None):

@@ -278,6 +278,73 @@ def _verify_begin_kernel(
 
 
 @_jit
+def _position_token(
+    drawn: tl.tensor,
+    flags: tl.tensor,
+    query_length: tl.tensor,
+    candidates: tl.tensor,
+    r: tl.tensor,
+    j: tl.tensor,
+    here: tl.tensor,
+    CAPACITY: tl.constexpr,
+) -> Any:
+    """Lane r's token drawn at position ``j`` and what it is checked against: ``(token, reached,
+    offers, more, offered)``; ``reached``: the lane was active at ``j`` and drew a token, ``offers``:
+    its candidate count, ``more``: ``j`` is below it, ``offered``: ``candidate_ids[r, j]`` (-1 past it)."""
+    token = tl.load(drawn + here)
+    reached = (tl.load(flags + here) != 0) & (token >= 0)
+    offers = tl.minimum(tl.load(query_length + r).to(tl.int64) - 1, CAPACITY)
+    more = reached & (j < offers)
+    offered = tl.load(candidates + r.to(tl.int64) * CAPACITY + j, mask=more, other=-1).to(tl.int64)
+    return token, reached, offers, more, offered
+
+
+@_jit
+def _record_token(
+    ids: tl.tensor,
+    logprob: tl.tensor,
+    drawn_logprob: tl.tensor,
+    accepted: tl.tensor,
+    emitted: tl.tensor,
+    pending: tl.tensor,
+    token: tl.tensor,
+    r: tl.tensor,
+    j: tl.tensor,
+    here: tl.tensor,
+    WIDTH: tl.constexpr,
+    HAS_LOGPROB: tl.constexpr,
+) -> None:
+    """Records lane r's token of position ``j``: ``ids[r, j]``, ``logprob[r, j]``, ``accepted = j``,
+    ``emitted = j + 1`` and ``pending``."""
+    tl.store(ids + r * WIDTH + j, token)
+    if HAS_LOGPROB:
+        tl.store(logprob + r * WIDTH + j, tl.load(drawn_logprob + here))
+    tl.store(accepted + r, j.to(tl.int32))
+    tl.store(emitted + r, (j + 1).to(tl.int32))
+    tl.store(pending + r, token)
+
+
+@_jit
+def _copy_next_row(
+    logits: tl.tensor,
+    starts: tl.tensor,
+    scratch: tl.tensor,
+    go_on: tl.tensor,
+    r: tl.tensor,
+    c: tl.tensor,
+    j: tl.tensor,
+    V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+) -> None:
+    """Chunk c of logits row ``start_r + j + 1`` into scratch row r, for a lane that goes on."""
+    offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = (offs < V) & go_on
+    source = (tl.load(starts + r) + j + 1) * V
+    row = tl.load(logits + source + offs, mask=valid, other=0.0)
+    tl.store(scratch + r.to(tl.int64) * V + offs, row, mask=valid)
+
+
+@_jit
 def _verify_step_kernel(
     logits: tl.tensor,
     query_length: tl.tensor,
@@ -318,20 +385,13 @@ def _verify_step_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     j = position.to(tl.int64)
     here = j * STRIDE + r
-    token = tl.load(drawn + here)
-    reached = (tl.load(flags + here) != 0) & (token >= 0)
-    offers = tl.minimum(tl.load(query_length + r).to(tl.int64) - 1, CAPACITY)
-    more = reached & (j < offers)
-    offered = tl.load(candidates + r.to(tl.int64) * CAPACITY + j, mask=more, other=-1).to(tl.int64)
+    token, reached, _, more, offered = _position_token(drawn, flags, query_length, candidates, r, j, here, CAPACITY)
     go_on = more & (token.to(tl.int64) == offered)
     if c == 0:
         if reached:
-            tl.store(ids + r * WIDTH + j, token)
-            if HAS_LOGPROB:
-                tl.store(logprob + r * WIDTH + j, tl.load(drawn_logprob + here))
-            tl.store(accepted + r, j.to(tl.int32))
-            tl.store(emitted + r, (j + 1).to(tl.int32))
-            tl.store(pending + r, token)
+            _record_token(
+                ids, logprob, drawn_logprob, accepted, emitted, pending, token, r, j, here, WIDTH, HAS_LOGPROB
+            )
         if HAS_NEXT:
             tl.store(flags + here + STRIDE, go_on.to(tl.uint8))
             if HAS_MASK:  # noqa: SIM102 (the constant prunes the load)
@@ -343,11 +403,7 @@ def _verify_step_kernel(
                         row = tl.load(masks + next_row * WORDS + words, mask=inside, other=0)
                         tl.store(mask_scratch + r.to(tl.int64) * WORDS + words, row, mask=inside)
     if HAS_NEXT:
-        offs = c * BLOCK_V + tl.arange(0, BLOCK_V)
-        valid = (offs < V) & go_on
-        source = (tl.load(starts + r) + j + 1) * V
-        row = tl.load(logits + source + offs, mask=valid, other=0.0)
-        tl.store(scratch + r.to(tl.int64) * V + offs, row, mask=valid)
+        _copy_next_row(logits, starts, scratch, go_on, r, c, j, V, BLOCK_V)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,22 +513,23 @@ def _row_view(workspace: mf.BufferView, row: int, width: int, shape: list[int]) 
     return mf.BufferView(buffer=workspace.buffer, element_offset=row * width, shape=shape)
 
 
-@lowering("sample_verify")
-def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    """A begin launch, then per position the three ``sample`` launches and a record-and-copy launch."""
+def _verify_logits(ctx: LoweringContext, node: mf.Node) -> tuple[mf.BufferView, int, int, int]:
+    """A verification node's packed logits ``[P, V]``: ``(view, P, V, dtype)``."""
     logits_view = ctx.need(node, "logits")
     logits_shape = ctx.shape(logits_view)
     if len(logits_shape) != 2 or logits_shape[0] < 1 or logits_shape[1] < 1:
         raise ctx.fail(f"logits: expected [P, V], got shape {list(logits_shape)}")
-    packed, vocab = int(logits_shape[0]), int(logits_shape[1])
     logits_dtype = ctx.dtype(logits_view)
     if logits_dtype not in _FLOATS:
         raise ctx.fail(f"logits: dtype {mf.DType.Name(logits_dtype)} is not a 16- or 32-bit float")
-    lengths = ctx.need(node, "query_length")
-    lanes = _numel(ctx.shape(lengths))
-    if lanes < 1:
-        raise ctx.fail("query_length: no lanes")
-    candidates, capacity = _candidates(ctx, node, lanes)
+    return logits_view, int(logits_shape[0]), int(logits_shape[1]), logits_dtype
+
+
+def _verify_ids(
+    ctx: LoweringContext, node: mf.Node, lanes: int, capacity: int
+) -> tuple[mf.BufferView, int, mf.BufferView | None]:
+    """A verification node's ``ids`` ``[B, W]`` (``W`` above ``capacity``) and optional ``logprob``:
+    ``(ids view, W, logprob view or None)``."""
     ids_view = ctx.need(node, "ids")
     ids_shape = ctx.shape(ids_view)
     if len(ids_shape) != 2 or ids_shape[0] != lanes or ids_shape[1] < capacity + 1:
@@ -481,20 +538,63 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
     logprob_view = ctx.arg(node, "logprob")
     if logprob_view is not None and _numel(ctx.shape(logprob_view)) != lanes * width:
         raise ctx.fail(f"logprob: expected {lanes * width} elements, got shape {list(ctx.shape(logprob_view))}")
+    return ids_view, width, logprob_view
+
+
+def _verify_outputs(
+    ctx: LoweringContext, node: mf.Node, ids_view: mf.BufferView, logprob_view: mf.BufferView | None, lanes: int
+) -> dict[str, KernelArg]:
+    """A verification node's outputs in the order the kernels take them: ``ids``, ``logprob`` (without
+    a logprob output, the ids: the kernels never write the parameter then), ``accepted``, ``emitted``
+    and ``pending``."""
+    ids = _typed(ctx, ids_view, "ids", (mf.DTYPE_I32,))
+    accepted = _per_lane(ctx, node, "accepted", lanes, (mf.DTYPE_I32,))
+    emitted = _per_lane(ctx, node, "emitted", lanes, (mf.DTYPE_I32,))
+    pending = _per_lane(ctx, node, "pending", lanes, (mf.DTYPE_I32,))
+    logprob = _typed(ctx, logprob_view, "logprob", (mf.DTYPE_F32,)) if logprob_view is not None else ids
+    return {"ids": ids, "logprob": logprob, "accepted": accepted, "emitted": emitted, "pending": pending}
+
+
+def _position_sample(
+    ctx: LoweringContext,
+    node: mf.Node,
+    scratch: mf.BufferView,
+    lanes: int,
+    vocab: int,
+    position_views: dict[str, mf.BufferView],
+) -> list[mf.KernelLaunch]:
+    """The ``sample`` launches of one verification position: the node's settings and ``vocab_limit``
+    over the ``[B, V]`` logits workspace ``scratch``, then ``position_views`` (the position's
+    ``active``, ``step``, ``ids``, ``logprob`` and grammar inputs, in that order)."""
+    sample = mf.Node(name=node.name)
+    sample.op.name = "sample"
+    sample.op.version = 1
+    views = {name: ctx.need(node, name) for name in _SAMPLE_SETTINGS}
+    views["logits"] = mf.BufferView(buffer=scratch.buffer, element_offset=0, shape=[lanes, vocab])
+    views.update(position_views)
+    for name, view in views.items():
+        sample.args.add(name=name, view=view)
+    for attr in node.attributes:
+        if attr.name == "vocab_limit":
+            sample.attributes.add().CopyFrom(attr)
+    return lower_sample(ctx, sample)
+
+
+@lowering("sample_verify")
+def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    """A begin launch, then per position the three ``sample`` launches and a record-and-copy launch."""
+    logits_view, packed, vocab, logits_dtype = _verify_logits(ctx, node)
+    lengths = ctx.need(node, "query_length")
+    lanes = _numel(ctx.shape(lengths))
+    if lanes < 1:
+        raise ctx.fail("query_length: no lanes")
+    candidates, capacity = _candidates(ctx, node, lanes)
+    ids_view, width, logprob_view = _verify_ids(ctx, node, lanes, capacity)
     positions = capacity + 1
     mask_view, constrained_view = ctx.arg(node, "allowed_mask"), ctx.arg(node, "constrained")
     if (mask_view is None) != (constrained_view is None):
         raise ctx.fail("allowed_mask and constrained must be given together")
-    outputs = {
-        "ids": _typed(ctx, ids_view, "ids", (mf.DTYPE_I32,)),
-        "accepted": _per_lane(ctx, node, "accepted", lanes, (mf.DTYPE_I32,)),
-        "emitted": _per_lane(ctx, node, "emitted", lanes, (mf.DTYPE_I32,)),
-        "pending": _per_lane(ctx, node, "pending", lanes, (mf.DTYPE_I32,)),
-    }
-    # without a logprob output the kernels never write the logprob parameter (given the ids)
-    outputs["logprob"] = (
-        _typed(ctx, logprob_view, "logprob", (mf.DTYPE_F32,)) if logprob_view is not None else outputs["ids"]
-    )
+    outputs = _verify_outputs(ctx, node, ids_view, logprob_view, lanes)
     scratch_view = ctx.workspace("verify.logits", logits_dtype, lanes * vocab)
     starts = ctx.workspace("verify.starts", mf.DTYPE_I64, lanes)
     stride = cdiv(lanes, ROW_ALIGN) * ROW_ALIGN  # every position's row starts 16-byte aligned
@@ -540,11 +640,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                 "flags": ctx.pointer(flags),
                 "scratch": ctx.pointer(scratch_view),
                 **grammar,
-                "ids": outputs["ids"],
-                "logprob": outputs["logprob"],
-                "accepted": outputs["accepted"],
-                "emitted": outputs["emitted"],
-                "pending": outputs["pending"],
+                **outputs,
             },
             {
                 **mask_constants,
@@ -564,14 +660,11 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
         )
     ]
     for position in range(positions):
-        sample = mf.Node(name=node.name)
-        sample.op.name = "sample"
-        sample.op.version = 1
-        views = {name: ctx.need(node, name) for name in _SAMPLE_SETTINGS}
-        views["logits"] = mf.BufferView(buffer=scratch_view.buffer, element_offset=0, shape=[lanes, vocab])
-        views["active"] = _row_view(flags, position, stride, [lanes])
-        views["step"] = _row_view(steps, position, stride, [lanes])
-        views["ids"] = _row_view(drawn, position, stride, [lanes, 1])
+        views = {
+            "active": _row_view(flags, position, stride, [lanes]),
+            "step": _row_view(steps, position, stride, [lanes]),
+            "ids": _row_view(drawn, position, stride, [lanes, 1]),
+        }
         if logprob_view is not None:
             views["logprob"] = _row_view(drawn_logprob, position, stride, [lanes, 1])
         if mask_scratch_view is not None and constrained_view is not None:
@@ -579,12 +672,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                 buffer=mask_scratch_view.buffer, element_offset=0, shape=[lanes, mask_words]
             )
             views["constrained"] = constrained_view
-        for name, view in views.items():
-            sample.args.add(name=name, view=view)
-        for attr in node.attributes:
-            if attr.name == "vocab_limit":
-                sample.attributes.add().CopyFrom(attr)
-        launches.extend(lower_sample(ctx, sample))
+        launches.extend(_position_sample(ctx, node, scratch_view, lanes, vocab, views))
         last = position == positions - 1
         launches.append(
             ctx.launch(
@@ -599,11 +687,7 @@ def lower_sample_verify(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLa
                     "drawn_logprob": ctx.pointer(drawn_logprob),
                     "scratch": ctx.pointer(scratch_view),
                     **grammar,
-                    "ids": outputs["ids"],
-                    "logprob": outputs["logprob"],
-                    "accepted": outputs["accepted"],
-                    "emitted": outputs["emitted"],
-                    "pending": outputs["pending"],
+                    **outputs,
                     "position": ctx.i32(position),
                 },
                 {
