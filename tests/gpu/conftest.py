@@ -7,12 +7,16 @@ Run them on a machine with an NVIDIA GPU with ``python -m pytest -q tests/gpu`` 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from helios_core.backends.cuda_driver import Context, cuda_available
-from helios_core.loading import VerifiedCore, open_core
+from helios_core.loading import TrustSettings, VerifiedCore, open_core
+from helios_core.runtime.startup import RunningModel
+
+from .harness import start_core
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,3 +41,12 @@ def verified(gpu_core: tuple[Any, ...]) -> Iterator[VerifiedCore]:
     core = open_core(gpu_core[0], gpu_core[1], check_resources=False)
     yield core
     core.close()
+
+
+@pytest.fixture(scope="module")
+def reference_running(gpu_core: tuple[Path, TrustSettings]) -> Iterator[RunningModel]:
+    """The module's ``gpu_core`` served on the reference backend (``start_core``'s defaults), once a module;
+    a module that needs other settings defines its own."""
+    running = start_core(gpu_core, "reference")
+    yield running
+    running.close()

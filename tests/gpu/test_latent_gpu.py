@@ -11,7 +11,6 @@ near tie) and the reference's log-probabilities within 2e-2.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from helios_core.backends.cuda_driver import Context
 from helios_core.loading import TrustSettings
 from helios_core.runtime.startup import RunningModel
 
-from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, relative_error, run_node, start_core
+from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, relative_error, run_node
 
 NAMESPACE = "helios-tests/gpu-latent"
 LATENT_OPTIONS = ("--tokens-per-record", "2", "--page-offset", "1")
@@ -95,13 +94,6 @@ def gpu_core(tmp_path_factory: pytest.TempPathFactory, cuda_context: Context) ->
         "--cache-pages", "64", *LATENT_OPTIONS,
         core_name="latent.core", recipe="latent-synthetic", dtype=None,
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference_running(gpu_core: tuple[Path, TrustSettings]) -> Iterator[RunningModel]:
-    running = start_core(gpu_core, "reference")
-    yield running
-    running.close()
 
 
 def test_latent_core_on_cuda_gives_the_reference_tokens_and_logprobs(

@@ -13,7 +13,6 @@ restores it, with the tokens of a run that reused nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from helios_core.runtime.messages import Finished
 from helios_core.runtime.startup import RunningModel, start
 from tests.runtime.engine_harness import prompt_of, request, tokens_and_end
 
-from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, run_node, start_core
+from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, run_node
 
 NAMESPACE = "helios-tests/gpu-recurrent"
 
@@ -86,13 +85,6 @@ def gpu_core(tmp_path_factory: pytest.TempPathFactory, cuda_context: Context) ->
         "--cache-pages", "64",
         core_name="recurrent.core", recipe="recurrent-synthetic", dtype=None,
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference_running(gpu_core: tuple[Path, TrustSettings]) -> Iterator[RunningModel]:
-    running = start_core(gpu_core, "reference")
-    yield running
-    running.close()
 
 
 def test_recurrent_core_on_cuda_gives_the_reference_tokens_and_logprobs(

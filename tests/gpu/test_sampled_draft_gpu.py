@@ -25,7 +25,6 @@ requests with drafts.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from helios_core.loading import TrustSettings
 from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.startup import RunningModel, start
 
-from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, run_node, start_core
+from .harness import assert_cuda_matches_reference, build_gpu_core, reference_node, run_node
 
 pytestmark = pytest.mark.gpu
 
@@ -380,13 +379,6 @@ def gpu_core(tmp_path_factory: pytest.TempPathFactory, cuda_context: Context) ->
         "--draft-sampling", "sampled",
         core_name="tiny-sampled-draft.core",
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference_running(gpu_core: tuple[Path, TrustSettings]) -> Iterator[RunningModel]:
-    running = start_core(gpu_core, "reference")
-    yield running
-    running.close()
 
 
 def test_sampled_draft_core_on_cuda_gives_the_reference_greedy_tokens(

@@ -13,7 +13,6 @@ tokens up to a near tie.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -174,13 +173,6 @@ def test_every_windowed_program_matches_the_reference(verified: VerifiedCore) ->
     finally:
         gpu.close()
         ref.close()
-
-
-@pytest.fixture(scope="module")
-def reference_running(gpu_core: tuple[Path, TrustSettings]) -> Iterator[RunningModel]:
-    running = start_core(gpu_core, "reference")
-    yield running
-    running.close()
 
 
 def _long_prompts(running: RunningModel, count: int) -> list[list[int]]:

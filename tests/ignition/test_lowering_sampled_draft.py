@@ -22,6 +22,8 @@ from helios_core.backends import reference_kernels as rk
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.wire import manifest_pb2 as mf
 from tests.gpu.harness import lower
+from tests.ignition.test_lowering_self_draft import _named, _scalars
+from tests.ignition.test_lowering_speculative import _verify_arrays as copied_proposal_arrays
 
 VOCAB = 49152  # as the sampling lowering tests: the sample kernels compile once per session
 CHUNKS = VOCAB // sampling.CHUNK
@@ -52,14 +54,6 @@ def _check_launch(launch: mf.KernelLaunch, grid: tuple[int, int, int]) -> None:
     assert tuple(launch.grid) == grid
     assert launch.programmatic_wait
     assert 0 <= launch.shared_bytes <= 227 * 1024
-
-
-def _named(launch: mf.KernelLaunch) -> list[str]:
-    return [p.buffer for p in launch.params if p.kind == mf.PARAM_KIND_ADDRESS and p.buffer]
-
-
-def _scalars(launch: mf.KernelLaunch) -> list[int]:
-    return [int(p.int_value) for p in launch.params if p.kind == mf.PARAM_KIND_I32]
 
 
 def _draft_arrays(*, rows: bool = True, vocab: int = VOCAB) -> dict[str, Any]:
@@ -131,30 +125,13 @@ def test_draft_sample_without_token_rows_binds_the_ids() -> None:
 
 
 def _verify_arrays(width: int, *, depth: int | None = None, state_rows: int = 5) -> dict[str, Any]:
-    lanes, candidates = LANES, width - 1
+    """``sample_verify``'s arrays (``tests/ignition/test_lowering_speculative.py``) with the drafted
+    distributions (``depth`` rows a lane, the candidate count by default) and the log-probabilities."""
+    candidates = width - 1
     return {
-        "logits": np.zeros((lanes * width, VOCAB), np.float32),
-        "query_length": np.zeros(lanes, np.int32),
-        "candidate_ids": np.zeros((lanes, candidates), np.int32),
-        "draft_probabilities": np.zeros((lanes, candidates if depth is None else depth, VOCAB), np.float32),
-        "temperature": np.ones(lanes, np.float32),
-        "top_k": np.zeros(lanes, np.int32),
-        "top_p": np.ones(lanes, np.float32),
-        "min_p": np.zeros(lanes, np.float32),
-        "repetition_penalty": np.ones(lanes, np.float32),
-        "frequency_penalty": np.zeros(lanes, np.float32),
-        "presence_penalty": np.zeros(lanes, np.float32),
-        "prompt_presence": np.zeros((state_rows, VOCAB), np.uint8),
-        "output_counts": np.zeros((state_rows, VOCAB), np.int32),
-        "rows": np.arange(lanes, dtype=np.int32),
-        "seed": np.zeros(lanes, np.uint64),
-        "step": np.zeros(lanes, np.int64),
-        "active": np.ones(lanes, np.uint8),
-        "ids": np.zeros((lanes, width), np.int32),
-        "accepted": np.zeros(lanes, np.int32),
-        "emitted": np.zeros(lanes, np.int32),
-        "pending": np.zeros(lanes, np.int32),
-        "logprob": np.zeros((lanes, width), np.float32),
+        **copied_proposal_arrays(width, state_rows=state_rows),
+        "draft_probabilities": np.zeros((LANES, candidates if depth is None else depth, VOCAB), np.float32),
+        "logprob": np.zeros((LANES, width), np.float32),
     }
 
 
