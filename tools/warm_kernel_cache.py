@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
 from ignition.kernels.lowering import lower_manifest  # noqa: E402
 from ignition.preparation.program import ManifestBuilder, View  # noqa: E402
-from ignition.recipes.llama import Capacities, LlamaProgramWriter, LlamaShape, tensor_names  # noqa: E402
+from ignition.recipes.llama import CACHE_DTYPES, Capacities, LlamaProgramWriter, LlamaShape, tensor_names  # noqa: E402
 from ignition.recipes.synthetic import SHAPES, byte_level_tokenizer  # noqa: E402
 
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefill-tokens", default="32,512")
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--cache-dtype", choices=("f32", "bf16"), default="bf16", help="cache planes' type")
+    parser.add_argument("--cache-dtype", choices=tuple(CACHE_DTYPES), default="bf16", help="cache planes' type")
     args = parser.parse_args(argv)
     os.environ.setdefault("IGNITION_KERNEL_CACHE", str(ROOT / "build" / "kernel-cache"))
     caps = Capacities(

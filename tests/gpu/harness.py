@@ -26,7 +26,7 @@ from ignition.kernels import load_kernel_modules
 from ignition.kernels.lowering import LOWERINGS, LoweringContext
 from ignition.preparation.program import set_attribute
 
-from helios_core.backends import reference
+from helios_core.backends import reference, reference_kernels
 from helios_core.backends.cuda_driver import Context, pack_params
 from helios_core.container.keys import generate_keys
 from helios_core.contract import LoadOptions
@@ -169,9 +169,8 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (round to nearest even)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 -> bfloat16 bit patterns (round to nearest even), as the reference backend rounds."""
+    return reference_kernels.float32_to_bf16_bits(values)
 
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ from .engine_harness import (
     SignedCore,
     assert_pages_released,
     build_signed_core,
+    prompt_of,
     request,
     run,
     solo_tokens,
@@ -45,10 +46,6 @@ def core(tmp_path_factory: pytest.TempPathFactory) -> SignedCore:
     )
     declaration = synthetic_declaration("tiny", seed=5)
     return build_signed_core(build_core, declaration, caps, tmp_path_factory.mktemp("bf16-cache"), NAMESPACE)
-
-
-def prompt_of(index: int, length: int) -> list[int]:
-    return [(31 * index + 7 * i + 3) % 250 + 3 for i in range(length)]
 
 
 def test_the_planes_and_snapshot_rows_are_bf16(core: SignedCore, started: list[RunningModel]) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from helios_core.errors import HeliosError
 from ignition.recipes.llama import (
+    CACHE_DTYPES,
     DRAFT_SAMPLING_KINDS,
     PROPOSAL_BUDGETS,
     SPECULATION_KINDS,
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="weight storage type")
     build.add_argument(
         "--cache-dtype",
-        choices=("f32", "bf16"),
+        choices=tuple(CACHE_DTYPES),
         default="f32",
         help="storage type of the key and value cache planes (bf16 halves the bytes attention reads)",
     )

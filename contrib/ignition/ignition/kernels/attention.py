@@ -7,30 +7,29 @@ Owns the lowering of ``paged_attention``, ``rope_kv_cache_write`` and
 split) gets one program that attends the group of query heads sharing that KV head to its split's
 positions ``[s * SPLIT, (s + 1) * SPLIT)`` up to the token's own position, reading keys and values
 through the page table. Cache planes hold float32 or bfloat16 (:data:`CACHE_PLANE_DTYPES`); the cache
-writes round to the plane's type, and attention takes bfloat16 rows as they are (see the products below). A
-token's context
-reaches ``ceil((position + 1) / SPLIT)`` active splits; the programs of the other splits return at once.
-With one active split (a context of at most ``SPLIT`` positions, or of at most ``SHORT`` where ``SHORT``
-is longer: split 0 then walks it whole) the program writes the output itself. Otherwise each active
-program writes its split's running maximum, sum and unnormalised output to workspaces, and the last of
-them to finish (an atomic count of finished splits, which it resets) merges the active splits of that
-group's query heads. A decode step therefore spreads a long context over many programs instead of
-walking it in one, without a second launch. The group's query heads are padded to a 16-row tile and both
-products (``q @ K.T`` and ``p @ V``) run on the matrix units as three TF32 products each over float32
-planes (float32 accuracy; see ``benchmarks/attention_splits.py`` for the measured choice against float32
-FMAs), and over bfloat16 planes, whose keys and values are exact in bfloat16, as two bfloat16 products
-each: the float32 operand (queries, softmax weights) split into its bfloat16 rounding and the bfloat16
-rounding of the remainder, accumulated in float32 (16 mantissa bits of that operand; half the registers
-and a third of the matrix instructions of the TF32 form, so more programs fit a multiprocessor). Softmax
-is computed online in float32 (the reference subtracts the exact maximum first; the two agree to float32
-rounding). With a ``window`` ``N`` (the ``WINDOW`` constant; 0 attends every earlier position) a token
-attends positions ``lowest = max(position - N + 1, 0) .. position``, as the reference: its splits start
-at ``lowest`` rather than 0, so the launch needs only the splits ``N`` positions reach, and no
-page-table entry or key and value row of a position before ``lowest`` is read (pages wholly before a
-window may already be released and hold another request's tokens). Tokens whose row is negative
-(padding) get zero output. When the rows, positions and page table are settled (no earlier node of the
-program writes them, see ``lowering.py``), a program reads them and its first block's pages before
-``gdc_wait``; each block loads the next block's pages ahead.
+writes round to the plane's type, and attention takes bfloat16 rows as they are (see the products
+below). A token's context reaches ``ceil((position + 1) / SPLIT)`` active splits; the programs of the
+other splits return at once. With one active split (a context of at most ``SPLIT`` positions, or of at
+most ``SHORT`` where ``SHORT`` is longer: split 0 then walks it whole) the program writes the output
+itself. Otherwise each active program writes its split's running maximum, sum and unnormalised output to
+workspaces, and the last of them to finish (an atomic count of finished splits, which it resets) merges
+the active splits of that group's query heads. A decode step therefore spreads a long context over many
+programs instead of walking it in one, without a second launch. The group's query heads are padded to a
+16-row tile and both products (``q @ K.T`` and ``p @ V``) run on the matrix units as three TF32 products
+each over float32 planes (float32 accuracy; see ``benchmarks/attention_splits.py`` for the measured
+choice against float32 FMAs), and over bfloat16 planes, whose keys and values are exact in bfloat16, as
+two bfloat16 products each: the float32 operand (queries, softmax weights) split into its bfloat16
+rounding and the bfloat16 rounding of the remainder, accumulated in float32 (16 mantissa bits of that
+operand; half the registers and a third of the matrix instructions of the TF32 form, so more programs
+fit a multiprocessor). Softmax is computed online in float32 (the reference subtracts the exact maximum
+first; the two agree to float32 rounding). With a ``window`` ``N`` (the ``WINDOW`` constant; 0 attends
+every earlier position) a token attends positions ``lowest = max(position - N + 1, 0) .. position``, as
+the reference: its splits start at ``lowest`` rather than 0, so the launch needs only the splits ``N``
+positions reach, and no page-table entry or key and value row of a position before ``lowest`` is read
+(pages wholly before a window may already be released and hold another request's tokens). Tokens whose
+row is negative (padding) get zero output. When the rows, positions and page table are settled (no
+earlier node of the program writes them, see ``lowering.py``), a program reads them and its first
+block's pages before ``gdc_wait``; each block loads the next block's pages ahead.
 
 ``rope_kv_cache_write`` gives each packed token one program: it splits the token's packed
 ``[q | k | v]`` projection, rotates the query and key heads (both pair layouts; inverse frequencies
@@ -544,8 +543,9 @@ def split_kernel_config(split: int, head_dim: int) -> tuple[int, int, int]:
 
 
 CACHE_PLANE_DTYPES = (mf.DTYPE_F32, mf.DTYPE_BF16)
-"""Storage types of key and value cache planes: the kernels read either into float32 and write the
-rotated keys and the values rounded to the plane's type (nearest, ties to even, as the reference)."""
+"""Storage types of key and value cache planes: the cache writes round the rotated keys and the values to
+the plane's type (nearest, ties to even, as the reference); attention multiplies bfloat16 rows as they are
+and float32 rows as float32 (module docstring)."""
 
 
 def _check_plane_dtypes(ctx: LoweringContext, k_plane: mf.BufferView, v_plane: mf.BufferView) -> None:
