@@ -47,6 +47,7 @@ code on the reference backend and float32 PyTorch, without CUDA graphs. """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import itertools
@@ -596,7 +597,29 @@ def host_statistics(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) 
     walls = [current.wait_end_ns - previous.wait_end_ns for previous, current in pairs]
     waits = [current.wait_end_ns - current.wait_begin_ns + current.staging_wait_ns for _, current in pairs]
     host = sorted((wall - wait) / 1000 for wall, wait in zip(walls, waits, strict=True))
+    ordered_walls = sorted(walls)
+    median_wall = statistics.median(walls)
+    in_window = [r for r in records if begin_ns < r.wait_end_ns <= end_ns]
+    slow = [
+        {
+            "index": index,
+            "program": current.program,
+            "wall_us": wall / 1000,
+            "wait_us": wait / 1000,
+            "launch_us": current.run_ns / 1000,
+            "previous_program": previous.program,
+        }
+        for index, ((previous, current), wall, wait) in enumerate(zip(pairs, walls, waits, strict=True))
+        if wall > 1.5 * median_wall
+    ]
     return {
+        "round_us_p90": ordered_walls[min(len(walls) - 1, int(0.9 * len(walls)))] / 1000,
+        "round_us_max": ordered_walls[-1] / 1000,
+        "round_us_sum": sum(walls) / 1000,
+        "window_programs": dict(collections.Counter(r.program for r in in_window)),
+        "slow_rounds": slow[:64],
+        "slow_round_count": len(slow),
+        "slow_round_us_sum": sum(item["wall_us"] for item in slow),
         "rounds": len(pairs),
         "host_us_median": statistics.median(host),
         "host_us_p90": host[min(len(host) - 1, int(0.9 * len(host)))],
@@ -658,9 +681,15 @@ def measure_helios(
             with _wave_errors(helios, f"batch {batch}", spec.shape):
                 helios["decode"][str(batch)] = _decode_wave(engine, clock, batch, plan, vocab, rng)
                 window = helios["decode"][str(batch)]
+                rounds = window["host"]
                 log(
                     f"{spec.shape}: Helios batch {batch}: {window['ms_per_step']:.3f} ms/step, "
-                    f"{window['tokens_per_s']:.0f} tok/s, host {window['host'].get('host_us_median', -1):.0f} us/round"
+                    f"{window['tokens_per_s']:.0f} tok/s, host {rounds.get('host_us_median', -1):.0f} us/round, "
+                    f"median round {rounds.get('round_us_median', -1):.0f} us, "
+                    f"{rounds.get('slow_round_count', 0)} rounds over 1.5x the median "
+                    f"({rounds.get('slow_round_us_sum', 0) / 1000:.1f} ms of "
+                    f"{rounds.get('round_us_sum', 0) / 1000:.1f}), "
+                    f"programs {rounds.get('window_programs')}"
                 )
             save()
         with _wave_errors(helios, "prefill", spec.shape):

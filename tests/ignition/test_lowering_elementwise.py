@@ -379,15 +379,22 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
         (8, 16384, 2048, Tiles(16, 64, 128, 4, 4)),  # 256 tiles fill the machine: no split
         (8, 128256, 2048, Tiles(16, 128, 128, 4, 4)),
         (64, 2048, 2048, Tiles(64, 64, 128, 4, 3, split=4)),
-        (130, 1000, 200, Tiles(128, 64, 64, 8, 3, split=4)),  # no more splits than reduction steps
+        (130, 1000, 200, Tiles(64, 128, 64, 4, 4, split=4)),  # no more splits than reduction steps
         (512, 16384, 2048, Tiles(128, 128, 64, 8, 3)),
+        (512, 2048, 8192, Tiles(128, 64, 64, 8, 3, split=2)),  # prefill chunks keep 128-row tiles
+        (256, 16384, 2048, Tiles(128, 128, 64, 8, 3)),  # 256 tiles of 128x128: wide, no split
+        (256, 3072, 2048, Tiles(64, 128, 64, 4, 4)),  # 96 narrow tiles: a split would need a second wave
+        (256, 2048, 2048, Tiles(64, 128, 64, 4, 4, split=2)),  # 64 tiles: two parts each, one wave
+        (256, 2048, 8192, Tiles(64, 128, 64, 4, 4, split=2)),
+        (128, 2048, 8192, Tiles(64, 128, 64, 4, 4, split=4)),  # 32 tiles: four parts of 32 steps
     ],
 )
 def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_idle(
     rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
     """About one program a multiprocessor: ``cdiv(132, tiles)`` splits, at most one per reduction step,
-    every split but the last the same number of steps."""
+    every split but the last the same number of steps; the narrow outputs of 65 to 256 rows (64x128 tiles)
+    split only within one wave: ``132 // tiles`` parts."""
     assert choose_tiles(rows, n, k) == tiles
 
 

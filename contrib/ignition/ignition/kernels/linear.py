@@ -16,9 +16,11 @@ Tile shapes are chosen from the shape at build time (:func:`choose_tiles`): one 
 (decode at batch 1 and 2) run on the FMA units, in the streaming kernel (a fixed grid of a few
 programs a multiprocessor, each over several tiles of whole weight rows, the next tile loaded while
 the current one is reduced) where a row of inputs fits in registers, else one program per column
-block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles and more rows (prefill, large decode
-batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions; each with the
-reduction split so that about one program a multiprocessor streams the weights.
+block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles; more rows (prefill, large decode
+batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions, except the narrow outputs
+of up to 256 rows (fewer 128x128 tiles than multiprocessors), which take 64x128 tiles on four warps;
+each with the reduction split so that about one program a multiprocessor streams the weights (for the
+narrow 64x128 tiles: no more programs than one wave).
 """
 
 from __future__ import annotations
@@ -299,14 +301,34 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
     if rows <= 64:
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
         return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors)
-    block_n = 128 if cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors else 64
+    wide = cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors
+    if rows <= NARROW_TILE_ROWS and not wide:
+        # Narrow outputs of a large decode batch (measured on an H200 at 256 rows, docs/benchmarks.md):
+        # 64x128 tiles on four warps, the reduction split only as far as one wave of programs allows.
+        return _split_within_one_wave(Tiles(64, 128, 64, 4, 4), rows, n, k, multiprocessors)
+    block_n = 128 if wide else 64
     return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
+
+
+NARROW_TILE_ROWS = 256
+"""The most rows whose narrow projections (fewer 128x128 output tiles than multiprocessors) take 64x128
+tiles; more rows (prefill chunks) keep the 128-row tiles they were measured with."""
 
 
 SPLIT_PROGRAMS = 1
 """Programs a multiprocessor the split reduction aims for where the output tiles are fewer (measured on
 an H200 with ``benchmarks/projection_tiles.py``: two a multiprocessor made the 1B ``[gate|up]``
 projection of 8 rows a third slower than one; see docs/benchmarks.md)."""
+
+
+def _split_within_one_wave(tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int) -> Tiles:
+    """``tiles`` with the reduction split into as many parts as keep every program of the launch in one
+    wave (at most one program a multiprocessor; no split when the output tiles alone reach half the
+    multiprocessors or more), every part but the last the same whole number of ``block_k`` steps."""
+    count = cdiv(rows, tiles.block_m) * cdiv(n, tiles.block_n)
+    steps = cdiv(k, tiles.block_k)
+    wanted = max(1, min(multiprocessors // count, steps))
+    return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
 
 
 def _split_reduction(tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int) -> Tiles:
