@@ -1,6 +1,7 @@
 """Smoke tests of ``benchmarks/host_overhead.py``: its one-tree measurement, its JSON output, the
-baseline tree extracted with ``git archive`` and measured in a subprocess that imports that tree, and
-its refusals of bad options. Few steps, no assertions on the figures themselves."""
+baseline tree extracted with ``git archive`` (or given as a directory) and measured in a subprocess that
+imports that tree, its speculative rounds beside plain decode, and its refusals of bad options. Few
+steps, no assertions on the timings themselves."""
 
 from __future__ import annotations
 
@@ -66,6 +67,52 @@ def test_an_unknown_baseline_is_refused_by_name(capsys: pytest.CaptureFixture[st
     assert error == f"host_overhead: --baseline 'no-such-ref-for-the-benchmark' does not name a commit of {ROOT}\n"
 
 
+SPECULATIVE = ["--speculative", "history", "--batches", "1,16", "--steps", "60", "--no-pin"]
+"""Enough tokens per request for a history of a whole cycle, then speculative rounds."""
+
+
+def test_speculative_rounds_are_measured_beside_plain_decode_of_the_same_core(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main([*SPECULATIVE, "--measure-only", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [row["batch"] for row in found["rows"]] == [1, 16]
+    for row in found["rows"]:
+        assert row["speculative_rounds"] > 0 and row["plain_rounds"] > 0
+        assert row["host_us"] > 0 and row["plain_host_us"] > 0
+        assert 1.0 < row["tokens_per_lane"] <= 8.0  # proposals hold: more than one token a lane a round
+        assert 0.0 < row["acceptance"] < 1.0  # and some fail (the ids leave their cycle now and then)
+
+
+def test_speculative_rounds_print_one_table(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main(SPECULATIVE) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("host time per speculative round (history drafting, --draft-tokens 7)")
+    header = lines.index(next(line for line in lines if line.startswith("| batch |")))
+    assert "spec / plain host" in lines[header] and "tokens/lane/round" in lines[header]
+    assert [line.split("|")[1].strip() for line in lines[header + 2 :]] == ["1", "16"]
+
+
+def test_a_baseline_tree_directory_is_measured_beside_the_working_tree(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main([*SPECULATIVE, "--batches", "1", "--baseline-tree", str(ROOT), "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(f"baseline: tree {ROOT}; current: working tree at ")
+    header = lines.index(next(line for line in lines if line.startswith("| batch |")))
+    assert [line.split("|")[1].strip() for line in lines[header + 2 :]] == ["1"]
+
+
+def test_a_baseline_tree_without_the_packages_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    benchmark = load_benchmark()
+    assert benchmark.main(["--baseline-tree", str(tmp_path), "--steps", "4", "--no-pin"]) == 1
+    error = capsys.readouterr().err
+    assert error == f"host_overhead: --baseline-tree {tmp_path} holds no helios_core and contrib/ignition\n"
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -73,6 +120,16 @@ def test_an_unknown_baseline_is_refused_by_name(capsys: pytest.CaptureFixture[st
         (["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
         (["--cpus", "0", "--no-pin"], "argument --no-pin: not allowed with argument --cpus"),
         (["--baseline", "HEAD", "--measure-only"], "--baseline and --measure-only exclude each other"),
+        (
+            ["--baseline", "HEAD", "--baseline-tree", "."],
+            "argument --baseline-tree: not allowed with argument --baseline",
+        ),
+        (["--batches", "1,3"], "argument --batches: 3 is not one of 1, 16, 64, 256"),
+        (["--batches", "1,x"], "argument --batches: expected comma-separated integers, got '1,x'"),
+        (
+            ["--speculative", "self-draft"],
+            "argument --speculative: invalid choice: 'self-draft' (choose from 'history')",
+        ),
     ],
 )
 def test_bad_options_are_refused_with_the_reason(

@@ -2,11 +2,23 @@
 
 Owns per-frame staging and completion arrays shaped exactly as the core declares them, and for each
 program the handful of transport entries its completion depends on, found through the graph's own
-value bindings (generation, sampling decision, query length, positions). ``run`` echoes the
-submission sequence and generations, reports one emitted token per sampling lane, the consumed
-endpoint after the round, -1 cursors and reserved fields, and a deterministic sampled id. Host cost
-(scheduling, packing, validation) can then be measured without a model. Page copies to and from the
-host tier copy nothing (there are no cache planes) but check their host slot.
+value bindings (generation, sampling decision, query length, positions, and a speculative program's
+copied proposals). ``run`` echoes the submission sequence and generations, reports one emitted token per
+sampling lane, the consumed endpoint after the round, -1 cursors and reserved fields, and a
+deterministic sampled id. Host cost (scheduling, packing, validation) can then be measured without a
+model. Page copies to and from the host tier copy nothing (there are no cache planes) but check their
+host slot.
+
+The ids it "samples" are a function of the context position alone (:class:`NullTokens`): the id at
+position ``q`` is ``(7q + 3) mod V`` by default, or, with a cycle, ids that repeat every ``cycle``
+positions except at a fixed pseudo-random fraction of positions (``novelty``) that get another id. A
+request's output is therefore the same whichever programs compute it. A speculative program that
+verifies copied proposals (history drafting: it binds ``CANDIDATE_IDS``) accepts each lane's longest
+prefix of proposals equal to the ids of the positions they propose, and emits those ids and the next one,
+exactly as a greedy target would: offers are the lane's proposal count, accepted at most the offers,
+emitted accepted + 1, the consumed endpoint the lane's endpoint plus the emitted ids. With a cycle in
+the prompts and outputs, history drafting proposes, and the novelty sets how often a proposal fails.
+Programs that draft in-graph (``SPECULATIVE_PREFIX_LIMIT``) are not modelled.
 """
 
 from __future__ import annotations
@@ -26,12 +38,56 @@ from helios_core.wire import manifest_pb2 as mf
 
 AnyArray = npt.NDArray[np.generic]
 
+_HASH_MULTIPLIER = 2654435761
+"""Knuth's multiplicative hash constant: which positions are off the cycle (a fixed, evenly spread set)."""
+_OTHER_MULTIPLIER = 2246822519
+"""A second multiplier: which other id an off-cycle position gets."""
+_HASH_RANGE = 2**32
+
+
+@dataclass(frozen=True)
+class NullTokens:
+    """The ids the null backend samples: the id at context position ``q`` as a function of ``q`` alone.
+
+    With ``cycle`` 0 the id is ``(7q + 3) mod V``. Otherwise the on-cycle id is ``(7 (q mod cycle) + 3)
+    mod V``, and a position whose hash ``(q x 2654435761) mod 2**32`` lies below ``novelty x 2**32`` is off
+    the cycle: its id is ``(on-cycle id + 1 + ((q x 2246822519) mod 2**32) mod (V - 1)) mod V``, never the
+    on-cycle id. ``V`` is the sampled vocabulary (a vocabulary of one id has no other id: no position is
+    off the cycle).
+    """
+
+    cycle: int = 0
+    novelty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.cycle < 0:
+            raise ValueError(f"the null backend's token cycle is a count of positions (0: none); got {self.cycle}")
+        if not 0.0 <= self.novelty <= 1.0:
+            raise ValueError(f"the null backend's novelty is a fraction of positions in [0, 1]; got {self.novelty}")
+        if self.novelty and not self.cycle:
+            raise ValueError("the null backend's novelty needs a cycle (positions off a cycle)")
+
+    def ids(self, positions: npt.NDArray[np.int64], vocabulary: int) -> npt.NDArray[np.int64]:
+        """The id at each of ``positions`` (non-negative int64), in ``[0, vocabulary)``."""
+        if not self.cycle:
+            return (positions * 7 + 3) % vocabulary
+        ids = ((positions % self.cycle) * 7 + 3) % vocabulary
+        if self.novelty and vocabulary > 1:
+            off = (positions * _HASH_MULTIPLIER) % _HASH_RANGE < int(self.novelty * _HASH_RANGE)
+            other = (positions * _OTHER_MULTIPLIER) % _HASH_RANGE % (vocabulary - 1)
+            ids = np.where(off, (ids + 1 + other) % vocabulary, ids)
+        return ids  # type: ignore[no-any-return]
+
 
 class NullBackend:
     """Completion records without computation."""
 
-    def __init__(self, contract: PreparedContract, *, frames: int = 2, ranks: int = 1) -> None:
+    def __init__(
+        self, contract: PreparedContract, *, frames: int = 2, ranks: int = 1, tokens: NullTokens | None = None
+    ) -> None:
         self._frames = frames
+        self.tokens = tokens if tokens is not None else NullTokens()
+        """The ids programs sample (:class:`NullTokens`); may be replaced before a round is launched."""
         self.ranks = ranks
         """The tensor-parallel ranks the model was loaded with (nothing is computed, so one record serves)."""
         self._host_page_count = 0
@@ -71,6 +127,9 @@ class NullBackend:
         views = self._views[(program, frame)]
         if views is None:
             return  # a program without per-token lanes (state initialization) reports nothing
+        if views.speculative is not None:
+            self._run_speculative(views, views.speculative)
+            return
         sampling = views.sampling != 0
         if views.one_token_per_row:  # decode: row i's token (if any) is packed token i
             consumed = (views.positions[: views.rows].astype(np.int64) + 1) * (views.lengths != 0)
@@ -81,7 +140,33 @@ class NullBackend:
         views.generation_out[:] = views.generations
         views.emitted_out[:] = sampling
         views.consumed_out[:] = consumed
-        views.sampled_out[:] = np.where(sampling, (consumed * 7 + 3) % self._sampled_size, -1)
+        views.sampled_out[:] = np.where(sampling, self.tokens.ids(consumed, self._sampled_size), -1)
+        views.sequence_out[0] = views.sequence[0]
+
+    def _run_speculative(self, views: _ProgramViews, speculative: _SpeculativeViews) -> None:
+        """A program verifying copied proposals: each live lane (a nonzero query length) accepts its longest
+        prefix of proposals equal to the ids of the positions after its endpoint, and emits those ids and
+        the next; rows past the lanes report nothing."""
+        width = speculative.width
+        steps = np.arange(width, dtype=np.int64)
+        live = views.lengths != 0
+        endpoint = speculative.endpoint.astype(np.int64)
+        offered = np.where(live, speculative.count.astype(np.int64), 0)
+        model = self.tokens.ids(np.maximum(endpoint, 0)[:, None] + 1 + steps, self._sampled_size)
+        if speculative.candidates is not None and width > 1:
+            proposals = speculative.candidates[:, : width - 1]
+            holds = (proposals == model[:, : width - 1]) & (steps[: width - 1] < offered[:, None])
+            accepted = np.cumprod(holds, axis=1, dtype=np.int64).sum(axis=1)
+        else:
+            accepted = np.zeros(views.rows, dtype=np.int64)
+        emitted = np.where(live, accepted + 1, 0)
+        views.generation_out[:] = views.generations
+        speculative.offers_out[:] = offered
+        speculative.accepted_out[:] = accepted
+        views.emitted_out[:] = emitted
+        views.consumed_out[:] = np.where(live, endpoint + emitted, 0)
+        speculative.ids_out[:, :width] = np.where(steps < emitted[:, None], model, -1)
+        speculative.ids_out[:, width:] = -1
         views.sequence_out[0] = views.sequence[0]
 
     # -- the host tier of cache pages (no cache planes here: only the slot bookkeeping is checked) --------
@@ -122,6 +207,23 @@ class NullBackend:
 
 
 @dataclass(frozen=True)
+class _SpeculativeViews:
+    """What a program verifying copied proposals reads and writes besides a decode program's fields."""
+
+    width: int
+    """The program's W: each lane's pending token and at most W - 1 proposals."""
+    candidates: AnyArray | None
+    """[rows, W - 1] proposals (None for W = 1)."""
+    count: AnyArray
+    endpoint: AnyArray
+    """Each lane's consumed endpoint before the round (its pending token's position)."""
+    offers_out: AnyArray
+    accepted_out: AnyArray
+    ids_out: AnyArray
+    """[rows, record width] emitted ids."""
+
+
+@dataclass(frozen=True)
 class _ProgramViews:
     """The staging entries one program's completion depends on and the completion fields it writes,
     as flat views of one frame's arrays (found once; ``run`` only reads and writes through them)."""
@@ -139,6 +241,8 @@ class _ProgramViews:
     consumed_out: AnyArray
     sampled_out: AnyArray
     sequence_out: AnyArray
+    speculative: _SpeculativeViews | None = None
+    """A program verifying copied proposals (history drafting); None for every other program."""
 
     @classmethod
     def find(
@@ -164,6 +268,27 @@ class _ProgramViews:
         ids = out[mf.COMPLETION_FIELD_SAMPLED_IDS]
         out[mf.COMPLETION_FIELD_DRAFT_CURSOR].reshape(-1)[:rows] = -1
         out[mf.COMPLETION_FIELD_RESERVED].reshape(-1)[:rows] = -1
+        speculative = None
+        if (
+            graph.operation == ct.OPERATION_SPECULATIVE
+            and ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT in sources
+            and mf.COMPLETION_FIELD_OFFERS in out
+            and mf.COMPLETION_FIELD_ACCEPTED_DRAFTS in out
+        ):
+            candidates_entry = sources.get(ct.VALUE_SOURCE_CANDIDATE_IDS)
+            candidates = None
+            if candidates_entry is not None:
+                proposals = staging[candidates_entry]
+                candidates = proposals.reshape(proposals.shape[0], -1)[:rows]
+            speculative = _SpeculativeViews(
+                width=int(graph.extents.token_capacity),
+                candidates=candidates,
+                count=entry(ct.VALUE_SOURCE_CANDIDATE_COUNT),
+                endpoint=entry(ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT),
+                offers_out=out[mf.COMPLETION_FIELD_OFFERS].reshape(-1)[:rows],
+                accepted_out=out[mf.COMPLETION_FIELD_ACCEPTED_DRAFTS].reshape(-1)[:rows],
+                ids_out=ids.reshape(ids.shape[0], -1)[:rows],
+            )
         return cls(
             rows=rows,
             one_token_per_row=graph.operation == ct.OPERATION_DECODE
@@ -178,6 +303,7 @@ class _ProgramViews:
             consumed_out=out[mf.COMPLETION_FIELD_CONSUMED_TOKENS].reshape(-1)[:rows],
             sampled_out=ids.reshape(ids.shape[0], -1)[:rows, 0],
             sequence_out=out[mf.COMPLETION_FIELD_SUBMISSION_SEQUENCE].reshape(-1),
+            speculative=speculative,
         )
 
 

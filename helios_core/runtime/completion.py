@@ -10,12 +10,15 @@ caller fails the affected requests and publishes nothing from that round.
 
 Expectations come as a list of :class:`LaneExpectation` or as an
 :class:`ExpectationBatch` (numpy columns, which the scheduler builds for
-decode rounds). A batch of more than a few lanes is checked with one
-comparison per rule over all lanes; only a lane that violates one is then
-examined alone, for its first violation and message. Either way the answer is
-the same, lane for lane; a batch is answered with :class:`LaneResults`, which
-holds the sampled ids and logprobs as Python lists and reads as a sequence of
-per-lane results.
+decode rounds) or a :class:`SpeculativeExpectations` (the columns of a
+speculative round whose proposals the host copied). A batch of more than a few
+lanes is checked with one comparison per rule over all lanes; only a lane that
+violates one is then examined alone, for its first violation and message.
+Either way the answer is the same, lane for lane; a batch is answered with
+:class:`LaneResults`, which holds the sampled ids and logprobs as Python lists
+and reads as a sequence of per-lane results, a speculative batch with
+:class:`SpeculativeResults`, which keeps the record's emitted ids, counts and
+logprobs as columns (completion applies them without a result per lane).
 
 Rank agreement (a core of several tensor-parallel ranks): :func:`agree_across_ranks` validates every
 rank's record by the same rules and compares each lane's fields with rank 0's; a lane that any rank
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import msgspec
 import numpy as np
@@ -84,6 +87,26 @@ class ExpectationBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
             LaneExpectation(generation, consumed, self.samples, top)
             for generation, consumed, top in zip(
                 self.generations.tolist(), self.consumed.tolist(), tops, strict=True
+            )
+        ]
+
+
+class SpeculativeExpectations(ExpectationBatch, frozen=True, eq=False, gc=False):
+    """The expectations of a speculative round whose proposals the host copied, as columns: lane ``i``
+    was given ``offers[i]`` proposals and ``consumed[i]`` is its endpoint before the round, as
+    :class:`LaneExpectation` says with ``offers`` (exact: the record must offer exactly those) and
+    ``cursor_lag`` (-1: the program reports no draft cursor). Every lane samples; none reads top
+    alternatives."""
+
+    offers: npt.NDArray[np.int64] = msgspec.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    cursor_lag: int = -1
+
+    def to_list(self) -> list[LaneExpectation]:
+        lag = self.cursor_lag
+        return [
+            LaneExpectation(generation, consumed, True, 0, offers=offers, cursor_lag=lag)
+            for generation, consumed, offers in zip(
+                self.generations.tolist(), self.consumed.tolist(), self.offers.tolist(), strict=True
             )
         ]
 
@@ -156,6 +179,76 @@ class LaneResults(Sequence[LaneResult | CompletionError]):
 
     def __iter__(self) -> Iterator[LaneResult | CompletionError]:
         return (self[i] for i in range(len(self)))
+
+
+class SpeculativeResults(Sequence[LaneResult | CompletionError]):
+    """The validated lanes of a speculative batch: lane ``i`` emitted ``ids[i, :emitted[i]]`` (the
+    accepted proposals, then the target's token) after accepting ``accepted[i]`` of ``offers[i]``;
+    ``logprobs`` holds their logprobs (None: the record has none, or fewer columns than a lane emitted,
+    and each reads 0.0). ``errors`` holds the CompletionError of each lane that broke a rule (its columns
+    mean nothing). Reads as a sequence of per-lane results, as :func:`read_lanes` gives for a list.
+    """
+
+    __slots__ = ("accepted", "emitted", "errors", "ids", "logprobs", "offers")
+
+    def __init__(
+        self,
+        ids: npt.NDArray[np.integer[Any]],
+        logprobs: npt.NDArray[np.float64] | None,
+        emitted: npt.NDArray[np.integer[Any]],
+        accepted: npt.NDArray[np.integer[Any]],
+        offers: npt.NDArray[np.integer[Any]],
+        errors: dict[int, CompletionError],
+    ) -> None:
+        self.ids = ids
+        self.logprobs = logprobs
+        self.emitted = emitted
+        self.accepted = accepted
+        self.offers = offers
+        self.errors = errors
+
+    def __len__(self) -> int:
+        return int(self.emitted.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> LaneResult | CompletionError: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[LaneResult | CompletionError]: ...
+
+    def __getitem__(self, index: int | slice) -> LaneResult | CompletionError | list[LaneResult | CompletionError]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        error = self.errors.get(index)
+        if error is not None:
+            return error
+        emitted = int(self.emitted[index])
+        tokens: list[int] = self.ids[index, :emitted].tolist()
+        rows = self.logprobs
+        values: list[float] = (
+            rows[index, :emitted].tolist() if rows is not None and rows.shape[1] >= emitted else [0.0] * emitted
+        )
+        return LaneResult(
+            tokens[-1],
+            values[-1],
+            tokens=tokens,
+            logprobs=values,
+            accepted=int(self.accepted[index]),
+            offers=int(self.offers[index]),
+        )
+
+    def __iter__(self) -> Iterator[LaneResult | CompletionError]:
+        return (self[i] for i in range(len(self)))
+
+    def with_errors(self, errors: Mapping[int, CompletionError]) -> SpeculativeResults:
+        """These results with ``errors`` added (a lane's own error, when it has one, is kept)."""
+        return SpeculativeResults(
+            self.ids, self.logprobs, self.emitted, self.accepted, self.offers, {**errors, **self.errors}
+        )
 
 
 _VECTORIZED_LANES = 8
@@ -248,6 +341,8 @@ def read_lanes(
     echoed = int(views.sequence[0])
     if echoed != sequence:
         raise CompletionError(f"completion echoes submission {echoed}, expected {sequence}")
+    if isinstance(lanes, SpeculativeExpectations):
+        return _read_speculative_batch(views, lanes, sampled_size, packed_capacity)
     if isinstance(lanes, ExpectationBatch):
         return _read_batch(views, lanes, sampled_size)
     completion = views.record
@@ -526,6 +621,81 @@ def _read_speculative(
     return results
 
 
+def _read_speculative_batch(
+    views: RecordViews, lanes: SpeculativeExpectations, sampled_size: int, packed_capacity: int = 0
+) -> Sequence[LaneResult | CompletionError]:
+    """:func:`_read_speculative` of a batch: the same round checks, then every rule over all lanes at once;
+    a lane that breaks one is examined alone for its first violation and message. A record whose fields
+    are shorter than the lanes, or whose ids or logprobs are not integers and floats, is read lane by
+    lane (as a list)."""
+    record = views.record
+    count = len(lanes)
+    offers_field = record.get(mf.COMPLETION_FIELD_OFFERS)
+    accepted_field = record.get(mf.COMPLETION_FIELD_ACCEPTED_DRAFTS)
+    if offers_field is None or accepted_field is None:
+        raise CompletionError("a speculative program's record has no offers or accepted drafts field")
+    offers_all, accepted_all = offers_field.reshape(-1), accepted_field.reshape(-1)
+    sampled = record[mf.COMPLETION_FIELD_SAMPLED_IDS]
+    ids_all = sampled.reshape(sampled.shape[0], -1)
+    logprob_field = record.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
+    logprob_rows = logprob_field.reshape(logprob_field.shape[0], -1) if logprob_field is not None else None
+    if min(offers_all.shape[0], accepted_all.shape[0], ids_all.shape[0]) < count:
+        raise CompletionError(f"the record holds fewer than the round's {count} speculative lanes")
+    rows = int(offers_all[:count].sum()) + count
+    if packed_capacity and rows > packed_capacity:  # the program's own allocation overran its P
+        raise CompletionError(f"the lanes' offers take {rows} target rows; the program holds {packed_capacity}")
+    if (
+        views.lanes < count
+        or any(field.dtype.kind not in "iu" for field in (ids_all, offers_all, accepted_all, views.emitted))
+        or (logprob_rows is not None and (logprob_rows.dtype.kind != "f" or logprob_rows.shape[0] < count))
+    ):
+        return _read_speculative(views, lanes.to_list(), sampled_size, packed_capacity)
+    generation, reserved, cursor, consumed, emitted, _ = views.head(count)
+    offers = cast("npt.NDArray[np.integer[Any]]", offers_all[:count])  # integers, as checked above
+    accepted = cast("npt.NDArray[np.integer[Any]]", accepted_all[:count])
+    ids = cast("npt.NDArray[np.integer[Any]]", ids_all[:count])
+    width = ids.shape[1]
+    bad = generation != lanes.generations
+    bad |= reserved != -1
+    bad |= offers != lanes.offers
+    bad |= accepted < 0
+    bad |= accepted > offers
+    bad |= emitted - accepted != 1
+    bad |= emitted > width
+    bad |= consumed != lanes.consumed + emitted
+    lag = lanes.cursor_lag
+    bad |= cursor != (-1 if lag < 0 else np.maximum(consumed - lag, 0))
+    shown = np.arange(width) < emitted[:, None]
+    outside = (ids < 0) | (ids >= sampled_size)
+    outside &= shown
+    bad |= outside.any(axis=1)
+    errors: dict[int, CompletionError] = {}
+    if bad.any():
+        expectations = lanes.to_list()
+        for index in np.flatnonzero(bad).tolist():
+            problem = _speculative_problem(
+                expectations[index],
+                int(generation[index]),
+                int(reserved[index]),
+                int(cursor[index]),
+                int(consumed[index]),
+                int(emitted[index]),
+                int(offers[index]),
+                int(accepted[index]),
+                width,
+            )
+            if problem is None:
+                listed = ids[index, : int(emitted[index])].tolist()
+                problem = next(
+                    f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
+                    for token in listed
+                    if not 0 <= token < sampled_size
+                )
+            errors[index] = CompletionError(f"lane {index}: {problem}")
+    logprobs = logprob_rows[:count].astype(np.float64) if logprob_rows is not None else None
+    return SpeculativeResults(ids.copy(), logprobs, emitted.copy(), accepted.copy(), offers.copy(), errors)
+
+
 def _speculative_problem(
     lane: LaneExpectation,
     generation: int,
@@ -598,7 +768,7 @@ def agree_across_ranks(
             theirs = read_lanes(record, sequence, lanes, sampled_size, packed_capacity=packed_capacity)
         except CompletionError as exc:
             raise CompletionError(f"rank {rank} rejects the round: {exc}") from exc
-        own_errors = theirs.errors if isinstance(theirs, LaneResults) else {
+        own_errors = theirs.errors if isinstance(theirs, LaneResults | SpeculativeResults) else {
             index: result for index, result in enumerate(theirs) if isinstance(result, CompletionError)
         }  # fmt: skip
         for index, error in sorted(own_errors.items()):
@@ -625,6 +795,8 @@ def agree_across_ranks(
         }
     if not rejected:
         return results
+    if isinstance(results, SpeculativeResults):
+        return results.with_errors(rejected)
     if isinstance(results, LaneResults):
         errors = {**rejected, **results.errors}
         tops = {index: top for index, top in results.tops.items() if index not in errors}

@@ -10,7 +10,9 @@ indexing modes alone.
 A submission's lanes come in one of two forms with the same staged bytes: a
 list of :class:`Lane` objects (any round; each value written as the Python
 value it is), or a :class:`LaneBatch`, whose values are numpy columns (the
-scheduler builds one per decode round from its per-slot arrays). A batch is
+scheduler builds one per decode round from its per-slot arrays, and one per
+speculative round whose lanes have no grammar masks: its copied proposals a
+``[lanes, width]`` matrix, ``CANDIDATE_IDS``). A batch is
 written with a few vectorized assignments per binding. A batch says which of
 its values are unchanged since an earlier batch (``staged_as``: the planner's
 number for one decode cohort; ``unchanged``: the sources that stay the same
@@ -18,7 +20,8 @@ from one of its rounds to the next). When a packer stages a batch on a frame
 whose staging nobody else wrote since the same graph staged a batch of that
 number and lane count there, it writes only the other sources (positions,
 cache slots, sampling steps, new page-table entries): every other byte it would
-write is already staged. A value a column cannot hand
+write is already staged (when the lanes' query lengths are among what changes, as
+in a speculative batch, those writes include the padding past the lanes). A value a column cannot hand
 to numpy exactly as the Python value would be (outside the destination's range,
 a float into an integer destination) is written from Python values, so both
 forms fail alike. Every packer of a frame's staging must share one memory
@@ -174,12 +177,16 @@ class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
     vectors (``None`` for the lane, or for every lane). Columns agree with what they stand for, as a
     :class:`Lane` derives them: ``QUERY_LENGTH`` is each lane's packed-token count, ``SAMPLING_DECISION``
     and ``MIXED_PREFILL_ROW`` are 0 or 1, ``CONSTRAINED`` is 1 exactly for a lane with a grammar mask.
+    A speculative batch's ``candidates`` holds lane ``i``'s copied proposals in the first
+    ``rows[CANDIDATE_COUNT][i]`` entries of row ``i`` (what lies past them is never staged); its lanes have
+    no per-position grammar masks.
 
     ``staged_as``, when given, names the values of every source in ``unchanged`` (row, token or vector
     sources) and the lane identities: two batches with the same ``staged_as`` and lane count have the
     same values there, so a packer that staged the one need write only the other sources of the next
-    (the planner numbers each decode cohort it forms; the sources outside ``unchanged`` are what changes
-    from one of its rounds to the next). Columns are never modified once handed over.
+    (the planner numbers each decode cohort it forms, and the members of its speculative batches; the
+    sources outside ``unchanged`` are what changes from one of its rounds to the next). Columns are never
+    modified once handed over.
     """
 
     count: int
@@ -195,6 +202,8 @@ class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
     page_version: int | None = None
     """With ``staged_as``: a count of page additions (only growing); a batch of the same ``staged_as`` and
     version has the same page tables."""
+    candidates: npt.NDArray[np.int64] | None = None
+    """Speculative lanes: ``[count, width]`` copied proposals (``CANDIDATE_IDS``); None for other lanes."""
 
     def __len__(self) -> int:
         return self.count
@@ -206,6 +215,9 @@ class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
         tokens = {source: column.tolist() for source, column in self.tokens.items()}
         index = self.page_index.tolist()
         counts = self.page_counts.tolist()
+        offered = rows.get(ct.VALUE_SOURCE_CANDIDATE_COUNT)
+        proposals = self.candidates.tolist() if self.candidates is not None and offered is not None else None
+        limits = rows.get(ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT)
         lanes: list[Lane] = []
         start = 0
         for i in range(self.count):
@@ -236,6 +248,8 @@ class LaneBatch(msgspec.Struct, frozen=True, eq=False, gc=False):
                     mixed_prefill=bool(rows[ct.VALUE_SOURCE_MIXED_PREFILL_ROW][i]),
                     snapshot_row=rows[ct.VALUE_SOURCE_SNAPSHOT_DESTINATION][i],
                     restore_row=rows[ct.VALUE_SOURCE_RESTORE_SOURCE][i],
+                    candidates=proposals[i][: offered[i]] if proposals is not None and offered is not None else (),
+                    prefix_limit=limits[i] if limits is not None else 0,
                 )
             )
             start = end
@@ -757,6 +771,8 @@ class _BindingWriter:
                 self._batch_page_tables(batch, band, frame, same_lanes, key)
             if self.gaps:
                 self._pad_gaps(dest, batch.count)
+        elif source == ct.VALUE_SOURCE_CANDIDATE_IDS:
+            self._batch_candidates(batch, dest, frame, tails)
         elif source in _VECTOR_SOURCES:
             vectors = batch.grammar_masks if source == ct.VALUE_SOURCE_GRAMMAR_MASK else batch.prompt_histograms
             if vectors is not None:
@@ -810,6 +826,24 @@ class _BindingWriter:
             return
         dest[:count] = self._values(column, dest)
         if tails and indexing == ct.INDEXING_SUBMISSION_ROW:
+            dest[count : self.rows] = self.padding
+
+    def _batch_candidates(self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, tails: bool) -> None:
+        """Each lane's copied proposals, then the padding, in its row (a lane without any: padding alone);
+        past the lanes, the padding (SUBMISSION_ROW)."""
+        count = batch.count
+        offered = batch.rows.get(ct.VALUE_SOURCE_CANDIDATE_COUNT)
+        width = dest.shape[-1] if dest.ndim > 1 else 0
+        proposals = batch.candidates
+        if offered is None or proposals is None or (count and int(offered.max()) > min(width, proposals.shape[1])):
+            self.write(Submission(batch.to_lanes(), 0), frame, {self.destination: dest})  # fails as lanes fail
+            return
+        taken = min(width, proposals.shape[1])
+        offers = np.arange(taken) < offered[:, None]
+        rows = dest[:count]
+        rows[:, :taken] = np.where(offers, proposals[:, :taken], self.padding)
+        rows[:, taken:] = self.padding
+        if tails and self.indexing == ct.INDEXING_SUBMISSION_ROW:
             dest[count : self.rows] = self.padding
 
     def _batch_tokens(self, batch: LaneBatch, dest: npt.NDArray[np.generic], frame: int, tails: bool) -> None:
@@ -1084,14 +1118,17 @@ class GraphPacker:
             return
         staged_as = lanes.staged_as
         last = memory.batches.get(frame)
-        if (
-            staged_as is not None
-            and last == (self.graph.name, staged_as, lanes.count, memory.versions.get(frame, 0))
-            and ct.VALUE_SOURCE_QUERY_LENGTH in lanes.unchanged
+        if staged_as is not None and last == (
+            self.graph.name,
+            staged_as,
+            lanes.count,
+            memory.versions.get(frame, 0),
         ):  # this graph staged the same lanes' unchanged values here, and nothing else wrote this frame since
+            # lanes whose query lengths change (a speculative batch) leave other padding past their tokens
+            tails = ct.VALUE_SOURCE_QUERY_LENGTH not in lanes.unchanged
             try:
                 for writer in self._changing_writers(lanes.unchanged):
-                    writer.write_batch(lanes, frame, staging, tails=False, same_lanes=True)
+                    writer.write_batch(lanes, frame, staging, tails=tails, same_lanes=True)
             except BaseException:
                 memory.batches.pop(frame, None)
                 raise

@@ -14,7 +14,18 @@ are found over all lanes at once (for a cohort whose minima say none can, not at
 whose every lane presents only its token's text (no failure, no timestamps, no top alternatives, no
 host gate beyond a detokenizer) is published as one
 :class:`~helios_core.runtime.messages.RoundTokens`; otherwise each lane gets its
-:class:`~helios_core.runtime.messages.TokenEvent`. Every other plan is applied lane by lane.
+:class:`~helios_core.runtime.messages.TokenEvent`.
+
+A speculative plan of copied proposals (its expectations a
+:class:`~helios_core.runtime.completion.SpeculativeExpectations`) is applied as columns too when no lane
+failed or ended and no request has a host gate or observes time: the emitted tokens are appended up to
+the first that ends a request (an EOS id, the output limit) in a few vectorized writes, the consumed
+endpoints advance by the tokens kept, the pages they complete are published at the next deferred
+publication (as decode's), and the tokens go out as one
+:class:`~helios_core.runtime.messages.RoundTokens` per emitted position (the ``k``-th token of every
+lane that kept at least ``k``), so each stream reads its tokens in order. Otherwise, and for every
+other plan, lanes are applied one by one. Either way a page is hashed only once every token it holds is
+in the slot's row.
 """
 
 from __future__ import annotations
@@ -34,10 +45,12 @@ from helios_core.runtime.completion import (
     LaneExpectation,
     LaneResult,
     LaneResults,
+    SpeculativeExpectations,
+    SpeculativeResults,
     as_results,
 )
 from helios_core.runtime.gates import gate_failure
-from helios_core.runtime.messages import Event, Outgoing, PromptScores, RoundTokens, TokenEvent
+from helios_core.runtime.messages import Event, FinishReason, Outgoing, PromptScores, RoundTokens, TokenEvent
 from helios_core.runtime.plan import RoundPlan
 from helios_core.runtime.residency import Residency
 from helios_core.runtime.slots import Phase, RequestState
@@ -80,6 +93,25 @@ class _DecodeLanes:
     counted: int = -1
 
 
+@dataclass(eq=False, slots=True)
+class _SpeculativeLanes:
+    """What applying a speculative round's lanes as columns needs of its requests (found again when the
+    round's slots or the table's membership differ from the last round's)."""
+
+    slots: npt.NDArray[np.int64]
+    membership: int
+    states: list[RequestState]
+    request_ids: list[str]
+    lanes: dict[str, int]
+    """Every lane's request and its index (the first emitted position's round tokens)."""
+    columnar: bool
+    """No request has a host gate or observes time."""
+    ignore_eos: npt.NDArray[np.bool_] | None
+    """Which lanes' requests ignore EOS ids (None: none does)."""
+    token_base: npt.NDArray[np.int64]
+    """Per lane, where its first generated token lies in the flat token matrix (slot row + prompt length)."""
+
+
 class RoundCompletion:
     """Applies rounds; one per scheduler."""
 
@@ -94,6 +126,7 @@ class RoundCompletion:
         self.clock_origin_ns = clock_origin_ns
         self._operation_names: dict[int, str] = {}
         self._decode: _DecodeLanes | None = None
+        self._speculative: _SpeculativeLanes | None = None
 
     def apply(self, plan: RoundPlan, results: Sequence[LaneResult | CompletionError]) -> list[Outgoing]:
         """Apply a validated round; returns the events to publish, in order."""
@@ -103,7 +136,12 @@ class RoundCompletion:
             label = self._operation_names[graph.operation] = graph.operation_name
         self.stats.count_round(graph.name, label, len(plan))
         events: list[Outgoing] = []
-        if isinstance(plan.expectations, ExpectationBatch):
+        if isinstance(plan.expectations, SpeculativeExpectations):
+            if not isinstance(results, SpeculativeResults) or not self._apply_speculative_batch(
+                plan, plan.expectations, results, events
+            ):
+                self._apply_lanes(plan, results, events)
+        elif isinstance(plan.expectations, ExpectationBatch):
             self._apply_decode(plan, results if isinstance(results, LaneResults) else as_results(results), events)
         else:
             self._apply_lanes(plan, results, events)
@@ -232,42 +270,210 @@ class RoundCompletion:
         width: int,
         events: list[Outgoing],
     ) -> None:
-        """A speculative lane: its pending token and accepted proposals are committed, and each emitted
-        token is appended and published in order until one ends the request (an EOS id, a host stop, the
-        output limit); the tokens after it are dropped."""
+        """A speculative lane: each emitted token is appended and published in order until one ends the
+        request (an EOS id, a host stop, the output limit) and the tokens after it are dropped; the pending
+        token and the appended tokens before the last are committed, then the pages they complete are
+        published (every committed position's token is in the row when its page is hashed)."""
         table, residency, slot = self.table, self.residency, state.slot
         tokens = result.tokens
-        table.consumed[slot] = expectation.consumed + len(tokens)
         self.stats.count_speculation(width, result.offers, result.accepted, len(tokens))
         if result.offers:
-            state.acceptance = ACCEPTANCE_WEIGHT * state.acceptance + (1 - ACCEPTANCE_WEIGHT) * (
+            table.acceptance[slot] = ACCEPTANCE_WEIGHT * table.acceptance[slot] + (1 - ACCEPTANCE_WEIGHT) * (
                 result.accepted / result.offers
             )
-        residency.publish_pages(slot)
         stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
+        appended = 0
+        ending: tuple[FinishReason, bool] | None = None
+        """Why the request ends after the last appended token, and whether its gate is flushed."""
+        failure: Exception | None = None
         for token, logprob in zip(tokens, result.logprobs, strict=True):
             table.append(slot, token)
+            appended += 1
             outcome = None
             if state.gate is not None:
                 try:
                     outcome = state.gate.observe(token)
                 except Exception as exc:  # the request's own grammar or stops: it fails alone
-                    events.append(residency.fail(state, gate_failure(exc)))
-                    return
+                    failure = exc
+                    break
             pieces = outcome.pieces if outcome is not None else [(token, "")]
             events.append(TokenEvent(state.request_id, token, logprob, pieces, stamp))
             if outcome is not None and outcome.stopped:
-                residency.end(state)
-                events.append(residency.finished(state, "stop", flush=False))
-                return
+                ending = ("stop", False)
+                break
             if token in self.eos and not state.ignore_eos:
-                residency.end(state)
-                events.append(residency.finished(state, "stop"))
-                return
+                ending = ("stop", True)
+                break
             if table.generated[slot] >= state.max_tokens:
+                ending = ("length", True)
+                break
+        table.consumed[slot] = expectation.consumed + appended
+        residency.publish_pages(slot)
+        if failure is not None:
+            events.append(residency.fail(state, gate_failure(failure)))
+        elif ending is not None:
+            residency.end(state)
+            events.append(residency.finished(state, ending[0], flush=ending[1]))
+
+    # -- speculative rounds as columns ---------------------------------------------------------------
+    def _speculative_lanes(self, plan: RoundPlan, expected: SpeculativeExpectations) -> _SpeculativeLanes | None:
+        """What applying ``plan``'s lanes as columns needs (kept while its slots and the table's membership
+        stay the same: no request of its lanes ended meanwhile); None when some lane's request ended since
+        the plan, or has left its slot."""
+        found = self._speculative
+        table = self.table
+        slots = plan.slots
+        if found is not None and found.slots is slots and found.membership == table.membership:
+            return found
+        if (table.generation[slots] != expected.generations).any() or (table.phase[slots] == Phase.ENDED).any():
+            return None
+        states = [table.requests[slot] for slot in slots.tolist()]
+        members = [s for s in states if s is not None]
+        if len(members) != len(states):
+            return None
+        request_ids = [s.request_id for s in members]
+        found = self._speculative = _SpeculativeLanes(
+            slots=slots,
+            membership=table.membership,
+            states=members,
+            request_ids=request_ids,
+            lanes={request_id: index for index, request_id in enumerate(request_ids)},
+            columnar=all(s.gate is None and not s.observe for s in members),
+            ignore_eos=table.ignore_eos[slots] if bool(table.ignore_eos[slots].any()) else None,
+            token_base=slots * table.tokens.shape[1] + table.prompt_len[slots],
+        )
+        return found
+
+    def _apply_speculative_batch(
+        self,
+        plan: RoundPlan,
+        expectations: SpeculativeExpectations,
+        results: SpeculativeResults,
+        events: list[Outgoing],
+    ) -> bool:
+        """Apply a speculative round's lanes as columns, as :meth:`_apply_speculative` applies each; False
+        (nothing applied) when some lane failed, its request ended since the plan, or a request has a
+        host gate or observes time (the round is then applied lane by lane)."""
+        if results.errors:
+            return False
+        lanes = self._speculative_lanes(plan, expectations)
+        if lanes is None or not lanes.columnar:
+            return False
+        table, slots = self.table, plan.slots
+        emitted, accepted, offers = results.emitted, results.accepted, results.offers
+        self._count_speculation(plan.graph.extents.token_capacity, offers, accepted, emitted)
+        offering = offers != 0
+        rated = slots[offering]
+        table.acceptance[rated] = ACCEPTANCE_WEIGHT * table.acceptance[rated] + (1 - ACCEPTANCE_WEIGHT) * (
+            accepted[offering] / offers[offering]
+        )
+        # the tokens kept: up to the first that ends its request (the output limit, an EOS id)
+        generated = table.generated[slots]
+        left = table.max_tokens[slots] - generated
+        kept = np.minimum(emitted, left)
+        deepest = int(emitted.max())
+        ids = results.ids[:, :deepest]
+        columns = np.arange(deepest)
+        shown = columns < kept[:, None]
+        stops: npt.NDArray[np.bool_] | None = None
+        if self.eos:
+            hits = ids == self._eos_ids[0]
+            for eos_id in self._eos_ids[1:]:
+                hits |= ids == eos_id
+            hits &= shown
+            if lanes.ignore_eos is not None:
+                hits &= ~lanes.ignore_eos[:, None]
+            stopping = np.any(hits, axis=1)
+            if stopping.any():
+                stops = stopping
+                kept = np.where(stops, hits.argmax(axis=1) + 1, kept)
+                shown = columns < kept[:, None]
+        ends = kept >= left
+        if stops is not None:
+            ends |= stops
+        # committed: the pending token and the kept tokens before the last (all emitted ones but the last
+        # when nothing ends), so every committed position's token is in the row when its page is hashed
+        consumed = expectations.consumed + kept
+        table.consumed[slots] = consumed
+        table.token_cells[((lanes.token_base + generated)[:, None] + columns)[shown]] = ids[shown]
+        table.generated[slots] = generated + kept
+        publishing = (table.published[slots] + 1) * table.page_tokens <= consumed
+        if publishing.any():
+            for slot in slots[publishing].tolist():
+                self.residency.defer_pages(slot)
+        self._speculative_events(lanes, results, kept, deepest, events)
+        if ends.any():
+            residency = self.residency
+            for index in np.flatnonzero(ends).tolist():
+                state = lanes.states[index]
                 residency.end(state)
-                events.append(residency.finished(state, "length"))
-                return
+                events.append(residency.finished(state, "stop" if stops is not None and stops[index] else "length"))
+        return True
+
+    def _speculative_events(
+        self,
+        lanes: _SpeculativeLanes,
+        results: SpeculativeResults,
+        kept: npt.NDArray[np.integer[Any]],
+        deepest: int,
+        events: list[Outgoing],
+    ) -> None:
+        """The kept tokens as one :class:`RoundTokens` per emitted position: the first of every lane (in lane
+        order, the lanes' dict shared by the rounds of these lanes), then the ``k``-th of each lane that kept
+        at least ``k``, lanes that kept more first."""
+        ids, logprobs = results.ids, results.logprobs
+        if logprobs is not None and logprobs.shape[1] < deepest:  # a lane emitting more ids reads 0.0 for each
+            covered = logprobs.shape[1]
+            padded = np.zeros((ids.shape[0], deepest), dtype=np.float64)
+            fits = results.emitted <= covered
+            padded[fits, :covered] = logprobs[fits]
+            logprobs = padded
+        firsts = ids[:, 0].tolist()
+        events.append(
+            RoundTokens(
+                lanes.lanes, firsts, logprobs[:, 0].tolist() if logprobs is not None else [0.0] * len(firsts), None
+            )
+        )
+        deep = int(kept.max())
+        if deep < 2:
+            return
+        order = np.argsort(-kept, kind="stable")  # lanes that kept more first: each position's lanes lead
+        reaching = np.cumsum(np.bincount(kept)[::-1])[::-1][2:].tolist()  # lanes that kept more than 1, 2, ...
+        rows = order[: reaching[0]]
+        by_position = ids[rows, 1:deep].T.tolist()
+        values = logprobs[rows, 1:deep].T.tolist() if logprobs is not None else None
+        named = list(map(lanes.request_ids.__getitem__, rows.tolist()))
+        for position, count in enumerate(reaching):
+            events.append(
+                RoundTokens(
+                    dict(zip(named[:count], range(count), strict=False)),
+                    by_position[position][:count],
+                    values[position][:count] if values is not None else [0.0] * count,
+                    None,
+                )
+            )
+
+    def _count_speculation(
+        self,
+        width: int,
+        offers: npt.NDArray[np.integer[Any]],
+        accepted: npt.NDArray[np.integer[Any]],
+        emitted: npt.NDArray[np.integer[Any]],
+    ) -> None:
+        """:meth:`SchedulerStats.count_speculation` of every lane, counted at once."""
+        stats = self.stats
+        count = offers.shape[0]
+        for counts, amount in (
+            (stats.speculative_lanes, count),
+            (stats.proposals_offered, int(offers.sum())),
+            (stats.drafts_accepted, int(accepted.sum())),
+            (stats.speculative_emitted, int(emitted.sum())),
+        ):
+            counts[width] = counts.get(width, 0) + amount
+        for counts, reached in ((stats.offered_by_position, offers), (stats.accepted_by_position, accepted)):
+            # lanes that reached each position (1 = the first proposal)
+            for position, lanes in enumerate(np.cumsum(np.bincount(reached)[::-1])[-2::-1].tolist(), start=1):
+                counts[position] = counts.get(position, 0) + lanes
 
     # -- decode rounds -------------------------------------------------------------------------------
     def _lanes_of(self, plan: RoundPlan) -> _DecodeLanes:

@@ -124,7 +124,8 @@ class RequestState:
     output counts); None otherwise (it publishes no checkpoint)."""
     acceptance: float = 0.5
     """How often this request's proposals have held lately (an average over its speculative rounds,
-    recent ones weighing most); the planner offers as many proposals as it makes worthwhile."""
+    recent ones weighing most); the planner offers as many proposals as it makes worthwhile. The table's
+    ``acceptance`` column holds it while the request holds a slot."""
 
     @property
     def scoring(self) -> bool:
@@ -153,6 +154,8 @@ class SlotTable:
         self.max_tokens = np.zeros(slots, dtype=np.int64)
         self.ignore_eos = np.zeros(slots, dtype=bool)
         self.cancelled = np.zeros(slots, dtype=bool)
+        self.acceptance = np.zeros(slots, dtype=np.float64)
+        """Each running request's recent acceptance rate (:attr:`RequestState.acceptance` while it waits)."""
         self.tokens = np.zeros((slots, max(context, 1)), dtype=np.int32)
         """Prompt and generated token ids per slot, in position order."""
         self.token_cells = self.tokens.reshape(-1)
@@ -208,6 +211,7 @@ class SlotTable:
         self.max_tokens[slot] = state.max_tokens
         self.ignore_eos[slot] = state.ignore_eos
         self.cancelled[slot] = state.cancelled
+        self.acceptance[slot] = state.acceptance
         self.hashes[slot] = hashes
         self.published[slot] = len(hashes)
         self.page_count[slot] = 0
@@ -227,6 +231,7 @@ class SlotTable:
         pages = self.held_pages(slot)
         if state is not None:
             state.generated = int(self.generated[slot])
+            state.acceptance = float(self.acceptance[slot])
             if keep_tokens:
                 state.tokens = self.token_list(slot)
             state.slot = -1

@@ -20,8 +20,9 @@ from helios_core.wire import manifest_pb2 as mf
         ([1, 2, 3, 4, 1, 2], 1, [3]),
         ([9, 1, 2, 3, 8, 1, 2, 3], 2, [8, 1]),  # the longest suffix [1, 2, 3] wins over shorter ones
         ([5, 1, 7, 2, 1, 7, 3, 1, 7], 2, [3, 1]),  # the most recent earlier occurrence
-        ([1, 2, 1, 2], 4, [1, 2]),  # a repeating pattern continues
-        ([4, 8, 8], 3, [8]),  # a one-token suffix at the end of what is known
+        ([1, 2, 1, 2], 4, [1, 2, 1, 2]),  # a repeating pattern continues past the end of the history
+        ([4, 8, 8], 3, [8, 8, 8]),  # a one-token suffix at the end of what is known: the run repeats
+        ([7, 1, 2, 3, 1, 2], 5, [3, 1, 2, 3, 1]),  # the stretch after the occurrence, on through the copy
         ([5, 6, 7], 3, []),  # nothing recurs
         ([4], 2, []),
         ([], 2, []),
