@@ -30,9 +30,12 @@ each), handed to the clients round-robin; each client sends its requests one aft
 Server modes (``--modes``): ``in-process`` (uvicorn in a thread of this process; the backend's
 ``run`` is wrapped so the engine run time and the non-overlapped overhead per token are known),
 ``worker-process`` and ``thread`` (``helios run`` subprocesses with and without ``--worker-process``;
-engine run time not measured). The engine phase runs after the first mode. Defaults: clients 8 and
-32, 64 tokens, ``in-process``; with ``--backends cuda``: clients 64 and 256, 512 tokens,
-``worker-process,thread``.
+engine run time not measured). ``--http-processes`` gives the worker-process mode's HTTP process counts
+(``helios run --http-processes N``; default 1, ``1,4`` serves it once with each); the table's ``HTTP
+processes`` column says the count and, above 1, how many of the wave's requests each process admitted
+(``helios_http_process_admitted_total`` before and after the wave: how the kernel spread the clients).
+The engine phase runs after the first server. Defaults: clients 8 and 32, 64 tokens, ``in-process``; with
+``--backends cuda``: clients 64 and 256, 512 tokens, ``worker-process,thread``.
 
 Cores: without ``--shape`` (and without ``cuda``) a synthetic ``tiny`` core is built in a temporary
 folder, decode rows up to the largest client count. With ``--shape`` (default ``1b`` for
@@ -52,6 +55,8 @@ is set, else none), rewritten after every wave.
         [--cores build/cores] [--budget 240]
     python benchmarks/serve_load.py --backends reference --shape tiny --clients 4 --requests 8 \\
         --max-tokens 16 --client-processes 2    # the cuda path's code on the CPU
+    tools/gpu_run.sh python3 benchmarks/serve_load.py --backends cuda --modes worker-process \\
+        --http-processes 1,4 --clients 64,256   # one HTTP process beside four
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ import multiprocessing
 import os
 import platform
 import queue
+import re
 import signal
 import socket
 import statistics
@@ -270,9 +276,11 @@ def serve_subprocess(
     worker_process: bool,
     namespace: str = NAMESPACE,
     cache_pages: int | None = None,
+    http_processes: int = 1,
 ) -> Iterator[tuple[str, EngineClock | None]]:
-    """``helios run`` over ``core`` as a subprocess (with ``worker_process``: ``--worker-process``); yields its
-    base URL, once it printed its readiness line, and no engine clock (its backend runs in another process)."""
+    """``helios run`` over ``core`` as a subprocess (with ``worker_process``: ``--worker-process``, and
+    ``--http-processes`` above 1); yields its base URL, once it printed its readiness line, and no engine clock
+    (its backend runs in another process)."""
     port = free_port()
     command = [
         sys.executable, "-m", "helios_core.cli", "run", "--core", str(core), "--trust-key", str(key),
@@ -280,6 +288,7 @@ def serve_subprocess(
         "--max-active", str(max_active), "--queue-capacity", str(max_active),
         *(["--cache-pages", str(cache_pages)] if cache_pages is not None else []),
         *(["--worker-process"] if worker_process else []),
+        *(["--http-processes", str(http_processes)] if http_processes > 1 else []),
     ]  # fmt: skip
     began = time.monotonic()
     server = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -315,7 +324,9 @@ def serve_subprocess(
         with httpx.Client(timeout=30) as client:
             served = client.get(f"http://127.0.0.1:{port}/v1/models").status_code
         log(
-            f"helios run{' --worker-process' if worker_process else ''} ({backend}): ready in {ready_s:.2f} s, "
+            f"helios run{' --worker-process' if worker_process else ''}"
+            f"{f' --http-processes {http_processes}' if http_processes > 1 else ''} ({backend}): "
+            f"ready in {ready_s:.2f} s, "
             f"/v1/models {served} at {time.monotonic() - began:.2f} s after the command started; "
             f"its own account: {seen[-1].strip().partition(' (')[2].rstrip(')') or 'none'}"
         )
@@ -433,22 +444,26 @@ async def client_set(
     url: str, assignments: Sequence[tuple[int, Sequence[int]]], max_tokens: int, timeout: float
 ) -> tuple[list[Sample], str]:
     """Each ``(client, request indices)`` of ``assignments`` as one streaming client sending its requests one
-    after the other, all at once on one connection pool; (finished samples, error or "")."""
+    after the other on a connection of its own (one ``httpx.AsyncClient`` each, as separate users have);
+    (finished samples, error or "").
+
+    One shared pool would hand every waiting request the same first idle connection when a round of
+    streams ends, so later requests would wait inside httpx (seconds at 128 clients), which the TTFT and
+    throughput figures would then count as the server's."""
     import httpx
 
-    count = max(len(assignments), 1)
-    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     finished: list[Sample] = []
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
-        async def one_client(client_index: int, indices: Sequence[int]) -> None:
+    async def one_client(client_index: int, indices: Sequence[int]) -> None:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             for index in indices:
                 finished.append(await one_request(client, url, max_tokens, index, client_index))
 
-        try:
-            await asyncio.wait_for(asyncio.gather(*(one_client(c, i) for c, i in assignments)), timeout)
-        except TimeoutError:
-            return finished, f"{len(assignments)} clients did not finish within {timeout:.0f} s"
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one_client(c, i) for c, i in assignments)), timeout)
+    except TimeoutError:
+        return finished, f"{len(assignments)} clients did not finish within {timeout:.0f} s"
     return finished, ""
 
 
@@ -616,10 +631,25 @@ class Row:
     errors: list[str] = field(default_factory=list)
     engine: dict[str, Any] = field(default_factory=dict)
     """The engine alone at this batch: ``tokens_per_s``, ``ms_per_step`` (``gpu_decode._decode_wave``)."""
+    http_processes: int = 1
+    """The server's HTTP processes (``helios run --http-processes``)."""
+    split: list[int] = field(default_factory=list)
+    """With several HTTP processes: the wave's requests each admitted, by process (empty when not read)."""
 
     @property
     def label(self) -> str:
-        return self.backend if self.mode == "in-process" else f"{self.backend} ({self.mode})"
+        if self.mode == "in-process":
+            return self.backend
+        if self.http_processes > 1:
+            return f"{self.backend} ({self.mode} x{self.http_processes})"
+        return f"{self.backend} ({self.mode})"
+
+    @property
+    def processes_cell(self) -> str:
+        """The HTTP process count, and how the wave's requests were spread over them."""
+        if self.http_processes > 1 and self.split:
+            return f"{self.http_processes}: {'/'.join(str(count) for count in self.split)}"
+        return str(self.http_processes)
 
     @property
     def ratio(self) -> float:
@@ -637,6 +667,7 @@ class Row:
         overhead_us = (self.wall_s - self.engine_s) / max(self.tokens, 1) * 1e6
         return [
             self.label,
+            self.processes_cell,
             str(self.clients),
             f"{self.ok}/{self.requests}",
             str(self.tokens),
@@ -685,9 +716,9 @@ def _cell(value: float | None, digits: int) -> str:
 
 
 HEADERS = [
-    "server", "clients", "ok", "out tokens", "tok/s", "window tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-    "TPOT p99 ms", "gap p50 ms", "gap p99 ms", "wall s", "engine run s", "overhead µs/token", "engine tok/s",
-    "engine ms/step", "HTTP / engine", "TPOT / step",
+    "server", "HTTP processes", "clients", "ok", "out tokens", "tok/s", "window tok/s", "TTFT p50 ms", "TTFT p99 ms",
+    "TPOT p50 ms", "TPOT p99 ms", "gap p50 ms", "gap p99 ms", "wall s", "engine run s", "overhead µs/token",
+    "engine tok/s", "engine ms/step", "HTTP / engine", "TPOT / step",
 ]  # fmt: skip
 
 
@@ -773,35 +804,57 @@ class Budget:
         return True
 
 
+def admitted_by_process(url: str) -> list[int]:
+    """``helios_http_process_admitted_total`` of a server of several HTTP processes, by process index."""
+    import httpx
+
+    with httpx.Client(timeout=30) as client:
+        text = client.get(url + "/metrics").text
+    found = {
+        int(index): int(float(value))
+        for index, value in re.findall(r'^helios_http_process_admitted_total\{process="(\d+)"\} (\S+)$', text, re.M)
+    }
+    return [found[index] for index in sorted(found)]
+
+
 def measure_http(
     core: ServedCore, backend: str, mode: str, clients: Sequence[int], args: argparse.Namespace, report: Report,
-    budget: Budget,
+    budget: Budget, http_processes: int = 1,
 ) -> list[Row]:  # fmt: skip
-    """One server mode's waves, one row per client count."""
+    """One server mode's waves, one row per client count (``http_processes``: the worker-process mode's
+    ``--http-processes``)."""
     rows: list[Row] = []
     max_active = max(clients)
     began = time.monotonic()
+    name = f"{mode} x{http_processes}" if http_processes > 1 else mode
     if mode == "in-process":
         serving = serve(core.path, core.public_key, backend, max_active, core.namespace, core.cache_pages)
     else:
         serving = serve_subprocess(
-            core.path, core.public_key, backend, max_active, mode == "worker-process", core.namespace, core.cache_pages
-        )
+            core.path, core.public_key, backend, max_active, mode == "worker-process", core.namespace,
+            core.cache_pages, http_processes,
+        )  # fmt: skip
     with serving as (url, clock):
-        log(f"{backend} ({mode}): serving at {url} after {time.monotonic() - began:.1f} s")
+        log(f"{backend} ({name}): serving at {url} after {time.monotonic() - began:.1f} s")
         run_wave(url, 2, 2, 4, args.timeout, 0)  # warm-up: programs, tokenizer, connections
         for count in clients:
-            if budget.spent(report, f"{backend} ({mode}) {count} clients"):
+            if budget.spent(report, f"{backend} ({name}) {count} clients"):
                 continue
             engine_before, launches_before = clock.read() if clock is not None else (0, 0)
+            split_before = admitted_by_process(url) if http_processes > 1 else []
             try:
                 samples = run_wave(url, count, args.requests, args.max_tokens, args.timeout, args.client_processes)
             except RuntimeError as exc:
-                report.fail(f"{backend} ({mode}) {count} clients", str(exc))
+                report.fail(f"{backend} ({name}) {count} clients", str(exc))
                 continue
             engine_after, launches_after = clock.read() if clock is not None else (0, 0)
             engine_s = (engine_after - engine_before) / 1e9 if clock is not None else float("nan")
             row = make_row(backend, mode, count, samples, engine_s, launches_after - launches_before)
+            row.http_processes = http_processes
+            if http_processes > 1:
+                row.split = [
+                    after - before for after, before in zip(admitted_by_process(url), split_before, strict=True)
+                ]
             rows.append(row)
             report.rows.append(row)
             report.save()
@@ -893,9 +946,13 @@ def measure_backend(
     log(f"{backend}: {core.description}")
     rows: list[Row] = []
     engine: dict[int, dict[str, Any]] = {}
-    phases = [*modes[:1], *(["engine"] if args.engine else []), *modes[1:]]
-    for phase in phases:
-        if budget.spent(report, f"{backend} {phase}"):
+    servers = [
+        (mode, count) for mode in modes for count in (args.http_process_list if mode == "worker-process" else [1])
+    ]
+    phases: list[tuple[str, int]] = [*servers[:1], *([("engine", 1)] if args.engine else []), *servers[1:]]
+    for phase, http_processes in phases:
+        name = f"{phase} x{http_processes}" if http_processes > 1 else phase
+        if budget.spent(report, f"{backend} {name}"):
             continue
         try:
             if phase == "engine":
@@ -903,11 +960,11 @@ def measure_backend(
                 prompt = max(prompts) if prompts else ENGINE_PROMPT_FALLBACK
                 engine = measure_engine(core, backend, clients, prompt, args, report, budget)
             else:
-                rows += measure_http(core, backend, phase, clients, args, report, budget)
+                rows += measure_http(core, backend, phase, clients, args, report, budget, http_processes)
         except (Interrupted, KeyboardInterrupt):
             raise
         except Exception as exc:  # one failed phase must not hide the others
-            report.fail(f"{backend} {phase}", f"{type(exc).__name__}: {exc}")
+            report.fail(f"{backend} {name}", f"{type(exc).__name__}: {exc}")
         for row in rows:
             row.engine = (
                 {k: engine[row.clients][k] for k in ("tokens_per_s", "ms_per_step")} if row.clients in engine else {}
@@ -938,6 +995,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="shorthand for --modes thread,worker-process (helios run subprocesses; not for the null backend)",
     )
     parser.add_argument(
+        "--http-processes",
+        default="1",
+        help="comma-separated HTTP process counts the worker-process mode is served with (helios run "
+        "--http-processes; default 1, e.g. 1,4)",
+    )
+    parser.add_argument(
         "--client-processes", type=int, default=8, help="processes the clients are spread over (0: this process)"
     )
     parser.add_argument("--shape", help="serve gpu_decode.py's core of this llama-synthetic shape (cuda: default 1b)")
@@ -962,6 +1025,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--clients must be comma-separated integers, not {args.clients!r}")
     if not clients or min(clients) <= 0 or args.requests <= 0 or args.max_tokens <= 0:
         parser.error("clients, requests and max-tokens must be positive")
+    try:
+        http_processes = sorted({int(c) for c in args.http_processes.split(",") if c.strip()})
+    except ValueError:
+        parser.error(f"--http-processes must be comma-separated integers, not {args.http_processes!r}")
+    if not http_processes or min(http_processes) <= 0:
+        parser.error("--http-processes must be positive")
     if args.client_processes < 0 or args.timeout <= 0:
         parser.error("--client-processes must not be negative and --timeout must be positive")
     unknown = [m for m in args.modes if m not in MODES]
@@ -976,7 +1045,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--max-tokens must leave {MAX_CHAT_PROMPT} prompt tokens in the core's context of 1024")
     if args.cores and not args.shape:
         parser.error("--cores needs --shape (or --backends cuda)")
+    if max(http_processes) > 1 and "worker-process" not in args.modes:
+        parser.error("--http-processes above 1 needs the worker-process mode (--modes worker-process)")
     args.client_list = clients
+    args.http_process_list = http_processes
     return args
 
 
@@ -995,7 +1067,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     clients: list[int] = args.client_list
     log(
         f"plan: backends {args.backends}, modes {','.join(args.modes)}, clients {clients}, "
-        f"{args.max_tokens} tokens, {args.client_processes} client processes"
+        f"{args.max_tokens} tokens, {args.client_processes} client processes, "
+        f"HTTP processes {','.join(map(str, args.http_process_list))}"
         + (f", shape {args.shape}, kernel cache {os.environ['IGNITION_KERNEL_CACHE']}" if args.shape else "")
     )
     try:
@@ -1034,7 +1107,8 @@ def print_table(report: Report, args: argparse.Namespace) -> None:
         "every token after a request's first delivery; engine run = sum of backend.run durations (in-process "
         "only), overhead µs/token = (wall - engine run) / tokens; engine tok/s and ms/step: the engine alone, that "
         "many concurrent requests, over the window in which all decode; HTTP / engine = window tok/s / engine "
-        "tok/s; TPOT / step = TPOT p50 / engine ms/step"
+        "tok/s; TPOT / step = TPOT p50 / engine ms/step; HTTP processes = helios run --http-processes, and above 1 "
+        "the wave's requests each process admitted"
     )
     launches = [f"{r.label}/{r.clients}: {r.launches}" for r in report.rows if r.mode == "in-process"]
     if launches:

@@ -282,7 +282,7 @@ _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
     "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
     "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "offload_checkpoints",
-    "worker_process",
+    "worker_process", "http_processes",
     "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout", "ranks",
     "rank_listen", "rank_secret_file", "rank_join_timeout",
 )  # fmt: skip
@@ -360,6 +360,13 @@ def _add_run_command(sub: Any) -> None:
         action="store_true",
         default=None,
         help="run the model worker in its own process (HTTP serving and /metrics do not share its GIL)",
+    )
+    run.add_argument(
+        "--http-processes",
+        type=int,
+        metavar="N",
+        help="serve HTTP from N processes sharing one socket in front of the worker process (default 1; "
+        "needs --worker-process)",
     )
     run.add_argument(
         "--image-max-bytes", type=int, metavar="N", help="encoded bytes of one request image (default 20 MiB)"

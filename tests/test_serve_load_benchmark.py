@@ -138,6 +138,12 @@ def test_requests_go_to_clients_and_clients_to_processes_round_robin() -> None:
         (["--shape", "huge"], "unknown shape 'huge'"),
         (["--shape", "tiny", "--max-tokens", "1000"], "--max-tokens must leave 64 prompt tokens"),
         (["--client-processes", "-1"], "--client-processes must not be negative"),
+        (["--http-processes", "2,x"], "--http-processes must be comma-separated integers"),
+        (["--http-processes", "0"], "--http-processes must be positive"),
+        (
+            ["--http-processes", "1,4"],
+            "--http-processes above 1 needs the worker-process mode (--modes worker-process)",
+        ),
     ],
 )
 def test_bad_options_are_refused_with_their_reason(
@@ -190,3 +196,37 @@ def test_one_run_prints_http_and_engine_figures_side_by_side_and_writes_json(
     assert row["gap_s"]["count"] > 0 and 0 < row["gap_s"]["tokens"] < 128
     assert row["tpot_per_step"] == pytest.approx(row["tpot_s"]["p50"] * 1000 / row["engine"]["ms_per_step"])
     assert cells["TPOT / step"] == f"{row['tpot_per_step']:.2f}"
+
+
+def test_the_http_process_counts_sweep_the_worker_process_mode_and_the_row_says_the_spread() -> None:
+    benchmark = load_benchmark()
+    args = benchmark.parse_args(["--modes", "thread,worker-process", "--http-processes", "4,1"])
+    assert (args.modes, args.http_process_list) == (["thread", "worker-process"], [1, 4])
+    assert benchmark.parse_args([]).http_process_list == [1]
+    sample = benchmark.Sample(0, 0.0, 0.05, [0.010, 0.020], 2, 10, 200, "")
+    row = benchmark.make_row("cuda", "worker-process", 256, [sample], float("nan"), 0)
+    cells = dict(zip(benchmark.HEADERS, row.cells(), strict=True))
+    assert (cells["server"], cells["HTTP processes"]) == ("cuda (worker-process)", "1")
+    row.http_processes, row.split = 4, [70, 62, 64, 60]
+    cells = dict(zip(benchmark.HEADERS, row.cells(), strict=True))
+    assert (cells["server"], cells["HTTP processes"]) == ("cuda (worker-process x4)", "4: 70/62/64/60")
+    assert row.summary()["split"] == [70, 62, 64, 60] and row.summary()["http_processes"] == 4
+
+
+def test_a_server_of_two_http_processes_says_how_the_waves_requests_spread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    benchmark = load_benchmark()
+    out = tmp_path / "serve_load.json"
+    argv = ["--backends", "reference", "--modes", "worker-process", "--http-processes", "2", "--clients", "2"]
+    argv += ["--requests", "4", "--max-tokens", "8", "--client-processes", "0", "--no-engine", "--out", str(out)]
+    returned = benchmark.main(argv)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert returned == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| server |")))
+    names = [cell.strip() for cell in lines[header].split("|")[1:-1]]
+    cells = dict(zip(names, [cell.strip() for cell in lines[header + 2].split("|")[1:-1]], strict=True))
+    assert (cells["server"], cells["clients"], cells["ok"]) == ("reference (worker-process x2)", "2", "4/4")
+    assert (row["http_processes"], sum(row["split"]), len(row["split"])) == (2, 4, 2)
+    assert cells["HTTP processes"] == f"2: {row['split'][0]}/{row['split'][1]}"

@@ -1,8 +1,9 @@
 """The model worker in its own process: the messages that cross the process boundary and the process's loop.
 
-Owns the wire between a server process and a model worker process (``helios run --worker-process``) and
-everything that runs in the worker process. The two processes talk over one duplex pipe
-(``multiprocessing.Pipe``); each message is one msgpack frame of typed msgspec structs:
+Owns the wire between the server's HTTP processes and a model worker process (``helios run
+--worker-process``) and everything that runs in the worker process. Each HTTP process talks to the worker
+over a duplex pipe of its own (``multiprocessing.Pipe``; one with ``--http-processes 1``, the default);
+each message is one msgpack frame of typed msgspec structs:
 
 * server → worker: one :data:`ToWorker` per frame, the engine's own inbox messages
   (:class:`~helios_core.runtime.messages.Submit`, ``Cancel``, ``Stop``) and, at startup before the
@@ -32,6 +33,18 @@ too, beside the page allocator it listens to: :class:`StartKvEvents` attaches it
 ``published`` counts travel in every :class:`LoadUpdate`. The worker process ignores SIGINT and SIGTERM
 (the server process owns the shutdown: it drains, then sends ``Stop``) and ends when its pipe closes
 (the server process died).
+
+With several HTTP processes (``--http-processes N``) the worker holds N pipes. The first is the ``helios
+run`` process's (the owner's): its ``Stop`` or its end stops the worker as above. Every pipe has its own
+outbox and sender thread, and a receiving thread of its own. The worker keeps which pipe submitted each
+active request (:class:`_Routes`): a request's events go to that pipe only, and a decode round's
+:class:`RoundDelivery` is split per pipe, each carrying only its own requests' lanes (indices renumbered;
+the split of a cohort is found once and reused for its rounds). An id already active on any pipe is
+refused with an :class:`~helios_core.runtime.messages.ExecutionFailed` on the pipe that sent it, so a
+request's events never reach another process. :class:`LoadUpdate`, :class:`WorkerReady`,
+:class:`WorkerStartFailed` and :class:`WorkerStopped` go to every pipe. Another HTTP process that leaves
+(its ``Stop``: the worker cancels its requests and answers :class:`WorkerStopped` on that pipe) or dies
+(its pipe ends: its requests are cancelled) is dropped, and the worker carries on serving the others.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -53,6 +67,7 @@ from helios_core.loading import TrustSettings
 from helios_core.runtime.engine import Engine, RequestStream
 from helios_core.runtime.kv_events import KvEventPublisher, KvEventsConfig
 from helios_core.runtime.messages import (
+    TERMINAL_EVENTS,
     AdmissionRejected,
     Cancel,
     ExecutionFailed,
@@ -190,14 +205,59 @@ class WorkerSpec:
     backend: str
 
 
-class _Outbox:
-    """The worker process's one outgoing queue and the thread that sends it as frames."""
+class _Routes:
+    """Which pipe submitted each active request (only with several pipes): ids never collide across them."""
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: dict[str, _Link] = {}
+
+    def claim(self, request_id: str, link: _Link) -> bool:
+        """Route ``request_id``'s events to ``link``; False when the id is active already (on any pipe)."""
+        with self._lock:
+            if request_id in self._active:
+                return False
+            self._active[request_id] = link
+            link.requests.add(request_id)
+            return True
+
+    def release(self, request_id: str, link: _Link) -> None:
+        """``link`` sent the request's terminal event: its id is free again (an id ``link`` was refused
+        because another pipe holds it stays that pipe's)."""
+        with self._lock:
+            if self._active.get(request_id) is link:
+                del self._active[request_id]
+                link.requests.discard(request_id)
+
+    def drop(self, link: _Link) -> list[str]:
+        """Forget every request ``link`` submitted; their ids."""
+        with self._lock:
+            ids = list(link.requests)
+            link.requests.clear()
+            for request_id in ids:
+                self._active.pop(request_id, None)
+            return ids
+
+
+class _Outbox:
+    """One pipe's outgoing queue and the thread that sends it as frames.
+
+    With ``link`` (several pipes) a decode round's tokens are cut down to the lanes of ``link``'s own
+    requests, and each terminal event sent frees its request's route."""
+
+    def __init__(self, connection: Connection, link: _Link | None = None, routes: _Routes | None = None) -> None:
         self._connection = connection
+        self._link = link
+        self._routes = routes
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.put = self._queue.put
         self._encoder = msgspec.msgpack.Encoder()
+        self._cohort: dict[str, int] | None = None
+        """The lanes of the last cohort split (its rounds share the one dict)."""
+        self._picks: list[int] | None = None
+        """The cohort's lanes of this pipe's requests, in order (None: every lane is this pipe's)."""
+        self._lanes: dict[str, int] = {}
+        """This pipe's requests of the cohort and their lanes in the cut round."""
         self._thread = threading.Thread(target=self._send_all, name="helios-worker-sender", daemon=True)
         self._thread.start()
 
@@ -205,10 +265,35 @@ class _Outbox:
         """Send what is queued, then stop the sender (after a :class:`WorkerStopped` was put)."""
         self._thread.join()
 
+    def _own_round(self, tokens: RoundTokens) -> RoundTokens:
+        """``tokens`` with only the lanes of this pipe's requests (``tokens`` itself when all are)."""
+        link = self._link
+        if link is None:
+            return tokens
+        if tokens.lanes is not self._cohort:
+            self._cohort = tokens.lanes
+            mine = [(request_id, lane) for request_id, lane in tokens.lanes.items() if request_id in link.requests]
+            if len(mine) == len(tokens.lanes):
+                self._picks = None
+            else:
+                self._picks = [lane for _, lane in mine]
+                self._lanes = {request_id: index for index, (request_id, _) in enumerate(mine)}
+        picks = self._picks
+        if picks is None:
+            return tokens
+        token_ids, logprobs, texts = tokens.token_ids, tokens.logprobs, tokens.texts
+        return RoundTokens(
+            self._lanes,
+            [token_ids[lane] for lane in picks],
+            [logprobs[lane] for lane in picks],
+            None if texts is None else [texts[lane] for lane in picks],
+        )
+
     def _send_all(self) -> None:
         get, get_nowait = self._queue.get, self._queue.get_nowait
         last_round: RoundTokens | None = None
         encode, send = self._encoder.encode, self._connection.send_bytes
+        link, routes = self._link, self._routes
         while True:
             pending = [get()]
             try:
@@ -224,16 +309,31 @@ class _Outbox:
                     if item is last_round:
                         continue
                     last_round = item
-                    batch.append(RoundDelivery(item))
+                    batch.append(RoundDelivery(self._own_round(item)))
                     continue
                 batch.append(item)
                 stopped = stopped or isinstance(item, WorkerStopped)
+                if link is not None and routes is not None and isinstance(item, TERMINAL_EVENTS):
+                    routes.release(item.request_id, link)
             try:
                 send(encode(batch))
             except OSError:  # the server process is gone: nothing is left to deliver to
                 return
             if stopped:
                 return
+
+
+class _Link:
+    """One HTTP process's pipe in the worker process: its outbox and the requests it submitted."""
+
+    def __init__(self, index: int, connection: Connection, routes: _Routes | None) -> None:
+        self.index = index
+        self.connection = connection
+        self.requests: set[str] = set()
+        """The active requests this pipe submitted (kept only with several pipes)."""
+        self.open = True
+        """False once its process left or its pipe ended: load updates no longer go to it."""
+        self.outbox = _Outbox(connection, self if routes is not None else None, routes)
 
 
 class _KvEvents:
@@ -273,9 +373,9 @@ def _forward(engine: Engine, stream: RequestStream, outbox: _Outbox) -> None:
     engine.redirect(stream, outbox.put)
 
 
-def _publish_load(engine: Engine, kv_events: _KvEvents, outbox: _Outbox, stopped: threading.Event) -> None:
+def _publish_load(engine: Engine, kv_events: _KvEvents, links: Sequence[_Link], stopped: threading.Event) -> None:
     """Every :data:`LOAD_INTERVAL_SECONDS`: send the statistics, load gauges and KV-cache event counters
-    when they changed."""
+    to every open pipe when they changed."""
     last: tuple[StatsSnapshot, int, int, int, int, int] | None = None
     allocator, scheduler = engine.allocator, engine.scheduler
     while not stopped.wait(LOAD_INTERVAL_SECONDS):
@@ -288,30 +388,44 @@ def _publish_load(engine: Engine, kv_events: _KvEvents, outbox: _Outbox, stopped
         )
         if last is None or current[0] is not last[0] or current[1:] != last[1:]:
             last = current
-            outbox.put(LoadUpdate(*current))
+            update = LoadUpdate(*current)
+            for link in links:
+                if link.open:
+                    link.outbox.put(update)
 
 
-def serve_worker(connection: Connection, spec: WorkerSpec) -> None:
-    """The worker process's entry point: load, announce, serve the pipe until ``Stop`` or its end."""
+def serve_worker(connections: Sequence[Connection], spec: WorkerSpec) -> None:
+    """The worker process's entry point: load, announce on every pipe, serve them until the first pipe's
+    ``Stop`` or its end (the others may leave earlier; see the module docstring)."""
     began = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from helios_core.runtime.startup import start
 
-    outbox = _Outbox(connection)
+    routes = _Routes() if len(connections) > 1 else None
+    links = [_Link(index, connection, routes) for index, connection in enumerate(connections)]
+
+    def tell_all(message: object) -> None:
+        for link in links:
+            link.outbox.put(message)
+
+    def close_all() -> None:
+        tell_all(WorkerStopped())
+        for link in links:
+            link.outbox.close()
+            link.connection.close()
+
     try:
         running = start(spec.core, spec.trust, spec.load, backend=spec.backend)
     except Exception as exc:
         message = str(exc) if isinstance(exc, HeliosError) else f"{type(exc).__name__}: {exc}"
-        outbox.put(WorkerStartFailed(message))
-        outbox.put(WorkerStopped())
-        outbox.close()
-        connection.close()
+        tell_all(WorkerStartFailed(message))
+        close_all()
         return
     engine = running.engine
     engine.make_text = None  # the server process's streams add the text of ungated requests
     pages = engine.allocator
-    outbox.put(
+    tell_all(
         WorkerReady(
             os.getpid(),
             running.model.clock_origin_ns,
@@ -324,11 +438,18 @@ def serve_worker(connection: Connection, spec: WorkerSpec) -> None:
     stopped = threading.Event()
     kv_events = _KvEvents()
     load = threading.Thread(
-        target=_publish_load, args=(engine, kv_events, outbox, stopped), name="helios-worker-load", daemon=True
+        target=_publish_load, args=(engine, kv_events, links, stopped), name="helios-worker-load", daemon=True
     )
     load.start()
+    for link in links[1:]:
+        threading.Thread(
+            target=_receive_peer,
+            args=(link, engine, kv_events, routes),
+            name=f"helios-worker-receiver-{link.index}",
+            daemon=True,
+        ).start()
     try:
-        _receive(connection, engine, kv_events, outbox)
+        _receive(links[0], engine, kv_events, routes)
     finally:
         try:
             try:
@@ -338,33 +459,49 @@ def serve_worker(connection: Connection, spec: WorkerSpec) -> None:
         finally:
             stopped.set()
             load.join()
-            outbox.put(WorkerStopped())
-            outbox.close()
-            connection.close()
+            close_all()
 
 
-def _receive(connection: Connection, engine: Engine, kv_events: _KvEvents, outbox: _Outbox) -> None:
-    """Apply the server's messages until ``Stop`` or the pipe's end."""
+def _receive(link: _Link, engine: Engine, kv_events: _KvEvents, routes: _Routes | None) -> None:
+    """Apply the messages of ``link``'s process until its ``Stop`` or its pipe's end."""
     decode = to_worker_decoder().decode
+    connection, outbox = link.connection, link.outbox
     while True:
         try:
             message = decode(connection.recv_bytes())
         except (EOFError, OSError):  # the server process is gone
             return
         if isinstance(message, Submit):
-            _submit(engine, message.request, outbox)
+            _submit(engine, message.request, link, routes)
         elif isinstance(message, Cancel):
-            engine.cancel(message.request_id)
+            if routes is None or message.request_id in link.requests:  # a process cancels its own requests only
+                engine.cancel(message.request_id)
         elif isinstance(message, StartKvEvents):
             outbox.put(kv_events.start(engine, message))
         else:
             return
 
 
-def _submit(engine: Engine, request: PreparedRequest, outbox: _Outbox) -> None:
+def _receive_peer(link: _Link, engine: Engine, kv_events: _KvEvents, routes: _Routes | None) -> None:
+    """Serve another HTTP process's pipe until it leaves (its ``Stop``: answered with :class:`WorkerStopped`)
+    or its pipe ends (the process died); then cancel the requests it still has and drop the pipe."""
+    try:
+        _receive(link, engine, kv_events, routes)
+    finally:
+        link.open = False
+        for request_id in routes.drop(link) if routes is not None else []:
+            engine.cancel(request_id)
+        link.outbox.put(WorkerStopped())  # a process that left reads it; a dead one's sender ends on the write
+
+
+def _submit(engine: Engine, request: PreparedRequest, link: _Link, routes: _Routes | None) -> None:
+    request_id, outbox = request.request_id, link.outbox
+    if routes is not None and not routes.claim(request_id, link):  # active on this pipe or another
+        outbox.put(ExecutionFailed(request_id, f"request id {request_id!r} is already active"))
+        return
     try:
         stream = engine.submit(request)
     except HeliosError as exc:  # a duplicate id: the server process refuses those before they cross
-        outbox.put(ExecutionFailed(request.request_id, str(exc)))
+        outbox.put(ExecutionFailed(request_id, str(exc)))
         return
     _forward(engine, stream, outbox)

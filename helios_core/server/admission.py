@@ -18,6 +18,13 @@ Each refusal names when to retry (:meth:`Admission.retry_after_ms`, sent as ``Re
 ``retry-after-ms``): the requests waiting beyond the model slots (at least one) times the mean time a
 permit was held over the last :data:`SERVICE_SAMPLES` released permits (arrival to last byte), divided
 by ``max_active``, clamped to 1..60 s; before any permit was released the mean is one second.
+
+With several HTTP processes (``--http-processes N``) the bound is the whole server's: after
+:meth:`Admission.share` a permit is taken from the processes' shared table
+(:class:`~helios_core.server.server_tally.ServerTally`), so exactly ``queue_capacity + max_active``
+requests hold one over all the processes, whichever process each arrived at; ``in_use`` and ``ended`` are
+then the server's figures, ``held_here`` this process's permits (what its drain waits for). The hold
+times of the retry estimate and the preparation slots stay each process's own.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from helios_core.server.errors import IngressFull, clamp_retry_after_ms
+from helios_core.server.server_tally import ServerTally
 
 __all__ = ["SERVICE_SAMPLES", "Admission", "Permit"]
 
@@ -55,7 +63,9 @@ class Permit:
         with admission._ended_lock:
             if self._held and not self._ended:
                 self._ended = True
-                admission.ended += 1
+                admission._ended_here += 1
+                if admission._shared is not None:
+                    admission._shared.add_ended(1)
 
     def release(self) -> None:
         admission = self._admission
@@ -64,7 +74,9 @@ class Permit:
                 return
             self._held = False
             if self._ended:
-                admission.ended -= 1
+                admission._ended_here -= 1
+                if admission._shared is not None:
+                    admission._shared.add_ended(-1)
         admission._release(time.monotonic() - self._admitted_s)
 
 
@@ -79,20 +91,41 @@ class Admission:
         """The model slots: permits beyond them wait for one (the retry estimate's divisor)."""
         self._service_s: deque[float] = deque(maxlen=SERVICE_SAMPLES)
         """Hold times (seconds) of the latest released permits."""
-        self.in_use = 0
-        self.ended = 0
-        """Permits whose request's model work ended while the response is still delivered."""
+        self.held_here = 0
+        """Permits this process holds (the server's ``in_use`` unless the bound is shared)."""
+        self._ended_here = 0
         self._ended_lock = threading.Lock()
+        self._shared: ServerTally | None = None
         self._preparation = asyncio.Semaphore(preparation_slots)
+
+    def share(self, tally: ServerTally) -> None:
+        """Count permits in ``tally``, the table every HTTP process of the server shares, from now on (before
+        the first permit): the bound then holds over all of them."""
+        if self.held_here:
+            raise RuntimeError("admission can only be shared before the first permit is taken")
+        self._shared = tally
+
+    @property
+    def in_use(self) -> int:
+        """Permits held over the whole server."""
+        return self.held_here if self._shared is None else self._shared.held()
+
+    @property
+    def ended(self) -> int:
+        """Permits (over the whole server) whose request's model work ended while the response is still
+        delivered."""
+        return self._ended_here if self._shared is None else self._shared.ended()
 
     def admit(self) -> Permit:
         """Take a permit now, or raise IngressFull."""
-        if self.in_use >= self.capacity:
+        shared = self._shared
+        full = self.held_here >= self.capacity if shared is None else not shared.take_permit(self.capacity)
+        if full:
             raise IngressFull(
                 f"the server holds its limit of {self.capacity} requests (queue_capacity + max_active); retry later",
                 self.retry_after_ms(),
             )
-        self.in_use += 1
+        self.held_here += 1
         return Permit(self)
 
     @asynccontextmanager
@@ -109,5 +142,7 @@ class Admission:
         return clamp_retry_after_ms(1000.0 * waiting * mean_s / self.max_active)
 
     def _release(self, held_s: float) -> None:
-        self.in_use -= 1
+        self.held_here -= 1
+        if self._shared is not None:
+            self._shared.return_permit()
         self._service_s.append(held_s)

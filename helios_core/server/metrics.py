@@ -17,6 +17,12 @@ with ``vllm_metrics`` the same values under vLLM's names) are not read from the 
 taken between rounds and so is as old as the longest round: a :class:`LoadReading` is read live at
 scrape time (sizes of the worker's lists and the server's permit counts, no lock the worker holds),
 so these values are never older than the scrape.
+
+With several HTTP processes (``--http-processes N``) every process exports the whole server's figures:
+the engine's come from the worker process's load updates, which reach every process alike, and what an
+HTTP process counts itself (its permits, the permits whose generation ended, :class:`OutputFailures`) is
+kept in the table the processes share (:class:`~helios_core.server.server_tally.ServerTally`) and summed
+over it at scrape time; :class:`HttpProcessCounters` adds the requests each process admitted.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from helios_core.runtime.stats import StatsSnapshot
+from helios_core.server.server_tally import ServerTally
 
 __all__ = [
     "CONTENT_TYPE",
     "HELIOS_LOAD_NAMES",
     "VLLM_LOAD_NAMES",
     "EngineCollector",
+    "HttpProcessCounters",
     "KvEventCounters",
     "LoadReading",
     "MetricsExporter",
@@ -120,15 +128,24 @@ class OutputFailures:
     """Requests whose output failed after the worker ended them without failure (event loop only)."""
 
     moved: dict[str, int] = field(default_factory=dict)
-    """Per finish reason the worker counted (``stop``, ``length``, ``cancelled``), how many were output failures."""
+    """Per finish reason the worker counted (``stop``, ``length``, ``cancelled``), how many were output failures
+    (of this process)."""
+    shared: ServerTally | None = None
+    """The table of every HTTP process of the server (``--http-processes``), where each failure is counted too."""
 
     def record(self, reason: str) -> None:
         """One output failure of a request the worker finished with ``reason``."""
         self.moved[reason] = self.moved.get(reason, 0) + 1
+        if self.shared is not None:
+            self.shared.record_output_failure(reason)
+
+    def counts(self) -> dict[str, int]:
+        """Output failures by finish reason over the whole server."""
+        return self.moved if self.shared is None else self.shared.output_failures()
 
     @property
     def total(self) -> int:
-        return sum(self.moved.values())
+        return sum(self.counts().values())
 
 
 class EngineCollector(Collector):
@@ -154,8 +171,9 @@ class EngineCollector(Collector):
         request's terminal event, which can precede the snapshot that counts that end: such a count is
         held at its last exported value until the snapshot catches up."""
         finished: dict[str, int] = {}
-        for reason in sorted({*snapshot.finished, *self._output_failures.moved}):
-            value = snapshot.finished.get(reason, 0) - self._output_failures.moved.get(reason, 0)
+        moved = self._output_failures.counts()
+        for reason in sorted({*snapshot.finished, *moved}):
+            value = snapshot.finished.get(reason, 0) - moved.get(reason, 0)
             finished[reason] = max(value, self._finished_exported.get(reason, 0))
         self._finished_exported = finished
         return finished
@@ -312,6 +330,25 @@ class KvEventCounters(Collector):
             self._dropped(),
         )
         yield _counter("helios_kv_events_published", "KV-cache events sent on the ZeroMQ socket.", self._published())
+
+
+class HttpProcessCounters(Collector):
+    """Requests each HTTP process admitted (registered by ``helios run`` with ``--http-processes`` N > 1): how
+    the kernel spread the connections over the processes, read from the table they share."""
+
+    def __init__(self, admitted: Callable[[], list[int]]) -> None:
+        self._admitted = admitted
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter(())
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield _labelled_counter(
+            "helios_http_process_admitted",
+            "Requests admitted by each HTTP process (index 0 is the helios run process).",
+            "process",
+            dict(enumerate(self._admitted())),
+        )
 
 
 class MetricsExporter:

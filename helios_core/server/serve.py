@@ -34,6 +34,19 @@ serving and scrapes do not share a GIL with the model. The KV-cache event publis
 worker process beside the page allocator (the server sends it the parsed ``--kv-events-config``) and its
 counters reach ``/metrics`` through the worker's load updates.
 
+With ``--http-processes N`` (N > 1, with ``--worker-process``) HTTP is served by N processes in front of
+the one model worker process (:mod:`helios_core.server.http_processes`): this process binds the listening
+socket once, starts the worker process with N pipes and the N − 1 other HTTP processes (spawned, each
+given the socket, its pipe and the table of shared counts), and serves as the first of them. The kernel
+hands each new connection to whichever process accepts it first. Admission and the counts ``/metrics``
+exports are the whole server's (:mod:`helios_core.server.server_tally`). Once its own warm-up finished
+and every other process warmed up through its own pipe, this process tells them to turn ready, and once
+each did it turns ready itself and prints its one readiness line. A signal here drains every process
+(each drains its own admitted requests for at most ``--shutdown-timeout``), waits for the others to
+exit, then stops the worker; a second signal closes every connection in every process. Another HTTP
+process that dies makes the run stop as on SIGTERM and fail with ``serving stopped: HTTP process K (pid
+P) exited unexpectedly (...)``.
+
 An app driven without a drain callback (``draining_server`` without ``in_flight``) keeps the older
 order: stop accepting at once, drop after the drain period.
 
@@ -49,6 +62,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -66,6 +80,7 @@ if TYPE_CHECKING:
     from helios_core.contract.selection import ProcessRankSettings
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import RunningModel
+    from helios_core.server.http_processes import HttpProcesses, HttpRole
     from helios_core.server.image_input import ImageLimits
     from helios_core.server.kv_events import KvEventPublisher, KvEventsConfig
     from helios_core.server.readiness import Readiness
@@ -93,6 +108,9 @@ _DRAIN_POLL_SECONDS = 0.02
 
 FLUSH_SECONDS = 1.0
 """After the drain period: time for the dropped responses' terminal events to reach their readers."""
+
+LISTEN_BACKLOG = 2048
+"""Pending connections the listening socket of several HTTP processes queues (uvicorn's own default)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +153,9 @@ class RunOptions:
     """Seconds admitted requests may still run after SIGTERM before they are dropped."""
     worker_process: bool = False
     """Run the model worker in its own process (:mod:`helios_core.server.worker_process`)."""
+    http_processes: int = 1
+    """Processes serving HTTP in front of the worker process (:mod:`helios_core.server.http_processes`);
+    more than 1 needs ``worker_process``."""
     image_max_bytes: int | None = None
     """Encoded bytes of one request image (None: :data:`~helios_core.server.image_input.DEFAULT_MAX_BYTES`)."""
     image_max_pixels: int | None = None
@@ -281,7 +302,9 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
     """Listen, load the core behind the readiness gate, serve it until SIGINT/SIGTERM, drain, close it.
 
     With ``--worker-process`` the worker process is started as soon as the options are checked, before
-    the HTTP server is imported and built; anything that fails before the loader took it stops it."""
+    the HTTP server is imported and built; anything that fails before the loader took it stops it. With
+    ``--http-processes`` N > 1 the socket is bound first and the other HTTP processes are started right
+    after the worker process (see the module docstring)."""
     began = time.monotonic()
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
@@ -289,16 +312,21 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
 
     if options.core is None:
         raise StartupError("no core given: pass --core PATH")
+    http_processes = _http_processes(options)
     trust = TrustSettings.resolve(options.trust_key, options.accept, options.core_key)
     options.image_limits()  # an image limit out of range fails before the server listens
     lost: list[HeliosError] = []
-    """A rank process that was lost while serving (then serving stops and the run fails with it)."""
+    """A rank process or another HTTP process that was lost while serving (then serving stops and the run
+    fails with it)."""
+    servers: list[Any] = []
+    """The uvicorn server, once built."""
 
-    def rank_lost(error: HeliosError) -> None:
+    def serving_lost(error: HeliosError) -> None:
         lost.append(error)
-        server.should_exit = True  # uvicorn's main loop notices within a tenth of a second
+        for server in servers:
+            server.should_exit = True  # uvicorn's main loop notices within a tenth of a second
 
-    rank_peers = _rank_peers(options, rank_lost)
+    rank_peers = _rank_peers(options, serving_lost)
     load = LoadOptions(
         max_active=options.max_active,
         queue_capacity=options.queue_capacity,
@@ -313,27 +341,41 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         rank_peers=rank_peers,
     )
     kv_config = parse_kv_events_config(options.kv_events_config) if options.kv_events_config else None
+    listener = _listen(options.host, options.port) if http_processes > 1 else None
     launch: WorkerLaunch | None = None
-    if options.worker_process:
-        from helios_core.server.worker_process import launch_worker_process
-
-        launch = launch_worker_process(options.core, trust, load, backend=options.backend)
+    group: HttpProcesses | None = None
     try:
-        import uvicorn
+        if options.worker_process:
+            from helios_core.server.worker_process import launch_worker_process
 
+            launch = launch_worker_process(
+                options.core, trust, load, backend=options.backend, http_processes=http_processes
+            )
+        if listener is not None and launch is not None:
+            from helios_core.server.http_processes import HttpProcesses
+
+            group = HttpProcesses(options, trust, load, listener, launch.peers, on_lost=serving_lost)
+            launch.peers = []  # each went to its process
         from helios_core.server.app import create_pending_app
         from helios_core.server.readiness import Readiness
 
         readiness = Readiness()
         readiness.starting("the core is loading")
         app = create_pending_app(readiness)
-        loader = _Loader(options, trust, load, kv_config, readiness, app, began=began, launch=launch)
+        role = None if group is None else group.role()
+        loader = _Loader(options, trust, load, kv_config, readiness, app, began=began, launch=launch, role=role)
     except BaseException:
-        if launch is not None:
-            launch.stop()
+        try:
+            if group is not None:
+                group.close()
+        finally:
+            if launch is not None:
+                launch.stop()
+            if listener is not None:
+                listener.close()
         raise
     try:
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", lifespan="on")
+        config = uvicorn_config(app, options)
 
         def on_ready() -> None:
             readiness.mark_ready()
@@ -347,21 +389,80 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
             warm_up=loader.load_and_warm_up,
             in_flight=loader.in_flight,
             readiness=readiness,
+            on_shutdown=None if group is None else group.drain,
+            on_force=None if group is None else group.force,
         )
+        servers.append(server)
+        if lost:  # lost before the server was built
+            server.should_exit = True
         with _quiet_after_shutdown(), _server_log():
-            server.run()
+            if listener is None:
+                server.run()
+            else:
+                server.run(sockets=[listener])
         if server.started:
             loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
     finally:
-        loader.close()
+        # the other HTTP processes exit first (what their stop logs keeps the server's line format), then the
+        # worker process stops
+        with _server_log() if group is not None else contextlib.nullcontext():
+            try:
+                loader.close()
+            finally:
+                if group is not None:
+                    group.close()
+                if listener is not None:
+                    listener.close()
     if loader.failure is not None:
         raise loader.failure  # the loading error itself: the one line and exit status of a failed start
+    if group is not None and group.startup_failure is not None:
+        raise group.startup_failure  # another HTTP process could not start
     if lost:
         raise StartupError(f"serving stopped: {lost[0]}")
     if not server.started:
         raise StartupError(f"could not listen on {options.host}:{options.port}")
     if server.startup_failure is not None:
         raise server.startup_failure
+
+
+def uvicorn_config(app: Any, options: RunOptions) -> Any:
+    """The uvicorn configuration of ``app`` under ``options``; every HTTP process of ``helios run`` serves
+    with this one."""
+    import uvicorn
+
+    from helios_core.server.http_protocol import KEEP_ALIVE_TIMEOUT_S, KeepAliveHttpProtocol
+
+    return uvicorn.Config(
+        app, host=options.host, port=options.port, log_level="warning", lifespan="on",
+        http=KeepAliveHttpProtocol, timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def _http_processes(options: RunOptions) -> int:
+    """``--http-processes``, checked: at least 1, and more only with ``--worker-process``."""
+    count = options.http_processes
+    if count < 1:
+        raise StartupError(f"--http-processes must be at least 1, not {count}")
+    if count > 1 and not options.worker_process:
+        raise StartupError(
+            f"--http-processes {count} needs --worker-process (the HTTP processes share one model worker process)"
+        )
+    return count
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket every HTTP process accepts on (bound once, here), or a StartupError naming the
+    address and why."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        listener.close()
+        raise StartupError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from None
+    return listener
 
 
 def _rank_peers(options: RunOptions, on_lost: Callable[[HeliosError], None]) -> ProcessRankSettings | None:
@@ -405,7 +506,16 @@ class _Loader:
     :func:`serve` began, once the options were read) to the end of the warm-up, ``model loaded`` is the
     load step (with ``--worker-process``: from starting the worker process until it is ready, and then
     ``worker loaded P s`` follows, the worker process's own load as it measured it) and ``warm-up`` the
-    warm-up generation.
+    warm-up generation. With several HTTP processes ``N HTTP processes ready H s`` ends the list: from
+    starting the other processes until the last of them turned ready (``startup`` then ends there).
+
+    One of several HTTP processes (``role``) counts its permits, permits whose generation ended and output
+    failures in the table the processes share and exports every process's admitted requests; in the
+    ``helios run`` process it also waits, after its own warm-up, for every other process to warm up and
+    turn ready, and
+    :meth:`close` waits for them to exit before the worker stops. Another HTTP process connects to the
+    worker process over its own pipe instead of starting it, and leaves the KV-cache event publisher to
+    the ``helios run`` process (its counters reach every process with the worker's load updates).
     """
 
     def __init__(
@@ -419,6 +529,7 @@ class _Loader:
         *,
         began: float,
         launch: WorkerLaunch | None = None,
+        role: HttpRole | None = None,
     ) -> None:
         self._options = options
         self._trust = trust
@@ -438,6 +549,8 @@ class _Loader:
         """When ``helios run`` began serving (the readiness line's startup time counts from here)."""
         self._launch = launch
         """With ``--worker-process``: the worker process already started, until the load step takes it."""
+        self._role = role
+        """With ``--http-processes`` N > 1: this process's place among the HTTP processes."""
 
     def load_and_warm_up(self) -> None:
         """On the startup thread: load, install the service, warm up. Raises what failed."""
@@ -446,19 +559,24 @@ class _Loader:
         from helios_core.server.kv_events import KvEventCounts, KvEventPublisher, default_topic, publisher_counters
         from helios_core.server.service import ChatService
 
-        options = self._options
+        options, role = self._options, self._role
         try:
             try:
                 core = options.core or Path()
                 loading = time.monotonic()
-                if options.worker_process:
+                if options.worker_process and role is not None and role.peer is not None:
+                    from helios_core.server.worker_process import connect_worker_process
+
+                    self.running = connect_worker_process(core, self._trust, self._load, role.peer)
+                elif options.worker_process:
                     from helios_core.server.worker_process import start_worker_process
 
                     launched, self._launch = self._launch, None  # start_worker_process owns it from here
                     if launched is not None:
                         loading = launched.started
+                    relay = None if role is None or role.processes is None else role.processes.relay_worker_exit
                     self.running = start_worker_process(
-                        core, self._trust, self._load, backend=options.backend, launched=launched
+                        core, self._trust, self._load, backend=options.backend, launched=launched, on_exit=relay
                     )
                 else:
                     self.running = start(core, self._trust, self._load, backend=options.backend)
@@ -471,6 +589,8 @@ class _Loader:
                 )
                 service = ChatService(self.running, settings, self._readiness)
                 self.service = service
+                if role is not None:
+                    role.share_counts(service)
                 if self._kv_config is not None and self._kv_config.enabled:
                     topic = self._kv_config.topic or default_topic(options.host, options.port, service.served_name)
                     counts: KvEventCounts
@@ -478,7 +598,8 @@ class _Loader:
                         from helios_core.server.worker_process import WorkerProcessEngine
 
                         remote = cast(WorkerProcessEngine, self.running.engine)
-                        remote.start_kv_events(self._kv_config, topic)
+                        if role is None or role.peer is None:  # the helios run process starts it, once
+                            remote.start_kv_events(self._kv_config, topic)
                         counts = remote.kv_events
                     else:
                         self.kv_events = KvEventPublisher(self._kv_config, topic)
@@ -500,6 +621,10 @@ class _Loader:
             if self.running.worker_load_seconds is not None:
                 phases.append(f"worker loaded {self.running.worker_load_seconds:.2f} s")
             phases.append(f"warm-up {ended - warming:.2f} s")
+            if role is not None and role.processes is not None:
+                others_seconds = role.processes.wait_ready()
+                ended = time.monotonic()
+                phases.append(f"{role.processes.count} HTTP processes ready {others_seconds:.2f} s")
             self.readiness_line = (
                 f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port} "
                 f"(startup {ended - self._began:.2f} s: {', '.join(phases)})"
@@ -508,8 +633,8 @@ class _Loader:
             self.finished.set()
 
     def in_flight(self) -> int:
-        """Admitted requests still held (none before the service is installed)."""
-        return 0 if self.service is None else self.service.admission.in_use
+        """Admitted requests this process still holds (none before the service is installed)."""
+        return 0 if self.service is None else self.service.admission.held_here
 
     def drop_responses(self, message: str) -> int:
         return 0 if self.service is None else self.service.drop_responses(message)
@@ -519,6 +644,8 @@ class _Loader:
         process that was started but never taken by the load step, as when the server could not listen,
         is stopped too)."""
         try:
+            if self._role is not None and self._role.processes is not None:
+                self._role.processes.stop()  # the other HTTP processes leave the worker before it stops
             launch, self._launch = self._launch, None
             if launch is not None:
                 launch.stop()
@@ -564,6 +691,9 @@ def draining_server(
     warm_up: Callable[[], None] | None = None,
     in_flight: Callable[[], int] | None = None,
     readiness: Readiness | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+    on_force: Callable[[], None] | None = None,
+    signals: bool = True,
 ) -> Any:
     """A uvicorn server whose shutdown drains, then drops (see the module docstring).
 
@@ -575,7 +705,10 @@ def draining_server(
     many admitted requests are still held) shutdown first marks ``readiness`` draining and waits, still
     listening, until none is held or ``drain_seconds`` passed; without it shutdown stops accepting at
     once and drops after ``drain_seconds``. A second signal closes every connection at once.
-    ``config.timeout_graceful_shutdown`` is replaced by the periods.
+    ``config.timeout_graceful_shutdown`` is replaced by the periods. ``on_shutdown`` runs on the event loop
+    as shutdown begins and ``on_force`` once a second signal forced the close (``helios run`` passes the
+    word on to its other HTTP processes). With ``signals`` off the server leaves SIGINT and SIGTERM alone
+    (another HTTP process: ``helios run`` tells it when to shut down by calling :meth:`handle_exit`).
     """
     import uvicorn
 
@@ -623,10 +756,20 @@ def draining_server(
                 self.force_exit = True
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if signals:
+                with super().capture_signals():
+                    yield
+            else:
+                yield
+
         async def shutdown(self, sockets: Any = None) -> None:
             loop = asyncio.get_running_loop()
             drop_after = drain_seconds
             forcing = loop.create_task(self._close_when_forced())
+            if on_shutdown is not None:
+                on_shutdown()
             try:
                 if in_flight is not None:
                     if readiness is not None:
@@ -650,6 +793,8 @@ def draining_server(
         async def _close_when_forced(self) -> None:
             while not self.force_exit:
                 await asyncio.sleep(_DRAIN_POLL_SECONDS)
+            if on_force is not None:
+                on_force()
             self._drop()
             self._close()
 

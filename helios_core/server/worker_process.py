@@ -21,6 +21,14 @@ dies, every open request ends at once with an :class:`~helios_core.runtime.messa
 (HTTP 500 ``execution_error``, a stream's ``error`` event) naming the exit, later submissions end the
 same way, and ``/health`` answers 503. ``shutdown`` sends ``Stop``: the worker cancels what remains
 (each request's terminal event arrives first), closes its core and exits.
+
+With ``--http-processes N`` the worker process gets N pipes (:func:`launch_worker_process` with
+``http_processes``): the ``helios run`` process keeps the first and owns the worker as above; each other
+HTTP process builds its proxy on its own pipe with :func:`connect_worker_process`. Such a proxy does not own
+the worker: its ``shutdown`` sends ``Stop``, which there means that this process leaves (the worker cancels
+its requests and answers on its pipe alone), and when the worker dies it learns the exit (not its child)
+from the ``helios run`` process, which relays the message its own proxy made (``on_exit`` of
+:func:`start_worker_process`), so that every process ends its requests with the same message.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -45,7 +53,7 @@ from helios_core.errors import HeliosError, StartupError
 from helios_core.frontend.bootstrap import Bootstrap
 from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
-from helios_core.loading import TrustSettings, open_core
+from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, collect_generation, compile_format
 from helios_core.runtime.gates import StreamText, needs_gate
 from helios_core.runtime.kv_events import KvEventsConfig
@@ -80,7 +88,9 @@ __all__ = [
     "LiveLoad",
     "RemoteKvEventCounts",
     "WorkerLaunch",
+    "WorkerPeer",
     "WorkerProcessEngine",
+    "connect_worker_process",
     "launch_worker_process",
     "start_worker_process",
 ]
@@ -89,6 +99,8 @@ _STOP_SECONDS = 60.0
 """How long :meth:`WorkerProcessEngine.shutdown` waits for the worker to stop before killing it."""
 _KV_EVENTS_START_SECONDS = 30.0
 """How long :meth:`WorkerProcessEngine.start_kv_events` waits for the worker's answer."""
+_EXIT_RELAY_SECONDS = 2.0
+"""How long a proxy that does not own the worker waits for the relayed exit of a worker whose pipe ended."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,54 @@ class RemoteKvEventCounts:
     """Events the worker's publisher sent on its socket."""
 
 
+class _OwnedWorker:
+    """The worker process this process started: it can join it and read its exit status."""
+
+    owner = True
+
+    def __init__(self, process: BaseProcess) -> None:
+        self.process = process
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_message(self) -> str:
+        """Why the pipe ended while the worker was not asked to stop."""
+        self.process.join(1.0)
+        code = self.process.exitcode
+        how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
+        return f"the model worker process exited unexpectedly{how}"
+
+    def stopped(self, receiver_ended: bool) -> None:
+        """After ``Stop``: wait for the process to exit (at once when its pipe did not end), kill it if not."""
+        process = self.process
+        process.join(_STOP_SECONDS if receiver_ended else 0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+class _SharedWorker:
+    """The worker process another process (``helios run``) started and owns: its exit is relayed here."""
+
+    owner = False
+
+    def __init__(self, exits: queue.SimpleQueue[str]) -> None:
+        self._exits = exits
+
+    def is_alive(self) -> bool:
+        return True  # its pipe's end says when it stopped
+
+    def exit_message(self) -> str:
+        try:
+            return self._exits.get(timeout=_EXIT_RELAY_SECONDS)
+        except queue.Empty:
+            return "the model worker process exited unexpectedly"
+
+    def stopped(self, receiver_ended: bool) -> None:
+        """Nothing to join: the owner stops the worker process."""
+
+
 class _RemoteModel:
     """What the server process knows of the model the worker process loaded (no backend here)."""
 
@@ -129,14 +189,17 @@ class WorkerProcessEngine:
 
     def __init__(
         self,
-        process: BaseProcess,
+        worker: BaseProcess | _SharedWorker,
         connection: Connection,
         ready: WorkerReady,
         selection: Selection,
         tokenizer: Tokenizer,
         grammar_compiler: GrammarCompiler,
+        *,
+        pending: list[FromWorker] | None = None,
+        on_exit: Callable[[str], None] | None = None,
     ) -> None:
-        self._process = process
+        self._worker = worker if isinstance(worker, _SharedWorker) else _OwnedWorker(worker)
         self._connection = connection
         self.pid = ready.pid
         self.queue_capacity = selection.queue_capacity
@@ -155,7 +218,13 @@ class WorkerProcessEngine:
         self._kv_answers: queue.SimpleQueue[KvEventsStarted | KvEventsFailed] = queue.SimpleQueue()
         self._failure: str | None = None
         """Why every request now fails at once (the worker process died), or None while it runs."""
+        self._pipe_ended = False
+        """The worker's pipe ended (the worker is gone, its exit not known yet)."""
+        self._on_exit = on_exit
+        """Told the message of a worker that exited unexpectedly, before the open requests fail with it."""
         self._stopping = False
+        if pending:  # what the worker sent after WorkerReady, in its frame
+            self._deliver(pending)
         self._receiver = threading.Thread(target=self._receive, name="helios-worker-receiver", daemon=True)
         self._receiver.start()
 
@@ -219,7 +288,7 @@ class WorkerProcessEngine:
 
     def worker_alive(self) -> bool:
         """Whether the worker process runs and its pipe is open."""
-        return self._failure is None and self._process.is_alive()
+        return self._failure is None and not self._pipe_ended and self._worker.is_alive()
 
     def statistics(self) -> StatsSnapshot:
         """The newest statistics snapshot the worker sent (never blocks)."""
@@ -231,17 +300,15 @@ class WorkerProcessEngine:
 
     def shutdown(self) -> None:
         """Stop the worker after its round in progress; what remains is cancelled (each stream gets its
-        terminal event), then the worker closes the model and exits. Idempotent."""
+        terminal event), then the worker closes the model and exits. A proxy that does not own the worker
+        leaves it instead: the worker cancels this process's requests and serves on. Idempotent."""
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
         self._send(Stop())
         self._receiver.join(_STOP_SECONDS)
-        self._process.join(_STOP_SECONDS if not self._receiver.is_alive() else 0)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
+        self._worker.stopped(not self._receiver.is_alive())
         self._fail_open("the model worker process stopped")
         with contextlib.suppress(OSError):
             self._connection.close()
@@ -263,12 +330,13 @@ class WorkerProcessEngine:
                 break
             if self._deliver(batch):
                 return
+        self._pipe_ended = True
         if self._stopping:
             return
-        self._process.join(1.0)
-        code = self._process.exitcode
-        how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
-        self._fail_open(f"the model worker process exited unexpectedly{how}")
+        message = self._worker.exit_message()
+        if self._on_exit is not None:
+            self._on_exit(message)
+        self._fail_open(message)
 
     def _deliver(self, batch: list[FromWorker]) -> bool:
         """Put a frame's events on their streams; True once the worker said it stopped."""
@@ -327,25 +395,35 @@ class WorkerLaunch:
     """The server's end of the pipe to the worker process."""
     started: float
     """``time.monotonic()`` just before the worker process was started."""
+    peers: list[Connection] = field(default_factory=list)
+    """With several HTTP processes: the other processes' ends of their pipes to the worker (the launching
+    process hands each to its process and closes its own copy)."""
 
     def stop(self) -> None:
-        """Close the pipe, kill the worker process if it still runs, and join it (no orphan is left)."""
+        """Close the pipes, kill the worker process if it still runs, and join it (no orphan is left)."""
+        for peer in self.peers:
+            peer.close()
         _stop_worker(self.process, self.connection)
 
 
 def launch_worker_process(
-    path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto"
+    path: Path, settings: TrustSettings, options: LoadOptions, *, backend: str = "auto", http_processes: int = 1
 ) -> WorkerLaunch:
     """Start the model worker process on ``path`` (spawned: it imports Helios, verifies the core and loads
     the native model on its own) and return at once, without waiting for it.
 
     ``helios run --worker-process`` calls this as early as it can, before the HTTP server is imported
-    and built, so the worker process loads while the server process starts."""
+    and built, so the worker process loads while the server process starts. With ``http_processes`` N > 1
+    the worker gets N pipes: the first is this process's, the others' ends are the launch's ``peers``."""
+    if http_processes < 1:
+        raise StartupError(f"--http-processes must be at least 1, not {http_processes}")
     context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
-    connection, child = context.Pipe(duplex=True)
+    pipes = [context.Pipe(duplex=True) for _ in range(http_processes)]
+    ends = [server for server, _ in pipes]
+    worker_ends = [worker for _, worker in pipes]
     process = context.Process(
         target=serve_worker,
-        args=(child, WorkerSpec(path, settings, options, backend)),
+        args=(worker_ends, WorkerSpec(path, settings, options, backend)),
         name="helios-model-worker",
         daemon=True,
     )
@@ -353,37 +431,29 @@ def launch_worker_process(
     try:
         process.start()
     except BaseException:
-        connection.close()
+        for end in ends:
+            end.close()
         raise
     finally:
-        child.close()
-    return WorkerLaunch(process, connection, started)
+        for end in worker_ends:
+            end.close()
+    return WorkerLaunch(process, ends[0], started, ends[1:])
 
 
-def start_worker_process(
-    path: Path,
-    settings: TrustSettings,
-    options: LoadOptions,
-    *,
-    backend: str = "auto",
-    launched: WorkerLaunch | None = None,
-) -> RunningModel:
-    """Start the model worker process on ``path`` (or take ``launched``, one :func:`launch_worker_process`
-    started with the same arguments), verify the core here while it loads, and wait until it is ready.
+@dataclass(frozen=True)
+class _Frontend:
+    """What the server side builds from the core while the worker loads."""
 
-    The worker process is started first: opening and verifying the core here, its frontend assets,
-    the load-time selection and the structured-output compiler are built while the worker process
-    imports Helios and loads the native model. Raises the verification error itself when the core does
-    not open here (the worker process is then killed and joined), and a StartupError naming what failed
-    when the worker process does not start (its own loading error, or its exit); either way nothing
-    started here, or handed over in ``launched``, is left running or open."""
-    launch = launch_worker_process(path, settings, options, backend=backend) if launched is None else launched
-    process, connection = launch.process, launch.connection
-    try:
-        verified = open_core(path, settings, check_resources=False)
-    except BaseException:
-        launch.stop()
-        raise
+    verified: VerifiedCore
+    bootstrap: Bootstrap
+    selection: Selection
+    grammar_compiler: GrammarCompiler
+
+
+def _open_frontend(path: Path, settings: TrustSettings, options: LoadOptions) -> _Frontend:
+    """Open and verify the core here, and build its frontend, selection and structured-output compiler (the
+    core is closed again when building fails)."""
+    verified = open_core(path, settings, check_resources=False)
     try:
         bootstrap = Bootstrap.load(verified.core, verified.contract)
         contract = verified.contract
@@ -394,24 +464,103 @@ def start_worker_process(
             logits_width=contract.logits_width,
             eos_token_ids=contract.eos_token_ids,
         )
-        ready = _await_ready(process, connection)
-        engine = WorkerProcessEngine(process, connection, ready, selection, bootstrap.tokenizer, grammar_compiler)
+    except BaseException:
+        verified.close()
+        raise
+    return _Frontend(verified, bootstrap, selection, grammar_compiler)
+
+
+def _running_model(frontend: _Frontend, engine: WorkerProcessEngine, ready: WorkerReady) -> RunningModel:
+    model = _RemoteModel(frontend.verified.contract, frontend.selection, ready.clock_origin_ns)
+    # the proxy and the stand-in offer what the server reads of an engine and a model
+    return RunningModel(
+        frontend.verified,
+        frontend.bootstrap,
+        cast(NativeModel, model),
+        cast(Engine, engine),
+        frontend.grammar_compiler,
+        worker_load_seconds=ready.load_seconds,
+    )
+
+
+def start_worker_process(
+    path: Path,
+    settings: TrustSettings,
+    options: LoadOptions,
+    *,
+    backend: str = "auto",
+    launched: WorkerLaunch | None = None,
+    on_exit: Callable[[str], None] | None = None,
+) -> RunningModel:
+    """Start the model worker process on ``path`` (or take ``launched``, one :func:`launch_worker_process`
+    started with the same arguments), verify the core here while it loads, and wait until it is ready.
+
+    The worker process is started first: opening and verifying the core here, its frontend assets,
+    the load-time selection and the structured-output compiler are built while the worker process
+    imports Helios and loads the native model. Raises the verification error itself when the core does
+    not open here (the worker process is then killed and joined), and a StartupError naming what failed
+    when the worker process does not start (its own loading error, or its exit); either way nothing
+    started here, or handed over in ``launched``, is left running or open. ``on_exit`` is told the
+    message of a worker process that later exits unexpectedly (before the open requests end with it)."""
+    launch = launch_worker_process(path, settings, options, backend=backend) if launched is None else launched
+    process, connection = launch.process, launch.connection
+    try:
+        frontend = _open_frontend(path, settings, options)
+    except BaseException:
+        launch.stop()
+        raise
+    try:
+        ready, pending = _await_ready(connection, process)
+        engine = WorkerProcessEngine(
+            process,
+            connection,
+            ready,
+            frontend.selection,
+            frontend.bootstrap.tokenizer,
+            frontend.grammar_compiler,
+            pending=pending,
+            on_exit=on_exit,
+        )
     except BaseException:
         try:
             launch.stop()
         finally:
-            verified.close()
+            frontend.verified.close()
         raise
-    model = _RemoteModel(contract, selection, ready.clock_origin_ns)
-    # the proxy and the stand-in offer what the server reads of an engine and a model
-    return RunningModel(
-        verified,
-        bootstrap,
-        cast(NativeModel, model),
-        cast(Engine, engine),
-        grammar_compiler,
-        worker_load_seconds=ready.load_seconds,
-    )
+    return _running_model(frontend, engine, ready)
+
+
+@dataclass
+class WorkerPeer:
+    """Another HTTP process's way to the model worker process that ``helios run`` started and owns."""
+
+    connection: Connection
+    """This process's pipe to the worker (a :class:`WorkerLaunch`'s peer end)."""
+    exits: queue.SimpleQueue[str] = field(default_factory=queue.SimpleQueue)
+    """Where the exit of a worker that died is relayed to this process (its proxy waits on it)."""
+
+
+def connect_worker_process(path: Path, settings: TrustSettings, options: LoadOptions, peer: WorkerPeer) -> RunningModel:
+    """The running model of another HTTP process: verify the core and build its frontend here, then wait
+    for the worker's :class:`~helios_core.runtime.remote.WorkerReady` on this process's own pipe. Closing
+    the result leaves the worker (it cancels this process's requests and serves on); a StartupError says
+    when the worker stopped before it was ready. What was opened here is closed on any failure."""
+    frontend = _open_frontend(path, settings, options)
+    try:
+        ready, pending = _await_ready(peer.connection, None)
+        engine = WorkerProcessEngine(
+            _SharedWorker(peer.exits),
+            peer.connection,
+            ready,
+            frontend.selection,
+            frontend.bootstrap.tokenizer,
+            frontend.grammar_compiler,
+            pending=pending,
+        )
+    except BaseException:
+        frontend.verified.close()
+        raise
+    return _running_model(frontend, engine, ready)
 
 
 def _stop_worker(process: BaseProcess, connection: Connection) -> None:
@@ -422,23 +571,28 @@ def _stop_worker(process: BaseProcess, connection: Connection) -> None:
     process.join()
 
 
-def _await_ready(process: BaseProcess, connection: Connection) -> WorkerReady:
-    """The worker's first message: ready, or why it did not start."""
+def _await_ready(connection: Connection, process: BaseProcess | None) -> tuple[WorkerReady, list[FromWorker]]:
+    """The worker's first message: ready (with what followed it in its frame), or why it did not start.
+    ``process`` is the worker process when this process started it (None: another process owns it, and
+    its pipe's end says that it stopped)."""
     while not connection.poll(0.1):
-        if not process.is_alive():
+        if process is not None and not process.is_alive():
             raise StartupError(
                 f"the model worker process exited (exit status {process.exitcode}) before it loaded the core"
             )
     try:
-        first = from_worker_decoder().decode(connection.recv_bytes())[0]
+        first, *rest = from_worker_decoder().decode(connection.recv_bytes())
     except (EOFError, OSError) as exc:
+        if process is None:
+            raise StartupError("the model worker process exited before it loaded the core") from exc
         process.join(1.0)
         raise StartupError(
             f"the model worker process exited (exit status {process.exitcode}) before it loaded the core"
         ) from exc
     if isinstance(first, WorkerStartFailed):
-        process.join(10.0)
+        if process is not None:
+            process.join(10.0)
         raise StartupError(f"the model worker process could not start: {first.message}")
     if not isinstance(first, WorkerReady):
         raise StartupError(f"the model worker process sent {type(first).__name__} before it was ready")
-    return first
+    return first, rest
