@@ -578,6 +578,35 @@ def decode_window(results: Sequence[StreamResult], prompt: int) -> dict[str, Any
     }
 
 
+class CollectorPauses:
+    """Every cyclic garbage collection of this process while installed: (generation, start ns, end ns)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, int, int]] = []
+        self._began = 0
+        gc.callbacks.append(self._observe)
+
+    def _observe(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.monotonic_ns()
+        else:
+            self.pauses.append((info["generation"], self._began, time.monotonic_ns()))
+
+    def within(self, begin_ns: int, end_ns: int) -> dict[str, Any]:
+        """Collections that ended in (begin, end], by generation: count, total and longest ms."""
+        summary: dict[str, Any] = {}
+        for generation, start, end in self.pauses:
+            if begin_ns < end <= end_ns:
+                entry = summary.setdefault(str(generation), {"count": 0, "total_ms": 0.0, "longest_ms": 0.0})
+                entry["count"] += 1
+                entry["total_ms"] += (end - start) / 1e6
+                entry["longest_ms"] = max(entry["longest_ms"], (end - start) / 1e6)
+        return summary
+
+
+COLLECTOR_PAUSES = CollectorPauses()
+
+
 def host_statistics(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) -> dict[str, Any]:
     """Host time per decode round whose completion was read in (begin, end].
 
@@ -689,7 +718,7 @@ def measure_helios(
                     f"{rounds.get('slow_round_count', 0)} rounds over 1.5x the median "
                     f"({rounds.get('slow_round_us_sum', 0) / 1000:.1f} ms of "
                     f"{rounds.get('round_us_sum', 0) / 1000:.1f}), "
-                    f"programs {rounds.get('window_programs')}"
+                    f"programs {rounds.get('window_programs')}, collections {rounds.get('collections')}"
                 )
             save()
         with _wave_errors(helios, "prefill", spec.shape):
@@ -759,6 +788,10 @@ def _decode_wave(
     results = collect([engine.submit(r) for r in requests], plan.timeout_s)
     window = decode_window(results, plan.prompt)
     window["host"] = host_statistics(clock.records, window["window_begin_ns"], window["window_end_ns"])
+    origin = int(clock.origin_ns)  # the window is on the runtime clock, the collections on time.monotonic_ns
+    window["host"]["collections"] = COLLECTOR_PAUSES.within(
+        window["window_begin_ns"] + origin, window["window_end_ns"] + origin
+    )
     window["finish"] = sorted({r.finish for r in results})
     if batch == 1:
         window["prompt_ids"] = list(requests[0].prompt_ids)

@@ -12,6 +12,7 @@ the selection and the native model, the structured-output compiler after them).
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +41,13 @@ class RunningModel:
     (measured there); None when the worker is a thread of this process."""
 
     def close(self) -> None:
-        """Stop the worker, release the model, close the core file."""
+        """Stop the worker, release the model, close the core file, and let the collector see what
+        startup froze again."""
         try:
             self.engine.shutdown()
         finally:
             self.verified.close()
+            gc.unfreeze()
 
 
 class FrontendBuild:
@@ -132,4 +135,17 @@ def start(path: Path, settings: TrustSettings, options: LoadOptions, *, backend:
     except BaseException:
         verified.close()
         raise
+    keep_out_of_collections()
     return RunningModel(verified, bootstrap, model, engine, grammar_compiler)
+
+
+def keep_out_of_collections() -> None:
+    """Move every object alive now into the collector's permanent generation (``gc.freeze``).
+
+    What startup built (the contract, the programs and their launches, the tokenizer) lives as long as
+    the model; left in the oldest generation, every full pass of the cyclic collector would walk it,
+    and such a pass runs on whichever thread allocates at that moment, the model worker's included,
+    between two rounds. :meth:`RunningModel.close` gives the objects back (``gc.unfreeze``) so that
+    what the closed model leaves behind can be collected."""
+    gc.collect()
+    gc.freeze()
