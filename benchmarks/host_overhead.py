@@ -76,10 +76,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -275,27 +276,13 @@ def measure(core: Path, key: Path, batch: int, steps: int, text: bool = True) ->
     running = start(core, TrustSettings((key,), "bench/null", None), LoadOptions(max_active=batch), backend="null")
     engine = running.engine
     backend = engine.model.backend
-    if not text:
-        engine.scheduler.make_gate = None
-        engine.make_text = None
-    collected: list[tuple[int, int, bool, int]] = []  # (wall and CPU end of the collection, decode round, run ns)
-    run_ns = [0]
-    original_collect = engine._collect
-    original_run = backend.run
-
-    def timed_run(program: str, frame: int) -> None:
-        begin = time.perf_counter_ns()
-        original_run(program, frame)
-        run_ns[0] += time.perf_counter_ns() - begin
-
-    def timed_collect(round_: Any, frame: int, launched: Any) -> Any:
-        events = original_collect(round_, frame, launched)
-        decode = round_.graph.operation == ct.OPERATION_DECODE
-        collected.append((time.perf_counter_ns(), time.thread_time_ns(), decode, run_ns[0]))
-        return events
-
-    engine._collect = timed_collect  # type: ignore[method-assign]
-    backend.run = timed_run  # type: ignore[method-assign]
+    # (wall and CPU end of the collection, decode round, run ns)
+    collected = _time_rounds(
+        engine,
+        backend,
+        text,
+        lambda round_, wall, cpu, ran: (wall, cpu, round_.graph.operation == ct.OPERATION_DECODE, ran),
+    )
     try:
         prompt = [5, 6, 7, 8]
         streams = [
@@ -364,25 +351,12 @@ def _drive(core: Path, key: Path, batch: int, steps: int, text: bool, drafting: 
     backend = engine.model.backend
     tokens = backend.tokens = NullTokens(cycle=CYCLE, novelty=NOVELTY)
     vocabulary = engine.model.contract.sampled_size
-    if not text:
-        engine.scheduler.make_gate = None
-        engine.make_text = None
-    collected: list[_Collection] = []
-    run_ns = [0]
-    original_collect = engine._collect
-    original_run = backend.run
-
-    def timed_run(program: str, frame: int) -> None:
-        begin = time.perf_counter_ns()
-        original_run(program, frame)
-        run_ns[0] += time.perf_counter_ns() - begin
-
-    def timed_collect(round_: Any, frame: int, launched: Any) -> Any:
-        events = original_collect(round_, frame, launched)
-        collected.append(
-            _Collection(time.perf_counter_ns(), time.thread_time_ns(), round_.graph.operation, len(round_), run_ns[0])
-        )
-        return events
+    collected = _time_rounds(
+        engine,
+        backend,
+        text,
+        lambda round_, wall, cpu, ran: _Collection(wall, cpu, round_.graph.operation, len(round_), ran),
+    )
 
     all_submitted = threading.Event()
     original_next_round = engine.scheduler.next_round
@@ -393,8 +367,6 @@ def _drive(core: Path, key: Path, batch: int, steps: int, text: bool, drafting: 
             engine._drain(block=False)
         return original_next_round()
 
-    engine._collect = timed_collect  # type: ignore[method-assign]
-    backend.run = timed_run  # type: ignore[method-assign]
     engine.scheduler.next_round = next_round_after_submissions  # type: ignore[method-assign]
     failures: list[str] = []
     try:
@@ -417,6 +389,36 @@ def _drive(core: Path, key: Path, batch: int, steps: int, text: bool, drafting: 
     if failures:
         raise BenchmarkError(f"batch {batch}: {len(failures)} requests failed; the first: {failures[0]}")
     return collected, statistics_
+
+
+Entry = TypeVar("Entry")
+
+
+def _time_rounds(engine: Any, backend: Any, text: bool, entry: Callable[[Any, int, int, int], Entry]) -> list[Entry]:
+    """Time the worker's rounds: without ``text`` the requests get no host gate and no text; the backend's
+    ``run`` is timed, and after each round's collection ``entry(round, wall ns, worker CPU ns, run ns so
+    far)`` is appended to the returned list."""
+    if not text:
+        engine.scheduler.make_gate = None
+        engine.make_text = None
+    collected: list[Entry] = []
+    run_ns = [0]
+    original_collect = engine._collect
+    original_run = backend.run
+
+    def timed_run(program: str, frame: int) -> None:
+        begin = time.perf_counter_ns()
+        original_run(program, frame)
+        run_ns[0] += time.perf_counter_ns() - begin
+
+    def timed_collect(round_: Any, frame: int, launched: Any) -> Any:
+        events = original_collect(round_, frame, launched)
+        collected.append(entry(round_, time.perf_counter_ns(), time.thread_time_ns(), run_ns[0]))
+        return events
+
+    engine._collect = timed_collect
+    backend.run = timed_run
+    return collected
 
 
 def _intervals(collected: list[_Collection], batch: int, operation: int) -> list[tuple[float, float, float]]:

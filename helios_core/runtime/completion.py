@@ -132,7 +132,40 @@ class LaneResult:
     """A speculative lane: the proposals the program verified (at most its ceiling)."""
 
 
-class LaneResults(Sequence[LaneResult | CompletionError]):
+class _LaneSequence(Sequence[LaneResult | CompletionError]):
+    """A batch's validated lanes read as a sequence: lane ``i`` is its :class:`LaneResult` or, when it
+    broke a rule, its CompletionError (``errors``); subclasses say how many lanes there are and build a
+    lane's result from their columns (``_result``)."""
+
+    __slots__ = ()
+    errors: dict[int, CompletionError]
+
+    def _result(self, index: int) -> LaneResult:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> LaneResult | CompletionError: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[LaneResult | CompletionError]: ...
+
+    def __getitem__(self, index: int | slice) -> LaneResult | CompletionError | list[LaneResult | CompletionError]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        error = self.errors.get(index)
+        if error is not None:
+            return error
+        return self._result(index)
+
+    def __iter__(self) -> Iterator[LaneResult | CompletionError]:
+        return (self[i] for i in range(len(self)))
+
+
+class LaneResults(_LaneSequence):
     """The validated lanes of a batch: per lane a :class:`LaneResult` or the lane's CompletionError.
 
     ``token_ids`` and ``logprobs`` hold every lane's values (those of a failed lane are meaningless),
@@ -159,29 +192,11 @@ class LaneResults(Sequence[LaneResult | CompletionError]):
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    @overload
-    def __getitem__(self, index: int) -> LaneResult | CompletionError: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[LaneResult | CompletionError]: ...
-
-    def __getitem__(self, index: int | slice) -> LaneResult | CompletionError | list[LaneResult | CompletionError]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(len(self))[index]]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        error = self.errors.get(index)
-        if error is not None:
-            return error
+    def _result(self, index: int) -> LaneResult:
         return LaneResult(self.token_ids[index], self.logprobs[index], list(self.tops.get(index, ())))
 
-    def __iter__(self) -> Iterator[LaneResult | CompletionError]:
-        return (self[i] for i in range(len(self)))
 
-
-class SpeculativeResults(Sequence[LaneResult | CompletionError]):
+class SpeculativeResults(_LaneSequence):
     """The validated lanes of a speculative batch: lane ``i`` emitted ``ids[i, :emitted[i]]`` (the
     accepted proposals, then the target's token) after accepting ``accepted[i]`` of ``offers[i]``;
     ``logprobs`` holds their logprobs (None: the record has none, or fewer columns than a lane emitted,
@@ -210,22 +225,7 @@ class SpeculativeResults(Sequence[LaneResult | CompletionError]):
     def __len__(self) -> int:
         return int(self.emitted.shape[0])
 
-    @overload
-    def __getitem__(self, index: int) -> LaneResult | CompletionError: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[LaneResult | CompletionError]: ...
-
-    def __getitem__(self, index: int | slice) -> LaneResult | CompletionError | list[LaneResult | CompletionError]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(len(self))[index]]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        error = self.errors.get(index)
-        if error is not None:
-            return error
+    def _result(self, index: int) -> LaneResult:
         emitted = int(self.emitted[index])
         tokens: list[int] = self.ids[index, :emitted].tolist()
         rows = self.logprobs
@@ -240,9 +240,6 @@ class SpeculativeResults(Sequence[LaneResult | CompletionError]):
             accepted=int(self.accepted[index]),
             offers=int(self.offers[index]),
         )
-
-    def __iter__(self) -> Iterator[LaneResult | CompletionError]:
-        return (self[i] for i in range(len(self)))
 
     def with_errors(self, errors: Mapping[int, CompletionError]) -> SpeculativeResults:
         """These results with ``errors`` added (a lane's own error, when it has one, is kept)."""
