@@ -146,6 +146,6 @@ def keep_out_of_collections() -> None:
     the model; left in the oldest generation, every full pass of the cyclic collector would walk it,
     and such a pass runs on whichever thread allocates at that moment, the model worker's included,
     between two rounds. :meth:`RunningModel.close` gives the objects back (``gc.unfreeze``) so that
-    what the closed model leaves behind can be collected."""
-    gc.collect()
+    what the closed model leaves behind can be collected. Freezing moves the collector's lists whole (no
+    pass over the objects); garbage alive at that moment waits for the unfreeze."""
     gc.freeze()
