@@ -662,6 +662,28 @@ def host_statistics(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) 
     }
 
 
+def rounds_by_program(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) -> dict[str, dict[str, float]]:
+    """Each program's rounds whose completion was read in (begin, end]: count and medians of the wall time
+    (from the previous completion), the GPU wait (inside ``completion`` and ``transport``), the host
+    time (wall less wait: planning, packing, launch, validation, publishing) and the launch, in µs."""
+    grouped: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
+    for previous, current in itertools.pairwise(records):
+        if begin_ns < current.wait_end_ns <= end_ns:
+            wall = current.wait_end_ns - previous.wait_end_ns
+            wait = current.wait_end_ns - current.wait_begin_ns + current.staging_wait_ns
+            grouped[current.program].append((wall, wait, current.run_ns))
+    return {
+        program: {
+            "rounds": len(rounds),
+            "wall_us_median": statistics.median(wall for wall, _, _ in rounds) / 1000,
+            "wait_us_median": statistics.median(wait for _, wait, _ in rounds) / 1000,
+            "host_us_median": statistics.median(wall - wait for wall, wait, _ in rounds) / 1000,
+            "launch_us_median": statistics.median(launch for _, _, launch in rounds) / 1000,
+        }
+        for program, rounds in sorted(grouped.items())
+    }
+
+
 def _requests(prefix: str, count: int, length: int, max_tokens: int, vocab: int, rng: np.random.Generator) -> list[Any]:
     from helios_core.runtime.messages import PreparedRequest, SamplingParams
 

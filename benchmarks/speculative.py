@@ -10,7 +10,10 @@ asks for ``len(c)`` new tokens. For each batch (that many concurrent requests, g
 ``ignore_eos``) it reports tokens/s over the window in which every request decodes, milliseconds
 per emitted token of one request, and with drafting the emitted tokens per lane per speculative
 round, the acceptance rate (accepted / offered proposals) and whether the tokens equal plain
-decode's.
+decode's. With ``--payoff`` it starts the core a third time, drafting with ``--speculation-payoff`` (it
+speculates only while speculative rounds measure faster than decode rounds), and adds its tokens per second
+and speedup over plain decode to the table. Each wave's log line gives, for each program, its rounds in the
+window and the medians of their wall time (from the previous completion), GPU wait and host time.
 
     tools/gpu_run.sh python3 benchmarks/speculative.py --shapes 1b --batches 1,8,64,256 --budget 240
     python benchmarks/speculative.py --backend reference --shapes tiny    # checks the script on the CPU
@@ -70,9 +73,16 @@ class Plan:
     budget_s: float
     seed: int
     kind: str = "history"
+    """``history`` (copied proposals, served with --history-drafting) or ``self-draft`` (in-graph drafts)."""
     workload_passes: int = 3
     """Generation passes that make the repeat workload (:func:`make_workload`)."""
-    """``history`` (copied proposals, served with --history-drafting) or ``self-draft`` (in-graph drafts)."""
+    payoff: bool = False
+    """Also measure drafting with ``--speculation-payoff`` (speculate only while it measures faster)."""
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The models started, in order: plain decode, drafting, and drafting with the payoff measure."""
+        return ("plain", "drafting", "payoff") if self.payoff else ("plain", "drafting")
 
     @property
     def max_rows(self) -> int:
@@ -114,6 +124,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         seed=args.seed,
         kind=args.kind,
         workload_passes=args.workload_passes,
+        payoff=args.payoff,
     )
     if plan.workload_passes < 1:
         raise SystemExit("--workload-passes must be at least 1")
@@ -217,19 +228,21 @@ def speculation_summary(before: Mapping[str, int], after: Mapping[str, int]) -> 
 # ------------------------------------------------------------------------------------------- measure
 
 
-def _start(spec: CoreSpec, public_key: Path, plan: Plan, *, drafting: bool) -> Any:
+def _start(spec: CoreSpec, public_key: Path, plan: Plan, mode: str) -> Any:
     from helios_core.contract import LoadOptions
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import start
 
     per_request = -(-(plan.workload_prompt + plan.tokens + plan.draft_tokens + 1) // plan.page_tokens) + 1
     pages = int(plan.max_rows * per_request * 1.1) + per_request
+    drafting = mode != "plain"
     options = LoadOptions(
         max_active=plan.max_rows,
         queue_capacity=plan.max_rows,
         cache_pages=pages,
         history_drafting=drafting and plan.kind == "history",
         speculative_width=None if drafting else 1,  # width one: plain decode rounds only
+        speculation_payoff=mode == "payoff",
     )
     return start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
 
@@ -240,20 +253,20 @@ def measure_mode(
     plan: Plan,
     entry: dict[str, Any],
     save: Callable[[], None],
-    *,
-    drafting: bool,
+    mode: str,
 ) -> None:
-    """One model (with or without drafting): the workload (made first, without drafting), then each batch."""
-    mode = "drafting" if drafting else "plain"
+    """One model (``plain``, ``drafting`` or ``payoff``): the workload (made first, by the first model
+    started), then each batch."""
     result: dict[str, Any] = {"batches": {}}
     entry[mode] = result
     began = time.monotonic()
-    running = _start(spec, public_key, plan, drafting=drafting)
+    running = _start(spec, public_key, plan, mode)
     result["load_s"] = time.monotonic() - began
     log(f"{spec.shape}: Helios ({mode}) started on {plan.backend} in {result['load_s']:.1f} s")
     wedged = False
     try:
         engine = running.engine
+        clock = gpu_decode.RoundClock(running)
         vocab = running.verified.contract.sampled_size
         if "workload" not in entry:
             prompts = random_prompts(plan.max_rows, plan.prompt, vocab, plan.seed + 17)
@@ -275,6 +288,7 @@ def measure_mode(
                 log(f"{spec.shape}: {mode} batch {batch} skipped (budget)")
                 continue
             before = speculation_totals(engine.statistics())
+            clock.records.clear()
             try:
                 outcome = gpu_decode.collect(
                     [engine.submit(r) for r in _requests(f"{mode}-b{batch}", workload[:batch], plan.tokens)],
@@ -290,14 +304,25 @@ def measure_mode(
                 continue
             window["speculation"] = speculation_summary(before, speculation_totals(engine.statistics()))
             window["tokens"] = [r.tokens for r in outcome]
+            window["rounds"] = gpu_decode.rounds_by_program(
+                clock.records, window["window_begin_ns"], window["window_end_ns"]
+            )
             result["batches"][str(batch)] = window
             spec_note = ""
-            if drafting:
+            if mode != "plain":
                 s = window["speculation"]
                 spec_note = f", {_fmt(s['tokens_per_round'], 2)} tokens/round, acceptance {_fmt(s['acceptance'], 2)}"
+                stretches = engine.statistics().speculation_stretches
+                if stretches:
+                    spec_note += f", stretches so far {dict(stretches)}"
+            rounds = "; ".join(
+                f"{program} x{r['rounds']}: wall {r['wall_us_median']:.0f} wait {r['wait_us_median']:.0f} "
+                f"host {r['host_us_median']:.0f} launch {r['launch_us_median']:.0f}"
+                for program, r in window["rounds"].items()
+            )
             log(
                 f"{spec.shape}: {mode} batch {batch}: {window['ms_per_step']:.3f} ms/token, "
-                f"{window['tokens_per_s']:.0f} tok/s{spec_note}"
+                f"{window['tokens_per_s']:.0f} tok/s{spec_note}; rounds (median µs) {rounds}"
             )
             save()
     except BaseException:
@@ -328,12 +353,18 @@ HEADERS = (
 )
 
 
+PAYOFF_HEADERS = ("payoff tok/s", "payoff speedup")
+"""Columns of ``--payoff``: drafting with the payoff measure, and its tokens per second over plain decode's."""
+
+
 def table_rows(report: Report) -> list[list[str]]:
     rows = []
+    with_payoff = any("payoff" in entry for entry in report.data["shapes"].values())
     for shape, entry in report.data["shapes"].items():
         plain = entry.get("plain", {}).get("batches", {})
         drafting = entry.get("drafting", {}).get("batches", {})
-        for batch in sorted({*plain, *drafting}, key=int):
+        payoff = entry.get("payoff", {}).get("batches", {})
+        for batch in sorted({*plain, *drafting, *payoff}, key=int):
             p, d = plain.get(batch, {}), drafting.get(batch, {})
             speculation = d.get("speculation", {})
             speedup = d["tokens_per_s"] / p["tokens_per_s"] if p and d else None
@@ -353,13 +384,22 @@ def table_rows(report: Report) -> list[list[str]]:
                     _fmt(speculation.get("acceptance"), 2),
                     "-" if speedup is None else f"{speedup:.2f}x",
                     same,
+                    *(_payoff_cells(p, payoff.get(batch, {})) if with_payoff else []),
                 ]
             )
     return rows
 
 
+def _payoff_cells(plain: Mapping[str, Any], payoff: Mapping[str, Any]) -> list[str]:
+    speedup = payoff["tokens_per_s"] / plain["tokens_per_s"] if plain and payoff else None
+    return [_fmt(payoff.get("tokens_per_s"), 0), "-" if speedup is None else f"{speedup:.2f}x"]
+
+
 def markdown_table(report: Report) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    headers = HEADERS
+    if any("payoff" in entry for entry in report.data["shapes"].values()):
+        headers = (*HEADERS, *PAYOFF_HEADERS)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines.extend("| " + " | ".join(row) + " |" for row in table_rows(report))
     return "\n".join(lines)
 
@@ -389,6 +429,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weight seed of the cores")
     parser.add_argument(
         "--workload-passes", type=int, default=3, help="passes p -> c, p + c + p -> c' ... that make the workload"
+    )
+    parser.add_argument(
+        "--payoff",
+        action="store_true",
+        help="also measure drafting with --speculation-payoff (speculate only while it measures faster)",
     )
     parser.add_argument(
         "--kind",
@@ -447,13 +492,12 @@ def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
         entry = report.shape(spec.shape)
         if "build" in entry.get("errors", {}):
             continue
-        for drafting in (False, True):
-            phase = "drafting" if drafting else "plain"
+        for phase in plan.modes:
             if time.monotonic() - gpu_decode.STARTED > plan.budget_s:
                 report.fail(spec.shape, phase, f"skipped: past the {plan.budget_s:.0f} s budget")
                 continue
             try:
-                measure_mode(spec, public, plan, entry, report.save, drafting=drafting)
+                measure_mode(spec, public, plan, entry, report.save, phase)
             except (Interrupted, KeyboardInterrupt):
                 raise
             except Exception as exc:  # one failed phase must not hide the other

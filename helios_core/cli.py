@@ -280,7 +280,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
-    "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "served_name", "alias",
+    "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "speculation_payoff",
+    "served_name", "alias",
     "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "offload_checkpoints",
     "worker_process", "http_processes",
     "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout", "ranks",
@@ -343,6 +344,12 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--backend", choices=BACKENDS, help=f"execution backend (default auto): {BACKEND_HELP}")
     run.add_argument("--speculative-width", type=int, help="speculative width (default: the widest captured)")
     run.add_argument("--history-drafting", action="store_true", default=None, help="enable history drafting")
+    run.add_argument(
+        "--speculation-payoff",
+        action="store_true",
+        default=None,
+        help="speculate only while speculative rounds measure faster than decode rounds",
+    )
     run.add_argument("--served-name", help="model name clients use (default: the core's)")
     run.add_argument("--alias", action="append", metavar="NAME", help="another accepted model name (repeatable)")
     run.add_argument(

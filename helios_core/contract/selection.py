@@ -61,6 +61,9 @@ class LoadOptions:
     event_capacity: int | None = None
     speculative_width: int | None = None
     history_drafting: bool = False
+    speculation_payoff: bool = False
+    """Speculate only while measured speculative rounds emit more tokens per second than decode rounds
+    (:mod:`helios_core.runtime.payoff`); off: every round that can speculate does."""
     cache_pages: int | None = None
     offload_pages: int = 0
     """Host-memory pages of the prefix cache's host tier (0: off); read by ``NativeModel.load``, not by selection."""
@@ -89,6 +92,8 @@ class Selection:
     """Maximum state_rows_per_request among the selected graphs."""
     rank_peers: ProcessRankSettings | None = None
     """Where rank processes join (``LoadOptions.rank_peers``); None: ranks run as threads of this process."""
+    speculation_payoff: bool = False
+    """``LoadOptions.speculation_payoff``: speculate only while it measures faster than decode."""
 
 
 def _positive(name: str, value: int | None) -> int | None:
@@ -170,6 +175,13 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
                     f"history drafting needs copied-token inputs (CANDIDATE_IDS) in selected graph {graph.name!r}"
                 )
 
+    if options.speculation_payoff and not any(
+        g.operation == ct.OPERATION_SPECULATIVE and g.extents.token_capacity > 1 for g in selected.values()
+    ):
+        raise StartupError(
+            "the speculation payoff measure needs speculative programs wider than one: a core that speculates "
+            "and a speculative width above one"
+        )
     state_rows = max((g.contract.state_rows_per_request for g in selected.values()), default=0)
     return Selection(
         max_active=requested_active,
@@ -181,4 +193,5 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
         graphs=MappingProxyType(selected),
         state_rows_per_request=max(state_rows, 1),
         rank_peers=options.rank_peers,
+        speculation_payoff=options.speculation_payoff,
     )

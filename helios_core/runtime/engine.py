@@ -611,6 +611,7 @@ class Engine:
             speculative_emitted=dict(stats.speculative_emitted),
             offered_by_position=dict(stats.offered_by_position),
             accepted_by_position=dict(stats.accepted_by_position),
+            speculation_stretches=dict(stats.speculation_stretches),
             **_host_tier_statistics(pages.host),
             **_checkpoint_statistics(scheduler.residency.checkpoints),
         )

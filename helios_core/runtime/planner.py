@@ -672,7 +672,7 @@ class RoundPlanner:
         and no speculation (a speculative round is planned from the endpoints the previous round reached).
         """
         residency = self.residency
-        if not self.pipelining or plan.cohort < 0 or self.speculation.active:
+        if not self.pipelining or plan.cohort < 0 or not self.speculation.decodes_ahead():
             return None  # speculative rounds are planned from each round's completed endpoints
         if residency.waiting and residency.free_slots:
             return None

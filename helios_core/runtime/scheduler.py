@@ -202,7 +202,14 @@ class Scheduler:
     def complete(self, plan: RoundPlan, results: Sequence[LaneResult | CompletionError]) -> list[Outgoing]:
         """Apply a validated round; returns the events to publish, in order (a steady decode round's
         tokens as one :class:`~helios_core.runtime.messages.RoundTokens`)."""
-        events = self.completion.apply(plan, results)
+        payoff = self.planner.speculation.payoff
+        if payoff is None:
+            events = self.completion.apply(plan, results)
+        else:
+            speculative = plan.operation == ct.OPERATION_SPECULATIVE
+            before = sum(self.stats.speculative_emitted.values()) if speculative else 0
+            events = self.completion.apply(plan, results)
+            payoff.completed(plan, sum(self.stats.speculative_emitted.values()) - before if speculative else len(plan))
         self.planner.completed(plan)
         if self.residency.window:
             self.residency.release_outside_window()

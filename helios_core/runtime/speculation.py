@@ -3,7 +3,8 @@
 Owns :class:`SpeculativePlanner`, which the round planner asks before it plans a decode round. With
 history drafting on (the core's programs verify copied proposals), each eligible decode-ready request
 offers the tokens :func:`~helios_core.runtime.drafting.propose` finds in its own prompt and output
-(as many as its recent acceptance makes worthwhile, :func:`worthwhile_proposals`);
+(as many as its recent acceptance makes worthwhile, :func:`worthwhile_proposals`, or every one found where
+the round's rows are few enough to cost nothing more, :data:`FREE_VERIFIED_ROWS`);
 a request with a grammar offers the prefix of them its grammar allows, each position with the mask
 the grammar gives after the proposals before it (:meth:`~helios_core.runtime.gates.HostGate.masks_along`,
 which leaves the request's grammar state alone: only the emitted tokens advance it).
@@ -38,6 +39,7 @@ from helios_core.contract import PreparedGraph, Selection
 from helios_core.runtime.completion import LaneExpectation, SpeculativeExpectations
 from helios_core.runtime.drafting import HistoryIndex, propose
 from helios_core.runtime.packing import Column, Lane, LaneBatch
+from helios_core.runtime.payoff import SpeculationPayoff
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
 from helios_core.runtime.slots import Phase, RequestState
 from helios_core.sampling import SAMPLING_PARAMETERS
@@ -108,6 +110,9 @@ class SpeculativePlanner:
         """Programs that draft in-graph and allocate prefixes within ceilings, narrowest first."""
         self.active = self.drafting or bool(self.self_drafting)
         """Decode rounds may become speculative rounds (so each is planned from completed endpoints)."""
+        measured = selection.speculation_payoff and self.active
+        self.payoff = SpeculationPayoff(planner.stats.speculation_stretches) if measured else None
+        """With ``--speculation-payoff``: which kind of round measures faster now."""
         self.index = HistoryIndex(self.table.tokens)
         """Every member's proposals (the table's token rows, as their requests append to them)."""
         self.widest = self.speculative[-1].extents.token_capacity - 1 if self.speculative else 0
@@ -124,11 +129,17 @@ class SpeculativePlanner:
 
     def plan(self, decode: list[RequestState]) -> RoundPlan | None:
         """A speculative round of the decode-ready requests, or None to plan a decode round."""
+        if self.payoff is not None and not self.payoff.speculate(len(decode)):
+            return None
         if self.drafting:
             return self._history_round(decode)
         if self.self_drafting:
             return self._self_draft_round(decode)
         return None
+
+    def decodes_ahead(self) -> bool:
+        """Whether decode rounds may be launched ahead of completions (no speculation, or a decode stretch)."""
+        return not self.active or (self.payoff is not None and self.payoff.decodes_ahead())
 
     def _history_round(self, decode: list[RequestState]) -> RoundPlan | None:
         """A round verifying history proposals of the decode-ready requests, or None when plain decode is
@@ -153,7 +164,8 @@ class SpeculativePlanner:
         consumed = table.consumed[slots]
         generated = table.generated[slots]
         limits = np.minimum(table.max_tokens[slots] - generated, self.context - consumed) - 1
-        limits = np.minimum(limits, worthwhile_counts(table.acceptance[slots], self.widest))
+        if len(slots) * (self.widest + 1) > FREE_VERIFIED_ROWS:
+            limits = np.minimum(limits, worthwhile_counts(table.acceptance[slots], self.widest))
         proposals, counts = self.index.propose(slots, members.generations, consumed + 1, limits, self.widest)
         if not counts.any():
             return None
@@ -167,8 +179,11 @@ class SpeculativePlanner:
         )
 
     def _few_round(self, members: list[RequestState]) -> RoundPlan | None:
-        """The round of a few members, lane by lane: each one's proposals scanned from its history."""
+        """The round of a few members, lane by lane: each one's proposals scanned from its history. Where
+        every member's widest lane fits in :data:`FREE_VERIFIED_ROWS`, each offers as many proposals as it
+        finds (a row costs nothing there); otherwise as many as its acceptance makes worthwhile."""
         table, widest = self.table, self.widest
+        free = len(members) * (widest + 1) <= FREE_VERIFIED_ROWS  # as in the columns of larger rounds
         proposals: list[list[int]] = []
         for state in members:
             slot = state.slot
@@ -177,7 +192,7 @@ class SpeculativePlanner:
                 widest,
                 int(table.max_tokens[slot]) - int(table.generated[slot]) - 1,
                 self.context - 1 - consumed,
-                worthwhile_proposals(float(table.acceptance[slot]), widest),
+                widest if free else worthwhile_proposals(float(table.acceptance[slot]), widest),
             )
             proposals.append(propose(table.tokens[slot, : consumed + 1], limit) if limit > 0 else [])
         if not any(proposals):
@@ -438,6 +453,12 @@ class SpeculativePlanner:
         if cursor.reports_draft_cursor:
             expectations = [dataclasses.replace(e, cursor_lag=cursor.lag_tokens) for e in expectations]
         return self.planner.lanes_plan(graph, kept, lanes, expectations)
+
+
+FREE_VERIFIED_ROWS = 8
+"""The most rows (lanes times their widths) a round verifies at about the cost of one: a batch-1 round of the
+1B synthetic shape on an H200 replays in 1.17 ms at width 2 and 1.21 ms at width 8 (docs/benchmarks.md), as
+a decode step streams the weights whatever the rows. A round within it offers every proposal found."""
 
 
 WORTHWHILE = 0.2

@@ -49,6 +49,9 @@ class SchedulerStats:
     offered_by_position: dict[int, int] = field(default_factory=dict)
     """Proposals offered at each draft position (1 = the first proposal after the pending token)."""
     accepted_by_position: dict[int, int] = field(default_factory=dict)
+    speculation_stretches: dict[str, int] = field(default_factory=dict)
+    """With ``--speculation-payoff``: stretches of rounds chosen after a measurement, by kind ("speculate",
+    "decode")."""
 
     def count_speculation(self, width: int, offered: int, accepted: int, emitted: int) -> None:
         """One speculative lane of a program of width ``width``: ``offered`` proposals, ``accepted`` of them (a prefix),
@@ -103,6 +106,7 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     speculative_emitted: dict[int, int] = {}
     offered_by_position: dict[int, int] = {}
     accepted_by_position: dict[int, int] = {}
+    speculation_stretches: dict[str, int] = {}
     offload_capacity_pages: int = 0
     """Host-tier slots (``--offload-pages``; 0: no host tier); the next five are 0 without one."""
     offload_pages_used: int = 0

@@ -298,6 +298,12 @@ class EngineCollector(Collector):
             "position",
             s.accepted_by_position,
         )
+        yield _labelled_counter(
+            "helios_speculation_stretches",
+            "With --speculation-payoff: stretches of rounds chosen by measuring both kinds, by kind.",
+            "kind",
+            s.speculation_stretches,
+        )
         yield _counter(
             "flare_mixed_grammar_decode_steps",
             "Successful decode submissions whose lanes include constrained and unconstrained requests.",

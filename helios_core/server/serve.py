@@ -143,6 +143,8 @@ class RunOptions:
     backend: str = "auto"
     speculative_width: int | None = None
     history_drafting: bool = False
+    speculation_payoff: bool = False
+    """Speculate only while measured speculative rounds are faster than decode rounds."""
     served_name: str | None = None
     alias: tuple[str, ...] = ()
     vllm_metrics: bool = False
@@ -210,7 +212,7 @@ def _convert(name: str, value: Any, source: str) -> Any:
         from helios_core.server.kv_events import config_text
 
         return config_text(value, where)
-    if name in ("history_drafting", "vllm_metrics", "worker_process", "image_allow_urls"):
+    if name in ("history_drafting", "speculation_payoff", "vllm_metrics", "worker_process", "image_allow_urls"):
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -334,6 +336,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         event_capacity=options.event_capacity,
         speculative_width=options.speculative_width,
         history_drafting=options.history_drafting,
+        speculation_payoff=options.speculation_payoff,
         cache_pages=options.cache_pages,
         offload_pages=options.offload_pages,
         offload_checkpoints=options.offload_checkpoints,
@@ -778,6 +781,8 @@ def draining_server(
                     while in_flight() > 0 and not self.force_exit and loop.time() < deadline:
                         await asyncio.sleep(_DRAIN_POLL_SECONDS)
                     drop_after = 0.0
+                if self.force_exit:  # the forced close drops and aborts in one step: no terminal event
+                    await forcing  # gets out before the connections close (a timer here would race it)
                 timers = [
                     loop.call_later(drop_after, self._drop),
                     loop.call_later(drop_after + flush_seconds, self._close),

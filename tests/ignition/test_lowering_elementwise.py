@@ -404,9 +404,20 @@ def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:
     (launch,) = launches
     runtime = ["x", "weight", "out", "residual", "workspace.projection_partials"]
     runtime += ["workspace.projection_splits_done", (mf.PARAM_KIND_I32, 8)]
-    _check(context, launch, runtime, grid=[32, 1, 5])
+    _check(context, launch, runtime, grid=[1, 32, 5])  # row tiles, column tiles, splits
     sizes = {decl.name: decl.shape[0].size for decl in context.manifest.buffers if decl.name.startswith("workspace.")}
     assert sizes == {"workspace.projection_partials": 32 * 5 * 16 * 64, "workspace.projection_splits_done": 32}
+
+
+@pytest.mark.parametrize(("rows", "n", "grid"), [(256, 128256, [2, 1002, 1]), (512, 16384, [4, 128, 1])])
+def test_the_row_tiles_of_a_column_block_are_the_grids_fastest_dimension(rows: int, n: int, grid: list[int]) -> None:
+    """The row tiles sharing a weight block are scheduled side by side (the grid's first dimension), so
+    a weight larger than L2 (the 1B LM head at 256 rows) streams from HBM once, not once per row tile."""
+    arrays = {"x": f32(rows, 2048), "weight": bf16(n, 2048), "out": f32(rows, n)}
+    context, launches = _lower("linear", arrays, weights=("weight",))
+    (launch,) = launches
+    runtime = ["x", "weight", "out", "out", "out", "out", (mf.PARAM_KIND_I32, rows)]
+    _check(context, launch, runtime, grid=grid)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,8 @@ from tests.gpu.harness import lower
 from tests.ignition.test_lowering_self_draft import _named, _scalars
 from tests.ignition.test_lowering_speculative import _verify_arrays as copied_proposal_arrays
 
+pytestmark = pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
+
 VOCAB = 49152  # as the sampling lowering tests: the sample kernels compile once per session
 CHUNKS = VOCAB // sampling.CHUNK
 LANES = 2

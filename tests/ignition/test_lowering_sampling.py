@@ -15,6 +15,8 @@ from ignition.kernels.lowering import LoweringError
 from helios_core.wire import manifest_pb2 as mf
 from tests.gpu.harness import lower
 
+pytestmark = pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
+
 VOCAB = 49152
 
 

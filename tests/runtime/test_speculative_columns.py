@@ -15,7 +15,7 @@ import pytest
 from helios_core.backends.null import NullTokens
 from helios_core.contract import LoadOptions, PreparedContract, PreparedGraph
 from helios_core.loading import TrustSettings, open_core
-from helios_core.runtime import speculation
+from helios_core.runtime import progress, speculation
 from helios_core.runtime.completion import (
     CompletionError,
     LaneResult,
@@ -387,6 +387,27 @@ def test_columnar_history_rounds_serve_what_lane_by_lane_rounds_and_plain_decode
         assert getattr(statistics[1], name) == getattr(statistics[2], name) == getattr(statistics[3], name), name
     assert sum(statistics[1].drafts_accepted.values()) > 0
     assert statistics[0].speculative_lanes == {}
+
+
+@pytest.mark.parametrize("planned", ["columns", "scanned"])
+@pytest.mark.parametrize(("requests", "deepest"), [(1, 7), (2, 2)])
+def test_a_lone_lane_offers_every_proposal_and_more_lanes_what_their_acceptance_makes_worthwhile(
+    serve: object, planned: str, requests: int, deepest: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One lane of the widest program (8 rows) is within FREE_VERIFIED_ROWS: it offers every proposal its
+    history holds whatever its acceptance. Two lanes (16 rows) offer what a rate of 0.5 makes worthwhile: 2."""
+    monkeypatch.setattr(progress, "ACCEPTANCE_WEIGHT", 1.0)  # every rate stays at its initial 0.5
+    if planned == "scanned":
+        _lane_by_lane(monkeypatch, scanned=True)
+    tokens = NullTokens(cycle=CYCLE)
+    model = serve(tokens, history_drafting=True, max_active=8)  # type: ignore[operator]
+    prompt = tokens.ids(np.arange(12, dtype=np.int64), model.engine.model.contract.sampled_size).tolist()
+    work = [PreparedRequest(f"r{i}", prompt, 30, SamplingParams(), ignore_eos=True) for i in range(requests)]
+    served = _served(model, work)
+    assert all(len(events) == 31 and isinstance(events[-1], Finished) for events in served.values())
+    statistics = model.engine.statistics()
+    assert max(statistics.offered_by_position) == deepest
+    assert statistics.accepted_by_position[deepest] > 0  # the null backend's cycle holds every proposal
 
 
 def test_pages_completed_by_accepted_proposals_are_reused_by_a_later_prompt(serve: object) -> None:

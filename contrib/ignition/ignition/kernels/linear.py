@@ -58,13 +58,17 @@ def projection_kernel(  # type: ignore[no-untyped-def]
     """One ``BLOCK_M x BLOCK_N`` tile of ``x @ weight.T (+ residual)`` over the reduction steps of
     split ``program_id(2)`` (the RMS norm or SwiGLU of the inputs, if any, is staged before).
 
+    The row tile is ``program_id(0)``, the grid's fastest dimension: the row tiles of one column block
+    are scheduled side by side, so the weight block they share comes from HBM once and from L2 after
+    (with the column block first, a weight larger than L2 was read once per row tile: twice at 256 rows).
+
     With ``SPLIT`` > 1 each split stores its partial tile to ``partial_ptr``; the last split of a
     tile to finish (an atomic count in ``counter_ptr``) adds the partials in split order (so the
     result does not depend on which finished last), adds the residual, stores the tile and resets
     the count for the next launch.
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,7 +91,7 @@ def projection_kernel(  # type: ignore[no-untyped-def]
             acc += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
         tl.store(out_ptr + out_offsets, acc, mask=out_mask)
     else:
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_n * tl.num_programs(0) + pid_m
         block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(partial_ptr + (tile * SPLIT + pid_k) * (BLOCK_M * BLOCK_N) + block, acc)
         # every thread's partial is stored before the count (barrier, then a release); the last split
@@ -310,6 +314,10 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
     return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
 
 
+_MAX_GRID_Y = 65535
+"""The most programs of a launch grid's second dimension (CUDA's limit), where the column tiles go."""
+
+
 NARROW_TILE_ROWS = 256
 """The most rows whose narrow projections (fewer 128x128 output tiles than multiprocessors) take 64x128
 tiles; more rows (prefill chunks) keep the 128-row tiles they were measured with."""
@@ -418,6 +426,8 @@ def project(
     args["residual_ptr"] = ctx.pointer(residual if residual is not None else out)
     if chosen.block_m > 1:
         tiles_n, tiles_m = cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m)
+        if tiles_n > _MAX_GRID_Y:
+            raise ctx.fail(f"{n} outputs make {tiles_n} column tiles of {chosen.block_n}; the grid takes {_MAX_GRID_Y}")
         partials, counters = out, out  # never touched without a split
         if chosen.split > 1:
             area = tiles_n * tiles_m * chosen.split * chosen.block_m * chosen.block_n
@@ -426,7 +436,7 @@ def project(
         args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
         k_split = cdiv(cdiv(k, chosen.block_k), chosen.split) * chosen.block_k
         constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split)
-        kernel, grid = projection_kernel, (tiles_n, tiles_m, chosen.split)
+        kernel, grid = projection_kernel, (tiles_m, tiles_n, chosen.split)
         launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
         return [*prologue, launch]
     eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
