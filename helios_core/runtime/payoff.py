@@ -13,7 +13,8 @@ Which is faster depends on the core, the GPU, the batch and the text, so it is m
   for a speculative round it is the previous round's publishing, its own planning, execution and
   completion.
 * Serving alternates a probe of each kind (:data:`PROBE_ROUNDS` rounds, the first of each not counted: it
-  drains or refills the frames) with a stretch of the faster kind (:data:`STRETCH_ROUNDS` rounds, doubled
+  drains or refills the frames; :data:`RECHECK_ROUNDS` for speculation after a decode stretch) with a
+  stretch of the faster kind (:data:`STRETCH_ROUNDS` rounds, doubled
   each time the same kind wins again, up to :data:`STRETCH_GROWTH` times; speculation must lead by
   :data:`MARGIN`). A probe of speculation without a speculative round (no proposals) measures it at
   nothing. During a decode probe or stretch, decode rounds are launched ahead as without speculation.
@@ -37,6 +38,11 @@ from helios_core.wire import contract_pb2 as ct
 
 PROBE_ROUNDS = 4
 """Rounds of each kind one measurement takes (the first of them is not counted)."""
+
+RECHECK_ROUNDS = 2
+"""Rounds of the probe of speculation in a band whose last stretch was decode (the first not counted, so
+one is measured; a speculative round of a large batch already averages its many lanes): that probe costs
+what speculation loses, and at a large batch one speculative round can cost several decode steps."""
 
 STRETCH_ROUNDS = 64
 """Rounds of the faster kind between two measurements, the first time it is chosen in a band."""
@@ -109,6 +115,8 @@ class _Band:
             self.repeats = self.repeats + 1 if phase is self.chosen else 1
             self.chosen = phase
             self.left = STRETCH_ROUNDS * min(2 ** (self.repeats - 1), STRETCH_GROWTH)
+        elif phase is Phase.PROBE_SPECULATION and self.chosen is Phase.DECODE:
+            self.left = RECHECK_ROUNDS
         else:
             self.left = PROBE_ROUNDS
 

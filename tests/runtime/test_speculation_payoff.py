@@ -55,14 +55,18 @@ def _complete(
 
 def _cycle(
     measure: SpeculationPayoff, clock: _Clock, lanes: int, speculative_ms: float, tokens: int, decode_ms: float
-) -> None:
-    """One probe of each kind, rounds of ``lanes`` members costing what the arguments say."""
+) -> int:
+    """One probe of each kind, rounds of ``lanes`` members costing what the arguments say; how many rounds
+    the probe of speculation took."""
     assert measure.speculate(lanes) and measure.phase is Phase.PROBE_SPECULATION
-    for _ in range(payoff.PROBE_ROUNDS):
+    rounds = 0
+    while measure.phase is Phase.PROBE_SPECULATION:
         _complete(measure, clock, speculative=True, lanes=lanes, ms=speculative_ms, emitted=tokens * lanes)
+        rounds += 1
     assert not measure.speculate(lanes) and measure.phase is Phase.PROBE_DECODE
     for _ in range(payoff.PROBE_ROUNDS):
         _complete(measure, clock, speculative=False, lanes=lanes, ms=decode_ms, emitted=lanes)
+    return rounds
 
 
 def test_a_measurement_chooses_decode_when_speculative_rounds_emit_fewer_tokens_a_second() -> None:
@@ -78,6 +82,13 @@ def test_a_measurement_chooses_decode_when_speculative_rounds_emit_fewer_tokens_
         _complete(measure, clock, speculative=False, lanes=4, ms=1.0, emitted=4)
     assert ahead == [True] * (payoff.STRETCH_ROUNDS - 1) + [False]  # the last round of a stretch runs alone
     assert measure.phase is Phase.PROBE_SPECULATION and measure.speculate(4)
+    for _ in range(payoff.RECHECK_ROUNDS):  # after decode won, speculation is probed with fewer rounds
+        _complete(measure, clock, speculative=True, lanes=4, ms=3.0, emitted=8)
+    assert measure.phase is Phase.PROBE_DECODE
+    for _ in range(payoff.PROBE_ROUNDS):
+        _complete(measure, clock, speculative=False, lanes=4, ms=1.0, emitted=4)
+    assert measure.rates == pytest.approx((2 / 0.003, 1 / 0.001))  # the recheck's second round was measured
+    assert measure.phase is Phase.DECODE and stretches == {"decode": 2}
 
 
 def test_a_measurement_chooses_speculation_when_it_emits_more_tokens_a_second() -> None:
@@ -139,12 +150,13 @@ def _stretch(measure: SpeculationPayoff, clock: _Clock, lanes: int, *, speculati
 def test_a_stretch_doubles_each_time_the_same_kind_wins_again_up_to_its_growth_limit() -> None:
     clock, stretches = _Clock(), {}
     measure = SpeculationPayoff(stretches, clock)
-    lengths = []
+    lengths, probes = [], []
     for _ in range(7):
-        _cycle(measure, clock, lanes=64, speculative_ms=8.0, tokens=4, decode_ms=1.0)
+        probes.append(_cycle(measure, clock, lanes=64, speculative_ms=8.0, tokens=4, decode_ms=1.0))
         lengths.append(_stretch(measure, clock, 64, speculative=False))
     base, limit = payoff.STRETCH_ROUNDS, payoff.STRETCH_ROUNDS * payoff.STRETCH_GROWTH
     assert lengths == [min(base * 2**n, limit) for n in range(7)]
+    assert probes == [payoff.PROBE_ROUNDS] + [payoff.RECHECK_ROUNDS] * 6  # after decode won: a short recheck
     _cycle(measure, clock, lanes=64, speculative_ms=2.0, tokens=4, decode_ms=1.0)  # speculation wins: anew
     assert _stretch(measure, clock, 64, speculative=True) == base
     assert stretches == {"decode": 7, "speculate": 1}
