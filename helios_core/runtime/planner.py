@@ -526,6 +526,29 @@ class RoundPlanner:
             return None
         return self._decode_plan(cohort, ahead=0)
 
+    def member_columns(self, slots: npt.NDArray[np.int64], generations: Column) -> dict[int, Column]:
+        """The per-request columns that every round of the requests in ``slots`` (lane order) stages alike,
+        decode cohorts' and history rounds': slots, state rows, generations, sampling values, and the
+        constants of a lane that samples (a decision, no prefill row, no state copy, no grammar)."""
+        table = self.table
+        count = slots.shape[0]
+        zeros = frozen(np.zeros(count, dtype=np.int64))
+        unset = frozen(np.full(count, -1, dtype=np.int64))
+        per_request = self.state_rows_per_request
+        rows: dict[int, Column] = {
+            ct.VALUE_SOURCE_SLOT: slots,
+            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots if per_request == 1 else frozen(slots * per_request),
+            ct.VALUE_SOURCE_GENERATION: generations,
+            ct.VALUE_SOURCE_SAMPLING_DECISION: frozen(np.ones(count, dtype=np.int64)),
+            ct.VALUE_SOURCE_MIXED_PREFILL_ROW: zeros,
+            ct.VALUE_SOURCE_RESTORE_SOURCE: unset,
+            ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: unset,
+            ct.VALUE_SOURCE_CONSTRAINED: zeros,
+        }
+        for parameter in SAMPLING_PARAMETERS:
+            rows[parameter.source] = frozen(table.sampling[parameter.source][slots])
+        return rows
+
     def _make_cohort(self, members: list[RequestState]) -> _Cohort:
         """The per-request columns of a decode round's members (``members`` in lane order)."""
         table = self.table
@@ -534,23 +557,8 @@ class RoundPlanner:
         gates = [s.gate for s in members]
         constrained = any(g is not None and g.constrained for g in gates)
         generations = frozen(table.generation[slots])
-        ones = frozen(np.ones(count, dtype=np.int64))
-        zeros = frozen(np.zeros(count, dtype=np.int64))
-        unset = frozen(np.full(count, -1, dtype=np.int64))
-        per_request = self.state_rows_per_request
-        rows: dict[int, Column] = {
-            ct.VALUE_SOURCE_SLOT: slots,
-            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots if per_request == 1 else frozen(slots * per_request),
-            ct.VALUE_SOURCE_GENERATION: generations,
-            ct.VALUE_SOURCE_QUERY_LENGTH: ones,
-            ct.VALUE_SOURCE_SAMPLING_DECISION: ones,
-            ct.VALUE_SOURCE_MIXED_PREFILL_ROW: zeros,
-            ct.VALUE_SOURCE_RESTORE_SOURCE: unset,
-            ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: unset,
-            ct.VALUE_SOURCE_CONSTRAINED: zeros,
-        }
-        for parameter in SAMPLING_PARAMETERS:
-            rows[parameter.source] = frozen(table.sampling[parameter.source][slots])
+        rows = self.member_columns(slots, generations)
+        rows[ct.VALUE_SOURCE_QUERY_LENGTH] = rows[ct.VALUE_SOURCE_SAMPLING_DECISION]  # one token each, sampled
         unchanged = frozenset(rows) | _CONSTANT_TOKEN_SOURCES
         if constrained:  # masks (and whether a lane has one) are read each round
             unchanged -= {ct.VALUE_SOURCE_CONSTRAINED}

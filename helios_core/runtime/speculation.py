@@ -42,7 +42,6 @@ from helios_core.runtime.packing import Column, Lane, LaneBatch
 from helios_core.runtime.payoff import SpeculationPayoff
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
 from helios_core.runtime.slots import Phase, RequestState
-from helios_core.sampling import SAMPLING_PARAMETERS
 from helios_core.wire import contract_pb2 as ct
 
 if TYPE_CHECKING:
@@ -207,26 +206,11 @@ class SpeculativePlanner:
             return found
         rows = max(g.extents.batch_capacity for g in self.speculative)
         states = sorted(decode, key=lambda s: s.arrival)[:rows]
-        count = len(states)
         slots = slot_array([s.slot for s in states])
         generations = frozen(table.generation[slots])
-        zeros = frozen(np.zeros(count, dtype=np.int64))
-        unset = frozen(np.full(count, -1, dtype=np.int64))
-        per_request = self.planner.state_rows_per_request
-        columns: dict[int, Column] = {
-            ct.VALUE_SOURCE_SLOT: slots,
-            ct.VALUE_SOURCE_LIVE_STATE_ROWS: slots if per_request == 1 else frozen(slots * per_request),
-            ct.VALUE_SOURCE_GENERATION: generations,
-            ct.VALUE_SOURCE_CANDIDATE_GENERATION: generations,
-            ct.VALUE_SOURCE_SAMPLING_DECISION: frozen(np.ones(count, dtype=np.int64)),
-            ct.VALUE_SOURCE_MIXED_PREFILL_ROW: zeros,
-            ct.VALUE_SOURCE_RESTORE_SOURCE: unset,
-            ct.VALUE_SOURCE_SNAPSHOT_DESTINATION: unset,
-            ct.VALUE_SOURCE_CONSTRAINED: zeros,
-            ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT: zeros,
-        }
-        for parameter in SAMPLING_PARAMETERS:
-            columns[parameter.source] = frozen(table.sampling[parameter.source][slots])
+        columns = self.planner.member_columns(slots, generations)
+        columns[ct.VALUE_SOURCE_CANDIDATE_GENERATION] = generations
+        columns[ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT] = columns[ct.VALUE_SOURCE_MIXED_PREFILL_ROW]  # zeros
         found = self._members = _Members(
             number=next(self._numbers),
             membership=table.membership,
