@@ -6,7 +6,7 @@ of decode without speculation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ from helios_core.runtime.plan import RoundPlan
 from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import contract_pb2 as ct
 
-from .test_speculative_columns import CYCLE, history_core  # noqa: F401  (the module's core fixture)
+from .test_speculative_columns import CYCLE, history_core, null_models  # noqa: F401  (the module's fixtures)
 
 
 class _Round:
@@ -171,20 +171,10 @@ def test_member_counts_fall_in_bands_of_powers_of_two(members: int, band: int) -
 
 
 @pytest.fixture
-def serve(history_core: tuple[Path, TrustSettings], monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:  # noqa: F811
+def serve(null_models: Callable[..., RunningModel], monkeypatch: pytest.MonkeyPatch) -> Callable[..., RunningModel]:  # noqa: F811
     monkeypatch.setattr(payoff, "PROBE_ROUNDS", 3)
     monkeypatch.setattr(payoff, "STRETCH_ROUNDS", 8)
-    running: list[RunningModel] = []
-
-    def factory(tokens: NullTokens, **options: object) -> RunningModel:
-        model = start(*history_core, LoadOptions(**options), backend="null")  # type: ignore[arg-type]
-        model.engine.model.backend.tokens = tokens
-        running.append(model)
-        return model
-
-    yield factory
-    for model in running:
-        model.close()
+    return null_models
 
 
 def _tokens(model: RunningModel, work: list[PreparedRequest]) -> dict[str, list[int]]:

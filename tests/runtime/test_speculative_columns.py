@@ -6,7 +6,7 @@ with a cycle (:class:`~helios_core.backends.null.NullTokens`), so history drafti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -290,8 +290,9 @@ def test_rank_agreement_rejects_the_lanes_of_a_batch_as_those_of_its_list() -> N
 
 
 @pytest.fixture
-def serve(history_core: tuple[Path, TrustSettings], monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    monkeypatch.setattr(speculation, "COLUMNS_FROM", 1)  # every history round as columns, down to one lane
+def null_models(history_core: tuple[Path, TrustSettings]) -> Iterator[Callable[..., RunningModel]]:
+    """Starts the history core on the null backend with the given options, sampling ``tokens``' ids; every
+    model it started is closed after the test."""
     running: list[RunningModel] = []
 
     def factory(tokens: NullTokens, **options: object) -> RunningModel:
@@ -303,6 +304,12 @@ def serve(history_core: tuple[Path, TrustSettings], monkeypatch: pytest.MonkeyPa
     yield factory
     for model in running:
         model.close()
+
+
+@pytest.fixture
+def serve(null_models: Callable[..., RunningModel], monkeypatch: pytest.MonkeyPatch) -> Callable[..., RunningModel]:
+    monkeypatch.setattr(speculation, "COLUMNS_FROM", 1)  # every history round as columns, down to one lane
+    return null_models
 
 
 def _served(model: RunningModel, work: list[PreparedRequest]) -> dict[str, list[object]]:
