@@ -1,7 +1,8 @@
 """Whether speculative rounds pay for themselves, measured while serving (``--speculation-payoff``).
 
-Owns :class:`SpeculationPayoff`, which the speculative planner asks before it plans a speculative round and
-the scheduler tells when a round is planned and completed. Speculation pays when it emits more tokens per
+Owns :class:`SpeculationPayoff`, which the speculative planner asks before it plans a speculative round (and
+the round planner before it launches a decode round ahead), and which the scheduler tells when a round has
+completed and how many tokens it emitted. Speculation pays when it emits more tokens per
 request per second than decode does: a speculative round emits one to W tokens a lane but costs more than a
 decode step (the rows it verifies, and the host's planning, which no round in flight hides, since each
 speculative round is planned from the previous one's completion), and decode rounds run two frames deep.
@@ -14,10 +15,10 @@ Which is faster depends on the core, the GPU, the batch and the text, so it is m
   completion.
 * Serving alternates a probe of each kind (:data:`PROBE_ROUNDS` rounds, the first of each not counted: it
   drains or refills the frames; :data:`RECHECK_ROUNDS` for speculation after a decode stretch) with a
-  stretch of the faster kind (:data:`STRETCH_ROUNDS` rounds, doubled
-  each time the same kind wins again, up to :data:`STRETCH_GROWTH` times; speculation must lead by
-  :data:`MARGIN`). A probe of speculation without a speculative round (no proposals) measures it at
-  nothing. During a decode probe or stretch, decode rounds are launched ahead as without speculation.
+  stretch of the faster kind (:data:`STRETCH_ROUNDS` rounds, doubled each time the same kind wins again,
+  up to :data:`STRETCH_GROWTH` times; speculation must lead by :data:`MARGIN`). A probe of speculation
+  without a speculative round (no proposals) measures it at nothing. During a decode probe or stretch,
+  decode rounds are launched ahead as without speculation.
 * Each band of member counts (1, 2, 3 to 4, 5 to 8, ...) has its own cycle and measurements: a count of
   decode-ready requests that moves to another band resumes that band's cycle where it was (a new band
   starts with its probes), and a round counts towards the band of its own lanes.
