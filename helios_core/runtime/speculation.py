@@ -136,6 +136,11 @@ class SpeculativePlanner:
             return self._self_draft_round(decode)
         return None
 
+    def _free(self, members: int) -> bool:
+        """Whether a round of ``members`` lanes at the widest width verifies few enough rows to cost nothing
+        more than one (:data:`FREE_VERIFIED_ROWS`): its lanes then offer every proposal they find."""
+        return members * (self.widest + 1) <= FREE_VERIFIED_ROWS
+
     def decodes_ahead(self) -> bool:
         """Whether decode rounds may be launched ahead of completions (no speculation, or a decode stretch)."""
         return not self.active or (self.payoff is not None and self.payoff.decodes_ahead())
@@ -163,7 +168,7 @@ class SpeculativePlanner:
         consumed = table.consumed[slots]
         generated = table.generated[slots]
         limits = np.minimum(table.max_tokens[slots] - generated, self.context - consumed) - 1
-        if len(slots) * (self.widest + 1) > FREE_VERIFIED_ROWS:
+        if not self._free(len(slots)):
             limits = np.minimum(limits, worthwhile_counts(table.acceptance[slots], self.widest))
         proposals, counts = self.index.propose(slots, members.generations, consumed + 1, limits, self.widest)
         if not counts.any():
@@ -182,7 +187,7 @@ class SpeculativePlanner:
         every member's widest lane fits in :data:`FREE_VERIFIED_ROWS`, each offers as many proposals as it
         finds (a row costs nothing there); otherwise as many as its acceptance makes worthwhile."""
         table, widest = self.table, self.widest
-        free = len(members) * (widest + 1) <= FREE_VERIFIED_ROWS  # as in the columns of larger rounds
+        free = self._free(len(members))
         proposals: list[list[int]] = []
         for state in members:
             slot = state.slot

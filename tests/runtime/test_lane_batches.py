@@ -13,7 +13,6 @@ from helios_core.contract import PreparedContract
 from helios_core.runtime.completion import (
     CompletionError,
     ExpectationBatch,
-    LaneResult,
     LaneResults,
     read_lanes,
 )
@@ -30,7 +29,7 @@ from helios_core.runtime.startup import RunningModel
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
-from .packing_harness import payload_contract, poisoned_staging
+from .packing_harness import assert_same_results, payload_contract, poisoned_staging
 
 FLOATS = {
     ct.VALUE_SOURCE_TEMPERATURE,
@@ -212,11 +211,7 @@ def test_an_expectation_batch_validates_as_its_list(count: int) -> None:
         by_batch = read_lanes(completion, 7, batch, sampled_size=10)
         by_list = read_lanes(completion, 7, batch.to_list(), sampled_size=10)
         assert isinstance(by_batch, LaneResults) and len(by_batch) == len(by_list) == count
-        for got, want in zip(by_batch, by_list, strict=True):
-            if isinstance(want, CompletionError):
-                assert isinstance(got, CompletionError) and str(got) == str(want)
-            else:
-                assert isinstance(got, LaneResult) and got == want
+        assert_same_results(by_batch, by_list)
 
 
 def test_a_wrong_sequence_fails_a_batch_as_it_fails_a_list() -> None:

@@ -6,7 +6,7 @@ with a cycle (:class:`~helios_core.backends.null.NullTokens`), so history drafti
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,6 @@ from helios_core.loading import TrustSettings, open_core
 from helios_core.runtime import progress, speculation
 from helios_core.runtime.completion import (
     CompletionError,
-    LaneResult,
     SpeculativeExpectations,
     SpeculativeResults,
     agree_across_ranks,
@@ -32,7 +31,7 @@ from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
-from .packing_harness import poisoned_staging
+from .packing_harness import assert_same_results, poisoned_staging
 
 NAMESPACE = "tests/speculative-columns"
 PAGE_TOKENS = 4
@@ -246,11 +245,7 @@ def test_speculative_expectations_validate_as_their_list(count: int, lag: int) -
             continue
         by_batch = read_lanes(completion, 7, expectations, sampled_size=10, packed_capacity=capacity)
         assert isinstance(by_batch, SpeculativeResults) and len(by_batch) == len(by_list) == count
-        for got, want in zip(by_batch, by_list, strict=True):
-            if isinstance(want, CompletionError):
-                assert isinstance(got, CompletionError) and str(got) == str(want)
-            else:
-                assert isinstance(got, LaneResult) and got == want
+        assert_same_results(by_batch, by_list)
 
 
 def test_a_round_overrunning_its_rows_fails_a_batch_as_it_fails_a_list() -> None:
@@ -290,20 +285,17 @@ def test_rank_agreement_rejects_the_lanes_of_a_batch_as_those_of_its_list() -> N
 
 
 @pytest.fixture
-def null_models(history_core: tuple[Path, TrustSettings]) -> Iterator[Callable[..., RunningModel]]:
+def null_models(history_core: tuple[Path, TrustSettings], started: list[RunningModel]) -> Callable[..., RunningModel]:
     """Starts the history core on the null backend with the given options, sampling ``tokens``' ids; every
-    model it started is closed after the test."""
-    running: list[RunningModel] = []
+    model it started is closed after the test (the ``started`` fixture)."""
 
     def factory(tokens: NullTokens, **options: object) -> RunningModel:
         model = start(*history_core, LoadOptions(**options), backend="null")  # type: ignore[arg-type]
         model.engine.model.backend.tokens = tokens
-        running.append(model)
+        started.append(model)
         return model
 
-    yield factory
-    for model in running:
-        model.close()
+    return factory
 
 
 @pytest.fixture

@@ -104,6 +104,17 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
         time.sleep(interval)
 
 
+def metric_values(base_url: str) -> dict[str, float]:
+    """Every sample of the server's ``/metrics`` by its name and labels (``name{label="x"}``), on a fresh
+    connection."""
+    values: dict[str, float] = {}
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
 def admitted(base_url: str) -> int:
     """The admission permits the server holds now (its ``helios_http_admitted`` gauge)."""
     for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():

@@ -21,8 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -41,7 +40,7 @@ from helios_core.server.app import ServerSettings
 from helios_core.server.metrics import EngineCollector, OutputFailures
 from helios_core.server.serve import resolve_options, serve
 from helios_core.server.server_tally import ServerTally, TallyShare
-from tests.server.helpers import BuiltCore, build_synthetic_core, sse_events
+from tests.server.helpers import BuiltCore, build_synthetic_core, metric_values, sse_events, wait_for
 
 from .conftest import free_port, serve_fixture
 
@@ -111,28 +110,11 @@ def run(core: BuiltCore) -> Iterator[Run]:
         yield started
 
 
-def _metrics(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", timeout=10).text  # a fresh connection: either process answers
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
 def _admitted(base_url: str) -> tuple[int, int]:
     """Requests each HTTP process admitted so far (process 0, process 1)."""
     found = {int(index): int(float(value)) for index, value in ADMITTED.findall(httpx.get(base_url + "/metrics").text)}
     assert set(found) == {0, 1}, found
     return found[0], found[1]
-
-
-def _wait_for(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "the condition did not hold in time"
-        time.sleep(0.02)
 
 
 def _children(server_pid: int) -> list[int]:
@@ -211,7 +193,7 @@ class Streams:
                 self.readers += opened
                 return
             attempt.close()
-            _wait_for(lambda: _metrics(self.run.base_url)["helios_http_admitted"] == 0)
+            wait_for(lambda: metric_values(self.run.base_url)["helios_http_admitted"] == 0)
         raise AssertionError(f"{tries} times {width} connections all reached one process")
 
     def read_all(self) -> list[tuple[int, str]]:
@@ -279,12 +261,12 @@ def test_admission_holds_exactly_four_requests_over_both_processes(run: Run) -> 
             )
             assert 1 <= int(refused.headers["retry-after"]) <= 60
         for _ in range(4):  # every process exports the server's figure
-            assert _metrics(served)["helios_http_admitted"] == 4
-        _wait_for(lambda: _metrics(served)["helios_num_requests_running"] == 2)
-        _wait_for(lambda: _metrics(served)["helios_num_requests_waiting"] == 2)
+            assert metric_values(served)["helios_http_admitted"] == 4
+        wait_for(lambda: metric_values(served)["helios_num_requests_running"] == 2)
+        wait_for(lambda: metric_values(served)["helios_num_requests_waiting"] == 2)
     # every stream was closed unread: the permits return in both processes
-    _wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
-    _wait_for(lambda: _metrics(served)["helios_num_requests_running"] == 0)
+    wait_for(lambda: metric_values(served)["helios_http_admitted"] == 0)
+    wait_for(lambda: metric_values(served)["helios_num_requests_running"] == 0)
     assert _post(served, max_tokens=2).status_code == 200
 
 
@@ -294,8 +276,8 @@ def test_metrics_totals_are_the_whole_servers_in_every_process(run: Run) -> None
     def finished(values: dict[str, float]) -> float:
         return values.get('helios_requests_finished_total{reason="length"}', 0.0)
 
-    _wait_for(lambda: _metrics(served)["helios_num_requests_running"] == 0)
-    before_values = _metrics(served)
+    wait_for(lambda: metric_values(served)["helios_num_requests_running"] == 0)
+    before_values = metric_values(served)
     before = _admitted(served)
     count = 12
     for _ in range(count):
@@ -305,11 +287,11 @@ def test_metrics_totals_are_the_whole_servers_in_every_process(run: Run) -> None
     for _ in range(8):  # fresh connections: both processes answer scrapes, each with the server's totals
 
         def settled() -> bool:
-            values = _metrics(served)
+            values = metric_values(served)
             return finished(values) == finished(before_values) + count and values["helios_http_admitted"] == 0
 
-        _wait_for(settled)
-        values = _metrics(served)
+        wait_for(settled)
+        values = metric_values(served)
         assert values["helios_requests_received_total"] == before_values["helios_requests_received_total"] + count
         assert _admitted(served) == after
 
@@ -320,7 +302,7 @@ def test_sigterm_drains_both_processes_then_stops_the_worker(core: BuiltCore) ->
         streams = Streams(run, stack)
         streams.on_both(LONG)
         run.process.send_signal(signal.SIGTERM)
-        _wait_for(lambda: httpx.get(run.base_url + "/ready").status_code == 503)
+        wait_for(lambda: httpx.get(run.base_url + "/ready").status_code == 503)
         for _ in range(4):  # draining, still listening: either process refuses new work
             assert httpx.get(run.base_url + "/ready").status_code == 503
         for _, text in streams.read_all():
@@ -341,14 +323,14 @@ def test_a_killed_http_process_has_its_request_cancelled_and_stops_the_run(core:
         streams.on_both(LONG)
 
         def only_ours_active() -> bool:  # any attempt on_both closed has ended and is counted
-            values = _metrics(run.base_url)
+            values = metric_values(run.base_url)
             return values["helios_requests_active"] + values["helios_requests_waiting"] == 2
 
-        _wait_for(only_ours_active)
-        before = _metrics(run.base_url).get(cancelled, 0.0)
+        wait_for(only_ours_active)
+        before = metric_values(run.base_url).get(cancelled, 0.0)
         os.kill(other, signal.SIGKILL)
         # the worker cancels the dead process's request; the other process drains its own and answers scrapes
-        _wait_for(lambda: _metrics(run.base_url).get(cancelled, 0.0) == before + 1)
+        wait_for(lambda: metric_values(run.base_url).get(cancelled, 0.0) == before + 1)
         for process, text in streams.read_all():
             if process == 0:
                 events = sse_events(httpx.Response(200, text=text))

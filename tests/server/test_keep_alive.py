@@ -99,6 +99,13 @@ async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, p
     return body
 
 
+async def served_once(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the server on ``port`` that has had one request (``/first``) answered."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    assert await exchange(reader, writer, "/first") == b"/first"
+    return reader, writer
+
+
 def wait_until_unread(protocol: KeepAliveHttpProtocol, count: int) -> None:
     """Block (the loop does not run) until the server's socket holds ``count`` bytes the loop has not read."""
     descriptor = protocol.transport.get_extra_info("socket").fileno()
@@ -125,8 +132,7 @@ def test_a_request_waiting_unread_when_the_timer_fires_is_served(loop_name: str)
     async def test() -> None:
         app = App()
         async with serving(app, LONG_TIMEOUT_S) as (port, protocols):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            assert await exchange(reader, writer, "/first") == b"/first"
+            reader, writer = await served_once(port)
             (protocol,) = protocols
             assert protocol.timeout_keep_alive_task is not None  # idle: the timer is armed
 
@@ -150,8 +156,7 @@ def test_the_timer_never_closes_a_connection_whose_request_is_in_progress(loop_n
     async def test() -> None:
         app = App()
         async with serving(app, LONG_TIMEOUT_S) as (port, protocols):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            assert await exchange(reader, writer, "/first") == b"/first"
+            reader, writer = await served_once(port)
             (protocol,) = protocols
             writer.write(request("/slow"))
             await asyncio.wait_for(app.slow_started.wait(), 10)
@@ -171,8 +176,7 @@ def test_the_timer_never_closes_a_connection_whose_request_is_in_progress(loop_n
 def test_an_idle_connection_is_closed_when_the_timer_fires(loop_name: str) -> None:
     async def test() -> None:
         async with serving(App(), LONG_TIMEOUT_S) as (port, protocols):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            assert await exchange(reader, writer, "/first") == b"/first"
+            reader, writer = await served_once(port)
             (protocol,) = protocols
             assert unread_bytes(protocol.transport) == 0
 
@@ -190,8 +194,7 @@ def test_an_idle_connection_still_closes_after_the_keep_alive_timeout(loop_name:
 
     async def test() -> None:
         async with serving(App(), keep_alive_s=0.05) as (port, _):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            assert await exchange(reader, writer, "/first") == b"/first"
+            reader, writer = await served_once(port)
             assert await asyncio.wait_for(reader.read(), 10) == b""
             writer.close()
 

@@ -37,7 +37,7 @@ from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.server import worker_process
 from helios_core.server.app import ServerSettings
 from helios_core.server.serve import RunOptions, resolve_options, serve
-from tests.server.helpers import BuiltCore, build_synthetic_core, sse_events
+from tests.server.helpers import BuiltCore, build_synthetic_core, metric_values, sse_events, wait_for
 
 from .conftest import free_port, serve_fixture
 
@@ -83,23 +83,6 @@ def served(core: BuiltCore) -> Iterator[str]:
 def _post(base_url: str, **body: Any) -> httpx.Response:
     body.setdefault("messages", HI)
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=30)
-
-
-def _metrics(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", timeout=10).text
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def _wait_for(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "the condition did not hold in time"
-        time.sleep(0.02)
 
 
 def _worker_pid(server_pid: int) -> int:
@@ -165,7 +148,7 @@ def test_structured_output_is_compiled_in_the_worker(served: str) -> None:
 
 
 def test_admission_limit_gauges_and_cancellation_on_disconnect(served: str) -> None:
-    before = _metrics(served).get('helios_requests_finished_total{reason="cancelled"}', 0.0)
+    before = metric_values(served).get('helios_requests_finished_total{reason="cancelled"}', 0.0)
     with httpx.Client(timeout=30) as client, contextlib.ExitStack() as stack:
         readers = []  # held: a reader that is collected closes its connection (a disconnect)
         for _ in range(4):  # queue_capacity 2 + max_active 2
@@ -177,20 +160,20 @@ def test_admission_limit_gauges_and_cancellation_on_disconnect(served: str) -> N
         assert refused.status_code == 429
         error = refused.json()["error"]
         assert (error["type"], error["param"], error["code"]) == ("rate_limit_error", None, 429)
-        assert _metrics(served)["helios_http_admitted"] == 4
+        assert metric_values(served)["helios_http_admitted"] == 4
 
         def gauges_show_the_load() -> bool:
-            values = _metrics(served)
+            values = metric_values(served)
             return (
                 values["helios_num_requests_running"] == 2
                 and values["helios_num_requests_waiting"] == 2
                 and values["helios_kv_cache_usage_ratio"] > 0
             )
 
-        _wait_for(gauges_show_the_load)
+        wait_for(gauges_show_the_load)
     # every stream was closed unread: each request is cancelled in the worker
-    _wait_for(lambda: _metrics(served).get('helios_requests_finished_total{reason="cancelled"}', 0.0) == before + 4)
-    values = _metrics(served)
+    wait_for(lambda: metric_values(served).get('helios_requests_finished_total{reason="cancelled"}', 0.0) == before + 4)
+    values = metric_values(served)
     assert values["helios_num_requests_running"] == 0
     assert values["helios_num_requests_waiting"] == 0
     assert _post(served, max_tokens=2).status_code == 200
