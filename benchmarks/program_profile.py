@@ -1,7 +1,8 @@
 """Where a captured program's GPU time goes: each launch timed alone, beside the whole graph's replay.
 
 Loads a core with the CUDA backend, stages one plausible round for each named program (every row
-active, greedy, a history of ``--position`` tokens per row), then prints per operator the median
+active, greedy, a history of ``--position`` tokens per row, and for a program of copied proposals all
+W - 1 of them, so the verification samples every position), then prints per operator the median
 time of its launches run one at a time (each between two events, so a few microseconds of launch
 latency are included), their sum, and the median replay time of the program's CUDA graph with and
 without programmatic dependent launch. With ``--ablate`` it also prints, per operator, what the
@@ -60,6 +61,11 @@ def _stage(backend: CudaBackend, rows: int, tokens: int, position: int, page_tok
         "presence_penalty": np.zeros(rows),
         "seed": np.arange(rows),
         "sampling_step": np.zeros(rows),
+        # a speculative program verifies every copied proposal a lane has room for
+        "candidate_count": np.full(rows, per_row - 1),
+        "candidate_generation": np.ones(rows),
+        "candidate_consumed": position + np.zeros(rows),
+        f"candidate_ids_w{per_row}": (np.arange(rows * max(per_row - 1, 1)) * 104729) % 200,
     }
     for name, value in values.items():
         if name in staging:

@@ -10,12 +10,18 @@ completion record, one instantiated CUDA graph per program and frame, and one ev
 fence). Serving then only writes staging memory, launches graph executions and reads completion
 records: no allocation, no compilation, no capture.
 
-Transport (per frame, :func:`plan_transport`): entries of at most :data:`TRANSPORT_COPY_LIMIT`
-bytes are packed :data:`STAGING_ALIGNMENT`-aligned, in declaration order, into one pinned host block
-with a device block of the same layout; a graph starts with one host-to-device copy of the span of
-those bytes its launches reference (:func:`launch_span`). Larger entries (the grammar mask, the
-prompt histogram: large, read for a few rows only) live in one mapped pinned host block that kernels
-read directly through its device address (zero copy).
+Transport (per frame, :func:`plan_transport`): entries are packed :data:`STAGING_ALIGNMENT`-aligned,
+in declaration order, into one pinned host block with a device block of the same layout; a graph
+starts with host-to-device copies of the spans of those bytes its launches reference
+(:func:`copy_spans`: one copy, or one per run of referenced entries where an unreferenced stretch of
+more than :data:`TRANSPORT_COPY_LIMIT` bytes lies between them). The exception are entries larger than
+:data:`TRANSPORT_COPY_LIMIT` whose every binding is a source read for a few rows only
+(:data:`SPARSE_SOURCES`: grammar masks, the prompt histogram; :func:`sparse_entries`): they live in one
+mapped pinned host block that kernels read directly through its device address (zero copy). Whatever
+a kernel reads whole stays copied however large: a zero-copy read crosses PCIe at every access, and
+the page table, read by every attention launch of a round, made a batch-1 verification round of eight
+query rows over a 1400-token history wait 2.7 ms for the GPU mapped against 1.36 ms copied (H200,
+``benchmarks/speculative.py``; ``docs/benchmarks.md``).
 
 Completion (per frame, :func:`plan_completion`): the COMPLETION buffers packed the same way into
 one device block and a pinned host mirror; a graph ends with one device-to-host copy of the span of
@@ -26,7 +32,7 @@ frame's event. :meth:`CudaBackend.transport` waits for that event before handing
 arrays (the host never rewrites staging the GPU may still read) and :meth:`CudaBackend.completion`
 waits for it before handing out the mirror.
 
-Graphs are built from the node list (:func:`graph_steps`): the copy-in node, then every launch of the
+Graphs are built from the node list (:func:`graph_steps`): the copy-in nodes, then every launch of the
 device's target in node and list order, each depending on the one before (a programmatic edge when
 the launch is marked ``programmatic_wait``, programmatic launches are enabled and the previous node
 is a kernel), then the copy-out node.
@@ -88,6 +94,7 @@ from helios_core.contract.prepared import PreparedContract
 from helios_core.errors import ContractError, HeliosError, StartupError, UnsupportedFeatureError
 from helios_core.ops.catalogue import COLLECTIVE_OPERATORS
 from helios_core.wire import container_pb2 as cb
+from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
 __all__ = [
@@ -100,6 +107,7 @@ __all__ = [
     "Slot",
     "TransportLayout",
     "check_targets",
+    "copy_spans",
     "frame_addresses",
     "graph_steps",
     "launch_span",
@@ -108,13 +116,22 @@ __all__ = [
     "plan_transport",
     "reserved_device_nbytes",
     "runtime_shape",
+    "sparse_entries",
 ]
 
 AnyArray = NDArray[Any]
 
 TRANSPORT_COPY_LIMIT = 64 * 1024
-"""Transport entries of at most this many bytes are copied to the device by each graph; larger
-entries stay in mapped host memory that kernels read in place."""
+"""Transport entries read for a few rows only (:data:`SPARSE_SOURCES`) and larger than this many bytes
+stay in mapped host memory that kernels read in place; every other entry is copied to the device by
+each graph that reads it. Also the longest unreferenced stretch a graph's copy-in spans
+(:func:`copy_spans`)."""
+
+SPARSE_SOURCES = frozenset(
+    {ct.VALUE_SOURCE_GRAMMAR_MASK, ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS, ct.VALUE_SOURCE_PROMPT_HISTOGRAM}
+)
+"""Value sources whose rows a program reads only for some lanes (constrained lanes, lanes with
+penalties): large entries of these alone may be mapped rather than copied."""
 
 STAGING_ALIGNMENT = 256
 """Byte alignment of every entry within a staging, mapped or completion block."""
@@ -183,16 +200,32 @@ def plan_block(
     return BlockLayout(slots, _align(cursor, alignment))
 
 
+def sparse_entries(contract: PreparedContract) -> frozenset[str]:
+    """Transport entries every binding of which, in every graph, is one of :data:`SPARSE_SOURCES`."""
+    sources: dict[str, set[int]] = {}
+    for graph in contract.graphs.values():
+        for binding in graph.contract.bindings:
+            sources.setdefault(binding.destination, set()).add(int(binding.source))
+    return frozenset(name for name, bound in sources.items() if bound <= SPARSE_SOURCES)
+
+
 def plan_transport(
-    transport: mf.Transport, *, copy_limit: int = TRANSPORT_COPY_LIMIT, alignment: int = STAGING_ALIGNMENT
+    transport: mf.Transport,
+    *,
+    sparse: Iterable[str] = (),
+    copy_limit: int = TRANSPORT_COPY_LIMIT,
+    alignment: int = STAGING_ALIGNMENT,
 ) -> TransportLayout:
-    """Place each transport entry: at most ``copy_limit`` bytes in the copied block, else mapped."""
+    """Place each transport entry: an entry named in ``sparse`` (read for a few rows only) of more than
+    ``copy_limit`` bytes in the mapped block, every other entry in the copied block."""
+    sparse = frozenset(sparse)
     copied: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
     mapped: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
     for entry in transport.entries:
         dtype = numpy_dtype(entry.name, entry.dtype)
         shape = tuple(int(s) for s in entry.shape)
-        (mapped if math.prod(shape) * dtype.itemsize > copy_limit else copied).append((entry.name, dtype, shape))
+        large = math.prod(shape) * dtype.itemsize > copy_limit
+        (mapped if large and entry.name in sparse else copied).append((entry.name, dtype, shape))
     return TransportLayout(plan_block(copied, alignment), plan_block(mapped, alignment))
 
 
@@ -303,22 +336,40 @@ def plan_collective(
     )  # fmt: skip
 
 
+def _named_slots(program: mf.ProgramDecl, target: str, block: BlockLayout) -> list[Slot]:
+    """The non-empty slots of ``block`` that an address parameter of the program's ``target`` launches
+    names, by offset."""
+    named = {
+        param.buffer
+        for _node, launch in target_launches(program, target)
+        for param in launch.params
+        if param.kind == mf.PARAM_KIND_ADDRESS and param.buffer
+    }
+    return sorted((block.slots[n] for n in named if n in block.slots and block.slots[n].nbytes), key=lambda s: s.offset)
+
+
 def launch_span(program: mf.ProgramDecl, target: str, block: BlockLayout) -> tuple[int, int] | None:
     """The byte span ``[start, end)`` of ``block`` covering every slot that an address parameter of the
     program's ``target`` launches names; None when they name none (or only empty slots)."""
-    start, end = None, None
-    for _node, launch in target_launches(program, target):
-        for param in launch.params:
-            if param.kind != mf.PARAM_KIND_ADDRESS or not param.buffer:
-                continue
-            slot = block.slots.get(param.buffer)
-            if slot is None or slot.nbytes == 0:
-                continue
-            start = slot.offset if start is None else min(start, slot.offset)
-            end = slot.end if end is None else max(end, slot.end)
-    if start is None or end is None:
+    slots = _named_slots(program, target, block)
+    if not slots:
         return None
-    return start, end
+    return slots[0].offset, max(slot.end for slot in slots)
+
+
+def copy_spans(
+    program: mf.ProgramDecl, target: str, block: BlockLayout, *, gap: int = TRANSPORT_COPY_LIMIT
+) -> list[tuple[int, int]]:
+    """Byte spans ``[start, end)`` of ``block``, by offset, covering every slot the program's ``target``
+    launches name: one span, split wherever more than ``gap`` bytes no launch names lie between two
+    named slots (so a round does not copy another program's large entries); empty when none is named."""
+    spans: list[tuple[int, int]] = []
+    for slot in _named_slots(program, target, block):
+        if spans and slot.offset - spans[-1][1] <= gap:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], slot.end))
+        else:
+            spans.append((slot.offset, slot.end))
+    return spans
 
 
 def frame_addresses(
@@ -368,10 +419,12 @@ def reserved_device_nbytes(
     state_rows: int,
     snapshot_rows: int,
     frames: int,
+    sparse: Iterable[str] = (),
     copy_limit: int = TRANSPORT_COPY_LIMIT,
 ) -> int:
     """Device bytes of everything but the cache planes: buffers, and each frame's copied transport
-    block and completion block (what a CUDA backend allocates besides its cache)."""
+    block and completion block (what a CUDA backend allocates besides its cache); ``sparse`` as for
+    :func:`plan_transport`."""
     total = 0
     shapes: dict[str, tuple[int, ...]] = {}
     for decl in execution.buffers:
@@ -380,7 +433,7 @@ def reserved_device_nbytes(
         if decl.role in (mf.BUFFER_ROLE_CACHE_PLANE, mf.BUFFER_ROLE_COMPLETION):
             continue
         total += _align(math.prod(shape) * numpy_dtype(decl.name, decl.dtype).itemsize, STAGING_ALIGNMENT)
-    transport = plan_transport(execution.transport, copy_limit=copy_limit)
+    transport = plan_transport(execution.transport, sparse=sparse, copy_limit=copy_limit)
     completion = plan_completion(execution.buffers, shapes)
     return total + frames * (transport.copied.nbytes + completion.nbytes)
 
@@ -471,7 +524,7 @@ class CudaBackend:
         self._executables: list[Any] = []
         self._events: list[Any] = []
         self._programs: dict[str, list[Any]] = {}
-        self._transport_spans: dict[str, tuple[int, int] | None] = {}
+        self._transport_spans: dict[str, list[tuple[int, int]]] = {}
         self._completion_spans: dict[str, tuple[int, int] | None] = {}
         self._paged = paged_buffers(contract.execution.buffers)
         self._host_pages: HostBuffer | None = None
@@ -820,7 +873,9 @@ class CudaBackend:
         functions = self._load_code(execution, core, architecture)
         self._allocate_buffers(execution, core, shapes)
         self._buffer_dtypes = {d.name: int(d.dtype) for d in execution.buffers if d.name in self._shared}
-        self._transport_layout = plan_transport(execution.transport, copy_limit=copy_limit)
+        self._transport_layout = plan_transport(
+            execution.transport, sparse=sparse_entries(contract), copy_limit=copy_limit
+        )
         self._completion_layout = plan_completion(execution.buffers, shapes)
         fields: dict[int, str] = {}
         for record in execution.completion:
@@ -834,7 +889,9 @@ class CudaBackend:
             self._frames.append(self._allocate_frame(frame, execution.transport, fields))
         programs = list(execution.programs) + list(execution.tuning_programs)
         for program in programs:
-            self._transport_spans[program.name] = launch_span(program, architecture, self._transport_layout.copied)
+            self._transport_spans[program.name] = copy_spans(
+                program, architecture, self._transport_layout.copied, gap=copy_limit
+            )
             self._completion_spans[program.name] = launch_span(program, architecture, self._completion_layout)
         if self._communicator is None and any(
             node.op.name in COLLECTIVE_OPERATORS for program in programs for node in program.nodes
@@ -969,10 +1026,10 @@ class CudaBackend:
         self._builders.append(builder)
         previous: Any = None
         previous_is_kernel = False
-        span = self._transport_spans[program.name]
-        if span is not None:
-            start, end = span
-            previous = builder.copy(state.device + start, state.host.pointer + start, end - start, None, to_device=True)
+        for start, end in self._transport_spans[program.name]:
+            previous = builder.copy(
+                state.device + start, state.host.pointer + start, end - start, previous, to_device=True
+            )
         collectives = 0
         for step in graph_steps(program, self._target):
             node, launch = step.node, step.launch

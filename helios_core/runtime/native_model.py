@@ -211,13 +211,11 @@ def _load_cuda(
     """Open the GPU, choose cache pages from its free memory, build the CUDA backend on that context (which
     makes a one-rank NCCL communicator when the core has collective nodes). A core of more than one rank is
     refused before the GPU is touched."""
-    from helios_core.backends.cuda import CudaBackend, check_targets, reserved_device_nbytes
+    from helios_core.backends.cuda import CudaBackend, check_targets, reserved_device_nbytes, sparse_entries
     from helios_core.backends.cuda_driver import CudaUnavailableError, open_context
 
     if contract.ranks > 1:
-        raise StartupError(
-            f"the core is built for {contract.ranks} tensor-parallel ranks; {CUDA_RANK_LIMIT}"
-        )
+        raise StartupError(f"the core is built for {contract.ranks} tensor-parallel ranks; {CUDA_RANK_LIMIT}")
     try:
         context = open_context(0)
     except CudaUnavailableError as exc:
@@ -225,7 +223,11 @@ def _load_cuda(
     try:
         check_targets(contract.execution, context.architecture)
         reserved = reserved_device_nbytes(
-            contract.execution, state_rows=state_rows, snapshot_rows=snapshot_rows, frames=frames
+            contract.execution,
+            state_rows=state_rows,
+            snapshot_rows=snapshot_rows,
+            frames=frames,
+            sparse=sparse_entries(contract),
         )
         pages = choose_cache_pages(contract, selection, cap, DeviceMemory(context.free_memory(), reserved))
         backend = CudaBackend(
@@ -245,8 +247,7 @@ def _load_cuda(
 
 
 CUDA_RANK_LIMIT = (
-    "the CUDA backend runs one rank until multi-GPU serving is supported; --backend reference runs the ranks "
-    "as threads"
+    "the CUDA backend runs one rank until multi-GPU serving is supported; --backend reference runs the ranks as threads"
 )
 """Why a CUDA backend refuses a core of more than one rank (said in the startup error)."""
 

@@ -30,16 +30,19 @@ import pytest
 from helios_core.backends import cuda_driver, reference
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.cuda import (
+    SPARSE_SOURCES,
     STAGING_ALIGNMENT,
     TRANSPORT_COPY_LIMIT,
     CudaBackend,
     check_targets,
+    copy_spans,
     frame_addresses,
     launch_span,
     plan_completion,
     plan_transport,
     reserved_device_nbytes,
     runtime_shape,
+    sparse_entries,
 )
 from helios_core.backends.cuda_driver import CudaError, HostBuffer, ParamPack, cuda_available, pack_params
 from helios_core.backends.reference import ReferenceBackend
@@ -61,6 +64,7 @@ from helios_core.runtime.native_model import (
 )
 from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import container_pb2 as cb
+from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
 from .conftest import FIXTURES, KEYS, NAMESPACE, fixture_settings
@@ -197,9 +201,21 @@ def test_transport_layout_of_a_tiny_core(verified: VerifiedCore) -> None:
         previous_end = slot.end
 
 
-def test_entries_above_the_threshold_are_mapped(verified: VerifiedCore) -> None:
+def test_sparse_entries_are_those_bound_only_to_sources_read_for_a_few_rows(verified: VerifiedCore) -> None:
+    assert sparse_entries(verified.contract) == {"grammar_mask", "prompt_histogram"}
+    expected = {ct.VALUE_SOURCE_GRAMMAR_MASK, ct.VALUE_SOURCE_CANDIDATE_GRAMMAR_MASKS, ct.VALUE_SOURCE_PROMPT_HISTOGRAM}
+    assert expected == SPARSE_SOURCES
+
+
+def test_only_sparse_entries_above_the_threshold_are_mapped(verified: VerifiedCore) -> None:
     transport = verified.contract.execution.transport
-    layout = plan_transport(transport, copy_limit=1024)  # prompt_histogram holds 4 x 320 bytes
+    sparse = sparse_entries(verified.contract)
+    sizes = {e.name: math.prod(e.shape) * NUMPY_DTYPES[e.dtype].itemsize for e in transport.entries}
+    assert sizes["page_table"] == 256 and sizes["grammar_mask"] == 160 and sizes["prompt_histogram"] == 1280
+    dense = plan_transport(transport, sparse=sparse, copy_limit=128)  # the page table is read whole: copied
+    assert list(dense.mapped.slots) == ["grammar_mask", "prompt_histogram"] and "page_table" in dense.copied.slots
+    assert not plan_transport(transport, copy_limit=128).mapped.slots  # nothing named sparse: all copied
+    layout = plan_transport(transport, sparse=sparse, copy_limit=1024)  # prompt_histogram holds 4 x 320 bytes
     assert list(layout.mapped.slots) == ["prompt_histogram"]
     assert layout.mapped.slots["prompt_histogram"].offset == 0 and layout.mapped.nbytes == 1280
     assert "prompt_histogram" not in layout.copied.slots
@@ -208,7 +224,7 @@ def test_entries_above_the_threshold_are_mapped(verified: VerifiedCore) -> None:
     assert layout.slot("prompt_histogram") == (layout.mapped.slots["prompt_histogram"], True)
     assert layout.slot("frame_index") == (layout.copied.slots["frame_index"], False)
     assert layout.slot("nothing") is None
-    at_limit = plan_transport(transport, copy_limit=1280)  # the limit itself is still copied
+    at_limit = plan_transport(transport, sparse=sparse, copy_limit=1280)  # the limit itself is still copied
     assert not at_limit.mapped.slots
 
 
@@ -219,7 +235,7 @@ def test_the_real_model_s_large_entries_are_mapped() -> None:
     transport.entries.add(name="grammar_mask", dtype=mf.DTYPE_I32, shape=[8, 1536])
     transport.entries.add(name="prompt_histogram", dtype=mf.DTYPE_U8, shape=[8, 49152])
     transport.entries.add(name="frame_index", dtype=mf.DTYPE_I32, shape=[1])
-    layout = plan_transport(transport)
+    layout = plan_transport(transport, sparse={"grammar_mask", "prompt_histogram"})
     assert list(layout.copied.slots) == ["positions", "grammar_mask", "frame_index"]
     assert [s.offset for s in layout.copied.slots.values()] == [0, 256, 256 + 49152]
     assert list(layout.mapped.slots) == ["prompt_histogram"] and layout.mapped.nbytes == 393216
@@ -272,9 +288,28 @@ def test_copy_spans_cover_exactly_the_referenced_entries(verified: VerifiedCore)
     assert launch_span(programs["decode_b1"], "sm_100a", layout.copied) is None
 
 
+def test_copy_spans_split_where_an_unreferenced_stretch_exceeds_the_gap(verified: VerifiedCore) -> None:
+    execution = with_launches(verified.contract.execution)
+    layout = plan_transport(execution.transport).copied
+    for program in execution.programs:
+        whole = launch_span(program, TARGET, layout)
+        named = {arg.view.buffer for node in program.nodes for arg in node.args} & set(layout.slots)
+        assert copy_spans(program, TARGET, layout) == ([whole] if whole else [])  # the tiny block has no long gap
+        spans = copy_spans(program, TARGET, layout, gap=0)
+        assert spans == sorted(spans) and all(a[1] < b[0] for a, b in itertools.pairwise(spans))
+        covered = {n for n, slot in layout.slots.items() if any(a <= slot.offset < b for a, b in spans)}
+        assert covered == named, program.name  # every named entry, no other, once the gap is zero
+        for begin, end in spans:
+            inside = sorted((s for s in layout.slots.values() if begin <= s.offset < end), key=lambda s: s.offset)
+            assert inside[0].offset == begin and inside[-1].end == end
+            assert all(a.end + STAGING_ALIGNMENT > b.offset for a, b in itertools.pairwise(inside))
+    decode = next(p for p in execution.programs if p.name == "decode_b1")
+    assert len(copy_spans(decode, TARGET, layout, gap=0)) > 1
+
+
 def test_frame_addresses_resolve_each_kind_of_buffer(verified: VerifiedCore) -> None:
     execution = verified.contract.execution
-    layout = plan_transport(execution.transport, copy_limit=1024)
+    layout = plan_transport(execution.transport, sparse=sparse_entries(verified.contract), copy_limit=1024)
     shapes = {d.name: runtime_shape(d, cache_pages=8, state_rows=2, snapshot_rows=0) for d in execution.buffers}
     completion = plan_completion(execution.buffers, shapes)
     shared = {"tok_embd": 0x5000_0000, "cache.k0": 0x6000_0000}
@@ -768,6 +803,26 @@ def test_staging_and_records_are_views_of_each_frame_s_pinned_memory(verified: V
 
 def _structure(executable: _Executable) -> list[tuple[str, bool]]:
     return [(node.kind, node.programmatic) for node in executable.nodes]
+
+
+def test_a_graph_chains_one_copy_in_per_span(verified: VerifiedCore) -> None:
+    emulated = emulated_backend(verified, copy_limit=0)  # every sparse entry mapped, spans split at every gap
+    backend = emulated.backend
+    try:
+        program = next(p for p in emulated.contract.execution.programs if p.name == "decode_b4")
+        spans = copy_spans(program, TARGET, backend.transport_layout.copied, gap=0)
+        assert len(spans) > 1
+        for frame, executable in enumerate(backend._programs["decode_b4"]):
+            state = backend._frames[frame]
+            copies = executable.nodes[: len(spans)]
+            assert [(n.kind, n.to_device) for n in copies] == [("copy", True)] * len(spans)
+            assert [(n.dst, n.src, n.nbytes) for n in copies] == [
+                (state.device + start, state.host.pointer + start, end - start) for start, end in spans
+            ]
+            assert copies[0].after is None and all(b.after is a for a, b in itertools.pairwise(copies))
+            assert executable.nodes[len(spans)].kind == "kernel" and executable.nodes[len(spans)].after is copies[-1]
+    finally:
+        backend.close()
 
 
 @pytest.mark.parametrize("programmatic", [True, False])

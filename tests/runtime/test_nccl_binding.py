@@ -447,7 +447,7 @@ def _fake_backend(programmatic: bool = True, captured_nodes: int = 1) -> tuple[C
     backend.__dict__.update(
         _closed=False, _context=context, _frames=[frame], _builders=[], _executables=[], _collectives={},
         _shared=shared, _buffer_dtypes=dict.fromkeys(shared, BF16), _communicator=RecordingCommunicator(context.log),
-        _target="sm_90a", _programmatic=programmatic, _transport_spans={"decode_b1": (0, 64)},
+        _target="sm_90a", _programmatic=programmatic, _transport_spans={"decode_b1": [(0, 64)]},
         _completion_spans={"decode_b1": (0, 16)},
     )  # fmt: skip
     return backend, context
