@@ -16,12 +16,20 @@ Which is faster depends on the core, the GPU, the batch and the text, so it is m
 * Serving alternates a probe of each kind (:data:`PROBE_ROUNDS` rounds, the first of each not counted: it
   drains or refills the frames; :data:`RECHECK_ROUNDS` for speculation after a decode stretch) with a
   stretch of the faster kind (:data:`STRETCH_ROUNDS` rounds, doubled each time the same kind wins again,
-  up to :data:`STRETCH_GROWTH` times; speculation must lead by :data:`MARGIN`). A probe of speculation
-  without a speculative round (no proposals) measures it at nothing. During a decode probe or stretch,
-  decode rounds are launched ahead as without speculation.
+  up to :data:`STRETCH_GROWTH` times; speculation must lead by :data:`MARGIN`). A decode stretch is also
+  long enough that the recheck after it, at the loss per speculative round just measured, costs at most
+  :data:`PROBE_SHARE` of the stretch's time (a speculative round of a large batch can cost ten decode
+  steps), up to :data:`MAX_STRETCH_ROUNDS`. A probe of speculation without a speculative round (no
+  proposals) measures it at nothing. During a decode probe or stretch, decode rounds are launched ahead as
+  without speculation.
 * Each band of member counts (1, 2, 3 to 4, 5 to 8, ...) has its own cycle and measurements: a count of
-  decode-ready requests that moves to another band resumes that band's cycle where it was (a new band
-  starts with its probes), and a round counts towards the band of its own lanes.
+  decode-ready requests that moves to another band resumes that band's cycle where it was, and a round
+  counts towards the band of its own lanes. A new band starts with its probes, unless the nearest smaller
+  band that has chosen chose decode: the new band then starts with a decode stretch as long as that band's
+  last one. Speculation pays less as the batch grows (a decode round's rows stream the weights nearly for
+  free at a small batch; at a large one each verified row costs compute), so a band does not probe what a
+  smaller one found slower, and a membership that grows through the bands (a burst of arrivals) runs no
+  speculative probe at each.
 
 Greedy output does not depend on the choice (speculation is exact), nor does seeded sampling (each program
 advances a row's random stream by its declared draws); only the speed does.
@@ -30,6 +38,7 @@ advances a row's random stream by its declared draws); only the speed does.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,6 +61,14 @@ STRETCH_GROWTH = 16
 """A stretch doubles each time the same kind is chosen again in its band, up to this many times
 :data:`STRETCH_ROUNDS`: a probe of the slower kind costs a fixed few rounds (a speculative round of a large
 batch can cost several decode steps), so a settled choice is measured less and less often."""
+
+MAX_STRETCH_ROUNDS = STRETCH_ROUNDS * STRETCH_GROWTH
+"""The longest stretch: a settled choice is measured again at least this often (the text, and with it the
+acceptance, changes as requests come and go)."""
+
+PROBE_SHARE = 0.02
+"""At most this share of a decode stretch's time goes to the recheck of speculation after it, at the loss per
+speculative round the last probe measured (the stretch lengthens to hold it, up to :data:`MAX_STRETCH_ROUNDS`)."""
 
 MARGIN = 1.05
 """Speculation is chosen when it measured more than this many times decode's rate: a lead of a few per cent
@@ -107,15 +124,19 @@ class _Band:
     chosen: Phase | None = None
     repeats: int = 0
     """How many stretches in a row chose ``chosen`` (the stretch length doubles with each)."""
+    stretch: int = 0
+    """The length in rounds of the last stretch begun."""
 
-    def begin(self, phase: Phase) -> None:
+    def begin(self, phase: Phase, *, at_least: int = 0) -> None:
+        """Enter ``phase``; a stretch lasts at least ``at_least`` rounds (up to :data:`MAX_STRETCH_ROUNDS`)."""
         self.phase, self.counted = phase, 0
         if phase is Phase.PROBE_SPECULATION:
             self.speculative, self.decode = _Tally(), _Tally()
         if phase in (Phase.SPECULATE, Phase.DECODE):
             self.repeats = self.repeats + 1 if phase is self.chosen else 1
             self.chosen = phase
-            self.left = STRETCH_ROUNDS * min(2 ** (self.repeats - 1), STRETCH_GROWTH)
+            doubled = STRETCH_ROUNDS * min(2 ** (self.repeats - 1), STRETCH_GROWTH)
+            self.left = self.stretch = min(max(doubled, at_least), MAX_STRETCH_ROUNDS)
         elif phase is Phase.PROBE_SPECULATION and self.chosen is Phase.DECODE:
             self.left = RECHECK_ROUNDS
         else:
@@ -142,7 +163,20 @@ class SpeculationPayoff:
         return self._band.phase
 
     def _of(self, members: int) -> _Band:
-        return self._bands.setdefault(members_band(members), _Band())
+        """The band of ``members``; a new one starts with its probes, or with a decode stretch as long as the
+        last one of the nearest smaller band that has chosen, where that band chose decode."""
+        number = members_band(members)
+        band = self._bands.get(number)
+        if band is None:
+            band = self._bands[number] = _Band()
+            smaller = next(
+                (self._bands[n] for n in sorted(self._bands, reverse=True) if n < number and self._bands[n].chosen),
+                None,
+            )
+            if smaller is not None and smaller.chosen is Phase.DECODE:
+                band.begin(Phase.DECODE, at_least=smaller.stretch)
+                self.stretches[Phase.DECODE.value] = self.stretches.get(Phase.DECODE.value, 0) + 1
+        return band
 
     def speculate(self, members: int) -> bool:
         """Whether a round of ``members`` decode-ready requests should be speculative (each band keeps its
@@ -179,6 +213,19 @@ class SpeculationPayoff:
             self.rates = (band.speculative.rate(), band.decode.rate())
             faster = Phase.SPECULATE if self.rates[0] > MARGIN * self.rates[1] else Phase.DECODE
             self.stretches[faster.value] = self.stretches.get(faster.value, 0) + 1
-            band.begin(faster)
+            band.begin(faster, at_least=recheck_stretch(band.speculative, band.decode) if faster is Phase.DECODE else 0)
         else:
             band.begin(Phase.PROBE_SPECULATION)
+
+
+def recheck_stretch(speculative: _Tally, decode: _Tally) -> int:
+    """The decode rounds after which a recheck of speculation (:data:`RECHECK_ROUNDS` rounds at the measured
+    loss per speculative round: its time less what decode takes for the same tokens) costs
+    :data:`PROBE_SHARE` of the stretch's time; 0 without a loss measured."""
+    decode_rate = decode.rate()
+    if not speculative.rounds or decode_rate <= 0:
+        return 0
+    loss = (speculative.seconds - speculative.tokens_per_lane / decode_rate) / speculative.rounds
+    if loss <= 0:
+        return 0
+    return math.ceil(round(loss * RECHECK_ROUNDS / (PROBE_SHARE * decode.seconds / decode.rounds), 6))

@@ -72,9 +72,9 @@ def _cycle(
 def test_a_measurement_chooses_decode_when_speculative_rounds_emit_fewer_tokens_a_second() -> None:
     clock, stretches = _Clock(), {}
     measure = SpeculationPayoff(stretches, clock)
-    _cycle(measure, clock, lanes=4, speculative_ms=3.0, tokens=2, decode_ms=1.0)
+    _cycle(measure, clock, lanes=4, speculative_ms=2.2, tokens=2, decode_ms=1.0)
     assert measure.phase is Phase.DECODE and stretches == {"decode": 1}
-    assert measure.rates == pytest.approx((2 / 0.003, 1 / 0.001))
+    assert measure.rates == pytest.approx((2 / 0.0022, 1 / 0.001))
     assert not measure.speculate(4)
     ahead = []
     for _ in range(payoff.STRETCH_ROUNDS):
@@ -128,13 +128,31 @@ def test_speculation_must_lead_decode_by_the_margin(speculative_ms: float, chose
 def test_each_band_of_member_counts_keeps_its_own_cycle() -> None:
     clock, stretches = _Clock(), {}
     measure = SpeculationPayoff(stretches, clock)
+    _cycle(measure, clock, lanes=5, speculative_ms=1.5, tokens=3, decode_ms=1.0)
+    assert measure.speculate(8) and measure.phase is Phase.SPECULATE  # 5 and 8 share a band: its stretch
+    assert measure.speculate(3) and measure.phase is Phase.PROBE_SPECULATION  # a new band probes first
     _cycle(measure, clock, lanes=3, speculative_ms=3.0, tokens=2, decode_ms=1.0)
-    assert not measure.speculate(4)  # 3 and 4 share a band: still the decode stretch
-    assert measure.speculate(5) and measure.phase is Phase.PROBE_SPECULATION  # a new band probes first
-    assert not measure.speculate(3) and measure.phase is Phase.DECODE  # the band of 3 resumes its stretch
-    _complete(measure, clock, speculative=True, lanes=6, ms=1.0, emitted=6)  # counts towards its own band
-    assert not measure.speculate(4) and measure.phase is Phase.DECODE
-    assert measure.speculate(6) and measure.phase is Phase.PROBE_SPECULATION
+    assert not measure.speculate(4) and measure.phase is Phase.DECODE  # 3 and 4: the decode stretch
+    assert measure.speculate(6) and measure.phase is Phase.SPECULATE  # the band of 5 to 8 resumes its stretch
+    _complete(measure, clock, speculative=False, lanes=4, ms=1.0, emitted=4)  # counts towards its own band
+    assert measure.speculate(7) and measure.phase is Phase.SPECULATE
+    assert measure.speculate(9) and measure.phase is Phase.PROBE_SPECULATION  # above a speculating band: probes
+
+
+def test_a_new_band_above_one_that_chose_decode_starts_with_a_stretch_as_long_as_its_last() -> None:
+    """Speculation pays less as the batch grows: a band whose nearest smaller band that has chosen chose
+    decode starts with a decode stretch of that band's length; a smaller new band still probes."""
+    clock, stretches = _Clock(), {}
+    measure = SpeculationPayoff(stretches, clock)
+    _cycle(measure, clock, lanes=4, speculative_ms=3.0, tokens=2, decode_ms=1.0)
+    assert stretches == {"decode": 1}
+    assert not measure.speculate(200) and measure.phase is Phase.DECODE and stretches == {"decode": 2}
+    assert _stretch(measure, clock, 200, speculative=False) == payoff.recheck_stretch(
+        _tally(3.0, 2, payoff.PROBE_ROUNDS - 1), _tally(1.0, 1, payoff.PROBE_ROUNDS - 1)
+    )
+    assert measure.speculate(200) and measure.phase is Phase.PROBE_SPECULATION  # then it rechecks its own
+    assert measure.speculate(1) and measure.phase is Phase.PROBE_SPECULATION  # a smaller band probes first
+    assert not measure.speculate(16) and measure.phase is Phase.DECODE  # above the band of 4 again
 
 
 def _stretch(measure: SpeculationPayoff, clock: _Clock, lanes: int, *, speculative: bool) -> int:
@@ -151,8 +169,8 @@ def test_a_stretch_doubles_each_time_the_same_kind_wins_again_up_to_its_growth_l
     clock, stretches = _Clock(), {}
     measure = SpeculationPayoff(stretches, clock)
     lengths, probes = [], []
-    for _ in range(7):
-        probes.append(_cycle(measure, clock, lanes=64, speculative_ms=8.0, tokens=4, decode_ms=1.0))
+    for _ in range(7):  # a loss of 0.2 ms a speculative round: the recheck alone needs no longer stretch
+        probes.append(_cycle(measure, clock, lanes=64, speculative_ms=4.2, tokens=4, decode_ms=1.0))
         lengths.append(_stretch(measure, clock, 64, speculative=False))
     base, limit = payoff.STRETCH_ROUNDS, payoff.STRETCH_ROUNDS * payoff.STRETCH_GROWTH
     assert lengths == [min(base * 2**n, limit) for n in range(7)]
@@ -160,6 +178,39 @@ def test_a_stretch_doubles_each_time_the_same_kind_wins_again_up_to_its_growth_l
     _cycle(measure, clock, lanes=64, speculative_ms=2.0, tokens=4, decode_ms=1.0)  # speculation wins: anew
     assert _stretch(measure, clock, 64, speculative=True) == base
     assert stretches == {"decode": 7, "speculate": 1}
+
+
+def _tally(ms: float, tokens: int, rounds: int) -> payoff._Tally:
+    tally = payoff._Tally()
+    for _ in range(rounds):
+        tally.add(ms / 1e3, tokens)
+    return tally
+
+
+@pytest.mark.parametrize(
+    ("speculative_ms", "tokens", "rounds"),
+    [(8.0, 2, 600), (4.2, 4, 20), (2.0, 2, 0), (30.0, 2, 2800)],
+)
+def test_a_recheck_costs_the_probe_share_of_the_decode_stretch_before_it(
+    speculative_ms: float, tokens: int, rounds: int
+) -> None:
+    """Decode at 1 ms a round: a speculative round of ``speculative_ms`` emitting ``tokens`` a lane loses
+    ``speculative_ms - tokens`` ms; a recheck of two such rounds is 2 % of ``rounds`` decode rounds."""
+    assert payoff.recheck_stretch(_tally(speculative_ms, tokens, 3), _tally(1.0, 1, 3)) == rounds
+    assert payoff.recheck_stretch(payoff._Tally(), _tally(1.0, 1, 3)) == 0  # no speculative round: no loss
+
+
+def test_a_decode_stretch_holds_the_recheck_of_its_measured_loss_up_to_the_longest_stretch() -> None:
+    clock, stretches = _Clock(), {}
+    measure = SpeculationPayoff(stretches, clock)
+    _cycle(measure, clock, lanes=256, speculative_ms=8.0, tokens=2, decode_ms=1.0)
+    assert _stretch(measure, clock, 256, speculative=False) == 600
+    recheck = _cycle(measure, clock, lanes=256, speculative_ms=8.0, tokens=2, decode_ms=1.0)
+    assert recheck == payoff.RECHECK_ROUNDS
+    assert recheck * (8.0 - 2 * 1.0) <= payoff.PROBE_SHARE * 600 * 1.0  # the recheck lost 2 % of the stretch
+    assert _stretch(measure, clock, 256, speculative=False) == 600  # doubling (128) stays below it
+    _cycle(measure, clock, lanes=256, speculative_ms=30.0, tokens=2, decode_ms=1.0)
+    assert _stretch(measure, clock, 256, speculative=False) == payoff.MAX_STRETCH_ROUNDS
 
 
 @pytest.mark.parametrize(("members", "band"), [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (256, 8)])
