@@ -895,7 +895,7 @@ def measure_engine(
         clock = gpu_decode.RoundClock(running)
         rng = np.random.default_rng(11)
         warm = gpu_decode._requests("warm", 2, prompt, 4, vocab, rng)
-        gpu_decode.collect([running.engine.submit(r) for r in warm], args.timeout)
+        gpu_decode.collect(running.engine, warm, args.timeout)
         for batch in clients:
             if budget.spent(report, f"{backend} engine batch {batch}"):
                 continue

@@ -271,7 +271,7 @@ def measure_mode(
         if "workload" not in entry:
             prompts = random_prompts(plan.max_rows, plan.prompt, vocab, plan.seed + 17)
             entry["workload"], entry["workload_agreement"] = make_workload(
-                prompts, lambda requests: gpu_decode.collect([engine.submit(r) for r in requests], plan.timeout_s),
+                prompts, lambda requests: gpu_decode.collect(engine, requests, plan.timeout_s),
                 plan,
             )  # fmt: skip
             agreement = ", ".join(f"{a:.2f}" for a in entry["workload_agreement"])
@@ -281,7 +281,7 @@ def measure_mode(
             )
             save()
         workload: list[list[int]] = entry["workload"]
-        gpu_decode.collect([engine.submit(r) for r in _requests("warm", workload[:1], 8)], plan.timeout_s)
+        gpu_decode.collect(engine, _requests("warm", workload[:1], 8), plan.timeout_s)
         for batch in plan.batches:
             if time.monotonic() - gpu_decode.STARTED > plan.budget_s:
                 result.setdefault("errors", {})[f"batch {batch}"] = f"skipped: past the {plan.budget_s:.0f} s budget"
@@ -291,8 +291,7 @@ def measure_mode(
             clock.records.clear()
             try:
                 outcome = gpu_decode.collect(
-                    [engine.submit(r) for r in _requests(f"{mode}-b{batch}", workload[:batch], plan.tokens)],
-                    plan.timeout_s,
+                    engine, _requests(f"{mode}-b{batch}", workload[:batch], plan.tokens), plan.timeout_s
                 )
                 window = gpu_decode.decode_window(outcome, plan.workload_prompt)
             except TimeoutError:
@@ -307,6 +306,7 @@ def measure_mode(
             window["rounds"] = gpu_decode.rounds_by_program(
                 clock.records, window["window_begin_ns"], window["window_end_ns"]
             )
+            window["trace"] = gpu_decode.round_trace(clock.records, window["window_begin_ns"], window["window_end_ns"])
             result["batches"][str(batch)] = window
             spec_note = ""
             if mode != "plain":
@@ -316,7 +316,8 @@ def measure_mode(
                 if stretches:
                     spec_note += f", stretches so far {dict(stretches)}"
             rounds = "; ".join(
-                f"{program} x{r['rounds']}: wall {r['wall_us_median']:.0f} wait {r['wait_us_median']:.0f} "
+                f"{program} x{r['rounds']}: wall {r['wall_us_median']:.0f} (mean {r['wall_us_mean']:.0f}, "
+                f"max {r['wall_us_max']:.0f}) wait {r['wait_us_median']:.0f} "
                 f"host {r['host_us_median']:.0f} launch {r['launch_us_median']:.0f}"
                 for program, r in window["rounds"].items()
             )
