@@ -86,7 +86,7 @@ class StreamText:
         """``event`` (published with its token's text empty) with its text."""
         token = event.token_id
         return TokenEvent(
-            event.request_id, token, event.logprob, [(token, self.push(token))], event.timestamp_ns, event.top
+            event.request_id, token, event.logprob, ((token, self.push(token)),), event.timestamp_ns, event.top
         )
 
     def finished(self, event: Finished) -> Finished:

@@ -119,14 +119,19 @@ class TokenEvent(msgspec.Struct, frozen=True, tag="token", gc=False):
     ``token_id`` is the raw sampled id (observation and usage count every one, EOS and stop tokens
     included). ``pieces`` are the (id, text) pairs presentation may show now: usually this token,
     nothing while a possible stop is buffered, several when a buffered prefix is released.
+
+    The pieces and the top alternatives are tuples of numbers and strings, which the cyclic collector
+    stops tracking at its first pass: events a slow reader leaves queued (a quarter of a million at 256
+    requests of a thousand tokens) then cost the collector's full passes nothing, and those passes run
+    on whichever thread allocates, the model worker's included.
     """
 
     request_id: str
     token_id: int
     logprob: float
-    pieces: list[Piece] = []
+    pieces: tuple[Piece, ...] = ()
     timestamp_ns: int = -1
-    top: list[tuple[int, float]] = []
+    top: tuple[tuple[int, float], ...] = ()
     """The top alternatives (id, logprob), best first, when the request asked for them."""
 
 
@@ -197,9 +202,9 @@ class RoundTokens(msgspec.Struct, frozen=True, gc=False):
         lane = self.lanes[request_id]
         token = self.token_ids[lane]
         if text is not None:
-            return TokenEvent(request_id, token, self.logprobs[lane], [(token, text(token))], -1)
+            return TokenEvent(request_id, token, self.logprobs[lane], ((token, text(token)),), -1)
         piece = self.texts[lane] if self.texts is not None else ""
-        return TokenEvent(request_id, token, self.logprobs[lane], [(token, piece)], -1)
+        return TokenEvent(request_id, token, self.logprobs[lane], ((token, piece),), -1)
 
 
 Outgoing = Event | RoundTokens

@@ -50,7 +50,15 @@ from helios_core.runtime.completion import (
     as_results,
 )
 from helios_core.runtime.gates import gate_failure
-from helios_core.runtime.messages import Event, FinishReason, Outgoing, PromptScores, RoundTokens, TokenEvent
+from helios_core.runtime.messages import (
+    Event,
+    FinishReason,
+    Outgoing,
+    Piece,
+    PromptScores,
+    RoundTokens,
+    TokenEvent,
+)
 from helios_core.runtime.plan import RoundPlan
 from helios_core.runtime.residency import Residency
 from helios_core.runtime.slots import Phase, RequestState
@@ -236,8 +244,8 @@ class RoundCompletion:
                 except Exception as exc:  # the request's own grammar or stops: it fails alone
                     events.append(residency.fail(state, gate_failure(exc)))
                     continue
-            pieces = outcome.pieces if outcome is not None else [(token, "")]
-            events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp, result.top))
+            pieces = tuple(outcome.pieces) if outcome is not None else ((token, ""),)
+            events.append(TokenEvent(state.request_id, token, result.logprob, pieces, stamp, tuple(result.top)))
             if outcome is not None and outcome.stopped:
                 residency.end(state)
                 events.append(residency.finished(state, "stop", flush=False))
@@ -296,7 +304,7 @@ class RoundCompletion:
                 except Exception as exc:  # the request's own grammar or stops: it fails alone
                     failure = exc
                     break
-            pieces = outcome.pieces if outcome is not None else [(token, "")]
+            pieces = tuple(outcome.pieces) if outcome is not None else ((token, ""),)
             events.append(TokenEvent(state.request_id, token, logprob, pieces, stamp))
             if outcome is not None and outcome.stopped:
                 ending = ("stop", False)
@@ -623,17 +631,19 @@ class RoundCompletion:
             gate = state.gate
             try:
                 if gate is None or plain:
-                    pieces = [(token, text(token))]
+                    pieces: tuple[Piece, ...] = ((token, text(token)),)
                 else:
                     outcome = gate.observe(token)
-                    pieces = outcome.pieces
+                    pieces = tuple(outcome.pieces)
                     if outcome.stopped:
                         gate_stops.append(index)
             except Exception as exc:  # the request's own grammar, stops or detokenizer: it fails alone
                 skipped.add(index)
                 events.append(self.residency.fail(state, gate_failure(exc)))
                 continue
-            events.append(TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tops.get(index, [])))
+            events.append(
+                TokenEvent(state.request_id, token, logprobs[index], pieces, stamp, tuple(tops.get(index, ())))
+            )
 
 
 def _generations(plan: RoundPlan) -> list[int]:

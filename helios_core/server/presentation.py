@@ -54,6 +54,7 @@ through :mod:`helios_core.server.errors`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -142,7 +143,7 @@ class _EventPresenter:
     def _start(self, prepared: Prepared, frontend: Frontend) -> None:
         """The state a kind of response adds (called last by the constructor)."""
 
-    def _pieces(self, pieces: list[Piece]) -> list[GeneratedPiece]:
+    def _pieces(self, pieces: Sequence[Piece]) -> list[GeneratedPiece]:
         return [GeneratedPiece(token_id, text) for token_id, text in pieces if token_id not in self._hidden_ids]
 
     def _observe(self, event: TokenEvent) -> None:
@@ -190,7 +191,7 @@ class Presenter(_EventPresenter):
         self._before, self._after = self._chunk_frame("chat.completion.chunk")
 
     # -- shared -----------------------------------------------------------------------------------
-    def _present_logprobs(self, pieces: list[Piece]) -> None:
+    def _present_logprobs(self, pieces: Sequence[Piece]) -> None:
         """Queue the logprob entries of the presented pieces (matched to their token events in order)."""
         if not self._prepared.logprobs:
             return
@@ -393,7 +394,7 @@ class CompletionPresenter(_EventPresenter):
         """JSON: every generated position; SSE: positions not yet sent on a chunk."""
         self._before, self._after = self._chunk_frame("text_completion")
 
-    def _feed(self, pieces: list[Piece]) -> str:
+    def _feed(self, pieces: Sequence[Piece]) -> str:
         """Present ``pieces``: their text (EOS pieces dropped), their logprob positions queued."""
         texts: list[str] = []
         for token_id, text in pieces:

@@ -84,7 +84,7 @@ def test_a_stop_sequence_buffers_its_prefix_until_resolved(start_fixture: Callab
     assert finished.reason == "length"
     presented = [p[0] for e in tokens for p in e.pieces] + [p[0] for p in finished.pieces if p[0] >= 0]
     assert presented == ids
-    assert tokens[2].pieces == []  # the possible stop prefix was held back
+    assert tokens[2].pieces == ()  # the possible stop prefix was held back
 
 
 def test_constrained_and_unconstrained_requests_share_decode_rounds(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import numpy as np
@@ -68,7 +69,7 @@ def test_top_alternatives_only_when_asked(start_fixture: Callable[..., RunningMo
         for e in _events(running, PreparedRequest("t", prompt, 3, GREEDY, ignore_eos=True, top_logprobs=2))
         if isinstance(e, TokenEvent)
     ]
-    assert all(e.top == [] for e in plain)
+    assert all(e.top == () for e in plain)
     assert [len(e.top) for e in two] == [2, 2, 2]
     assert [(e.token_id, e.logprob) for e in plain] == [(e.token_id, e.logprob) for e in two]
 
@@ -179,3 +180,29 @@ def test_read_lanes_reads_top_and_scores_per_lane() -> None:
     assert isinstance(second, CompletionError) and "top alternative id 99" in str(second)
     (plain,) = read_lanes(record, 7, [LaneExpectation(1, 3, True)], sampled_size=10)
     assert not isinstance(plain, CompletionError) and plain.top == [] and plain.scores == []
+
+
+def test_published_token_events_hold_nothing_the_cyclic_collector_tracks(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    """A token event's pieces and top alternatives are tuples of numbers and text, which the collector
+    stops tracking at its first pass (lists stay tracked): events a slow reader leaves queued cost the
+    collector's full passes nothing. Every way a token is published: concurrent plain requests (a
+    round's tokens shared by its streams), timestamps, top alternatives, a string stop's gate."""
+    running = start_fixture()
+    prompt = _prompt(running)
+    requests = [
+        PreparedRequest("plain-a", prompt, 4, GREEDY, ignore_eos=True),
+        PreparedRequest("plain-b", prompt, 4, GREEDY, ignore_eos=True),
+        PreparedRequest("stamped", prompt, 4, GREEDY, ignore_eos=True, observe_timestamps=True),
+        PreparedRequest("top", prompt, 4, GREEDY, ignore_eos=True, top_logprobs=2),
+        PreparedRequest("stopped", prompt, 4, GREEDY, ignore_eos=True, string_stops=["\x00never"]),
+    ]
+    streams = [running.engine.submit(request) for request in requests]
+    tokens = [e for stream in streams for e in stream if isinstance(e, TokenEvent)]
+    assert len(tokens) == 4 * len(requests)
+    assert sum(bool(e.top) for e in tokens) == 4 and sum(e.timestamp_ns >= 0 for e in tokens) >= 4
+    gc.collect()  # a tuple of tuples: the inner ones stop being tracked in the first pass, the outer in the next
+    gc.collect()
+    assert [gc.is_tracked(e.pieces) or gc.is_tracked(e.top) for e in tokens] == [False] * len(tokens)
+    assert [type(e.pieces) for e in tokens] == [tuple] * len(tokens)

@@ -29,12 +29,12 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def test_a_round_token_lane_is_the_token_event_it_stands_for() -> None:
     tokens = RoundTokens({"a": 0, "b": 1}, [7, 9], [-0.5, -1.25], ["x", ""])
-    assert tokens.event("b") == TokenEvent("b", 9, -1.25, [(9, "")], -1)
-    assert tokens.event("a") == TokenEvent("a", 7, -0.5, [(7, "x")], -1, [])
+    assert tokens.event("b") == TokenEvent("b", 9, -1.25, ((9, ""),), -1)
+    assert tokens.event("a") == TokenEvent("a", 7, -0.5, ((7, "x"),), -1, ())
     stream = RequestStream("b")
     stream.put(tokens)
     stream.put(Finished("b", "length", 3, 1))
-    assert list(stream) == [TokenEvent("b", 9, -1.25, [(9, "")]), Finished("b", "length", 3, 1)]
+    assert list(stream) == [TokenEvent("b", 9, -1.25, ((9, ""),)), Finished("b", "length", 3, 1)]
 
 
 def _work(running: RunningModel) -> list[PreparedRequest]:
@@ -128,8 +128,8 @@ def test_stream_text_gives_what_a_plain_gate_gives(start_fixture: Callable[..., 
         for cut in (len(ids), len(ids) - 1, len(ids) - 3):
             gate, text = HostGate(request, tokenizer, None, table), StreamText(tokenizer, table)
             for token in ids[:cut]:
-                assert text.token(TokenEvent("t", token, -0.5, [(token, "")], 9, [(1, -1.0)])) == TokenEvent(
-                    "t", token, -0.5, gate.observe(token).pieces, 9, [(1, -1.0)]
+                assert text.token(TokenEvent("t", token, -0.5, ((token, ""),), 9, ((1, -1.0),))) == TokenEvent(
+                    "t", token, -0.5, tuple(gate.observe(token).pieces), 9, ((1, -1.0),)
                 )
             for reason in ("length", "stop"):
                 end = Finished("t", reason, 1, cut)

@@ -131,7 +131,7 @@ def step(scheduler: Scheduler, tokens: Sequence[int] = ()) -> tuple[Round, list[
 
 
 def token(request_id: str, token_id: int) -> TokenEvent:
-    return TokenEvent(request_id, token_id, -0.5, [(token_id, "")])
+    return TokenEvent(request_id, token_id, -0.5, ((token_id, ""),))
 
 
 # -- admission -----------------------------------------------------------------------------------------

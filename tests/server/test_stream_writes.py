@@ -55,7 +55,7 @@ def _writes(queued: list[Event | Interrupt]) -> tuple[list[bytes], list[str]]:
 
 
 def _token(token_id: int) -> TokenEvent:
-    return TokenEvent("r", token_id, 0.0, [(token_id, "x")])
+    return TokenEvent("r", token_id, 0.0, ((token_id, "x"),))
 
 
 def test_queued_events_leave_in_one_write_in_order() -> None:
