@@ -690,16 +690,21 @@ def host_statistics(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) 
     }
 
 
+def _window_rounds(
+    records: Sequence[RoundRecord], begin_ns: int, end_ns: int
+) -> Iterator[tuple[RoundRecord, int, int]]:
+    """The rounds whose completion was read in (begin, end], in order: each record, its wall time (from the
+    previous completion) and its GPU wait (inside ``completion`` and ``transport``), in ns."""
+    for previous, current in itertools.pairwise(records):
+        if begin_ns < current.wait_end_ns <= end_ns:
+            wait = current.wait_end_ns - current.wait_begin_ns + current.staging_wait_ns
+            yield current, current.wait_end_ns - previous.wait_end_ns, wait
+
+
 def round_trace(records: Sequence[RoundRecord], begin_ns: int, end_ns: int) -> list[tuple[str, float, float]]:
     """The rounds whose completion was read in (begin, end], in order: program, wall and GPU wait in µs."""
     return [
-        (
-            current.program,
-            (current.wait_end_ns - previous.wait_end_ns) / 1000,
-            (current.wait_end_ns - current.wait_begin_ns + current.staging_wait_ns) / 1000,
-        )
-        for previous, current in itertools.pairwise(records)
-        if begin_ns < current.wait_end_ns <= end_ns
+        (record.program, wall / 1000, wait / 1000) for record, wall, wait in _window_rounds(records, begin_ns, end_ns)
     ]
 
 
@@ -709,11 +714,8 @@ def rounds_by_program(records: Sequence[RoundRecord], begin_ns: int, end_ns: int
     ``transport``), the host time (wall less wait: planning, packing, launch, validation, publishing) and
     the launch, in µs."""
     grouped: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
-    for previous, current in itertools.pairwise(records):
-        if begin_ns < current.wait_end_ns <= end_ns:
-            wall = current.wait_end_ns - previous.wait_end_ns
-            wait = current.wait_end_ns - current.wait_begin_ns + current.staging_wait_ns
-            grouped[current.program].append((wall, wait, current.run_ns))
+    for record, wall, wait in _window_rounds(records, begin_ns, end_ns):
+        grouped[record.program].append((wall, wait, record.run_ns))
     return {
         program: {
             "rounds": len(rounds),

@@ -37,6 +37,11 @@ def _fail(command: str, message: str, code: int = EXIT_ERROR) -> int:
     return code
 
 
+def _status_line(line: str) -> None:
+    """One status line of a long-running command (``helios run``, ``helios rank``), to stderr at once."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _trust_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-key",
@@ -293,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from helios_core.server.serve import resolve_options, serve
 
     explicit = {name: getattr(args, name) for name in _RUN_OPTIONS}
-    serve(resolve_options(explicit, args.config), announce=lambda line: print(line, file=sys.stderr, flush=True))
+    serve(resolve_options(explicit, args.config), announce=_status_line)
     return EXIT_OK
 
 
@@ -447,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from helios_core.server.rank_command import add_rank_command
 
-    add_rank_command(sub, _trust_arguments)
+    add_rank_command(sub, _trust_arguments, _status_line)
 
     from helios_core.plugins.cli_command import add_plugins_command
 

@@ -174,9 +174,13 @@ class SpeculationPayoff:
                 None,
             )
             if smaller is not None and smaller.chosen is Phase.DECODE:
-                band.begin(Phase.DECODE, at_least=smaller.stretch)
-                self.stretches[Phase.DECODE.value] = self.stretches.get(Phase.DECODE.value, 0) + 1
+                self._choose(band, Phase.DECODE, at_least=smaller.stretch)
         return band
+
+    def _choose(self, band: _Band, phase: Phase, *, at_least: int = 0) -> None:
+        """Begin a stretch of ``phase`` in ``band`` (of at least ``at_least`` rounds) and count it."""
+        self.stretches[phase.value] = self.stretches.get(phase.value, 0) + 1
+        band.begin(phase, at_least=at_least)
 
     def speculate(self, members: int) -> bool:
         """Whether a round of ``members`` decode-ready requests should be speculative (each band keeps its
@@ -212,8 +216,9 @@ class SpeculationPayoff:
         elif band.phase is Phase.PROBE_DECODE:
             self.rates = (band.speculative.rate(), band.decode.rate())
             faster = Phase.SPECULATE if self.rates[0] > MARGIN * self.rates[1] else Phase.DECODE
-            self.stretches[faster.value] = self.stretches.get(faster.value, 0) + 1
-            band.begin(faster, at_least=recheck_stretch(band.speculative, band.decode) if faster is Phase.DECODE else 0)
+            self._choose(
+                band, faster, at_least=recheck_stretch(band.speculative, band.decode) if faster is Phase.DECODE else 0
+            )
         else:
             band.begin(Phase.PROBE_SPECULATION)
 

@@ -11,7 +11,7 @@ with one error line and exit status 1.
 from __future__ import annotations
 
 import argparse
-import sys
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +19,8 @@ from typing import Any
 __all__ = ["add_rank_command", "cmd_rank"]
 
 
-def _say(line: str) -> None:
-    print(f"helios rank: {line}", file=sys.stderr, flush=True)
-
-
-def cmd_rank(args: argparse.Namespace) -> int:
+def cmd_rank(args: argparse.Namespace, *, write: Callable[[str], None]) -> int:
+    """Run the rank; its status lines go to ``write`` (the CLI's stderr), prefixed ``helios rank:``."""
     from helios_core.backends.rank_processes import (
         DEFAULT_JOIN_TIMEOUT_S,
         parse_address,
@@ -32,6 +29,9 @@ def cmd_rank(args: argparse.Namespace) -> int:
     )
     from helios_core.errors import StartupError
     from helios_core.loading import TrustSettings, open_core
+
+    def say(line: str) -> None:
+        write(f"helios rank: {line}")
 
     host, port = parse_address(args.join, "--join")
     secret = read_secret_file(args.rank_secret_file)
@@ -48,16 +48,19 @@ def cmd_rank(args: argparse.Namespace) -> int:
             args.rank,
             secret,
             timeout_s=DEFAULT_JOIN_TIMEOUT_S if args.rank_join_timeout is None else args.rank_join_timeout,
-            announce=_say,
+            announce=say,
         )
     finally:
         verified.close()
-    _say(f"stopped: {reason}")
+    say(f"stopped: {reason}")
     return 0
 
 
-def add_rank_command(sub: Any, trust_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``helios rank`` (``trust_arguments`` adds ``--trust-key``, ``--accept``, ``--core-key``)."""
+def add_rank_command(
+    sub: Any, trust_arguments: Callable[[argparse.ArgumentParser], None], write: Callable[[str], None]
+) -> None:
+    """Register ``helios rank`` (``trust_arguments`` adds ``--trust-key``, ``--accept``, ``--core-key``;
+    ``write`` puts one status line where the CLI writes them)."""
     rank = sub.add_parser(
         "rank",
         help="run one tensor-parallel rank of a core for a leader started with helios run --rank-listen",
@@ -81,4 +84,4 @@ def add_rank_command(sub: Any, trust_arguments: Callable[[argparse.ArgumentParse
         help="how long to keep trying to reach the leader (default 60)",
     )
     trust_arguments(rank)
-    rank.set_defaults(handler=cmd_rank)
+    rank.set_defaults(handler=functools.partial(cmd_rank, write=write))
