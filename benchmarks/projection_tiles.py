@@ -30,12 +30,21 @@ sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels import load_kernel_modules  # noqa: E402
+from ignition.kernels.compiler import planning, precompile  # noqa: E402
 from ignition.kernels.linear import Tiles, choose_tiles, project  # noqa: E402
 from ignition.kernels.lowering import LoweringContext  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
 
 from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
+
+
+def _each_split(
+    shapes: Sequence[tuple[int, int, int, int, int]], splits: Sequence[int], *, descriptors: bool = False
+) -> list[Tiles]:
+    """Tiles of every ``(block_m, block_n, block_k, warps, stages)`` shape at every split."""
+    return [Tiles(*shape, split=split, descriptors=descriptors) for shape in shapes for split in splits]
+
 
 CANDIDATES = (
     Tiles(1, 4, 512, 4, 1),
@@ -67,25 +76,22 @@ CANDIDATES = (
     Tiles(128, 64, 64, 4, 3),
     Tiles(128, 128, 64, 8, 3),
     Tiles(128, 256, 64, 8, 3),
-    *(
-        Tiles(m, n, k, warps, stages, split=split)
-        for m, n, k, warps, stages in (
-            (16, 64, 128, 4, 4),
-            (16, 128, 128, 4, 4),
-            (16, 64, 256, 4, 3),
-            (64, 64, 64, 4, 4),
-            (64, 128, 64, 4, 4),
-            (64, 64, 128, 4, 3),
-            (128, 64, 64, 8, 3),
-            (128, 128, 64, 8, 3),
-        )
-        for split in (2, 4, 8)
+    *_each_split(
+        ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4)),
+        (2, 4, 8),
     ),
+    *_each_split(((64, 64, 128, 4, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3)), (2, 4, 8)),
     Tiles(64, 128, 64, 8, 3),
     Tiles(64, 256, 64, 8, 3),
     Tiles(64, 128, 128, 8, 3),
     *(Tiles(64, 256, 64, 8, 3, split=split) for split in (2, 4)),
     *(Tiles(128, 256, 64, 8, 3, split=split) for split in (2, 4)),
+    *_each_split(
+        ((64, 128, 64, 4, 4), (64, 128, 128, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3)),
+        (1, 2, 4),
+        descriptors=True,
+    ),
+    *_each_split(((128, 256, 64, 8, 3),), (1, 2, 4), descriptors=True),
 )
 
 
@@ -131,12 +137,15 @@ def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool]]:
     }
 
 
-def _candidates(rows: int, n: int, k: int) -> list[Tiles]:
-    """``choose_tiles``' choice first, then the candidates of the same row family."""
+def _candidates(rows: int, n: int, k: int, *, descriptors_only: bool = False) -> list[Tiles]:
+    """``choose_tiles``' choice first, then the candidates of the same row family (only those fed by
+    tensor descriptors with ``descriptors_only``)."""
     chosen = choose_tiles(rows, n, k)
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
     return [
-        t for t in dict.fromkeys((chosen, *CANDIDATES)) if t == chosen or (min(t.block_m, 64) == family and _fits(t, k))
+        t
+        for t in dict.fromkeys((chosen, *CANDIDATES))
+        if t == chosen or (min(t.block_m, 64) == family and _fits(t, k) and (t.descriptors or not descriptors_only))
     ]
 
 
@@ -153,7 +162,8 @@ def _label(tiles: Tiles, chosen: Tiles) -> str:
     if tiles.per_sm:
         return f"{mark}{tiles.block_m}x{tiles.block_n}xrow w{tiles.num_warps} {tiles.per_sm}/SM"
     split = f" /{tiles.split}" if tiles.split > 1 else ""
-    return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}"
+    copy = " tma" if tiles.descriptors else ""
+    return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}{copy}"
 
 
 def _lowered(
@@ -178,19 +188,24 @@ def _lowered(
     return ctx.modules[launches[-1].module], launches[-1], workspaces
 
 
-def _compile_only(shapes: list[str], rows_list: list[int], projections: list[str]) -> int:
-    for shape_name in shapes:
-        for rows in rows_list:
-            for proj, (n, k, gated, normed) in _projections(shape_name).items():
-                if proj not in projections:
-                    continue
-                for tiles in _candidates(rows, n, k):
-                    try:
-                        _lowered(rows, n, k, gated, normed, tiles)
-                    except Exception as exc:  # reported like a tile that fails on the GPU
-                        print(f"{shape_name} {proj} {rows} {tiles}: {exc}")
-                print(f"{shape_name} {proj} rows {rows}: compiled", flush=True)
-    return 0
+def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str], descriptors_only: bool) -> None:
+    """Compile every candidate of the selection, in parallel processes (into the kernel cache)."""
+    with planning() as requests:
+        for shape_name in shapes:
+            for rows in rows_list:
+                for proj, (n, k, gated, normed) in _projections(shape_name).items():
+                    if proj not in projections:
+                        continue
+                    for tiles in _candidates(rows, n, k, descriptors_only=descriptors_only):
+                        try:
+                            _lowered(rows, n, k, gated, normed, tiles)
+                        except Exception as exc:  # reported like a tile that fails on the GPU
+                            print(f"{shape_name} {proj} {rows} {tiles}: {exc}")
+    try:
+        precompile(requests)
+    except Exception as exc:  # a candidate the compiler refuses is reported again when timed
+        print(f"precompile: {exc}")
+    print(f"compiled {len(set(requests))} kernels", flush=True)
 
 
 def _time_ours(
@@ -215,8 +230,11 @@ def _time_ours(
     weights = [cuda.alloc(n * k * 2) for _ in range(copies)]
     rng = np.random.default_rng(0)
     cuda.upload(x, rng.standard_normal(rows * (2 * k if gated else k)).astype(np.float32))
+    # one block of random bf16 values repeated over every copy: the copies only keep the weights out of L2
+    block = (rng.standard_normal(min(n * k, 1 << 20)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits = np.resize(block, n * k)
     for w in weights:
-        cuda.upload(w, (rng.standard_normal(n * k).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        cuda.upload(w, bits)
     norm = cuda.alloc(k * 4)
     cuda.upload(norm, np.ones(k, dtype=np.float32))
     packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out, "norm": norm, **scratch}) for w in weights]
@@ -291,10 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,64,256")
     parser.add_argument("--projections", default="qkv,o,gate_up,down,lm_head", help="which projections to time")
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
+    parser.add_argument(
+        "--descriptors-only", action="store_true", help="time the chosen tile and the tensor-descriptor candidates"
+    )
     args = parser.parse_args(argv)
+    _compile_all(
+        args.shapes.split(","), [int(r) for r in args.rows.split(",")], args.projections.split(","),
+        args.descriptors_only,
+    )  # fmt: skip
     if args.compile_only:
-        rows = [int(r) for r in args.rows.split(",")]
-        return _compile_only(args.shapes.split(","), rows, args.projections.split(","))
+        return 0
     bandwidth = copy_bandwidth("cuda")
     cuda = Context(0)
     print(f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
@@ -310,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                 chosen = choose_tiles(rows, n, k)
                 cublas = _time_torch(rows, n, k, copies)
                 floor = n * k * 2 / bandwidth * 1e6
-                for tiles in _candidates(rows, n, k):
+                for tiles in _candidates(rows, n, k, descriptors_only=args.descriptors_only):
                     label = _label(tiles, chosen)
                     try:
                         us, graph_us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies)

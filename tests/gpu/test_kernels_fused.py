@@ -91,6 +91,37 @@ def test_streaming_projection(
     assert relative_error(got["out"], want["out"]) < 1e-2
 
 
+DESCRIBED = [
+    # rows, N, K, tiles
+    (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),
+    (130, 1000, 200, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # partial row, column and K tiles
+    (512, 4096, 4096, Tiles(128, 256, 64, 8, 3, descriptors=True)),
+    (64, 2048, 8192, Tiles(64, 128, 64, 4, 4, split=4, descriptors=True)),
+    (200, 3072, 2048, Tiles(128, 128, 128, 8, 3, split=3, descriptors=True)),  # a short last split
+]
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), DESCRIBED)
+@pytest.mark.parametrize("op", ["linear", "rmsnorm_linear", "linear_add", "silu_mul_linear_add"])
+def test_projection_through_tensor_descriptors(
+    cuda_context: Context, monkeypatch: pytest.MonkeyPatch, op: str, rows: int, n: int, k: int, tiles: Tiles
+) -> None:
+    """Matrix tiles fed by the copy engine over staged 16-bit inputs (float32 inputs fall back to per-thread
+    loads), partial tiles, split reductions; three launches over the same scratch (the descriptors
+    rewritten) give the bits of one."""
+    monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
+    arrays, attributes = _projection_case(np.random.default_rng(rows * 31 + n + k), op, rows, n, k)
+    launches = lower(op, arrays, attributes, weights=("weight", "norm_weight"))[1]
+    assert launches[-1].symbol == "projection_kernel"
+    described = op in ("rmsnorm_linear", "silu_mul_linear_add")
+    assert (launches[-1].params[-2].buffer == "workspace.kernel_scratch") == described
+    once = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))["out"]
+    again = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"), repeat=3, reset=("out",))
+    assert np.isfinite(once).all()
+    assert np.array_equal(once, again["out"])
+    assert relative_error(once, reference_node(op, arrays, attributes)["out"]) < 1e-2
+
+
 def test_projection_in_place_residual(cuda_context: Context) -> None:
     """out and residual are one buffer: the residual stream updated in place."""
     rng = np.random.default_rng(5)
@@ -160,9 +191,7 @@ def test_paged_attention(
     # finish merges, and leaves the finished-split counters at zero for the next launch
     # settled: the rows, positions and page table are read before the wait; else after it
     written = () if settled else ("page_table", "token_row", "token_position")
-    got = run_node(
-        cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"], written=written
-    )["out"]
+    got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"], written=written)["out"]
     want = reference_node("paged_attention", arrays, attributes)["out"]
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 1e-5 * max(1.0, float(np.abs(want).max()))

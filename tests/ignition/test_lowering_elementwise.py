@@ -31,11 +31,11 @@ def _lower(
     return context, LOWERINGS[(op, 1)](context, node)
 
 
-def _scratch_params(launch: mf.KernelLaunch) -> int:
+def _compiled(launch: mf.KernelLaunch) -> compiler.CompiledKernel:
     digest = launch.module.rsplit(".", 1)[1]
     for kernel in compiler._MEMORY.values():
         if kernel.symbol == launch.symbol and kernel.digest.startswith(digest):
-            return kernel.scratch_params
+            return kernel
     raise AssertionError(f"no compiled kernel behind module {launch.module}")
 
 
@@ -54,7 +54,8 @@ def _check(
         assert list(launch.grid) == [*grid, *[1] * (3 - len(grid))]
     assert launch.block[0] % 32 == 0 and 32 <= launch.block[0] <= 1024 and list(launch.block[1:]) == [1, 1]
     assert launch.shared_bytes >= 0
-    assert len(launch.params) == len(runtime) + _scratch_params(launch)
+    kernel = _compiled(launch)
+    assert len(launch.params) == len(runtime) + kernel.scratch_params
     for param, want in zip(launch.params, runtime, strict=False):
         if isinstance(want, str):
             assert param.kind == mf.PARAM_KIND_ADDRESS and param.buffer == want
@@ -63,7 +64,15 @@ def _check(
             assert param.kind == kind
             got = param.float_value if kind == mf.PARAM_KIND_F32 else param.int_value
             assert got == pytest.approx(value)
-    for param in launch.params[len(runtime) :]:
+    scratch = list(launch.params[len(runtime) :])
+    if kernel.global_scratch_bytes:
+        # the compiler's global scratch: every program's bytes in the one kernel-scratch workspace
+        first = scratch.pop(0)
+        assert first.kind == mf.PARAM_KIND_ADDRESS and first.buffer == "workspace.kernel_scratch"
+        assert first.byte_offset == 0
+        sizes = [int(d.shape[0].size) for d in context.manifest.buffers if d.name == first.buffer]
+        assert sizes[0] >= math.prod(launch.grid) * kernel.global_scratch_bytes
+    for param in scratch:
         assert param.kind == mf.PARAM_KIND_ADDRESS and not param.buffer
     module = context.modules[launch.module]
     assert module.decl.format == mf.MODULE_FORMAT_CUBIN
@@ -380,9 +389,12 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
         (8, 128256, 2048, Tiles(16, 128, 128, 4, 4)),
         (64, 2048, 2048, Tiles(64, 64, 128, 4, 3, split=4)),
         (130, 1000, 200, Tiles(64, 128, 64, 4, 4, split=4)),  # no more splits than reduction steps
-        (512, 16384, 2048, Tiles(128, 128, 64, 8, 3)),
+        (512, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),
         (512, 2048, 8192, Tiles(128, 64, 64, 8, 3, split=2)),  # prefill chunks keep 128-row tiles
-        (256, 16384, 2048, Tiles(128, 128, 64, 8, 3)),  # 256 tiles of 128x128: wide, no split
+        (512, 3072, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 96 square tiles: at least 2/3 of 132
+        (512, 4096, 14336, Tiles(128, 128, 64, 8, 4, descriptors=True)),
+        (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 256 tiles of 128x128: wide, no split
+        (256, 4096, 14336, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # a long reduction: 64 tiles
         (256, 3072, 2048, Tiles(64, 128, 64, 4, 4)),  # 96 narrow tiles: a split would need a second wave
         (256, 2048, 2048, Tiles(64, 128, 64, 4, 4, split=2)),  # 64 tiles: two parts each, one wave
         (256, 2048, 8192, Tiles(64, 128, 64, 4, 4, split=2)),
@@ -393,8 +405,10 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
     rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
     """About one program a multiprocessor: ``cdiv(132, tiles)`` splits, at most one per reduction step,
-    every split but the last the same number of steps; the narrow outputs of 65 to 256 rows (64x128 tiles)
-    split only within one wave: ``132 // tiles`` parts."""
+    every split but the last the same number of steps; the narrow outputs of 65 to 256 rows (64x128 tiles,
+    128x128 ones over 12288 inputs or more) split only within one wave: ``132 // tiles`` parts. Wide
+    outputs and prefill chunks whose 128x128 tiles reach two thirds of the multiprocessors take those
+    tiles through tensor descriptors."""
     assert choose_tiles(rows, n, k) == tiles
 
 
@@ -501,3 +515,56 @@ def test_a_buffer_is_settled_until_a_node_of_its_program_writes_it(monkeypatch: 
         ("second", "sample", after_add),
         ("second", "last", after_sample),
     ]
+
+
+def test_descriptor_tiles_pass_every_program_its_scratch_in_one_workspace() -> None:
+    """A wide projection over staged 16-bit rows reads through tensor descriptors, which Triton writes to
+    global scratch: the launch passes the kernel-scratch workspace, ``programs x bytes`` of it, as its
+    first scratch parameter."""
+    arrays = {"x": f32(256, 2048), "weight": bf16(16384, 2048), "norm_weight": f32(2048), "out": f32(256, 16384)}
+    context, launches = _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
+    staged, launch = launches
+    kernel = _compiled(launch)
+    assert kernel.global_scratch_bytes > 0 and kernel.scratch_params == 2
+    runtime = ["workspace.projection_input_bf16", "weight", "out", "out", "out", "out", (mf.PARAM_KIND_I32, 256)]
+    _check(context, launch, runtime, grid=[2, 128])
+    sizes = [int(d.shape[0].size) for d in context.manifest.buffers if d.name == "workspace.kernel_scratch"]
+    assert sizes == [2 * 128 * kernel.global_scratch_bytes]
+    assert "workspace.projection_input_bf16" in {param.buffer for param in staged.params}
+
+
+@pytest.mark.parametrize(
+    ("op", "k", "weight_dtype"),
+    [
+        ("linear", 2048, mf.DTYPE_BF16),  # float32 inputs
+        ("rmsnorm_linear", 1020, mf.DTYPE_BF16),  # rows of 2040 bytes
+        ("rmsnorm_linear", 2048, mf.DTYPE_F32),  # float32 weights stage float32 rows
+    ],
+)
+def test_inputs_tensor_descriptors_cannot_serve_take_per_thread_loads(op: str, k: int, weight_dtype: int) -> None:
+    """Float32 inputs or weights, and rows whose bytes are not a multiple of 16, keep per-thread loads, with
+    the tiles measured for them (128x128 on eight warps, three stages) and no global scratch."""
+    weight = bf16(16384, k) if weight_dtype == mf.DTYPE_BF16 else f32(16384, k)
+    arrays = {"x": f32(256, k), "weight": weight, "out": f32(256, 16384)}
+    attributes: dict[str, float] = {}
+    if op == "rmsnorm_linear":
+        arrays["norm_weight"], attributes["eps"] = f32(k), 1e-5
+    context, launches = _lower(op, arrays, attributes, weights=("weight", "norm_weight"))
+    launch = launches[-1]
+    assert _compiled(launch).global_scratch_bytes == 0
+    assert launch.block[0] == 8 * 32 and list(launch.grid) == [2, 128, 1]
+    assert all(d.name != "workspace.kernel_scratch" for d in context.manifest.buffers)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        (256, 16384, 2048, Tiles(128, 128, 64, 8, 3)),
+        (256, 4096, 14336, Tiles(64, 128, 64, 4, 4)),
+        (512, 3072, 2048, Tiles(128, 64, 64, 8, 3)),
+    ],
+)
+def test_tiles_without_descriptors_are_those_measured_with_per_thread_loads(
+    rows: int, n: int, k: int, tiles: Tiles
+) -> None:
+    assert choose_tiles(rows, n, k, describable=False) == tiles

@@ -2,7 +2,8 @@
 
 Owns turning a ``@triton.jit`` function, its parameter types and its compile-time constants into a
 :class:`CompiledKernel` (cubin bytes, symbol, threads, shared memory, trailing scratch parameters)
-for a named GPU target. Compilation needs no GPU: Triton's own ``ptxas`` runs on the build machine.
+for a named GPU target, and the bytes of global scratch memory each program of a launch needs (Triton's
+device-side tensor descriptors live there). Compilation needs no GPU: Triton's own ``ptxas`` runs on the build machine.
 Results are cached in memory and, when ``IGNITION_KERNEL_CACHE`` names a folder, on disk, keyed by
 the kernel source, the signature, the constants and the target, so a rebuild compiles nothing new.
 A planning pass (:func:`planning`) records what a lowering would compile without compiling, so
@@ -47,8 +48,13 @@ class CompiledKernel:
     num_warps: int
     shared_bytes: int
     scratch_params: int
-    """Trailing pointer parameters the compiler appends (Triton's global and profile scratch); the
-    launch passes null for each, which is valid while their sizes are zero."""
+    """Trailing pointer parameters the compiler appends (Triton's global and profile scratch, in that
+    order); the launch passes null for each whose size is zero."""
+    global_scratch_bytes: int = 0
+    """Bytes of global scratch each program of a launch needs (0: none); the launch passes the address of
+    ``programs x global_scratch_bytes`` bytes aligned to :attr:`global_scratch_align` as the first
+    scratch parameter."""
+    global_scratch_align: int = 1
 
     @property
     def digest(self) -> str:
@@ -188,6 +194,8 @@ def compile_triton(
             num_warps=meta["num_warps"],
             shared_bytes=meta["shared_bytes"],
             scratch_params=meta["scratch_params"],
+            global_scratch_bytes=meta.get("global_scratch_bytes", 0),
+            global_scratch_align=meta.get("global_scratch_align", 1),
         )
         _MEMORY[key] = kernel
         return kernel
@@ -197,8 +205,8 @@ def compile_triton(
     except Exception as exc:  # the compiler raises many types; name the kernel
         raise KernelCompileError(f"kernel {fn.__name__} ({dict(constants)}) failed to compile: {exc}") from exc
     meta = compiled.metadata
-    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
-        raise KernelCompileError(f"kernel {fn.__name__} needs compiler scratch memory, which launches do not provide")
+    if getattr(meta, "profile_scratch_size", 0):
+        raise KernelCompileError(f"kernel {fn.__name__} needs profiling scratch memory, which launches do not provide")
     ptx = compiled.asm["ptx"]
     entry = ptx[ptx.index(".entry") :]
     declared = entry[: entry.index(")")].count(".param")
@@ -208,6 +216,8 @@ def compile_triton(
         num_warps=int(meta.num_warps),
         shared_bytes=int(meta.shared),
         scratch_params=declared - len(signature),
+        global_scratch_bytes=int(getattr(meta, "global_scratch_size", 0) or 0),
+        global_scratch_align=int(getattr(meta, "global_scratch_align", 1) or 1),
     )
     _MEMORY[key] = kernel
     if folder is not None:
@@ -220,6 +230,8 @@ def compile_triton(
                     "num_warps": kernel.num_warps,
                     "shared_bytes": kernel.shared_bytes,
                     "scratch_params": kernel.scratch_params,
+                    "global_scratch_bytes": kernel.global_scratch_bytes,
+                    "global_scratch_align": kernel.global_scratch_align,
                 }
             )
         )

@@ -18,9 +18,17 @@ programs a multiprocessor, each over several tiles of whole weight rows, the nex
 the current one is reduced) where a row of inputs fits in registers, else one program per column
 block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles; more rows (prefill, large decode
 batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions, except the narrow outputs
-of up to 256 rows (fewer 128x128 tiles than multiprocessors), which take 64x128 tiles on four warps;
-each with the reduction split so that about one program a multiprocessor streams the weights (for the
-narrow 64x128 tiles: no more programs than one wave).
+of up to 256 rows (fewer 128x128 tiles than multiprocessors), which take 64x128 tiles on four warps
+(128x128 ones over a reduction of 12288 inputs or more); each with the reduction split so that about
+one program a multiprocessor streams the weights (for the narrow tiles: no more programs than one wave).
+
+Wide outputs (at least one 128x128 tile a multiprocessor) and prefill chunks whose 128x128 tiles reach
+two thirds of the multiprocessors read their inputs and weights through tensor descriptors: the copy
+engine (TMA) moves each tile into shared memory, zero past the matrix edges, instead of every thread
+computing and issuing its own loads. Triton keeps a program's descriptors in global scratch, which the
+lowering passes (see :mod:`ignition.kernels.lowering`). Float32 inputs (a projection without a staged
+prologue over the float32 residual stream) and rows whose bytes are not a multiple of 16 keep the
+per-thread loads and the tiles measured with them.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import triton
 import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
-from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
+from ignition.kernels.lowering import ITEMSIZE, LoweringContext, cdiv, lowering, next_power_of_two
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -53,6 +61,7 @@ def projection_kernel(  # type: ignore[no-untyped-def]
     SPLIT: tl.constexpr,
     K_SPLIT: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
     """One ``BLOCK_M x BLOCK_N`` tile of ``x @ weight.T (+ residual)`` over the reduction steps of
@@ -78,12 +87,23 @@ def projection_kernel(  # type: ignore[no-untyped-def]
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+    if DESCRIPTORS:
+        # Tensor descriptors (written to this program's global scratch, after gdc_wait: see the lowering
+        # module): the copy engine moves both tiles into shared memory, zero past the rows and K.
+        x_tiles = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            xs = x_tiles.load([pid_m * BLOCK_M, pid_k * K_SPLIT + k0])
+            w = w_tiles.load([pid_n * BLOCK_N, pid_k * K_SPLIT + k0])
+            acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+    else:
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x_mask = m_ok[:, None] & k_ok[None, :]
+            xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=x_mask, other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_offsets = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT == 1:
@@ -281,14 +301,20 @@ class Tiles:
     split: int = 1
     """Matrix tiles only: the reduction split into this many parts, each a program (see
     :func:`projection_kernel`), where the tiles alone would leave multiprocessors idle."""
+    descriptors: bool = False
+    """Matrix tiles only: inputs and weights reach shared memory through tensor descriptors (Hopper's
+    copy engine) instead of per-thread loads."""
 
 
 MULTIPROCESSORS = 132
 """Streaming multiprocessors of the target GPU (an H200; an H100 SXM has as many)."""
 
 
-def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
-    """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring)."""
+def choose_tiles(
+    rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS, describable: bool = True
+) -> Tiles:
+    """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring); with ``describable`` False
+    (inputs tensor descriptors cannot serve) the per-thread-load tiles measured for the same shapes."""
     if rows <= 2:
         # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
         # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor,
@@ -305,14 +331,33 @@ def choose_tiles(rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCE
     if rows <= 64:
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
         return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors)
-    wide = cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors
-    if rows <= NARROW_TILE_ROWS and not wide:
+    square_tiles = cdiv(rows, 128) * cdiv(n, 128)
+    if not describable:
+        if rows <= NARROW_TILE_ROWS and square_tiles < multiprocessors:
+            return _split_within_one_wave(Tiles(64, 128, 64, 4, 4), rows, n, k, multiprocessors)
+        block_n = 128 if square_tiles >= multiprocessors else 64
+        return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
+    if square_tiles >= multiprocessors:
+        # Wide outputs (the [gate|up] projection and the LM head of a large batch, every projection of a
+        # long prefill chunk): 128x128 tiles fed by tensor descriptors (measured on an H200 at 256 and 512
+        # rows, docs/benchmarks.md), no split.
+        return _split_reduction(Tiles(128, 128, 64, 8, 3, descriptors=True), rows, n, k, multiprocessors)
+    if rows <= NARROW_TILE_ROWS:
+        if k >= LONG_REDUCTION:
+            # A long reduction over narrow outputs (the 8B down projection): 128x128 tiles on two warpgroups
+            # through tensor descriptors, split within one wave, beat one warpgroup's 64x128 tiles.
+            return _split_within_one_wave(Tiles(128, 128, 64, 8, 4, descriptors=True), rows, n, k, multiprocessors)
         # Narrow outputs of a large decode batch (measured on an H200 at 256 rows, docs/benchmarks.md):
         # 64x128 tiles on four warps, the reduction split only as far as one wave of programs allows.
         return _split_within_one_wave(Tiles(64, 128, 64, 4, 4), rows, n, k, multiprocessors)
-    block_n = 128 if wide else 64
-    return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
+    if 3 * square_tiles >= 2 * multiprocessors:
+        # A prefill chunk whose 128x128 tiles nearly fill the machine: those tiles, four stages, unsplit.
+        return Tiles(128, 128, 64, 8, 4, descriptors=True)
+    return _split_reduction(Tiles(128, 64, 64, 8, 3), rows, n, k, multiprocessors)
 
+
+LONG_REDUCTION = 12288
+"""Inputs from which a narrow projection of up to 256 rows takes 128x128 tiles (see :func:`choose_tiles`)."""
 
 _MAX_GRID_Y = 65535
 """The most programs of a launch grid's second dimension (CUDA's limit), where the column tiles go."""
@@ -406,7 +451,9 @@ def project(
     """The launches of ``out = residual + prologue(x) @ weight.T`` (module docstring); ``multiprocessors``
     sizes the streaming kernel's grid (the H200's 132 by default)."""
     rows, n, k = check_projection(ctx, x, weight, out, norm=norm, residual=residual, gated=gated)
-    chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors)
+    prologue_staged = rows > 2 and (norm is not None or gated)  # matrix tiles stage it in the weight's type
+    describable = _describable(ctx, weight if prologue_staged else x, weight, k)
+    chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
     prologue: list[mf.KernelLaunch] = []
     if chosen.block_m > 1 and (norm is not None or gated):
         # Matrix tiles: the row-wise prologue once into a workspace (instead of once per column tile),
@@ -435,7 +482,10 @@ def project(
             counters = ctx.workspace("projection_splits_done", mf.DTYPE_I32, tiles_n * tiles_m)
         args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
         k_split = cdiv(cdiv(k, chosen.block_k), chosen.split) * chosen.block_k
-        constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split)
+        descriptors = chosen.descriptors and _describable(ctx, x, weight, k)
+        constants.update(
+            BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split, DESCRIPTORS=descriptors
+        )
         kernel, grid = projection_kernel, (tiles_m, tiles_n, chosen.split)
         launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
         return [*prologue, launch]
@@ -453,6 +503,20 @@ def project(
         kernel, grid = vector_projection_kernel, (cdiv(n, chosen.block_n),)
     launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
     return [*prologue, launch]
+
+
+def _describable(ctx: LoweringContext, x: mf.BufferView, weight: mf.BufferView, k: int) -> bool:
+    """Whether tensor descriptors can serve ``x`` and ``weight``: 16-bit values (float32 inputs, converted
+    in registers after a descriptor's copy, gave launches that differ in their last bits from one run to
+    the next on an H200), rows whose bytes are a multiple of 16 and views that start 16-byte aligned (the
+    copy engine's requirements)."""
+    for view in (x, weight):
+        if ctx.dtype(view) not in (mf.DTYPE_BF16, mf.DTYPE_F16):
+            return False
+        itemsize = ITEMSIZE[ctx.dtype(view)]
+        if (k * itemsize) % 16 or (int(view.element_offset) * itemsize) % 16:
+            return False
+    return True
 
 
 def _prologue(

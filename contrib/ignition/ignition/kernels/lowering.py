@@ -11,7 +11,11 @@ runtime fixes (cache pages, state rows) are never compiled in.
 Launch conventions every kernel follows:
 
 * one ``ADDRESS`` parameter per buffer view (its byte offset within the buffer), integer and float
-  scalars as ``I32``/``I64``/``F32``, then null addresses for the compiler's scratch parameters;
+  scalars as ``I32``/``I64``/``F32``, then the compiler's scratch parameters: the address of the
+  ``workspace.kernel_scratch`` buffer for a kernel that needs global scratch (Triton keeps device-side
+  tensor descriptors there, ``programs x bytes`` of it), null for the rest. One buffer serves every
+  such launch: a kernel writes its scratch only after ``gdc_wait``, when every earlier launch of the
+  program has finished;
 * ``block = (32 * num_warps, 1, 1)``, the compiled shared memory as dynamic shared bytes;
 * a kernel compiled with ``USE_PDL`` calls ``gdc_wait()`` before its first access to any buffer but
   weights and *settled* buffers, so its launch is marked ``programmatic_wait``. A buffer is settled
@@ -241,7 +245,14 @@ class LoweringContext:
             programmatic_wait=True,
         )
         launch.params.extend(a.param for a in args.values())
-        launch.params.extend(mf.LaunchParam(kind=mf.PARAM_KIND_ADDRESS) for _ in range(kernel.scratch_params))
+        scratch = [mf.LaunchParam(kind=mf.PARAM_KIND_ADDRESS) for _ in range(kernel.scratch_params)]
+        if kernel.global_scratch_bytes:
+            if not scratch or kernel.global_scratch_align > KERNEL_SCRATCH_ALIGNMENT:
+                raise self.fail(f"kernel {kernel.symbol} needs global scratch this launch convention cannot pass")
+            programs = math.prod(int(g) for g in grid)
+            view = self.workspace("kernel_scratch", mf.DTYPE_U8, programs * kernel.global_scratch_bytes)
+            scratch[0] = self.pointer(view).param
+        launch.params.extend(scratch)
         return launch
 
     def _module(self, kernel: CompiledKernel) -> str:
@@ -257,6 +268,9 @@ class LoweringContext:
             self.modules[name] = ModuleResource(decl, kernel.cubin)
         return name
 
+
+KERNEL_SCRATCH_ALIGNMENT = 256
+"""Byte alignment the runtime gives every buffer, so the most a kernel's global scratch may ask for."""
 
 Lowering = Callable[[LoweringContext, mf.Node], list[mf.KernelLaunch]]
 
