@@ -332,25 +332,20 @@ def choose_tiles(
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
         return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors)
     square_tiles = cdiv(rows, 128) * cdiv(n, 128)
-    if not describable:
-        if rows <= NARROW_TILE_ROWS and square_tiles < multiprocessors:
-            return _split_within_one_wave(Tiles(64, 128, 64, 4, 4), rows, n, k, multiprocessors)
-        block_n = 128 if square_tiles >= multiprocessors else 64
-        return _split_reduction(Tiles(128, block_n, 64, 8, 3), rows, n, k, multiprocessors)
     if square_tiles >= multiprocessors:
         # Wide outputs (the [gate|up] projection and the LM head of a large batch, every projection of a
-        # long prefill chunk): 128x128 tiles fed by tensor descriptors (measured on an H200 at 256 and 512
-        # rows, docs/benchmarks.md), no split.
-        return _split_reduction(Tiles(128, 128, 64, 8, 3, descriptors=True), rows, n, k, multiprocessors)
+        # long prefill chunk): 128x128 tiles, fed by tensor descriptors where they can serve (measured on
+        # an H200 at 256 and 512 rows, docs/benchmarks.md), no split.
+        return _split_reduction(Tiles(128, 128, 64, 8, 3, descriptors=describable), rows, n, k, multiprocessors)
     if rows <= NARROW_TILE_ROWS:
-        if k >= LONG_REDUCTION:
+        if describable and k >= LONG_REDUCTION:
             # A long reduction over narrow outputs (the 8B down projection): 128x128 tiles on two warpgroups
             # through tensor descriptors, split within one wave, beat one warpgroup's 64x128 tiles.
             return _split_within_one_wave(Tiles(128, 128, 64, 8, 4, descriptors=True), rows, n, k, multiprocessors)
         # Narrow outputs of a large decode batch (measured on an H200 at 256 rows, docs/benchmarks.md):
         # 64x128 tiles on four warps, the reduction split only as far as one wave of programs allows.
         return _split_within_one_wave(Tiles(64, 128, 64, 4, 4), rows, n, k, multiprocessors)
-    if 3 * square_tiles >= 2 * multiprocessors:
+    if describable and 3 * square_tiles >= 2 * multiprocessors:
         # A prefill chunk whose 128x128 tiles nearly fill the machine: those tiles, four stages, unsplit.
         return Tiles(128, 128, 64, 8, 4, descriptors=True)
     return _split_reduction(Tiles(128, 64, 64, 8, 3), rows, n, k, multiprocessors)
@@ -482,7 +477,7 @@ def project(
             counters = ctx.workspace("projection_splits_done", mf.DTYPE_I32, tiles_n * tiles_m)
         args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
         k_split = cdiv(cdiv(k, chosen.block_k), chosen.split) * chosen.block_k
-        descriptors = chosen.descriptors and _describable(ctx, x, weight, k)
+        descriptors = chosen.descriptors and describable  # the staged rows have the weight's type and width
         constants.update(
             BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split, DESCRIPTORS=descriptors
         )
