@@ -507,6 +507,22 @@ class TimedBackend:
         return getattr(self._inner, name)
 
 
+def prefill_timeline(records: Sequence[RoundRecord], submitted_ns: int, first_ns: int) -> list[dict[str, Any]]:
+    """The rounds a lone request ran from its submission to its first token: each round's program, its
+    launch, the time inside ``run`` and its wait for the GPU, in milliseconds after the submission."""
+    return [
+        {
+            "program": record.program,
+            "launch_ms": (record.launch_ns - submitted_ns) / 1e6,
+            "run_ms": record.run_ns / 1e6,
+            "wait_begin_ms": (record.wait_begin_ns - submitted_ns) / 1e6,
+            "wait_end_ms": (record.wait_end_ns - submitted_ns) / 1e6,
+        }
+        for record in records
+        if record.launch_ns >= submitted_ns and record.launch_ns <= first_ns
+    ]
+
+
 class RoundClock:
     """Puts a :class:`TimedBackend` between a running model and its backend."""
 
@@ -790,20 +806,30 @@ def measure_helios(
                 )
             save()
         with _wave_errors(helios, "prefill", spec.shape):
-            ttfts = []
+            ttfts, timelines = [], []
             for index in range(plan.prefill_repeats):
                 (request,) = _requests(f"prefill{index}", 1, plan.prefill, 2, vocab, rng)
+                seen = len(clock.records)
                 submitted = clock.now_ns()
                 (result,) = collect(engine, [request], plan.timeout_s)
                 ttfts.append((result.stamps_ns[0] - submitted) / 1e9)
+                timelines.append(prefill_timeline(clock.records[seen:], submitted, result.stamps_ns[0]))
             ttft = statistics.median(ttfts)
             helios["prefill"] = {
                 "tokens": plan.prefill,
                 "ttft_s": ttfts,
                 "ms": ttft * 1000,
                 "tokens_per_s": plan.prefill / ttft,
+                "rounds": timelines,
             }
             log(f"{spec.shape}: Helios prefill {plan.prefill}: {ttft * 1000:.2f} ms, {plan.prefill / ttft:.0f} tok/s")
+            middle = statistics.median_low(ttfts)
+            rounds = "; ".join(
+                f"{r['program']} launched {r['launch_ms']:.2f} ({r['run_ms']:.2f} in run), "
+                f"waited {r['wait_begin_ms']:.2f}-{r['wait_end_ms']:.2f}"
+                for r in timelines[ttfts.index(middle)]
+            )
+            log(f"{spec.shape}: its rounds, ms after the submission: {rounds}; first token {middle * 1000:.2f}")
         stats = engine.statistics()
         helios["launches"] = dict(stats.launches)
         helios["pipelined_rounds"] = stats.pipelined_rounds

@@ -12,6 +12,7 @@ included. The outputs of an ablated graph are meaningless; only its time is read
 GPU:
 
     python benchmarks/program_profile.py CORE --trust-key PUB --accept NS [--programs decode_b1,decode_b64] [--ablate]
+        [--lanes 1 --position 0 --programs prefill_p512]
 """
 
 from __future__ import annotations
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--programs", default="decode_b1")
     parser.add_argument("--position", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--lanes", type=int, default=0,
+        help="lanes to stage (default: the graph's batch capacity); 1: one prompt of all a prompt program's tokens",
+    )  # fmt: skip
     parser.add_argument("--ablate", action="store_true", help="time the graph without each operator in turn")
     args = parser.parse_args(argv)
     verified = open_core(args.core, TrustSettings((args.trust_key,), args.accept, None), check_resources=False)
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.programs.split(","):
             graph = contract.graphs[name]
             rows, tokens = graph.extents.batch_capacity, graph.extents.packed_token_capacity
+            rows = min(args.lanes, rows) if args.lanes > 0 else rows
             for each in backends.values():
                 _stage(each, rows, tokens, args.position, page_tokens, width)
             by_op = _single_launches(backend, functions, programs[name], args.repeats)

@@ -368,6 +368,14 @@ class _HeldRows:
     def pad(self, rows: slice | npt.NDArray[np.intp]) -> None:
         self.slot[rows], self.generation[rows], self.count[rows], self.known[rows] = -1, -1, 0, True
 
+    def padded_at(self, rows: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        """:meth:`padded` of each of ``rows``."""
+        padded = self.known[rows] & (self.slot[rows] == -1) & (self.generation[rows] == -1) & (self.count[rows] == 0)
+        return np.asarray(padded, dtype=np.bool_)
+
+    def unknown(self, rows: int | slice | npt.NDArray[np.intp]) -> None:
+        self.known[rows] = False
+
 
 @dataclass
 class PageTableMemory:
@@ -387,6 +395,9 @@ class PageTableMemory:
     """Per (frame, page-table destination): the page version of the batch whose tables it holds."""
     versions: dict[int, int] = field(default_factory=dict)
     batches: dict[int, tuple[str, int, int, int]] = field(default_factory=dict)
+    vector_padding: dict[tuple[int, str], object] = field(default_factory=dict)
+    """Per (frame, grammar-mask or prompt-histogram destination): the padding its padded rows hold (its
+    rows are in ``tables`` under the same key)."""
 
     def held(self, frame: int, destination: str, rows: int) -> _HeldRows:
         key = (frame, destination)
@@ -400,6 +411,15 @@ class PageTableMemory:
             held = self.tables[key] = grown
         return held
 
+    def vector_rows(self, frame: int, destination: str, rows: int, padding: object) -> _HeldRows:
+        """Which rows of a vector destination of ``frame`` hold ``padding`` (none are known to, where the
+        rows last padded held another graph's padding)."""
+        key = (frame, destination)
+        if key in self.vector_padding and self.vector_padding[key] != padding:
+            self.tables.pop(key, None)
+        self.vector_padding[key] = padding
+        return self.held(frame, destination, rows)
+
     def forget(self, frame: int) -> None:
         """Nothing is known of what ``frame``'s staging holds (a pack raised part way): the next pack of
         the frame writes every value, every page-table row and every padding row in full."""
@@ -407,6 +427,8 @@ class PageTableMemory:
             del self.tables[key]
         for key in [key for key in self.page_versions if key[0] == frame]:
             del self.page_versions[key]
+        for key in [key for key in self.vector_padding if key[0] == frame]:
+            del self.vector_padding[key]
         self.batches.pop(frame, None)
         self.invalidate(frame)
 
@@ -539,7 +561,7 @@ class _BindingWriter:
                 self._write_page_tables(tables, band, frame, key)
             self._pad_gaps(dest, len(lanes))
         elif source in _VECTOR_SOURCES:
-            self._write_vectors(lanes, dest)
+            self._write_vectors(lanes, dest, frame)
         else:
             self._write_rows(lanes, dest)
 
@@ -679,7 +701,7 @@ class _BindingWriter:
             cursor += length
         dest[cursor : self.packed] = self.padding
 
-    def _write_vectors(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
+    def _write_vectors(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic], frame: int) -> None:
         source = self.source
         if source == ct.VALUE_SOURCE_CANDIDATE_IDS:
             width = dest.shape[-1] if dest.ndim > 1 else 0
@@ -688,23 +710,54 @@ class _BindingWriter:
                     raise ValueError(
                         f"lane {row} offers {len(lane.candidates)} candidates; {self.destination!r} holds {width}"
                     )
-            vectors = [np.asarray(lane.candidates, dtype=np.int64) if lane.candidates else None for lane in lanes]
-            self._write_vector_rows(vectors, dest)
+            candidates = [np.asarray(lane.candidates, dtype=np.int64) if lane.candidates else None for lane in lanes]
+            self._write_vector_rows(candidates, dest)
             return
         masks = source == ct.VALUE_SOURCE_GRAMMAR_MASK
-        self._write_vector_rows([lane.grammar_mask if masks else lane.prompt_histogram for lane in lanes], dest)
+        vectors: list[npt.NDArray[np.generic] | None] = [
+            lane.grammar_mask if masks else lane.prompt_histogram for lane in lanes
+        ]
+        self._write_vector_rows(vectors, dest, self._vector_memory(dest, frame))
+
+    def _vector_memory(self, dest: npt.NDArray[np.generic], frame: int) -> _HeldRows:
+        """Which rows of this grammar-mask or prompt-histogram destination hold padding already: rows of
+        unconstrained lanes (most of them, and every row past the lanes) are then not written again. A
+        mask row is as wide as the vocabulary in 32-bit words, a histogram row one byte an id, so
+        rewriting every row each round would cost megabytes of host writes (256 rows of a 128256-id
+        vocabulary: 4 MB of mask words)."""
+        return self.memory.vector_rows(frame, self.destination, max(dest.shape[0], self.rows), self.padding)
 
     def _write_vector_rows(
-        self, vectors: Sequence[npt.NDArray[np.generic] | None], dest: npt.NDArray[np.generic]
+        self,
+        vectors: Sequence[npt.NDArray[np.generic] | None],
+        dest: npt.NDArray[np.generic],
+        held: _HeldRows | None = None,
     ) -> None:
+        """Each lane's vector (padded to the row) or padding; with ``held``, padding only into the rows it
+        does not record as padded, and it records what the rows now hold."""
+        absent = []
         for row, vector in enumerate(vectors):
             if vector is None:
-                dest[row] = self.padding
+                absent.append(row)
             else:
                 dest[row, : len(vector)] = vector
                 dest[row, len(vector) :] = self.padding
+                if held is not None:
+                    held.unknown(row)
+        self._pad_vector_rows(dest, np.asarray(absent, dtype=np.intp), held)
         if self.indexing == ct.INDEXING_SUBMISSION_ROW:
-            dest[len(vectors) : self.rows] = self.padding
+            self._pad_vector_rows(dest, np.arange(len(vectors), self.rows, dtype=np.intp), held)
+
+    def _pad_vector_rows(
+        self, dest: npt.NDArray[np.generic], rows: npt.NDArray[np.intp], held: _HeldRows | None
+    ) -> None:
+        if held is None:
+            dest[rows] = self.padding
+            return
+        stale = rows[~held.padded_at(rows)]
+        if stale.size:
+            dest[stale] = self.padding
+            held.pad(stale)
 
     def _write_eos(self, dest: npt.NDArray[np.generic], count: int, slots: Sequence[int]) -> None:
         """The core's EOS ids: once from element 0 (SCALAR), else as the row of every lane (its submission
@@ -775,12 +828,9 @@ class _BindingWriter:
             self._batch_candidates(batch, dest, frame, tails)
         elif source in _VECTOR_SOURCES:
             vectors = batch.grammar_masks if source == ct.VALUE_SOURCE_GRAMMAR_MASK else batch.prompt_histograms
-            if vectors is not None:
-                self._write_vector_rows(vectors, dest)
-                return
-            dest[: batch.count] = self.padding  # no lane has a vector
-            if self.indexing == ct.INDEXING_SUBMISSION_ROW:
-                dest[batch.count : self.rows] = self.padding
+            self._write_vector_rows(
+                [None] * batch.count if vectors is None else vectors, dest, self._vector_memory(dest, frame)
+            )
         elif source == ct.VALUE_SOURCE_INACTIVE_PADDING:
             dest.reshape(-1)[:] = self.padding
         elif source == ct.VALUE_SOURCE_EOS_IDS:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from ignition.kernels import sampling
+from ignition.kernels.sampling import SampleLayout
 
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.cuda_driver import Context
@@ -273,6 +275,33 @@ def test_sample_repeats_exactly(cuda_context: Context) -> None:
     single = run_node(cuda_context, "sample", alone, {"vocab_limit": vocab, "top_n": 5})
     assert single["ids"][0, 0] == first["ids"][3, 0]
     assert single["logprob"][0, 0] == first["logprob"][3, 0]
+
+
+@pytest.mark.parametrize(("programs", "top_n"), [(1, 5), (3, 1), (7, 5)])
+def test_sample_layouts_give_the_same_results(
+    cuda_context: Context, monkeypatch: pytest.MonkeyPatch, programs: int, top_n: int
+) -> None:
+    """A row's chunks shared out over fewer programs than chunks (each reducing several in turn) give
+    the bits of one program a chunk, and the reference's results."""
+    rng = _rng("layouts", programs, top_n)
+    rows, vocab = 12, 49152  # 24 chunks: every chunk its own program at 12 rows
+    arrays = _sample_arrays(rng, rows, vocab, penalties=True, mask=True, top_n=top_n, **_filters(rng, rows))
+    # a greedy row whose maximum is zero twice, negative zero at the lower id; a chunk's last ids cut off
+    arrays["logits"][0] = -np.abs(arrays["logits"][0]) - 1.0
+    arrays["logits"][0, [5000, 7000]] = [-0.0, 0.0]
+    arrays["temperature"][0] = 0.0
+    arrays["repetition_penalty"][0], arrays["frequency_penalty"][0], arrays["presence_penalty"][0] = 1.0, 0.0, 0.0
+    arrays["constrained"][0] = 0
+    attributes = {"vocab_limit": vocab - 100, "top_n": top_n}
+    assert sampling.choose_sample_layout(rows, vocab).programs == 24
+    every = run_node(cuda_context, "sample", arrays, attributes)
+    layout = SampleLayout(chunk=sampling.CHUNK, programs=programs, warps=4)
+    monkeypatch.setattr(sampling, "choose_sample_layout", lambda *_args, **_kwargs: layout)
+    shared = run_node(cuda_context, "sample", arrays, attributes)
+    for name in ("ids", "logprob", "top_ids", "top_logprobs", "output_counts"):
+        np.testing.assert_array_equal(shared[name], every[name], err_msg=name)
+    assert shared["ids"][0, 0] == 5000
+    _assert_draws(*_check_sample(shared, reference_node("sample", arrays, attributes), arrays, attributes))
 
 
 # -- apply_grammar_mask and log_softmax_gather -------------------------------------------------------

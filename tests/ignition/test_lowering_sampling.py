@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("triton")
 
 from ignition.kernels import sampling
-from ignition.kernels.lowering import LoweringError
+from ignition.kernels.lowering import LoweringContext, LoweringError
 
 from helios_core.wire import manifest_pb2 as mf
-from tests.gpu.harness import lower
+from tests.gpu.harness import lower, one_node_manifest
 
 pytestmark = pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
 
@@ -58,19 +58,21 @@ def _check_launch(launch: mf.KernelLaunch, grid: tuple[int, int, int], params: i
 
 
 @pytest.mark.parametrize("rows", [1, 64])
-def test_sample_lowers_to_three_launches(rows: int) -> None:
+def test_sample_lowers_to_four_launches(rows: int) -> None:
     context, launches = lower(
         "sample", _sample_arrays(rows, VOCAB, state_rows=rows + 3), {"vocab_limit": VOCAB - 7, "top_n": 5}
     )
-    chunks = -(-VOCAB // sampling.CHUNK)
+    programs = {1: -(-VOCAB // sampling.CHUNK), 64: 17}[rows]  # every chunk its own program; ~8 a multiprocessor
     assert [launch.symbol for launch in launches] == [
         "_sample_chunk_kernel",
+        "_sample_top_kernel",
         "_sample_weight_kernel",
         "_sample_finish_kernel",
     ]
-    _check_launch(launches[0], (rows, chunks, 1), 17)
-    _check_launch(launches[1], (rows, chunks, 1), 10)
-    _check_launch(launches[2], (rows, 1, 1), 26)
+    _check_launch(launches[0], (rows, programs, 1), 15)
+    _check_launch(launches[1], (rows, programs, 1), 14)
+    _check_launch(launches[2], (rows, programs, 1), 10)
+    _check_launch(launches[3], (rows, 1, 1), 26)
     assert all(module.data for module in context.modules.values())
     workspaces = {b.name for b in context.manifest.buffers if b.name.startswith("workspace.")}
     assert "workspace.sample.processed" in workspaces and "workspace.sample.weights" in workspaces
@@ -117,6 +119,24 @@ def test_sample_rejects_bad_nodes(change: dict[str, Any], attributes: dict[str, 
             arrays[name] = value
     with pytest.raises(LoweringError, match=message):
         lower("sample", arrays, attributes)
+
+
+def test_sample_takes_a_given_layout() -> None:
+    """A layout names the chunk, the programs a row (never more than its chunks) and the warps."""
+    arrays = _sample_arrays(4, VOCAB, state_rows=5)
+    attributes = {"vocab_limit": VOCAB, "top_n": 5}
+    manifest, node = one_node_manifest("sample", arrays, attributes)
+    context = LoweringContext(manifest, "sm_90a", program="test", node="sample")
+    launches = sampling.lower_sample(context, node, sampling.SampleLayout(chunk=4096, programs=5, warps=8))
+    assert tuple(launches[0].grid) == (4, 5, 1) and tuple(launches[0].block) == (256, 1, 1)
+    assert [tuple(launch.grid) for launch in launches[1:]] == [(4, 5, 1), (4, 5, 1), (4, 1, 1)]
+    context = LoweringContext(manifest, "sm_90a", program="test", node="sample")
+    launches = sampling.lower_sample(context, node, sampling.SampleLayout(chunk=8192, programs=100, warps=4))
+    assert tuple(launches[0].grid) == (4, 6, 1) and tuple(launches[0].block) == (128, 1, 1)  # 6 chunks of 8192
+    for bad in (sampling.SampleLayout(3000, 4, 4), sampling.SampleLayout(2048, 0, 4)):
+        context = LoweringContext(manifest, "sm_90a", program="test", node="sample")
+        with pytest.raises(LoweringError, match="sample layout"):
+            sampling.lower_sample(context, node, bad)
 
 
 @pytest.mark.parametrize("rows", [1, 64])

@@ -234,3 +234,36 @@ def test_page_table_memory_is_shared_by_every_graph_of_a_frame(contract: Prepare
     decode.pack(Submission([lane(1, 1, [4, 5, 6])], 3), 0, staging)
     # Row 0 held the other request's table, so the whole table is uploaded again.
     assert staging["page_table"][0, :4].tolist() == [4, 5, 6, 0]
+
+
+def test_padded_grammar_mask_rows_are_not_written_again_until_a_mask_or_another_graph_used_them(
+    contract: PreparedContract,
+) -> None:
+    """A mask row is a vocabulary's worth of words: rows already holding padding are left alone."""
+    staging = poisoned_staging(contract)
+    memory = PageTableMemory()
+    prefill = GraphPacker(contract.graphs["prefill_p16"], staging, memory)
+    decode = GraphPacker(contract.graphs["decode_b1"], staging, memory)
+    masks = staging["grammar_mask"]
+    lanes = two_lanes()  # the second lane is constrained
+    prefill.pack(Submission(lanes, 1), 0, staging)
+    assert masks.tolist() == [[-1] * 10, MASK.tolist(), [-1] * 10, [-1] * 10]
+    masks[[0, 2, 3]] = 77  # what already holds padding must not be written again
+    prefill.pack(Submission(lanes, 2), 0, staging)
+    assert masks.tolist() == [[77] * 10, MASK.tolist(), [77] * 10, [77] * 10]
+    # The row that held a mask is padded once its lane no longer has one.
+    unconstrained = [lanes[0], dataclasses.replace(lanes[1], grammar_mask=None)]
+    prefill.pack(Submission(unconstrained, 3), 0, staging)
+    assert masks[1].tolist() == [-1] * 10 and masks[0].tolist() == [77] * 10
+    # Another graph of the same frame staging a mask in row 0: the next unconstrained row 0 is padded.
+    decode.pack(Submission([dataclasses.replace(lanes[1], positions=[5], cache_slots=[9], tokens=[20])], 4), 0, staging)
+    assert masks[0].tolist() == MASK.tolist()
+    prefill.pack(Submission(unconstrained, 5), 0, staging)
+    assert masks[0].tolist() == [-1] * 10 and masks[2].tolist() == [77] * 10
+    # Another frame has its own staging and memory; a forgotten frame is written in full.
+    other = poisoned_staging(contract)
+    prefill.pack(Submission(unconstrained, 6), 1, other)
+    assert other["grammar_mask"].tolist() == [[-1] * 10] * 4
+    memory.forget(0)
+    prefill.pack(Submission(unconstrained, 7), 0, staging)
+    assert masks.tolist() == [[-1] * 10] * 4

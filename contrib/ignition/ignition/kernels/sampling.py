@@ -5,14 +5,22 @@ Owns the Triton kernels and the lowerings of the ``sample``, ``apply_grammar_mas
 :mod:`helios_core.backends.reference_kernels` (``sample``, ``apply_grammar_mask``,
 ``log_softmax_gather``) as adapted by the reference backend.
 
-``sample`` lowers to three launches that split the vocabulary into chunks of ``CHUNK`` ids:
+``sample`` lowers to three launches (four with ``top_n > 0``) that split the vocabulary into chunks
+of ``CHUNK`` ids:
 
-1. grid ``(B, C)``: each program applies the vocabulary limit, the penalties and the grammar mask to
-   one chunk of one row and writes the chunk's maximum, its lowest arg-maximum, its sum of
-   ``exp(l - max)`` and its top-N ``(value desc, id asc)`` to workspaces; rows with
-   ``temperature > 0`` also write their processed logits (workspace ``[B, V]`` float32).
-2. grid ``(B, C)``, rows with ``temperature > 0`` only (the others return at once): every program
-   merges the chunk maxima into the row maximum ``M``, writes the chunk's float64 weights
+1. grid ``(B, G)`` (``G <= C`` programs a row, each taking every ``G``-th chunk of its row: see
+   :func:`choose_sample_layout`): for each chunk of one row, a program applies the vocabulary limit,
+   the penalties and the grammar mask and writes the chunk's maximum, its lowest arg-maximum (one
+   reduction of int64 keys that order values with their ids) and its sum of ``exp(l - max)`` to
+   workspaces; rows with ``temperature > 0`` also write their processed logits (workspace ``[B, V]``
+   float32).
+1b. with ``top_n > 0``, grid ``(B, G)``: every program finds the row's ``top_n``-th largest chunk
+   maximum; only the chunks whose maximum reaches it can hold one of the row's top ``top_n`` ids
+   (those maxima are ``top_n`` distinct ids), so only they process their logits again and write
+   their top ``top_n`` ``(value desc, id asc)``, one key reduction an entry. The finishing launch
+   reads the entries of those chunks alone.
+2. grid ``(B, G)``, rows with ``temperature > 0`` only (the others return at once): every program
+   merges the chunk maxima into the row maximum ``M``, writes its chunks' float64 weights
    ``w = exp((l - M) / T)`` (workspace ``[B, V]``) and per-chunk counts and masses: of positive
    weights, of weights ``>= min_p`` and of *heavy* weights, those at or above a per-row threshold
    read from a fixed sample of the row so that about ``HEAVY_TARGET`` ids qualify; the ids of the
@@ -21,7 +29,7 @@ Owns the Triton kernels and the lowerings of the ``sample``, ``apply_grammar_mas
    take the argmax. Rows with ``temperature > 0`` run the reference's filtered draw over the order
    ``(w desc, id asc)``: the top-k cut, the top-p cut and the draw are each a *search* for the first
    id of that order at which a running count (top-k) or running weight (top-p: ``>=`` its target,
-   the draw: ``>``) reaches a target, and the min-p cut is a count of the second launch. The heavy
+   the draw: ``>``) reaches a target, and the min-p cut is a count of the weights launch. The heavy
    ids are sorted once per row (at most ``REGISTER_CANDIDATES`` of them, staged in a workspace); a
    search whose answer lies among them is one vectorized scan. Other searches narrow a range of
    weights: each step samples the candidates, places a window of weights around the estimated
@@ -52,18 +60,22 @@ to float32 before the frequency penalty).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import triton
 import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
+from ignition.kernels.linear import MULTIPROCESSORS
 from ignition.kernels.lowering import KernelArg, LoweringContext, cdiv, lowering, next_power_of_two
 
 __all__ = [
     "CHUNK",
     "HEAVY_TARGET",
     "REGISTER_CANDIDATES",
+    "SampleLayout",
+    "choose_sample_layout",
     "lower_apply_grammar_mask",
     "lower_log_softmax_gather",
     "lower_sample",
@@ -85,6 +97,8 @@ PASS_BLOCK = 1024
 """Candidates per step of a pass over a row or a candidate list."""
 MAX_TOP_N = 64
 """Largest supported ``top_n``."""
+PROGRAMS_PER_MULTIPROCESSOR = 8
+"""Programs of a chunked ``sample`` launch a multiprocessor gets when rows share their chunks out."""
 MASK_BLOCK = 1024
 SOFTMAX_BLOCK = 4096
 
@@ -507,8 +521,87 @@ def _search(
 
 
 # ----------------------------------------------------------------------------------------------
-# sample: launch 1, per (row, chunk)
+# sample: launch 1, per (row, program)
 # ----------------------------------------------------------------------------------------------
+
+
+@_jit
+def _order_key(lg: tl.tensor, offs: tl.tensor) -> Any:
+    """int64 keys ordered as (value desc, id asc) by their own order: the largest key is the largest
+    value at its lowest id. Both zeros share one key; the value and id come back through
+    :func:`_key_value` and :func:`_key_id`."""
+    bits = tl.where(lg == 0.0, 0.0, lg).to(tl.int32, bitcast=True)
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float
+    return (mono.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+
+
+@_jit
+def _key_value(key: tl.tensor) -> Any:
+    mono = (key >> 32).to(tl.int32)
+    return (mono ^ ((mono >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _key_id(key: tl.tensor) -> Any:
+    return 2147483647 - key.to(tl.int32)
+
+
+@_jit
+def _processed(
+    lg: tl.tensor,
+    offs: tl.tensor,
+    valid: tl.tensor,
+    r: tl.tensor,
+    state: tl.tensor,
+    rep: tl.tensor,
+    freq: tl.tensor,
+    pres: tl.tensor,
+    prompt_presence: tl.tensor,
+    output_counts: tl.tensor,
+    allowed_mask: tl.tensor,
+    constrained: tl.tensor,
+    V: tl.constexpr,
+    VL: tl.constexpr,
+    MASK_WORDS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+) -> Any:
+    """One chunk of a row's logits (float32) after the vocabulary limit, the penalties and the mask."""
+    lg = tl.where(offs < VL, lg, float("-inf"))
+    if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
+        seen = tl.load(prompt_presence + state * V + offs, mask=valid, other=0)
+        count = tl.load(output_counts + state * V + offs, mask=valid, other=0)
+        produced = count > 0
+        if rep != 1.0:
+            scaled = tl.where(lg > 0.0, tl.math.div_rn(lg, rep), lg * rep)
+            lg = tl.where((seen != 0) | produced, scaled, lg)
+        # the product is rounded to float32 before the subtraction (no fused multiply-add)
+        lg = lg - (freq.to(tl.float64) * count.to(tl.float64)).to(tl.float32)
+        lg = lg - pres * produced.to(tl.float32)
+    if HAS_MASK:  # noqa: SIM102 (the constant prunes the load)
+        if tl.load(constrained + r) != 0:
+            word = tl.load(allowed_mask + r.to(tl.int64) * MASK_WORDS + offs // 32, mask=valid, other=0)
+            lg = tl.where(((word >> (offs % 32)) & 1) != 0, lg, float("-inf"))
+    return lg
+
+
+@_jit
+def _top_threshold(
+    chunk_max: tl.tensor, chunk_arg: tl.tensor, r: tl.tensor, C: tl.constexpr, C_PAD: tl.constexpr, TOP_N: tl.constexpr
+) -> Any:
+    """The key of the row's ``TOP_N``-th largest chunk maximum (the smallest key where the row has
+    fewer chunks). Those ``TOP_N`` maxima are distinct ids, so every id of the row's top ``TOP_N`` has
+    a key at least this one, and so has the maximum of its chunk: only chunks whose maximum reaches it
+    can hold one."""
+    ci = tl.arange(0, C_PAD)
+    here = ci < C
+    cm = tl.load(chunk_max + r * C + ci, mask=here, other=0.0)
+    ca = tl.load(chunk_arg + r * C + ci, mask=here, other=0)
+    keys = tl.where(here, _order_key(cm, ca), -9223372036854775807 - 1)
+    threshold = tl.max(keys, axis=0)
+    for _ in tl.static_range(1, TOP_N):
+        keys = tl.where(keys == threshold, -9223372036854775807 - 1, keys)
+        threshold = tl.max(keys, axis=0)
+    return threshold
 
 
 @_jit
@@ -528,68 +621,112 @@ def _sample_chunk_kernel(
     chunk_max: tl.tensor,
     chunk_arg: tl.tensor,
     chunk_sum: tl.tensor,
-    top_values: tl.tensor,
-    top_ids: tl.tensor,
     V: tl.constexpr,
     VL: tl.constexpr,
     CH: tl.constexpr,
     C: tl.constexpr,
     MASK_WORDS: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+) -> None:
+    r = tl.program_id(0)
+    _pdl_prologue(USE_PDL)
+    state = tl.load(rows + r).to(tl.int64)
+    if (tl.load(active + r) != 0) & (state >= 0):
+        rowv = r.to(tl.int64) * V
+        rep = tl.load(repetition_penalty + r).to(tl.float32)
+        freq = tl.load(frequency_penalty + r).to(tl.float32)
+        pres = tl.load(presence_penalty + r).to(tl.float32)
+        keep = tl.load(temperature + r).to(tl.float64) > 0.0
+        # the row's chunks are shared out over the programs of grid dimension 1; each step loads the
+        # program's next chunk before reducing this one
+        first = tl.program_id(1)
+        stride = tl.num_programs(1)
+        ahead = first * CH + tl.arange(0, CH)
+        upcoming = tl.load(logits + rowv + ahead, mask=ahead < V, other=float("-inf"))
+        for c in range(first, C, stride):
+            offs = c * CH + tl.arange(0, CH)
+            valid = offs < V
+            raw = upcoming.to(tl.float32)
+            ahead = offs + stride * CH
+            upcoming = tl.load(logits + rowv + ahead, mask=ahead < V, other=float("-inf"))
+            lg = _processed(
+                raw, offs, valid, r, state, rep, freq, pres, prompt_presence, output_counts, allowed_mask,
+                constrained, V, VL, MASK_WORDS, HAS_MASK,
+            )  # fmt: skip
+            if keep:
+                tl.store(proc + rowv + offs, lg, mask=valid)
+            # one reduction of keys finds the maximum at its lowest id (a chunk always holds a valid id)
+            top = tl.max(tl.where(valid, _order_key(lg, offs), -9223372036854775807 - 1), axis=0)
+            best = _key_value(top)
+            shifted = tl.where(lg > float("-inf"), tl.exp(lg - best), 0.0)
+            slot = r * C + c
+            tl.store(chunk_max + slot, best)
+            tl.store(chunk_arg + slot, _key_id(top))
+            tl.store(chunk_sum + slot, tl.sum(shifted.to(tl.float64), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# sample: launch 2 (with top_n > 0), per (row, program), the chunks that can hold a top entry
+# ----------------------------------------------------------------------------------------------
+
+
+@_jit
+def _sample_top_kernel(
+    logits: tl.tensor,
+    active: tl.tensor,
+    rows: tl.tensor,
+    repetition_penalty: tl.tensor,
+    frequency_penalty: tl.tensor,
+    presence_penalty: tl.tensor,
+    prompt_presence: tl.tensor,
+    output_counts: tl.tensor,
+    allowed_mask: tl.tensor,
+    constrained: tl.tensor,
+    chunk_max: tl.tensor,
+    chunk_arg: tl.tensor,
+    top_values: tl.tensor,
+    top_ids: tl.tensor,
+    V: tl.constexpr,
+    VL: tl.constexpr,
+    CH: tl.constexpr,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+    MASK_WORDS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     TOP_N: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
     r = tl.program_id(0)
-    c = tl.program_id(1)
     _pdl_prologue(USE_PDL)
     state = tl.load(rows + r).to(tl.int64)
     if (tl.load(active + r) != 0) & (state >= 0):
-        offs = c * CH + tl.arange(0, CH)
-        valid = offs < V
         rowv = r.to(tl.int64) * V
-        lg = tl.load(logits + rowv + offs, mask=valid, other=float("-inf")).to(tl.float32)
-        lg = tl.where(offs < VL, lg, float("-inf"))
         rep = tl.load(repetition_penalty + r).to(tl.float32)
         freq = tl.load(frequency_penalty + r).to(tl.float32)
         pres = tl.load(presence_penalty + r).to(tl.float32)
-        if (rep != 1.0) | (freq != 0.0) | (pres != 0.0):
-            seen = tl.load(prompt_presence + state * V + offs, mask=valid, other=0)
-            count = tl.load(output_counts + state * V + offs, mask=valid, other=0)
-            produced = count > 0
-            if rep != 1.0:
-                scaled = tl.where(lg > 0.0, tl.math.div_rn(lg, rep), lg * rep)
-                lg = tl.where((seen != 0) | produced, scaled, lg)
-            # the product is rounded to float32 before the subtraction (no fused multiply-add)
-            lg = lg - (freq.to(tl.float64) * count.to(tl.float64)).to(tl.float32)
-            lg = lg - pres * produced.to(tl.float32)
-        if HAS_MASK:  # noqa: SIM102 (the constant prunes the load)
-            if tl.load(constrained + r) != 0:
-                word = tl.load(allowed_mask + r.to(tl.int64) * MASK_WORDS + offs // 32, mask=valid, other=0)
-                lg = tl.where(((word >> (offs % 32)) & 1) != 0, lg, float("-inf"))
-        if tl.load(temperature + r).to(tl.float64) > 0.0:
-            tl.store(proc + rowv + offs, lg, mask=valid)
-        best = tl.max(lg, axis=0)
-        arg = tl.min(tl.where((lg == best) & valid, offs, 2147483647), axis=0)
-        shifted = tl.where(lg > float("-inf"), tl.exp(lg - best), 0.0)
-        total = tl.sum(shifted.to(tl.float64), axis=0)
-        slot = r * C + c
-        tl.store(chunk_max + slot, best)
-        tl.store(chunk_arg + slot, arg)
-        tl.store(chunk_sum + slot, total)
-        if TOP_N > 0:
-            taken = offs < 0
-            for k in tl.static_range(TOP_N):
-                cur = tl.where(taken, float("-inf"), lg)
-                top = tl.max(cur, axis=0)
-                tid = tl.min(tl.where((cur == top) & valid & (~taken), offs, 2147483647), axis=0)
-                found = tid < 2147483647
-                tl.store(top_values + slot * TOP_N + k, tl.where(found, top, float("-inf")))
-                tl.store(top_ids + slot * TOP_N + k, tl.where(found, tid, -1))
-                taken = taken | (offs == tid)
+        threshold = _top_threshold(chunk_max, chunk_arg, r, C, C_PAD, TOP_N)
+        for c in range(tl.program_id(1), C, tl.num_programs(1)):
+            slot = r * C + c
+            if _order_key(tl.load(chunk_max + slot), tl.load(chunk_arg + slot)) >= threshold:
+                offs = c * CH + tl.arange(0, CH)
+                valid = offs < V
+                raw = tl.load(logits + rowv + offs, mask=valid, other=float("-inf")).to(tl.float32)
+                lg = _processed(
+                    raw, offs, valid, r, state, rep, freq, pres, prompt_presence, output_counts, allowed_mask,
+                    constrained, V, VL, MASK_WORDS, HAS_MASK,
+                )  # fmt: skip
+                key = tl.where(valid, _order_key(lg, offs), -9223372036854775807 - 1)
+                for k in tl.static_range(TOP_N):
+                    top = tl.max(key, axis=0)
+                    found = top != -9223372036854775807 - 1
+                    tl.store(top_values + slot * TOP_N + k, tl.where(found, _key_value(top), float("-inf")))
+                    tl.store(top_ids + slot * TOP_N + k, tl.where(found, _key_id(top), -1))
+                    key = tl.where(key == top, -9223372036854775807 - 1, key)  # keys are unique: drops one
 
 
 # ----------------------------------------------------------------------------------------------
-# sample: launch 2, per (row, chunk), rows that draw at random
+# sample: the weights launch, per (row, program), rows that draw at random
 # ----------------------------------------------------------------------------------------------
 
 
@@ -615,7 +752,6 @@ def _sample_weight_kernel(
     USE_PDL: tl.constexpr,
 ) -> None:
     r = tl.program_id(0)
-    c = tl.program_id(1)
     _pdl_prologue(USE_PDL)
     state = tl.load(rows + r).to(tl.int64)
     t64 = tl.load(temperature + r).to(tl.float64)
@@ -625,12 +761,6 @@ def _sample_weight_kernel(
         if peak > float("-inf"):
             m64 = peak.to(tl.float64)
             rowv = r.to(tl.int64) * V
-            offs = c * CH + tl.arange(0, CH)
-            valid = offs < V
-            lg = tl.load(proc + rowv + offs, mask=valid, other=float("-inf"))
-            w = tl.exp((lg.to(tl.float64) - m64) / t64)
-            w = tl.where(valid, w, 0.0)
-            tl.store(wts + rowv + offs, w, mask=valid)
             if ALL_HEAVY:
                 tau = tl.zeros([], tl.float64)
             else:  # the same fixed sample in every program of the row
@@ -640,23 +770,31 @@ def _sample_weight_kernel(
                 pick = tl.sum(tl.where(si == SAMPLE_AT, ordered, 0.0), axis=0)
                 tau = tl.exp((pick.to(tl.float64) - m64) / t64)
             mp = tl.load(min_p + r).to(tl.float64)
-            positive = w > 0.0
-            above_min = positive & (w >= mp)
-            is_heavy = positive & (w >= tau)
-            slot = c * CH + tl.cumsum(is_heavy.to(tl.int32), axis=0) - 1
-            tl.store(heavy + rowv + slot, offs, mask=is_heavy)
-            base = (r * C + c) * 4
-            tl.store(agg_count + base + 0, tl.sum(positive.to(tl.int32), axis=0))
-            tl.store(agg_count + base + 1, tl.sum(above_min.to(tl.int32), axis=0))
-            tl.store(agg_count + base + 2, tl.sum(is_heavy.to(tl.int32), axis=0))
-            tl.store(agg_mass + base + 0, tl.sum(w, axis=0))
-            tl.store(agg_mass + base + 1, tl.sum(tl.where(above_min, w, 0.0), axis=0))
-            tl.store(agg_mass + base + 2, tl.sum(tl.where(is_heavy, w, 0.0), axis=0))
-            tl.store(agg_mass + base + 3, tau)
+            # the row's chunks are shared out over the programs of grid dimension 1
+            for c in range(tl.program_id(1), C, tl.num_programs(1)):
+                offs = c * CH + tl.arange(0, CH)
+                valid = offs < V
+                lg = tl.load(proc + rowv + offs, mask=valid, other=float("-inf"))
+                w = tl.exp((lg.to(tl.float64) - m64) / t64)
+                w = tl.where(valid, w, 0.0)
+                tl.store(wts + rowv + offs, w, mask=valid)
+                positive = w > 0.0
+                above_min = positive & (w >= mp)
+                is_heavy = positive & (w >= tau)
+                slot = c * CH + tl.cumsum(is_heavy.to(tl.int32), axis=0) - 1
+                tl.store(heavy + rowv + slot, offs, mask=is_heavy)
+                base = (r * C + c) * 4
+                tl.store(agg_count + base + 0, tl.sum(positive.to(tl.int32), axis=0))
+                tl.store(agg_count + base + 1, tl.sum(above_min.to(tl.int32), axis=0))
+                tl.store(agg_count + base + 2, tl.sum(is_heavy.to(tl.int32), axis=0))
+                tl.store(agg_mass + base + 0, tl.sum(w, axis=0))
+                tl.store(agg_mass + base + 1, tl.sum(tl.where(above_min, w, 0.0), axis=0))
+                tl.store(agg_mass + base + 2, tl.sum(tl.where(is_heavy, w, 0.0), axis=0))
+                tl.store(agg_mass + base + 3, tau)
 
 
 # ----------------------------------------------------------------------------------------------
-# sample: launch 3, per row
+# sample: the finishing launch, per row
 # ----------------------------------------------------------------------------------------------
 
 
@@ -728,6 +866,12 @@ def _sample_finish_kernel(
         if TOP_N > 0:
             ti = tl.arange(0, TOP_PAD)
             there = ti < C * TOP_N
+            # only chunks whose maximum reaches the threshold wrote their entries this step
+            owner = r * C + ti // TOP_N
+            owned = _order_key(
+                tl.load(chunk_max + owner, mask=there, other=0.0), tl.load(chunk_arg + owner, mask=there, other=0)
+            )
+            there = there & (owned >= _top_threshold(chunk_max, chunk_arg, r, C, C_PAD, TOP_N))
             tv = tl.load(top_values + r * C * TOP_N + ti, mask=there, other=float("-inf"))
             tid = tl.load(top_idx + r * C * TOP_N + ti, mask=there, other=-1)
             there = there & (tid >= 0)
@@ -1006,10 +1150,47 @@ def _state_tables(ctx: LoweringContext, node: mf.Node, vocab: int) -> dict[str, 
     return state
 
 
+@dataclass(frozen=True)
+class SampleLayout:
+    """How ``sample``'s chunked launches cover the vocabulary."""
+
+    chunk: int
+    """Vocabulary ids a program takes in one step (a power of two)."""
+    programs: int
+    """Programs per row of the chunked launches; program ``p`` of a row takes chunks ``p``,
+    ``p + programs``, ... in turn."""
+    warps: int
+    """Warps of a program of the first chunked launch."""
+
+
+def choose_sample_layout(rows: int, vocab: int, *, multiprocessors: int = MULTIPROCESSORS) -> SampleLayout:
+    """The layout of ``sample``'s chunked launches for ``rows`` rows of ``vocab`` logits.
+
+    Chunks of ``CHUNK`` ids on four warps; a row's chunks are shared out over just enough programs
+    that the launch has about ``PROGRAMS_PER_MULTIPROCESSOR`` programs a multiprocessor (every
+    chunk its own program where the rows are few). A program then reduces its chunks one after
+    another, loading the next while it reduces one, instead of many short programs each paying the
+    row's prologue and the launch of a program (the registers of the chunked launches leave room for
+    only a few programs of each on a multiprocessor at once).
+    """
+    chunk = min(CHUNK, next_power_of_two(vocab))
+    chunks = cdiv(vocab, chunk)
+    programs = min(chunks, cdiv(PROGRAMS_PER_MULTIPROCESSOR * multiprocessors, rows))
+    return SampleLayout(chunk=chunk, programs=programs, warps=4)
+
+
 @lowering("sample")
-def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
-    """Three launches: per-chunk processing, per-chunk weights (random rows), per-row finish."""
+def lower_sample(ctx: LoweringContext, node: mf.Node, layout: SampleLayout | None = None) -> list[mf.KernelLaunch]:
+    """Three or four launches: per-chunk processing, the top entries of the chunks that can hold one
+    (``top_n > 0``), per-chunk weights (random rows), per-row finish.
+
+    ``layout`` overrides :func:`choose_sample_layout` (the tile benchmark compares layouts).
+    """
     logits, rows, vocab = _logits(ctx, node)
+    if layout is None:
+        layout = choose_sample_layout(rows, vocab)
+    if layout.chunk < 1 or layout.chunk & (layout.chunk - 1) or layout.programs < 1 or layout.warps < 1:
+        raise ctx.fail(f"sample layout {layout} is not a power-of-two chunk with positive programs and warps")
     limit = _vocab_limit(ctx, node, vocab)
     top_n = ctx.attribute(node, "top_n", 0)
     if not isinstance(top_n, int) or isinstance(top_n, bool) or not 0 <= top_n <= min(vocab, MAX_TOP_N):
@@ -1034,9 +1215,10 @@ def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     constrained_view = ctx.arg(node, "constrained")
     if (mask_view is None) != (constrained_view is None):
         raise ctx.fail("allowed_mask and constrained must be given together")
-    chunk = min(CHUNK, next_power_of_two(vocab))
+    chunk = layout.chunk
     chunks = cdiv(vocab, chunk)
     chunk_pad = next_power_of_two(chunks)
+    programs = min(layout.programs, chunks)
     slots = rows * chunks
     proc = ctx.pointer(ctx.workspace("sample.processed", mf.DTYPE_F32, rows * vocab))
     wts = ctx.pointer(ctx.workspace("sample.weights", mf.DTYPE_F64, rows * vocab))
@@ -1055,41 +1237,57 @@ def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
         constrained = _per_row(ctx, node, "constrained", rows, _FLAGS)
     else:  # never read
         mask_words, mask, constrained = 1, chunk_arg, active
-    first = ctx.launch(
-        _sample_chunk_kernel,
-        {
-            "logits": ctx.pointer(logits),
-            "active": active,
-            "rows": state_rows,
-            "temperature": temperature,
-            "repetition_penalty": repetition,
-            "frequency_penalty": frequency,
-            "presence_penalty": presence_pen,
-            "prompt_presence": state["prompt_presence"],
-            "output_counts": state["output_counts"],
-            "allowed_mask": mask,
-            "constrained": constrained,
-            "proc": proc,
-            "chunk_max": chunk_max,
-            "chunk_arg": chunk_arg,
-            "chunk_sum": chunk_sum,
-            "top_values": top_values,
-            "top_ids": top_idx,
-        },
-        {
-            "V": vocab,
-            "VL": limit,
-            "CH": chunk,
-            "C": chunks,
-            "MASK_WORDS": mask_words,
-            "HAS_MASK": mask_view is not None,
-            "TOP_N": top_n,
-        },
-        (rows, chunks),
-        num_warps=4,
-    )
+    row_tables = {
+        "repetition_penalty": repetition,
+        "frequency_penalty": frequency,
+        "presence_penalty": presence_pen,
+        "prompt_presence": state["prompt_presence"],
+        "output_counts": state["output_counts"],
+        "allowed_mask": mask,
+        "constrained": constrained,
+    }
+    masking = {"V": vocab, "VL": limit, "CH": chunk, "C": chunks, "MASK_WORDS": mask_words}
+    masking["HAS_MASK"] = mask_view is not None
+    launches = [
+        ctx.launch(
+            _sample_chunk_kernel,
+            {
+                "logits": ctx.pointer(logits),
+                "active": active,
+                "rows": state_rows,
+                "temperature": temperature,
+                **row_tables,
+                "proc": proc,
+                "chunk_max": chunk_max,
+                "chunk_arg": chunk_arg,
+                "chunk_sum": chunk_sum,
+            },
+            masking,
+            (rows, programs),
+            num_warps=layout.warps,
+        )
+    ]
+    if top_n > 0:
+        launches.append(
+            ctx.launch(
+                _sample_top_kernel,
+                {
+                    "logits": ctx.pointer(logits),
+                    "active": active,
+                    "rows": state_rows,
+                    **row_tables,
+                    "chunk_max": chunk_max,
+                    "chunk_arg": chunk_arg,
+                    "top_values": top_values,
+                    "top_ids": top_idx,
+                },
+                {**masking, "C_PAD": chunk_pad, "TOP_N": top_n},
+                (rows, programs),
+                num_warps=layout.warps,
+            )
+        )
     all_heavy = vocab <= REGISTER_CANDIDATES
-    second = ctx.launch(
+    weights = ctx.launch(
         _sample_weight_kernel,
         {
             "active": active,
@@ -1112,7 +1310,7 @@ def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
             "SAMPLE_AT": 0 if all_heavy else THRESHOLD_SAMPLES * HEAVY_TARGET // vocab,
             "ALL_HEAVY": all_heavy,
         },
-        (rows, chunks),
+        (rows, programs),
         num_warps=8,
     )
     outputs: dict[str, KernelArg] = {}
@@ -1132,7 +1330,7 @@ def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
                 raise ctx.fail(f"{name}: shape {list(shape)} cannot hold {rows} rows of top_n={top_n}")
             columns[name] = shape[1]
         outputs[name] = _typed(ctx, given, name, (dtype,))
-    third = ctx.launch(
+    finish = ctx.launch(
         _sample_finish_kernel,
         {
             "active": active,
@@ -1186,7 +1384,7 @@ def lower_sample(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
         (rows,),
         num_warps=8,
     )
-    return [first, second, third]
+    return [*launches, weights, finish]
 
 
 @lowering("apply_grammar_mask")
