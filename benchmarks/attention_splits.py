@@ -33,7 +33,7 @@ from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels.attention import SHORT_POSITIONS, TF32X3_PRODUCTS, attention_launches  # noqa: E402
 from ignition.kernels.lowering import LoweringContext, cdiv  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
-from projection_tiles import declare, torch_us  # noqa: E402
+from projection_tiles import chain_us, declare, torch_us  # noqa: E402
 
 from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
@@ -145,26 +145,7 @@ def _graph_us(cuda: Context, layers: Layers, launch: mf.KernelLaunch, function: 
         pack_params(launch.params, {**layers.pointers, "k_plane": k_plane, "v_plane": v_plane})
         for k_plane, v_plane in layers.layer_planes
     ]
-    builder = cuda.graph()
-    previous = None
-    for pack in packs:
-        previous = builder.kernel(
-            function, launch.grid, launch.block, launch.shared_bytes, pack, previous, programmatic=previous is not None
-        )
-    executable = builder.instantiate()
-    cuda.launch_graph(executable)
-    cuda.synchronize()
-    start, end = cuda.timing_event(), cuda.timing_event()
-    repeats = 50
-    cuda.record(start)
-    for _ in range(repeats):
-        cuda.launch_graph(executable)
-    cuda.record(end)
-    cuda.wait_event(end)
-    elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * len(packs))
-    cuda.destroy_graph(executable)
-    builder.destroy()
-    return elapsed
+    return chain_us(cuda, [(function, launch, pack) for pack in packs], repeats=50)
 
 
 def _torch_us(rows: int, heads: int, kv_heads: int, head_dim: int, context: int, layers: int, bf16: bool) -> float:

@@ -250,28 +250,36 @@ def _time_ours(
     cuda.record(end)
     cuda.wait_event(end)
     elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * copies)
-    builder = cuda.graph()
-    previous = None
-    chain = max(16, copies)
-    for index in range(chain):
-        previous = builder.kernel(
-            function, launch.grid, launch.block, launch.shared_bytes, packs[index % copies], previous,
-            programmatic=previous is not None,
-        )  # fmt: skip
-    executable = builder.instantiate()
-    cuda.launch_graph(executable)
-    cuda.synchronize()
-    cuda.record(start)
-    for _ in range(repeats):
-        cuda.launch_graph(executable)
-    cuda.record(end)
-    cuda.wait_event(end)
-    in_graph = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * chain)
-    cuda.destroy_graph(executable)
-    builder.destroy()
+    in_graph = chain_us(cuda, [(function, launch, packs[index % copies]) for index in range(max(16, copies))], repeats)
     for pointer in (x, out, norm, *weights, *scratch.values()):
         cuda.free(pointer)
     return elapsed, in_graph
+
+
+def chain_us(cuda: Context, links: Sequence[tuple[Any, mf.KernelLaunch, Any]], repeats: int) -> float:
+    """Microseconds a link of a CUDA graph of ``links`` (function, launch, packed parameters), each after the
+    one before through a programmatic edge as a program's graph chains them: replayed once untimed, then
+    ``repeats`` times between two events."""
+    builder = cuda.graph()
+    previous = None
+    for function, launch, pack in links:
+        previous = builder.kernel(
+            function, launch.grid, launch.block, launch.shared_bytes, pack, previous, programmatic=previous is not None
+        )
+    executable = builder.instantiate()
+    try:
+        cuda.launch_graph(executable)
+        cuda.synchronize()
+        start, end = cuda.timing_event(), cuda.timing_event()
+        cuda.record(start)
+        for _ in range(repeats):
+            cuda.launch_graph(executable)
+        cuda.record(end)
+        cuda.wait_event(end)
+        return cuda.elapsed_ms(start, end) * 1000.0 / (repeats * len(links))
+    finally:
+        cuda.destroy_graph(executable)
+        builder.destroy()
 
 
 def _time_torch(rows: int, n: int, k: int, copies: int) -> float:

@@ -29,7 +29,7 @@ from ignition.kernels.compiler import planning, precompile  # noqa: E402
 from ignition.kernels.lowering import LoweringContext, cdiv, next_power_of_two  # noqa: E402
 from ignition.kernels.sampling import SampleLayout, choose_sample_layout, lower_sample  # noqa: E402
 from ignition.preparation.program import set_attribute  # noqa: E402
-from projection_tiles import declare, torch_us  # noqa: E402
+from projection_tiles import chain_us, declare, torch_us  # noqa: E402
 
 from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
@@ -128,30 +128,10 @@ def _time_ours(cuda: Context, rows: int, vocab: int, top_n: int, layout: SampleL
     modules = {name: cuda.load_module(module.data) for name, module in ctx.modules.items()}
     functions = [cuda.function(modules[launch.module], launch.symbol, launch.shared_bytes) for launch in launches]
     packs = [pack_params(launch.params, addresses) for launch in launches]
-    results = []
-    for selection in [[index] for index in range(len(launches))] + [list(range(len(launches)))]:
-        builder = cuda.graph()
-        previous = None
-        for _ in range(16):
-            for index in selection:
-                launch = launches[index]
-                previous = builder.kernel(
-                    functions[index], launch.grid, launch.block, launch.shared_bytes, packs[index], previous,
-                    programmatic=previous is not None,
-                )  # fmt: skip
-        executable = builder.instantiate()
-        cuda.launch_graph(executable)
-        cuda.synchronize()
-        start, end = cuda.timing_event(), cuda.timing_event()
-        repeats = 20
-        cuda.record(start)
-        for _ in range(repeats):
-            cuda.launch_graph(executable)
-        cuda.record(end)
-        cuda.wait_event(end)
-        results.append(cuda.elapsed_ms(start, end) * 1000.0 / (repeats * 16))
-        cuda.destroy_graph(executable)
-        builder.destroy()
+    links = list(zip(functions, launches, packs, strict=True))
+    selections = [[index] for index in range(len(launches))] + [list(range(len(launches)))]
+    results = [chain_us(cuda, [links[index] for _ in range(16) for index in selection], 20) for selection in selections]
+    results[-1] *= len(launches)  # the whole operator, not one of its launches
     for pointer in addresses.values():
         cuda.free(pointer)
     return results
