@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ignition.kernels import sampling
-from ignition.kernels.sampling import SampleLayout
 
 from helios_core.backends import reference_kernels as rk
 from helios_core.backends.cuda_driver import Context
@@ -283,6 +281,8 @@ def test_sample_layouts_give_the_same_results(
 ) -> None:
     """A row's chunks shared out over fewer programs than chunks (each reducing several in turn) give
     the bits of one program a chunk, and the reference's results."""
+    from ignition.kernels import sampling  # Triton: imported by the test, so the module collects without it
+
     rng = _rng("layouts", programs, top_n)
     rows, vocab = 12, 49152  # 24 chunks: every chunk its own program at 12 rows
     arrays = _sample_arrays(rng, rows, vocab, penalties=True, mask=True, top_n=top_n, **_filters(rng, rows))
@@ -295,7 +295,7 @@ def test_sample_layouts_give_the_same_results(
     attributes = {"vocab_limit": vocab - 100, "top_n": top_n}
     assert sampling.choose_sample_layout(rows, vocab).programs == 24
     every = run_node(cuda_context, "sample", arrays, attributes)
-    layout = SampleLayout(chunk=sampling.CHUNK, programs=programs, warps=4)
+    layout = sampling.SampleLayout(chunk=sampling.CHUNK, programs=programs, warps=4)
     monkeypatch.setattr(sampling, "choose_sample_layout", lambda *_args, **_kwargs: layout)
     shared = run_node(cuda_context, "sample", arrays, attributes)
     for name in ("ids", "logprob", "top_ids", "top_logprobs", "output_counts"):
