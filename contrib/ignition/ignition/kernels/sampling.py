@@ -160,6 +160,27 @@ def _next_down(x: tl.tensor) -> Any:
 
 
 @_jit
+def _order_key(lg: tl.tensor, offs: tl.tensor) -> Any:
+    """int64 keys ordered as (value desc, id asc) by their own order: the largest key is the largest
+    value at its lowest id. Both zeros share one key; the value and id come back through
+    :func:`_key_value` and :func:`_key_id`."""
+    bits = tl.where(lg == 0.0, 0.0, lg).to(tl.int32, bitcast=True)
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float
+    return (mono.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+
+
+@_jit
+def _key_value(key: tl.tensor) -> Any:
+    mono = (key >> 32).to(tl.int32)
+    return (mono ^ ((mono >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _key_id(key: tl.tensor) -> Any:
+    return 2147483647 - key.to(tl.int32)
+
+
+@_jit
 def _sort_candidates(
     lists: tl.tensor,
     src: tl.tensor,
@@ -197,13 +218,9 @@ def _sort_candidates(
     from_chunk = tl.load(heavy + rowv + chunk * CH + (j - first), mask=valid & from_heavy, other=0)
     cid = tl.where(from_heavy, from_chunk, from_list)
     logit = tl.load(proc + rowv + cid, mask=valid, other=0.0)
-    logit = tl.where(logit == 0.0, 0.0, logit)  # one key for both zeros
-    bits = logit.to(tl.int32, bitcast=True)
-    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float
-    key = (mono.to(tl.int64) << 32) | (2147483647 - cid).to(tl.int64)
-    key = tl.where(valid, key, -9223372036854775807 - 1)
+    key = tl.where(valid, _order_key(logit, cid), -9223372036854775807 - 1)
     ordered = tl.sort(key, descending=True)
-    sid = 2147483647 - ordered.to(tl.int32)
+    sid = _key_id(ordered)
     smono = (ordered >> 32).to(tl.int32)
     sw = tl.load(wts + rowv + sid, mask=valid, other=0.0)
     tl.store(sorted_ids + j, sid)
@@ -523,27 +540,6 @@ def _search(
 # ----------------------------------------------------------------------------------------------
 # sample: launch 1, per (row, program)
 # ----------------------------------------------------------------------------------------------
-
-
-@_jit
-def _order_key(lg: tl.tensor, offs: tl.tensor) -> Any:
-    """int64 keys ordered as (value desc, id asc) by their own order: the largest key is the largest
-    value at its lowest id. Both zeros share one key; the value and id come back through
-    :func:`_key_value` and :func:`_key_id`."""
-    bits = tl.where(lg == 0.0, 0.0, lg).to(tl.int32, bitcast=True)
-    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order of the float
-    return (mono.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-
-
-@_jit
-def _key_value(key: tl.tensor) -> Any:
-    mono = (key >> 32).to(tl.int32)
-    return (mono ^ ((mono >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@_jit
-def _key_id(key: tl.tensor) -> Any:
-    return 2147483647 - key.to(tl.int32)
 
 
 @_jit
