@@ -163,7 +163,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         page_tokens=16,
         baseline_steps=pick(args.baseline_steps, 64, 8),
         baseline_warmup=pick(args.baseline_warmup, 8, 2),
-        prefill_repeats=pick(args.prefill_repeats, 3, 2),
+        prefill_repeats=pick(args.prefill_repeats, 9, 2),
         agreement_tokens=pick(args.agreement_tokens, 32, 16),
         timeout_s=args.timeout,
         budget_s=args.budget,
@@ -523,13 +523,65 @@ def prefill_timeline(records: Sequence[RoundRecord], submitted_ns: int, first_ns
     ]
 
 
+@dataclass(frozen=True)
+class HostSpan:
+    """One call of a worker phase (planning, packing, applying a completion, publishing events)."""
+
+    phase: str
+    begin_ns: int
+    duration_ns: int
+
+
+_HOST_PHASES = (
+    ("scheduler", "next_round", "plan"),
+    ("scheduler", "complete", "complete"),
+    ("engine", "_publish", "publish"),
+)
+"""(owner, method, phase): the worker's host phases timed by :class:`RoundClock`, with every packer's ``pack``
+and the backend's ``transport``, ``run`` and ``completion``."""
+
+
+def host_phases(spans: Sequence[HostSpan], submitted_ns: int, first_ns: int) -> list[dict[str, Any]]:
+    """The worker's host phases between a request's submission and its first token, in ms after the
+    submission (each phase's calls in order; calls that took under a microsecond and did nothing of
+    note, such as an empty publish, are kept: they show where the worker was)."""
+    return [
+        {"phase": span.phase, "begin_ms": (span.begin_ns - submitted_ns) / 1e6, "ms": span.duration_ns / 1e6}
+        for span in spans
+        if submitted_ns <= span.begin_ns <= first_ns
+    ]
+
+
 class RoundClock:
-    """Puts a :class:`TimedBackend` between a running model and its backend."""
+    """Puts a :class:`TimedBackend` between a running model and its backend, and times the worker's
+    host phases (:data:`_HOST_PHASES`) into :attr:`spans`."""
 
     def __init__(self, running: Any) -> None:
         self.origin_ns = running.model.clock_origin_ns
         self.backend = TimedBackend(running.model.backend, self.origin_ns)
         running.model.backend = self.backend
+        self.spans: list[HostSpan] = []
+        owners = {"scheduler": running.engine.scheduler, "engine": running.engine}
+        for owner, method, phase in _HOST_PHASES:
+            self._time(owners[owner], method, phase)
+        for packer in running.model.packers.values():
+            self._time(packer, "pack", "pack")
+        for method in ("transport", "run", "completion"):  # the waits for a frame's fence, and the launch
+            self._time(self.backend, method, method)
+
+    def _time(self, owner: Any, method: str, phase: str) -> None:
+        """Replace ``owner.method`` by a wrapper recording each call's span (the worker's thread only)."""
+        inner = getattr(owner, method)
+        spans, origin = self.spans, int(self.origin_ns)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            begin = time.monotonic_ns()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spans.append(HostSpan(phase, begin - origin, time.monotonic_ns() - begin))
+
+        setattr(owner, method, timed)
 
     @property
     def records(self) -> list[RoundRecord]:
@@ -806,14 +858,15 @@ def measure_helios(
                 )
             save()
         with _wave_errors(helios, "prefill", spec.shape):
-            ttfts, timelines = [], []
+            ttfts, timelines, phases = [], [], []
             for index in range(plan.prefill_repeats):
                 (request,) = _requests(f"prefill{index}", 1, plan.prefill, 2, vocab, rng)
-                seen = len(clock.records)
+                seen, seen_spans = len(clock.records), len(clock.spans)
                 submitted = clock.now_ns()
                 (result,) = collect(engine, [request], plan.timeout_s)
                 ttfts.append((result.stamps_ns[0] - submitted) / 1e9)
                 timelines.append(prefill_timeline(clock.records[seen:], submitted, result.stamps_ns[0]))
+                phases.append(host_phases(clock.spans[seen_spans:], submitted, result.stamps_ns[0]))
             ttft = statistics.median(ttfts)
             helios["prefill"] = {
                 "tokens": plan.prefill,
@@ -821,6 +874,7 @@ def measure_helios(
                 "ms": ttft * 1000,
                 "tokens_per_s": plan.prefill / ttft,
                 "rounds": timelines,
+                "host_phases": phases,
             }
             log(f"{spec.shape}: Helios prefill {plan.prefill}: {ttft * 1000:.2f} ms, {plan.prefill / ttft:.0f} tok/s")
             middle = statistics.median_low(ttfts)
@@ -830,6 +884,12 @@ def measure_helios(
                 for r in timelines[ttfts.index(middle)]
             )
             log(f"{spec.shape}: its rounds, ms after the submission: {rounds}; first token {middle * 1000:.2f}")
+            worker = ", ".join(
+                f"{p['phase']} {p['begin_ms']:.2f}+{p['ms']:.2f}"
+                for p in phases[ttfts.index(middle)]
+                if p["ms"] >= 0.005
+            )
+            log(f"{spec.shape}: its host phases (ms after the submission + ms taken): {worker}")
         stats = engine.statistics()
         helios["launches"] = dict(stats.launches)
         helios["pipelined_rounds"] = stats.pipelined_rounds
@@ -1546,7 +1606,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, help="core context tokens (default 1024)")
     parser.add_argument("--baseline-steps", type=int, help="timed PyTorch decode steps (default 64)")
     parser.add_argument("--baseline-warmup", type=int, help="untimed PyTorch decode steps first (default 8)")
-    parser.add_argument("--prefill-repeats", type=int, help="prefill measurements, median taken (default 3)")
+    parser.add_argument("--prefill-repeats", type=int, help="prefill measurements, median taken (default 9)")
     parser.add_argument("--agreement-tokens", type=int, help="greedy tokens compared with Helios (default 32)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds for one wave of requests")
     parser.add_argument("--budget", type=float, default=540.0, help="start no new phase after this many seconds")

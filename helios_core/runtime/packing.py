@@ -302,6 +302,16 @@ _TOKEN_SOURCES: dict[int, Callable[[Lane, int], Sequence[int]]] = {
 }
 """Sources with one value per packed token of a lane."""
 
+
+def _token_values(values: Sequence[int], offset: int) -> Sequence[int] | npt.NDArray[np.int64]:
+    """A lane's per-token values plus ``offset``, in a form numpy writes without a Python loop (a range
+    of positions becomes an arange; a list stays a list when there is no offset)."""
+    if isinstance(values, range):
+        return np.arange(values.start + offset, values.stop + offset, values.step, dtype=np.int64)
+    if isinstance(values, np.ndarray):
+        return values + offset if offset else values
+    return [value + offset for value in values] if offset else values
+
 _VECTOR_SOURCES = frozenset(
     {
         ct.VALUE_SOURCE_PAGE_TABLE,
@@ -659,14 +669,20 @@ class _BindingWriter:
         extract = _TOKEN_SOURCES[self.source]
         flat = dest.reshape(-1)
         cursor = 0
+        offset = self.offset
         for row, lane in enumerate(lanes):
+            if self.source == ct.VALUE_SOURCE_TOKEN_ROW:  # the lane's row on each of its packed tokens
+                length = lane.query_length
+                flat[cursor : cursor + length] = row + offset
+                cursor += length
+                continue
             values = extract(lane, row)
             if len(values) != lane.query_length:
                 raise ValueError(
                     f"lane {row} supplies {len(values)} values for {self.destination!r}, "
                     f"but its query length is {lane.query_length}"
                 )
-            flat[cursor : cursor + len(values)] = [v + self.offset for v in values] if self.offset else values
+            flat[cursor : cursor + len(values)] = _token_values(values, offset)
             cursor += len(values)
         if cursor > self.packed:
             raise ValueError(f"{cursor} packed tokens exceed the program's capacity {self.packed}")
@@ -794,11 +810,12 @@ class _BindingWriter:
                 dest[row, len(pages) :] = self.padding
             dest[row, start : len(pages)] = np.asarray(pages[start:], dtype=dest.dtype) + self.offset
             held.hold(row, slot, generation, len(pages))
-        if self.indexing == ct.INDEXING_SUBMISSION_ROW:
-            for row in range(len(tables), self.rows):
-                if not held.padded(row):
-                    dest[row] = self.padding
-                    held.pad(slice(row, row + 1))
+        if self.indexing == ct.INDEXING_SUBMISSION_ROW and len(tables) < self.rows:
+            rows = np.arange(len(tables), self.rows, dtype=np.intp)
+            stale = rows[~held.padded_at(rows)]
+            if stale.size:
+                dest[stale] = self.padding
+                held.pad(stale)
 
     # -- batches --------------------------------------------------------------------------
     def write_batch(self, batch: LaneBatch, frame: int, staging: Staging, *, tails: bool, same_lanes: bool) -> None:

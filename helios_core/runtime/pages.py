@@ -43,6 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from helios_core.errors import HeliosError
 from helios_core.runtime.messages import PromptImage
 from helios_core.runtime.offload import HOST_RESIDENT, HostPageStore
@@ -175,7 +178,10 @@ class PageAllocator:
         return list(self._evictable)
 
     def chain_hash(
-        self, previous: bytes | None, tokens: Sequence[int], images: Sequence[tuple[int, bytes]] = ()
+        self,
+        previous: bytes | None,
+        tokens: Sequence[int] | npt.NDArray[np.int64],
+        images: Sequence[tuple[int, bytes]] = (),
     ) -> bytes:
         """The key of a complete page holding ``tokens`` after the prefix keyed ``previous``.
 
@@ -183,10 +189,13 @@ class PageAllocator:
         first token, the image's digest) (:func:`page_images`); the same token ids from a different image
         make a different key."""
         digest = hashlib.blake2b(previous if previous is not None else self._root, digest_size=16)
-        try:
-            digest.update(array("q", tokens))  # a page holds page_tokens ids: fixed width, one encoding per content
-        except OverflowError:  # an id outside int64: spelled out instead
-            digest.update(b"*" + ",".join(map(str, tokens)).encode())
+        if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and tokens.flags.c_contiguous:
+            digest.update(tokens.data)  # the same bytes as array("q", ...) of its ids: native int64
+        else:
+            try:
+                digest.update(array("q", tokens))  # a page holds page_tokens ids: fixed width, one encoding per content
+            except OverflowError:  # an id outside int64: spelled out instead
+                digest.update(b"*" + ",".join(map(str, tokens)).encode())
         for start, image in images:  # after the fixed-width ids: one encoding per (ids, images)
             digest.update(b"#" + start.to_bytes(8, "little", signed=True) + len(image).to_bytes(4, "little") + image)
         return digest.digest()
@@ -321,6 +330,11 @@ class PageAllocator:
         return True
 
     # -- listeners ------------------------------------------------------------------------------
+    @property
+    def announces(self) -> bool:
+        """Whether a listener is attached (publishing then needs each page's token ids)."""
+        return self._events is not None
+
     def attach_events(self, sink: PageEventSink) -> None:
         """Announce every later change of the prefix index to ``sink``, after an ``all_cleared``.
 

@@ -270,7 +270,7 @@ class RoundPlanner:
             slot=slot,
             generation=int(table.generation[slot]),
             state_row=slot * per_request,
-            positions=list(positions),
+            positions=positions,
             cache_slots=table.cache_slots(slot, positions),
             page_table=table.page_list(slot),
             tokens=tokens,
@@ -290,9 +290,7 @@ class RoundPlanner:
         )
 
     def _histogram(self, slot: int, prompt_len: int) -> npt.NDArray[np.uint8]:
-        prompt = self.table.tokens[slot, :prompt_len].astype(np.int64)
-        counts = np.bincount(prompt, minlength=self.histogram_width)
-        return np.minimum(counts, 255).astype(np.uint8)
+        return prompt_histogram(self.table.tokens[slot, :prompt_len], self.histogram_width)
 
     def _expect(
         self, state: RequestState, consumed: int, samples: bool, scores: tuple[int, int] = (0, 0)
@@ -720,6 +718,18 @@ class RoundPlanner:
                 return False
             table.add_pages(slot, page)
         return True
+
+
+def prompt_histogram(prompt: npt.NDArray[np.integer[Any]], width: int) -> npt.NDArray[np.uint8]:
+    """How often each id below ``width`` occurs in ``prompt`` (at most 255 each; ids outside are not counted).
+
+    The prompt's distinct ids are counted (a sort of the prompt) and scattered into a zeroed row: a count
+    over the whole vocabulary would touch eight bytes an id for a prompt of a few hundred tokens."""
+    ids, counts = np.unique(prompt, return_counts=True)
+    inside = (ids >= 0) & (ids < width)
+    histogram = np.zeros(width, dtype=np.uint8)
+    histogram[ids[inside]] = np.minimum(counts[inside], 255)
+    return histogram
 
 
 def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:

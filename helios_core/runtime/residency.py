@@ -596,15 +596,17 @@ class Residency:
         hashes = table.hashes[slot]
         consumed = int(table.consumed[slot])
         if (len(hashes) + 1) * pt <= consumed:
-            row = table.tokens[slot]
-            pages = table.pages[slot]
+            allocator = self.allocator
+            first, end = len(hashes), consumed // pt
+            block = table.tokens[slot, first * pt : end * pt].astype(np.int64).reshape(end - first, pt)
+            pages = table.pages[slot, first:end].tolist()
             images = self.slot_images(slot)
-            while (len(hashes) + 1) * pt <= consumed:
-                index = len(hashes)
+            announces = allocator.announces
+            for index, page_tokens in enumerate(block, start=first):
                 parent = hashes[-1] if hashes else None
-                page_tokens = row[index * pt : (index + 1) * pt].tolist()
-                key = self.allocator.chain_hash(parent, page_tokens, page_images(images, index * pt, pt))
-                self.allocator.publish(int(pages[index]), key, parent=parent, tokens=page_tokens)
+                key = allocator.chain_hash(parent, page_tokens, page_images(images, index * pt, pt))
+                ids = page_tokens.tolist() if announces else None  # a listener hears the page's ids
+                allocator.publish(pages[index - first], key, parent=parent, tokens=ids)
                 hashes.append(key)
         table.published[slot] = len(hashes)
 

@@ -290,9 +290,11 @@ class SlotTable:
 
     def cache_slots(self, slot: int, positions: range) -> list[int]:
         """The cache slot (page id x page_tokens + offset) of each of ``positions`` of ``slot``."""
+        if not positions:
+            return []
         pt = self.page_tokens
-        starts = self.page_starts[slot]
-        return [int(starts[p // pt]) + p % pt for p in positions]
+        at = np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
+        return (self.page_starts[slot][at // pt] + at % pt).tolist()  # type: ignore[no-any-return]
 
     # -- tokens --------------------------------------------------------------------------------------
     def length(self, slot: int) -> int:

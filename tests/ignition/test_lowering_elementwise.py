@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ignition.kernels import compiler, elementwise, load_kernel_modules, rotary
+from ignition.kernels import compiler, elementwise, linear, load_kernel_modules, rotary
 from ignition.kernels.linear import Tiles, choose_tiles
 from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
 
@@ -410,6 +410,21 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
     outputs and prefill chunks whose 128x128 tiles reach two thirds of the multiprocessors take those
     tiles through tensor descriptors."""
     assert choose_tiles(rows, n, k) == tiles
+
+
+def test_a_tile_wider_than_per_thread_loads_take_is_refused_without_tensor_descriptors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float32 inputs cannot go through tensor descriptors: a 128x256 tile on them is refused by name, and
+    the same tile over the bf16 rows a normalized projection stages is launched through descriptors."""
+    wide = Tiles(128, 256, 64, 8, 3, descriptors=True)
+    monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: wide)
+    arrays = {"x": f32(512, 256), "weight": bf16(512, 256), "out": f32(512, 512)}
+    with pytest.raises(LoweringError, match=r"a 128x256 tile needs tensor descriptors .* at most 128 columns"):
+        _lower("linear", arrays, weights=("weight",))
+    arrays["norm_weight"] = f32(256)
+    _, launches = _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
+    assert launches[-1].symbol == "projection_kernel" and list(launches[-1].grid) == [4, 2, 1]
 
 
 def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:

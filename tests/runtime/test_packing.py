@@ -236,6 +236,28 @@ def test_page_table_memory_is_shared_by_every_graph_of_a_frame(contract: Prepare
     assert staging["page_table"][0, :4].tolist() == [4, 5, 6, 0]
 
 
+def test_lanes_as_the_planner_builds_them_pack_the_bytes_of_their_lists(contract: PreparedContract) -> None:
+    """The planner hands positions over as a range and cache slots and tokens as arrays: they pack
+    exactly as lists of the same values."""
+    as_lists = two_lanes()
+    as_planned = [
+        dataclasses.replace(
+            lane,
+            positions=range(lane.positions[0], lane.positions[-1] + 1),
+            cache_slots=np.asarray(lane.cache_slots, dtype=np.int64),
+            tokens=np.asarray(lane.tokens, dtype=np.int32),
+        )
+        for lane in as_lists
+    ]
+    packed = []
+    for lanes in (as_lists, as_planned):
+        staging = poisoned_staging(contract)
+        GraphPacker(contract.graphs["prefill_p16"], staging).pack(Submission(lanes, sequence=3), 0, staging)
+        packed.append({name: array.tolist() for name, array in staging.items()})
+    assert packed[1] == packed[0]
+    assert packed[1]["positions"][:5] == [0, 1, 2, 5, 6] and packed[1]["token_rows"][:6] == [0, 0, 0, 1, 1, -1]
+
+
 def test_padded_grammar_mask_rows_are_not_written_again_until_a_mask_or_another_graph_used_them(
     contract: PreparedContract,
 ) -> None:

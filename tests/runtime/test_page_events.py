@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from helios_core.runtime.pages import AllocatorError, PageAllocator
@@ -62,6 +63,21 @@ def test_attaching_clears_then_publication_announces_key_parent_and_exact_tokens
         ("stored", keys[0], None, (5, 6), 2),
         ("stored", keys[1], keys[0], (7, 8), 2),
     ]
+
+
+def test_a_page_key_is_the_same_from_an_int64_array_as_from_its_ids() -> None:
+    """Residency hashes a slot's pages from its token row (int64 views); prefix matching hashes a prompt's
+    ids: both must give one key, and ids outside int64 still get a key of their own."""
+    pages = PageAllocator(4, 4, "id")
+    ids = [5, 2**40, -3, 0]
+    parent = pages.chain_hash(None, [1, 2, 3, 4])
+    assert pages.chain_hash(parent, np.array(ids, dtype=np.int64)) == pages.chain_hash(parent, ids)
+    row = np.array([9, *ids, 9], dtype=np.int64)
+    assert pages.chain_hash(parent, row[1:5]) == pages.chain_hash(parent, ids)
+    assert pages.chain_hash(parent, np.array([5, -3, 0], dtype=np.int32)) == pages.chain_hash(parent, [5, -3, 0])
+    strided = np.array([5, 0, 2**40, 0, -3, 0, 0, 0], dtype=np.int64)[::2]  # not contiguous: read id by id
+    assert pages.chain_hash(parent, strided) == pages.chain_hash(parent, ids)
+    assert pages.chain_hash(parent, [2**64, 1, 2, 3]) != pages.chain_hash(parent, [0, 1, 2, 3])
 
 
 def test_eviction_announces_removal_of_each_announced_page_once() -> None:

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from helios_core.contract import LoadOptions, select
@@ -34,6 +35,7 @@ from helios_core.runtime.packing import Lane, LaneBatch
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.plan import RoundPlan
 from helios_core.runtime.plan import RoundPlan as Round
+from helios_core.runtime.planner import prompt_histogram
 from helios_core.runtime.scheduler import Scheduler
 from helios_core.runtime.slots import Phase, RequestState
 from helios_core.runtime.stats import SchedulerStats
@@ -132,6 +134,26 @@ def step(scheduler: Scheduler, tokens: Sequence[int] = ()) -> tuple[Round, list[
 
 def token(request_id: str, token_id: int) -> TokenEvent:
     return TokenEvent(request_id, token_id, -0.5, ((token_id, ""),))
+
+
+def test_prompt_histograms_count_each_id_below_the_width_up_to_255() -> None:
+    prompt = np.array([3, 7, 3, *[9] * 300, 12, -1, 3], dtype=np.int32)
+    histogram = prompt_histogram(prompt, 10)  # 12 and -1 lie outside a 10-id histogram
+    assert histogram.dtype == np.uint8
+    assert histogram.tolist() == [0, 0, 0, 3, 0, 0, 0, 1, 0, 255]
+    assert prompt_histogram(np.array([], dtype=np.int32), 4).tolist() == [0, 0, 0, 0]
+
+
+def test_the_initialize_lane_carries_its_prompts_histogram(make_scheduler: MakeScheduler) -> None:
+    scheduler = make_scheduler(max_active=2)
+    prompt = [4, 9, 4, 4, 250, 9, 1]
+    assert scheduler.add(request("r0", prompt, 1)) is None
+    init = scheduler.next_round()
+    assert init is not None and init.graph.name == "initialize"
+    (lane,) = lanes_of(init)
+    assert lane.prompt_histogram is not None
+    width = scheduler.planner.histogram_width
+    assert lane.prompt_histogram.tolist() == np.bincount(prompt, minlength=width).tolist()
 
 
 # -- admission -----------------------------------------------------------------------------------------

@@ -351,6 +351,11 @@ def choose_tiles(
     return _split_reduction(Tiles(128, 64, 64, 8, 3), rows, n, k, multiprocessors)
 
 
+POINTER_TILE_COLUMNS = 128
+"""The widest matrix tile fed by per-thread loads: 128x256 tiles on float32 inputs (224 KB of shared memory)
+gave launches whose results differed from one run to the next on an H200; :func:`choose_tiles` never
+hands out a wider one without tensor descriptors."""
+
 LONG_REDUCTION = 12288
 """Inputs from which a narrow projection of up to 256 rows takes 128x128 tiles (see :func:`choose_tiles`)."""
 
@@ -478,6 +483,11 @@ def project(
         args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
         k_split = cdiv(cdiv(k, chosen.block_k), chosen.split) * chosen.block_k
         descriptors = chosen.descriptors and describable  # the staged rows have the weight's type and width
+        if not descriptors and chosen.block_n > POINTER_TILE_COLUMNS:
+            raise ctx.fail(
+                f"a {chosen.block_m}x{chosen.block_n} tile needs tensor descriptors (16-bit inputs and weights, "
+                f"16-byte aligned rows); per-thread loads take at most {POINTER_TILE_COLUMNS} columns a tile"
+            )
         constants.update(
             BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split, DESCRIPTORS=descriptors
         )

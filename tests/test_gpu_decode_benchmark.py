@@ -1,0 +1,93 @@
+"""The GPU decode benchmark's host-side bookkeeping (no GPU): the worker phases its round clock times."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_benchmark() -> ModuleType:
+    if "gpu_decode" in sys.modules:
+        return sys.modules["gpu_decode"]
+    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look the module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class Backend:
+    def transport(self, frame: int) -> str:
+        return f"staging {frame}"
+
+    def run(self, program: str, frame: int) -> None:
+        if program == "broken":
+            raise RuntimeError("launch failed")
+
+    def completion(self, frame: int) -> str:
+        return f"record {frame}"
+
+
+class Scheduler:
+    def next_round(self) -> str:
+        time.sleep(0.002)
+        return "round"
+
+    def complete(self, plan: str, results: Any) -> list[str]:
+        return [f"event of {plan}"]
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.scheduler = Scheduler()
+        self.published: list[Any] = []
+
+    def _publish(self, events: Any) -> None:
+        self.published.append(events)
+
+
+class Packer:
+    def pack(self, submission: Any, frame: int, staging: Any) -> None:
+        return None
+
+
+def test_the_round_clock_times_every_worker_phase_and_passes_calls_through() -> None:
+    benchmark = load_benchmark()
+    running = SimpleNamespace(
+        model=SimpleNamespace(clock_origin_ns=0, backend=Backend(), packers={"a": Packer(), "b": Packer()}),
+        engine=Engine(),
+    )
+    clock = benchmark.RoundClock(running)
+    submitted = clock.now_ns()
+    engine, model = running.engine, running.model
+    assert engine.scheduler.next_round() == "round"
+    assert model.backend.transport(1) == "staging 1"
+    model.packers["b"].pack("lanes", 1, "staging 1")
+    model.backend.run("decode", 1)
+    assert model.backend.completion(1) == "record 1"
+    assert engine.scheduler.complete("round", []) == ["event of round"]
+    engine._publish(["event of round"])
+    with pytest.raises(RuntimeError, match="launch failed"):
+        model.backend.run("broken", 0)
+    first = clock.now_ns()
+    assert engine.published == [["event of round"]]
+    phases = ["plan", "transport", "pack", "run", "completion", "complete", "publish", "run"]
+    assert [span.phase for span in clock.spans] == phases
+    assert clock.spans[0].duration_ns >= 2_000_000  # the planning call's sleep
+    begins = [span.begin_ns for span in clock.spans]
+    assert begins == sorted(begins) and begins[0] >= submitted
+    kept = benchmark.host_phases(clock.spans, submitted, first)
+    assert [phase["phase"] for phase in kept] == phases
+    assert kept[0]["ms"] >= 2.0 and kept[0]["begin_ms"] >= 0.0
+    assert benchmark.host_phases(clock.spans, first + 1, first + 2) == []
+    (record,) = clock.records  # the completion of the launched round
+    assert record.program == "decode"
