@@ -92,6 +92,17 @@ CANDIDATES = (
         descriptors=True,
     ),
     *_each_split(((128, 256, 64, 8, 3),), (1, 2, 4), descriptors=True),
+    *(
+        Tiles(*shape, descriptors=True, persistent=programs)
+        for shape, programs in (
+            ((128, 128, 64, 8, 3), 1),
+            ((128, 128, 64, 8, 4), 1),
+            ((128, 256, 64, 8, 3), 1),
+            ((128, 128, 128, 8, 3), 1),
+            ((128, 128, 64, 8, 2), 2),
+            ((128, 64, 64, 4, 3), 2),
+        )
+    ),
 )
 
 
@@ -137,15 +148,23 @@ def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool]]:
     }
 
 
-def _candidates(rows: int, n: int, k: int, *, descriptors_only: bool = False) -> list[Tiles]:
+def _candidates(
+    rows: int, n: int, k: int, *, descriptors_only: bool = False, persistent_only: bool = False
+) -> list[Tiles]:
     """``choose_tiles``' choice first, then the candidates of the same row family (only those fed by
-    tensor descriptors with ``descriptors_only``)."""
+    tensor descriptors with ``descriptors_only``, only the persistent ones with ``persistent_only``)."""
     chosen = choose_tiles(rows, n, k)
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
     return [
         t
         for t in dict.fromkeys((chosen, *CANDIDATES))
-        if t == chosen or (min(t.block_m, 64) == family and _fits(t, k) and (t.descriptors or not descriptors_only))
+        if t == chosen
+        or (
+            min(t.block_m, 64) == family
+            and _fits(t, k)
+            and (t.descriptors or not descriptors_only)
+            and (t.persistent or not persistent_only)
+        )
     ]
 
 
@@ -163,6 +182,7 @@ def _label(tiles: Tiles, chosen: Tiles) -> str:
         return f"{mark}{tiles.block_m}x{tiles.block_n}xrow w{tiles.num_warps} {tiles.per_sm}/SM"
     split = f" /{tiles.split}" if tiles.split > 1 else ""
     copy = " tma" if tiles.descriptors else ""
+    copy += f" p{tiles.persistent}" if tiles.persistent else ""
     return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}{copy}"
 
 
@@ -188,7 +208,9 @@ def _lowered(
     return ctx.modules[launches[-1].module], launches[-1], workspaces
 
 
-def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str], descriptors_only: bool) -> None:
+def _compile_all(
+    shapes: list[str], rows_list: list[int], projections: list[str], descriptors_only: bool, persistent_only: bool
+) -> None:
     """Compile every candidate of the selection, in parallel processes (into the kernel cache)."""
     with planning() as requests:
         for shape_name in shapes:
@@ -196,7 +218,9 @@ def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str]
                 for proj, (n, k, gated, normed) in _projections(shape_name).items():
                     if proj not in projections:
                         continue
-                    for tiles in _candidates(rows, n, k, descriptors_only=descriptors_only):
+                    for tiles in _candidates(
+                        rows, n, k, descriptors_only=descriptors_only, persistent_only=persistent_only
+                    ):
                         try:
                             _lowered(rows, n, k, gated, normed, tiles)
                         except Exception as exc:  # reported like a tile that fails on the GPU
@@ -320,10 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--descriptors-only", action="store_true", help="time the chosen tile and the tensor-descriptor candidates"
     )
+    parser.add_argument(
+        "--persistent-only", action="store_true", help="time the chosen tile and the persistent candidates"
+    )
     args = parser.parse_args(argv)
     _compile_all(
         args.shapes.split(","), [int(r) for r in args.rows.split(",")], args.projections.split(","),
-        args.descriptors_only,
+        args.descriptors_only, args.persistent_only,
     )  # fmt: skip
     if args.compile_only:
         return 0
@@ -342,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                 chosen = choose_tiles(rows, n, k)
                 cublas = _time_torch(rows, n, k, copies)
                 floor = n * k * 2 / bandwidth * 1e6
-                for tiles in _candidates(rows, n, k, descriptors_only=args.descriptors_only):
+                for tiles in _candidates(
+                    rows, n, k, descriptors_only=args.descriptors_only, persistent_only=args.persistent_only
+                ):
                     label = _label(tiles, chosen)
                     try:
                         us, graph_us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies)

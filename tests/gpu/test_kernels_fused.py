@@ -99,6 +99,10 @@ DESCRIBED = [
     (512, 4096, 4096, Tiles(128, 256, 64, 8, 3, descriptors=True)),
     (64, 2048, 8192, Tiles(64, 128, 64, 4, 4, split=4, descriptors=True)),
     (200, 3072, 2048, Tiles(128, 128, 128, 8, 3, split=3, descriptors=True)),  # a short last split
+    # persistent programs: more tiles than programs (each program over several), partial tiles
+    (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True, persistent=1)),
+    (130, 1000, 200, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),
+    (512, 3000, 1024, Tiles(128, 64, 64, 4, 3, descriptors=True, persistent=2)),
 ]
 
 
@@ -117,8 +121,17 @@ def test_projection_through_tensor_descriptors(
         with pytest.raises(LoweringError, match=f"{tiles.block_n} tile needs tensor descriptors"):
             lower(op, arrays, attributes, weights=("weight", "norm_weight"))
         return
+    if not described and tiles.persistent:
+        with pytest.raises(LoweringError, match="persistent tiles need tensor descriptors"):
+            lower(op, arrays, attributes, weights=("weight", "norm_weight"))
+        return
     launches = lower(op, arrays, attributes, weights=("weight", "norm_weight"))[1]
-    assert launches[-1].symbol == "projection_kernel"
+    if tiles.persistent:
+        tiles_count = -(-rows // tiles.block_m) * -(-n // tiles.block_n)
+        assert launches[-1].symbol == "persistent_projection_kernel"
+        assert list(launches[-1].grid) == [min(tiles_count, 132 * tiles.persistent), 1, 1]
+    else:
+        assert launches[-1].symbol == "projection_kernel"
     assert (launches[-1].params[-2].buffer == "workspace.kernel_scratch") == described
     once = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))["out"]
     again = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"), repeat=3, reset=("out",))

@@ -393,6 +393,10 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
         (512, 2048, 8192, Tiles(128, 64, 64, 8, 3, split=2)),  # prefill chunks keep 128-row tiles
         (512, 3072, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 96 square tiles: at least 2/3 of 132
         (512, 4096, 14336, Tiles(128, 128, 64, 8, 4, descriptors=True)),
+        (512, 28672, 4096, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),  # 896 tiles over 4096
+        (512, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 512 tiles over 2048 inputs: not persistent
+        (512, 6144, 4096, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 192 tiles: not persistent
+        (256, 128256, 4096, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 256 rows: not persistent
         (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 256 tiles of 128x128: wide, no split
         (256, 4096, 14336, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # a long reduction: 64 tiles
         (256, 3072, 2048, Tiles(64, 128, 64, 4, 4)),  # 96 narrow tiles: a split would need a second wave
@@ -408,7 +412,8 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
     every split but the last the same number of steps; the narrow outputs of 65 to 256 rows (64x128 tiles,
     128x128 ones over 12288 inputs or more) split only within one wave: ``132 // tiles`` parts. Wide
     outputs and prefill chunks whose 128x128 tiles reach two thirds of the multiprocessors take those
-    tiles through tensor descriptors."""
+    tiles through tensor descriptors; the widest projections of a prefill chunk (four tiles a
+    multiprocessor and more) over 4096 inputs or more take persistent ones."""
     assert choose_tiles(rows, n, k) == tiles
 
 
@@ -425,6 +430,30 @@ def test_a_tile_wider_than_per_thread_loads_take_is_refused_without_tensor_descr
     arrays["norm_weight"] = f32(256)
     _, launches = _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
     assert launches[-1].symbol == "projection_kernel" and list(launches[-1].grid) == [4, 2, 1]
+
+
+def test_persistent_tiles_launch_a_program_a_multiprocessor_over_every_so_many_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A persistent tile takes ``persistent`` programs a multiprocessor (fewer when there are fewer tiles),
+    with its tensor descriptors in the kernel's scratch; float32 inputs and a split are refused."""
+    arrays = {"x": f32(256, 2048), "weight": bf16(16384, 2048), "norm_weight": f32(2048), "out": f32(256, 16384)}
+    persistent = Tiles(128, 128, 64, 8, 3, descriptors=True, persistent=1)
+    monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: persistent)
+    context, launches = _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
+    launch = launches[-1]
+    runtime = ["workspace.projection_input_bf16", "weight", "out", "out", (mf.PARAM_KIND_I32, 256)]
+    _check(context, launch, runtime, grid=[132])  # 256 tiles over 132 programs
+    assert launch.symbol == "persistent_projection_kernel"
+    small = {"x": f32(130, 256), "weight": bf16(1000, 256), "norm_weight": f32(256), "out": f32(130, 1000)}
+    _, launches = _lower("rmsnorm_linear", small, {"eps": 1e-5}, weights=("weight", "norm_weight"))
+    assert list(launches[-1].grid) == [16, 1, 1]  # 2 x 8 tiles: one program each
+    with pytest.raises(LoweringError, match="persistent tiles need tensor descriptors"):
+        _lower("linear", {"x": f32(256, 2048), "weight": bf16(4096, 2048), "out": f32(256, 4096)}, weights=("weight",))
+    split = Tiles(128, 128, 64, 8, 3, split=2, descriptors=True, persistent=1)
+    monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: split)
+    with pytest.raises(LoweringError, match="and no split"):
+        _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
 
 
 def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:

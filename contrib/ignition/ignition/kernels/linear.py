@@ -28,7 +28,9 @@ engine (TMA) moves each tile into shared memory, zero past the matrix edges, ins
 computing and issuing its own loads. Triton keeps a program's descriptors in global scratch, which the
 lowering passes (see :mod:`ignition.kernels.lowering`). Float32 inputs (a projection without a staged
 prologue over the float32 residual stream) and rows whose bytes are not a multiple of 16 keep the
-per-thread loads and the tiles measured with them.
+per-thread loads and the tiles measured with them. The widest projections of a prefill chunk over a
+long reduction run persistent programs instead (:func:`persistent_projection_kernel`: one a
+multiprocessor, each over every so many tiles, its loop over tiles and reduction steps one pipeline).
 """
 
 from __future__ import annotations
@@ -128,6 +130,56 @@ def projection_kernel(  # type: ignore[no-untyped-def]
                 total += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
             tl.store(out_ptr + out_offsets, total, mask=out_mask)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def persistent_projection_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    residual_ptr,
+    rows,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+) -> None:
+    """``x @ weight.T (+ residual)`` in ``BLOCK_M x BLOCK_N`` tiles through tensor descriptors, ``PROGRAMS``
+    programs each computing every ``PROGRAMS``-th tile over the whole reduction.
+
+    The tiles are numbered row tile fastest (the row tiles of one column block run side by side and
+    share its weight block through L2, as in :func:`projection_kernel`). A program makes its two
+    descriptors once, and its loop over (tile, reduction step) is flattened so the copies of a tile's
+    first steps are issued while the tile before it is finished and stored: no program ends, starts
+    or fills its pipeline again between tiles.
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    tiles = tiles_m * tl.cdiv(N, BLOCK_N)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x_tiles = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    for tile in tl.range(pid, tiles, PROGRAMS, flatten=True):
+        pid_m = tile % tiles_m
+        pid_n = tile // tiles_m
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xs = x_tiles.load([pid_m * BLOCK_M, k0])
+            w = w_tiles.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+        out_offsets = offs_m[:, None] * N + offs_n[None, :]
+        if RESIDUAL:
+            acc += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+        tl.store(out_ptr + out_offsets, acc, mask=out_mask)
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -304,6 +356,9 @@ class Tiles:
     descriptors: bool = False
     """Matrix tiles only: inputs and weights reach shared memory through tensor descriptors (Hopper's
     copy engine) instead of per-thread loads."""
+    persistent: int = 0
+    """Matrix tiles through tensor descriptors, unsplit: this many programs a multiprocessor, each over
+    every so many tiles (:func:`persistent_projection_kernel`); 0: one program a tile."""
 
 
 MULTIPROCESSORS = 132
@@ -332,6 +387,12 @@ def choose_tiles(
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
         return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors)
     square_tiles = cdiv(rows, 128) * cdiv(n, 128)
+    if describable and rows > 256 and k >= PERSISTENT_REDUCTION and square_tiles >= PERSISTENT_WAVES * multiprocessors:
+        # A prefill chunk's wide projection over a long reduction (the 8B [gate|up] at 512 rows, 896
+        # tiles): one persistent program a multiprocessor through tensor descriptors, four stages
+        # (measured on an H200, docs/benchmarks.md: 207 -> 183 us; level or slower at 256 rows, over
+        # 2048 inputs, or with fewer tiles).
+        return Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)
     if square_tiles >= multiprocessors:
         # Wide outputs (the [gate|up] projection and the LM head of a large batch, every projection of a
         # long prefill chunk): 128x128 tiles, fed by tensor descriptors where they can serve (measured on
@@ -350,6 +411,12 @@ def choose_tiles(
         return Tiles(128, 128, 64, 8, 4, descriptors=True)
     return _split_reduction(Tiles(128, 64, 64, 8, 3), rows, n, k, multiprocessors)
 
+
+PERSISTENT_REDUCTION = 4096
+"""Inputs from which a wide projection of a prefill chunk takes persistent tiles (see :func:`choose_tiles`)."""
+
+PERSISTENT_WAVES = 4
+"""128x128 tiles a multiprocessor from which a wide projection of a prefill chunk takes persistent tiles."""
 
 POINTER_TILE_COLUMNS = 128
 """The widest matrix tile fed by per-thread loads: 128x256 tiles on float32 inputs (224 KB of shared memory)
@@ -488,6 +555,16 @@ def project(
                 f"a {chosen.block_m}x{chosen.block_n} tile needs tensor descriptors (16-bit inputs and weights, "
                 f"16-byte aligned rows); per-thread loads take at most {POINTER_TILE_COLUMNS} columns a tile"
             )
+        if chosen.persistent:
+            if not descriptors or chosen.split > 1:
+                raise ctx.fail("persistent tiles need tensor descriptors (16-bit inputs and weights) and no split")
+            programs = min(tiles_n * tiles_m, chosen.persistent * multiprocessors)
+            constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, PROGRAMS=programs)
+            del args["partial_ptr"], args["counter_ptr"]
+            args["rows"] = ctx.i32(rows)
+            kernel, grid = persistent_projection_kernel, (programs,)
+            launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+            return [*prologue, launch]
         constants.update(
             BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split, DESCRIPTORS=descriptors
         )
