@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import benchmark_modules
 
 
 def load_benchmark() -> ModuleType:
-    if "gpu_decode" in sys.modules:
-        return sys.modules["gpu_decode"]
-    spec = importlib.util.spec_from_file_location("gpu_decode", ROOT / "benchmarks" / "gpu_decode.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look the module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_modules.load_benchmark("gpu_decode")
 
 
 class Backend:

@@ -5,26 +5,21 @@ steps, no assertions on the timings themselves."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests import benchmark_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_GIT_CHECKOUT = (ROOT / ".git").exists()
 
 
 def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_modules.load_benchmark("host_overhead")
 
 
 def test_measure_only_prints_conditions_and_one_row_per_batch_as_json(capsys: pytest.CaptureFixture[str]) -> None:

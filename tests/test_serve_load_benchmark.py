@@ -5,11 +5,9 @@ HTTP row. No assertions on the speed figures themselves."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import queue
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -17,18 +15,11 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests import benchmark_modules
 
 
 def load_benchmark() -> ModuleType:
-    if "serve_load" in sys.modules:
-        return sys.modules["serve_load"]
-    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses, and the client processes, look the module up there
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_modules.load_benchmark("serve_load")
 
 
 def test_the_window_runs_from_the_last_first_chunk_to_the_first_last_chunk_and_weights_chunks_by_usage() -> None:

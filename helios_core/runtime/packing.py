@@ -292,18 +292,21 @@ _ROW_SOURCES: dict[int, Callable[[Lane], float | int]] = {
 }
 """Sources with one value per lane."""
 
-_TOKEN_SOURCES: dict[int, Callable[[Lane, int], Sequence[int]]] = {
+_TokenValues = Sequence[int] | npt.NDArray[np.int64]
+"""A lane's values of a per-token source: a sequence of ints, or an int64 array."""
+
+_TOKEN_SOURCES: dict[int, Callable[[Lane, int], _TokenValues]] = {
     ct.VALUE_SOURCE_PROMPT_TOKENS: lambda lane, _: lane.tokens,
     ct.VALUE_SOURCE_PROMPT_POSITIONS: lambda lane, _: lane.positions,
     ct.VALUE_SOURCE_CACHE_SLOT: lambda lane, _: lane.cache_slots,
-    ct.VALUE_SOURCE_TOKEN_ROW: lambda lane, row: [row] * lane.query_length,
+    ct.VALUE_SOURCE_TOKEN_ROW: lambda lane, row: np.full(lane.query_length, row, dtype=np.int64),
     ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS: lambda lane, _: lane.score_targets,
     ct.VALUE_SOURCE_PENDING_TOKEN: lambda lane, _: lane.tokens,
 }
 """Sources with one value per packed token of a lane."""
 
 
-def _token_values(values: Sequence[int], offset: int) -> Sequence[int] | npt.NDArray[np.int64]:
+def _token_values(values: _TokenValues, offset: int) -> _TokenValues:
     """A lane's per-token values plus ``offset``, in a form numpy writes without a Python loop (a range
     of positions becomes an arange; a list stays a list when there is no offset)."""
     if isinstance(values, range):
@@ -311,6 +314,7 @@ def _token_values(values: Sequence[int], offset: int) -> Sequence[int] | npt.NDA
     if isinstance(values, np.ndarray):
         return values + offset if offset else values
     return [value + offset for value in values] if offset else values
+
 
 _VECTOR_SOURCES = frozenset(
     {
@@ -671,11 +675,6 @@ class _BindingWriter:
         cursor = 0
         offset = self.offset
         for row, lane in enumerate(lanes):
-            if self.source == ct.VALUE_SOURCE_TOKEN_ROW:  # the lane's row on each of its packed tokens
-                length = lane.query_length
-                flat[cursor : cursor + length] = row + offset
-                cursor += length
-                continue
             values = extract(lane, row)
             if len(values) != lane.query_length:
                 raise ValueError(

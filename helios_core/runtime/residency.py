@@ -29,6 +29,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from helios_core.contract import PreparedContract, PreparedGraph
 from helios_core.contract.boundaries import last_cut
@@ -478,20 +479,30 @@ class Residency:
     def _chain_key(self, slot: int, endpoint: int) -> bytes:
         """The chain key of ``slot``'s first ``endpoint`` tokens (a positive page boundary), from its known
         page hashes on."""
-        table, page_tokens = self.table, self.page_tokens
-        hashes = table.hashes[slot]
-        known = min(len(hashes), endpoint // page_tokens)
+        hashes = self.table.hashes[slot]
+        known = min(len(hashes), endpoint // self.page_tokens)
         key = hashes[known - 1] if known else None
-        row = table.tokens[slot]
-        images = self.slot_images(slot)
-        for page in range(known, endpoint // page_tokens):
-            start = page * page_tokens
-            key = self.allocator.chain_hash(
-                key, row[start : start + page_tokens].tolist(), page_images(images, start, page_tokens)
-            )
+        for _, computed, _ in self._page_keys(slot, key, known, endpoint // self.page_tokens):
+            key = computed
         if key is None:
             raise RuntimeError("a checkpoint endpoint must be a positive page boundary")
         return key
+
+    def _page_keys(
+        self, slot: int, parent: bytes | None, first: int, end: int
+    ) -> Iterator[tuple[int, bytes, npt.NDArray[np.int64]]]:
+        """(page index, chain key, its token ids) of ``slot``'s pages ``first`` to ``end`` (exclusive), the
+        first one after the prefix keyed ``parent``: each hashed from an int64 view of the slot's token row
+        (the same bytes, so the same key, as the ids a prefix match hashes)."""
+        pt = self.page_tokens
+        if end <= first:
+            return
+        block = self.table.tokens[slot, first * pt : end * pt].astype(np.int64).reshape(end - first, pt)
+        images = self.slot_images(slot)
+        chain_hash = self.allocator.chain_hash
+        for index, page_tokens in enumerate(block, start=first):
+            parent = chain_hash(parent, page_tokens, page_images(images, index * pt, pt))
+            yield index, parent, page_tokens
 
     def _free_snapshot_row(self) -> bool:
         """A snapshot row is free, if need be by evicting the least recently used unpinned checkpoint."""
@@ -598,15 +609,11 @@ class Residency:
         if (len(hashes) + 1) * pt <= consumed:
             allocator = self.allocator
             first, end = len(hashes), consumed // pt
-            block = table.tokens[slot, first * pt : end * pt].astype(np.int64).reshape(end - first, pt)
             pages = table.pages[slot, first:end].tolist()
-            images = self.slot_images(slot)
             announces = allocator.announces
-            for index, page_tokens in enumerate(block, start=first):
-                parent = hashes[-1] if hashes else None
-                key = allocator.chain_hash(parent, page_tokens, page_images(images, index * pt, pt))
+            for index, key, page_tokens in self._page_keys(slot, hashes[-1] if hashes else None, first, end):
                 ids = page_tokens.tolist() if announces else None  # a listener hears the page's ids
-                allocator.publish(pages[index - first], key, parent=parent, tokens=ids)
+                allocator.publish(pages[index - first], key, parent=hashes[-1] if hashes else None, tokens=ids)
                 hashes.append(key)
         table.published[slot] = len(hashes)
 
