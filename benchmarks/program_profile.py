@@ -8,8 +8,8 @@ latency are included), their sum, and the median replay time of the program's CU
 without programmatic dependent launch. With ``--ablate`` it also prints, per operator, what the
 graph loses when that operator's launches are left out (a graph of the other launches, chained as
 the program chains them): the operator's share of the replay inside the graph, launch gaps
-included. The outputs of an ablated graph are meaningless; only its time is read. Needs an NVIDIA
-GPU:
+included (``--by-kernel``: per operator and kernel). The outputs of an ablated graph are meaningless;
+only its time is read. Needs an NVIDIA GPU:
 
     python benchmarks/program_profile.py CORE --trust-key PUB --accept NS [--programs decode_b1,decode_b64] [--ablate]
         [--lanes 1 --position 0 --programs prefill_p512]
@@ -91,10 +91,19 @@ def _replay(backend: CudaBackend, program: str) -> Callable[[], None]:
     return lambda: backend.run(program, 0)
 
 
+def _group(node: mf.Node, launch: mf.KernelLaunch, by_kernel: bool) -> str:
+    """The row a launch is counted in: its operator, or its operator and kernel (``--by-kernel``)."""
+    return f"{node.op.name}:{launch.symbol}" if by_kernel else node.op.name
+
+
 def _single_launches(
-    backend: CudaBackend, functions: Mapping[tuple[str, str], Any], program: mf.ProgramDecl, repeats: int
+    backend: CudaBackend,
+    functions: Mapping[tuple[str, str], Any],
+    program: mf.ProgramDecl,
+    repeats: int,
+    by_kernel: bool,
 ) -> dict[str, list[float]]:
-    """Median milliseconds of each launch run alone, grouped by operator."""
+    """Median milliseconds of each launch run alone, grouped by operator (or operator and kernel)."""
     addresses = backend._frames[0].addresses
     ctx = backend._ctx
     by_op: dict[str, list[float]] = defaultdict(list)
@@ -105,7 +114,7 @@ def _single_launches(
         def one(function: Any = function, launch: mf.KernelLaunch = launch, params: Any = params) -> None:
             ctx.launch(function, launch.grid, launch.block, launch.shared_bytes, params)
 
-        by_op[node.op.name].append(_median_ms(backend, one, repeats))
+        by_op[_group(node, launch, by_kernel)].append(_median_ms(backend, one, repeats))
     return by_op
 
 
@@ -131,9 +140,14 @@ def _chain(
 
 
 def _ablations(
-    backend: CudaBackend, functions: Mapping[tuple[str, str], Any], program: mf.ProgramDecl, repeats: int
+    backend: CudaBackend,
+    functions: Mapping[tuple[str, str], Any],
+    program: mf.ProgramDecl,
+    repeats: int,
+    by_kernel: bool,
 ) -> tuple[float, dict[str, tuple[int, float]]]:
-    """(replay ms of every launch chained, {operator: (launches, ms lost without them)})."""
+    """(replay ms of every launch chained, {operator (or operator and kernel): (launches, ms lost without
+    them)})."""
     pairs = target_launches(program, backend.architecture)
     ctx = backend._ctx
 
@@ -147,8 +161,8 @@ def _ablations(
 
     full = replay([launch for _node, launch in pairs])
     lost: dict[str, tuple[int, float]] = {}
-    for op in dict.fromkeys(node.op.name for node, _launch in pairs):
-        kept = [launch for node, launch in pairs if node.op.name != op]
+    for op in dict.fromkeys(_group(node, launch, by_kernel) for node, launch in pairs):
+        kept = [launch for node, launch in pairs if _group(node, launch, by_kernel) != op]
         count = len(pairs) - len(kept)
         lost[op] = (count, full - replay(kept) if kept else full)
     return full, lost
@@ -167,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         help="lanes to stage (default: the graph's batch capacity); 1: one prompt of all a prompt program's tokens",
     )  # fmt: skip
     parser.add_argument("--ablate", action="store_true", help="time the graph without each operator in turn")
+    parser.add_argument("--by-kernel", action="store_true", help="one row per operator and kernel, not per operator")
     args = parser.parse_args(argv)
     verified = open_core(args.core, TrustSettings((args.trust_key,), args.accept, None), check_resources=False)
     contract = verified.contract
@@ -187,22 +202,22 @@ def main(argv: list[str] | None = None) -> int:
             rows = min(args.lanes, rows) if args.lanes > 0 else rows
             for each in backends.values():
                 _stage(each, rows, tokens, args.position, page_tokens, width)
-            by_op = _single_launches(backend, functions, programs[name], args.repeats)
+            by_op = _single_launches(backend, functions, programs[name], args.repeats, args.by_kernel)
             replay = {flag: _median_ms(each, _replay(each, name), args.repeats) for flag, each in backends.items()}
             total = sum(sum(times) for times in by_op.values())
             launches = sum(len(t) for t in by_op.values())
             with_pdl, without = replay[True] * 1000, replay[False] * 1000
             print(f"\n{name}: {launches} launches, sum of single launches {total * 1000:.1f} us; graph replay "
                   f"{with_pdl:.1f} us with programmatic launch, {without:.1f} us without")  # fmt: skip
-            print(f"{'operator':<22} {'launches':>8} {'total us':>10} {'mean us':>9}")
+            print(f"{'operator':<60} {'launches':>8} {'total us':>10} {'mean us':>9}")
             for op, times in sorted(by_op.items(), key=lambda item: -sum(item[1])):
-                print(f"{op:<22} {len(times):>8} {sum(times) * 1000:>10.1f} {statistics.mean(times) * 1000:>9.1f}")
+                print(f"{op:<60} {len(times):>8} {sum(times) * 1000:>10.1f} {statistics.mean(times) * 1000:>9.1f}")
             if args.ablate:
-                full, lost = _ablations(backend, functions, programs[name], args.repeats)
+                full, lost = _ablations(backend, functions, programs[name], args.repeats, args.by_kernel)
                 print(f"\n{name}: the launches chained alone replay in {full * 1000:.1f} us; without each operator:")
-                print(f"{'operator':<36} {'launches':>8} {'us lost':>9} {'us a launch':>11}")
+                print(f"{'operator':<60} {'launches':>8} {'us lost':>9} {'us a launch':>11}")
                 for op, (count, ms) in sorted(lost.items(), key=lambda item: -item[1][1]):
-                    print(f"{op:<36} {count:>8} {ms * 1000:>9.1f} {ms * 1000 / count:>11.2f}")
+                    print(f"{op:<60} {count:>8} {ms * 1000:>9.1f} {ms * 1000 / count:>11.2f}")
     finally:
         for each in backends.values():
             each.close()

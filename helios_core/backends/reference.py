@@ -267,6 +267,21 @@ def _silu_mul_linear_add(n: _Node) -> Step:
     return step
 
 
+def _rmsnorm_swiglu_mlp_add(n: _Node) -> Step:
+    x, norm_weight, gate_up_weight = n.floats("x"), n.floats("norm_weight"), n.floats("gate_up_weight")
+    down_weight, residual, out = n.floats("down_weight"), n.floats("residual"), n.store("out")
+    eps = n.attr_float("eps")
+    rows, width = n.tensor("gate_up_weight").shape[0], int(n.tensor("down_weight").shape[1])
+    if int(rows) != 2 * width:
+        raise n.fail(f"gate_up_weight must hold 2 x {width} rows for a down_weight of input width {width}")
+
+    def step() -> None:
+        both = rk.linear(rk.rmsnorm(x(), norm_weight(), eps), gate_up_weight())
+        out(rk.add(residual(), rk.linear(rk.silu_mul(both[:, :width], both[:, width:]), down_weight())))
+
+    return step
+
+
 def _rope_scaling(n: _Node) -> tuple[rk.RopeStyle, rk.FrequencyBandScaling | None]:
     style = n.attr_str("style")
     if style not in ("interleaved", "half"):
@@ -996,6 +1011,7 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
     ("rmsnorm_linear", 1): _rmsnorm_linear,
     ("linear_add", 1): _linear_add,
     ("silu_mul_linear_add", 1): _silu_mul_linear_add,
+    ("rmsnorm_swiglu_mlp_add", 1): _rmsnorm_swiglu_mlp_add,
     ("rope_kv_cache_write", 1): _rope_kv_cache_write,
     ("rmsnorm_linear_rope_kv_cache_write", 1): _rmsnorm_linear_rope_kv_cache_write,
     ("add", 1): _add,

@@ -127,6 +127,15 @@ _SPECS: Final[tuple[OperatorSpec, ...]] = (
         "width (a SwiGLU MLP's down projection with its activation and residual).",
     ),
     _spec(
+        "rmsnorm_swiglu_mlp_add",
+        ("x", "norm_weight", "gate_up_weight", "down_weight", "residual"),
+        ("out",),
+        "residual + linear(silu_mul(g, u), down_weight) with [g | u] = rmsnorm_linear(x, norm_weight, "
+        "gate_up_weight, eps), gate_up_weight's gate rows first (a SwiGLU MLP with its norm and residual; out "
+        "may be residual itself).",
+        attributes=("eps",),
+    ),
+    _spec(
         "rope_kv_cache_write",
         ("qkv", "positions", "slots"),
         ("q", "k_plane", "v_plane"),

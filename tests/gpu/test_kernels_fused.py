@@ -111,12 +111,13 @@ DESCRIBED = [
 def test_projection_through_tensor_descriptors(
     cuda_context: Context, monkeypatch: pytest.MonkeyPatch, op: str, rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
-    """Matrix tiles fed by the copy engine over staged 16-bit inputs (float32 inputs fall back to per-thread
+    """Matrix tiles fed by the copy engine over staged 16-bit inputs (the norm, the SwiGLU, or the float32
+    rows themselves rounded to bf16; float32 inputs the lowering does not stage fall back to per-thread
     loads), partial tiles, split reductions; three launches over the same scratch (the descriptors
     rewritten) give the bits of one."""
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
     arrays, attributes = _projection_case(np.random.default_rng(rows * 31 + n + k), op, rows, n, k)
-    described = op in ("rmsnorm_linear", "silu_mul_linear_add")
+    described = op in ("rmsnorm_linear", "silu_mul_linear_add") or linear.stages_float32_inputs(rows, n)
     if not described and tiles.block_n > linear.POINTER_TILE_COLUMNS:  # float32 inputs: per-thread loads
         with pytest.raises(LoweringError, match=f"{tiles.block_n} tile needs tensor descriptors"):
             lower(op, arrays, attributes, weights=("weight", "norm_weight"))
@@ -126,6 +127,8 @@ def test_projection_through_tensor_descriptors(
             lower(op, arrays, attributes, weights=("weight", "norm_weight"))
         return
     launches = lower(op, arrays, attributes, weights=("weight", "norm_weight"))[1]
+    if described:
+        assert launches[0].symbol == ("_rmsnorm_kernel" if op == "rmsnorm_linear" else "stage_rows_kernel")
     if tiles.persistent:
         tiles_count = -(-rows // tiles.block_m) * -(-n // tiles.block_n)
         assert launches[-1].symbol == "persistent_projection_kernel"
@@ -138,6 +141,76 @@ def test_projection_through_tensor_descriptors(
     assert np.isfinite(once).all()
     assert np.array_equal(once, again["out"])
     assert relative_error(once, reference_node(op, arrays, attributes)["out"]) < 1e-2
+
+
+MLP_WEIGHTS = ("norm_weight", "gate_up_weight", "down_weight")
+
+SWIGLU_MLPS = [
+    # rows, hidden, feed-forward width
+    (1, 2048, 8192),  # streaming: two columns of each half a tile
+    (2, 4096, 1024),  # streaming over 4096 inputs: one column of each half a tile
+    (1, 8192, 512),  # one program per column block over rows of more than 4096 inputs
+    (2, 576, 1536),
+    (8, 576, 1536),  # 16-row tiles, the reduction split three ways: gate and up partials
+    (64, 2048, 8192),
+    (130, 200, 500),  # partial row, column and reduction tiles; a gate block past the width reads up rows
+    (256, 2048, 8192),  # 128x64 tiles of each half through tensor descriptors, a bf16 activation
+]
+
+
+def _mlp_case(rng: np.random.Generator, rows: int, hidden: int, width: int) -> dict[str, np.ndarray]:
+    return {
+        "x": rng.standard_normal((rows, hidden)).astype(np.float32),
+        "norm_weight": rng.uniform(0.5, 1.5, hidden).astype(np.float32),
+        "gate_up_weight": bf16_bits(rng.standard_normal((2 * width, hidden)).astype(np.float32) * hidden**-0.5),
+        "down_weight": bf16_bits(rng.standard_normal((hidden, width)).astype(np.float32) * width**-0.5),
+        "residual": rng.standard_normal((rows, hidden)).astype(np.float32),
+        "out": np.full((rows, hidden), np.nan, dtype=np.float32),
+    }
+
+
+@pytest.mark.parametrize(("rows", "hidden", "width"), SWIGLU_MLPS)
+def test_swiglu_mlp(cuda_context: Context, rows: int, hidden: int, width: int) -> None:
+    """``rmsnorm_swiglu_mlp_add``: the [gate | up] projection ending in SwiGLU, then the down projection
+    with the residual; also in place on one buffer (x, residual and out: the residual stream)."""
+    arrays = _mlp_case(np.random.default_rng(rows * 977 + hidden + width), rows, hidden, width)
+    attributes = {"eps": 1e-5}
+    want = reference_node("rmsnorm_swiglu_mlp_add", arrays, attributes)["out"]
+    got = run_node(cuda_context, "rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)["out"]
+    assert np.isfinite(got).all()
+    assert relative_error(got, want) < 1e-2
+    stream = {**arrays, "residual": arrays["x"]}
+    in_place = run_node(
+        cuda_context, "rmsnorm_swiglu_mlp_add", stream, attributes, weights=MLP_WEIGHTS,
+        alias={"residual": "x", "out": "x"},
+    )["x"]  # fmt: skip
+    assert relative_error(in_place, reference_node("rmsnorm_swiglu_mlp_add", stream, attributes)["out"]) < 1e-2
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "tiles"), DESCRIBED)
+def test_swiglu_mlp_through_forced_tiles(
+    cuda_context: Context, monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int, tiles: Tiles
+) -> None:
+    """Each forced tile for both projections of the MLP (``n`` the [gate | up] rows): tensor descriptors
+    over the staged norm and the bf16 activation, splits storing gate and up partials, persistent
+    programs; three launches give the bits of one."""
+    monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
+    arrays = _mlp_case(np.random.default_rng(rows * 37 + n + k), rows, k, n // 2)
+    attributes = {"eps": 1e-5}
+    if tiles.persistent and n % 16:  # activation rows of n / 2 bf16 values: no tensor descriptor serves them
+        with pytest.raises(LoweringError, match="persistent tiles need tensor descriptors"):
+            lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)
+        return
+    launches = lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)[1]
+    kernel = "persistent_projection_kernel" if tiles.persistent else "projection_kernel"
+    assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", kernel, kernel]
+    once = run_node(cuda_context, "rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)["out"]
+    again = run_node(
+        cuda_context, "rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS, repeat=3, reset=("out",)
+    )["out"]
+    assert np.isfinite(once).all()
+    assert np.array_equal(once, again)
+    assert relative_error(once, reference_node("rmsnorm_swiglu_mlp_add", arrays, attributes)["out"]) < 1e-2
 
 
 def test_projection_in_place_residual(cuda_context: Context) -> None:

@@ -75,18 +75,21 @@ def _run(model: RunningModel, prompts: list[list[int]], max_tokens: int) -> list
     return [[(e.token_id, e.logprob) for e in stream if isinstance(e, TokenEvent)] for stream in streams]
 
 
-def test_kernel_graph_has_five_nodes_a_layer(both_graphs: tuple[RunningModel, RunningModel]) -> None:
+def test_kernel_graph_has_four_nodes_a_layer(both_graphs: tuple[RunningModel, RunningModel]) -> None:
     kernel = both_graphs[1]
     programs = {p.name: p for p in kernel.model.contract.execution.programs}
     names = [n.op.name for n in programs["decode_b1"].nodes]
-    assert names[:7] == ["gather_rows", "embedding", "rmsnorm_linear_rope_kv_cache_write", "paged_attention",
-                         "linear_add", "rmsnorm_linear", "silu_mul_linear_add"]  # fmt: skip
-    layers = sum(1 for name in names if name == "silu_mul_linear_add")
-    assert len(names) == 2 + 5 * layers + 6
+    assert names[:6] == ["gather_rows", "embedding", "rmsnorm_linear_rope_kv_cache_write", "paged_attention",
+                         "linear_add", "rmsnorm_swiglu_mlp_add"]  # fmt: skip
+    layers = sum(1 for name in names if name == "rmsnorm_swiglu_mlp_add")
+    assert len(names) == 2 + 4 * layers + 6
     assert "linear" not in names and "rope" not in names and "rope_kv_cache_write" not in names
+    assert "silu_mul_linear_add" not in names
     buffers = {b.name for b in kernel.model.contract.execution.buffers}
+    assert layers == sum(1 for name in buffers if name.endswith(".ffn_gate_up.weight")) > 0
     assert {"blk.0.attn_qkv.weight", "blk.0.ffn_gate_up.weight"} <= buffers
     assert "blk.0.attn_q.weight" not in buffers
+    assert "scratch.gate_up" not in buffers  # the MLP's [gate | up] products never reach a scratch buffer
 
 
 def test_kernel_graph_tokens_equal_operator_graph_tokens(both_graphs: tuple[RunningModel, RunningModel]) -> None:

@@ -420,13 +420,18 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
 def test_a_tile_wider_than_per_thread_loads_take_is_refused_without_tensor_descriptors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """float32 inputs cannot go through tensor descriptors: a 128x256 tile on them is refused by name, and
-    the same tile over the bf16 rows a normalized projection stages is launched through descriptors."""
+    """float32 weights cannot go through tensor descriptors: a 128x256 tile on them is refused by name, and
+    the same tile over bf16 weights is launched through descriptors, over the float32 inputs staged in bf16
+    (or their staged norm)."""
     wide = Tiles(128, 256, 64, 8, 3, descriptors=True)
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: wide)
-    arrays = {"x": f32(512, 256), "weight": bf16(512, 256), "out": f32(512, 512)}
     with pytest.raises(LoweringError, match=r"a 128x256 tile needs tensor descriptors .* at most 128 columns"):
-        _lower("linear", arrays, weights=("weight",))
+        _lower("linear", {"x": f32(512, 256), "weight": f32(512, 256), "out": f32(512, 512)}, weights=("weight",))
+    arrays = {"x": f32(512, 256), "weight": bf16(512, 256), "out": f32(512, 512)}
+    _context, launches = _lower("linear", arrays, weights=("weight",))
+    assert [launch.symbol for launch in launches] == ["stage_rows_kernel", "projection_kernel"]
+    assert [p.buffer for p in launches[0].params[:2]] == ["x", "workspace.projection_input_bf16"]
+    assert launches[1].params[0].buffer == "workspace.projection_input_bf16" and list(launches[1].grid) == [4, 2, 1]
     arrays["norm_weight"] = f32(256)
     _, launches = _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
     assert launches[-1].symbol == "projection_kernel" and list(launches[-1].grid) == [4, 2, 1]
@@ -449,7 +454,7 @@ def test_persistent_tiles_launch_a_program_a_multiprocessor_over_every_so_many_t
     _, launches = _lower("rmsnorm_linear", small, {"eps": 1e-5}, weights=("weight", "norm_weight"))
     assert list(launches[-1].grid) == [16, 1, 1]  # 2 x 8 tiles: one program each
     with pytest.raises(LoweringError, match="persistent tiles need tensor descriptors"):
-        _lower("linear", {"x": f32(256, 2048), "weight": bf16(4096, 2048), "out": f32(256, 4096)}, weights=("weight",))
+        _lower("linear", {"x": f32(256, 2048), "weight": f32(4096, 2048), "out": f32(256, 4096)}, weights=("weight",))
     split = Tiles(128, 128, 64, 8, 3, split=2, descriptors=True, persistent=1)
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: split)
     with pytest.raises(LoweringError, match="and no split"):
@@ -459,12 +464,17 @@ def test_persistent_tiles_launch_a_program_a_multiprocessor_over_every_so_many_t
 def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:
     arrays = {"x": f32(8, 8192), "weight": bf16(2048, 8192), "residual": f32(8, 2048), "out": f32(8, 2048)}
     context, launches = _lower("linear_add", arrays, weights=("weight",))
-    (launch,) = launches
-    runtime = ["x", "weight", "out", "residual", "workspace.projection_partials"]
+    stage, launch = launches  # the float32 rows staged in bf16 first
+    _check(context, stage, ["x", "workspace.projection_input_bf16"], grid=[8, 8])
+    runtime = ["workspace.projection_input_bf16", "weight", "out", "residual", "workspace.projection_partials"]
     runtime += ["workspace.projection_splits_done", (mf.PARAM_KIND_I32, 8)]
     _check(context, launch, runtime, grid=[1, 32, 5])  # row tiles, column tiles, splits
     sizes = {decl.name: decl.shape[0].size for decl in context.manifest.buffers if decl.name.startswith("workspace.")}
-    assert sizes == {"workspace.projection_partials": 32 * 5 * 16 * 64, "workspace.projection_splits_done": 32}
+    assert sizes == {
+        "workspace.projection_input_bf16": 8 * 8192,
+        "workspace.projection_partials": 32 * 5 * 16 * 64,
+        "workspace.projection_splits_done": 32,
+    }
 
 
 @pytest.mark.parametrize(("rows", "n", "grid"), [(256, 128256, [2, 1002, 1]), (512, 16384, [4, 128, 1])])
@@ -473,8 +483,8 @@ def test_the_row_tiles_of_a_column_block_are_the_grids_fastest_dimension(rows: i
     a weight larger than L2 (the 1B LM head at 256 rows) streams from HBM once, not once per row tile."""
     arrays = {"x": f32(rows, 2048), "weight": bf16(n, 2048), "out": f32(rows, n)}
     context, launches = _lower("linear", arrays, weights=("weight",))
-    (launch,) = launches
-    runtime = ["x", "weight", "out", "out", "out", "out", (mf.PARAM_KIND_I32, rows)]
+    _stage, launch = launches
+    runtime = ["workspace.projection_input_bf16", "weight", "out", "out", "out", "out", (mf.PARAM_KIND_I32, rows)]
     _check(context, launch, runtime, grid=grid)
 
 
@@ -580,13 +590,14 @@ def test_descriptor_tiles_pass_every_program_its_scratch_in_one_workspace() -> N
 @pytest.mark.parametrize(
     ("op", "k", "weight_dtype"),
     [
-        ("linear", 2048, mf.DTYPE_BF16),  # float32 inputs
+        ("linear", 1020, mf.DTYPE_BF16),  # float32 inputs staged in rows of 2040 bytes
+        ("linear", 2048, mf.DTYPE_F32),  # float32 weights read float32 inputs as they are
         ("rmsnorm_linear", 1020, mf.DTYPE_BF16),  # rows of 2040 bytes
         ("rmsnorm_linear", 2048, mf.DTYPE_F32),  # float32 weights stage float32 rows
     ],
 )
 def test_inputs_tensor_descriptors_cannot_serve_take_per_thread_loads(op: str, k: int, weight_dtype: int) -> None:
-    """Float32 inputs or weights, and rows whose bytes are not a multiple of 16, keep per-thread loads, with
+    """Float32 weights, and rows whose bytes are not a multiple of 16, keep per-thread loads, with
     the tiles measured for them (128x128 on eight warps, three stages) and no global scratch."""
     weight = bf16(16384, k) if weight_dtype == mf.DTYPE_BF16 else f32(16384, k)
     arrays = {"x": f32(256, k), "weight": weight, "out": f32(256, 16384)}

@@ -573,8 +573,8 @@ def test_one_rank_with_collectives_computes_the_same_bits(cores: dict[str, Verif
 def test_the_kernel_graph_of_several_ranks_computes_the_one_rank_logits(
     cores: dict[str, VerifiedCore], tmp_path: Path, ranks: int
 ) -> None:
-    """The fused form: packed [q | k | v] and [gate | up] shards (three ranks: zero-padded), and the down
-    projection's partial product over the zero residual."""
+    """The fused form: packed [q | k | v] and [gate | up] shards (three ranks: zero-padded), and the MLP's
+    partial product over the zero residual."""
     caps = Capacities(
         max_rows=MAX_ROWS,
         prefill_tokens=(PREFILL,),
@@ -587,15 +587,14 @@ def test_the_kernel_graph_of_several_ranks_computes_the_one_rank_logits(
         synthetic_declaration("tiny", seed=SEED), caps, kernel_graph=True, tensor_parallel=ranks
     )
     nodes = [n.op.name for n in _program_of(builder.manifest, "decode_b1").nodes]
-    layer = nodes[nodes.index("rmsnorm_linear_rope_kv_cache_write") :][:9]
+    layer = nodes[nodes.index("rmsnorm_linear_rope_kv_cache_write") :][:8]
     assert layer == [
         "rmsnorm_linear_rope_kv_cache_write",
         "paged_attention",
         "linear",
         "all_reduce",
         "add",
-        "rmsnorm_linear",
-        "silu_mul_linear_add",
+        "rmsnorm_swiglu_mlp_add",
         "all_reduce",
         "add",
     ]

@@ -308,9 +308,8 @@ def test_the_kernel_graph_gives_the_operator_graph_tokens(tmp_path: Path, cores:
     serving, builder, resources = assemble_vision(vision_declaration("tiny", layout="dynamic", seed=7), caps,
                                                   kernel_graph=True)  # fmt: skip
     nodes = [n.op.name for n in next(p for p in builder.manifest.programs if p.name == "image_prefill_p64_c64").nodes]
-    assert nodes[:8] == ["linear", "embedding", "add", "embedding", "add", "rmsnorm_linear", "silu_mul_linear_add",
-                         "rmsnorm_linear"]  # fmt: skip
-    assert nodes[8:11] == ["embedding", "gather_rows", "add"]
+    assert nodes[:7] == ["linear", "embedding", "add", "embedding", "add", "rmsnorm_swiglu_mlp_add", "rmsnorm_linear"]
+    assert nodes[7:10] == ["embedding", "gather_rows", "add"]
     keys = generate_keys(tmp_path / "keys")
     path = tmp_path / "kernel.core"
     write_core(path, namespace="helios-tests/vision", contract=serving, execution=builder.manifest,

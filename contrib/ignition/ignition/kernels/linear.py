@@ -1,14 +1,19 @@
 """Projection kernels: ``linear`` and its fused forms, one Triton matrix kernel for all four.
 
-Owns the lowering of ``linear``, ``rmsnorm_linear``, ``linear_add`` and ``silu_mul_linear_add``.
-One kernel computes ``out[m, n] = residual[m, n] + sum_k prologue(x)[m, k] * weight[n, k]``: the
-prologue optionally normalises each row (RMS norm with its gain) or applies SwiGLU to a packed
-``[gate | up]`` row, and the residual is optional. Activations are float32 in memory and rounded
-to the weight's type for the tensor cores (bf16 products, float32 accumulation), as every bf16
-serving engine does. Each program computes a ``BLOCK_M x BLOCK_N`` tile over the whole reduction,
-or, where the output tiles alone would leave multiprocessors idle (a few rows, or narrow outputs),
-over one of ``split`` equal parts of it: each part stores a partial tile, and the last part of a
-tile to finish adds the partials in part order and stores the result. Nothing is accumulated in an
+Owns the lowering of ``linear``, ``rmsnorm_linear``, ``linear_add``, ``silu_mul_linear_add`` and
+``rmsnorm_swiglu_mlp_add``. One kernel computes ``out[m, n] = residual[m, n] + sum_k prologue(x)[m, k]
+* weight[n, k]``: the prologue optionally normalises each row (RMS norm with its gain) or applies SwiGLU
+to a packed ``[gate | up]`` row, and the residual is optional. Over a ``[gate | up]`` weight it can
+instead end in SwiGLU: each program multiplies its inputs with the gate block and the up block of the
+same columns and stores ``silu(gate) * up``, so a SwiGLU MLP is two launches (and the norm's) with its
+activation, in the weights' 16-bit type, the only value between them. Activations are float32 in memory
+and rounded to the weight's type for the tensor cores (bf16 products, float32 accumulation), as every
+bf16 serving engine does; matrix tiles read them staged in that type (the norm or SwiGLU, or the plain
+float32 rows, written once into a workspace by a launch before). Each program computes a ``BLOCK_M x
+BLOCK_N`` tile over the whole reduction, or, where the output tiles alone would leave multiprocessors
+idle (a few rows, or narrow outputs), over one of ``split`` equal parts of it: each part stores a
+partial tile, and the last part of a tile to finish adds the partials in part order and stores the
+result. Nothing is accumulated in an
 order that depends on timing, so a launch repeats bit for bit; how many parts a projection has
 depends on its row count, so a row's last bits may differ between launches of different row counts.
 
@@ -26,9 +31,9 @@ Wide outputs (at least one 128x128 tile a multiprocessor) and prefill chunks who
 two thirds of the multiprocessors read their inputs and weights through tensor descriptors: the copy
 engine (TMA) moves each tile into shared memory, zero past the matrix edges, instead of every thread
 computing and issuing its own loads. Triton keeps a program's descriptors in global scratch, which the
-lowering passes (see :mod:`ignition.kernels.lowering`). Float32 inputs (a projection without a staged
-prologue over the float32 residual stream) and rows whose bytes are not a multiple of 16 keep the
-per-thread loads and the tiles measured with them. The widest projections of a prefill chunk over a
+lowering passes (see :mod:`ignition.kernels.lowering`). Float32 weights (float32 inputs, staged in
+float32) and rows whose bytes are not a multiple of 16 keep the per-thread loads and the tiles measured
+with them. The widest projections of a prefill chunk over a
 long reduction run persistent programs instead (:func:`persistent_projection_kernel`: one a
 multiprocessor, each over every so many tiles, its loop over tiles and reduction steps one pipeline).
 """
@@ -64,10 +69,15 @@ def projection_kernel(  # type: ignore[no-untyped-def]
     K_SPLIT: tl.constexpr,
     RESIDUAL: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
+    SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
     """One ``BLOCK_M x BLOCK_N`` tile of ``x @ weight.T (+ residual)`` over the reduction steps of
     split ``program_id(2)`` (the RMS norm or SwiGLU of the inputs, if any, is staged before).
+
+    With ``SWIGLU`` the weight holds ``2N`` rows, the gate rows then the up rows, and the tile is
+    ``silu(x @ gate.T) * (x @ up.T)`` over ``N`` outputs: each step multiplies the input tile with the
+    gate block and the up block of the same columns into two accumulators (:func:`silu_times`).
 
     The row tile is ``program_id(0)``, the grid's fastest dimension: the row tiles of one column block
     are scheduled side by side, so the weight block they share comes from HBM once and from L2 after
@@ -89,33 +99,49 @@ def projection_kernel(  # type: ignore[no-untyped-def]
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # the up half's sums (SWIGLU only)
     if DESCRIPTORS:
         # Tensor descriptors (written to this program's global scratch, after gdc_wait: see the lowering
         # module): the copy engine moves both tiles into shared memory, zero past the rows and K.
         x_tiles = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-        w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+        w_rows = 2 * N if SWIGLU else N
+        w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[w_rows, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
         for k0 in range(0, K_SPLIT, BLOCK_K):
             xs = x_tiles.load([pid_m * BLOCK_M, pid_k * K_SPLIT + k0])
             w = w_tiles.load([pid_n * BLOCK_N, pid_k * K_SPLIT + k0])
             acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+            if SWIGLU:
+                # a gate block past N reads up rows: those columns are never stored
+                w_up = w_tiles.load([N + pid_n * BLOCK_N, pid_k * K_SPLIT + k0])
+                acc_up = tl.dot(xs.to(w_up.dtype), tl.trans(w_up), acc_up)
     else:
         for k0 in range(0, K_SPLIT, BLOCK_K):
             offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             x_mask = m_ok[:, None] & k_ok[None, :]
+            w_mask = n_ok[:, None] & k_ok[None, :]
             xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=x_mask, other=0.0)
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
             acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+            if SWIGLU:
+                w_up = tl.load(w_ptr + (N + offs_n)[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+                acc_up = tl.dot(xs.to(w_up.dtype), tl.trans(w_up), acc_up)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_offsets = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT == 1:
+        if SWIGLU:
+            acc = silu_times(acc, acc_up)
         if RESIDUAL:
             acc += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
         tl.store(out_ptr + out_offsets, acc, mask=out_mask)
     else:
         tile = pid_n * tl.num_programs(0) + pid_m
+        area = BLOCK_M * BLOCK_N
+        parts = 2 if SWIGLU else 1  # partial tiles a split stores: the gate's and the up's
         block = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(partial_ptr + (tile * SPLIT + pid_k) * (BLOCK_M * BLOCK_N) + block, acc)
+        tl.store(partial_ptr + (tile * SPLIT + pid_k) * (parts * area) + block, acc)
+        if SWIGLU:
+            tl.store(partial_ptr + (tile * SPLIT + pid_k) * (parts * area) + area + block, acc_up)
         # every thread's partial is stored before the count (barrier, then a release); the last split
         # reads the partials after its acquire, past L1
         tl.debug_barrier()
@@ -123,13 +149,24 @@ def projection_kernel(  # type: ignore[no-untyped-def]
         finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if finished == SPLIT - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            total_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for split in range(SPLIT):
-                part = partial_ptr + (tile * SPLIT + split) * (BLOCK_M * BLOCK_N)
+                part = partial_ptr + (tile * SPLIT + split) * (parts * area)
                 total += tl.load(part + block, cache_modifier=".cg")
+                if SWIGLU:
+                    total_up += tl.load(part + area + block, cache_modifier=".cg")
+            if SWIGLU:
+                total = silu_times(total, total_up)
             if RESIDUAL:
                 total += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
             tl.store(out_ptr + out_offsets, total, mask=out_mask)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def silu_times(gate, up):  # type: ignore[no-untyped-def]
+    """``silu(gate) * up`` in float32, as ``silu_mul`` computes it."""
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -146,10 +183,12 @@ def persistent_projection_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     PROGRAMS: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ) -> None:
     """``x @ weight.T (+ residual)`` in ``BLOCK_M x BLOCK_N`` tiles through tensor descriptors, ``PROGRAMS``
-    programs each computing every ``PROGRAMS``-th tile over the whole reduction.
+    programs each computing every ``PROGRAMS``-th tile over the whole reduction (with ``SWIGLU``, the
+    gate and up blocks of each tile's columns, as in :func:`projection_kernel`).
 
     The tiles are numbered row tile fastest (the row tiles of one column block run side by side and
     share its weight block through L2, as in :func:`projection_kernel`). A program makes its two
@@ -164,15 +203,22 @@ def persistent_projection_kernel(  # type: ignore[no-untyped-def]
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     x_tiles = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    w_rows = 2 * N if SWIGLU else N
+    w_tiles = tl.make_tensor_descriptor(w_ptr, shape=[w_rows, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     for tile in tl.range(pid, tiles, PROGRAMS, flatten=True):
         pid_m = tile % tiles_m
         pid_n = tile // tiles_m
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xs = x_tiles.load([pid_m * BLOCK_M, k0])
             w = w_tiles.load([pid_n * BLOCK_N, k0])
             acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+            if SWIGLU:
+                w_up = w_tiles.load([N + pid_n * BLOCK_N, k0])
+                acc_up = tl.dot(xs.to(w_up.dtype), tl.trans(w_up), acc_up)
+        if SWIGLU:
+            acc = silu_times(acc, acc_up)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
@@ -199,6 +245,7 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     NORM: tl.constexpr,
     GATED: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The same projection for one or two rows, on the FMA units: weights streamed once, wide loads.
@@ -216,19 +263,27 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
     n_ok = offs_n < N
     r_ok = offs_r < rows
     x_stride = 2 * K if GATED else K
+    up_rows = N if SWIGLU else 0  # with SWIGLU the up rows follow the N gate rows
     first_k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + offs_n[:, None] * K + first_k[None, :], mask=n_ok[:, None] & (first_k[None, :] < K), other=0.0)
+    w_mask = n_ok[:, None] & (first_k[None, :] < K)
+    w = tl.load(w_ptr + offs_n[:, None] * K + first_k[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SWIGLU:
+        w_up = tl.load(w_ptr + (up_rows + offs_n)[:, None] * K + first_k[None, :], mask=w_mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     first, second, gain = _input_step(x_ptr, norm_ptr, offs_r, r_ok, first_k, K, x_stride, NORM, GATED)
     squares = tl.zeros([ROWS_P2], dtype=tl.float32)
     acc = tl.zeros([ROWS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([ROWS_P2, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         next_k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-        w_next = tl.load(
-            w_ptr + offs_n[:, None] * K + next_k[None, :], mask=n_ok[:, None] & (next_k[None, :] < K), other=0.0
-        )
+        next_mask = n_ok[:, None] & (next_k[None, :] < K)
+        w_next = tl.load(w_ptr + offs_n[:, None] * K + next_k[None, :], mask=next_mask, other=0.0)
+        w_up_next = w_next
+        if SWIGLU:
+            w_up_next = tl.load(w_ptr + (up_rows + offs_n)[:, None] * K + next_k[None, :], mask=next_mask, other=0.0)
         first_next, second_next, gain_next = _input_step(
             x_ptr, norm_ptr, offs_r, r_ok, next_k, K, x_stride, NORM, GATED
         )
@@ -239,10 +294,17 @@ def vector_projection_kernel(  # type: ignore[no-untyped-def]
             squares += tl.sum(xs * xs, axis=1)
             xs = xs * gain[None, :]
         acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
-        w, first, second, gain = w_next, first_next, second_next, gain_next
+        if SWIGLU:
+            acc_up += w_up.to(tl.float32)[None, :, :] * xs[:, None, :]
+        w, w_up, first, second, gain = w_next, w_up_next, first_next, second_next, gain_next
     result = tl.sum(acc, axis=2)
+    result_up = tl.sum(acc_up, axis=2)
     if NORM:
-        result = result * (1.0 / tl.sqrt(squares / K + eps))[:, None]
+        scale = (1.0 / tl.sqrt(squares / K + eps))[:, None]
+        result = result * scale
+        result_up = result_up * scale
+    if SWIGLU:
+        result = silu_times(result, result_up)
     out_mask = r_ok[:, None] & n_ok[None, :]
     out_offsets = offs_r[:, None] * N + offs_n[None, :]
     if RESIDUAL:
@@ -287,9 +349,11 @@ def streaming_projection_kernel(  # type: ignore[no-untyped-def]
     NORM: tl.constexpr,
     GATED: tl.constexpr,
     RESIDUAL: tl.constexpr,
+    SWIGLU: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """The one- or two-row projection with a fixed number of programs, each streaming whole weight rows.
+    """The one- or two-row projection with a fixed number of programs, each streaming whole weight rows
+    (with ``SWIGLU``, the gate rows and the up rows of its columns: ``silu(x @ gate.T) * (x @ up.T)``).
 
     Program ``p`` computes the column tiles ``p, p + P, p + 2P, ...`` (``P`` programs): it loads its
     first tile of ``BLOCK_N`` whole rows before ``gdc_wait``, prepares the input once (normalised or
@@ -301,7 +365,12 @@ def streaming_projection_kernel(  # type: ignore[no-untyped-def]
     ks = tl.arange(0, K_P2)
     k_ok = ks < K
     offs_n = pid * BLOCK_N + lanes
-    w = tl.load(w_ptr + offs_n[:, None] * K + ks[None, :], mask=(offs_n < N)[:, None] & k_ok[None, :], other=0.0)
+    up_rows = N if SWIGLU else 0  # with SWIGLU the up rows follow the N gate rows
+    w_mask = (offs_n < N)[:, None] & k_ok[None, :]
+    w = tl.load(w_ptr + offs_n[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SWIGLU:
+        w_up = tl.load(w_ptr + (up_rows + offs_n)[:, None] * K + ks[None, :], mask=w_mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -321,18 +390,25 @@ def streaming_projection_kernel(  # type: ignore[no-untyped-def]
     for step in range(0, tl.cdiv(tl.cdiv(N, BLOCK_N), PROGRAMS)):  # past the last tile: all masked
         offs_n = (pid + step * PROGRAMS) * BLOCK_N + lanes
         next_n = offs_n + PROGRAMS * BLOCK_N
-        w_next = tl.load(
-            w_ptr + next_n[:, None] * K + ks[None, :], mask=(next_n < N)[:, None] & k_ok[None, :], other=0.0
-        )
+        next_mask = (next_n < N)[:, None] & k_ok[None, :]
+        w_next = tl.load(w_ptr + next_n[:, None] * K + ks[None, :], mask=next_mask, other=0.0)
+        w_up_next = w_next
+        if SWIGLU:
+            w_up_next = tl.load(w_ptr + (up_rows + next_n)[:, None] * K + ks[None, :], mask=next_mask, other=0.0)
         result = tl.sum(w.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2)
         if NORM:
             result = result * scale[:, None]
+        if SWIGLU:
+            result_up = tl.sum(w_up.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2)
+            if NORM:
+                result_up = result_up * scale[:, None]
+            result = silu_times(result, result_up)
         out_mask = r_ok[:, None] & (offs_n < N)[None, :]
         out_offsets = offs_r[:, None] * N + offs_n[None, :]
         if RESIDUAL:
             result += tl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
         tl.store(out_ptr + out_offsets, result, mask=out_mask)
-        w = w_next
+        w, w_up = w_next, w_up_next
 
 
 @dataclass(frozen=True)
@@ -470,9 +546,13 @@ def check_projection(
     norm: mf.BufferView | None = None,
     residual: mf.BufferView | None = None,
     gated: bool = False,
+    swiglu: bool = False,
 ) -> tuple[int, int, int]:
-    """(rows, N, K) of a projection's views: an ``[N, K]`` bf16/f16/f32 weight, float32 rows of ``K``
-    inputs (``2K`` when ``gated``), and ``out`` (when given) of ``N`` per row.
+    """(rows, N, K) of a projection's views: an ``[N, K]`` bf16/f16/f32 weight, rows of ``K`` inputs
+    (``2K`` when ``gated``), and ``out`` (when given) of ``N`` per row (``N / 2`` with ``swiglu``: the
+    weight's gate rows, then its up rows). Inputs and outputs are float32; a plain projection (no norm
+    or SwiGLU of its inputs) may read inputs of the weight's 16-bit type, and one without a residual may
+    write a 16-bit type (rounded at the store).
 
     Raises:
         the context's lowering error naming the view that does not fit.
@@ -481,20 +561,31 @@ def check_projection(
     if len(w_shape) != 2:
         raise ctx.fail(f"weight must be [N, K], got {list(w_shape)}")
     n, k = w_shape
+    if swiglu and n % 2:
+        raise ctx.fail(f"a [gate | up] weight needs an even number of rows, got {n}")
     x_shape = ctx.shape(x)
     rows = x_shape[0]
     x_width = math.prod(x_shape[1:])
     if x_width != (2 * k if gated else k):
         raise ctx.fail(f"x rows hold {x_width} values; the weight needs {'2 x ' if gated else ''}{k}")
+    out_width = n // 2 if swiglu else n
     if out is not None:
         out_shape = ctx.shape(out)
-        if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * n != math.prod(out_shape)):
-            raise ctx.fail(f"out {list(out_shape)} must hold {rows} rows of {n}")
-    for view, name in ((x, "x"), (out, "out"), (residual, "residual"), (norm, "norm_weight")):
+        if out_shape[0] != rows or (len(out_shape) > 1 and out_shape[0] * out_width != math.prod(out_shape)):
+            raise ctx.fail(f"out {list(out_shape)} must hold {rows} rows of {out_width}")
+    weight_dtype = ctx.dtype(weight)
+    if weight_dtype not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
+        raise ctx.fail("weight must be bf16, f16 or f32")
+    plain_input = norm is None and not gated
+    if ctx.dtype(x) != mf.DTYPE_F32 and not (plain_input and ctx.dtype(x) == weight_dtype):
+        raise ctx.fail("x must be float32 (or the weight's 16-bit type, without a norm or SwiGLU of the inputs)")
+    if out is not None and ctx.dtype(out) not in (mf.DTYPE_F32, mf.DTYPE_BF16, mf.DTYPE_F16):
+        raise ctx.fail("out must be float32, bf16 or f16")
+    if out is not None and residual is not None and ctx.dtype(out) != mf.DTYPE_F32:
+        raise ctx.fail("out must be float32 where a residual is added")
+    for view, name in ((residual, "residual"), (norm, "norm_weight")):
         if view is not None and ctx.dtype(view) != mf.DTYPE_F32:
             raise ctx.fail(f"{name} must be float32")
-    if ctx.dtype(weight) not in (mf.DTYPE_BF16, mf.DTYPE_F16, mf.DTYPE_F32):
-        raise ctx.fail("weight must be bf16, f16 or f32")
     return rows, n, k
 
 
@@ -512,22 +603,38 @@ def project(
     norm: mf.BufferView | None = None,
     residual: mf.BufferView | None = None,
     gated: bool = False,
+    swiglu: bool = False,
     tiles: Tiles | None = None,
     multiprocessors: int = MULTIPROCESSORS,
 ) -> list[mf.KernelLaunch]:
-    """The launches of ``out = residual + prologue(x) @ weight.T`` (module docstring); ``multiprocessors``
-    sizes the streaming kernel's grid (the H200's 132 by default)."""
-    rows, n, k = check_projection(ctx, x, weight, out, norm=norm, residual=residual, gated=gated)
-    prologue_staged = rows > 2 and (norm is not None or gated)  # matrix tiles stage it in the weight's type
+    """The launches of ``out = residual + prologue(x) @ weight.T`` (module docstring); with ``swiglu``,
+    ``out = silu(prologue(x) @ gate.T) * (prologue(x) @ up.T)`` over a ``[gate | up]`` weight, the tiles
+    chosen for the whole weight with half as many columns each (one program multiplies its inputs with
+    the gate and the up block of the same columns). ``multiprocessors`` sizes the streaming kernel's grid
+    (the H200's 132 by default)."""
+    rows, n, k = check_projection(ctx, x, weight, out, norm=norm, residual=residual, gated=gated, swiglu=swiglu)
+    if swiglu and residual is not None:
+        raise ctx.fail("a SwiGLU projection adds no residual")
+    # Matrix tiles stage a norm or SwiGLU of the inputs in the weight's 16-bit type, and plain float32
+    # inputs too (rounded there once, as the products would round them in every column tile) where that
+    # was measured to pay.
+    cast = norm is None and not gated and ctx.dtype(x) == mf.DTYPE_F32 and ctx.dtype(weight) in _STAGED_INPUT_KEYS
+    cast = cast and stages_float32_inputs(rows, n, multiprocessors)
+    prologue_staged = rows > 2 and (norm is not None or gated or cast)
     describable = _describable(ctx, weight if prologue_staged else x, weight, k)
     chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
+    if swiglu:
+        if not tiles:  # as many programs, each over the gate and up halves of the chosen columns
+            chosen = dataclasses.replace(chosen, block_n=max(1, chosen.block_n // 2))
+        n //= 2
     prologue: list[mf.KernelLaunch] = []
-    if chosen.block_m > 1 and (norm is not None or gated):
+    if chosen.block_m > 1 and prologue_staged:
         # Matrix tiles: the row-wise prologue once into a workspace (instead of once per column tile),
         # then the plain projection reads it. (Run in the projection's steps instead, as measured on
         # an H200, it made 8-row projections about 1.5x slower: a row reduction every step.) The
         # workspace holds the weight's 16-bit type where it has one: the products round the inputs to
-        # it anyway, so the results are the same and every column tile reads half the bytes.
+        # it anyway, so the results are the same and every column tile reads half the bytes (through
+        # tensor descriptors where the tiles take them). Plain float32 inputs are only rounded there.
         weight_dtype = ctx.dtype(weight)
         staged_dtype = weight_dtype if weight_dtype in _STAGED_INPUT_KEYS else mf.DTYPE_F32
         staged = ctx.workspace(_STAGED_INPUT_KEYS.get(staged_dtype, "projection_input"), staged_dtype, rows * k)
@@ -535,7 +642,9 @@ def project(
         prologue = _prologue(ctx, node, x, staged_view, norm, gated, rows, k)
         x, norm, gated = staged_view, None, False
     grid: tuple[int, ...]
-    constants: dict[str, int | bool] = {"N": n, "K": k, "BLOCK_N": chosen.block_n, "RESIDUAL": residual is not None}
+    constants: dict[str, int | bool] = {
+        "N": n, "K": k, "BLOCK_N": chosen.block_n, "RESIDUAL": residual is not None, "SWIGLU": swiglu
+    }  # fmt: skip
     args = {"x_ptr": ctx.pointer(x), "w_ptr": ctx.pointer(weight), "out_ptr": ctx.pointer(out)}
     args["residual_ptr"] = ctx.pointer(residual if residual is not None else out)
     if chosen.block_m > 1:
@@ -544,7 +653,7 @@ def project(
             raise ctx.fail(f"{n} outputs make {tiles_n} column tiles of {chosen.block_n}; the grid takes {_MAX_GRID_Y}")
         partials, counters = out, out  # never touched without a split
         if chosen.split > 1:
-            area = tiles_n * tiles_m * chosen.split * chosen.block_m * chosen.block_n
+            area = tiles_n * tiles_m * chosen.split * chosen.block_m * chosen.block_n * (2 if swiglu else 1)
             partials = ctx.workspace("projection_partials", mf.DTYPE_F32, area)
             counters = ctx.workspace("projection_splits_done", mf.DTYPE_I32, tiles_n * tiles_m)
         args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
@@ -587,6 +696,16 @@ def project(
     return [*prologue, launch]
 
 
+def stages_float32_inputs(rows: int, n: int, multiprocessors: int = MULTIPROCESSORS) -> bool:
+    """Whether matrix tiles over float32 inputs beside 16-bit weights read them rounded into a workspace by a
+    launch before (:func:`project`). Measured on an H200 (docs/benchmarks.md), on the 1B output projection:
+    at 64 rows its launches went from 169 to 123 µs of the step's graph and the 512-token prefill gained; the
+    narrow projections of 65 to 256 rows (64x128 tiles on one warpgroup) made the batch-256 step 0.1 ms
+    slower on two leases, so those keep reading float32."""
+    narrow = 64 < rows <= NARROW_TILE_ROWS and cdiv(rows, 128) * cdiv(n, 128) < multiprocessors
+    return rows > 2 and not narrow
+
+
 def _describable(ctx: LoweringContext, x: mf.BufferView, weight: mf.BufferView, k: int) -> bool:
     """Whether tensor descriptors can serve ``x`` and ``weight``: 16-bit values (float32 inputs, converted
     in registers after a descriptor's copy, gave launches that differ in their last bits from one run to
@@ -611,7 +730,8 @@ def _prologue(
     rows: int,
     k: int,
 ) -> list[mf.KernelLaunch]:
-    """The launch that writes ``rmsnorm(x)`` or SwiGLU of the packed ``[gate | up]`` rows into ``out``."""
+    """The launch that writes ``rmsnorm(x)``, SwiGLU of the packed ``[gate | up]`` rows, or ``x`` itself
+    (rounded to ``out``'s type) into ``out``."""
     if norm is not None:
         step = mf.Node(name=node.name)
         step.op.name, step.op.version = "rmsnorm", 1
@@ -625,9 +745,9 @@ def _prologue(
     block = min(1024, next_power_of_two(k))
     return [
         ctx.launch(
-            swiglu_rows_kernel,
-            {"gate_up_ptr": ctx.pointer(x), "out_ptr": ctx.pointer(out)},
-            {"WIDTH": k, "BLOCK": block},
+            stage_rows_kernel,
+            {"x_ptr": ctx.pointer(x), "out_ptr": ctx.pointer(out)},
+            {"WIDTH": k, "BLOCK": block, "GATED": gated},
             (rows, cdiv(k, block)),
             num_warps=4,
             num_stages=1,
@@ -636,17 +756,25 @@ def _prologue(
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
-def swiglu_rows_kernel(gate_up_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # type: ignore[no-untyped-def]
-    """out[r, c] = silu(gate_up[r, c]) * gate_up[r, WIDTH + c], as silu_mul computes it."""
+def stage_rows_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr
+):
+    """out[r, c] = x[r, c], or with ``GATED`` silu(x[r, c]) * x[r, WIDTH + c] of packed ``[gate | up]`` rows
+    (as silu_mul computes it), rounded to out's type at the store (to nearest even, as the tensor cores'
+    inputs are rounded)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < WIDTH
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    gate = tl.load(gate_up_ptr + row * 2 * WIDTH + cols, mask=ok, other=0.0)
-    up = tl.load(gate_up_ptr + row * 2 * WIDTH + WIDTH + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + row * WIDTH + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=ok)
+    if GATED:
+        gate = tl.load(x_ptr + row * 2 * WIDTH + cols, mask=ok, other=0.0)
+        up = tl.load(x_ptr + row * 2 * WIDTH + WIDTH + cols, mask=ok, other=0.0)
+        values = silu_times(gate, up)
+    else:
+        values = tl.load(x_ptr + row * WIDTH + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * WIDTH + cols, values, mask=ok)
 
 
 @lowering("linear")
@@ -689,3 +817,37 @@ def lower_silu_mul_linear_add(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
         residual=ctx.need(node, "residual"),
         gated=True,
     )
+
+
+_ACTIVATION_KEYS: dict[int, str] = {
+    mf.DTYPE_BF16: "swiglu_activation_bf16",
+    mf.DTYPE_F16: "swiglu_activation_f16",
+    mf.DTYPE_F32: "swiglu_activation",
+}
+"""The workspace of a SwiGLU MLP's activation, per type (see :func:`lower_rmsnorm_swiglu_mlp_add`)."""
+
+
+@lowering("rmsnorm_swiglu_mlp_add")
+def lower_rmsnorm_swiglu_mlp_add(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
+    """Two projections through a workspace: ``silu(xn @ gate.T) * (xn @ up.T)`` of the normalised rows
+    (their norm staged first from three rows on), then the down projection of that activation added to
+    the residual. The activation is stored in the weights' 16-bit type from three rows on (the down
+    projection's tensor-core products round it to that type anyway, so the results are those of
+    rounding it there) and in float32 for one or two rows (the FMA kernels multiply in float32)."""
+    x, gate_up, down = ctx.need(node, "x"), ctx.need(node, "gate_up_weight"), ctx.need(node, "down_weight")
+    rows, two_f, _k = check_projection(ctx, x, gate_up, None, norm=ctx.need(node, "norm_weight"), swiglu=True)
+    width = two_f // 2
+    down_shape = ctx.shape(down)
+    if len(down_shape) != 2 or down_shape[1] != width:
+        raise ctx.fail(
+            f"down_weight must be [N, {width}] for a [gate | up] weight of {two_f} rows, got {list(down_shape)}"
+        )
+    weight_dtype = ctx.dtype(gate_up)
+    dtype = weight_dtype if rows > 2 and weight_dtype == ctx.dtype(down) else mf.DTYPE_F32
+    if dtype not in _ACTIVATION_KEYS:
+        raise ctx.fail("weights must be bf16, f16 or f32")
+    staged = ctx.workspace(_ACTIVATION_KEYS[dtype], dtype, rows * width)
+    activation = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, width])
+    first = project(ctx, node, x, gate_up, activation, norm=ctx.need(node, "norm_weight"), swiglu=True)
+    second = project(ctx, node, activation, down, ctx.need(node, "out"), residual=ctx.need(node, "residual"))
+    return [*first, *second]

@@ -36,8 +36,8 @@ zero, its softmax finite and its values zero, so its output is zero, and its zer
 columns (as the zero down-projection columns of zero rows, silu(0) x 0 = 0) add exactly zero to the
 partial product. The embedding, every norm and the LM head are replicated, so
 every rank computes the whole logits and samples the same tokens. With N = 1 the programs carry the
-collective nodes (identity on one rank). In a kernel graph the down projection's partial product comes
-from ``silu_mul_linear_add`` over a replicated zero residual (``tensor_parallel.zero_residual``), the
+collective nodes (identity on one rank). In a kernel graph the MLP's partial product comes from
+``rmsnorm_swiglu_mlp_add`` over a replicated zero residual (``tensor_parallel.zero_residual``), the
 output projection's from ``linear``; each is followed by ``all_reduce`` and ``add``.
 """
 
@@ -235,7 +235,6 @@ class _Scratch:
     logits: View
     all_logits: View
     ids: View
-    gate_up: View | None = None
     sampled_ids: View | None = None
     """[B, 1] ids a non-speculative program samples, when the completion record is wider than one id."""
     sampled_logprob: View | None = None
@@ -722,7 +721,6 @@ class LlamaProgramWriter(TextProgramWriter):
             logits=buf("logits", [b, s.vocab]),
             all_logits=buf("all_logits", [max(max(c.prefill_tokens), c.speculative_packed), s.vocab]),
             ids=buf("ids", [b, 1], mf.DTYPE_I32),
-            gate_up=buf("gate_up", [p, 2 * s.ffn]) if self.fused else None,
             sampled_ids=buf("sampled_ids", [b, 1], mf.DTYPE_I32) if c.widest_speculation > 1 else None,
             sampled_logprob=buf("sampled_logprob", [b, 1]) if c.widest_speculation > 1 else None,
         )
@@ -829,20 +827,17 @@ class LlamaProgramWriter(TextProgramWriter):
         layers: int | None = None,
         label: str = "",
     ) -> None:
-        """The kernel graph of every layer: five nodes, the residual stream updated in place.
+        """The kernel graph of every layer: four nodes, the residual stream updated in place.
 
         rmsnorm + [q|k|v] projection + rope + cache write, attention, output projection + residual,
-        rmsnorm + [gate|up] projection, SwiGLU + down projection + residual.
+        rmsnorm + [gate|up] projection + SwiGLU + down projection + residual.
         """
         s, sc = self.shape, self.scratch
         where = layout or self._host_layout()
-        if sc.gate_up is None:
-            raise ValueError("the kernel graph needs the packed [gate|up] scratch buffer")
         p = tokens
         h = prefix(sc.h, p)
         q = prefix(sc.q, p)
         attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
-        gate_up = prefix(sc.gate_up, p)
         self._embed(prog, ids, h, label)
         for layer, lw in enumerate(self.layer_weights[:layers]):
             prog.node(
@@ -864,15 +859,15 @@ class LlamaProgramWriter(TextProgramWriter):
             if self.tensor_parallel:
                 self._fused_rank_tail(prog, layer, p, label)
                 continue
-            self._fused_residual_tail(prog, layer, h, attn2, gate_up, label, all_reduce=False)
+            self._fused_residual_tail(prog, layer, h, attn2, label, all_reduce=False)
 
     def _fused_residual_tail(
-        self, prog: ProgramBuilder, layer: int, h: View, attn2: View, gate_up: View, label: str, *, all_reduce: bool
+        self, prog: ProgramBuilder, layer: int, h: View, attn2: View, label: str, *, all_reduce: bool
     ) -> None:
-        """A kernel graph's layer after attention: output projection + residual, RMSNorm + [gate|up]
-        projection, SwiGLU + down projection + residual; with ``all_reduce``, each residual add is followed
-        by an in-place ``all_reduce`` of the residual stream ``h`` (an identity on one rank)."""
-        s, lw = self.shape, self.layer_weights[layer]
+        """A kernel graph's layer after attention: output projection + residual, then the MLP (RMSNorm,
+        [gate|up] projection, SwiGLU, down projection) + residual; with ``all_reduce``, each residual add is
+        followed by an in-place ``all_reduce`` of the residual stream ``h`` (an identity on one rank)."""
+        lw = self.layer_weights[layer]
         prog.node(
             "linear_add",
             {"x": attn2, "weight": lw["wo"], "residual": h, "out": h},
@@ -880,52 +875,49 @@ class LlamaProgramWriter(TextProgramWriter):
         )
         if all_reduce:
             self._all_reduce(prog, h, f"{label}l{layer}.o_all_reduce")
-        prog.node(
-            "rmsnorm_linear",
-            {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
-            {"eps": s.rms_eps},
-            name=f"{label}l{layer}.gate_up",
-        )
-        prog.node(
-            "silu_mul_linear_add",
-            {"gate_up": gate_up, "weight": lw["w_down"], "residual": h, "out": h},
-            name=f"{label}l{layer}.down_residual",
-        )
+        self._mlp(prog, layer, h, h, h, f"{label}l{layer}.mlp_residual")
         if all_reduce:
             self._all_reduce(prog, h, f"{label}l{layer}.down_all_reduce")
 
+    def _mlp(self, prog: ProgramBuilder, layer: int, x: View, residual: View, out: View, name: str) -> None:
+        """``out = residual + down(silu(gate(xn)) * up(xn))`` with ``xn`` the FFN norm of ``x``: one node."""
+        lw = self.layer_weights[layer]
+        prog.node(
+            "rmsnorm_swiglu_mlp_add",
+            {
+                "x": x,
+                "norm_weight": lw["ffn_norm"],
+                "gate_up_weight": lw["w_gate_up"],
+                "down_weight": lw["w_down"],
+                "residual": residual,
+                "out": out,
+            },
+            {"eps": self.shape.rms_eps},
+            name=name,
+        )
+
     def _fused_rank_tail(self, prog: ProgramBuilder, layer: int, tokens: int, label: str) -> None:
         """A tensor-parallel kernel graph's layer after attention: the output projection's partial
-        product, ``all_reduce``, residual add; RMSNorm and the [gate | up] shard; the down projection's
-        partial product (``silu_mul_linear_add`` over the zero residual), ``all_reduce``, residual add. With
+        product, ``all_reduce``, residual add; the MLP's partial product over this rank's [gate | up] and
+        down shards (``rmsnorm_swiglu_mlp_add`` over the zero residual), ``all_reduce``, residual add. With
         one rank, the fused residual kernels followed by an in-place ``all_reduce`` of the residual stream."""
         s, sc, lw = self.shape, self.scratch, self.layer_weights[layer]
-        if sc.gate_up is None or self.zero_residual is None:
-            raise ValueError("the tensor-parallel kernel graph needs the [gate|up] scratch and the zero residual")
+        if self.zero_residual is None:
+            raise ValueError("the tensor-parallel kernel graph needs the zero residual")
         p = tokens
-        h, o, gate_up = prefix(sc.h, p), prefix(sc.o, p), prefix(sc.gate_up, p)
+        h, o = prefix(sc.h, p), prefix(sc.o, p)
         attn2 = View(sc.attn.buffer, (p, s.heads * s.head_dim))
         if self.tensor_parallel == 1:
             # One rank: the sum over the ranks of (residual + partial product) is residual + partial product,
             # so the fused residual kernels of the single-rank graph stay and each all_reduce sums the residual
             # stream in place (an identity on one rank): the core differs from a core without collectives by
             # its collectives alone.
-            self._fused_residual_tail(prog, layer, h, attn2, gate_up, label, all_reduce=True)
+            self._fused_residual_tail(prog, layer, h, attn2, label, all_reduce=True)
             return
         prog.node("linear", {"x": attn2, "weight": lw["wo"], "out": o}, name=f"{label}l{layer}.o")
         self._all_reduce(prog, o, f"{label}l{layer}.o_all_reduce")
         prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.attn_residual")
-        prog.node(
-            "rmsnorm_linear",
-            {"x": h, "norm_weight": lw["ffn_norm"], "weight": lw["w_gate_up"], "out": gate_up},
-            {"eps": s.rms_eps},
-            name=f"{label}l{layer}.gate_up",
-        )
-        prog.node(
-            "silu_mul_linear_add",
-            {"gate_up": gate_up, "weight": lw["w_down"], "residual": prefix(self.zero_residual, p), "out": o},
-            name=f"{label}l{layer}.down",
-        )
+        self._mlp(prog, layer, h, prefix(self.zero_residual, p), o, f"{label}l{layer}.mlp")
         self._all_reduce(prog, o, f"{label}l{layer}.down_all_reduce")
         prog.node("add", {"a": h, "b": o, "out": h}, name=f"{label}l{layer}.ffn_residual")
 

@@ -400,7 +400,6 @@ class _VisionScratch:
     gate: View
     up: View
     act: View
-    gate_up: View | None
     features: View
     """[C / patches_per_feature, hidden]."""
     gathered: View
@@ -469,7 +468,6 @@ class VisionProgramWriter(LlamaProgramWriter):
             gate=buf("gate", [c, ffn]),
             up=buf("up", [c, ffn]),
             act=buf("act", [c, ffn]),
-            gate_up=buf("gate_up", [c, 2 * ffn]) if self.fused else None,
             features=buf("features", [c // self.choice.patches_per_feature, self.shape.hidden]),
             gathered=buf("gathered", [self.caps.max_packed, self.shape.hidden]),
         )
@@ -486,19 +484,16 @@ class VisionProgramWriter(LlamaProgramWriter):
         prog.node("embedding", {"table": self.col_table, "ids": inputs.patch_cols, "out": t}, name="vision.col_embed")
         prog.node("add", {"a": x, "b": t, "out": x}, name="vision.add_col")
         if self.fused:
-            if vs.gate_up is None:
-                raise ValueError("the kernel graph needs the packed vision [gate|up] scratch buffer")
-            gate_up = prefix(vs.gate_up, c)
+            weights = {
+                "norm_weight": self.vision_norm,
+                "gate_up_weight": self.vision_gate_up,
+                "down_weight": self.vision_down,
+            }
             prog.node(
-                "rmsnorm_linear",
-                {"x": x, "norm_weight": self.vision_norm, "weight": self.vision_gate_up, "out": gate_up},
+                "rmsnorm_swiglu_mlp_add",
+                {"x": x, **weights, "residual": x, "out": x},
                 {"eps": eps},
-                name="vision.gate_up",
-            )
-            prog.node(
-                "silu_mul_linear_add",
-                {"gate_up": gate_up, "weight": self.vision_down, "residual": x, "out": x},
-                name="vision.down_residual",
+                name="vision.mlp_residual",
             )
         else:
             gate, up, act = prefix(vs.gate, c), prefix(vs.up, c), prefix(vs.act, c)

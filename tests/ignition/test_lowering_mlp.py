@@ -1,0 +1,169 @@
+"""``rmsnorm_swiglu_mlp_add`` lowers to the [gate | up] projection ending in SwiGLU, then the down
+projection over its activation, on a machine without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton")
+
+from ignition.kernels import linear
+from ignition.kernels.linear import Tiles, choose_tiles
+from ignition.kernels.lowering import LoweringContext, LoweringError
+
+from helios_core.wire import manifest_pb2 as mf
+from tests.ignition.test_lowering_elementwise import _check, _lower, bf16, f32
+
+MLP_WEIGHTS = ("norm_weight", "gate_up_weight", "down_weight")
+
+
+def _mlp(rows: int, hidden: int, width: int, *, weight: type = np.uint16) -> dict[str, np.ndarray]:
+    make = bf16 if weight is np.uint16 else f32
+    return {
+        "x": f32(rows, hidden),
+        "norm_weight": f32(hidden),
+        "gate_up_weight": make(2 * width, hidden),
+        "down_weight": make(hidden, width),
+        "residual": f32(rows, hidden),
+        "out": f32(rows, hidden),
+    }
+
+
+def _workspaces(context: LoweringContext) -> dict[str, tuple[int, int]]:
+    return {
+        decl.name: (int(decl.dtype), int(decl.shape[0].size))
+        for decl in context.manifest.buffers
+        if decl.name.startswith("workspace.")
+    }
+
+
+@pytest.fixture
+def constants(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """The compile-time constants of every launch lowered while the test runs, in order."""
+    seen: list[dict[str, object]] = []
+    original = LoweringContext.launch
+
+    def launch(self: LoweringContext, fn: Any, args: Any, constants: Any, grid: Any, **options: Any) -> Any:
+        seen.append(dict(constants))
+        return original(self, fn, args, constants, grid, **options)
+
+    monkeypatch.setattr(LoweringContext, "launch", launch)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("hidden", "width", "programs"),
+    [(2048, 8192, 528), (4096, 14336, 1056), (576, 1000, 500)],  # 4 a multiprocessor, 8 over 4096 inputs
+)
+def test_one_row_streams_gate_and_up_rows_into_a_float32_activation(hidden: int, width: int, programs: int) -> None:
+    """One row: the streaming kernel over the gate and up rows of half as many columns a tile (as many
+    programs as the plain projection of both halves), then the down projection over the float32
+    activation."""
+    context, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(1, hidden, width), {"eps": 1e-5}, weights=MLP_WEIGHTS)
+    gate_up, down = launches
+    plain = choose_tiles(1, 2 * width, hidden)
+    assert gate_up.symbol == "streaming_projection_kernel"
+    assert gate_up.grid[0] == min(-(-width // (plain.block_n // 2)), 132 * plain.per_sm) == programs
+    runtime = ["x", "gate_up_weight", "workspace.swiglu_activation", "workspace.swiglu_activation", "norm_weight"]
+    _check(context, gate_up, [*runtime, (mf.PARAM_KIND_F32, 1e-5), (mf.PARAM_KIND_I32, 1)])
+    assert down.params[0].buffer == "workspace.swiglu_activation"
+    assert [p.buffer for p in down.params[1:4]] == ["down_weight", "out", "residual"]
+    assert _workspaces(context) == {"workspace.swiglu_activation": (mf.DTYPE_F32, width)}
+
+
+def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
+    constants: list[dict[str, object]],
+) -> None:
+    """256 rows: the norm staged in bf16, [gate | up] in 128x64 tiles of each half through tensor
+    descriptors (the grid of 128x128 tiles over both halves), the activation in bf16, then the down
+    projection over it with the tiles chosen for its shape."""
+    context, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(256, 2048, 8192), {"eps": 1e-5}, weights=MLP_WEIGHTS)
+    norm, gate_up, down = launches
+    assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", "projection_kernel", "projection_kernel"]
+    assert "workspace.projection_input_bf16" in {p.buffer for p in norm.params}
+    assert [p.buffer for p in gate_up.params[:3]] == [
+        "workspace.projection_input_bf16", "gate_up_weight", "workspace.swiglu_activation_bf16"
+    ]  # fmt: skip
+    assert list(gate_up.grid) == [2, 128, 1]
+    assert constants[1]["BLOCK_N"] == 64 and constants[1]["SWIGLU"] is True and constants[1]["DESCRIPTORS"] is True
+    assert constants[1]["N"] == 8192 and constants[1]["BLOCK_M"] == 128
+    assert [p.buffer for p in down.params[:4]] == ["workspace.swiglu_activation_bf16", "down_weight", "out", "residual"]
+    wanted = choose_tiles(256, 2048, 8192)
+    assert list(down.grid) == [256 // wanted.block_m, 2048 // wanted.block_n, wanted.split]
+    assert constants[2]["SWIGLU"] is False and constants[2]["RESIDUAL"] is True
+    assert constants[2]["DESCRIPTORS"] is wanted.descriptors
+    assert _workspaces(context)["workspace.swiglu_activation_bf16"] == (mf.DTYPE_BF16, 256 * 8192)
+
+
+def test_float32_weights_keep_a_float32_activation() -> None:
+    context, launches = _lower(
+        "rmsnorm_swiglu_mlp_add", _mlp(64, 256, 512, weight=np.float32), {"eps": 1e-5}, weights=MLP_WEIGHTS
+    )
+    assert launches[-1].params[0].buffer == "workspace.swiglu_activation"
+    assert _workspaces(context)["workspace.swiglu_activation"] == (mf.DTYPE_F32, 64 * 512)
+
+
+def test_a_split_swiglu_tile_stores_the_gate_and_the_up_partials() -> None:
+    """8 rows of the 135M shape: 48 column tiles of 32 a half, the reduction split three ways, each
+    split storing two partial tiles."""
+    assert choose_tiles(8, 3072, 576) == Tiles(16, 64, 128, 4, 4, split=3)
+    context, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(8, 576, 1536), {"eps": 1e-5}, weights=MLP_WEIGHTS)
+    gate_up = launches[1]
+    assert list(gate_up.grid) == [1, 48, 3]
+    partials = 48 * 3 * 16 * 32 * 2
+    assert _workspaces(context)["workspace.projection_partials"][1] >= partials
+
+
+def test_persistent_swiglu_tiles_launch_as_many_programs_as_the_plain_projection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        linear, "choose_tiles", lambda *_args, **_kwargs: Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)
+    )
+    _, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(512, 4096, 14336), {"eps": 1e-5}, weights=MLP_WEIGHTS)
+    gate_up, down = launches[1], launches[2]
+    assert gate_up.symbol == down.symbol == "persistent_projection_kernel"
+    assert list(gate_up.grid) == [132, 1, 1] and list(down.grid) == [4 * 32, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"gate_up_weight": bf16(1001, 64)}, "a \\[gate \\| up\\] weight needs an even number of rows, got 1001"),
+        ({"down_weight": bf16(64, 100)}, r"down_weight must be \[N, 96\] for a \[gate \| up\] weight of 192 rows"),
+        ({"residual": bf16(4, 64)}, "residual must be float32"),
+        ({"x": bf16(4, 64)}, "x must be float32"),
+    ],
+)
+def test_malformed_mlps_are_refused_by_name(change: dict[str, np.ndarray], message: str) -> None:
+    arrays = {**_mlp(4, 64, 96), **change}
+    with pytest.raises(LoweringError, match=message):
+        _lower("rmsnorm_swiglu_mlp_add", arrays, {"eps": 1e-5}, weights=MLP_WEIGHTS)
+
+
+def test_a_plain_projection_reads_inputs_of_the_weights_type_and_a_normalised_one_does_not() -> None:
+    arrays = {"x": bf16(256, 2048), "weight": bf16(2048, 2048), "residual": f32(256, 2048), "out": f32(256, 2048)}
+    _, launches = _lower("linear_add", arrays, weights=("weight",))
+    assert [launch.symbol for launch in launches] == ["projection_kernel"]
+    normalised = {"x": bf16(256, 2048), "weight": bf16(2048, 2048), "norm_weight": f32(2048), "out": f32(256, 2048)}
+    with pytest.raises(LoweringError, match="x must be float32"):
+        _lower("rmsnorm_linear", normalised, {"eps": 1e-5}, weights=("weight", "norm_weight"))
+    with pytest.raises(LoweringError, match="out must be float32 where a residual is added"):
+        _lower("linear_add", {**arrays, "out": bf16(256, 2048)}, weights=("weight",))
+
+
+@pytest.mark.parametrize(
+    ("rows", "staged"), [(2, False), (8, True), (64, True), (65, False), (256, False), (512, True)]
+)
+def test_float32_inputs_are_staged_in_bf16_where_it_was_measured_to_pay(rows: int, staged: bool) -> None:
+    """The 1B output projection: from three rows on its float32 inputs are rounded into a bf16 workspace
+    first, except where 65 to 256 rows take narrow 64x128 tiles (measured slower staged)."""
+    arrays = {"x": f32(rows, 2048), "weight": bf16(2048, 2048), "residual": f32(rows, 2048), "out": f32(rows, 2048)}
+    _, launches = _lower("linear_add", arrays, weights=("weight",))
+    assert (launches[0].symbol == "stage_rows_kernel") is staged
+    assert len(launches) == (2 if staged else 1)
+    assert launches[-1].params[0].buffer == ("workspace.projection_input_bf16" if staged else "x")
+    assert linear.stages_float32_inputs(rows, 2048) is staged
