@@ -14,8 +14,8 @@ Owns both sides of that: :class:`HttpProcesses`, the ``helios run`` process's su
 watched until they exit), :class:`HttpRole` (what one process's loader shares with the others) and
 :func:`serve_http_process`, the entry point of each other process. Over a control pipe the supervisor
 sends :class:`Ready`, :class:`Drain`, :class:`Force` and :class:`WorkerExited`; a process answers
-:class:`Loaded` once it warmed up through its own pipe to the worker (or :class:`LoadFailed`), and
-:class:`Serving` once it turned ready.
+:class:`Loaded` once it warmed up through its own pipe to the worker (or :class:`LoadFailed`),
+:class:`Serving` once it turned ready, and :class:`Draining` once it refuses new work after :class:`Drain`.
 
 Startup: each other process verifies the core for its frontend, waits for the worker's ``WorkerReady`` on
 its own pipe and makes a one-token warm-up generation through it; until ``helios run`` says :class:`Ready`
@@ -26,8 +26,10 @@ process serves. A process that fails to load fails the start with ``HTTP process
 REASON``; one that exits first, with its exit.
 
 Shutdown: the other processes ignore SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process
-group); ``helios run`` passes its own signals on as :class:`Drain` (each process drains its own admitted
-requests, as ``helios run`` does) and :class:`Force` (a second signal), waits for every process to exit,
+group); ``helios run`` passes its own signals on as :class:`Drain` (each process turns draining at once,
+answers :class:`Draining` and drains its own admitted requests, as ``helios run`` does; ``helios run``
+turns draining itself only once every serving process answered, so no process accepts new work after
+another refused it) and :class:`Force` (a second signal), waits for every process to exit,
 then stops the worker. A process whose control pipe ends (``helios run`` died) closes every connection at
 once and exits. Failures: a process that exits while serving makes ``helios run`` stop as on SIGTERM and
 fail with ``HTTP process K (pid P) exited unexpectedly (...)``; the worker cancels that process's requests
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Drain",
+    "Draining",
     "Force",
     "HttpProcessSpec",
     "HttpProcesses",
@@ -85,6 +88,9 @@ STARTUP_GRACE_SECONDS = 5.0
 """How long stopping waits for the other processes to exit when serving never began (then they are killed)."""
 _EXIT_GRACE_SECONDS = 5.0
 """Beyond a process's drain and flush periods, how long stopping waits for it to exit before killing it."""
+_DRAIN_ACK_SECONDS = 2.0
+"""How long ``helios run`` waits, when shutdown begins, for the other serving processes to say they refuse
+new work before it turns draining itself."""
 
 
 class Ready(msgspec.Struct, frozen=True, tag="ready"):
@@ -119,8 +125,12 @@ class Serving(msgspec.Struct, frozen=True, tag="serving"):
     """This process turned ready after :class:`Ready`."""
 
 
+class Draining(msgspec.Struct, frozen=True, tag="draining"):
+    """This process refuses new work after :class:`Drain` (its readiness is draining)."""
+
+
 ToHttpProcess = Ready | Drain | Force | WorkerExited
-FromHttpProcess = Loaded | LoadFailed | Serving
+FromHttpProcess = Loaded | LoadFailed | Serving | Draining
 
 
 @dataclass
@@ -168,6 +178,7 @@ class _Child:
     control: Connection
     loaded: bool = False
     serving: bool = False
+    draining: bool = False
     failure: str | None = None
     """Why it could not load, or how it exited before it was ready."""
     exited: bool = False
@@ -265,13 +276,23 @@ class HttpProcesses:
 
     # -- shutdown ---------------------------------------------------------------------------------
     def drain(self) -> None:
-        """Shutdown began here: every other process drains too (idempotent)."""
+        """Shutdown began here: every other process drains too (idempotent). The first call returns once each
+        serving process said it refuses new work (or :data:`_DRAIN_ACK_SECONDS` passed), so that this process,
+        which turns draining after it, never refuses while another still accepts."""
         with self._changed:
             first = not self._stopping
             self._stopping = True
             self._changed.notify_all()
-        if first:
-            self._tell(Drain())
+        if not first:
+            return
+        self._tell(Drain())
+        deadline = time.monotonic() + _DRAIN_ACK_SECONDS
+        with self._changed:
+            while any(c.serving and not (c.draining or c.exited) for c in self._children):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
 
     def force(self) -> None:
         """A second signal: every other process closes its connections now (idempotent)."""
@@ -343,6 +364,8 @@ class HttpProcesses:
                             child.loaded = True
                         elif isinstance(message, Serving):
                             child.serving = True
+                        elif isinstance(message, Draining):
+                            child.draining = True
                         else:
                             child.failure = message.message
                         self._changed.notify_all()
@@ -480,6 +503,8 @@ def _follow(
             readiness.mark_ready()
             tell(Serving())
         elif isinstance(message, Drain):
+            readiness.drain("shutdown began")  # before helios run turns draining itself (HttpProcesses.drain)
+            tell(Draining())
             if not server.should_exit:
                 server.handle_exit(signal.SIGTERM, None)
         elif isinstance(message, Force):
