@@ -834,20 +834,19 @@ def lower_rmsnorm_swiglu_mlp_add(ctx: LoweringContext, node: mf.Node) -> list[mf
     the residual. The activation is stored in the weights' 16-bit type from three rows on (the down
     projection's tensor-core products round it to that type anyway, so the results are those of
     rounding it there) and in float32 for one or two rows (the FMA kernels multiply in float32)."""
-    x, gate_up, down = ctx.need(node, "x"), ctx.need(node, "gate_up_weight"), ctx.need(node, "down_weight")
-    rows, two_f, _k = check_projection(ctx, x, gate_up, None, norm=ctx.need(node, "norm_weight"), swiglu=True)
+    x, norm, gate_up = ctx.need(node, "x"), ctx.need(node, "norm_weight"), ctx.need(node, "gate_up_weight")
+    down = ctx.need(node, "down_weight")
+    rows, two_f, _k = check_projection(ctx, x, gate_up, None, norm=norm, swiglu=True)
     width = two_f // 2
     down_shape = ctx.shape(down)
     if len(down_shape) != 2 or down_shape[1] != width:
         raise ctx.fail(
             f"down_weight must be [N, {width}] for a [gate | up] weight of {two_f} rows, got {list(down_shape)}"
         )
-    weight_dtype = ctx.dtype(gate_up)
+    weight_dtype = ctx.dtype(gate_up)  # bf16, f16 or f32: check_projection refused any other
     dtype = weight_dtype if rows > 2 and weight_dtype == ctx.dtype(down) else mf.DTYPE_F32
-    if dtype not in _ACTIVATION_KEYS:
-        raise ctx.fail("weights must be bf16, f16 or f32")
     staged = ctx.workspace(_ACTIVATION_KEYS[dtype], dtype, rows * width)
     activation = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, width])
-    first = project(ctx, node, x, gate_up, activation, norm=ctx.need(node, "norm_weight"), swiglu=True)
+    first = project(ctx, node, x, gate_up, activation, norm=norm, swiglu=True)
     second = project(ctx, node, activation, down, ctx.need(node, "out"), residual=ctx.need(node, "residual"))
     return [*first, *second]

@@ -484,14 +484,16 @@ class VisionProgramWriter(LlamaProgramWriter):
         prog.node("embedding", {"table": self.col_table, "ids": inputs.patch_cols, "out": t}, name="vision.col_embed")
         prog.node("add", {"a": x, "b": t, "out": x}, name="vision.add_col")
         if self.fused:
-            weights = {
-                "norm_weight": self.vision_norm,
-                "gate_up_weight": self.vision_gate_up,
-                "down_weight": self.vision_down,
-            }
             prog.node(
                 "rmsnorm_swiglu_mlp_add",
-                {"x": x, **weights, "residual": x, "out": x},
+                {
+                    "x": x,
+                    "norm_weight": self.vision_norm,
+                    "gate_up_weight": self.vision_gate_up,
+                    "down_weight": self.vision_down,
+                    "residual": x,
+                    "out": x,
+                },
                 {"eps": eps},
                 name="vision.mlp_residual",
             )
