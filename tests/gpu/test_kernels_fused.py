@@ -359,7 +359,13 @@ def test_rope_kv_cache_write(
         (2, 9, 3, 64, 576, False),  # the 135M shape, two tokens: one fused launch
         (1, 16, 4, 128, 2048, True),  # 768 tiles over 512 programs (a multiple of a head's 32 tiles)
         (1, 32, 8, 128, 4096, False),  # the 8B shape: rows of 4096 inputs, the two launches
-        (7, 32, 8, 64, 2048, True),  # more tokens: the projection, then the rope + cache-write kernel
+        (7, 32, 8, 64, 2048, True),  # more tokens: 16-row tiles rotating in the projection, split reduction
+        (64, 32, 8, 64, 2048, False),  # the 1B shape at batch 64: 64-row tiles, split reduction
+        (200, 9, 3, 64, 576, True),  # 64x64 tiles over four row tiles, the last partly past the rows
+        (64, 32, 8, 128, 4096, True),  # the 8B shape at batch 64: 64 pairs of a head of 128 in two tiles
+        (512, 32, 8, 64, 2048, False),  # a prefill chunk: projection through descriptors, then the rotation
+        (7, 3, 1, 8, 32, False),  # heads of 8: 20 column pairs of one tile's 32, the rest masked
+        (130, 4, 2, 16, 128, True),  # 64x128 tiles over three row tiles, the reduction in two splits
     ],
 )
 @pytest.mark.parametrize("settled", [True, False], ids=["settled", "written-earlier"])

@@ -346,14 +346,75 @@ def test_attention_input_is_one_launch_at_decode(
     _check(context, launches[0], runtime, grid=[programs])
 
 
-def test_attention_input_of_many_tokens_projects_then_rotates() -> None:
-    arrays = _attention_input_arrays(7, 32, 8, 64, 2048)
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "k", "grid", "block_m", "pairs"),
+    [
+        # 7 rows: 16-row tiles of 64 columns, 32 column pairs each: the 1536 pairs (1280 rotating, 256 of
+        # value rows) in 48 column tiles; 16 reduction steps in 3 splits
+        (7, 32, 8, 64, 2048, [1, 48, 3], 16, 32),
+        # the 1B shape at 64 rows: 64x64 tiles, 48 column tiles, 16 steps in 3 splits (144 programs)
+        (64, 32, 8, 64, 2048, [1, 48, 3], 64, 32),
+        # 256 rows: the narrow 64x128 tiles, 64 pairs (two heads' rotation pairs) a tile: 4 x 24, no split
+        (256, 32, 8, 64, 2048, [4, 24, 1], 64, 64),
+        # the 8B shape at 64 rows: 64x64 tiles, 32 pairs (half a head of 128), 96 column tiles, 2 splits
+        (64, 32, 8, 128, 4096, [1, 96, 2], 64, 32),
+        # the 135M shape at 5 rows: 480 pairs in 15 tiles, 5 steps of 128 inputs in 5 splits
+        (5, 9, 3, 64, 576, [1, 15, 5], 16, 32),
+        # heads of 8: 16 rotation pairs (four heads) and 4 value pairs fill 20 of one tile's 32 pairs
+        (7, 3, 1, 8, 32, [1, 1, 1], 16, 32),
+    ],
+)
+def test_attention_input_of_many_tokens_rotates_in_the_projection(
+    launched_constants: list[dict[str, Any]],
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    k: int,
+    grid: list[int],
+    block_m: int,
+    pairs: int,
+) -> None:
+    arrays = _attention_input_arrays(tokens, heads, kv_heads, head_dim, k)
     attributes = {"eps": 1e-5, "theta": 10000.0, "style": "interleaved"}
+    context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
+    assert [launch.symbol for launch in launches] == ["rotary_input_kernel", "rotary_projection_kernel"]
+    staged, factors = "workspace.projection_input_bf16", "workspace.rotary_factors"
+    scalars = [(mf.PARAM_KIND_I64, rotary.float_bits(math.log2(10000.0))), *[(mf.PARAM_KIND_I64, 0)] * 4]
+    runtime = ["x", "norm_weight", staged, "positions", factors, (mf.PARAM_KIND_F32, 1e-5), *scalars]
+    _check(context, launches[0], runtime, grid=[tokens])  # a program a row: its norm and rotation factors
+    assert launched_constants[0] == {
+        "HIDDEN": k, "BLOCK": 1 << (k - 1).bit_length(), "SINGLE": True, "WEIGHT_EARLY": False,
+        "D": head_dim, "SCALED": False,
+    }  # fmt: skip
+    split = grid[2] > 1
+    partials = ["workspace.projection_partials", "workspace.projection_splits_done"] if split else [staged] * 2
+    runtime = [staged, "weight", "slots", "q", "k_plane", "v_plane", *partials, factors, (mf.PARAM_KIND_I32, tokens)]
+    _check(context, launches[1], runtime, grid=grid)
+    constants = launched_constants[-1]
+    assert (constants["BLOCK_M"], constants["PAIRS"], constants["SPLIT"]) == (block_m, pairs, grid[2])
+    assert (constants["HEADS"], constants["KV_HEADS"], constants["D"], constants["K"]) == (heads, kv_heads, head_dim, k)
+    assert constants["HALF_PAIRS"] is False
+    assert grid[1] == -(-(heads + 2 * kv_heads) * head_dim // 2 // pairs)  # every column pair in a tile
+    sizes = {decl.name: int(decl.shape[0].size) for decl in context.manifest.buffers}
+    assert "workspace.packed_qkv" not in sizes
+    assert sizes[staged] == tokens * k and sizes[factors] == tokens * head_dim  # cos, then sin, of each pair
+    if split:
+        assert sizes["workspace.projection_partials"] == grid[0] * grid[1] * grid[2] * 2 * block_m * pairs
+        assert sizes["workspace.projection_splits_done"] == grid[0] * grid[1]
+
+
+def test_attention_input_of_a_prefill_chunk_projects_through_descriptors_then_rotates(
+    launched_constants: list[dict[str, Any]],
+) -> None:
+    arrays = _attention_input_arrays(512, 32, 8, 64, 2048)  # 96 of 132 tiles of 128x128: descriptors
+    attributes = {"eps": 1e-5, "theta": 10000.0, "style": "half"}
     context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
     assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", "projection_kernel", "rope_cache_kernel"]
     packed = launches[2].params[0]
     assert packed.buffer == "workspace.packed_qkv" and launches[1].params[2].buffer == packed.buffer
-    assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [7 * 3072]
+    assert launched_constants[1]["DESCRIPTORS"] is True
+    assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [512 * 3072]
 
 
 def test_attention_input_of_4096_inputs_streams_the_projection_then_rotates() -> None:

@@ -40,20 +40,6 @@ def _workspaces(context: LoweringContext) -> dict[str, tuple[int, int]]:
     }
 
 
-@pytest.fixture
-def constants(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
-    """The compile-time constants of every launch lowered while the test runs, in order."""
-    seen: list[dict[str, object]] = []
-    original = LoweringContext.launch
-
-    def launch(self: LoweringContext, fn: Any, args: Any, constants: Any, grid: Any, **options: Any) -> Any:
-        seen.append(dict(constants))
-        return original(self, fn, args, constants, grid, **options)
-
-    monkeypatch.setattr(LoweringContext, "launch", launch)
-    return seen
-
-
 @pytest.mark.parametrize(
     ("hidden", "width", "programs"),
     [(2048, 8192, 528), (4096, 14336, 1056), (576, 1000, 500)],  # 4 a multiprocessor, 8 over 4096 inputs
@@ -75,7 +61,7 @@ def test_one_row_streams_gate_and_up_rows_into_a_float32_activation(hidden: int,
 
 
 def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
-    constants: list[dict[str, object]],
+    launched_constants: list[dict[str, Any]],
 ) -> None:
     """256 rows: the norm staged in bf16, [gate | up] in 128x64 tiles of each half through tensor
     descriptors (the grid of 128x128 tiles over both halves), the activation in bf16, then the down
@@ -88,13 +74,17 @@ def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
         "workspace.projection_input_bf16", "gate_up_weight", "workspace.swiglu_activation_bf16"
     ]  # fmt: skip
     assert list(gate_up.grid) == [2, 128, 1]
-    assert constants[1]["BLOCK_N"] == 64 and constants[1]["SWIGLU"] is True and constants[1]["DESCRIPTORS"] is True
-    assert constants[1]["N"] == 8192 and constants[1]["BLOCK_M"] == 128
+    assert (
+        launched_constants[1]["BLOCK_N"] == 64
+        and launched_constants[1]["SWIGLU"] is True
+        and launched_constants[1]["DESCRIPTORS"] is True
+    )
+    assert launched_constants[1]["N"] == 8192 and launched_constants[1]["BLOCK_M"] == 128
     assert [p.buffer for p in down.params[:4]] == ["workspace.swiglu_activation_bf16", "down_weight", "out", "residual"]
     wanted = choose_tiles(256, 2048, 8192)
     assert list(down.grid) == [256 // wanted.block_m, 2048 // wanted.block_n, wanted.split]
-    assert constants[2]["SWIGLU"] is False and constants[2]["RESIDUAL"] is True
-    assert constants[2]["DESCRIPTORS"] is wanted.descriptors
+    assert launched_constants[2]["SWIGLU"] is False and launched_constants[2]["RESIDUAL"] is True
+    assert launched_constants[2]["DESCRIPTORS"] is wanted.descriptors
     assert _workspaces(context)["workspace.swiglu_activation_bf16"] == (mf.DTYPE_BF16, 256 * 8192)
 
 

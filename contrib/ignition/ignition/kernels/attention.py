@@ -44,9 +44,15 @@ slot writes no cache, the queries are still written).
 chosen as whole rotation pairs (``PAIRS`` first members and their partners, ``D / 2`` apart in the
 half layout, adjacent in the interleaved one), so the rotation, the query store and the cache
 writes happen on the program's own sums and the packed ``[q | k | v]`` rows never reach memory.
-Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as they are. Shapes
-the streaming projection does not take (more rows, longer input rows) lower to the projection into
-a workspace, then ``rope_kv_cache_write``.
+Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as they are. At more
+rows, where the projection takes matrix tiles fed by per-thread loads, :func:`rotary_input_kernel`
+stages the norm as ``rmsnorm`` does and writes each row's rotation factors (cos and sin of every
+pair's angle, computed once a row), and :func:`rotary_projection_kernel` computes the projection's
+tiles on the matrix units, each tile's columns as pairs (first members and partners, two
+accumulators), its reduction split as ``linear.py``'s, and rotates and stores in the epilogue: two
+launches, as the norm and the projection were before, and no ``rope_kv_cache_write`` after them.
+Prefill chunks whose projection takes tensor descriptors, and one or two rows of more than
+``FUSED_INPUTS`` inputs, lower to the projection into a workspace, then ``rope_kv_cache_write``.
 """
 
 from __future__ import annotations
@@ -57,7 +63,16 @@ import triton
 import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
-from ignition.kernels.linear import MULTIPROCESSORS, check_projection, choose_tiles, project
+from ignition.kernels.elementwise import rmsnorm_blocks, rmsnorm_row
+from ignition.kernels.linear import (
+    _STAGED_INPUT_KEYS,
+    MULTIPROCESSORS,
+    Tiles,
+    _describable,
+    check_projection,
+    choose_tiles,
+    project,
+)
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
@@ -67,6 +82,10 @@ SPLIT_POSITIONS = 64
 FUSED_INPUTS = 2048
 """The longest input rows the attention input projects, rotates and writes in one launch. Longer
 rows (the 8B shape's 4096) were slower fused than apart on an H200 (docs/benchmarks.md)."""
+
+MIN_DOT_COLUMNS = 16
+"""The fewest columns of a matrix-unit product (``tl.dot``): the rotating projection's column tiles are
+``block_n / 2`` pairs, each half a product."""
 
 TF32X3_PRODUCTS = True
 """Attention's two matrix products as three TF32 products each (float32 accuracy on the matrix
@@ -798,21 +817,48 @@ def attention_input_kernel(  # type: ignore[no-untyped-def]
         following_second = tl.load(w_ptr + next_second[:, None] * K + ks[None, :], mask=ahead, other=0.0)
         a = tl.sum(w_first.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2) * scale  # [ROWS_P2, PAIRS]
         b = tl.sum(w_second.to(tl.float32)[None, :, :] * xs[:, None, :], axis=2) * scale
-        rotating = tile < ROTATING
-        out_first = tl.where(rotating, a * cos - b * sin, a)
-        out_second = tl.where(rotating, a * sin + b * cos, b)
-        is_value = first >= (HEADS + KV_HEADS) * D
-        q_mask = (r_ok[:, None] & (first < HEADS * D)[None, :]) & live
-        tl.store(q_rows + first[None, :], out_first, mask=q_mask)
-        tl.store(q_rows + second[None, :], out_second, mask=q_mask)
-        k_mask = (cached & ((first >= HEADS * D) & ~is_value)[None, :]) & live
-        tl.store(k_ptr + slot_base + (first - HEADS * D)[None, :], out_first, mask=k_mask)
-        tl.store(k_ptr + slot_base + (second - HEADS * D)[None, :], out_second, mask=k_mask)
-        v_mask = (cached & is_value[None, :]) & live
-        tl.store(v_ptr + slot_base + (first - (HEADS + KV_HEADS) * D)[None, :], out_first, mask=v_mask)
-        tl.store(v_ptr + slot_base + (second - (HEADS + KV_HEADS) * D)[None, :], out_second, mask=v_mask)
+        _store_rotated(
+            a, b, cos, sin, tile < ROTATING, first, second, r_ok[:, None] & live, q_rows, cached & live, slot_base,
+            k_ptr, v_ptr, HEADS, KV_HEADS, D,
+        )  # fmt: skip
         w_first, w_second = following_first, following_second
         first, second = next_first, next_second
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _store_rotated(  # type: ignore[no-untyped-def]
+    a,
+    b,
+    cos,
+    sin,
+    rotating,
+    first,
+    second,
+    rows_ok,
+    q_rows,
+    cached,
+    slot_base,
+    k_ptr,
+    v_ptr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Rotate the sums ``a`` (columns ``first``) and ``b`` (their partners ``second``) of a tile of rows when
+    ``rotating`` (query and key pairs; value rows are stored as they are), then store the query columns to
+    the rows at ``q_rows`` and the key and value columns to the planes at ``slot_base`` where ``cached``."""
+    out_first = tl.where(rotating, a * cos - b * sin, a)
+    out_second = tl.where(rotating, a * sin + b * cos, b)
+    is_value = first >= (HEADS + KV_HEADS) * D
+    q_mask = rows_ok & (first < HEADS * D)[None, :]
+    tl.store(q_rows + first[None, :], out_first, mask=q_mask)
+    tl.store(q_rows + second[None, :], out_second, mask=q_mask)
+    k_mask = cached & ((first >= HEADS * D) & ~is_value)[None, :]
+    tl.store(k_ptr + slot_base + (first - HEADS * D)[None, :], out_first, mask=k_mask)
+    tl.store(k_ptr + slot_base + (second - HEADS * D)[None, :], out_second, mask=k_mask)
+    v_mask = cached & is_value[None, :]
+    tl.store(v_ptr + slot_base + (first - (HEADS + KV_HEADS) * D)[None, :], out_first, mask=v_mask)
+    tl.store(v_ptr + slot_base + (second - (HEADS + KV_HEADS) * D)[None, :], out_second, mask=v_mask)
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -821,6 +867,150 @@ def _rotation(position_ptr, slot_ptr, offs_r, r_ok, inv_freq):  # type: ignore[n
     angle = tl.load(position_ptr + offs_r, mask=r_ok, other=0).to(tl.float64)[:, None] * inv_freq[None, :]
     slot = tl.load(slot_ptr + offs_r, mask=r_ok, other=-1)
     return tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32), slot
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def rotary_input_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    norm_ptr,
+    out_ptr,
+    position_ptr,
+    factor_ptr,
+    eps,
+    log2_theta_bits,
+    factor_bits,
+    low_bits,
+    high_bits,
+    original_bits,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr,
+    WEIGHT_EARLY: tl.constexpr,
+    D: tl.constexpr,
+    SCALED: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Row ``program_id(0)`` of the rotating projection's inputs: its RMS norm staged as ``rmsnorm``
+    stages it (:func:`rmsnorm_row`), and its rotation factors, the cos of each pair's angle then its sin
+    (``D`` values; angles, cos and sin in float64 as the reference, stored in float32)."""
+    row = tl.program_id(0).to(tl.int64)
+    pairs = tl.arange(0, D // 2)
+    inv_freq = inverse_frequencies(pairs, D, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, SCALED)
+    rmsnorm_row(
+        x_ptr + row * HIDDEN, norm_ptr, out_ptr + row * HIDDEN, eps, HIDDEN, BLOCK, SINGLE, WEIGHT_EARLY, USE_PDL
+    )
+    angle = tl.load(position_ptr + row).to(tl.float64) * inv_freq
+    tl.store(factor_ptr + row * D + pairs, tl.cos(angle).to(tl.float32))
+    tl.store(factor_ptr + row * D + D // 2 + pairs, tl.sin(angle).to(tl.float32))
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def rotary_projection_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,
+    w_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    partial_ptr,
+    counter_ptr,
+    factor_ptr,
+    rows,
+    K: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    HALF_PAIRS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The packed ``[q | k | v]`` projection of a ``BLOCK_M``-row tile of staged inputs on the matrix units,
+    rotated and written to the query rows and the cache planes in its epilogue (module docstring).
+
+    Column tile ``program_id(1)`` holds ``PAIRS`` column pairs (:func:`_rotary_pairs`: rotation pairs of
+    the query and key heads, however many heads that spans, then pairs of value rows): each reduction step
+    multiplies the input tile with the block of first members and the block of their partners into two
+    accumulators, so each pair's sums meet in one thread. With ``SPLIT`` > 1 the reduction is split as
+    ``projection_kernel``'s (``linear.py``): each split stores both partial tiles, and the last of a tile
+    to finish adds them in split order, rotates and stores. Each row's cos and sin come from
+    ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a row rather than once a column tile.
+    """
+    pid_m = tl.program_id(0)
+    tile = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    pair = tile * PAIRS + tl.arange(0, PAIRS)
+    first, second, within, rotating, valid = _rotary_pairs(pair, HEADS, KV_HEADS, D, HALF_PAIRS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < rows
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc_first = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    acc_second = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    for k0 in range(0, K_SPLIT, BLOCK_K):
+        offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
+        k_ok = (offs_k < K)[None, :]
+        xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        w_mask = valid[:, None] & k_ok
+        w_first = tl.load(w_ptr + first[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        w_second = tl.load(w_ptr + second[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+        acc_first = tl.dot(xs.to(w_first.dtype), tl.trans(w_first), acc_first)
+        acc_second = tl.dot(xs.to(w_second.dtype), tl.trans(w_second), acc_second)
+    last = True
+    if SPLIT > 1:
+        split_tile = tile * tl.num_programs(0) + pid_m
+        area = BLOCK_M * PAIRS
+        block = tl.arange(0, BLOCK_M)[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]
+        tl.store(partial_ptr + (split_tile * SPLIT + pid_k) * (2 * area) + block, acc_first)
+        tl.store(partial_ptr + (split_tile * SPLIT + pid_k) * (2 * area) + area + block, acc_second)
+        # every thread's partials are stored before the count (barrier, then a release); the last split
+        # reads them after its acquire, past L1
+        tl.debug_barrier()
+        counter = counter_ptr + split_tile
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            acc_first = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+            acc_second = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+            for split in range(SPLIT):
+                part = partial_ptr + (split_tile * SPLIT + split) * (2 * area)
+                acc_first += tl.load(part + block, cache_modifier=".cg")
+                acc_second += tl.load(part + area + block, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if last:
+        factors = factor_ptr + offs_m[:, None] * D + within[None, :]
+        cos = tl.load(factors, mask=m_ok[:, None], other=1.0)
+        sin = tl.load(factors + D // 2, mask=m_ok[:, None], other=0.0)
+        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
+        stored = m_ok[:, None] & valid[None, :]
+        _store_rotated(
+            acc_first, acc_second, cos, sin, rotating[None, :], first, second, stored,
+            q_ptr + offs_m[:, None] * (HEADS * D), stored & (slot >= 0)[:, None],
+            slot[:, None] * (KV_HEADS * D), k_ptr, v_ptr, HEADS, KV_HEADS, D,
+        )  # fmt: skip
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _rotary_pairs(pair, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF_PAIRS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(first rows, partner rows, index within the head, rotating, valid) of the packed projection's column
+    pairs ``pair``: the rotation pairs of the query and key heads in order, then the value rows, each paired
+    with the row ``KV_HEADS * D / 2`` after it (stored as they are); pairs past the last are not valid."""
+    rotated = (HEADS + KV_HEADS) * (D // 2)
+    rotating = pair < rotated
+    within = pair % (D // 2)
+    if HALF_PAIRS:
+        rotated_first = (pair // (D // 2)) * D + within
+        rotated_second = rotated_first + D // 2
+    else:
+        rotated_first = (pair // (D // 2)) * D + 2 * within
+        rotated_second = rotated_first + 1
+    value_first = (HEADS + KV_HEADS) * D + (pair - rotated)
+    first = tl.where(rotating, rotated_first, value_first)
+    second = tl.where(rotating, rotated_second, value_first + KV_HEADS * D // 2)
+    return first, second, within, rotating, pair < rotated + KV_HEADS * D // 2
 
 
 @lowering("rmsnorm_linear_rope_kv_cache_write")
@@ -833,9 +1023,15 @@ def lower_attention_input(
     if rows != tokens:
         raise ctx.fail(f"x holds {rows} rows and q {tokens}")
     tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors)
+    if tiles.block_m > 1:
+        # Matrix tiles: the norm staged, then the rotating projection, where its pointer-load tiles serve.
+        describable = _describable(ctx, weight, weight, k)  # the staged rows have the weight's type
+        tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
+        if not tiles.descriptors and tiles.block_n // 2 >= MIN_DOT_COLUMNS:
+            return _rotary_projection(ctx, node, tiles, (rows, n, k), (heads, kv_heads, head_dim))
     if not tiles.per_sm or next_power_of_two(k) > FUSED_INPUTS:
-        # Not the streaming projection's shape (more tokens), or longer input rows: the projection into
-        # a workspace, then the rope + cache-write kernel reads it.
+        # Tiles through tensor descriptors (prefill chunks), or longer input rows at decode: the projection
+        # into a workspace, then the rope + cache-write kernel reads it.
         staged = ctx.workspace("packed_qkv", mf.DTYPE_F32, rows * n)
         packed = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, n])
         rope = mf.Node(name=node.name)
@@ -890,3 +1086,89 @@ def lower_attention_input(
         num_stages=tiles.num_stages,
     )
     return [launch]
+
+
+def _rotary_projection(
+    ctx: LoweringContext,
+    node: mf.Node,
+    tiles: Tiles,
+    dims: tuple[int, int, int],
+    geometry: tuple[int, int, int],
+) -> list[mf.KernelLaunch]:
+    """One :func:`rotary_input_kernel` launch (the staged norm and every row's rotation factors), then one
+    :func:`rotary_projection_kernel` launch over ``tiles`` (matrix tiles fed by per-thread loads), each
+    column tile ``block_n / 2`` column pairs; ``dims`` are the projection's (rows, N, K), ``geometry`` its
+    (heads, kv heads, head dim)."""
+    x, norm, weight = ctx.need(node, "x"), ctx.need(node, "norm_weight"), ctx.need(node, "weight")
+    rows, n, k = dims
+    heads, kv_heads, head_dim = geometry
+    weight_dtype = ctx.dtype(weight)
+    staged_dtype = weight_dtype if weight_dtype in _STAGED_INPUT_KEYS else mf.DTYPE_F32
+    staged = ctx.workspace(_STAGED_INPUT_KEYS.get(staged_dtype, "projection_input"), staged_dtype, rows * k)
+    staged_view = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
+    eps = ctx.attribute(node, "eps")
+    if not isinstance(eps, int | float) or not float(eps) > 0.0:
+        raise ctx.fail(f"attribute 'eps' must be a number > 0, got {eps!r}")
+    factors = ctx.workspace("rotary_factors", mf.DTYPE_F32, rows * head_dim)
+    frequencies, scaled = frequency_args(ctx, node)
+    single, block, warps = rmsnorm_blocks(k)
+    stage = ctx.launch(
+        rotary_input_kernel,
+        {
+            "x_ptr": ctx.pointer(x),
+            "norm_ptr": ctx.pointer(norm),
+            "out_ptr": ctx.pointer(staged_view),
+            "position_ptr": ctx.pointer(ctx.need(node, "positions")),
+            "factor_ptr": ctx.pointer(factors),
+            "eps": ctx.f32(float(eps)),
+            **frequencies,
+        },
+        {
+            "HIDDEN": k,
+            "BLOCK": block,
+            "SINGLE": single,
+            "WEIGHT_EARLY": ctx.is_weights(norm),
+            "D": head_dim,
+            "SCALED": scaled,
+        },
+        (rows,),
+        num_warps=warps,
+    )
+    pairs = tiles.block_n // 2
+    tiles_n, tiles_m = cdiv(n // 2, pairs), cdiv(rows, tiles.block_m)
+    partials, counters = staged_view, staged_view  # never touched without a split
+    if tiles.split > 1:
+        area = tiles_n * tiles_m * tiles.split * tiles.block_m * tiles.block_n
+        partials = ctx.workspace("projection_partials", mf.DTYPE_F32, area)
+        counters = ctx.workspace("projection_splits_done", mf.DTYPE_I32, tiles_n * tiles_m)
+    launch = ctx.launch(
+        rotary_projection_kernel,
+        {
+            "x_ptr": ctx.pointer(staged_view),
+            "w_ptr": ctx.pointer(weight),
+            "slot_ptr": ctx.pointer(ctx.need(node, "slots")),
+            "q_ptr": ctx.pointer(ctx.need(node, "q")),
+            "k_ptr": ctx.pointer(ctx.need(node, "k_plane")),
+            "v_ptr": ctx.pointer(ctx.need(node, "v_plane")),
+            "partial_ptr": ctx.pointer(partials),
+            "counter_ptr": ctx.pointer(counters),
+            "factor_ptr": ctx.pointer(factors),
+            "rows": ctx.i32(rows),
+        },
+        {
+            "K": k,
+            "HEADS": heads,
+            "KV_HEADS": kv_heads,
+            "D": head_dim,
+            "BLOCK_M": tiles.block_m,
+            "PAIRS": pairs,
+            "BLOCK_K": tiles.block_k,
+            "SPLIT": tiles.split,
+            "K_SPLIT": cdiv(cdiv(k, tiles.block_k), tiles.split) * tiles.block_k,
+            "HALF_PAIRS": ctx.attribute(node, "style") == "half",
+        },
+        (tiles_m, tiles_n, tiles.split),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return [stage, launch]

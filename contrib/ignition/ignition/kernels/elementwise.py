@@ -169,10 +169,28 @@ def _rmsnorm_kernel(  # type: ignore[no-untyped-def]
     WEIGHT_EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One row per program: float32 squares summed in float64, mean to float32, (x * scale) * weight."""
+    """One row per program (:func:`rmsnorm_row`)."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * HIDDEN
-    out_row = out_ptr + row * HIDDEN
+    rmsnorm_row(
+        x_ptr + row * HIDDEN, weight_ptr, out_ptr + row * HIDDEN, eps, HIDDEN, BLOCK, SINGLE, WEIGHT_EARLY, USE_PDL
+    )
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def rmsnorm_row(  # type: ignore[no-untyped-def]
+    x_row,
+    weight_ptr,
+    out_row,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr,
+    WEIGHT_EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The RMS norm of the row at ``x_row`` into ``out_row``: float32 squares summed in float64, mean to
+    float32, (x * scale) * weight; the whole row in registers when ``SINGLE``, else two passes of
+    ``BLOCK``. With ``WEIGHT_EARLY`` the gains are loaded before ``gdc_wait`` (weights are never written)."""
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         col_ok = cols < HIDDEN
@@ -621,6 +639,15 @@ def lower_gather_rows(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaun
     return [_gather_launch(ctx, x, index, out, rows, width, _leading_bound(ctx, x))]
 
 
+def rmsnorm_blocks(hidden: int) -> tuple[bool, int, int]:
+    """(whole row in registers, block, warps) of :func:`rmsnorm_row` over rows of ``hidden`` values: rows
+    wider than 8192 (padded) take two passes of 4096."""
+    padded = next_power_of_two(hidden)
+    single = padded <= _RMSNORM_SINGLE
+    block = padded if single else _RMSNORM_CHUNK
+    return single, block, max(1, min(8, block // 256))
+
+
 @lowering("rmsnorm")
 def lower_rmsnorm(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     """One program per row of ``x``; rows wider than 8192 (padded) take two passes."""
@@ -637,10 +664,7 @@ def lower_rmsnorm(ctx: LoweringContext, node: mf.Node) -> list[mf.KernelLaunch]:
     _require_numel(ctx, "weight", weight, hidden)
     _require_numel(ctx, "out", out, rows * hidden)
     _check_index_count(ctx, rows)
-    padded = next_power_of_two(hidden)
-    single = padded <= _RMSNORM_SINGLE
-    block = padded if single else _RMSNORM_CHUNK
-    num_warps = max(1, min(8, block // 256))
+    single, block, num_warps = rmsnorm_blocks(hidden)
     args = {
         "x_ptr": ctx.pointer(x),
         "weight_ptr": ctx.pointer(weight),
