@@ -267,8 +267,13 @@ class Context:
             )
 
     def memset(self, pointer: int, nbytes: int, value: int = 0) -> None:
+        """Synchronous: sets ``nbytes`` bytes at ``pointer`` to ``value`` on the context's stream and returns
+        once they are set. (``cuMemsetD8`` alone returns before the bytes are set, on the legacy default
+        stream, which work on the context's non-blocking stream does not wait for: a graph launched right
+        after could run before the memset and have its results overwritten.)"""
         if nbytes:
-            check(self._cu.cuMemsetD8(pointer, value, nbytes), "cuMemsetD8")
+            check(self._cu.cuMemsetD8Async(pointer, value, nbytes, self.stream), "cuMemsetD8Async")
+            check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     # -- code -------------------------------------------------------------------------------------
     def load_module(self, image: bytes) -> Any:

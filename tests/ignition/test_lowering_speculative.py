@@ -53,6 +53,7 @@ def _check_launch(launch: mf.KernelLaunch, grid: tuple[int, int, int]) -> None:
     assert 0 <= launch.shared_bytes <= 227 * 1024
 
 
+@pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
 def test_sample_verify_samples_each_position_with_the_sample_kernels() -> None:
     width = 4
     context, launches = lower("sample_verify", _verify_arrays(width), {"vocab_limit": VOCAB})

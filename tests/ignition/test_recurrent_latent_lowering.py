@@ -49,6 +49,7 @@ def _check_every_node_launches(manifest: mf.ExecutionManifest, modules: dict[str
     return seen
 
 
+@pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
 def test_recurrent_core_lowers_every_node_for_sm_90a() -> None:
     _, builder, resources = assemble_recurrent(recurrent_declaration("tiny"), CAPS, gpu_targets=["sm_90a"])
     modules = {r.id: r.data for r in resources if r.kind == cb.RESOURCE_KIND_MODULE}

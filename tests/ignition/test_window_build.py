@@ -72,7 +72,9 @@ def test_build_core_callers_get_the_same_refusal() -> None:
     check_window(Capacities(), ("sm_90a",))
 
 
-@pytest.mark.parametrize("targets", ["reference", "reference,sm_90a"])
+@pytest.mark.parametrize(
+    "targets", ["reference", pytest.param("reference,sm_90a", marks=pytest.mark.kernels)]  # sm_90a: tox -e kernels
+)
 def test_the_cli_builds_a_windowed_core(tmp_path: Path, capsys: pytest.CaptureFixture[str], targets: str) -> None:
     out = tmp_path / "windowed.core"
     argv = ["build", "llama-synthetic", "--out", str(out), "--shape", "tiny", "--quiet", "--window", "8"]

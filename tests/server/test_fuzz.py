@@ -10,8 +10,8 @@ checks (never a 5xx but the documented 503 refusals), and every 4xx carries an O
 object. Requests must not affect each other: every :data:`BATCH` cases and after each test, a
 healthy request still succeeds, the engine goes idle and every admission permit is back.
 
-The example count is ``$HELIOS_FUZZ_EXAMPLES`` (default 100, which keeps the module under half a
-minute); ``tox -e fuzz`` runs 1000 per test. Output is capped by the cores' contexts.
+The module runs under ``tox -e fuzz`` (``pytest -m fuzz``), 1000 cases per test; the example count is
+``$HELIOS_FUZZ_EXAMPLES`` (default 100, about half a minute). Output is capped by the cores' contexts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
+pytestmark = pytest.mark.fuzz
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

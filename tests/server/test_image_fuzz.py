@@ -9,8 +9,8 @@ every answer is a 200, a 400 with an OpenAI error object, or the documented perm
 prompt whose image spans outgrow the context, and after every batch and at the end a plain request
 still succeeds.
 
-The example count is ``$HELIOS_FUZZ_EXAMPLES`` (default 100, a few seconds); ``tox -e fuzz`` runs
-1000 per test.
+The module runs under ``tox -e fuzz`` (``pytest -m fuzz``), 1000 cases per test; the example count is
+``$HELIOS_FUZZ_EXAMPLES`` (default 100, half a minute).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -28,6 +29,8 @@ from PIL import Image
 from helios_core.plugins.images import ImageInputError
 from helios_core.server.image_input import ImageLimits, decode_image_url
 from tests.server.test_image_input import Apps, apps  # noqa: F401 (the module fixture)
+
+pytestmark = pytest.mark.fuzz
 
 EXAMPLES = int(os.environ.get("HELIOS_FUZZ_EXAMPLES") or 100)
 FUZZ = settings(

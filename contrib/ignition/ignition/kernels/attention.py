@@ -65,13 +65,13 @@ import triton.language as tl
 from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.elementwise import rmsnorm_blocks, rmsnorm_row
 from ignition.kernels.linear import (
-    _STAGED_INPUT_KEYS,
     MULTIPROCESSORS,
     Tiles,
-    _describable,
     check_projection,
     choose_tiles,
+    describes,
     project,
+    staged_input,
 )
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
@@ -1022,13 +1022,11 @@ def lower_attention_input(
     tokens, heads, kv_heads, head_dim = _rope_cache_geometry(ctx, node, n)
     if rows != tokens:
         raise ctx.fail(f"x holds {rows} rows and q {tokens}")
-    tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors)
-    if tiles.block_m > 1:
-        # Matrix tiles: the norm staged, then the rotating projection, where its pointer-load tiles serve.
-        describable = _describable(ctx, weight, weight, k)  # the staged rows have the weight's type
-        tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
-        if not tiles.descriptors and tiles.block_n // 2 >= MIN_DOT_COLUMNS:
-            return _rotary_projection(ctx, node, tiles, (rows, n, k), (heads, kv_heads, head_dim))
+    describable = describes(ctx, weight, weight, k)  # matrix tiles read the norm staged in the weight's type
+    tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
+    if tiles.block_m > 1 and not tiles.descriptors and tiles.block_n // 2 >= MIN_DOT_COLUMNS:
+        # Matrix tiles fed by per-thread loads: the norm staged, then the rotating projection.
+        return _rotary_projection(ctx, node, tiles, (rows, n, k), (heads, kv_heads, head_dim))
     if not tiles.per_sm or next_power_of_two(k) > FUSED_INPUTS:
         # Tiles through tensor descriptors (prefill chunks), or longer input rows at decode: the projection
         # into a workspace, then the rope + cache-write kernel reads it.
@@ -1102,10 +1100,7 @@ def _rotary_projection(
     x, norm, weight = ctx.need(node, "x"), ctx.need(node, "norm_weight"), ctx.need(node, "weight")
     rows, n, k = dims
     heads, kv_heads, head_dim = geometry
-    weight_dtype = ctx.dtype(weight)
-    staged_dtype = weight_dtype if weight_dtype in _STAGED_INPUT_KEYS else mf.DTYPE_F32
-    staged = ctx.workspace(_STAGED_INPUT_KEYS.get(staged_dtype, "projection_input"), staged_dtype, rows * k)
-    staged_view = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
+    staged_view = staged_input(ctx, weight, rows)
     eps = ctx.attribute(node, "eps")
     if not isinstance(eps, int | float) or not float(eps) > 0.0:
         raise ctx.fail(f"attribute 'eps' must be a number > 0, got {eps!r}")

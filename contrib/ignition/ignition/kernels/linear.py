@@ -621,7 +621,7 @@ def project(
     cast = norm is None and not gated and ctx.dtype(x) == mf.DTYPE_F32 and ctx.dtype(weight) in _STAGED_INPUT_KEYS
     cast = cast and stages_float32_inputs(rows, n, multiprocessors)
     prologue_staged = rows > 2 and (norm is not None or gated or cast)
-    describable = _describable(ctx, weight if prologue_staged else x, weight, k)
+    describable = describes(ctx, weight if prologue_staged else x, weight, k)
     chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
     if swiglu:
         if not tiles:  # as many programs, each over the gate and up halves of the chosen columns
@@ -635,10 +635,7 @@ def project(
         # workspace holds the weight's 16-bit type where it has one: the products round the inputs to
         # it anyway, so the results are the same and every column tile reads half the bytes (through
         # tensor descriptors where the tiles take them). Plain float32 inputs are only rounded there.
-        weight_dtype = ctx.dtype(weight)
-        staged_dtype = weight_dtype if weight_dtype in _STAGED_INPUT_KEYS else mf.DTYPE_F32
-        staged = ctx.workspace(_STAGED_INPUT_KEYS.get(staged_dtype, "projection_input"), staged_dtype, rows * k)
-        staged_view = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
+        staged_view = staged_input(ctx, weight, rows)
         prologue = _prologue(ctx, node, x, staged_view, norm, gated, rows, k)
         x, norm, gated = staged_view, None, False
     grid: tuple[int, ...]
@@ -696,6 +693,17 @@ def project(
     return [*prologue, launch]
 
 
+def staged_input(ctx: LoweringContext, weight: mf.BufferView, rows: int) -> mf.BufferView:
+    """The workspace a matrix projection's staged inputs (a norm or SwiGLU of them, or rounded float32 rows)
+    take for ``rows`` rows of ``weight``'s inputs: the weight's 16-bit type where it has one (the products
+    round the inputs to it anyway), else float32."""
+    k = ctx.shape(weight)[1]
+    weight_dtype = ctx.dtype(weight)
+    staged_dtype = weight_dtype if weight_dtype in _STAGED_INPUT_KEYS else mf.DTYPE_F32
+    staged = ctx.workspace(_STAGED_INPUT_KEYS.get(staged_dtype, "projection_input"), staged_dtype, rows * k)
+    return mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, k])
+
+
 def stages_float32_inputs(rows: int, n: int, multiprocessors: int = MULTIPROCESSORS) -> bool:
     """Whether matrix tiles over float32 inputs beside 16-bit weights read them rounded into a workspace by a
     launch before (:func:`project`). Measured on an H200 (docs/benchmarks.md), on the 1B output projection:
@@ -706,7 +714,7 @@ def stages_float32_inputs(rows: int, n: int, multiprocessors: int = MULTIPROCESS
     return rows > 2 and not narrow
 
 
-def _describable(ctx: LoweringContext, x: mf.BufferView, weight: mf.BufferView, k: int) -> bool:
+def describes(ctx: LoweringContext, x: mf.BufferView, weight: mf.BufferView, k: int) -> bool:
     """Whether tensor descriptors can serve ``x`` and ``weight``: 16-bit values (float32 inputs, converted
     in registers after a descriptor's copy, gave launches that differ in their last bits from one run to
     the next on an H200), rows whose bytes are a multiple of 16 and views that start 16-byte aligned (the

@@ -1,0 +1,66 @@
+"""``cuda_driver.Context`` calls that need no GPU to check: the driver entry points they call, in order,
+recorded by a stand-in for the driver module (``cuda.bindings.driver`` itself is imported for its
+result codes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from helios_core.backends import cuda_driver
+from helios_core.backends.cuda_driver import Context, CudaError
+
+driver = pytest.importorskip("cuda.bindings.driver")
+
+
+class RecordingDriver:
+    """Records each call as (name, *arguments) and answers success, or ``failing``'s code for that call."""
+
+    def __init__(self, failing: dict[str, Any] | None = None) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.failing = failing or {}
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*arguments: Any) -> tuple[Any, ...]:
+            self.calls.append((name, *arguments))
+            return (self.failing.get(name, driver.CUresult.CUDA_SUCCESS),)
+
+        return call
+
+
+def _context(recording: RecordingDriver) -> Context:
+    context = object.__new__(Context)  # no device: only the attributes memset reads
+    context._cu = recording
+    context.stream = "context-stream"
+    return context
+
+
+def test_memset_sets_the_bytes_on_the_context_stream_and_returns_once_they_are_set() -> None:
+    """The memset is ordered on the context's (non-blocking) stream and waited for: work launched after it
+    on that stream, or read after it returns, sees the bytes (a plain ``cuMemsetD8`` runs on the legacy
+    stream, which the context's stream does not wait for)."""
+    recording = RecordingDriver()
+    _context(recording).memset(0x7F0000, 4096, 0x3C)
+    assert recording.calls == [
+        ("cuMemsetD8Async", 0x7F0000, 0x3C, 4096, "context-stream"),
+        ("cuStreamSynchronize", "context-stream"),
+    ]
+
+
+def test_memset_of_nothing_calls_no_driver_entry_point() -> None:
+    recording = RecordingDriver()
+    _context(recording).memset(0x7F0000, 0)
+    assert recording.calls == []
+
+
+def test_a_failed_memset_raises_naming_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    recording = RecordingDriver(failing={"cuMemsetD8Async": driver.CUresult.CUDA_ERROR_INVALID_VALUE})
+    names = SimpleNamespace(  # the error name as a driver library would give it (none is loaded here)
+        CUresult=driver.CUresult, cuGetErrorName=lambda code: (driver.CUresult.CUDA_SUCCESS, code.name.encode())
+    )
+    monkeypatch.setattr(cuda_driver, "_driver", lambda: names)
+    with pytest.raises(CudaError, match="cuMemsetD8Async failed: CUDA_ERROR_INVALID_VALUE"):
+        _context(recording).memset(0x7F0000, 16)
+    assert [call[0] for call in recording.calls] == ["cuMemsetD8Async"]
