@@ -21,7 +21,7 @@ from helios_core.loading import TrustSettings
 from helios_core.runtime.messages import Finished, PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.startup import RunningModel, start
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes on two cores: tox -e heavy
+pytestmark = pytest.mark.slow
 
 NAMESPACE = "helios-tests/smollm2-ranks"
 GREEDY = SamplingParams(temperature=0.0)

@@ -13,7 +13,7 @@ from helios_core.loading import TrustSettings
 from helios_core.runtime.messages import PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.startup import RunningModel, start
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # minutes on two cores: tox -e heavy
+pytestmark = pytest.mark.slow
 
 NAMESPACE = "tests/smollm2-speculation"
 GREEDY = SamplingParams(temperature=0.0)
