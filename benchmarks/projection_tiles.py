@@ -9,7 +9,9 @@ programmatic edges as a program runs them), the in-graph weight bandwidth and th
 (weight bytes over the device copy bandwidth, measured as ``gpu_decode.py`` measures it). Each
 projection is the launch the Llama graph writes: ``[q|k|v]``, ``[gate|up]`` and the LM head
 normalise their input first (``rmsnorm_linear``), the output and down projections add the
-residual, down over the SwiGLU of its packed input. Needs an NVIDIA GPU, Triton and PyTorch;
+residual, down over the SwiGLU of its packed input; ``swiglu`` is the ``[gate|up]`` projection
+ending in SwiGLU, the first launch of ``rmsnorm_swiglu_mlp_add`` (a candidate's columns are those
+of each half: two accumulators of that width). Needs an NVIDIA GPU, Triton and PyTorch;
 ``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
 
     python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--projections gate_up,lm_head]
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels import load_kernel_modules  # noqa: E402
 from ignition.kernels.compiler import planning, precompile  # noqa: E402
-from ignition.kernels.linear import Tiles, choose_tiles, project  # noqa: E402
+from ignition.kernels.linear import POINTER_TILE_COLUMNS, Tiles, choose_tiles, project, swiglu_tiles  # noqa: E402
 from ignition.kernels.lowering import LoweringContext  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
 
@@ -92,6 +94,11 @@ CANDIDATES = (
         descriptors=True,
     ),
     *_each_split(((128, 256, 64, 8, 3),), (1, 2, 4), descriptors=True),
+    # for the SwiGLU projection (two accumulators a tile): narrower column blocks, four stages
+    Tiles(128, 64, 64, 8, 3, descriptors=True),
+    Tiles(128, 64, 64, 8, 4, descriptors=True),
+    Tiles(128, 64, 64, 8, 4, descriptors=True, persistent=1),
+    Tiles(128, 64, 64, 8, 3, descriptors=True, persistent=1),
     *(
         Tiles(*shape, descriptors=True, persistent=programs)
         for shape, programs in (
@@ -106,7 +113,9 @@ CANDIDATES = (
 )
 
 
-def _manifest(rows: int, n: int, k: int, gated: bool, normed: bool) -> tuple[mf.ExecutionManifest, mf.Node]:
+def _manifest(
+    rows: int, n: int, k: int, gated: bool, normed: bool, swiglu: bool = False
+) -> tuple[mf.ExecutionManifest, mf.Node]:
     manifest = mf.ExecutionManifest()
     program = manifest.programs.add(name="bench")
     node = program.nodes.add(name="proj")
@@ -117,7 +126,10 @@ def _manifest(rows: int, n: int, k: int, gated: bool, normed: bool) -> tuple[mf.
     buffers = [
         ("x", mf.DTYPE_F32, (rows, x_width), mf.BUFFER_ROLE_SCRATCH),
         ("weight", mf.DTYPE_BF16, (n, k), mf.BUFFER_ROLE_WEIGHTS),
-        ("out", mf.DTYPE_F32, (rows, n), mf.BUFFER_ROLE_SCRATCH),
+        # a SwiGLU projection stores the bf16 activation of its n / 2 columns, as the MLP's first launch does
+        ("out", mf.DTYPE_BF16, (rows, n // 2), mf.BUFFER_ROLE_SCRATCH)
+        if swiglu
+        else ("out", mf.DTYPE_F32, (rows, n), mf.BUFFER_ROLE_SCRATCH),
     ]
     if normed:
         buffers.append(("norm", mf.DTYPE_F32, (k,), mf.BUFFER_ROLE_WEIGHTS))
@@ -136,24 +148,41 @@ def declare(
         node.args.add(name=name, view=mf.BufferView(buffer=name, shape=list(shape)))
 
 
-def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool]]:
-    """(N, K, gated input, normalised input) of each projection of a shape."""
+def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool, bool]]:
+    """(N, K, gated input, normalised input, ends in SwiGLU) of each projection of a shape: ``swiglu`` is
+    the ``[gate | up]`` projection as ``rmsnorm_swiglu_mlp_add`` launches it (each tile's columns taken from
+    the gate and the up rows, ``silu(gate) * up`` stored in bf16), ``gate_up`` the same weight as one plain
+    projection."""
     s = SHAPES[shape_name]
     return {
-        "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, False, True),
-        "o": (s.hidden, s.heads * s.head_dim, False, False),
-        "gate_up": (2 * s.ffn, s.hidden, False, True),
-        "down": (s.hidden, s.ffn, True, False),
-        "lm_head": (s.vocab, s.hidden, False, True),
+        "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, False, True, False),
+        "o": (s.hidden, s.heads * s.head_dim, False, False, False),
+        "gate_up": (2 * s.ffn, s.hidden, False, True, False),
+        "swiglu": (2 * s.ffn, s.hidden, False, True, True),
+        "down": (s.hidden, s.ffn, True, False, False),
+        "lm_head": (s.vocab, s.hidden, False, True, False),
     }
 
 
+def _chosen(rows: int, n: int, k: int, swiglu: bool) -> Tiles:
+    """``choose_tiles``' choice as :func:`project` applies it (a SwiGLU projection's tiles take half the
+    columns of each of its two halves)."""
+    chosen = choose_tiles(rows, n, k)
+    return swiglu_tiles(chosen) if swiglu else chosen
+
+
 def _candidates(
-    rows: int, n: int, k: int, *, descriptors_only: bool = False, persistent_only: bool = False
+    rows: int,
+    n: int,
+    k: int,
+    swiglu: bool = False,
+    *,
+    descriptors_only: bool = False,
+    persistent_only: bool = False,
 ) -> list[Tiles]:
     """``choose_tiles``' choice first, then the candidates of the same row family (only those fed by
     tensor descriptors with ``descriptors_only``, only the persistent ones with ``persistent_only``)."""
-    chosen = choose_tiles(rows, n, k)
+    chosen = _chosen(rows, n, k, swiglu)
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
     return [
         t
@@ -164,6 +193,7 @@ def _candidates(
             and _fits(t, k)
             and (t.descriptors or not descriptors_only)
             and (t.persistent or not persistent_only)
+            and not (swiglu and t.block_n > POINTER_TILE_COLUMNS)  # two accumulators of 256 columns: no room
         )
     ]
 
@@ -187,17 +217,17 @@ def _label(tiles: Tiles, chosen: Tiles) -> str:
 
 
 def _lowered(
-    rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles
+    rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, swiglu: bool = False
 ) -> tuple[Any, mf.KernelLaunch, dict[str, int]]:
     """The compiled module and the launch of one projection as the Llama graph writes it, and the
     elements of each workspace it uses."""
     load_kernel_modules()  # the staged prologue's lowerings
-    manifest, node = _manifest(rows, n, k, gated, normed)
+    manifest, node = _manifest(rows, n, k, gated, normed, swiglu)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="proj")
     views = {arg.name: arg.view for arg in node.args}
     launches = project(
         ctx, node, views["x"], views["weight"], views["out"], residual=None if normed else views["out"],
-        norm=views["norm"] if normed else None, gated=gated, tiles=tiles,
+        norm=views["norm"] if normed else None, gated=gated, swiglu=swiglu, tiles=tiles,
     )  # fmt: skip
     # matrix tiles stage the norm or SwiGLU in a launch before: only the projection's launch is timed
     workspaces = {
@@ -208,21 +238,18 @@ def _lowered(
     return ctx.modules[launches[-1].module], launches[-1], workspaces
 
 
-def _compile_all(
-    shapes: list[str], rows_list: list[int], projections: list[str], descriptors_only: bool, persistent_only: bool
-) -> None:
-    """Compile every candidate of the selection, in parallel processes (into the kernel cache)."""
+def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str], only: Mapping[str, bool]) -> None:
+    """Compile every candidate of the selection (``only``: :func:`_candidates`' filters), in parallel
+    processes (into the kernel cache)."""
     with planning() as requests:
         for shape_name in shapes:
             for rows in rows_list:
-                for proj, (n, k, gated, normed) in _projections(shape_name).items():
+                for proj, (n, k, gated, normed, swiglu) in _projections(shape_name).items():
                     if proj not in projections:
                         continue
-                    for tiles in _candidates(
-                        rows, n, k, descriptors_only=descriptors_only, persistent_only=persistent_only
-                    ):
+                    for tiles in _candidates(rows, n, k, swiglu, **only):
                         try:
-                            _lowered(rows, n, k, gated, normed, tiles)
+                            _lowered(rows, n, k, gated, normed, tiles, swiglu)
                         except Exception as exc:  # reported like a tile that fails on the GPU
                             print(f"{shape_name} {proj} {rows} {tiles}: {exc}")
     try:
@@ -233,12 +260,12 @@ def _compile_all(
 
 
 def _time_ours(
-    cuda: Context, rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, copies: int
+    cuda: Context, rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, copies: int, swiglu: bool
 ) -> tuple[float, float]:
     """Microseconds of one launch of the projection (see :func:`_lowered`), weights rotated: launched one
     after another on the stream, and as a CUDA graph of such launches joined by programmatic edges
     (how a program's graph runs them)."""
-    module_data, launch, workspaces = _lowered(rows, n, k, gated, normed, tiles)
+    module_data, launch, workspaces = _lowered(rows, n, k, gated, normed, tiles, swiglu)
     module = cuda.load_module(module_data.data)
     scratch = {name: cuda.alloc(max(count * 4, 4)) for name, count in workspaces.items()}
     for name, count in workspaces.items():
@@ -339,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1b,8b")
     parser.add_argument("--rows", default="1,8,64,256")
-    parser.add_argument("--projections", default="qkv,o,gate_up,down,lm_head", help="which projections to time")
+    parser.add_argument("--projections", default="qkv,o,gate_up,swiglu,down,lm_head", help="which projections to time")
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
     parser.add_argument(
         "--descriptors-only", action="store_true", help="time the chosen tile and the tensor-descriptor candidates"
@@ -348,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         "--persistent-only", action="store_true", help="time the chosen tile and the persistent candidates"
     )
     args = parser.parse_args(argv)
-    _compile_all(
-        args.shapes.split(","), [int(r) for r in args.rows.split(",")], args.projections.split(","),
-        args.descriptors_only, args.persistent_only,
-    )  # fmt: skip
+    only = {
+        "descriptors_only": args.descriptors_only,
+        "persistent_only": args.persistent_only,
+    }
+    _compile_all(args.shapes.split(","), [int(r) for r in args.rows.split(",")], args.projections.split(","), only)
     if args.compile_only:
         return 0
     bandwidth = copy_bandwidth("cuda")
@@ -362,19 +390,17 @@ def main(argv: list[str] | None = None) -> int:
     print(" ".join(f"{name:{spec}}" for name, spec in columns))
     for shape_name in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            for proj, (n, k, gated, normed) in _projections(shape_name).items():
+            for proj, (n, k, gated, normed, swiglu) in _projections(shape_name).items():
                 if proj not in args.projections.split(","):
                     continue
                 copies = max(2, int(np.ceil(200e6 / (n * k * 2))))
-                chosen = choose_tiles(rows, n, k)
+                chosen = _chosen(rows, n, k, swiglu)
                 cublas = _time_torch(rows, n, k, copies)
                 floor = n * k * 2 / bandwidth * 1e6
-                for tiles in _candidates(
-                    rows, n, k, descriptors_only=args.descriptors_only, persistent_only=args.persistent_only
-                ):
+                for tiles in _candidates(rows, n, k, swiglu, **only):
                     label = _label(tiles, chosen)
                     try:
-                        us, graph_us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies)
+                        us, graph_us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies, swiglu)
                     except Exception as exc:  # a tile that does not fit the chip is reported, not fatal
                         print(f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} failed: {exc}")
                         continue

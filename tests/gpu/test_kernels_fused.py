@@ -9,6 +9,8 @@ reference: 1e-5.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -154,7 +156,8 @@ SWIGLU_MLPS = [
     (8, 576, 1536),  # 16-row tiles, the reduction split three ways: gate and up partials
     (64, 2048, 8192),
     (130, 200, 500),  # partial row, column and reduction tiles; a gate block past the width reads up rows
-    (256, 2048, 8192),  # 128x64 tiles of each half through tensor descriptors, a bf16 activation
+    (256, 2048, 8192),  # 128x128 blocks of each half through tensor descriptors, a bf16 activation
+    (512, 4096, 8448),  # the same where the plain [gate | up] projection would take persistent programs
 ]
 
 
@@ -191,10 +194,11 @@ def test_swiglu_mlp(cuda_context: Context, rows: int, hidden: int, width: int) -
 def test_swiglu_mlp_through_forced_tiles(
     cuda_context: Context, monkeypatch: pytest.MonkeyPatch, rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
-    """Each forced tile for both projections of the MLP (``n`` the [gate | up] rows): tensor descriptors
-    over the staged norm and the bf16 activation, splits storing gate and up partials, persistent
-    programs; three launches give the bits of one."""
+    """Each forced tile for both projections of the MLP (``n`` the [gate | up] rows; the [gate | up] blocks of
+    each half half as wide): tensor descriptors over the staged norm and the bf16 activation, splits storing
+    gate and up partials, persistent programs; three launches give the bits of one."""
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
+    monkeypatch.setattr(linear, "swiglu_tiles", lambda plain: dataclasses.replace(plain, block_n=plain.block_n // 2))
     arrays = _mlp_case(np.random.default_rng(rows * 37 + n + k), rows, k, n // 2)
     attributes = {"eps": 1e-5}
     if tiles.persistent and n % 16:  # activation rows of n / 2 bf16 values: no tensor descriptor serves them

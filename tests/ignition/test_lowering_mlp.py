@@ -3,6 +3,7 @@ projection over its activation, on a machine without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -63,9 +64,9 @@ def test_one_row_streams_gate_and_up_rows_into_a_float32_activation(hidden: int,
 def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
     launched_constants: list[dict[str, Any]],
 ) -> None:
-    """256 rows: the norm staged in bf16, [gate | up] in 128x64 tiles of each half through tensor
-    descriptors (the grid of 128x128 tiles over both halves), the activation in bf16, then the down
-    projection over it with the tiles chosen for its shape."""
+    """256 rows: the norm staged in bf16, [gate | up] in 128x128 blocks of each half through tensor
+    descriptors (four stages, half the grid of 128x128 tiles over both halves), the activation in bf16,
+    then the down projection over it with the tiles chosen for its shape."""
     context, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(256, 2048, 8192), {"eps": 1e-5}, weights=MLP_WEIGHTS)
     norm, gate_up, down = launches
     assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", "projection_kernel", "projection_kernel"]
@@ -73,9 +74,9 @@ def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
     assert [p.buffer for p in gate_up.params[:3]] == [
         "workspace.projection_input_bf16", "gate_up_weight", "workspace.swiglu_activation_bf16"
     ]  # fmt: skip
-    assert list(gate_up.grid) == [2, 128, 1]
+    assert list(gate_up.grid) == [2, 64, 1]
     assert (
-        launched_constants[1]["BLOCK_N"] == 64
+        launched_constants[1]["BLOCK_N"] == 128
         and launched_constants[1]["SWIGLU"] is True
         and launched_constants[1]["DESCRIPTORS"] is True
     )
@@ -86,6 +87,33 @@ def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
     assert launched_constants[2]["SWIGLU"] is False and launched_constants[2]["RESIDUAL"] is True
     assert launched_constants[2]["DESCRIPTORS"] is wanted.descriptors
     assert _workspaces(context)["workspace.swiglu_activation_bf16"] == (mf.DTYPE_BF16, 256 * 8192)
+
+
+@pytest.mark.parametrize(
+    ("rows", "hidden", "width", "plain"),
+    [
+        (512, 4096, 14336, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),  # the 8B prefill chunk
+        (256, 4096, 14336, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # the 8B decode at batch 256
+        (64, 2048, 8192, Tiles(64, 64, 128, 4, 3)),  # 64-row tiles: half as wide
+        (8, 576, 1536, Tiles(16, 64, 128, 4, 4, split=3)),  # a split: half as wide
+    ],
+)
+def test_swiglu_tiles_take_whole_128_column_blocks_of_each_half_where_the_plain_tile_is_128x128(
+    rows: int, hidden: int, width: int, plain: Tiles
+) -> None:
+    """The [gate | up] projection ending in SwiGLU over the tile the plain projection would take: unsplit
+    128x128 descriptor tiles (persistent or not) become 128x128 blocks of each half with four stages, one
+    program a tile; every other tile keeps its programs with blocks half as wide."""
+    assert choose_tiles(rows, 2 * width, hidden) == plain
+    if plain.descriptors and plain.block_n == 128 and plain.split == 1:
+        assert linear.swiglu_tiles(plain) == Tiles(128, 128, 64, 8, 4, descriptors=True)
+    else:
+        assert linear.swiglu_tiles(plain) == dataclasses.replace(plain, block_n=plain.block_n // 2)
+
+
+def _halved(plain: Tiles) -> Tiles:
+    """The plain tile with blocks of each half half as wide: forced tiles keep their kind (persistent or not)."""
+    return dataclasses.replace(plain, block_n=plain.block_n // 2)
 
 
 def test_float32_weights_keep_a_float32_activation() -> None:
@@ -113,6 +141,7 @@ def test_persistent_swiglu_tiles_launch_as_many_programs_as_the_plain_projection
     monkeypatch.setattr(
         linear, "choose_tiles", lambda *_args, **_kwargs: Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)
     )
+    monkeypatch.setattr(linear, "swiglu_tiles", _halved)
     _, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(512, 4096, 14336), {"eps": 1e-5}, weights=MLP_WEIGHTS)
     gate_up, down = launches[1], launches[2]
     assert gate_up.symbol == down.symbol == "persistent_projection_kernel"
