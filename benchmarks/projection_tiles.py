@@ -168,7 +168,7 @@ def _chosen(rows: int, n: int, k: int, swiglu: bool) -> Tiles:
     """``choose_tiles``' choice as :func:`project` applies it (a SwiGLU projection's tiles take half the
     columns of each of its two halves)."""
     chosen = choose_tiles(rows, n, k)
-    return swiglu_tiles(chosen) if swiglu else chosen
+    return swiglu_tiles(chosen, rows, n) if swiglu else chosen
 
 
 def _candidates(

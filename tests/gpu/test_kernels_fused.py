@@ -198,7 +198,9 @@ def test_swiglu_mlp_through_forced_tiles(
     each half half as wide): tensor descriptors over the staged norm and the bf16 activation, splits storing
     gate and up partials, persistent programs; three launches give the bits of one."""
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
-    monkeypatch.setattr(linear, "swiglu_tiles", lambda plain: dataclasses.replace(plain, block_n=plain.block_n // 2))
+    monkeypatch.setattr(
+        linear, "swiglu_tiles", lambda plain, *_, **__: dataclasses.replace(plain, block_n=plain.block_n // 2)
+    )
     arrays = _mlp_case(np.random.default_rng(rows * 37 + n + k), rows, k, n // 2)
     attributes = {"eps": 1e-5}
     if tiles.persistent and n % 16:  # activation rows of n / 2 bf16 values: no tensor descriptor serves them

@@ -517,18 +517,22 @@ an H200 with ``benchmarks/projection_tiles.py``: two a multiprocessor made the 1
 projection of 8 rows a third slower than one; see docs/benchmarks.md)."""
 
 
-def swiglu_tiles(plain: Tiles) -> Tiles:
-    """The tiles of a projection ending in SwiGLU (each program over the gate and the up block of the same
-    columns) whose plain ``[gate | up]`` projection would take ``plain``.
+def swiglu_tiles(plain: Tiles, rows: int, n: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
+    """The tiles of a projection ending in SwiGLU over ``n`` rows of ``[gate | up]`` weights (each program over
+    the gate and the up block of the same columns) whose plain projection would take ``plain``.
 
     Where ``plain`` is an unsplit 128x128 tile through tensor descriptors (wide outputs of many rows, prefill
-    chunks), 128x128 blocks of each half, eight warps, four stages, one program a tile: measured on an H200
+    chunks) and 128x128 blocks of each half still make at least three quarters of a wave of programs:
+    those blocks, eight warps, four stages, one program a tile. Measured on an H200
     (``benchmarks/projection_tiles.py --projections swiglu``, docs/benchmarks.md), the 8B ``[gate | up]``
     went from 302.9 to 183.7 us at 512 rows (persistent 128x64 blocks before) and from 104.4 to 92.0 us at
-    256 rows (128x64 blocks, three stages). Otherwise the blocks of each half are half as wide, so as many
-    programs run as the plain projection would have.
+    256 rows (128x64 blocks, three stages), the 1B one (128 programs at 256 rows) from 29.7 to 27.7 us.
+    Otherwise the blocks of each half are half as wide, so as many programs run as the plain projection
+    would have.
     """
-    if plain.descriptors and plain.block_m == plain.block_n == 128 and plain.split == 1:
+    whole_blocks = cdiv(rows, 128) * cdiv(n // 2, 128)
+    unsplit_square = plain.descriptors and plain.block_m == plain.block_n == 128 and plain.split == 1
+    if unsplit_square and 4 * whole_blocks >= 3 * multiprocessors:
         return Tiles(128, 128, 64, 8, 4, descriptors=True)
     return dataclasses.replace(plain, block_n=max(1, plain.block_n // 2))
 
@@ -641,7 +645,7 @@ def project(
     chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
     if swiglu:
         if not tiles:
-            chosen = swiglu_tiles(chosen)
+            chosen = swiglu_tiles(chosen, rows, n, multiprocessors=multiprocessors)
         n //= 2
     prologue: list[mf.KernelLaunch] = []
     if chosen.block_m > 1 and prologue_staged:
