@@ -165,8 +165,8 @@ def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool, bool]
 
 
 def _chosen(rows: int, n: int, k: int, swiglu: bool) -> Tiles:
-    """``choose_tiles``' choice as :func:`project` applies it (a SwiGLU projection's tiles take half the
-    columns of each of its two halves)."""
+    """``choose_tiles``' choice as :func:`project` applies it (a SwiGLU projection's through
+    :func:`swiglu_tiles`)."""
     chosen = choose_tiles(rows, n, k)
     return swiglu_tiles(chosen, rows, n) if swiglu else chosen
 

@@ -89,30 +89,32 @@ def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
     assert _workspaces(context)["workspace.swiglu_activation_bf16"] == (mf.DTYPE_BF16, 256 * 8192)
 
 
+WHOLE_BLOCKS = Tiles(128, 128, 64, 8, 4, descriptors=True)
+"""128x128 blocks of each half, four stages, one program a tile."""
+
+
 @pytest.mark.parametrize(
-    ("rows", "hidden", "width", "plain"),
+    ("rows", "hidden", "width", "plain", "wanted"),
     [
-        (512, 4096, 14336, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),  # the 8B prefill chunk
-        (256, 4096, 14336, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # the 8B decode at batch 256
-        (256, 2048, 8192, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 128 whole blocks: 97 % of a wave
-        (512, 576, 1536, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 48 whole blocks: half as wide (96)
-        (64, 2048, 8192, Tiles(64, 64, 128, 4, 3)),  # 64-row tiles: half as wide
-        (8, 576, 1536, Tiles(16, 64, 128, 4, 4, split=3)),  # a split: half as wide
+        # the 8B prefill chunk (persistent plain tiles) and the 8B decode at batch 256
+        (512, 4096, 14336, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1), WHOLE_BLOCKS),
+        (256, 4096, 14336, Tiles(128, 128, 64, 8, 3, descriptors=True), WHOLE_BLOCKS),
+        (256, 2048, 8192, Tiles(128, 128, 64, 8, 3, descriptors=True), WHOLE_BLOCKS),  # 128 blocks: 97 % of a wave
+        # 48 whole blocks: half as wide (96 programs)
+        (512, 576, 1536, Tiles(128, 128, 64, 8, 4, descriptors=True), Tiles(128, 64, 64, 8, 4, descriptors=True)),
+        (64, 2048, 8192, Tiles(64, 64, 128, 4, 3), Tiles(64, 32, 128, 4, 3)),  # 64-row tiles: half as wide
+        (8, 576, 1536, Tiles(16, 64, 128, 4, 4, split=3), Tiles(16, 32, 128, 4, 4, split=3)),  # a split
     ],
 )
 def test_swiglu_tiles_take_whole_128_column_blocks_of_each_half_where_the_plain_tile_is_128x128(
-    rows: int, hidden: int, width: int, plain: Tiles
+    rows: int, hidden: int, width: int, plain: Tiles, wanted: Tiles
 ) -> None:
     """The [gate | up] projection ending in SwiGLU over the tile the plain projection would take: unsplit
     128x128 descriptor tiles (persistent or not) become 128x128 blocks of each half with four stages, one
     program a tile, where those make three quarters of a wave (99 of 132 programs) or more; every other
     tile keeps its programs with blocks half as wide."""
     assert choose_tiles(rows, 2 * width, hidden) == plain
-    whole_blocks = -(-rows // 128) * -(-width // 128)
-    if plain.descriptors and plain.block_n == 128 and plain.split == 1 and whole_blocks >= 99:
-        assert linear.swiglu_tiles(plain, rows, 2 * width) == Tiles(128, 128, 64, 8, 4, descriptors=True)
-    else:
-        assert linear.swiglu_tiles(plain, rows, 2 * width) == dataclasses.replace(plain, block_n=plain.block_n // 2)
+    assert linear.swiglu_tiles(plain, rows, 2 * width) == wanted
 
 
 def _halved(plain: Tiles, *_args: Any, **_kwargs: Any) -> Tiles:
