@@ -11,7 +11,10 @@ projection is the launch the Llama graph writes: ``[q|k|v]``, ``[gate|up]`` and 
 normalise their input first (``rmsnorm_linear``), the output and down projections add the
 residual, down over the SwiGLU of its packed input; ``swiglu`` is the ``[gate|up]`` projection
 ending in SwiGLU, the first launch of ``rmsnorm_swiglu_mlp_add`` (a candidate's columns are those
-of each half: two accumulators of that width). Needs an NVIDIA GPU, Triton and PyTorch;
+of each half: two accumulators of that width); ``rotary`` is the ``[q|k|v]`` projection as
+``rmsnorm_linear_rope_kv_cache_write`` launches it on matrix tiles fed by per-thread loads (each
+tile's columns taken as rotation pairs, rotated and written to the query rows and the bf16 cache
+planes). Needs an NVIDIA GPU, Triton and PyTorch;
 ``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
 
     python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--projections gate_up,lm_head]
@@ -24,7 +27,7 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
@@ -32,9 +35,17 @@ sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels import load_kernel_modules  # noqa: E402
+from ignition.kernels.attention import MIN_DOT_COLUMNS, rotary_projection  # noqa: E402
 from ignition.kernels.compiler import planning, precompile  # noqa: E402
-from ignition.kernels.linear import POINTER_TILE_COLUMNS, Tiles, choose_tiles, project, swiglu_tiles  # noqa: E402
-from ignition.kernels.lowering import LoweringContext  # noqa: E402
+from ignition.kernels.linear import (  # noqa: E402
+    POINTER_TILE_COLUMNS,
+    Tiles,
+    choose_tiles,
+    project,
+    rotary_tiles,
+    swiglu_tiles,
+)
+from ignition.kernels.lowering import LoweringContext, cdiv  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
 
 from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
@@ -113,25 +124,55 @@ CANDIDATES = (
 )
 
 
-def _manifest(
-    rows: int, n: int, k: int, gated: bool, normed: bool, swiglu: bool = False
-) -> tuple[mf.ExecutionManifest, mf.Node]:
+class Projection(NamedTuple):
+    """One projection of a shape: its weight's (N, K), whether its input is the gated pair of halves
+    (down), whether it normalises its input, what its epilogue does (``""``, ``"swiglu"`` or
+    ``"rotary"``) and, for ``"rotary"``, the (heads, kv heads, head dim) of the packed rows."""
+
+    n: int
+    k: int
+    gated: bool
+    normed: bool
+    ending: str = ""
+    heads: tuple[int, int, int] = (0, 0, 0)
+
+
+ROTARY_PAGE_TOKENS = 16
+
+
+def _manifest(rows: int, proj: Projection) -> tuple[mf.ExecutionManifest, mf.Node]:
+    n, k = proj.n, proj.k
     manifest = mf.ExecutionManifest()
     program = manifest.programs.add(name="bench")
     node = program.nodes.add(name="proj")
-    node.op.name = "rmsnorm_linear" if normed else "linear_add"
+    node.op.name = "rmsnorm_linear" if proj.normed else "linear_add"
     node.op.version = 1
     node.attributes.add(name="eps", float_value=1e-5)
-    x_width = 2 * k if gated else k
     buffers = [
-        ("x", mf.DTYPE_F32, (rows, x_width), mf.BUFFER_ROLE_SCRATCH),
+        ("x", mf.DTYPE_F32, (rows, 2 * k if proj.gated else k), mf.BUFFER_ROLE_SCRATCH),
         ("weight", mf.DTYPE_BF16, (n, k), mf.BUFFER_ROLE_WEIGHTS),
-        # a SwiGLU projection stores the bf16 activation of its n / 2 columns, as the MLP's first launch does
-        ("out", mf.DTYPE_BF16, (rows, n // 2), mf.BUFFER_ROLE_SCRATCH)
-        if swiglu
-        else ("out", mf.DTYPE_F32, (rows, n), mf.BUFFER_ROLE_SCRATCH),
     ]
-    if normed:
+    if proj.ending == "rotary":
+        heads, kv_heads, head_dim = proj.heads
+        node.op.name = "rmsnorm_linear_rope_kv_cache_write"
+        node.attributes.add(name="theta", float_value=500000.0)
+        node.attributes.add(name="style", string_value="half")
+        pages = cdiv(rows, ROTARY_PAGE_TOKENS)
+        plane = (pages, ROTARY_PAGE_TOKENS, kv_heads, head_dim)
+        buffers += [
+            ("norm_weight", mf.DTYPE_F32, (k,), mf.BUFFER_ROLE_WEIGHTS),
+            ("positions", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_SCRATCH),
+            ("slots", mf.DTYPE_I64, (rows,), mf.BUFFER_ROLE_SCRATCH),
+            ("q", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
+            ("k_plane", mf.DTYPE_BF16, plane, mf.BUFFER_ROLE_SCRATCH),
+            ("v_plane", mf.DTYPE_BF16, plane, mf.BUFFER_ROLE_SCRATCH),
+        ]
+    elif proj.ending == "swiglu":
+        # a SwiGLU projection stores the bf16 activation of its n / 2 columns, as the MLP's first launch does
+        buffers.append(("out", mf.DTYPE_BF16, (rows, n // 2), mf.BUFFER_ROLE_SCRATCH))
+    else:
+        buffers.append(("out", mf.DTYPE_F32, (rows, n), mf.BUFFER_ROLE_SCRATCH))
+    if proj.normed and proj.ending != "rotary":
         buffers.append(("norm", mf.DTYPE_F32, (k,), mf.BUFFER_ROLE_WEIGHTS))
     declare(manifest, node, buffers)
     return manifest, node
@@ -148,54 +189,72 @@ def declare(
         node.args.add(name=name, view=mf.BufferView(buffer=name, shape=list(shape)))
 
 
-def _projections(shape_name: str) -> dict[str, tuple[int, int, bool, bool, bool]]:
-    """(N, K, gated input, normalised input, ends in SwiGLU) of each projection of a shape: ``swiglu`` is
-    the ``[gate | up]`` projection as ``rmsnorm_swiglu_mlp_add`` launches it (each tile's columns taken from
-    the gate and the up rows, ``silu(gate) * up`` stored in bf16), ``gate_up`` the same weight as one plain
-    projection."""
+def _projections(shape_name: str) -> dict[str, Projection]:
+    """Each projection of a shape: ``swiglu`` is the ``[gate | up]`` projection as ``rmsnorm_swiglu_mlp_add``
+    launches it (each tile's columns taken from the gate and the up rows, ``silu(gate) * up`` stored in
+    bf16), ``gate_up`` the same weight as one plain projection; ``rotary`` is ``qkv`` rotated and written to
+    the cache in its epilogue."""
     s = SHAPES[shape_name]
+    qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
     return {
-        "qkv": ((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, False, True, False),
-        "o": (s.hidden, s.heads * s.head_dim, False, False, False),
-        "gate_up": (2 * s.ffn, s.hidden, False, True, False),
-        "swiglu": (2 * s.ffn, s.hidden, False, True, True),
-        "down": (s.hidden, s.ffn, True, False, False),
-        "lm_head": (s.vocab, s.hidden, False, True, False),
+        "qkv": Projection(qkv, s.hidden, False, True),
+        "rotary": Projection(qkv, s.hidden, False, True, "rotary", (s.heads, s.kv_heads, s.head_dim)),
+        "o": Projection(s.hidden, s.heads * s.head_dim, False, False),
+        "gate_up": Projection(2 * s.ffn, s.hidden, False, True),
+        "swiglu": Projection(2 * s.ffn, s.hidden, False, True, "swiglu"),
+        "down": Projection(s.hidden, s.ffn, True, False),
+        "lm_head": Projection(s.vocab, s.hidden, False, True),
     }
 
 
-def _chosen(rows: int, n: int, k: int, swiglu: bool) -> Tiles:
-    """``choose_tiles``' choice as :func:`project` applies it (a SwiGLU projection's through
-    :func:`swiglu_tiles`)."""
-    chosen = choose_tiles(rows, n, k)
-    return swiglu_tiles(chosen, rows, n) if swiglu else chosen
+def _chosen(rows: int, proj: Projection) -> Tiles:
+    """``choose_tiles``' choice as the lowering applies it (a SwiGLU projection's through
+    :func:`swiglu_tiles`, a rotating one's through :func:`rotary_tiles`)."""
+    chosen = choose_tiles(rows, proj.n, proj.k)
+    if proj.ending == "rotary":
+        return rotary_tiles(chosen, rows, proj.n, proj.k)
+    return swiglu_tiles(chosen, rows, proj.n) if proj.ending == "swiglu" else chosen
 
 
 def _candidates(
     rows: int,
-    n: int,
-    k: int,
-    swiglu: bool = False,
+    proj: Projection,
     *,
     descriptors_only: bool = False,
     persistent_only: bool = False,
 ) -> list[Tiles]:
     """``choose_tiles``' choice first, then the candidates of the same row family (only those fed by
-    tensor descriptors with ``descriptors_only``, only the persistent ones with ``persistent_only``)."""
-    chosen = _chosen(rows, n, k, swiglu)
+    tensor descriptors with ``descriptors_only``, only the persistent ones with ``persistent_only``); no
+    tile of more rows than 64 and ``rows`` (half its products would be of rows past the last)."""
+    chosen = _chosen(rows, proj)
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
     return [
         t
         for t in dict.fromkeys((chosen, *CANDIDATES))
-        if t == chosen
-        or (
-            min(t.block_m, 64) == family
-            and _fits(t, k)
-            and (t.descriptors or not descriptors_only)
-            and (t.persistent or not persistent_only)
-            and not (swiglu and t.block_n > POINTER_TILE_COLUMNS)  # two accumulators of 256 columns: no room
+        if _takes(proj, t)
+        and (
+            t == chosen
+            or (
+                min(t.block_m, 64) == family
+                and t.block_m <= max(rows, 64)
+                and _fits(t, proj.k)
+                and (t.descriptors or not descriptors_only)
+                and (t.persistent or not persistent_only)
+            )
         )
     ]
+
+
+def _takes(proj: Projection, tiles: Tiles) -> bool:
+    """Whether the lowering of ``proj`` takes ``tiles``: a SwiGLU projection no blocks of 256 columns a half
+    (two such accumulators leave no room), the rotating projection only matrix tiles fed by per-thread
+    loads of at least ``MIN_DOT_COLUMNS`` column pairs."""
+    if proj.ending == "swiglu":
+        return tiles.block_n <= POINTER_TILE_COLUMNS
+    if proj.ending == "rotary":
+        plain_matrix = tiles.block_m > 1 and not (tiles.descriptors or tiles.persistent or tiles.per_sm)
+        return plain_matrix and tiles.block_n // 2 >= MIN_DOT_COLUMNS
+    return True
 
 
 def _fits(tiles: Tiles, k: int) -> bool:
@@ -216,19 +275,21 @@ def _label(tiles: Tiles, chosen: Tiles) -> str:
     return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}{copy}"
 
 
-def _lowered(
-    rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, swiglu: bool = False
-) -> tuple[Any, mf.KernelLaunch, dict[str, int]]:
+def _lowered(rows: int, proj: Projection, tiles: Tiles) -> tuple[Any, mf.KernelLaunch, dict[str, int]]:
     """The compiled module and the launch of one projection as the Llama graph writes it, and the
     elements of each workspace it uses."""
     load_kernel_modules()  # the staged prologue's lowerings
-    manifest, node = _manifest(rows, n, k, gated, normed, swiglu)
+    manifest, node = _manifest(rows, proj)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="proj")
     views = {arg.name: arg.view for arg in node.args}
-    launches = project(
-        ctx, node, views["x"], views["weight"], views["out"], residual=None if normed else views["out"],
-        norm=views["norm"] if normed else None, gated=gated, swiglu=swiglu, tiles=tiles,
-    )  # fmt: skip
+    if proj.ending == "rotary":
+        launches = rotary_projection(ctx, node, tiles, (rows, proj.n, proj.k), proj.heads)
+    else:
+        launches = project(
+            ctx, node, views["x"], views["weight"], views["out"], residual=None if proj.normed else views["out"],
+            norm=views["norm"] if proj.normed else None, gated=proj.gated, swiglu=proj.ending == "swiglu",
+            tiles=tiles,
+        )  # fmt: skip
     # matrix tiles stage the norm or SwiGLU in a launch before: only the projection's launch is timed
     workspaces = {
         d.name: int(np.prod([int(s.size) for s in d.shape]))
@@ -244,14 +305,14 @@ def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str]
     with planning() as requests:
         for shape_name in shapes:
             for rows in rows_list:
-                for proj, (n, k, gated, normed, swiglu) in _projections(shape_name).items():
-                    if proj not in projections:
+                for name, proj in _projections(shape_name).items():
+                    if name not in projections:
                         continue
-                    for tiles in _candidates(rows, n, k, swiglu, **only):
+                    for tiles in _candidates(rows, proj, **only):
                         try:
-                            _lowered(rows, n, k, gated, normed, tiles, swiglu)
+                            _lowered(rows, proj, tiles)
                         except Exception as exc:  # reported like a tile that fails on the GPU
-                            print(f"{shape_name} {proj} {rows} {tiles}: {exc}")
+                            print(f"{shape_name} {name} {rows} {tiles}: {exc}")
     try:
         precompile(requests)
     except Exception as exc:  # a candidate the compiler refuses is reported again when timed
@@ -259,13 +320,29 @@ def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str]
     print(f"compiled {len(set(requests))} kernels", flush=True)
 
 
-def _time_ours(
-    cuda: Context, rows: int, n: int, k: int, gated: bool, normed: bool, tiles: Tiles, copies: int, swiglu: bool
-) -> tuple[float, float]:
+def _rotary_buffers(cuda: Context, rows: int, proj: Projection) -> dict[str, int]:
+    """Device buffers of the rotating projection's other arguments: positions 0 to rows - 1, each row's
+    cache slot its own, the query rows and the two bf16 cache planes."""
+    heads, kv_heads, head_dim = proj.heads
+    plane_bytes = cdiv(rows, ROTARY_PAGE_TOKENS) * ROTARY_PAGE_TOKENS * kv_heads * head_dim * 2
+    buffers = {
+        "positions": cuda.alloc(rows * 4),
+        "slots": cuda.alloc(rows * 8),
+        "q": cuda.alloc(rows * heads * head_dim * 4),
+        "k_plane": cuda.alloc(plane_bytes),
+        "v_plane": cuda.alloc(plane_bytes),
+    }
+    cuda.upload(buffers["positions"], np.arange(rows, dtype=np.int32))
+    cuda.upload(buffers["slots"], np.arange(rows, dtype=np.int64))
+    return buffers
+
+
+def _time_ours(cuda: Context, rows: int, proj: Projection, tiles: Tiles, copies: int) -> tuple[float, float]:
     """Microseconds of one launch of the projection (see :func:`_lowered`), weights rotated: launched one
     after another on the stream, and as a CUDA graph of such launches joined by programmatic edges
     (how a program's graph runs them)."""
-    module_data, launch, workspaces = _lowered(rows, n, k, gated, normed, tiles, swiglu)
+    n, k, gated = proj.n, proj.k, proj.gated
+    module_data, launch, workspaces = _lowered(rows, proj, tiles)
     module = cuda.load_module(module_data.data)
     scratch = {name: cuda.alloc(max(count * 4, 4)) for name, count in workspaces.items()}
     for name, count in workspaces.items():
@@ -288,7 +365,9 @@ def _time_ours(
         cuda.upload(w, bits)
     norm = cuda.alloc(k * 4)
     cuda.upload(norm, np.ones(k, dtype=np.float32))
-    packs = [pack_params(launch.params, {"x": x, "weight": w, "out": out, "norm": norm, **scratch}) for w in weights]
+    others = _rotary_buffers(cuda, rows, proj) if proj.ending == "rotary" else {}
+    addresses = {"x": x, "out": out, "norm": norm, "norm_weight": norm, **others, **scratch}
+    packs = [pack_params(launch.params, {**addresses, "weight": w}) for w in weights]
     start, end = cuda.timing_event(), cuda.timing_event()
     for pack in packs:
         cuda.launch(function, launch.grid, launch.block, launch.shared_bytes, pack)
@@ -302,7 +381,7 @@ def _time_ours(
     cuda.wait_event(end)
     elapsed = cuda.elapsed_ms(start, end) * 1000.0 / (repeats * copies)
     in_graph = chain_us(cuda, [(function, launch, packs[index % copies]) for index in range(max(16, copies))], repeats)
-    for pointer in (x, out, norm, *weights, *scratch.values()):
+    for pointer in (x, out, norm, *weights, *scratch.values(), *others.values()):
         cuda.free(pointer)
     return elapsed, in_graph
 
@@ -366,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1b,8b")
     parser.add_argument("--rows", default="1,8,64,256")
-    parser.add_argument("--projections", default="qkv,o,gate_up,swiglu,down,lm_head", help="which projections to time")
+    parser.add_argument(
+        "--projections", default="qkv,rotary,o,gate_up,swiglu,down,lm_head", help="which projections to time"
+    )
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
     parser.add_argument(
         "--descriptors-only", action="store_true", help="time the chosen tile and the tensor-descriptor candidates"
@@ -390,22 +471,23 @@ def main(argv: list[str] | None = None) -> int:
     print(" ".join(f"{name:{spec}}" for name, spec in columns))
     for shape_name in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            for proj, (n, k, gated, normed, swiglu) in _projections(shape_name).items():
-                if proj not in args.projections.split(","):
+            for name, proj in _projections(shape_name).items():
+                if name not in args.projections.split(","):
                     continue
+                n, k = proj.n, proj.k
                 copies = max(2, int(np.ceil(200e6 / (n * k * 2))))
-                chosen = _chosen(rows, n, k, swiglu)
+                chosen = _chosen(rows, proj)
                 cublas = _time_torch(rows, n, k, copies)
                 floor = n * k * 2 / bandwidth * 1e6
-                for tiles in _candidates(rows, n, k, swiglu, **only):
+                for tiles in _candidates(rows, proj, **only):
                     label = _label(tiles, chosen)
                     try:
-                        us, graph_us = _time_ours(cuda, rows, n, k, gated, normed, tiles, copies, swiglu)
+                        us, graph_us = _time_ours(cuda, rows, proj, tiles, copies)
                     except Exception as exc:  # a tile that does not fit the chip is reported, not fatal
-                        print(f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} failed: {exc}")
+                        print(f"{shape_name:<5} {name:<8} {rows:>4} {n:>6} {k:>6} {label:<22} failed: {exc}")
                         continue
                     print(
-                        f"{shape_name:<5} {proj:<8} {rows:>4} {n:>6} {k:>6} {label:<22} {us:>8.1f} {graph_us:>8.1f} "
+                        f"{shape_name:<5} {name:<8} {rows:>4} {n:>6} {k:>6} {label:<22} {us:>8.1f} {graph_us:>8.1f} "
                         f"{n * k * 2 / graph_us / 1e6:>6.2f} {cublas:>9.1f} {floor:>8.1f}",
                         flush=True,
                     )

@@ -34,6 +34,7 @@ PROJECTIONS = [
     (8, 2048, 8192),
     (16, 49152, 576),
     (64, 16384, 2048),
+    (64, 2048, 8192),  # 64-row tiles, eight splits: two programs a multiprocessor
     (130, 1000, 200),
     (256, 6144, 4096),
 ]
@@ -234,12 +235,13 @@ def test_projection_in_place_residual(cuda_context: Context) -> None:
     assert relative_error(got, want) < 1e-2
 
 
-def test_split_projection_launches_again_with_the_same_bits(cuda_context: Context) -> None:
-    """A split reduction (8 rows of 8192 inputs: 5 splits) resets its counts for the next launch, and
-    adds the partials in split order whichever split finishes last: three launches over the same
-    buffers (the output poisoned before each) give the bits of one."""
-    rows, n, k = 8, 2048, 8192
-    assert linear.choose_tiles(rows, n, k).split == 5
+@pytest.mark.parametrize(("rows", "splits"), [(8, 5), (64, 8)])
+def test_split_projection_launches_again_with_the_same_bits(cuda_context: Context, rows: int, splits: int) -> None:
+    """A split reduction (8 rows of 8192 inputs: 5 splits of 16-row tiles; 64 rows: 8 splits of 64-row tiles)
+    resets its counts for the next launch, and adds the partials in split order whichever split finishes
+    last: three launches over the same buffers (the output poisoned before each) give the bits of one."""
+    n, k = 2048, 8192
+    assert linear.choose_tiles(rows, n, k).split == splits
     arrays, attributes = _projection_case(np.random.default_rng(23), "linear_add", rows, n, k)
     once = run_node(cuda_context, "linear_add", arrays, attributes, weights=("weight",))["out"]
     again = run_node(cuda_context, "linear_add", arrays, attributes, weights=("weight",), repeat=3, reset=("out",))
@@ -366,7 +368,8 @@ def test_rope_kv_cache_write(
         (1, 16, 4, 128, 2048, True),  # 768 tiles over 512 programs (a multiple of a head's 32 tiles)
         (1, 32, 8, 128, 4096, False),  # the 8B shape: rows of 4096 inputs, the two launches
         (7, 32, 8, 64, 2048, True),  # more tokens: 16-row tiles rotating in the projection, split reduction
-        (64, 32, 8, 64, 2048, False),  # the 1B shape at batch 64: 64-row tiles, split reduction
+        (64, 32, 8, 64, 2048, False),  # the 1B shape at batch 64: 64-row tiles, two splits (one wave)
+        (40, 16, 4, 64, 2304, True),  # 24 column tiles, 18 steps in five splits, the last of two steps
         (200, 9, 3, 64, 576, True),  # 64x64 tiles over four row tiles, the last partly past the rows
         (64, 32, 8, 128, 4096, True),  # the 8B shape at batch 64: 64 pairs of a head of 128 in two tiles
         (512, 32, 8, 64, 2048, False),  # a prefill chunk: projection through descriptors, then the rotation

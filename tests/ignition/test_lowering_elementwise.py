@@ -352,8 +352,12 @@ def test_attention_input_is_one_launch_at_decode(
         # 7 rows: 16-row tiles of 64 columns, 32 column pairs each: the 1536 pairs (1280 rotating, 256 of
         # value rows) in 48 column tiles; 16 reduction steps in 3 splits
         (7, 32, 8, 64, 2048, [1, 48, 3], 16, 32),
-        # the 1B shape at 64 rows: 64x64 tiles, 48 column tiles, 16 steps in 3 splits (144 programs)
-        (64, 32, 8, 64, 2048, [1, 48, 3], 64, 32),
+        # the 1B shape at 64 rows: 64x64 tiles, 48 column tiles, 16 steps in the 2 splits one wave holds
+        # (96 programs; the plain projection's 3 would make 144)
+        (64, 32, 8, 64, 2048, [1, 48, 2], 64, 32),
+        # 40 rows, 16 heads of 64 over 2304 inputs: 24 column tiles, 18 steps in the 5 splits one wave
+        # holds (120 programs; the plain projection's 6 would make 144)
+        (40, 16, 4, 64, 2304, [1, 24, 5], 64, 32),
         # 256 rows: the narrow 64x128 tiles, 64 pairs (two heads' rotation pairs) a tile: 4 x 24, no split
         (256, 32, 8, 64, 2048, [4, 24, 1], 64, 64),
         # the 8B shape at 64 rows: 64x64 tiles, 32 pairs (half a head of 128), 96 column tiles, 2 splits
@@ -449,6 +453,12 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
         (8, 16384, 2048, Tiles(16, 64, 128, 4, 4)),  # 256 tiles fill the machine: no split
         (8, 128256, 2048, Tiles(16, 128, 128, 4, 4)),
         (64, 2048, 2048, Tiles(64, 64, 128, 4, 3, split=4)),
+        # 64-row tiles split on to two programs a multiprocessor while each part keeps four steps
+        (64, 2048, 8192, Tiles(64, 64, 128, 4, 3, split=8)),  # 32 tiles, 64 steps: 256 programs
+        (48, 4096, 14336, Tiles(64, 64, 128, 4, 3, split=4)),  # 64 tiles, 112 steps: 256 programs
+        (64, 4096, 4096, Tiles(64, 64, 128, 4, 3, split=4)),  # 64 tiles, 32 steps: 256 programs
+        (64, 576, 1536, Tiles(64, 64, 128, 4, 3, split=12)),  # 9 tiles of 12 steps: one a step, as before
+        (64, 16384, 2048, Tiles(64, 64, 128, 4, 3)),  # 256 tiles: no split
         (130, 1000, 200, Tiles(64, 128, 64, 4, 4, split=4)),  # no more splits than reduction steps
         (512, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),
         (512, 2048, 8192, Tiles(128, 64, 64, 8, 3, split=2)),  # prefill chunks keep 128-row tiles
@@ -470,7 +480,8 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
     rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
     """About one program a multiprocessor: ``cdiv(132, tiles)`` splits, at most one per reduction step,
-    every split but the last the same number of steps; the narrow outputs of 65 to 256 rows (64x128 tiles,
+    every split but the last the same number of steps (64-row tiles: up to two programs a multiprocessor
+    while each split keeps four steps); the narrow outputs of 65 to 256 rows (64x128 tiles,
     128x128 ones over 12288 inputs or more) split only within one wave: ``132 // tiles`` parts. Wide
     outputs and prefill chunks whose 128x128 tiles reach two thirds of the multiprocessors take those
     tiles through tensor descriptors; the widest projections of a prefill chunk (four tiles a

@@ -48,8 +48,9 @@ Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as t
 rows, where the projection takes matrix tiles fed by per-thread loads, :func:`rotary_input_kernel`
 stages the norm as ``rmsnorm`` does and writes each row's rotation factors (cos and sin of every
 pair's angle, computed once a row), and :func:`rotary_projection_kernel` computes the projection's
-tiles on the matrix units, each tile's columns as pairs (first members and partners, two
-accumulators), its reduction split as ``linear.py``'s, and rotates and stores in the epilogue: two
+tiles on the matrix units, each tile's columns as pairs (the first members' weight rows, then the
+partners', in one product whose accumulator the epilogue splits), its reduction split as
+``linear.py``'s (:func:`~ignition.kernels.linear.rotary_tiles`), and rotates and stores in the epilogue: two
 launches, as the norm and the projection were before, and no ``rope_kv_cache_write`` after them.
 Prefill chunks whose projection takes tensor descriptors, and one or two rows of more than
 ``FUSED_INPUTS`` inputs, lower to the projection into a workspace, then ``rope_kv_cache_write``.
@@ -71,6 +72,7 @@ from ignition.kernels.linear import (
     choose_tiles,
     describes,
     project,
+    rotary_tiles,
     staged_input,
 )
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
@@ -933,54 +935,53 @@ def rotary_projection_kernel(  # type: ignore[no-untyped-def]
 
     Column tile ``program_id(1)`` holds ``PAIRS`` column pairs (:func:`_rotary_pairs`: rotation pairs of
     the query and key heads, however many heads that spans, then pairs of value rows): each reduction step
-    multiplies the input tile with the block of first members and the block of their partners into two
-    accumulators, so each pair's sums meet in one thread. With ``SPLIT`` > 1 the reduction is split as
-    ``projection_kernel``'s (``linear.py``): each split stores both partial tiles, and the last of a tile
-    to finish adds them in split order, rotates and stores. Each row's cos and sin come from
-    ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a row rather than once a column tile.
+    loads the weight rows of the first members, then those of their partners, as one ``2 * PAIRS``-row block
+    and multiplies it with the input tile in one product; the epilogue splits the accumulator into the
+    first members' and the partners' sums, so each pair's sums meet in one thread. With ``SPLIT`` > 1 the
+    reduction is split as ``projection_kernel``'s (``linear.py``): each split stores its partial tile, and
+    the last of a tile to finish adds them in split order, rotates and stores. Each row's cos and sin come
+    from ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a row rather than once a column tile.
     """
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
     pid_k = tl.program_id(2)
-    pair = tile * PAIRS + tl.arange(0, PAIRS)
-    first, second, within, rotating, valid = _rotary_pairs(pair, HEADS, KV_HEADS, D, HALF_PAIRS)
+    column = tl.arange(0, 2 * PAIRS)
+    column_first, column_second, _, _, column_valid = _rotary_pairs(
+        tile * PAIRS + column % PAIRS, HEADS, KV_HEADS, D, HALF_PAIRS
+    )
+    weight_row = tl.where(column < PAIRS, column_first, column_second)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < rows
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc_first = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
-    acc_second = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, 2 * PAIRS], dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BLOCK_K):
         offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
         k_ok = (offs_k < K)[None, :]
         xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
-        w_mask = valid[:, None] & k_ok
-        w_first = tl.load(w_ptr + first[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        w_second = tl.load(w_ptr + second[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-        acc_first = tl.dot(xs.to(w_first.dtype), tl.trans(w_first), acc_first)
-        acc_second = tl.dot(xs.to(w_second.dtype), tl.trans(w_second), acc_second)
+        w = tl.load(w_ptr + weight_row[:, None] * K + offs_k[None, :], mask=column_valid[:, None] & k_ok, other=0.0)
+        acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
     last = True
     if SPLIT > 1:
         split_tile = tile * tl.num_programs(0) + pid_m
-        area = BLOCK_M * PAIRS
-        block = tl.arange(0, BLOCK_M)[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]
-        tl.store(partial_ptr + (split_tile * SPLIT + pid_k) * (2 * area) + block, acc_first)
-        tl.store(partial_ptr + (split_tile * SPLIT + pid_k) * (2 * area) + area + block, acc_second)
+        area = BLOCK_M * 2 * PAIRS
+        block = tl.arange(0, BLOCK_M)[:, None] * (2 * PAIRS) + column[None, :]
+        tl.store(partial_ptr + (split_tile * SPLIT + pid_k) * area + block, acc)
         # every thread's partials are stored before the count (barrier, then a release); the last split
         # reads them after its acquire, past L1
         tl.debug_barrier()
         counter = counter_ptr + split_tile
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
         if last:
-            acc_first = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
-            acc_second = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, 2 * PAIRS], dtype=tl.float32)
             for split in range(SPLIT):
-                part = partial_ptr + (split_tile * SPLIT + split) * (2 * area)
-                acc_first += tl.load(part + block, cache_modifier=".cg")
-                acc_second += tl.load(part + area + block, cache_modifier=".cg")
+                acc += tl.load(partial_ptr + (split_tile * SPLIT + split) * area + block, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     if last:
+        pair = tile * PAIRS + tl.arange(0, PAIRS)
+        first, second, within, rotating, valid = _rotary_pairs(pair, HEADS, KV_HEADS, D, HALF_PAIRS)
+        acc_first, acc_second = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, PAIRS]), (0, 2, 1)))
         factors = factor_ptr + offs_m[:, None] * D + within[None, :]
         cos = tl.load(factors, mask=m_ok[:, None], other=1.0)
         sin = tl.load(factors + D // 2, mask=m_ok[:, None], other=0.0)
@@ -1026,7 +1027,8 @@ def lower_attention_input(
     tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
     if tiles.block_m > 1 and not tiles.descriptors and tiles.block_n // 2 >= MIN_DOT_COLUMNS:
         # Matrix tiles fed by per-thread loads: the norm staged, then the rotating projection.
-        return _rotary_projection(ctx, node, tiles, (rows, n, k), (heads, kv_heads, head_dim))
+        tiles = rotary_tiles(tiles, rows, n, k, multiprocessors=multiprocessors)
+        return rotary_projection(ctx, node, tiles, (rows, n, k), (heads, kv_heads, head_dim))
     if not tiles.per_sm or next_power_of_two(k) > FUSED_INPUTS:
         # Tiles through tensor descriptors (prefill chunks), or longer input rows at decode: the projection
         # into a workspace, then the rope + cache-write kernel reads it.
@@ -1086,7 +1088,7 @@ def lower_attention_input(
     return [launch]
 
 
-def _rotary_projection(
+def rotary_projection(
     ctx: LoweringContext,
     node: mf.Node,
     tiles: Tiles,

@@ -25,7 +25,8 @@ block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles; more rows (pr
 batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions, except the narrow outputs
 of up to 256 rows (fewer 128x128 tiles than multiprocessors), which take 64x128 tiles on four warps
 (128x128 ones over a reduction of 12288 inputs or more); each with the reduction split so that about
-one program a multiprocessor streams the weights (for the narrow tiles: no more programs than one wave).
+one program a multiprocessor streams the weights (for the narrow tiles: no more programs than one wave;
+for 64-row tiles: up to two programs a multiprocessor where each part keeps four reduction steps).
 
 Wide outputs (at least one 128x128 tile a multiprocessor) and prefill chunks whose 128x128 tiles reach
 two thirds of the multiprocessors read their inputs and weights through tensor descriptors: the copy
@@ -461,7 +462,7 @@ def choose_tiles(
         return _split_reduction(Tiles(16, block_n, 128, 4, 4), rows, n, k, multiprocessors)
     if rows <= 64:
         block_n = 128 if cdiv(n, 128) >= multiprocessors else 64
-        return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors)
+        return _split_reduction(Tiles(64, block_n, 128, 4, 3), rows, n, k, multiprocessors, two_a_multiprocessor=True)
     square_tiles = cdiv(rows, 128) * cdiv(n, 128)
     if describable and rows > 256 and k >= PERSISTENT_REDUCTION and square_tiles >= PERSISTENT_WAVES * multiprocessors:
         # A prefill chunk's wide projection over a long reduction (the 8B [gate|up] at 512 rows, 896
@@ -516,6 +517,10 @@ SPLIT_PROGRAMS = 1
 an H200 with ``benchmarks/projection_tiles.py``: two a multiprocessor made the 1B ``[gate|up]``
 projection of 8 rows a third slower than one; see docs/benchmarks.md)."""
 
+SPLIT_MIN_STEPS = 4
+"""Reduction steps each part of a 64-row tile's split keeps when the split goes past one program a
+multiprocessor (see :func:`_split_reduction`)."""
+
 
 def swiglu_tiles(plain: Tiles, rows: int, n: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
     """The tiles of a projection ending in SwiGLU over ``n`` rows of ``[gate | up]`` weights (each program over
@@ -547,14 +552,38 @@ def _split_within_one_wave(tiles: Tiles, rows: int, n: int, k: int, multiprocess
     return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
 
 
-def _split_reduction(tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int) -> Tiles:
+def _split_reduction(
+    tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int, *, two_a_multiprocessor: bool = False
+) -> Tiles:
     """``tiles`` with the reduction split so that about ``SPLIT_PROGRAMS`` programs a multiprocessor
     stream the weights (few rows or narrow outputs leave most multiprocessors idle otherwise); every
-    split but the last gets the same whole number of ``block_k`` steps."""
+    split but the last gets the same whole number of ``block_k`` steps.
+
+    With ``two_a_multiprocessor`` (64-row tiles, whose programs fit two a multiprocessor) the split goes
+    on up to two programs a multiprocessor as long as each part keeps ``SPLIT_MIN_STEPS`` steps. Measured
+    on an H200 (``benchmarks/projection_tiles.py --rows 64``, docs/benchmarks.md), the 1B down projection
+    (32 tiles over 8192 inputs) took 14.6 us in eight parts against 17.0 in five, the 8B one (64 tiles over
+    14336) 35.5 in four against 39.1 in three, the 8B output projection 14.1 against 14.9; a partial
+    second program on some multiprocessors (160 or 192 programs) was the slowest of those splits."""
     count = cdiv(rows, tiles.block_m) * cdiv(n, tiles.block_n)
     steps = cdiv(k, tiles.block_k)
-    wanted = max(1, min(cdiv(SPLIT_PROGRAMS * multiprocessors, count), steps))
+    wanted = cdiv(SPLIT_PROGRAMS * multiprocessors, count)
+    if two_a_multiprocessor:
+        wanted = max(wanted, min(2 * multiprocessors // count, steps // SPLIT_MIN_STEPS))
+    wanted = max(1, min(wanted, steps))
     return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
+
+
+def rotary_tiles(plain: Tiles, rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
+    """The tiles of the rotating ``[q | k | v]`` projection (``attention.py``) whose plain projection would
+    take ``plain``: 64-row tiles split into as many parts as fit one wave where that makes two parts or
+    more (the 1B projection of 64 rows, 48 tiles: 8.8 us in two parts against 10.6 in three and 10.1 in
+    four, measured on an H200 with ``benchmarks/projection_tiles.py --projections rotary``, docs/benchmarks.md),
+    else ``plain`` (the 8B one, 96 tiles: two parts, 20.6 us, as ``plain``)."""
+    if plain.block_m != 64 or rows > 64 or plain.descriptors:
+        return plain
+    one_wave = _split_within_one_wave(dataclasses.replace(plain, split=1), rows, n, k, multiprocessors)
+    return one_wave if one_wave.split > 1 else plain
 
 
 def check_projection(
