@@ -105,6 +105,9 @@ CANDIDATES = (
         descriptors=True,
     ),
     *_each_split(((128, 256, 64, 8, 3),), (1, 2, 4), descriptors=True),
+    # wide outputs of 64 rows (the LM head of a decode batch): two warpgroups over 256 columns
+    Tiles(64, 256, 64, 8, 3, descriptors=True),
+    Tiles(64, 256, 64, 8, 4, descriptors=True),
     # for the SwiGLU projection (two accumulators a tile): narrower column blocks, four stages
     Tiles(128, 64, 64, 8, 3, descriptors=True),
     Tiles(128, 64, 64, 8, 4, descriptors=True),
