@@ -323,7 +323,9 @@ def _run_shell_block(session: Session, block: Block, first: bool) -> str:
 def _check_output(block: Block, output: str) -> None:
     """Shape checks of the outputs the README shows (the synthetic model's text is noise)."""
     if block.language == "python" and "tool_choice" in block.text:
-        lines = output.strip().splitlines()
+        # One line a call: split on newlines only, since str.splitlines() also breaks at characters a
+        # JSON string may hold unescaped (U+0085, U+2028, U+2029).
+        lines = output.rstrip("\n").split("\n")
         assert len(lines) == 1, output
         name, _, arguments = lines[0].partition(" ")
         assert name == "get_weather"

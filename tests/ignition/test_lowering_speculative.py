@@ -85,6 +85,7 @@ def test_sample_verify_samples_each_position_with_the_sample_kernels() -> None:
     assert workspaces["workspace.verify.active"].dtype == mf.DTYPE_U8
 
 
+@pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
 def test_constrained_verification_hands_each_position_its_mask_rows() -> None:
     """With the grammar inputs, every position's ``sample`` launches read the ``[B, words]`` mask workspace
     (which the begin and step launches fill from rows ``start_r + j``) and the node's own flags."""
@@ -137,6 +138,7 @@ def test_sample_verify_rejects_bad_grammar_inputs(change: dict[str, Any], messag
         lower("sample_verify", arrays, {"vocab_limit": VOCAB})
 
 
+@pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
 def test_width_one_runs_one_position_without_candidates() -> None:
     _, launches = lower("sample_verify", _verify_arrays(1), {"vocab_limit": VOCAB})
     assert [launch.symbol for launch in launches] == ["_verify_begin_kernel", *SAMPLE_SYMBOLS, "_verify_step_kernel"]

@@ -61,6 +61,7 @@ def test_recurrent_core_lowers_every_node_for_sm_90a() -> None:
     assert tuple(scan.launches[0].grid) == (4, 1, 1)  # one program per lane of the 32 state channels
 
 
+@pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
 def test_latent_core_with_records_and_a_page_offset_lowers_every_node_for_sm_90a() -> None:
     model = latent_declaration("tiny", tokens_per_record=2, page_offset=1)
     serving, builder, resources = assemble_latent(model, dataclasses.replace(CAPS, snapshots=0), gpu_targets=["sm_90a"])
