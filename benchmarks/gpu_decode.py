@@ -27,6 +27,14 @@ programs plus an ``all_reduce`` after every output and down projection, run on o
 NCCL communicator captured into each program's CUDA graph) and its batch-1 decode is measured the same way
 and shown beside the plain core's, in the ``tp1 ms/step`` column.
 
+With ``--ranks N`` (N >= 2) each shape is also built with ``--tensor-parallel N`` and served on N ranks (on
+``cuda``: one CUDA backend on each of GPUs 0..N-1 of the process, one NCCL group, the collectives captured in
+every rank's graphs; on ``cpu``: N reference thread ranks); its decode at every batch goes to a second table
+beside the one-rank figures and the PyTorch graph of the same run, with the cost of one in-place bf16
+``all_reduce`` of a decode step's activations (batch x hidden) over the N GPUs, measured alone: 64 calls
+captured back to back into one CUDA graph a rank, all ranks launched together, the slowest rank's time over 64
+(median of 5 launches), and the share of the N-rank step those calls take (two a layer).
+
 ``--kinds llama,recurrent,latent,window`` adds, for each shape, one batch-1 decode row per other history kind
 beside the Llama row: ``recurrent`` a ``recurrent-synthetic`` core, ``latent`` a ``latent-synthetic`` core
 (their ``small`` shape, ``tiny`` for the ``tiny`` shape; float32 weights, the same capacities and targets),
@@ -34,6 +42,7 @@ beside the Llama row: ``recurrent`` a ``recurrent-synthetic`` core, ``latent`` a
 build fails (a target it has no kernels for) is reported as a failure of that row only.
 
     python benchmarks/gpu_decode.py [--shapes 135m,1b,8b] [--cores DIR] [--out FILE] [--tensor-parallel-1]
+    python benchmarks/gpu_decode.py --shapes 8b --ranks 2          # two GPUs: the ranks table
     python benchmarks/gpu_decode.py --shapes 1b --kinds llama,recurrent,latent,window
     python benchmarks/gpu_decode.py --device cpu --shapes tiny    # checks the script without a GPU
 
@@ -125,6 +134,8 @@ class Plan:
     seed: int
     tensor_parallel_1: bool = False
     """Also build each shape with ``--tensor-parallel 1`` and measure its batch-1 decode."""
+    ranks: int = 1
+    """N >= 2: also build each shape with ``--tensor-parallel N`` and measure its decode at every batch on N ranks."""
     kinds: tuple[str, ...] = ("llama",)
     """History kinds measured; each but ``llama`` adds a batch-1 decode row per shape."""
     cache_dtype: str = "bf16"
@@ -169,12 +180,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
         budget_s=args.budget,
         seed=args.seed,
         tensor_parallel_1=args.tensor_parallel_1,
+        ranks=args.ranks,
         kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
         cache_dtype=args.cache_dtype,
     )
     unknown_kinds = [k for k in plan.kinds if k not in KINDS]
     if unknown_kinds or "llama" not in plan.kinds:
         raise SystemExit(f"--kinds must name llama and any of {', '.join(KINDS[1:])}, got {args.kinds}")
+    if plan.ranks < 1:
+        raise SystemExit(f"--ranks must be at least 1, got {plan.ranks}")
     if not batches or min(batches) <= 0 or plan.prompt <= 0 or plan.tokens < 4:
         raise SystemExit("batches and prompt must be positive and --tokens at least 4")
     if plan.prompt + plan.tokens > plan.context or plan.prefill + 2 > plan.context:
@@ -193,7 +207,7 @@ class CoreSpec:
     path: str
     arguments: tuple[str, ...]
     tensor_parallel: int = 0
-    """1: the ``--tensor-parallel 1`` twin of the shape's core (its figures go to the shape's ``tp1`` entry)."""
+    """N >= 1: the ``--tensor-parallel N`` twin of the shape's core (its figures go to the shape's ``tpN`` entry)."""
     kind: str = "llama"
     """Another history kind's core of the shape (its figures go to the shape's entry of that kind)."""
 
@@ -227,6 +241,10 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
             specs.append(
                 CoreSpec(shape, str(twin), (*arguments, "--tensor-parallel", "1", "--sign-key", str(signing_key)), 1)
             )
+        if plan.ranks > 1:
+            ranked = path.with_name(path.stem + f"-tp{plan.ranks}.core")
+            options = ("--tensor-parallel", str(plan.ranks), "--sign-key", str(signing_key))
+            specs.append(CoreSpec(shape, str(ranked), (*arguments, *options), plan.ranks))
         for kind in plan.kinds:
             if kind != "llama":
                 specs.append(kind_spec(plan, kind, shape, arguments, path, signing_key))
@@ -253,10 +271,10 @@ def kind_spec(
 
 
 def spec_entry(report: Report, spec: CoreSpec) -> dict[str, Any]:
-    """The report entry of a core: its shape's, or the shape's ``tp1`` entry for the tensor-parallel twin."""
+    """The report entry of a core: its shape's, or the shape's ``tpN`` entry for a tensor-parallel twin."""
     entry = report.shape(spec.shape)
     if spec.tensor_parallel:
-        twin: dict[str, Any] = entry.setdefault("tp1", {})
+        twin: dict[str, Any] = entry.setdefault(f"tp{spec.tensor_parallel}", {})
         return twin
     if spec.kind != "llama":
         beside: dict[str, Any] = entry.setdefault("kinds", {}).setdefault(spec.kind, {})
@@ -267,7 +285,7 @@ def spec_entry(report: Report, spec: CoreSpec) -> dict[str, Any]:
 def spec_phase(spec: CoreSpec, phase: str) -> str:
     if spec.kind != "llama":
         return f"{spec.kind} {phase}"
-    return f"tp1 {phase}" if spec.tensor_parallel else phase
+    return f"tp{spec.tensor_parallel} {phase}" if spec.tensor_parallel else phase
 
 
 def build_child(spec_json: str) -> int:
@@ -933,6 +951,132 @@ def measure_tp1_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: dict
         _close(running, wedged)
 
 
+def measure_ranked_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: dict[str, Any]) -> None:
+    """Decode at every batch of the ``--tensor-parallel N`` core served on N ranks into ``entry`` (the shape's
+    ``tpN`` entry), and on CUDA the cost of one all_reduce of each batch's activations over the N GPUs."""
+    from helios_core.contract import LoadOptions
+    from helios_core.loading import TrustSettings
+    from helios_core.ops.catalogue import COLLECTIVE_OPERATORS
+    from helios_core.runtime.startup import start
+
+    pages_per_request = -(-plan.context // plan.page_tokens)
+    per_request = -(-(plan.prompt + plan.tokens) // plan.page_tokens) + 1
+    pages = max(pages_per_request, int(plan.max_rows * per_request * 1.1) + pages_per_request)
+    options = LoadOptions(max_active=plan.max_rows, queue_capacity=plan.max_rows, cache_pages=pages)
+    began = time.monotonic()
+    running = start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
+    entry["load_s"] = time.monotonic() - began
+    entry["ranks"] = running.model.ranks
+    entry["decode"] = {}
+    log(f"{spec.shape}: {spec.tensor_parallel} ranks started on {plan.backend} in {entry['load_s']:.1f} s")
+    wedged = False
+    try:
+        contract = running.verified.contract
+        decode = next(p for p in contract.execution.programs if p.name == "decode_b1")
+        entry["collectives_per_decode"] = sum(node.op.name in COLLECTIVE_OPERATORS for node in decode.nodes)
+        clock = RoundClock(running)
+        rng = np.random.default_rng(plan.seed + 11)
+        vocab = model_facts(contract).input_vocab
+        collect(running.engine, _requests("warm", 1, plan.prompt, 8, vocab, rng), plan.timeout_s)
+        for batch in plan.batches:
+            with _wave_errors(entry, f"batch {batch}", spec.shape):
+                window = _decode_wave(running.engine, clock, batch, plan, vocab, rng)
+                entry["decode"][str(batch)] = window
+                log(
+                    f"{spec.shape}: {spec.tensor_parallel} ranks batch {batch}: {window['ms_per_step']:.3f} ms/step, "
+                    f"{window['tokens_per_s']:.0f} tok/s ({entry['collectives_per_decode']} collectives a step)"
+                )
+    except BaseException:
+        wedged = True
+        raise
+    finally:
+        _close(running, wedged)
+    if plan.device == "cuda":
+        hidden = model_facts_hidden(contract)
+        with _wave_errors(entry, "all_reduce", spec.shape):
+            entry["all_reduce_us"] = all_reduce_costs(spec.tensor_parallel, hidden, plan.batches)
+            log(f"{spec.shape}: one all_reduce over {spec.tensor_parallel} GPUs, µs by batch: {entry['all_reduce_us']}")
+
+
+def model_facts_hidden(contract: Any) -> int:
+    """The hidden size of a synthetic Llama core (the columns of its token embedding)."""
+    return _dims(contract, "tok_embd")[-1]
+
+
+def all_reduce_costs(
+    ranks: int, hidden: int, batches: Sequence[int], calls: int = 64, repeats: int = 5
+) -> dict[str, float]:
+    """Microseconds of one in-place bf16 all_reduce of batch x hidden elements over GPUs 0..ranks-1, by batch:
+    ``calls`` of them captured back to back into one CUDA graph a rank (as a decode step's collectives are), all
+    ranks launched together, the slowest rank's graph time over ``calls`` (median of ``repeats`` launches after
+    one untimed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helios_core.backends.cuda_driver import open_context
+    from helios_core.backends.nccl import NcclCommunicator, load_library, nccl_dtype
+    from helios_core.wire import manifest_pb2 as mf
+
+    bf16 = nccl_dtype(mf.DTYPE_BF16)
+    contexts = [open_context(rank) for rank in range(ranks)]
+    communicators: list[Any] = []
+    costs: dict[str, float] = {}
+    try:
+        communicators = NcclCommunicator.group(load_library(), contexts)
+        for batch in batches:
+            count = batch * hidden
+
+            def captured_on(rank: int, count: int = count) -> tuple[Any, int, Any, Any, Any]:
+                # one thread a rank: an NCCL call of one rank may wait on the host for its peers' calls
+                context, communicator = contexts[rank], communicators[rank]
+                context.make_current()
+                buffer = context.alloc(count * 2)
+                context.memset(buffer, count * 2)
+
+                def issue(stream: int) -> None:
+                    for _ in range(calls):
+                        communicator.all_reduce(buffer, buffer, count, bf16, stream)
+
+                captured = context.capture(issue)
+                builder = context.graph()
+                builder.child(captured, None)
+                return context, buffer, captured, builder, builder.instantiate()
+
+            with ThreadPoolExecutor(max_workers=ranks) as pool:
+                graphs = list(pool.map(captured_on, range(ranks)))
+            times = []
+            for repeat in range(repeats + 1):
+                events = []
+                for context, _, _, _, executable in graphs:
+                    context.make_current()
+                    start, end = context.timing_event(), context.timing_event()
+                    context.record(start)
+                    context.launch_graph(executable)
+                    context.record(end)
+                    events.append((context, start, end))
+                slowest = 0.0
+                for context, start, end in events:
+                    context.make_current()
+                    context.synchronize()
+                    slowest = max(slowest, context.elapsed_ms(start, end))
+                    context.destroy_event(start)
+                    context.destroy_event(end)
+                if repeat:
+                    times.append(slowest)
+            costs[str(batch)] = statistics.median(times) * 1000 / calls
+            for context, buffer, captured, builder, executable in graphs:
+                context.make_current()
+                context.destroy_graph(executable)
+                builder.destroy()
+                context.destroy_captured(captured)
+                context.free(buffer)
+    finally:
+        for communicator in communicators:
+            communicator.close()
+        for context in contexts:
+            context.close()
+    return costs
+
+
 def _decode_wave(
     engine: Any, clock: RoundClock, batch: int, plan: Plan, vocab: int, rng: np.random.Generator
 ) -> dict[str, Any]:
@@ -1580,7 +1724,58 @@ def print_table(report: Report) -> None:
             notes.append(f"PyTorch {key} FAILED: {error[:160]}")
         if notes:
             print(f"{name}: " + "; ".join(notes))
+    if plan.get("ranks", 1) > 1:
+        print_ranks_table(report)
     print(f"JSON: {report.path}")
+
+
+RANK_HEADERS = (
+    "shape", "batch", "1 rank ms/step", "N ranks ms/step", "N ranks / 1 rank", "graph ms/step", "N ranks vs graph",
+    "all_reduce µs", "all_reduces a step", "all_reduce share",
+)  # fmt: skip
+
+
+def rank_rows(report: Report) -> list[list[str]]:
+    """One row per (shape, batch) of the ``--ranks N`` twin beside the shape's one-rank and graph figures."""
+    plan = report.data["plan"]
+    rows: list[list[str]] = []
+    for name, entry in report.data["shapes"].items():
+        ranked = entry.get(f"tp{plan['ranks']}", {})
+        for batch in plan["batches"]:
+            key = str(batch)
+            one = entry.get("helios", {}).get("decode", {}).get(key, {}).get("ms_per_step")
+            many = ranked.get("decode", {}).get(key, {}).get("ms_per_step")
+            graph = entry.get("baseline", {}).get("graph", {}).get(key, {}).get("ms_per_step")
+            each = ranked.get("all_reduce_us", {}).get(key)
+            calls = ranked.get("collectives_per_decode")
+            share = each * calls / 1000 / many if each is not None and calls and many else None
+            rows.append(
+                [
+                    name, key, _cell(one), _cell(many), f"{many / one:.2f}" if one and many else "-", _cell(graph),
+                    f"{graph / many:.2f}x" if graph and many else "-", _cell(each, 1),
+                    str(calls) if calls is not None else "-", f"{share:.0%}" if share is not None else "-",
+                ]
+            )  # fmt: skip
+    return rows
+
+
+def print_ranks_table(report: Report) -> None:
+    ranks = report.data["plan"]["ranks"]
+    print()
+    print(f"tensor-parallel ranks: each shape built with --tensor-parallel {ranks} and served on {ranks} ranks")
+    print("| " + " | ".join(h.replace("N ranks", f"{ranks} ranks") for h in RANK_HEADERS) + " |")
+    print("| --- | --- | " + " | ".join("---:" for _ in RANK_HEADERS[2:]) + " |")
+    for row in rank_rows(report):
+        print("| " + " | ".join(row) + " |")
+    print(
+        f"1 rank and graph: the table above (the same weights on one GPU); {ranks} ranks: the same decode waves on "
+        f"the --tensor-parallel {ranks} core. all_reduce µs: one in-place bf16 all_reduce of batch x hidden over "
+        f"{ranks} GPUs, 64 captured back to back in one graph a rank, slowest rank, median of 5; share: all_reduces "
+        f"a step x its cost / the {ranks}-rank step."
+    )
+    for name, entry in report.data["shapes"].items():
+        for key, error in entry.get(f"tp{ranks}", {}).get("errors", {}).items():
+            print(f"{name}: {ranks} ranks {key} FAILED: {error[:160]}")
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -1615,6 +1810,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tensor-parallel-1",
         action="store_true",
         help="also build each shape with --tensor-parallel 1 and report its batch-1 decode beside the plain core",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="N >= 2: also build each shape with --tensor-parallel N and report its decode on N ranks (N GPUs)",
     )
     parser.add_argument(
         "--kinds",
@@ -1695,7 +1896,8 @@ def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
                 report.fail(spec.shape, spec_phase(spec, "decode"), f"skipped: past the {plan.budget_s:.0f} s budget")
                 continue
             try:
-                measure_tp1_decode(spec, public, plan, spec_entry(report, spec))
+                measure = measure_ranked_decode if spec.tensor_parallel > 1 else measure_tp1_decode
+                measure(spec, public, plan, spec_entry(report, spec))
             except (Interrupted, KeyboardInterrupt):
                 raise
             except Exception as exc:  # the plain core's figures stand without it

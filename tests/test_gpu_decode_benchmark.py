@@ -81,3 +81,28 @@ def test_the_round_clock_times_every_worker_phase_and_passes_calls_through() -> 
     assert benchmark.host_phases(clock.spans, first + 1, first + 2) == []
     (record,) = clock.records  # the completion of the launched round
     assert record.program == "decode"
+
+
+def test_the_ranks_table_puts_each_batch_beside_one_rank_the_graph_and_the_all_reduce_share() -> None:
+    benchmark = load_benchmark()
+    report = SimpleNamespace(
+        data={
+            "plan": {"ranks": 2, "batches": [1, 8]},
+            "shapes": {
+                "8b": {
+                    "helios": {"decode": {"1": {"ms_per_step": 4.0}, "8": {"ms_per_step": 5.0}}},
+                    "baseline": {"graph": {"1": {"ms_per_step": 6.0}}},
+                    "tp2": {
+                        "decode": {"1": {"ms_per_step": 2.5}, "8": {"ms_per_step": 4.0}},
+                        "collectives_per_decode": 64,
+                        "all_reduce_us": {"1": 12.5},
+                        "errors": {"batch 8": "TimeoutError: wave"},
+                    },
+                }
+            },
+        }
+    )
+    assert benchmark.rank_rows(report) == [
+        ["8b", "1", "4.000", "2.500", "0.62", "6.000", "2.40x", "12.5", "64", "32%"],
+        ["8b", "8", "5.000", "4.000", "0.80", "-", "-", "-", "64", "-"],
+    ]

@@ -2,8 +2,9 @@
 
 Owns how a ``BufferDecl`` becomes storage: symbolic leading extents (cache pages, state rows,
 snapshot rows) resolved to the physical capacities chosen at load, the element type, and which buffers
-hold per-page storage (what a page's copy to the host tier moves). Every
-backend allocates through these two functions, so their buffers agree exactly.
+hold per-page storage (what a page's copy to the host tier moves), and which declaration of a per-rank
+buffer a tensor-parallel rank allocates. Every backend allocates through these functions, so their
+buffers agree exactly.
 """
 
 from __future__ import annotations
@@ -51,3 +52,18 @@ def paged_buffers(decls: Iterable[mf.BufferDecl]) -> list[str]:
     """Names of the buffers holding per-page storage (leading dimension ``CACHE_PAGES``), in declaration
     order: what a page's copy to and from the host tier moves."""
     return [d.name for d in decls if d.shape and d.shape[0].symbol == mf.DIM_SYMBOL_CACHE_PAGES]
+
+
+def rank_declarations(execution: mf.ExecutionManifest, rank: int) -> dict[str, mf.BufferDecl]:
+    """The buffer declarations rank ``rank`` allocates, in declaration order: a name declared once
+    (replicated) as it is, a per-rank name (declared once for each rank) by its ``rank``'s declaration."""
+    declared: dict[str, list[mf.BufferDecl]] = {}
+    for decl in execution.buffers:
+        declared.setdefault(decl.name, []).append(decl)
+    chosen: dict[str, mf.BufferDecl] = {}
+    for name, decls in declared.items():
+        mine = decls[0] if len(decls) == 1 else next((d for d in decls if d.rank == rank), None)
+        if mine is None:
+            raise ContractError(f"per-rank buffer {name!r} has no declaration for rank {rank}")
+        chosen[name] = mine
+    return chosen

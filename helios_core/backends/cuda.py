@@ -44,12 +44,19 @@ holding the NCCL call (:mod:`~helios_core.backends.nccl`) captured on a stream i
 the kernel after it waits for it to finish, never as a programmatic dependent, whatever its
 ``programmatic_wait``. What each collective reads and writes (:func:`plan_collective`): its ``x`` and
 ``out`` views of device buffers (never transport entries or completion buffers), the same dtype, the
-element counts the operator fixes. The backend runs one rank: a core of more ranks is refused at load
-(:class:`~helios_core.errors.StartupError`), and a core with collective nodes gets a one-rank NCCL
-communicator, made at load and destroyed by :meth:`CudaBackend.close` after its graphs, so each
-collective is a copy on the device (nothing at all when ``out`` is ``x``). A core without collective
-nodes never loads NCCL. Launch parameters resolve buffer names to this frame's
-transport and completion addresses and to the shared buffers' addresses otherwise
+element counts the operator fixes. A backend holds one rank (``rank``, default 0) on one device: it
+allocates that rank's declaration of each per-rank buffer
+(:func:`~helios_core.backends.buffers.rank_declarations`), uploads it from that rank's WEIGHTS
+resources, and runs its collectives on the NCCL communicator it is given (:func:`check_rank`: rank
+``r`` of a group of the core's size; a core of several ranks is refused without one). A one-rank core
+with collective nodes gets a one-rank communicator of its own, so each collective is a copy on the
+device (nothing at all when ``out`` is ``x``). The communicator is destroyed by
+:meth:`CudaBackend.close` after the graphs that hold its collectives. A core without collective nodes
+never loads NCCL. The ranks of a core run as one backend a GPU behind
+:class:`~helios_core.backends.ranks.RankedBackend` (``helios_core.runtime.native_model``).
+
+Launch parameters resolve buffer names to this frame's transport and completion addresses and to the
+shared buffers' addresses otherwise
 (:func:`frame_addresses`); an empty buffer name passes a null address.
 
 Host tier of cache pages (:meth:`CudaBackend.reserve_host_pages`, once, at load): one page-locked host
@@ -85,7 +92,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
+from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, rank_declarations, runtime_shape
 from helios_core.backends.cuda_driver import Context, CudaError, GraphBuilder, HostBuffer, open_context, pack_params
 from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclUnavailableError, load_library, nccl_dtype
 from helios_core.backends.weights_loading import DecodedResource, decode_resources
@@ -106,6 +113,7 @@ __all__ = [
     "GraphStep",
     "Slot",
     "TransportLayout",
+    "check_rank",
     "check_targets",
     "copy_spans",
     "frame_addresses",
@@ -421,20 +429,22 @@ def reserved_device_nbytes(
     frames: int,
     sparse: Iterable[str] = (),
     copy_limit: int = TRANSPORT_COPY_LIMIT,
+    rank: int = 0,
 ) -> int:
     """Device bytes of everything but the cache planes: buffers, and each frame's copied transport
-    block and completion block (what a CUDA backend allocates besides its cache); ``sparse`` as for
-    :func:`plan_transport`."""
+    block and completion block (what the CUDA backend of ``rank`` allocates besides its cache);
+    ``sparse`` as for :func:`plan_transport`."""
     total = 0
     shapes: dict[str, tuple[int, ...]] = {}
-    for decl in execution.buffers:
+    decls = tuple(rank_declarations(execution, rank).values())
+    for decl in decls:
         shape = runtime_shape(decl, cache_pages=0, state_rows=state_rows, snapshot_rows=snapshot_rows)
         shapes[decl.name] = shape
         if decl.role in (mf.BUFFER_ROLE_CACHE_PLANE, mf.BUFFER_ROLE_COMPLETION):
             continue
         total += _align(math.prod(shape) * numpy_dtype(decl.name, decl.dtype).itemsize, STAGING_ALIGNMENT)
     transport = plan_transport(execution.transport, sparse=sparse, copy_limit=copy_limit)
-    completion = plan_completion(execution.buffers, shapes)
+    completion = plan_completion(decls, shapes)
     return total + frames * (transport.copied.nbytes + completion.nbytes)
 
 
@@ -502,6 +512,7 @@ class CudaBackend:
         context: Context | None = None,
         copy_limit: int = TRANSPORT_COPY_LIMIT,
         communicator: NcclCommunicator | None = None,
+        rank: int = 0,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(
@@ -509,6 +520,9 @@ class CudaBackend:
             )
         if snapshot_rows < 0:
             raise ValueError(f"snapshot_rows must not be negative, got {snapshot_rows}")
+        self._rank = rank
+        self._decls: tuple[mf.BufferDecl, ...] = ()
+        """The buffer declarations this rank allocates (a per-rank buffer's own, the replicated ones)."""
         self._closed = False
         self._frames_count = frames
         self._programmatic = programmatic
@@ -526,7 +540,7 @@ class CudaBackend:
         self._programs: dict[str, list[Any]] = {}
         self._transport_spans: dict[str, list[tuple[int, int]]] = {}
         self._completion_spans: dict[str, tuple[int, int] | None] = {}
-        self._paged = paged_buffers(contract.execution.buffers)
+        self._paged: list[str] = []
         self._host_pages: HostBuffer | None = None
         """The host tier's page slots (:meth:`reserve_host_pages`)."""
         self._host_page_count = 0
@@ -534,9 +548,7 @@ class CudaBackend:
         self._page_planes: list[tuple[int, int, int]] = []
         """Per paged buffer: (device address, bytes per page, offset within a host slot)."""
         self._cache_pages = cache_pages
-        self._snapshot_buffers = [
-            d.name for d in contract.execution.buffers if d.shape and d.shape[0].symbol == mf.DIM_SYMBOL_SNAPSHOT_ROWS
-        ]
+        self._snapshot_buffers: list[str] = []
         self._host_snapshots: HostBuffer | None = None
         """The checkpoint host tier's slots (:meth:`reserve_host_snapshots`)."""
         self._host_snapshot_count = 0
@@ -545,6 +557,12 @@ class CudaBackend:
         """Per snapshot buffer: (device address, bytes per snapshot row, offset within a host slot)."""
         self._snapshot_row_count = 0
         try:
+            check_rank(contract, rank, communicator)
+            self._decls = tuple(rank_declarations(contract.execution, rank).values())
+            self._paged = paged_buffers(self._decls)
+            self._snapshot_buffers = [
+                d.name for d in self._decls if d.shape and d.shape[0].symbol == mf.DIM_SYMBOL_SNAPSHOT_ROWS
+            ]
             if self._context is None:
                 self._context = open_context(device)
             self._start(contract, core, cache_pages, state_rows, snapshot_rows, copy_limit)
@@ -558,6 +576,18 @@ class CudaBackend:
     def frames(self) -> int:
         """Execution frames (each has its own transport staging, completion record and fence)."""
         return self._frames_count
+
+    @property
+    def rank(self) -> int:
+        """The tensor-parallel rank whose buffers this backend holds (0 for a one-rank core)."""
+        return self._rank
+
+    def abort_collectives(self) -> None:
+        """A rank of the group failed: abort this rank's NCCL communicator, so collectives waiting on the device
+        for the failed rank end instead of spinning. Programs with collectives cannot run afterwards."""
+        if self._communicator is not None and self._context is not None:
+            self._context.bind()
+            self._communicator.abort()
 
     @property
     def programs(self) -> tuple[str, ...]:
@@ -856,27 +886,22 @@ class CudaBackend:
         execution = contract.execution
         architecture = context.architecture
         self._target = architecture
-        if contract.ranks > 1:
-            raise StartupError(
-                f"the core is built for {contract.ranks} tensor-parallel ranks and the CUDA backend runs one rank "
-                "on one GPU; --backend reference runs the ranks as threads"
-            )
         check_targets(execution, architecture)
         entries = {e.name for e in execution.transport.entries}
-        for decl in execution.buffers:
+        for decl in self._decls:
             if decl.name in entries:
                 raise ContractError(f"buffer {decl.name!r} is declared both as a buffer and as a transport entry")
         shapes = {
             d.name: runtime_shape(d, cache_pages=cache_pages, state_rows=state_rows, snapshot_rows=snapshot_rows)
-            for d in execution.buffers
+            for d in self._decls
         }
         functions = self._load_code(execution, core, architecture)
-        self._allocate_buffers(execution, core, shapes)
-        self._buffer_dtypes = {d.name: int(d.dtype) for d in execution.buffers if d.name in self._shared}
+        self._allocate_buffers(core, shapes)
+        self._buffer_dtypes = {d.name: int(d.dtype) for d in self._decls if d.name in self._shared}
         self._transport_layout = plan_transport(
             execution.transport, sparse=sparse_entries(contract), copy_limit=copy_limit
         )
-        self._completion_layout = plan_completion(execution.buffers, shapes)
+        self._completion_layout = plan_completion(self._decls, shapes)
         fields: dict[int, str] = {}
         for record in execution.completion:
             if record.buffer not in self._completion_layout.slots:
@@ -948,13 +973,12 @@ class CudaBackend:
                 ) from exc
         return functions
 
-    def _allocate_buffers(
-        self, execution: mf.ExecutionManifest, core: CoreFile, shapes: Mapping[str, tuple[int, ...]]
-    ) -> None:
-        """Every non-completion buffer once: weights uploaded (each resource read once), the rest zeroed."""
+    def _allocate_buffers(self, core: CoreFile, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Every non-completion buffer of this rank once: weights uploaded from this rank's resources (each
+        read once), the rest zeroed."""
         context = self._ctx
         weights: dict[str, list[mf.BufferDecl]] = {}
-        for decl in execution.buffers:
+        for decl in self._decls:
             if decl.role == mf.BUFFER_ROLE_COMPLETION:
                 continue
             dtype = numpy_dtype(decl.name, decl.dtype)
@@ -1121,7 +1145,7 @@ class CudaBackend:
     def _run_tuning(self, execution: mf.ExecutionManifest) -> None:
         """Run each tuning producer once, then drain: tuned buffers are filled before serving starts."""
         tuning = {p.name for p in execution.tuning_programs}
-        buffers = {b.name for b in execution.buffers}
+        buffers = {b.name for b in self._decls}
         for producer in execution.tuning:
             if producer.program not in tuning:
                 raise ContractError(f"tuning producer {producer.program!r} has no program in the tuning catalog")
@@ -1133,6 +1157,27 @@ class CudaBackend:
                 self.drain()
             except CudaError as exc:
                 raise CudaError(f"tuning producer {producer.program!r}: {exc}") from exc
+
+
+def check_rank(contract: PreparedContract, rank: int, communicator: NcclCommunicator | None) -> None:
+    """A backend of ``rank`` over ``communicator`` fits the core: the rank is one of the core's, and a core of
+    several ranks comes with the NCCL communicator of that rank in a group of the core's size (a one-rank
+    core may come without one: it gets a group of one when it has collective nodes)."""
+    ranks = max(contract.ranks, 1)
+    if not 0 <= rank < ranks:
+        raise StartupError(f"rank {rank} is not one of the core's {ranks} tensor-parallel ranks")
+    if communicator is None:
+        if ranks > 1:
+            raise StartupError(
+                f"the core is built for {ranks} tensor-parallel ranks: the CUDA backend of rank {rank} needs that "
+                f"rank's NCCL communicator in a group of {ranks}"
+            )
+        return
+    if (communicator.rank, communicator.size) != (rank, ranks):
+        raise StartupError(
+            f"the NCCL communicator is rank {communicator.rank} of {communicator.size}; this backend is rank {rank} "
+            f"of the core's {ranks}"
+        )
 
 
 def _one_rank_communicator() -> NcclCommunicator:

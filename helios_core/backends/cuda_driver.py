@@ -119,6 +119,15 @@ def device_architecture(device: int = 0) -> str:
     return architecture_name(*_compute_capability(cu, _device(cu, device)))
 
 
+def device_count() -> int:
+    """The CUDA devices this process sees (0 without a driver; never raises)."""
+    try:
+        cu = _init()
+        return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+    except HeliosError:
+        return 0
+
+
 def open_context(device: int = 0) -> Context:
     """The primary context of ``device`` (raises :class:`CudaUnavailableError` without a driver or device)."""
     return Context(device)
@@ -140,6 +149,11 @@ class HostBuffer:
         return np.frombuffer(memoryview(storage).cast("B"), dtype=np.uint8)
 
 
+_CURRENT = threading.local()
+"""The :class:`Context` made current on each thread (``context``), so :meth:`Context.bind` calls the driver
+only when the thread's current context changes."""
+
+
 class Context:
     """The primary context of one device, current on the calling thread, and its stream.
 
@@ -154,7 +168,6 @@ class Context:
         self._device_allocations: set[int] = set()
         self._host_allocations: set[int] = set()
         self._modules: list[Any] = []
-        self._bound = threading.local()
         self._capture_stream: Any = None
         """The stream :meth:`capture` records on (made on first use)."""
         self.device = _device(cu, device)
@@ -191,14 +204,17 @@ class Context:
 
     def make_current(self) -> None:
         check(self._cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        self._bound.current = True
+        _CURRENT.context = self
 
     def bind(self) -> None:
-        """Make the context current on the calling thread, once per thread (driver calls need it)."""
-        if not getattr(self._bound, "current", False):
+        """Make the context current on the calling thread unless it already is (driver calls need it); a
+        thread that drives the contexts of several devices (tensor-parallel ranks) switches between them."""
+        if getattr(_CURRENT, "context", None) is not self:
             self.make_current()
 
     def free_memory(self) -> int:
+        """Free bytes of this context's device."""
+        self.bind()
         free, _total = check(self._cu.cuMemGetInfo(), "cuMemGetInfo")
         return int(free)
 
@@ -387,6 +403,7 @@ class Context:
                 errors.append(exc)
 
         attempt(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        _CURRENT.context = None  # released below: the next bind on this thread sets its context again
         attempt(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
         attempt(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         for module in self._modules:

@@ -1,7 +1,8 @@
 """NCCL through ctypes: the collective library the CUDA backend runs a core's collective nodes with.
 
 Owns every call Helios makes into ``libnccl.so.2``: finding the library, the 128-byte unique id that
-names a communicator group, creating and destroying a communicator of one rank, and enqueueing
+names a communicator group, creating communicators (one rank; the ranks of one process, one a device;
+one rank of a group spread over processes), destroying and aborting them, and enqueueing
 ``ncclAllReduce``, ``ncclAllGather`` and ``ncclBroadcast`` on a CUDA stream (the CUDA backend enqueues
 them on a stream under capture, so each lands in the program's CUDA graph). Every result code is
 checked; a failure raises :class:`NcclError` naming the call, the result and NCCL's own description.
@@ -25,7 +26,7 @@ import ctypes
 import importlib.util
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
@@ -163,6 +164,7 @@ _SIGNATURES: Final[Mapping[str, tuple[Any, list[Any]]]] = MappingProxyType(
         "ncclGetUniqueId": (ctypes.c_int, [ctypes.POINTER(UniqueId)]),
         "ncclCommInitRank": (ctypes.c_int, [ctypes.POINTER(_Comm), ctypes.c_int, UniqueId, ctypes.c_int]),
         "ncclCommDestroy": (ctypes.c_int, [_Comm]),
+        "ncclCommAbort": (ctypes.c_int, [_Comm]),
         "ncclAllReduce": (
             ctypes.c_int,
             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _Comm, _Stream],
@@ -243,6 +245,10 @@ class NcclLibrary:
     def destroy(self, communicator: int) -> None:
         self._call("ncclCommDestroy", _Comm(communicator))
 
+    def abort(self, communicator: int) -> None:
+        """``ncclCommAbort``: stop the communicator's operations still on the device and free it."""
+        self._call("ncclCommAbort", _Comm(communicator))
+
     def all_reduce(self, send: int, recv: int, count: int, dtype: int, communicator: int, stream: int) -> None:
         """Enqueue a sum ``ncclAllReduce`` of ``count`` elements of ``ncclDataType_t`` ``dtype``."""
         self._call(
@@ -320,6 +326,32 @@ class NcclCommunicator:
         handle = library.init_rank(1, library.unique_id(), 0)
         return cls(library, handle, rank=0, size=1)
 
+    @classmethod
+    def group(cls, library: NcclLibrary, contexts: Sequence[Any]) -> list[NcclCommunicator]:
+        """The communicators of this process's ranks, rank ``i`` on the device of ``contexts[i]`` (objects
+        with ``make_current()``): one unique id, and every rank's ``ncclCommInitRank`` with its device's
+        context current, between ``ncclGroupStart`` and ``ncclGroupEnd`` (how one thread creates the ranks
+        of several devices; each would otherwise wait for the others)."""
+        size = len(contexts)
+        if size < 1:
+            raise NcclError("an NCCL group needs at least one rank", call="ncclCommInitRank")
+        unique_id = library.unique_id()
+        handles: list[int] = []
+        library.group_start()
+        try:
+            for rank, context in enumerate(contexts):
+                context.make_current()
+                handles.append(library.init_rank(size, unique_id, rank))
+        finally:
+            library.group_end()
+        return [cls(library, handle, rank=rank, size=size) for rank, handle in enumerate(handles)]
+
+    @classmethod
+    def joined(cls, library: NcclLibrary, size: int, unique_id: bytes, rank: int) -> NcclCommunicator:
+        """Rank ``rank`` of a group of ``size`` ranks spread over processes, on the current device; returns
+        once every rank has joined with the same ``unique_id`` (made by one of them, sent to the others)."""
+        return cls(library, library.init_rank(size, unique_id, rank), rank=rank, size=size)
+
     @property
     def handle(self) -> int:
         if self._handle is None:
@@ -342,3 +374,10 @@ class NcclCommunicator:
         handle, self._handle = self._handle, None
         if handle is not None:
             self.library.destroy(handle)
+
+    def abort(self) -> None:
+        """``ncclCommAbort`` once: a rank of the group failed, so collectives waiting on the device for it
+        end instead of spinning, and the communicator is gone (a later :meth:`close` does nothing)."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self.library.abort(handle)

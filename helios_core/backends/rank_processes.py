@@ -14,7 +14,7 @@ TCP (``helios rank``):
   Proofs are compared in constant time. A peer that fails the proof, names a rank outside ``1..N-1`` or one
   already joined, or carries another core is refused with a logged reason and never joins; the leader goes on
   waiting for the right peers until ``join_timeout_s``;
-* :class:`ProcessRankedBackend`: the runtime's ``Backend`` over rank 0's reference backend in the leader and
+* :class:`ProcessRankedBackend`: the runtime's ``Backend`` over rank 0's backend in the leader and
   the rank processes. A round sends each peer the program, the frame and the staged transport entries that
   changed since that frame's last round; rank 0 runs the program meanwhile, and every collective of rank 0
   (:class:`LeaderCommunicator`) reads each peer's array, combines them in rank order exactly as
@@ -24,6 +24,12 @@ TCP (``helios rank``):
   round runs; a peer that disconnects or misses a deadline breaks the group: every other peer is told to stop,
   the sockets close, and ``on_lost`` is called once (``helios run`` then stops serving and exits non-zero);
   a monitor thread notices a peer that disconnects between rounds.
+* the CUDA backend (``Welcome.backend`` ``cuda``): every rank runs a CUDA backend on a GPU of its host, and the
+  collectives are NCCL calls captured in every rank's graphs, over one NCCL group whose unique id the leader
+  makes and sends in ``Welcome``; a round then carries only the program, the frame and the staged entries, and
+  no collective crosses the sockets. A rank that fails a round may leave the others' collectives waiting on their
+  devices, so any failure breaks the group as a lost peer does (rank 0 aborts its NCCL communicator, the peers
+  are stopped and abort theirs, ``on_lost`` is called).
 * :func:`join_leader` and :class:`RankPeer`: the rank process's side: connect (retrying until the leader
   listens), authenticate, build its rank's reference backend with the leader's geometry, then execute what
   the leader sends until it says stop (a leader that goes away ends the rank with a clear error).
@@ -180,6 +186,10 @@ class Welcome(msgspec.Struct, tag=True, frozen=True):
     frames: int
     snapshot_rows: int
     deadline_s: float
+    backend: str = "reference"
+    """The backend every rank runs: ``reference``, or ``cuda`` (collectives through NCCL on the devices)."""
+    nccl_id: bytes = b""
+    """``cuda``: the unique id of the NCCL group the ranks join (made by the leader)."""
 
 
 class Refused(msgspec.Struct, tag=True, frozen=True):
@@ -503,8 +513,12 @@ class ProcessRankedBackend:
     peer does the same, then every peer's terminal reply is read (``Done`` or ``Failed``) so the next command
     starts with every connection idle."""
 
-    def __init__(self, peers: Mapping[int, Wire], settings: ProcessRankSettings) -> None:
+    def __init__(
+        self, peers: Mapping[int, Wire], settings: ProcessRankSettings, *, collectives_on_device: bool = False
+    ) -> None:
         self._peers = dict(sorted(peers.items()))
+        self._collectives_on_device = collectives_on_device
+        """The ranks' collectives run on their devices (CUDA): a failed command breaks the group."""
         self._settings = settings
         self._deadline_s = settings.deadline_s
         self.size = len(self._peers) + 1
@@ -582,6 +596,7 @@ class ProcessRankedBackend:
             records = self._collect(self._deadline_s)
             if self._failure is not None:
                 self._sent.pop(frame, None)  # a failed round: send every entry next time
+                self._fatal_on_device()
                 raise self._failure
             for name, values in staged.items():  # what every rank's staging holds now
                 sent[name] = np.ascontiguousarray(values).tobytes()
@@ -699,6 +714,7 @@ class ProcessRankedBackend:
             self._on_rank0(lambda _: action(self._rank0), what)
             self._collect(self._deadline_s)
             if self._failure is not None:
+                self._fatal_on_device()
                 raise self._failure
 
     def _broadcast_command(self, message: Message) -> None:
@@ -770,12 +786,21 @@ class ProcessRankedBackend:
         except OSError as exc:
             raise self._lose(rank, f"rank {rank} disconnected ({exc.strerror or exc})") from None
 
-    def _lose(self, rank: int, reason: str) -> RankError:
-        """A peer is gone or late: the group is broken for good; stop the others and report it once."""
+    def _fatal_on_device(self) -> None:
+        """A failed command of ranks whose collectives run on their devices breaks the group (raised)."""
+        if self._collectives_on_device and self._failure is not None:
+            raise self._lose(self._failure.rank, str(self._failure), reachable=True)
+
+    def _lose(self, rank: int, reason: str, *, reachable: bool = False) -> RankError:
+        """A peer is gone or late (or, ``reachable``, failed a command its collectives could not recover from):
+        the group is broken for good; stop the others (and a reachable one) and report it once."""
         if self._broken is None:
             self._broken = RankError(rank, reason)
             log.error("%s; stopping every rank", reason)
-            self._close_peers(f"rank {rank} was lost: {reason}", skip=rank)
+            if self._collectives_on_device and self._rank0 is not None:  # its collectives may wait for the lost
+                with contextlib.suppress(Exception):
+                    self._rank0.abort_collectives()
+            self._close_peers(f"rank {rank} was lost: {reason}", skip=None if reachable else rank)
             on_lost = self._settings.on_lost
             if on_lost is not None:
                 broken = self._broken
@@ -828,22 +853,67 @@ def load_process_ranks(
     state_rows: int,
     frames: int,
     snapshot_rows: int,
+    cuda_context: Any = None,
 ) -> ProcessRankedBackend:
-    """Wait for the rank processes, then load rank 0 here while each loads its own rank."""
-    from helios_core.backends.reference import ReferenceBackend
+    """Wait for the rank processes, then load rank 0 here while each loads its own rank: reference backends,
+    or with ``cuda_context`` (rank 0's GPU, taken over) CUDA backends joined by one NCCL group."""
+    try:
+        peers = gather_peers(settings, contract_digest(contract), ranks)
+    except BaseException:
+        if cuda_context is not None:
+            cuda_context.close()
+        raise
+    backend = ProcessRankedBackend(peers, settings, collectives_on_device=cuda_context is not None)
+    sizes = Welcome(ranks, cache_pages, state_rows, frames, snapshot_rows, settings.deadline_s)
+    if cuda_context is None:
+        from helios_core.backends.reference import ReferenceBackend
 
-    peers = gather_peers(settings, contract_digest(contract), ranks)
-    backend = ProcessRankedBackend(peers, settings)
-    welcome = Welcome(ranks, cache_pages, state_rows, frames, snapshot_rows, settings.deadline_s)
+        welcome = sizes
 
-    def build(communicator: LeaderCommunicator) -> ReferenceBackend:
-        return ReferenceBackend(
-            contract, core, cache_pages=cache_pages, state_rows=state_rows, frames=frames,
-            snapshot_rows=snapshot_rows, rank=0, communicator=communicator,
-        )  # fmt: skip
+        def build(communicator: LeaderCommunicator) -> Any:
+            return ReferenceBackend(
+                contract, core, cache_pages=cache_pages, state_rows=state_rows, frames=frames,
+                snapshot_rows=snapshot_rows, rank=0, communicator=communicator,
+            )  # fmt: skip
+
+    else:
+        from helios_core.backends.nccl import load_library
+
+        try:
+            nccl_id = load_library().unique_id()
+        except BaseException:
+            backend.close()
+            cuda_context.close()
+            raise
+        welcome = msgspec.structs.replace(sizes, backend="cuda", nccl_id=nccl_id)
+
+        def build(communicator: LeaderCommunicator) -> Any:
+            return cuda_rank_backend(contract, core, welcome, 0, cuda_context)
 
     backend.load(build, welcome)
     return backend
+
+
+def cuda_rank_backend(contract: PreparedContract, core: CoreFile, welcome: Welcome, rank: int, context: Any) -> Any:
+    """Rank ``rank``'s CUDA backend on ``context`` (taken over) with the geometry of ``welcome``, joining its
+    NCCL group (returns once every rank has joined); a StartupError naming what failed."""
+    ranks = welcome.ranks
+    from helios_core.backends.cuda import CudaBackend
+    from helios_core.backends.nccl import NcclCommunicator, NcclError, load_library
+
+    try:
+        context.make_current()
+        communicator = NcclCommunicator.joined(load_library(), ranks, welcome.nccl_id, rank)
+    except NcclError as exc:
+        context.close()
+        raise StartupError(f"rank {rank} could not join the NCCL group of {ranks} ranks: {exc}") from exc
+    except BaseException:
+        context.close()
+        raise
+    return CudaBackend(
+        contract, core, cache_pages=welcome.cache_pages, state_rows=welcome.state_rows, frames=welcome.frames,
+        snapshot_rows=welcome.snapshot_rows, context=context, communicator=communicator, rank=rank,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ a rank process
@@ -1073,11 +1143,16 @@ def join_leader(
 
 @contextlib.contextmanager
 def closing_peer(peer: RankPeer) -> Iterator[RankPeer]:
-    """Close the peer's backend and connection however its serving ends."""
+    """Close the peer's backend and connection however its serving ends (a CUDA rank aborts its NCCL
+    communicator first: its collectives may wait for a rank that is gone)."""
     try:
         yield peer
     finally:
         if peer.backend is not None:
+            with contextlib.suppress(Exception):
+                abort = getattr(peer.backend, "abort_collectives", None)
+                if abort is not None:
+                    abort()
             with contextlib.suppress(Exception):
                 peer.backend.close()
         peer.wire.close()
@@ -1093,9 +1168,11 @@ def run_rank_process(
     *,
     timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
     announce: Callable[[str], None] = lambda line: None,
+    device: int | None = None,
 ) -> str:
     """Join the leader as ``rank``, load, serve its commands: the reason the leader gave for stopping.
-    LeaderGone when the leader vanished; StartupError when joining or loading failed."""
+    LeaderGone when the leader vanished; StartupError when joining or loading failed. A leader on the CUDA
+    backend has this rank run on GPU ``device`` (None: the rank's number modulo the GPUs visible)."""
     from helios_core.backends.reference import ReferenceBackend
 
     if contract.ranks <= 1:
@@ -1107,9 +1184,20 @@ def run_rank_process(
         welcome = peer.welcome
         if welcome.ranks != contract.ranks:
             raise StartupError(f"the leader runs {welcome.ranks} ranks; the core has {contract.ranks}")
-        announce(f"joined the leader at {peer.address} as rank {rank} of {welcome.ranks}")
+        announce(f"joined the leader at {peer.address} as rank {rank} of {welcome.ranks} ({welcome.backend})")
 
-        def build(communicator: RankSideCommunicator) -> ReferenceBackend:
+        def build(communicator: RankSideCommunicator) -> Any:
+            if welcome.backend == "cuda":
+                from helios_core.backends.cuda_driver import CudaUnavailableError, device_count, open_context
+
+                chosen = rank % max(device_count(), 1) if device is None else device
+                try:
+                    context = open_context(chosen)
+                except CudaUnavailableError as exc:
+                    raise StartupError(f"the leader runs the CUDA backend; this rank has no GPU ({exc})") from exc
+                return cuda_rank_backend(contract, core, welcome, rank, context)
+            if welcome.backend != "reference":
+                raise StartupError(f"the leader runs backend {welcome.backend!r}, which a rank process cannot run")
             return ReferenceBackend(
                 contract, core, cache_pages=welcome.cache_pages, state_rows=welcome.state_rows,
                 frames=welcome.frames, snapshot_rows=welcome.snapshot_rows, rank=rank, communicator=communicator,

@@ -18,12 +18,19 @@ Owns the runtime side of a core with ``ExecutionManifest.ranks = N``:
   raising a :class:`RankError` naming the rank when any rank fails or does not finish in time;
   ``completion`` is rank 0's record and ``rank_completions`` every rank's (the engine validates them
   together: a lane any rank rejects is committed by none). Host page copies go to every rank.
+
+  Over backends whose ``run`` only enqueues work and returns (the CUDA backend: one rank a GPU, collectives
+  captured as NCCL calls in each rank's graphs), ``in_order=True`` launches every rank from the calling
+  thread in rank order (no thread hand-off per round; the collectives meet on the devices), and
+  ``abort_group`` is what a failure calls: a rank that fails to launch leaves its peers' collectives
+  waiting on the device, so the group is aborted (the CUDA ranks abort their NCCL communicators) and
+  broken: every later round raises the :class:`RankError` of that failure.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Protocol
@@ -182,8 +189,7 @@ class ThreadGroup:
                         names = ", ".join(map(str, late))
                         self._failure = RankError(
                             late[0],
-                            f"rank {names} did not reach {operator} (collective {mine}) within "
-                            f"{self.deadline_s:g} s",
+                            f"rank {names} did not reach {operator} (collective {mine}) within {self.deadline_s:g} s",
                         )
                     else:
                         self._failure = RankError(
@@ -272,15 +278,20 @@ class RankedBackend:
         *,
         communicators: Sequence[Communicator] = (),
         deadline_s: float = DEFAULT_DEADLINE_S,
+        in_order: bool = False,
+        abort_group: Callable[[str], None] | None = None,
     ) -> None:
         if not backends:
             raise ValueError("a ranked backend needs at least one rank")
         self._backends = tuple(backends)
         self._communicators = tuple(communicators)
         self._deadline_s = deadline_s
+        self._in_order = in_order
+        self._abort_group = abort_group
         self._pool = ThreadPoolExecutor(max_workers=len(self._backends), thread_name_prefix="helios-rank")
         self._broken: RankError | None = None
-        """Set when a rank never returned: its thread may still run, so no later round is started."""
+        """Set when a rank never returned (its thread may still run) or a failure aborted the group: no later
+        round is started."""
 
     @property
     def size(self) -> int:
@@ -294,6 +305,8 @@ class RankedBackend:
 
     def transport(self, frame: int) -> Mapping[str, AnyArray]:
         """Rank 0's staging (the packer writes it once; :meth:`run` copies it to the other ranks)."""
+        if self._broken is not None:
+            raise self._broken
         return self._backends[0].transport(frame)  # type: ignore[no-any-return]
 
     def run(self, program: str, frame: int) -> None:
@@ -310,7 +323,30 @@ class RankedBackend:
         self.on_every_rank(lambda rank, backend: backend.run(program, frame), f"program {program!r}")
 
     def on_every_rank(self, action: Any, what: str) -> None:
-        """Run ``action(rank, backend)`` on every rank at once; a RankError naming the first rank at fault."""
+        """Run ``action(rank, backend)`` on every rank at once (in rank order on this thread when the ranks
+        only enqueue work); a RankError naming the first rank at fault."""
+        if self._in_order:
+            for rank, backend in enumerate(self._backends):
+                try:
+                    action(rank, backend)
+                except Exception as exc:
+                    self._break(RankError(rank, f"rank {rank} failed {what}: {type(exc).__name__}: {exc}"), exc)
+            return
+        try:
+            self._on_every_rank_at_once(action, what)
+        except RankError as failed:
+            if self._abort_group is not None:
+                self._break(failed, failed.__cause__)
+            raise
+
+    def _break(self, error: RankError, cause: BaseException | None) -> None:
+        """Abort the group and refuse every later round with ``error``."""
+        self._broken = error
+        if self._abort_group is not None:
+            self._abort_group(str(error))
+        raise error from cause
+
+    def _on_every_rank_at_once(self, action: Any, what: str) -> None:
         futures: list[Future[None]] = [
             self._pool.submit(self._one_rank, action, rank, backend) for rank, backend in enumerate(self._backends)
         ]

@@ -37,7 +37,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from helios_core.backends import reference_kernels as rk
-from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, runtime_shape
+from helios_core.backends.buffers import SYMBOLIC, numpy_dtype, paged_buffers, rank_declarations, runtime_shape
 from helios_core.backends.ranks import Communicator, RankError
 from helios_core.backends.weights_loading import DecodedResource, decode_resources
 from helios_core.container.reader import CoreFile
@@ -1043,21 +1043,6 @@ _ADAPTERS: dict[tuple[str, int], Callable[[_Node], Step]] = {
 }
 
 
-def _rank_declarations(execution: mf.ExecutionManifest, rank: int) -> dict[str, mf.BufferDecl]:
-    """The buffer declarations rank ``rank`` allocates: a name declared once (replicated) as it is, a
-    per-rank name (declared once for each rank) by its ``rank``'s declaration."""
-    declared: dict[str, list[mf.BufferDecl]] = {}
-    for decl in execution.buffers:
-        declared.setdefault(decl.name, []).append(decl)
-    chosen: dict[str, mf.BufferDecl] = {}
-    for name, decls in declared.items():
-        mine = decls[0] if len(decls) == 1 else next((d for d in decls if d.rank == rank), None)
-        if mine is None:
-            raise ContractError(f"per-rank buffer {name!r} has no declaration for rank {rank}")
-        chosen[name] = mine
-    return chosen
-
-
 def _attribute_value(attribute: mf.Attribute) -> AttrValue:
     kind = attribute.WhichOneof("value")
     if kind == "int_value":
@@ -1113,7 +1098,7 @@ class ReferenceBackend:
             )
         self._rank = rank
         self._communicator = communicator
-        self._decls: dict[str, mf.BufferDecl] = _rank_declarations(execution, rank)
+        self._decls: dict[str, mf.BufferDecl] = rank_declarations(execution, rank)
         self._resources: dict[str, DecodedResource] = {} if resources is None else resources
         """Decoded weights resources by id (ranks of one process may share it: replicated weights once)."""
         self._load_weights(core)
@@ -1142,10 +1127,7 @@ class ReferenceBackend:
                 staging[frame_entry][...] = frame
             self._transport.append(staging)
             self._completion_buffers.append(
-                {
-                    d.name: np.zeros(self._runtime_shape(d), dtype=numpy_dtype(d.name, d.dtype))
-                    for d in completion_decls
-                }
+                {d.name: np.zeros(self._runtime_shape(d), dtype=numpy_dtype(d.name, d.dtype)) for d in completion_decls}
             )
         self._completion_fields: dict[int, str] = {}
         for record in execution.completion:

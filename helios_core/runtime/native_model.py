@@ -25,13 +25,14 @@ frames, which the engine fills each round.
 State rows are partitioned by request: ``Selection.state_rows_per_request`` (the largest any selected
 graph declares) rows per slot, and as many per snapshot.
 
-Backends: ``reference`` (numpy), ``cuda`` (one NVIDIA GPU), ``null`` (host
-overhead measurement) and ``auto``, which is ``cuda`` when a GPU is present and
-the core has kernels for its architecture (and one rank), else ``reference``.
+Backends: ``reference`` (numpy), ``cuda`` (NVIDIA GPUs, one a rank), ``null`` (host
+overhead measurement) and ``auto``, which is ``cuda`` when there is a GPU for each rank and
+the core has kernels for their architecture, else ``reference``.
 
 Tensor-parallel ranks: a core of N > 1 ranks runs as N thread ranks (one reference backend per rank
-over one thread communicator group, behind a ``RankedBackend``; :mod:`helios_core.backends.ranks`);
-``ranks`` other than the core's count is a StartupError, and the CUDA backend runs one rank. With
+over one thread communicator group, behind a ``RankedBackend``; :mod:`helios_core.backends.ranks`), or on
+the CUDA backend as one backend on each of GPUs 0..N-1 of this process, joined by one NCCL group whose
+collectives are captured in every rank's graphs; ``ranks`` other than the core's count is a StartupError. With
 ``Selection.rank_peers`` (``helios run --rank-listen``) rank 0 runs here and ranks 1..N-1 in rank
 processes that join over TCP (:mod:`helios_core.backends.rank_processes`).
 """
@@ -45,7 +46,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -57,6 +58,9 @@ from helios_core.errors import HeliosError, StartupError
 from helios_core.runtime.engram import EngramStaging, load_engram
 from helios_core.runtime.packing import GraphPacker, PageTableMemory
 from helios_core.wire import manifest_pb2 as mf
+
+if TYPE_CHECKING:
+    from helios_core.backends.cuda_driver import Context
 
 
 class Backend(Protocol):
@@ -182,63 +186,68 @@ def choose_cache_pages(
 
 
 def resolve_backend(name: str, contract: PreparedContract, device: int = 0) -> str:
-    """``auto``: ``cuda`` when a GPU is present, the core has kernels for its architecture and one rank,
-    else ``reference``; any other name is returned as it is."""
+    """``auto``: ``cuda`` when there is a GPU for each of the core's ranks (devices ``device`` onward) and the
+    core has kernels for every one's architecture, else ``reference``; any other name is returned as it is."""
     if name != "auto":
         return name
-    if contract.ranks > 1:  # the CUDA backend runs one rank (backend_capabilities)
-        return "reference"
-    from helios_core.backends.cuda_driver import cuda_available, device_architecture
+    from helios_core.backends.cuda_driver import device_architecture, device_count
 
-    if not cuda_available():
+    ranks = max(contract.ranks, 1)
+    if device_count() < device + ranks:
         return "reference"
     try:
-        architecture = device_architecture(device)
+        architectures = {device_architecture(device + rank) for rank in range(ranks)}
     except HeliosError:
         return "reference"
-    return "cuda" if architecture in contract.execution.targets else "reference"
+    return "cuda" if architectures <= set(contract.execution.targets) else "reference"
+
+
+@dataclass(frozen=True)
+class LoadSizes:
+    """What a backend is built with besides its cache pages."""
+
+    state_rows: int
+    frames: int
+    snapshot_rows: int
+
+
+def _open_gpu(device: int) -> Context:
+    """The primary context of GPU ``device``, or a StartupError saying a GPU and its driver are needed."""
+    from helios_core.backends.cuda_driver import CudaUnavailableError, open_context
+
+    try:
+        return open_context(device)
+    except CudaUnavailableError as exc:
+        raise StartupError(f"backend 'cuda' needs an NVIDIA GPU and its driver ({exc})") from exc
+
+
+def _device_memory(contract: PreparedContract, context: Context, sizes: LoadSizes, rank: int = 0) -> DeviceMemory:
+    """The free memory of ``context``'s GPU and what rank ``rank``'s backend allocates there besides its cache,
+    once the core is known to have kernels for that GPU."""
+    from helios_core.backends.cuda import check_targets, reserved_device_nbytes, sparse_entries
+
+    check_targets(contract.execution, context.architecture)
+    reserved = reserved_device_nbytes(
+        contract.execution, state_rows=sizes.state_rows, snapshot_rows=sizes.snapshot_rows, frames=sizes.frames,
+        sparse=sparse_entries(contract), rank=rank,
+    )  # fmt: skip
+    return DeviceMemory(context.free_memory(), reserved)
 
 
 def _load_cuda(
-    contract: PreparedContract,
-    core: CoreFile,
-    selection: Selection,
-    cap: int | None,
-    state_rows: int,
-    frames: int,
-    snapshot_rows: int,
+    contract: PreparedContract, core: CoreFile, selection: Selection, cap: int | None, sizes: LoadSizes
 ) -> tuple[int, Backend]:
     """Open the GPU, choose cache pages from its free memory, build the CUDA backend on that context (which
-    makes a one-rank NCCL communicator when the core has collective nodes). A core of more than one rank is
-    refused before the GPU is touched."""
-    from helios_core.backends.cuda import CudaBackend, check_targets, reserved_device_nbytes, sparse_entries
-    from helios_core.backends.cuda_driver import CudaUnavailableError, open_context
+    makes a one-rank NCCL communicator when the core has collective nodes)."""
+    from helios_core.backends.cuda import CudaBackend
 
-    if contract.ranks > 1:
-        raise StartupError(f"the core is built for {contract.ranks} tensor-parallel ranks; {CUDA_RANK_LIMIT}")
+    context = _open_gpu(0)
     try:
-        context = open_context(0)
-    except CudaUnavailableError as exc:
-        raise StartupError(f"backend 'cuda' needs an NVIDIA GPU and its driver ({exc})") from exc
-    try:
-        check_targets(contract.execution, context.architecture)
-        reserved = reserved_device_nbytes(
-            contract.execution,
-            state_rows=state_rows,
-            snapshot_rows=snapshot_rows,
-            frames=frames,
-            sparse=sparse_entries(contract),
-        )
-        pages = choose_cache_pages(contract, selection, cap, DeviceMemory(context.free_memory(), reserved))
+        pages = choose_cache_pages(contract, selection, cap, _device_memory(contract, context, sizes))
         backend = CudaBackend(
-            contract,
-            core,
-            cache_pages=pages,
-            state_rows=state_rows,
-            frames=frames,
-            snapshot_rows=snapshot_rows,
-            context=context,
-        )
+            contract, core, cache_pages=pages, state_rows=sizes.state_rows, frames=sizes.frames,
+            snapshot_rows=sizes.snapshot_rows, context=context,
+        )  # fmt: skip
     except BaseException:
         with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
             context.close()
@@ -246,16 +255,93 @@ def _load_cuda(
     return pages, backend
 
 
-CUDA_RANK_LIMIT = (
-    "the CUDA backend runs one rank until multi-GPU serving is supported; --backend reference runs the ranks as threads"
-)
-"""Why a CUDA backend refuses a core of more than one rank (said in the startup error)."""
+def _load_cuda_ranks(
+    contract: PreparedContract, core: CoreFile, selection: Selection, cap: int | None, sizes: LoadSizes
+) -> tuple[int, Backend]:
+    """The N ranks of a tensor-parallel core on GPUs 0..N-1 of this process: one context a GPU, one NCCL
+    group over them, cache pages chosen from the GPU with the least room, the N CUDA backends built at once
+    (a tuning producer's collectives meet across them), behind a RankedBackend that launches every rank in
+    rank order and aborts the NCCL group when a rank fails."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    from helios_core.backends.cuda import CudaBackend
+    from helios_core.backends.cuda_driver import device_count
+    from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclUnavailableError, load_library
+    from helios_core.backends.ranks import RankedBackend
+
+    ranks = contract.ranks
+    visible = device_count()
+    if visible < ranks:
+        raise StartupError(f"the core is built for {ranks} tensor-parallel ranks; {cuda_rank_limit(visible)}")
+    contexts: list[Context] = []
+    communicators: list[NcclCommunicator] = []
+    built: list[CudaBackend] = []
+    try:
+        for rank in range(ranks):
+            contexts.append(_open_gpu(rank))
+        memories = [_device_memory(contract, context, sizes, rank) for rank, context in enumerate(contexts)]
+        least = min(memories, key=lambda memory: memory.free - memory.reserved)
+        pages = choose_cache_pages(contract, selection, cap, least)
+        try:
+            communicators = NcclCommunicator.group(load_library(), contexts)
+        except NcclUnavailableError as exc:
+            raise StartupError(f"the ranks of a core on the CUDA backend meet through NCCL: {exc}") from exc
+        except NcclError as exc:
+            raise StartupError(f"cannot create the NCCL group of the core's {ranks} ranks: {exc}") from exc
+
+        def build(rank: int) -> CudaBackend:
+            return CudaBackend(
+                contract, core, cache_pages=pages, state_rows=sizes.state_rows, frames=sizes.frames,
+                snapshot_rows=sizes.snapshot_rows, context=contexts[rank], communicator=communicators[rank], rank=rank,
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(max_workers=ranks, thread_name_prefix="helios-rank-load") as pool:
+            futures = [pool.submit(build, rank) for rank in range(ranks)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            if any(future.exception() is not None for future in done):
+                for communicator in communicators:  # its peers may wait on the device at a tuning collective
+                    with contextlib.suppress(NcclError):
+                        communicator.abort()
+        failures = [(rank, future.exception()) for rank, future in enumerate(futures) if future.exception() is not None]
+        built = [future.result() for future in futures if future.exception() is None]
+        if failures:
+            rank, failure = failures[0]
+            if isinstance(failure, HeliosError):
+                raise failure
+            raise StartupError(f"rank {rank} failed to load: {type(failure).__name__}: {failure}") from failure
+    except BaseException:
+        with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
+            for backend in built:
+                backend.abort_collectives()
+                backend.close()
+            for communicator in communicators:
+                communicator.close()
+            for context in contexts:
+                context.close()
+        raise
+
+    def abort_group(reason: str) -> None:
+        for backend in built:
+            with contextlib.suppress(HeliosError):  # abort every rank whatever one of them says
+                backend.abort_collectives()
+
+    return pages, RankedBackend(built, in_order=True, abort_group=abort_group)
 
 
-def backend_capabilities(backend: str) -> RuntimeCapabilities:
-    """What the named (resolved) backend implements: any rank count as thread ranks, one rank on CUDA."""
-    if backend == "cuda":
-        return RuntimeCapabilities(ranks=1, ranks_limit=CUDA_RANK_LIMIT)
+def cuda_rank_limit(visible: int) -> str:
+    """Why the CUDA backend runs at most ``visible`` ranks (said in the startup error of a larger core)."""
+    gpus = f"{visible} GPU{'' if visible == 1 else 's'} {'is' if visible == 1 else 'are'} visible"
+    return f"the CUDA backend runs one rank on each GPU and {gpus}; --backend reference runs the ranks as threads"
+
+
+def backend_capabilities(backend: str, *, rank_processes: bool = False) -> RuntimeCapabilities:
+    """What the named (resolved) backend implements: any rank count as thread ranks or rank processes, one rank
+    a visible GPU on CUDA in one process."""
+    if backend == "cuda" and not rank_processes:
+        from helios_core.backends.cuda_driver import device_count
+
+        visible = device_count()
+        return RuntimeCapabilities(ranks=max(visible, 1), ranks_limit=cuda_rank_limit(visible))
     return RuntimeCapabilities()
 
 
@@ -336,6 +422,30 @@ def _load_process_ranks(
         contract, core, ranks, settings, cache_pages=cache_pages, state_rows=state_rows, frames=frames,
         snapshot_rows=snapshot_rows,
     )  # fmt: skip
+
+
+def _load_cuda_process_ranks(
+    contract: PreparedContract, core: CoreFile, selection: Selection, ranks: int, cap: int | None, sizes: LoadSizes
+) -> tuple[int, Backend]:
+    """Rank 0 on GPU 0 here, its cache pages chosen from that GPU's free memory (every rank takes the same count),
+    and ranks 1..N-1 in rank processes on GPUs of their own, joined by one NCCL group."""
+    from helios_core.backends.rank_processes import load_process_ranks
+
+    settings = selection.rank_peers
+    if settings is None or ranks < 2:
+        raise StartupError(f"--rank-listen serves a core of more than one tensor-parallel rank; this core has {ranks}")
+    context = _open_gpu(0)
+    try:
+        pages = choose_cache_pages(contract, selection, cap, _device_memory(contract, context, sizes))
+    except BaseException:
+        with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
+            context.close()
+        raise
+    executor = load_process_ranks(
+        contract, core, ranks, settings, cache_pages=pages, state_rows=sizes.state_rows, frames=sizes.frames,
+        snapshot_rows=sizes.snapshot_rows, cuda_context=context,
+    )  # fmt: skip
+    return pages, executor
 
 
 def _reserve_host_pages(executor: Backend, count: int, page_bytes: int) -> None:
@@ -428,17 +538,25 @@ class NativeModel:
             raise StartupError(f"--offload-checkpoints must not be negative, not {offload_checkpoints}")
         rank_count = choose_ranks(contract, ranks)
         backend = resolve_backend(backend, contract)
-        check_runtime_support(contract, capabilities or backend_capabilities(backend))
+        check_runtime_support(
+            contract, capabilities or backend_capabilities(backend, rank_processes=selection.rank_peers is not None)
+        )
         state_rows = selection.max_active * selection.state_rows_per_request
         frames = max(contract.execution.transport.frames, 1)
         snapshot_rows = contract.serving.snapshot_capacity * selection.state_rows_per_request
         executor: Backend
-        if selection.rank_peers is not None and backend != "reference":
+        if selection.rank_peers is not None and backend not in ("reference", "cuda"):
             raise StartupError(
-                f"rank processes (--rank-listen) run the reference backend; backend {backend!r} cannot serve them"
+                f"rank processes (--rank-listen) run the reference or the CUDA backend; backend {backend!r} cannot "
+                "serve them"
             )
-        if backend == "cuda":
-            pages, executor = _load_cuda(contract, core, selection, cache_pages, state_rows, frames, snapshot_rows)
+        sizes = LoadSizes(state_rows, frames, snapshot_rows)
+        if backend == "cuda" and selection.rank_peers is not None:
+            pages, executor = _load_cuda_process_ranks(contract, core, selection, rank_count, cache_pages, sizes)
+        elif backend == "cuda" and contract.ranks > 1:
+            pages, executor = _load_cuda_ranks(contract, core, selection, cache_pages, sizes)
+        elif backend == "cuda":
+            pages, executor = _load_cuda(contract, core, selection, cache_pages, sizes)
         elif backend == "reference":
             from helios_core.backends.reference import ReferenceBackend
 

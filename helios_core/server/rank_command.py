@@ -3,9 +3,9 @@
 Owns the command's options and its lifecycle: verify the core with the same trust options as ``helios run``,
 read the shared secret (:func:`~helios_core.backends.rank_processes.read_secret_file`), connect to the leader
 (retrying until it listens, for at most ``--rank-join-timeout`` seconds), authenticate both ways, load this
-rank's resources with the leader's geometry, then execute the leader's rounds until it says stop (exit 0 with
-the reason it gave). A leader that goes away, refuses this rank or cannot be authenticated ends the process
-with one error line and exit status 1.
+rank's resources with the leader's geometry on the leader's backend (reference, or CUDA on GPU ``--device``),
+then execute the leader's rounds until it says stop (exit 0 with the reason it gave). A leader that goes away,
+refuses this rank or cannot be authenticated ends the process with one error line and exit status 1.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def cmd_rank(args: argparse.Namespace, *, write: Callable[[str], None]) -> int:
             secret,
             timeout_s=DEFAULT_JOIN_TIMEOUT_S if args.rank_join_timeout is None else args.rank_join_timeout,
             announce=say,
+            device=args.device,
         )
     finally:
         verified.close()
@@ -82,6 +83,13 @@ def add_rank_command(
         type=float,
         metavar="SECONDS",
         help="how long to keep trying to reach the leader (default 60)",
+    )
+    rank.add_argument(
+        "--device",
+        type=int,
+        metavar="N",
+        help="the GPU this rank runs on when the leader serves on the CUDA backend (default: the rank's number "
+        "modulo the GPUs visible, so the ranks of one host take GPUs of their own)",
     )
     trust_arguments(rank)
     rank.set_defaults(handler=functools.partial(cmd_rank, write=write))

@@ -109,9 +109,9 @@ def test_auto_needs_a_gpu_and_kernels_for_its_architecture(
     verified: VerifiedCore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with_target = dataclasses.replace(verified.contract, execution=with_launches(verified.contract.execution))
-    monkeypatch.setattr(cuda_driver, "cuda_available", lambda: False)
+    monkeypatch.setattr(cuda_driver, "device_count", lambda: 0)
     assert resolve_backend("auto", with_target) == "reference"
-    monkeypatch.setattr(cuda_driver, "cuda_available", lambda: True)
+    monkeypatch.setattr(cuda_driver, "device_count", lambda: 1)
     monkeypatch.setattr(cuda_driver, "device_architecture", lambda device=0: TARGET)
     assert resolve_backend("auto", with_target) == "cuda"
     assert resolve_backend("auto", verified.contract) == "reference"  # no sm_90a kernels in the core

@@ -5,7 +5,7 @@ it is not; the wire-dtype to ``ncclDataType_t`` mapping; the argument order of e
 typed errors (over fake library functions); what a collective node asks of NCCL and the errors of a bad
 one; ``check_targets`` accepting collective nodes without launches; the order in which a program's
 graph is built around a collective (copy in, kernel, captured child graph, kernel joined by a plain
-edge, copy out) over a fake driver; and the refusal of a core of two ranks by the CUDA backend.
+edge, copy out) over a fake driver. Several ranks on CUDA: ``test_cuda_ranks.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,13 +25,8 @@ from helios_core.backends import cuda as cuda_backend
 from helios_core.backends import nccl
 from helios_core.backends.cuda import CollectiveCall, CudaBackend, check_targets, graph_steps, plan_collective
 from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclLibrary, NcclUnavailableError
-from helios_core.contract import LoadOptions, RuntimeCapabilities, select
 from helios_core.errors import ContractError, StartupError, UnsupportedFeatureError
-from helios_core.loading import open_core
-from helios_core.runtime.native_model import NativeModel
 from helios_core.wire import manifest_pb2 as mf
-
-from .conftest import FIXTURES, fixture_settings
 
 # ----------------------------------------------------------------------------------------------
 # finding and loading the library
@@ -152,6 +146,9 @@ class FakeFunctions:
     def ncclCommDestroy(self, handle: ctypes.c_void_p) -> int:
         return self._done("ncclCommDestroy", handle.value)
 
+    def ncclCommAbort(self, handle: ctypes.c_void_p) -> int:
+        return self._done("ncclCommAbort", handle.value)
+
     def ncclAllReduce(self, *arguments: Any) -> int:
         return self._done("ncclAllReduce", *(_plain(a) for a in arguments))
 
@@ -176,7 +173,7 @@ def test_a_library_without_nccl_s_functions_is_refused() -> None:
     with pytest.raises(NcclUnavailableError) as caught:
         NcclLibrary(SimpleNamespace(ncclGetVersion=None), path="/opt/libfake.so")
     assert str(caught.value) == (
-        "/opt/libfake.so lacks ncclGetErrorString, ncclGetUniqueId, ncclCommInitRank, ncclCommDestroy, "
+        "/opt/libfake.so lacks ncclGetErrorString, ncclGetUniqueId, ncclCommInitRank, ncclCommDestroy, ncclCommAbort, "
         "ncclAllReduce, ncclAllGather, ncclBroadcast, ncclGroupStart, ncclGroupEnd; it is not a usable NCCL library"
     )
 
@@ -493,37 +490,3 @@ def test_a_collective_that_enqueues_nothing_leaves_the_kernel_chain_whole() -> N
         ("n6", "copy_out", "n5"),
     ]
     assert dict(backend.collectives) == {"decode_b1": 1}
-
-
-# ----------------------------------------------------------------------------------------------
-# more than one rank
-# ----------------------------------------------------------------------------------------------
-
-
-def test_the_cuda_backend_refuses_a_core_of_two_ranks_before_touching_the_gpu() -> None:
-    verified = open_core(FIXTURES / "tp2-tiny.core", fixture_settings())
-    try:
-        selection = select(verified.contract, LoadOptions())
-        with (
-            mock.patch("helios_core.backends.cuda_driver.open_context") as opened,
-            pytest.raises(StartupError) as caught,
-        ):
-            NativeModel.load(
-                verified.core, verified.contract, selection, backend="cuda", capabilities=RuntimeCapabilities()
-            )
-        opened.assert_not_called()
-        assert str(caught.value) == (
-            "the core is built for 2 tensor-parallel ranks; the CUDA backend runs one rank until multi-GPU serving "
-            "is supported; --backend reference runs the ranks as threads"
-        )
-        context = mock.MagicMock(architecture="sm_90a")
-        with pytest.raises(StartupError) as direct:
-            CudaBackend(verified.contract, verified.core, cache_pages=8, state_rows=4, context=context)
-        assert str(direct.value) == (
-            "the core is built for 2 tensor-parallel ranks and the CUDA backend runs one rank on one GPU; "
-            "--backend reference runs the ranks as threads"
-        )
-        context.alloc.assert_not_called()
-        context.close.assert_called_once_with()  # the half-built backend released the context
-    finally:
-        verified.close()

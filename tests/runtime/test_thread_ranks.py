@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -80,6 +81,7 @@ def test_all_reduce_sums_in_rank_order_with_the_same_bits_on_every_rank(size: in
     for row in rows[1:]:
         expected = expected + row
     for attempt in range(5):  # the ranks arrive in a different order each time
+
         def action(comm: ThreadCommunicator, attempt: int = attempt) -> np.ndarray:
             time.sleep(0.002 * ((comm.rank + attempt) % size))
             return np.array(comm.all_reduce(rows[comm.rank]))
@@ -490,11 +492,14 @@ def test_ranks_other_than_the_cores_and_cuda_are_refused(tp_cores: dict[int, Sig
     verified = open_core(tp_cores[2].path, tp_cores[2].trust)
     try:
         selection = select(verified.contract, LoadOptions())
-        with pytest.raises(UnsupportedFeatureError) as refused:  # refused before any GPU is opened
+        with (
+            mock.patch("helios_core.backends.cuda_driver.device_count", return_value=1),
+            pytest.raises(UnsupportedFeatureError) as refused,  # refused before any GPU is opened
+        ):
             NativeModel.load(verified.core, verified.contract, selection, backend="cuda")
         assert str(refused.value) == (
-            "the core needs 2 tensor-parallel ranks; this runtime has 1 (the CUDA backend runs one rank until "
-            "multi-GPU serving is supported; --backend reference runs the ranks as threads)"
+            "the core needs 2 tensor-parallel ranks; this runtime has 1 (the CUDA backend runs one rank on each GPU "
+            "and 1 GPU is visible; --backend reference runs the ranks as threads)"
         )
         null = NativeModel.load(verified.core, verified.contract, selection, backend="null")
         assert null.backend.ranks == 2  # type: ignore[attr-defined]
