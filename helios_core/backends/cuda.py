@@ -53,7 +53,9 @@ with collective nodes gets a one-rank communicator of its own, so each collectiv
 device (nothing at all when ``out`` is ``x``). The communicator is destroyed by
 :meth:`CudaBackend.close` after the graphs that hold its collectives. A core without collective nodes
 never loads NCCL. The ranks of a core run as one backend a GPU behind
-:class:`~helios_core.backends.ranks.RankedBackend` (``helios_core.runtime.native_model``).
+:class:`~helios_core.backends.ranks.RankedBackend` (``helios_core.runtime.native_model``), all reading one
+host staging a frame (:class:`FrameStaging`, :func:`allocate_staging`: page-locked and portable, so each
+GPU's copy-in nodes read it, its mapped block at each context's own address of it).
 
 Launch parameters resolve buffer names to this frame's transport and completion addresses and to the
 shared buffers' addresses otherwise
@@ -110,10 +112,13 @@ __all__ = [
     "BlockLayout",
     "CollectiveCall",
     "CudaBackend",
+    "FrameStaging",
     "GraphStep",
     "Slot",
     "TransportLayout",
+    "allocate_staging",
     "check_rank",
+    "check_staging",
     "check_targets",
     "copy_spans",
     "frame_addresses",
@@ -494,8 +499,10 @@ class CudaBackend:
     ``context``, when given, is an open context the backend takes over (it is closed with the
     backend); otherwise the primary context of ``device`` is opened. ``communicator``, when given, is
     the NCCL communicator its collective nodes run on, taken over likewise; otherwise a core with
-    collective nodes gets a one-rank communicator at load. Construction that fails half-way releases
-    everything it made before the error propagates.
+    collective nodes gets a one-rank communicator at load. ``rank`` is the tensor-parallel rank it holds
+    (:func:`check_rank`). ``staging``, when given, is each frame's host staging shared with the other ranks
+    of the process (:func:`allocate_staging`; not freed here), else the backend allocates its own.
+    Construction that fails half-way releases everything it made before the error propagates.
     """
 
     def __init__(
@@ -513,6 +520,7 @@ class CudaBackend:
         copy_limit: int = TRANSPORT_COPY_LIMIT,
         communicator: NcclCommunicator | None = None,
         rank: int = 0,
+        staging: Sequence[FrameStaging] | None = None,
     ) -> None:
         if cache_pages <= 0 or state_rows <= 0 or frames <= 0:
             raise ValueError(
@@ -521,6 +529,8 @@ class CudaBackend:
         if snapshot_rows < 0:
             raise ValueError(f"snapshot_rows must not be negative, got {snapshot_rows}")
         self._rank = rank
+        self._given_staging = tuple(staging) if staging is not None else None
+        """Each frame's host staging blocks when the ranks of a process share them (not freed here)."""
         self._decls: tuple[mf.BufferDecl, ...] = ()
         """The buffer declarations this rank allocates (a per-rank buffer's own, the replicated ones)."""
         self._closed = False
@@ -811,7 +821,8 @@ class CudaBackend:
         for event in self._events:
             attempt(context.destroy_event, event)
         for state in self._frames:
-            for host in (state.host, state.mapped, state.completion_host):
+            staged = (state.host, state.mapped) if self._given_staging is None else ()  # shared: not this one's
+            for host in (*staged, state.completion_host):
                 if host is not None:
                     attempt(context.host_free, host)
             attempt(context.free, state.device)
@@ -1012,9 +1023,16 @@ class CudaBackend:
     def _allocate_frame(self, frame: int, transport: mf.Transport, fields: Mapping[int, str]) -> _Frame:
         context = self._ctx
         layout = self._transport_layout
-        host = context.host_alloc(layout.copied.nbytes)
+        given = self._given_staging
+        if given is not None:
+            if len(given) != self._frames_count:
+                raise ValueError(f"{len(given)} frames of shared staging for a backend of {self._frames_count}")
+            host, mapped = given[frame].host, given[frame].mapped
+            check_staging(given[frame], layout)
+        else:
+            host = context.host_alloc(layout.copied.nbytes)
+            mapped = context.host_alloc(layout.mapped.nbytes, mapped=True) if layout.mapped.slots else None
         device = context.alloc(layout.copied.nbytes)
-        mapped = context.host_alloc(layout.mapped.nbytes, mapped=True) if layout.mapped.slots else None
         completion_host = context.host_alloc(self._completion_layout.nbytes)
         completion_device = context.alloc(self._completion_layout.nbytes)
         context.memset(completion_device, self._completion_layout.nbytes)
@@ -1029,11 +1047,17 @@ class CudaBackend:
         context.upload(device, host.array())  # the device copy starts equal to the staging
         mirror = {name: _view(completion_host, slot) for name, slot in self._completion_layout.slots.items()}
         records = {field: mirror[name] for field, name in fields.items()}
+        if mapped is None:
+            mapped_device = 0
+        elif given is not None:  # this context's own address of the shared mapped block
+            mapped_device = context.mapped_pointer(mapped)
+        else:
+            mapped_device = mapped.device_pointer
         addresses = frame_addresses(
             {name: shared.address for name, shared in self._shared.items()},
             layout,
             device,
-            mapped.device_pointer if mapped is not None else 0,
+            mapped_device,
             self._completion_layout,
             completion_device,
         )
@@ -1157,6 +1181,37 @@ class CudaBackend:
                 self.drain()
             except CudaError as exc:
                 raise CudaError(f"tuning producer {producer.program!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class FrameStaging:
+    """One frame's host staging blocks: the copied block and the mapped one (None without mapped entries)."""
+
+    host: HostBuffer
+    mapped: HostBuffer | None
+
+
+def allocate_staging(context: Context, layout: TransportLayout, frames: int) -> list[FrameStaging]:
+    """Page-locked staging blocks of ``frames`` frames in ``context`` (portable, so every context of the
+    process may copy from them; the mapped blocks mapped), for the ranks of one process to share: the packer
+    writes a round's values once and every rank's graph reads them. They are freed with ``context``."""
+    return [
+        FrameStaging(
+            context.host_alloc(layout.copied.nbytes),
+            context.host_alloc(layout.mapped.nbytes, mapped=True) if layout.mapped.slots else None,
+        )
+        for _ in range(frames)
+    ]
+
+
+def check_staging(staging: FrameStaging, layout: TransportLayout) -> None:
+    """Shared staging holds ``layout``'s copied and mapped blocks."""
+    mapped = staging.mapped.nbytes if staging.mapped is not None else 0
+    if staging.host.nbytes < layout.copied.nbytes or mapped < layout.mapped.nbytes:
+        raise ValueError(
+            f"shared staging of {staging.host.nbytes} and {mapped} bytes cannot hold the transport's "
+            f"{layout.copied.nbytes} copied and {layout.mapped.nbytes} mapped bytes"
+        )
 
 
 def check_rank(contract: PreparedContract, rank: int, communicator: NcclCommunicator | None) -> None:

@@ -245,6 +245,12 @@ class Context:
         ctypes.memset(pointer, 0, max(int(nbytes), 1))
         return buffer
 
+    def mapped_pointer(self, buffer: HostBuffer) -> int:
+        """The device address of mapped page-locked host memory in this context (memory another context
+        of the process allocated mapped and portable: each context has its own address for it)."""
+        self.bind()
+        return int(check(self._cu.cuMemHostGetDevicePointer(buffer.pointer, 0), "cuMemHostGetDevicePointer"))
+
     def host_free(self, buffer: HostBuffer) -> None:
         if buffer.pointer in self._host_allocations:
             self._host_allocations.discard(buffer.pointer)

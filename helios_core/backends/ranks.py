@@ -17,7 +17,10 @@ Owns the runtime side of a core with ``ExecutionManifest.ranks = N``:
   staged values to the other ranks and runs the program on every rank at once (one thread per rank),
   raising a :class:`RankError` naming the rank when any rank fails or does not finish in time;
   ``completion`` is rank 0's record and ``rank_completions`` every rank's (the engine validates them
-  together: a lane any rank rejects is committed by none). Host page copies go to every rank.
+  together: a lane any rank rejects is committed by none). Host page copies go to every rank. Ranks may
+  share one staging (the CUDA ranks of a process read one page-locked block, whose holder is among the
+  ``shared`` objects closed after every rank): ``transport`` then waits for every rank's fence of the frame
+  before the packer rewrites it, and ``run`` copies nothing.
 
   Over backends whose ``run`` only enqueues work and returns (the CUDA backend: one rank a GPU, collectives
   captured as NCCL calls in each rank's graphs), ``in_order=True`` launches every rank from the calling
@@ -280,6 +283,7 @@ class RankedBackend:
         deadline_s: float = DEFAULT_DEADLINE_S,
         in_order: bool = False,
         abort_group: Callable[[str], None] | None = None,
+        shared: Sequence[Any] = (),
     ) -> None:
         if not backends:
             raise ValueError("a ranked backend needs at least one rank")
@@ -288,6 +292,8 @@ class RankedBackend:
         self._deadline_s = deadline_s
         self._in_order = in_order
         self._abort_group = abort_group
+        self._shared = tuple(shared)
+        """What the ranks share (each with ``close()``), closed after every rank."""
         self._pool = ThreadPoolExecutor(max_workers=len(self._backends), thread_name_prefix="helios-rank")
         self._broken: RankError | None = None
         """Set when a rank never returned (its thread may still run) or a failure aborted the group: no later
@@ -304,9 +310,12 @@ class RankedBackend:
         return self._backends
 
     def transport(self, frame: int) -> Mapping[str, AnyArray]:
-        """Rank 0's staging (the packer writes it once; :meth:`run` copies it to the other ranks)."""
+        """Rank 0's staging (the packer writes it once; :meth:`run` copies it to the other ranks), once no
+        rank reads the frame any more (ranks may share one staging: every rank's frame fence is waited for)."""
         if self._broken is not None:
             raise self._broken
+        for backend in self._backends[1:]:
+            backend.transport(frame)
         return self._backends[0].transport(frame)  # type: ignore[no-any-return]
 
     def run(self, program: str, frame: int) -> None:
@@ -318,7 +327,7 @@ class RankedBackend:
             target = backend.transport(frame)
             for name, values in staged.items():
                 destination = target[name]
-                if destination is not values:
+                if destination is not values and not _same_memory(destination, values):
                     destination[...] = values
         self.on_every_rank(lambda rank, backend: backend.run(program, frame), f"program {program!r}")
 
@@ -417,13 +426,21 @@ class RankedBackend:
             backend.copy_snapshot_to_device(slot, row)
 
     def close(self) -> None:
-        """Close every rank's backend (the first failure is raised once all are closed)."""
+        """Close every rank's backend, the last rank first, then what they share; the first failure is raised
+        once all are closed."""
         self._pool.shutdown(wait=self._broken is None, cancel_futures=True)
         failure: BaseException | None = None
-        for backend in self._backends:
+        for closable in (*reversed(self._backends), *self._shared):
             try:
-                backend.close()
+                closable.close()
             except BaseException as exc:  # close the others before reporting it
                 failure = failure or exc
         if failure is not None:
             raise failure
+
+
+def _same_memory(first: AnyArray, second: AnyArray) -> bool:
+    """Two staging arrays are views of the same bytes (ranks sharing one staging block)."""
+    return bool(
+        first.__array_interface__["data"][0] == second.__array_interface__["data"][0] and first.nbytes == second.nbytes
+    )

@@ -259,12 +259,13 @@ def _load_cuda_ranks(
     contract: PreparedContract, core: CoreFile, selection: Selection, cap: int | None, sizes: LoadSizes
 ) -> tuple[int, Backend]:
     """The N ranks of a tensor-parallel core on GPUs 0..N-1 of this process: one context a GPU, one NCCL
-    group over them, cache pages chosen from the GPU with the least room, the N CUDA backends built at once
-    (a tuning producer's collectives meet across them), behind a RankedBackend that launches every rank in
-    rank order and aborts the NCCL group when a rank fails."""
+    group over them, cache pages chosen from the GPU with the least room, one page-locked staging every rank
+    reads (the packer writes a round once; nothing is copied between ranks), the N CUDA backends built at
+    once (a tuning producer's collectives meet across them), behind a RankedBackend that launches every rank
+    in rank order and aborts the NCCL group when a rank fails."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-    from helios_core.backends.cuda import CudaBackend
+    from helios_core.backends.cuda import CudaBackend, allocate_staging, plan_transport, sparse_entries
     from helios_core.backends.cuda_driver import device_count
     from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclUnavailableError, load_library
     from helios_core.backends.ranks import RankedBackend
@@ -276,12 +277,18 @@ def _load_cuda_ranks(
     contexts: list[Context] = []
     communicators: list[NcclCommunicator] = []
     built: list[CudaBackend] = []
+    staging_context: Context | None = None
     try:
         for rank in range(ranks):
             contexts.append(_open_gpu(rank))
         memories = [_device_memory(contract, context, sizes, rank) for rank, context in enumerate(contexts)]
         least = min(memories, key=lambda memory: memory.free - memory.reserved)
         pages = choose_cache_pages(contract, selection, cap, least)
+        layout = plan_transport(contract.execution.transport, sparse=sparse_entries(contract))
+        # the staging every rank reads is held by a reference of its own to GPU 0's context, so it outlives
+        # each rank's backend (a rank that fails to load releases its context at once)
+        staging_context = _open_gpu(0)
+        staging = allocate_staging(staging_context, layout, sizes.frames)
         try:
             communicators = NcclCommunicator.group(load_library(), contexts)
         except NcclUnavailableError as exc:
@@ -293,6 +300,7 @@ def _load_cuda_ranks(
             return CudaBackend(
                 contract, core, cache_pages=pages, state_rows=sizes.state_rows, frames=sizes.frames,
                 snapshot_rows=sizes.snapshot_rows, context=contexts[rank], communicator=communicators[rank], rank=rank,
+                staging=staging,
             )  # fmt: skip
 
         with ThreadPoolExecutor(max_workers=ranks, thread_name_prefix="helios-rank-load") as pool:
@@ -311,13 +319,15 @@ def _load_cuda_ranks(
             raise StartupError(f"rank {rank} failed to load: {type(failure).__name__}: {failure}") from failure
     except BaseException:
         with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
-            for backend in built:
+            for backend in reversed(built):  # rank 0's context holds the staging the others read
                 backend.abort_collectives()
                 backend.close()
             for communicator in communicators:
                 communicator.close()
-            for context in contexts:
+            for context in reversed(contexts):
                 context.close()
+            if staging_context is not None:
+                staging_context.close()
         raise
 
     def abort_group(reason: str) -> None:
@@ -325,7 +335,7 @@ def _load_cuda_ranks(
             with contextlib.suppress(HeliosError):  # abort every rank whatever one of them says
                 backend.abort_collectives()
 
-    return pages, RankedBackend(built, in_order=True, abort_group=abort_group)
+    return pages, RankedBackend(built, in_order=True, abort_group=abort_group, shared=(staging_context,))
 
 
 def cuda_rank_limit(visible: int) -> str:

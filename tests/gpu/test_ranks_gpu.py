@@ -128,6 +128,8 @@ def test_thread_ranks_on_two_gpus_give_one_ranks_greedy_tokens(
         assert isinstance(backend, RankedBackend)
         assert [rank.rank for rank in backend.ranks] == [0, 1]
         assert all(isinstance(rank, CudaBackend) and rank.collectives["decode_b1"] > 0 for rank in backend.ranks)
+        first, second = (rank.transport(0)["input_ids"] for rank in backend.ranks)
+        assert first.ctypes.data == second.ctypes.data  # one page-locked staging read by both GPUs
         assert running.model.manifests().ranks == 2
         got = _greedy(running)
     finally:

@@ -25,11 +25,12 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 
 from helios_core.backends import cuda_driver
-from helios_core.backends.cuda import CudaBackend
-from helios_core.backends.cuda_driver import Context
+from helios_core.backends.cuda import CudaBackend, plan_transport, reserved_device_nbytes, sparse_entries
+from helios_core.backends.cuda_driver import Context, HostBuffer
 from helios_core.backends.nccl import NcclCommunicator, NcclError, NcclLibrary
 from helios_core.backends.ranks import RankedBackend, RankError, ThreadCommunicator
 from helios_core.backends.reference import ReferenceBackend
@@ -247,7 +248,8 @@ def test_auto_picks_cuda_for_a_core_of_n_ranks_only_with_n_gpus_it_has_kernels_f
 
 
 class FakeGpu:
-    """A device's context: its free memory and architecture; records being made current and closed."""
+    """A device's context: its free memory and architecture; records being made current, its page-locked
+    allocations and being closed."""
 
     def __init__(self, device: int, free: int, log: list[tuple[str, tuple[Any, ...]]]) -> None:
         self.device = device
@@ -255,6 +257,7 @@ class FakeGpu:
         self.log = log
         self.architecture = "sm_90a"
         self.closed = False
+        self.host: list[tuple[int, bool]] = []
 
     def free_memory(self) -> int:
         return self.free
@@ -262,8 +265,13 @@ class FakeGpu:
     def make_current(self) -> None:
         self.log.append(("make_current", (self.device,)))
 
+    def host_alloc(self, nbytes: int, *, mapped: bool = False) -> HostBuffer:
+        self.host.append((nbytes, mapped))
+        return HostBuffer(0x10000 * len(self.host), nbytes)
+
     def close(self) -> None:
         self.closed = True
+        self.log.append(("close", (self.device,)))
 
 
 class FakeRankBackend:
@@ -289,20 +297,27 @@ class FakeRankBackend:
 
     def close(self) -> None:
         self.closed = True
+        self.options["context"].log.append(("close rank", (self.options["rank"],)))
         self.reference.close()
 
 
 @pytest.fixture
 def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[FakeGpu], NumberedFunctions]]:
+    """Two GPUs (80 and 30 GiB free); every context opened, in order, and the NCCL call log."""
     functions = NumberedFunctions()
-    gpus = [FakeGpu(device, free, functions.calls) for device, free in ((0, 80 << 30), (1, 30 << 30))]
+    opened: list[FakeGpu] = []
+
+    def open_gpu(device: int) -> FakeGpu:
+        opened.append(FakeGpu(device, (80 << 30, 30 << 30)[device], functions.calls))
+        return opened[-1]
+
     monkeypatch.setattr(cuda_driver, "device_count", lambda: 2)
-    monkeypatch.setattr(cuda_driver, "open_context", lambda device: gpus[device])
+    monkeypatch.setattr(cuda_driver, "open_context", open_gpu)
     monkeypatch.setattr("helios_core.backends.nccl.load_library", lambda: NcclLibrary(functions))
     monkeypatch.setattr("helios_core.backends.cuda.check_targets", lambda execution, architecture: None)
     monkeypatch.setattr("helios_core.backends.cuda.CudaBackend", FakeRankBackend)
     FakeRankBackend.fail_rank = None
-    yield gpus, functions
+    yield opened, functions
 
 
 def test_a_two_rank_core_loads_as_one_cuda_backend_a_gpu_behind_an_in_order_ranked_backend(
@@ -323,9 +338,16 @@ def test_a_two_rank_core_loads_as_one_cuda_backend_a_gpu_behind_an_in_order_rank
         "ncclGetUniqueId", "ncclGroupStart", "make_current", "ncclCommInitRank", "make_current", "ncclCommInitRank",
         "ncclGroupEnd",
     ]  # fmt: skip
+    # one page-locked staging a frame, held by a reference of its own to GPU 0, read by both ranks
+    holder = gpus[2]
+    assert holder.device == 0 and len(gpus) == 3
+    layout = plan_transport(tp2.contract.execution.transport, sparse=sparse_entries(tp2.contract))
+    shared = ranks[0].options["staging"]
+    assert ranks[1].options["staging"] is shared and len(shared) == model.frames
+    assert not layout.mapped.slots  # the small fixture has no entry large enough to be read in place
+    assert [(s.host.nbytes, s.mapped) for s in shared] == [(layout.copied.nbytes, None)] * model.frames
+    assert holder.host == [(layout.copied.nbytes, False)] * model.frames
     # the cache is sized on the GPU with the least room (GPU 1's 30 GiB) and is the same on both ranks
-    from helios_core.backends.cuda import reserved_device_nbytes, sparse_entries
-
     reserved = reserved_device_nbytes(
         tp2.contract.execution, state_rows=model.state_rows, snapshot_rows=model.manifests().snapshot_rows,
         frames=model.frames, sparse=sparse_entries(tp2.contract), rank=1,
@@ -337,8 +359,11 @@ def test_a_two_rank_core_loads_as_one_cuda_backend_a_gpu_behind_an_in_order_rank
         backend.on_every_rank(lambda rank, b: b.missing_method(), "program 'decode_b1'")
     assert caught.value.rank == 0
     assert [r.aborted for r in ranks] == [1, 1]
+    del functions.calls[:]
     model.close()
     assert all(r.closed for r in ranks)
+    closes = [entry for entry in functions.calls if entry[0].startswith("close")]
+    assert closes == [("close rank", (1,)), ("close rank", (0,)), ("close", (0,))]  # the staging's holder last
 
 
 def test_a_rank_that_fails_to_load_aborts_the_nccl_group_and_releases_every_gpu(
@@ -351,6 +376,7 @@ def test_a_rank_that_fails_to_load_aborts_the_nccl_group_and_releases_every_gpu(
     assert str(caught.value) == "rank 1 could not load its weights"
     aborted = sorted(arguments for name, arguments in functions.calls if name == "ncclCommAbort")
     assert aborted == [(0xC0,), (0xC1,)]  # rank 0 may be waiting at a tuning collective for rank 1
+    assert len(gpus) == 3  # GPU 0, GPU 1 and the staging's reference to GPU 0
     assert all(gpu.closed for gpu in gpus)
 
 
@@ -559,3 +585,82 @@ def test_a_rank_process_without_a_gpu_tells_a_cuda_leader_why_it_cannot_load(
     finally:
         thread.join(DEADLINE_S)
         verified.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# one staging read by every rank
+# ----------------------------------------------------------------------------------------------
+
+
+class StagingRank:
+    """A rank whose staging views ``memory`` (read-only unless it is rank 0's), counting fences and runs."""
+
+    def __init__(self, memory: np.ndarray, *, writable: bool) -> None:
+        view = memory.view()
+        view.flags.writeable = writable
+        self.staging = {"input_ids": view[:4], "page_table": view[4:].reshape(2, 2)}
+        self.fences = 0
+        self.runs: list[tuple[str, int]] = []
+
+    def transport(self, frame: int) -> dict[str, np.ndarray]:
+        self.fences += 1
+        return self.staging
+
+    def run(self, program: str, frame: int) -> None:
+        self.runs.append((program, frame))
+
+    def close(self) -> None:
+        return None
+
+
+def test_ranks_sharing_one_staging_wait_for_every_ranks_fence_and_copy_nothing() -> None:
+    memory = np.zeros(8, dtype=np.int32)
+    first, second = StagingRank(memory, writable=True), StagingRank(memory, writable=False)
+    closed: list[str] = []
+    holder = SimpleNamespace(close=lambda: closed.append("staging"))
+    backend = RankedBackend([first, second], in_order=True, shared=(holder,))
+    staging = backend.transport(0)
+    assert (first.fences, second.fences) == (1, 1)  # the packer may rewrite what rank 1 reads only now
+    staging["input_ids"][...] = [5, 6, 7, 8]
+    backend.run("decode_b1", 0)  # rank 1's views are read-only: a copy would raise
+    assert second.staging["input_ids"].tolist() == [5, 6, 7, 8]
+    assert first.runs == second.runs == [("decode_b1", 0)]
+    separate = StagingRank(np.zeros(8, dtype=np.int32), writable=True)
+    copying = RankedBackend([first, separate])
+    copying.run("decode_b1", 1)  # staging of its own: rank 0's values are copied
+    copying.close()
+    assert separate.staging["input_ids"].tolist() == [5, 6, 7, 8]
+    backend.close()
+    assert closed == ["staging"]
+
+
+def test_shared_staging_must_hold_the_transport_blocks() -> None:
+    from helios_core.backends.cuda import BlockLayout, FrameStaging, TransportLayout, check_staging
+
+    layout = TransportLayout(copied=BlockLayout({}, 4096), mapped=BlockLayout({}, 1 << 20))
+    check_staging(FrameStaging(HostBuffer(0x1000, 4096), HostBuffer(0x9000, 1 << 20)), layout)
+    with pytest.raises(ValueError) as caught:
+        check_staging(FrameStaging(HostBuffer(0x1000, 4096), None), layout)
+    assert str(caught.value) == (
+        "shared staging of 4096 and 0 bytes cannot hold the transport's 4096 copied and 1048576 mapped bytes"
+    )
+
+
+def test_a_context_finds_its_own_address_of_a_shared_mapped_block() -> None:
+    driver = pytest.importorskip("cuda.bindings.driver")
+    calls: list[Any] = []
+
+    def record(name: str, answer: Any = None) -> Any:
+        def call(*arguments: Any) -> tuple[Any, ...]:
+            calls.append((name, *arguments))
+            return (driver.CUresult.CUDA_SUCCESS,) if answer is None else (driver.CUresult.CUDA_SUCCESS, answer)
+
+        return call
+
+    context = object.__new__(Context)
+    context._cu = SimpleNamespace(
+        cuCtxSetCurrent=record("cuCtxSetCurrent"), cuMemHostGetDevicePointer=record("cuMemHostGetDevicePointer", 0xB0B)
+    )
+    context.context = "ctx1"
+    assert context.mapped_pointer(HostBuffer(0x7000, 64, device_pointer=0xA0A)) == 0xB0B
+    assert calls == [("cuCtxSetCurrent", "ctx1"), ("cuMemHostGetDevicePointer", 0x7000, 0)]
