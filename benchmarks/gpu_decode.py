@@ -833,6 +833,13 @@ def _requests(prefix: str, count: int, length: int, max_tokens: int, vocab: int,
     ]
 
 
+def wave_cache_pages(plan: Plan) -> int:
+    """Cache pages for the largest decode wave with a tenth to spare, and at least one request's full context."""
+    pages_per_request = -(-plan.context // plan.page_tokens)
+    per_request = -(-(plan.prompt + plan.tokens) // plan.page_tokens) + 1
+    return max(pages_per_request, int(plan.max_rows * per_request * 1.1) + pages_per_request)
+
+
 def measure_helios(
     spec: CoreSpec, public_key: Path, plan: Plan, entry: dict[str, Any], save: Callable[[], None]
 ) -> None:
@@ -841,9 +848,7 @@ def measure_helios(
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import start
 
-    pages_per_request = -(-plan.context // plan.page_tokens)
-    per_request = -(-(plan.prompt + plan.tokens) // plan.page_tokens) + 1
-    pages = max(pages_per_request, int(plan.max_rows * per_request * 1.1) + pages_per_request)
+    pages = wave_cache_pages(plan)
     options = LoadOptions(max_active=plan.max_rows, queue_capacity=plan.max_rows, cache_pages=pages)
     helios: dict[str, Any] = {"backend": plan.backend, "cache_pages": pages, "decode": {}}
     entry["helios"] = helios
@@ -959,9 +964,7 @@ def measure_ranked_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: d
     from helios_core.ops.catalogue import COLLECTIVE_OPERATORS
     from helios_core.runtime.startup import start
 
-    pages_per_request = -(-plan.context // plan.page_tokens)
-    per_request = -(-(plan.prompt + plan.tokens) // plan.page_tokens) + 1
-    pages = max(pages_per_request, int(plan.max_rows * per_request * 1.1) + pages_per_request)
+    pages = wave_cache_pages(plan)
     options = LoadOptions(max_active=plan.max_rows, queue_capacity=plan.max_rows, cache_pages=pages)
     began = time.monotonic()
     running = start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
@@ -992,15 +995,10 @@ def measure_ranked_decode(spec: CoreSpec, public_key: Path, plan: Plan, entry: d
     finally:
         _close(running, wedged)
     if plan.device == "cuda":
-        hidden = model_facts_hidden(contract)
+        hidden = _dims(contract, "tok_embd")[-1]  # the token embedding's columns
         with _wave_errors(entry, "all_reduce", spec.shape):
             entry["all_reduce_us"] = all_reduce_costs(spec.tensor_parallel, hidden, plan.batches)
             log(f"{spec.shape}: one all_reduce over {spec.tensor_parallel} GPUs, µs by batch: {entry['all_reduce_us']}")
-
-
-def model_facts_hidden(contract: Any) -> int:
-    """The hidden size of a synthetic Llama core (the columns of its token embedding)."""
-    return _dims(contract, "tok_embd")[-1]
 
 
 def all_reduce_costs(
@@ -1043,25 +1041,11 @@ def all_reduce_costs(
 
             with ThreadPoolExecutor(max_workers=ranks) as pool:
                 graphs = list(pool.map(captured_on, range(ranks)))
-            times = []
-            for repeat in range(repeats + 1):
-                events = []
-                for context, _, _, _, executable in graphs:
-                    context.make_current()
-                    start, end = context.timing_event(), context.timing_event()
-                    context.record(start)
-                    context.launch_graph(executable)
-                    context.record(end)
-                    events.append((context, start, end))
-                slowest = 0.0
-                for context, start, end in events:
-                    context.make_current()
-                    context.synchronize()
-                    slowest = max(slowest, context.elapsed_ms(start, end))
-                    context.destroy_event(start)
-                    context.destroy_event(end)
-                if repeat:
-                    times.append(slowest)
+            _slowest_launch_ms([(context, executable) for context, _, _, _, executable in graphs])  # untimed
+            times = [
+                _slowest_launch_ms([(context, executable) for context, _, _, _, executable in graphs])
+                for _ in range(repeats)
+            ]
             costs[str(batch)] = statistics.median(times) * 1000 / calls
             for context, buffer, captured, builder, executable in graphs:
                 context.make_current()
@@ -1075,6 +1059,27 @@ def all_reduce_costs(
         for context in contexts:
             context.close()
     return costs
+
+
+def _slowest_launch_ms(graphs: Sequence[tuple[Any, Any]]) -> float:
+    """Launch each rank's graph (``(context, executable)``) on its GPU, all before any is waited for: the
+    milliseconds the slowest took, timed by events on its own stream."""
+    events = []
+    for context, executable in graphs:
+        context.make_current()
+        start, end = context.timing_event(), context.timing_event()
+        context.record(start)
+        context.launch_graph(executable)
+        context.record(end)
+        events.append((context, start, end))
+    slowest = 0.0
+    for context, start, end in events:
+        context.make_current()
+        context.synchronize()
+        slowest = max(slowest, context.elapsed_ms(start, end))
+        context.destroy_event(start)
+        context.destroy_event(end)
+    return slowest
 
 
 def _decode_wave(

@@ -912,6 +912,13 @@ class CudaBackend:
         self._transport_layout = plan_transport(
             execution.transport, sparse=sparse_entries(contract), copy_limit=copy_limit
         )
+        if self._given_staging is not None:
+            if len(self._given_staging) != self._frames_count:
+                raise ValueError(
+                    f"{len(self._given_staging)} frames of shared staging for a backend of {self._frames_count}"
+                )
+            for given in self._given_staging:
+                check_staging(given, self._transport_layout)
         self._completion_layout = plan_completion(self._decls, shapes)
         fields: dict[int, str] = {}
         for record in execution.completion:
@@ -1024,14 +1031,9 @@ class CudaBackend:
         context = self._ctx
         layout = self._transport_layout
         given = self._given_staging
-        if given is not None:
-            if len(given) != self._frames_count:
-                raise ValueError(f"{len(given)} frames of shared staging for a backend of {self._frames_count}")
-            host, mapped = given[frame].host, given[frame].mapped
-            check_staging(given[frame], layout)
-        else:
-            host = context.host_alloc(layout.copied.nbytes)
-            mapped = context.host_alloc(layout.mapped.nbytes, mapped=True) if layout.mapped.slots else None
+        shared = given is not None
+        staging_blocks = given[frame] if given is not None else allocate_staging(context, layout, 1)[0]
+        host, mapped = staging_blocks.host, staging_blocks.mapped
         device = context.alloc(layout.copied.nbytes)
         completion_host = context.host_alloc(self._completion_layout.nbytes)
         completion_device = context.alloc(self._completion_layout.nbytes)
@@ -1049,7 +1051,7 @@ class CudaBackend:
         records = {field: mirror[name] for field, name in fields.items()}
         if mapped is None:
             mapped_device = 0
-        elif given is not None:  # this context's own address of the shared mapped block
+        elif shared:  # this context's own address of the shared mapped block
             mapped_device = context.mapped_pointer(mapped)
         else:
             mapped_device = mapped.device_pointer
@@ -1193,8 +1195,9 @@ class FrameStaging:
 
 def allocate_staging(context: Context, layout: TransportLayout, frames: int) -> list[FrameStaging]:
     """Page-locked staging blocks of ``frames`` frames in ``context`` (portable, so every context of the
-    process may copy from them; the mapped blocks mapped), for the ranks of one process to share: the packer
-    writes a round's values once and every rank's graph reads them. They are freed with ``context``."""
+    process may copy from them; the mapped blocks mapped): a backend's own, or those the ranks of one process
+    share (the packer writes a round's values once and every rank's graph reads them; freed with
+    ``context``)."""
     return [
         FrameStaging(
             context.host_alloc(layout.copied.nbytes),

@@ -864,11 +864,9 @@ def load_process_ranks(
             cuda_context.close()
         raise
     backend = ProcessRankedBackend(peers, settings, collectives_on_device=cuda_context is not None)
-    sizes = Welcome(ranks, cache_pages, state_rows, frames, snapshot_rows, settings.deadline_s)
+    welcome = Welcome(ranks, cache_pages, state_rows, frames, snapshot_rows, settings.deadline_s)
     if cuda_context is None:
         from helios_core.backends.reference import ReferenceBackend
-
-        welcome = sizes
 
         def build(communicator: LeaderCommunicator) -> Any:
             return ReferenceBackend(
@@ -885,7 +883,7 @@ def load_process_ranks(
             backend.close()
             cuda_context.close()
             raise
-        welcome = msgspec.structs.replace(sizes, backend="cuda", nccl_id=nccl_id)
+        welcome = msgspec.structs.replace(welcome, backend="cuda", nccl_id=nccl_id)
 
         def build(communicator: LeaderCommunicator) -> Any:
             return cuda_rank_backend(contract, core, welcome, 0, cuda_context)

@@ -234,6 +234,19 @@ def _device_memory(contract: PreparedContract, context: Context, sizes: LoadSize
     return DeviceMemory(context.free_memory(), reserved)
 
 
+def _open_gpu_zero(
+    contract: PreparedContract, selection: Selection, cap: int | None, sizes: LoadSizes
+) -> tuple[Context, int]:
+    """GPU 0's context and the cache pages chosen from its free memory (the context is closed on a failure)."""
+    context = _open_gpu(0)
+    try:
+        return context, choose_cache_pages(contract, selection, cap, _device_memory(contract, context, sizes))
+    except BaseException:
+        with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
+            context.close()
+        raise
+
+
 def _load_cuda(
     contract: PreparedContract, core: CoreFile, selection: Selection, cap: int | None, sizes: LoadSizes
 ) -> tuple[int, Backend]:
@@ -241,9 +254,8 @@ def _load_cuda(
     makes a one-rank NCCL communicator when the core has collective nodes)."""
     from helios_core.backends.cuda import CudaBackend
 
-    context = _open_gpu(0)
+    context, pages = _open_gpu_zero(contract, selection, cap, sizes)
     try:
-        pages = choose_cache_pages(contract, selection, cap, _device_memory(contract, context, sizes))
         backend = CudaBackend(
             contract, core, cache_pages=pages, state_rows=sizes.state_rows, frames=sizes.frames,
             snapshot_rows=sizes.snapshot_rows, context=context,
@@ -319,12 +331,12 @@ def _load_cuda_ranks(
             raise StartupError(f"rank {rank} failed to load: {type(failure).__name__}: {failure}") from failure
     except BaseException:
         with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
-            for backend in reversed(built):  # rank 0's context holds the staging the others read
+            for backend in built:
                 backend.abort_collectives()
                 backend.close()
             for communicator in communicators:
                 communicator.close()
-            for context in reversed(contexts):
+            for context in contexts:
                 context.close()
             if staging_context is not None:
                 staging_context.close()
@@ -444,13 +456,7 @@ def _load_cuda_process_ranks(
     settings = selection.rank_peers
     if settings is None or ranks < 2:
         raise StartupError(f"--rank-listen serves a core of more than one tensor-parallel rank; this core has {ranks}")
-    context = _open_gpu(0)
-    try:
-        pages = choose_cache_pages(contract, selection, cap, _device_memory(contract, context, sizes))
-    except BaseException:
-        with contextlib.suppress(HeliosError):  # the startup failure is what the caller needs to see
-            context.close()
-        raise
+    context, pages = _open_gpu_zero(contract, selection, cap, sizes)
     executor = load_process_ranks(
         contract, core, ranks, settings, cache_pages=pages, state_rows=sizes.state_rows, frames=sizes.frames,
         snapshot_rows=sizes.snapshot_rows, cuda_context=context,
