@@ -285,8 +285,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 _RUN_OPTIONS = (
     "core", "host", "port", "max_active", "queue_capacity", "frontend_workers", "event_capacity", "cache_pages",
-    "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting", "speculation_payoff",
-    "served_name", "alias",
+    "prefill_chunk", "trust_key", "accept", "core_key", "backend", "speculative_width", "history_drafting",
+    "speculation_payoff", "served_name", "alias",
     "vllm_metrics", "kv_events_config", "shutdown_timeout", "offload_pages", "offload_checkpoints",
     "worker_process", "http_processes",
     "image_max_bytes", "image_max_pixels", "image_max_count", "image_allow_urls", "image_fetch_timeout", "ranks",
@@ -318,6 +318,13 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--frontend-workers", type=int, help="request preparation threads (default: the core's)")
     run.add_argument("--event-capacity", type=int, help="minimum per-response event budget (default: the core's)")
     run.add_argument("--cache-pages", type=int, help="cap on physical cache pages")
+    run.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="N",
+        help="the most prompt tokens one round computes: only prefill programs of at most N tokens are used "
+        "(default: every captured one)",
+    )
     run.add_argument(
         "--offload-pages", type=int, metavar="N", help="host-memory pages evicted cache pages move to (default 0: off)"
     )

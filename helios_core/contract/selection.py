@@ -7,7 +7,9 @@ drafting needs learned speculation and concrete copied-token inputs in every
 selected wider graph. Export records no history preference, so drafting is
 only ever a startup option. The selection also carries the operator's
 process-rank settings (:class:`ProcessRankSettings`: where rank processes join,
-their shared secret and deadlines) to ``NativeModel.load``.
+their shared secret and deadlines) to ``NativeModel.load``. A prefill chunk
+(``--prefill-chunk N``) keeps only the prompt-computing programs (prefill, mixed,
+resume and scored prefill) of at most N tokens, so that no round computes more.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class LoadOptions:
     rank_peers: ProcessRankSettings | None = None
     """Run ranks 1..N-1 as rank processes that join this one over TCP (None: thread ranks); carried by the
     selection to ``NativeModel.load``."""
+    prefill_chunk: int | None = None
+    """The most tokens one prompt-computing round (prefill, mixed, resume, scored prefill) computes: only
+    those programs of at most this many tokens are selected (None: every captured one)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,36 @@ def _core_default(name: str, value: int) -> int:
     if value <= 0:
         raise StartupError(f"the core's default {name} is {value}; pass --{name.replace('_', '-')} explicitly")
     return value
+
+
+_PROMPT_OPERATIONS: dict[int, str] = {
+    ct.OPERATION_PREFILL: "prefill",
+    ct.OPERATION_MIXED: "mixed",
+    ct.OPERATION_RESUME: "resume",
+    ct.OPERATION_SCORED_PREFILL: "scored prefill",
+}
+"""The operations whose rounds compute prompt (or known) tokens in chunks, as a prefill chunk names them."""
+
+
+def _within_chunk(graphs: Mapping[str, PreparedGraph], chunk: int) -> dict[str, PreparedGraph]:
+    """``graphs`` less the prompt-computing programs of more than ``chunk`` tokens; a StartupError when that
+    leaves none of a kind the core has (an operation, with or without images)."""
+    kinds: dict[tuple[int, bool], list[PreparedGraph]] = {}
+    for graph in graphs.values():
+        if graph.operation in _PROMPT_OPERATIONS:
+            kinds.setdefault((graph.operation, graph.takes_images), []).append(graph)
+    for (operation, images), of_kind in sorted(kinds.items()):
+        smallest = min(graph.extents.token_capacity for graph in of_kind)
+        if smallest > chunk:
+            what = _PROMPT_OPERATIONS[operation] + (" program that takes images" if images else " program")
+            raise StartupError(
+                f"--prefill-chunk {chunk} leaves no {what}: the core's smallest computes {smallest} tokens"
+            )
+    return {
+        name: graph
+        for name, graph in graphs.items()
+        if graph.operation not in _PROMPT_OPERATIONS or graph.extents.token_capacity <= chunk
+    }
 
 
 def select(contract: PreparedContract, options: LoadOptions) -> Selection:
@@ -160,6 +195,9 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
         if graph.operation == ct.OPERATION_SPECULATIVE and graph.extents.token_capacity > max(width, 1):
             continue
         selected[name] = graph
+    chunk = _positive("prefill_chunk", options.prefill_chunk)
+    if chunk is not None:
+        selected = _within_chunk(selected, chunk)
 
     if options.history_drafting:
         if not contract.serving.learned_speculation:

@@ -125,6 +125,8 @@ class RunOptions:
     frontend_workers: int | None = None
     event_capacity: int | None = None
     cache_pages: int | None = None
+    prefill_chunk: int | None = None
+    """The most tokens one prompt-computing round computes (None: the core's largest prefill program)."""
     offload_pages: int = 0
     """Host-memory pages of the prefix cache's host tier (0: evicted pages are dropped)."""
     offload_checkpoints: int = 0
@@ -338,6 +340,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         history_drafting=options.history_drafting,
         speculation_payoff=options.speculation_payoff,
         cache_pages=options.cache_pages,
+        prefill_chunk=options.prefill_chunk,
         offload_pages=options.offload_pages,
         offload_checkpoints=options.offload_checkpoints,
         ranks=options.ranks,

@@ -114,6 +114,8 @@ def test_an_over_limit_frontend_asset_fails_with_one_line(
 ) -> None:
     core: Path = request.getfixturevalue(which)
     assert core.stat().st_size < (FIXTURES / "payload-v3.core").stat().st_size + 32 * 1024  # a few KiB more
+    main(command(name, core, messages))  # once untraced: the modules the command imports are not what is measured
+    capsys.readouterr()
     tracemalloc.start()
     try:
         code = main(command(name, core, messages))

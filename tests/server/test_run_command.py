@@ -145,3 +145,18 @@ def test_config_errors_are_startup_errors(tmp_path: Path) -> None:
         resolve_options({"core": Path("x")}, None, {"HELIOS_PORT": "eighty"})
     with pytest.raises(StartupError, match="no core"):
         resolve_options({}, None, {})
+
+
+def test_a_prefill_chunk_below_every_prefill_program_exits_1_with_one_line() -> None:
+    trust = ("--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE)
+    result = subprocess.run(
+        _helios("--core", str(CORE), *trust, "--port", "0", "--backend", "reference", "--prefill-chunk", "8"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "helios run: error: --prefill-chunk 8 leaves no prefill program: the core's smallest computes 16 tokens"
+    ]
