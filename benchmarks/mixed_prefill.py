@@ -13,7 +13,7 @@ one ``--long``-token prompt, and reads every token's timestamp from the engine's
 | prompt rounds | rounds that computed the long prompt, and the programs they ran on |
 | TTFT ms | the long prompt's submission to its first token, beside the decoders |
 | alone ms | the same prompt's time to first token with nothing else running (median of three) |
-| step ms | the decoders' median gap between tokens before the prompt arrived |
+| step ms | the decoders' median gap between tokens while all of them decode, before the prompt arrived |
 | longest gap ms | the longest gap between two tokens of any decoder while the prompt was computed |
 | gap / step | the longest gap over the step: how long the prompt stalled a decoder, in steps |
 | decoder tokens | tokens each decoder received while the prompt was computed (mean) |
@@ -25,6 +25,11 @@ backend with the ``tiny`` shape:
 
     tools/gpu_run.sh python3 benchmarks/mixed_prefill.py --shape 1b --batch 64 --long 512 --chunks none,256,128
     python benchmarks/mixed_prefill.py --device cpu
+    python benchmarks/mixed_prefill.py --device cpu --backend null --batch 64 --long 512 --context 1024 \
+        --chunks none,256,128
+
+The null backend (``--backend null``) writes completion records without computing, so its figures are
+the host's part of each round alone: planning, packing, validating and publishing.
 
 Every figure goes to ``--out`` as JSON (default ``$OUT/mixed_prefill.json``, else ``./mixed_prefill.json``).
 """
@@ -72,7 +77,8 @@ class Setup:
     context: int
     page_tokens: int
     settle_tokens: int
-    """Tokens every decoder has before the long prompt is submitted (the steady step is measured over them)."""
+    """Tokens every decoder has before the steady step is measured; then each decodes as many again (the steady
+    step) before the long prompt is submitted."""
     timeout_s: float
     seed: int
 
@@ -87,9 +93,9 @@ class Setup:
 
     @property
     def decode_tokens(self) -> int:
-        """New tokens of each decoder: enough to outlast the prompt's rounds with the smallest chunk."""
-        rounds = max(self.prompt_rounds(chunk) for chunk in self.chunks)
-        return min(self.context - self.prompt - 1, self.settle_tokens + rounds + 32)
+        """New tokens of each decoder: as many as the context holds, to outlast the prompt's rounds whatever the
+        time the benchmark's own thread takes to submit it."""
+        return self.context - self.prompt - 1
 
 
 def core_spec(setup: Setup, directory: Path, signing_key: Path) -> gpu_decode.CoreSpec:
@@ -145,26 +151,32 @@ def _tagged(put: Any, index: int, event: Any) -> None:
     put((index, event))
 
 
-def wait(streams: Sequence[Stream], timeout_s: float, *, tokens: int | None = None) -> None:
-    """Until every stream finished (or, with ``tokens``, holds that many tokens); raises on a failure or timeout."""
+def wait(streams: Sequence[Stream], timeout_s: float, *, tokens: Sequence[int] | None = None) -> None:
+    """Until every stream finished (or, with ``tokens``, holds that many tokens, one count a stream); raises on
+    a failure or a timeout."""
     deadline = time.monotonic() + timeout_s
+    targets: list[int | None] = [None] * len(streams) if tokens is None else list(tokens)
     while time.monotonic() < deadline:
         failed = [s.error for s in streams if s.error]
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
-        if all(s.done.is_set() or (tokens is not None and len(s.stamps_ns) >= tokens) for s in streams):
+        if all(
+            s.done.is_set() or (target is not None and len(s.stamps_ns) >= target)
+            for s, target in zip(streams, targets, strict=True)
+        ):
             return
         time.sleep(0.0005)
     raise TimeoutError(f"{len(streams)} requests did not get there within {timeout_s:.0f} s")
 
 
-def stall(decoders: Sequence[Stream], submitted_ns: int, first_ns: int) -> dict[str, float]:
-    """The decoders' steady step before ``submitted_ns`` and their gaps while the prompt was computed."""
+def stall(decoders: Sequence[Stream], settled_ns: int, submitted_ns: int, first_ns: int) -> dict[str, float]:
+    """The decoders' steady step between ``settled_ns`` (every one of them decoding) and ``submitted_ns``, and
+    their gaps while the prompt was computed (from its submission to its first token at ``first_ns``)."""
     before = [
         later - earlier
         for s in decoders
-        for earlier, later in zip(s.stamps_ns[1:], s.stamps_ns[2:], strict=False)
-        if later <= submitted_ns
+        for earlier, later in itertools.pairwise(s.stamps_ns)
+        if settled_ns <= earlier and later <= submitted_ns
     ]
     during: list[int] = []
     received = 0
@@ -216,7 +228,10 @@ def measure_chunk(spec: gpu_decode.CoreSpec, public_key: Path, setup: Setup, chu
         decoders = submit(
             engine, gpu_decode._requests("decode", setup.batch, setup.prompt, setup.decode_tokens, vocab, rng)
         )
-        wait(decoders, setup.timeout_s, tokens=setup.settle_tokens)
+        # every decoder decoding (all prompts computed), then as many steady tokens again before the prompt
+        wait(decoders, setup.timeout_s, tokens=[setup.settle_tokens] * len(decoders))
+        settled = clock.now_ns()
+        wait(decoders, setup.timeout_s, tokens=[len(s.stamps_ns) + setup.settle_tokens for s in decoders])
         (request,) = gpu_decode._requests("long", 1, setup.long, 2, vocab, rng)
         seen = len(clock.records)
         submitted = clock.now_ns()
@@ -226,15 +241,22 @@ def measure_chunk(spec: gpu_decode.CoreSpec, public_key: Path, setup: Setup, chu
         wait(decoders, setup.timeout_s)
         if any(first >= s.stamps_ns[-1] for s in decoders):
             raise RuntimeError("a decoder finished before the long prompt's first token (raise the decode tokens)")
-        prompt_rounds = [
-            r.program for r in clock.records[seen:] if submitted <= r.launch_ns <= first and "decode" not in r.program
-        ]
+        rounds = [r for r in clock.records[seen:] if submitted <= r.launch_ns <= first]
+        prompt_rounds = [r.program for r in rounds if "decode" not in r.program]
         return {
             "chunk": chunk,
             "ttft_ms": (first - submitted) / 1e6,
             "alone_ms": statistics.median(alone),
             "prompt_rounds": prompt_rounds,
-            **stall(decoders, submitted, first),
+            "rounds": [  # every round launched while the prompt was computed: ms after its submission
+                {
+                    "program": r.program,
+                    "launch_ms": (r.launch_ns - submitted) / 1e6,
+                    "done_ms": (r.wait_end_ns - submitted) / 1e6,
+                }
+                for r in rounds
+            ],
+            **stall(decoders, settled, submitted, first),
         }
     finally:
         running.close()
@@ -272,7 +294,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
 def print_table(setup: Setup, results: Sequence[dict[str, Any]]) -> None:
     print(
         f"\n{setup.shape} on {setup.backend}: {setup.batch} decoding requests ({setup.prompt}-token prompts), "
-        f"one {setup.long}-token prompt submitted after {setup.settle_tokens} decode tokens"
+        f"one {setup.long}-token prompt submitted after {2 * setup.settle_tokens} decode tokens"
     )
     print("| " + " | ".join(HEADERS) + " |")
     print("| " + " | ".join(["---", "---", *["---:"] * (len(HEADERS) - 2)]) + " |")
@@ -296,12 +318,18 @@ def parse_chunks(text: str) -> tuple[int | None, ...]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the reference backend")
+    parser.add_argument(
+        "--backend",
+        choices=("cuda", "reference", "null"),
+        help="Helios backend (default cuda; cpu: reference); null computes nothing: the rounds' host time alone",
+    )
     parser.add_argument("--shape", help="synthetic shape (default 1b; cpu: tiny)")
     parser.add_argument("--batch", type=int, help="decoding requests (default 64; cpu: 4)")
     parser.add_argument("--long", type=int, help="tokens of the long prompt (default 512; cpu: 64)")
     parser.add_argument(
         "--chunks", help="prefill chunks, 'none' for every program (default none,256,128; cpu: none,16)"
     )
+    parser.add_argument("--context", type=int, help="core context tokens (default 1024; cpu: 256)")
     parser.add_argument("--cores", type=Path, help="folder to reuse the core from and build it into")
     parser.add_argument("--out", type=Path, help="JSON of every figure (default $OUT/mixed_prefill.json or ./)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for one wave of requests")
@@ -314,13 +342,13 @@ def make_setup(args: argparse.Namespace) -> Setup:
     setup = Setup(
         shape=args.shape or ("tiny" if cpu else "1b"),
         device=args.device,
-        backend="reference" if cpu else "cuda",
+        backend=args.backend or ("reference" if cpu else "cuda"),
         targets=("reference",) if cpu else ("reference", "sm_90a"),
         batch=args.batch or (4 if cpu else 64),
         prompt=16 if cpu else 32,
         long=args.long or (64 if cpu else 512),
         chunks=parse_chunks(args.chunks or ("none,16" if cpu else "none,256,128")),
-        context=256 if cpu else 1024,
+        context=args.context or (256 if cpu else 1024),
         page_tokens=16,
         settle_tokens=8,
         timeout_s=args.timeout,
@@ -362,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Exception as exc:  # the other chunks' figures stand without it
                 result = {"chunk": chunk, "error": f"{type(exc).__name__}: {exc}"}
             data["results"].append(result)
-            log(f"chunk {chunk}: {json.dumps({k: v for k, v in result.items() if k != 'prompt_rounds'})}")
+            figures = {k: v for k, v in result.items() if k not in ("prompt_rounds", "rounds")}
+            log(f"chunk {chunk}: {json.dumps(figures)}")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(data, indent=1, default=str))
     print_table(setup, data["results"])

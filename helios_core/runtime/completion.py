@@ -44,9 +44,8 @@ class CompletionError(HeliosError):
     """A completion record contradicts what was submitted."""
 
 
-@dataclass(frozen=True)
-class LaneExpectation:
-    """What the scheduler expects of one lane's completion."""
+class LaneExpectation(msgspec.Struct, frozen=True):
+    """What the scheduler expects of one lane's completion (a frozen struct: a round builds one a lane)."""
 
     generation: int
     consumed: int

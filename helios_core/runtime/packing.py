@@ -59,6 +59,7 @@ source's resolution, extents and staging write belong together.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,9 +118,9 @@ class LaneImage:
         )
 
 
-@dataclass(frozen=True)
-class Lane:
-    """One request row of a submission, as the scheduler planned it (never changed once planned)."""
+class Lane(msgspec.Struct, frozen=True):
+    """One request row of a submission, as the scheduler planned it (never changed once planned; a frozen
+    struct, built in a fraction of a frozen dataclass's time: a round of many lanes builds one each)."""
 
     slot: int
     generation: int
@@ -316,6 +317,18 @@ def _token_values(values: _TokenValues, offset: int) -> _TokenValues:
     return [value + offset for value in values] if offset else values
 
 
+_SHORT_PIECE = 64
+"""Per-token values of up to this many entries are gathered element by element; longer arrays whole."""
+
+
+def _concatenated(pieces: Sequence[_TokenValues], total: int) -> npt.NDArray[np.int64]:
+    """The lanes' per-token values as one int64 array of ``total`` entries: one pass over the values when
+    every piece is short or not an array (a decode lane's one value, a chunk's range), else by pieces."""
+    if any(isinstance(piece, np.ndarray) and len(piece) > _SHORT_PIECE for piece in pieces):
+        return np.concatenate([np.asarray(_token_values(piece, 0), dtype=np.int64) for piece in pieces])
+    return np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=total)
+
+
 _VECTOR_SOURCES = frozenset(
     {
         ct.VALUE_SOURCE_PAGE_TABLE,
@@ -362,12 +375,6 @@ class _HeldRows:
         self.generation = np.zeros(rows, dtype=np.int64)
         self.count = np.zeros(rows, dtype=np.int64)
         self.known = np.zeros(rows, dtype=bool)
-
-    def start(self, row: int, slot: int, generation: int) -> int:
-        """Pages already staged for (slot, generation) on ``row`` (0 when it holds something else)."""
-        if self.known[row] and self.slot[row] == slot and self.generation[row] == generation:
-            return int(self.count[row])
-        return 0
 
     def hold(self, row: int, slot: int, generation: int, count: int) -> None:
         try:
@@ -670,23 +677,28 @@ class _BindingWriter:
         dest[cursor:] = self.padding
 
     def _write_tokens(self, lanes: Sequence[Lane], dest: npt.NDArray[np.generic]) -> None:
-        extract = _TOKEN_SOURCES[self.source]
+        """Every lane's per-token values in packed order, written in one assignment (a mixed round's many
+        one-token lanes would otherwise cost a numpy write each)."""
         flat = dest.reshape(-1)
-        cursor = 0
-        offset = self.offset
-        for row, lane in enumerate(lanes):
-            values = extract(lane, row)
-            if len(values) != lane.query_length:
-                raise ValueError(
-                    f"lane {row} supplies {len(values)} values for {self.destination!r}, "
-                    f"but its query length is {lane.query_length}"
-                )
-            flat[cursor : cursor + len(values)] = _token_values(values, offset)
-            cursor += len(values)
-        if cursor > self.packed:
-            raise ValueError(f"{cursor} packed tokens exceed the program's capacity {self.packed}")
+        lengths = [len(lane.positions) for lane in lanes]
+        total = sum(lengths)
+        if total > self.packed:
+            raise ValueError(f"{total} packed tokens exceed the program's capacity {self.packed}")
+        if self.source == ct.VALUE_SOURCE_TOKEN_ROW:
+            values: npt.NDArray[np.int64] = np.repeat(np.arange(len(lanes), dtype=np.int64), lengths)
+        else:
+            extract = _TOKEN_SOURCES[self.source]
+            pieces = [extract(lane, row) for row, lane in enumerate(lanes)]
+            for row, (piece, length) in enumerate(zip(pieces, lengths, strict=True)):
+                if len(piece) != length:
+                    raise ValueError(
+                        f"lane {row} supplies {len(piece)} values for {self.destination!r}, "
+                        f"but its query length is {length}"
+                    )
+            values = _concatenated(pieces, total)
+        flat[:total] = self._values(values, flat)  # the offset added, and assigned as the Python values would be
         if self.indexing != ct.INDEXING_ACTIVE_ROW:
-            flat[cursor : self.packed] = self.padding
+            flat[total : self.packed] = self.padding
 
     def _write_packed_vectors(
         self,
@@ -799,16 +811,24 @@ class _BindingWriter:
         self.memory.page_versions.pop((frame, key), None)
         held = self.memory.held(frame, key, max(dest.shape[0], self.rows))
         width = dest.shape[-1]
+        count = len(tables)
+        # what each row holds, read once as Python values (a round of many lanes compares them lane by lane)
+        known, held_slots = held.known[:count].tolist(), held.slot[:count].tolist()
+        held_generations, held_counts = held.generation[:count].tolist(), held.count[:count].tolist()
         for row, (slot, generation, pages) in enumerate(tables):
-            if len(pages) > width:
-                raise ValueError(f"lane {row} needs {len(pages)} pages; the page table holds {width}")
-            start = held.start(row, slot, generation)
-            if start > len(pages):
+            length = len(pages)
+            if length > width:
+                raise ValueError(f"lane {row} needs {length} pages; the page table holds {width}")
+            same = known[row] and held_slots[row] == slot and held_generations[row] == generation
+            start = held_counts[row] if same else 0  # pages already staged for this lane's request
+            if start > length:
                 start = 0
+            if start == length and start:
+                continue  # the row holds exactly this table already
             if start == 0:
-                dest[row, len(pages) :] = self.padding
-            dest[row, start : len(pages)] = np.asarray(pages[start:], dtype=dest.dtype) + self.offset
-            held.hold(row, slot, generation, len(pages))
+                dest[row, length:] = self.padding
+            dest[row, start:length] = np.asarray(pages[start:], dtype=dest.dtype) + self.offset
+            held.hold(row, slot, generation, length)
         if self.indexing == ct.INDEXING_SUBMISSION_ROW and len(tables) < self.rows:
             rows = np.arange(len(tables), self.rows, dtype=np.intp)
             stale = rows[~held.padded_at(rows)]

@@ -383,24 +383,11 @@ class RoundPlanner:
         expectations: list[LaneExpectation] = []
         taken: set[int] = set()
         if mixed:
-            for state in decode[: max(rows - 1, 0)]:
-                if budget - len(lanes) <= 1:
-                    break
-                if state.slot < 0 or table.phase[state.slot] != Phase.DECODE:
-                    continue  # preempted, or marked for a snapshot, while an earlier lane took a page
-                if not residency.ensure_page(state, exclude=taken):
-                    residency.starved = True
-                    break
-                # A decode lane of a mixed round feeds its completed pending token from the host.
-                consumed = int(table.consumed[state.slot])
-                lanes.append(self.lane(state, range(consumed, consumed + 1), sample=True))
-                members.append(state)
-                taken.add(state.slot)
-                expectations.append(self._expect(state, consumed + 1, True))
+            members, lanes, expectations = self._mixed_decode_lanes(decode[: max(rows - 1, 0)], budget - 1, taken)
         used = len(lanes)
         patches = features = 0
         for state in prefill:
-            if state.slot < 0 or table.phase[state.slot] != Phase.PREFILL:
+            if state.slot < 0 or int(table.phase[state.slot]) != Phase.PREFILL:
                 continue  # preempted (or marked for a snapshot) to make room for a decode lane above
             if len(members) >= rows or used >= budget:
                 break
@@ -424,6 +411,62 @@ class RoundPlanner:
             expectations.append(self._expect(state, consumed + chunk, last))
             used += chunk
         return members, lanes, expectations, used, (patches, features)
+
+    def _mixed_decode_lanes(
+        self, decode: list[RequestState], limit: int, taken: set[int]
+    ) -> tuple[list[RequestState], list[Lane], list[LaneExpectation]]:
+        """The one-token lanes of the requests of ``decode`` still decoding, in order, up to ``limit`` of them,
+        each feeding its completed pending token from the host; a request that cannot have the page of its
+        position ends the list (the residency is marked starved). The same lanes :meth:`lane` makes, read from
+        the slot table as columns once their pages are held (a mixed round carries every decoding request)."""
+        table, residency = self.table, self.residency
+        members: list[RequestState] = []
+        for state in decode:
+            if len(members) >= limit:
+                break
+            slot = state.slot
+            if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
+                continue  # preempted, or marked for a snapshot, while an earlier lane took a page
+            if not residency.ensure_page(state, exclude=taken):
+                residency.starved = True
+                break
+            members.append(state)
+            taken.add(slot)
+        if not members:
+            return [], [], []
+        slots = slot_array([s.slot for s in members])
+        consumed = table.consumed[slots].astype(np.int64)
+        page, offset = np.divmod(consumed, self.page_tokens)
+        cache_slots = (table.page_starts[slots, page] + offset).tolist()
+        tokens = table.tokens[slots, consumed].tolist()
+        generations = table.generation[slots].tolist()
+        generated = table.generated[slots]
+        steps = generated.tolist()
+        limits = (table.max_tokens[slots] - generated).tolist()
+        per_request = self.state_rows_per_request
+        lanes: list[Lane] = []
+        expectations: list[LaneExpectation] = []
+        for index, (state, at) in enumerate(zip(members, consumed.tolist(), strict=True)):
+            slot, gate = state.slot, state.gate
+            lanes.append(
+                Lane(
+                    slot=slot,
+                    generation=generations[index],
+                    state_row=slot * per_request,
+                    positions=range(at, at + 1),
+                    cache_slots=cache_slots[index : index + 1],
+                    page_table=table.page_list(slot),
+                    tokens=tokens[index : index + 1],
+                    sample=True,
+                    sampling=state.sampling,
+                    sampling_step=steps[index],
+                    grammar_mask=self._mask(state, gate) if gate is not None else None,
+                    consumed=at,
+                    output_limit=limits[index],
+                )
+            )
+            expectations.append(LaneExpectation(generations[index], at + 1, True, state.top))
+        return members, lanes, expectations
 
     def _resume_round(self, resume: list[RequestState]) -> RoundPlan:
         """Chunks of the known tokens of resuming requests (FCFS, within the largest RESUME extent): the
@@ -506,7 +549,7 @@ class RoundPlanner:
             served = True
             for state in cohort.members:
                 slot = state.slot
-                if slot < 0 or table.phase[slot] != Phase.DECODE:
+                if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
                     continue  # preempted while an earlier member took a page
                 if table.consumed[slot] // page_tokens < table.page_count[slot] or residency.ensure_page(
                     state, exclude=taken

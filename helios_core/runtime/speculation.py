@@ -24,7 +24,6 @@ proposals need pages that only preemption would free, is planned lane by lane.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import struct
@@ -32,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -351,7 +351,7 @@ class SpeculativePlanner:
         page_tokens = self.page_tokens
         for state, candidates, along in zip(members, proposals, masks, strict=True):
             slot = state.slot
-            if slot < 0 or table.phase[slot] != Phase.DECODE:
+            if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
                 continue  # preempted while an earlier member took a page
             if not residency.ensure_page(state, exclude=taken):
                 residency.starved = True
@@ -369,7 +369,7 @@ class SpeculativePlanner:
                 state, range(consumed, consumed + 1 + len(candidates)), sample=True, candidates=candidates
             )
             if along:  # a constrained lane: one mask a position
-                lane = dataclasses.replace(lane, candidate_masks=along[: len(candidates) + 1])
+                lane = msgspec.structs.replace(lane, candidate_masks=along[: len(candidates) + 1])
             lanes.append(lane)
             expectations.append(LaneExpectation(int(table.generation[slot]), consumed, True, 0, offers=len(candidates)))
         if not lanes or not any(lane.candidates for lane in lanes):
@@ -380,7 +380,7 @@ class SpeculativePlanner:
         )
         cursor = graph.contract.cursor
         if cursor.reports_draft_cursor:  # the record's cursor must trail each lane's endpoint by the lag
-            expectations = [dataclasses.replace(e, cursor_lag=cursor.lag_tokens) for e in expectations]
+            expectations = [msgspec.structs.replace(e, cursor_lag=cursor.lag_tokens) for e in expectations]
         return self.planner.lanes_plan(graph, kept, lanes, expectations)
 
     def _self_draft_round(self, decode: list[RequestState]) -> RoundPlan | None:
@@ -413,7 +413,7 @@ class SpeculativePlanner:
         page_tokens = self.page_tokens
         for state in members:
             slot = state.slot
-            if slot < 0 or table.phase[slot] != Phase.DECODE:
+            if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
                 continue
             if not residency.ensure_page(state, exclude=taken):
                 residency.starved = True
@@ -429,7 +429,7 @@ class SpeculativePlanner:
             kept.append(state)
             taken.add(slot)
             lanes.append(
-                dataclasses.replace(self.planner.lane(state, range(0), sample=True), prefix_limit=max(ceiling, 1))
+                msgspec.structs.replace(self.planner.lane(state, range(0), sample=True), prefix_limit=max(ceiling, 1))
             )
             expectations.append(
                 LaneExpectation(
@@ -440,7 +440,7 @@ class SpeculativePlanner:
             return None
         cursor = graph.contract.cursor
         if cursor.reports_draft_cursor:
-            expectations = [dataclasses.replace(e, cursor_lag=cursor.lag_tokens) for e in expectations]
+            expectations = [msgspec.structs.replace(e, cursor_lag=cursor.lag_tokens) for e in expectations]
         return self.planner.lanes_plan(graph, kept, lanes, expectations)
 
 

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -127,7 +128,7 @@ class ProgramDriver:
         prompt index its chunk ends at; the images whose spans lie in a chunk go with it), then decode."""
         width = self.contract.histogram_width
         histogram = np.minimum(np.bincount(np.asarray(prompt), minlength=width), 255).astype(np.uint8)
-        self.run("initialize", dataclasses.replace(self.lane(0, [], sample=False), positions=[], cache_slots=[],
+        self.run("initialize", msgspec.structs.replace(self.lane(0, [], sample=False), positions=[], cache_slots=[],
                                                    prompt_histogram=histogram))  # fmt: skip
         start, token = 0, -1
         for name, end in chunks:
@@ -137,7 +138,7 @@ class ProgramDriver:
         generated = [token]
         for step in range(1, count):
             position = len(prompt) + step - 1
-            lane = dataclasses.replace(self.lane(position, [], sample=True), sampling_step=step)
+            lane = msgspec.structs.replace(self.lane(position, [], sample=True), sampling_step=step)
             generated.append(self.run("decode_b1", lane))
         return generated
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -145,7 +146,7 @@ def test_packing_refuses_what_does_not_fit(contract: PreparedContract) -> None:
         packer.pack(Submission(two_lanes(), 1), 0, staging)
     prefill = GraphPacker(contract.graphs["prefill_p16"], staging)
     broken = two_lanes()
-    broken[0] = dataclasses.replace(broken[0], tokens=[1])
+    broken[0] = msgspec.structs.replace(broken[0], tokens=[1])
     with pytest.raises(ValueError, match="supplies 1 values for 'input_ids'"):
         prefill.pack(Submission(broken, 1), 0, staging)
 
@@ -199,8 +200,8 @@ def _candidate_mask_packer(contract: PreparedContract) -> tuple[GraphPacker, dic
 def test_candidate_grammar_masks_are_staged_a_row_a_packed_token(contract: PreparedContract) -> None:
     packer, staging = _candidate_mask_packer(contract)
     first, second = MASK, MASK[:7] + 100  # a shorter row is padded like GRAMMAR_MASK's
-    constrained = dataclasses.replace(two_lanes()[0], candidate_masks=[first, None, second])
-    plain = dataclasses.replace(two_lanes()[1], grammar_mask=None)
+    constrained = msgspec.structs.replace(two_lanes()[0], candidate_masks=[first, None, second])
+    plain = msgspec.structs.replace(two_lanes()[1], grammar_mask=None)
     packer.pack(Submission([constrained, plain], 1), 0, staging)
     rows = staging["candidate_masks"].tolist()
     assert rows[0] == MASK.tolist()
@@ -212,7 +213,7 @@ def test_candidate_grammar_masks_are_staged_a_row_a_packed_token(contract: Prepa
 
 def test_candidate_grammar_masks_must_cover_every_packed_token(contract: PreparedContract) -> None:
     packer, staging = _candidate_mask_packer(contract)
-    short = dataclasses.replace(two_lanes()[0], candidate_masks=[MASK, MASK])
+    short = msgspec.structs.replace(two_lanes()[0], candidate_masks=[MASK, MASK])
     message = r"^lane 0 supplies 2 values for 'candidate_masks', but its query length is 3$"
     with pytest.raises(ValueError, match=message):
         packer.pack(Submission([short], 1), 0, staging)
@@ -241,7 +242,7 @@ def test_lanes_as_the_planner_builds_them_pack_the_bytes_of_their_lists(contract
     exactly as lists of the same values."""
     as_lists = two_lanes()
     as_planned = [
-        dataclasses.replace(
+        msgspec.structs.replace(
             lane,
             positions=range(lane.positions[0], lane.positions[-1] + 1),
             cache_slots=np.asarray(lane.cache_slots, dtype=np.int64),
@@ -274,11 +275,12 @@ def test_padded_grammar_mask_rows_are_not_written_again_until_a_mask_or_another_
     prefill.pack(Submission(lanes, 2), 0, staging)
     assert masks.tolist() == [[77] * 10, MASK.tolist(), [77] * 10, [77] * 10]
     # The row that held a mask is padded once its lane no longer has one.
-    unconstrained = [lanes[0], dataclasses.replace(lanes[1], grammar_mask=None)]
+    unconstrained = [lanes[0], msgspec.structs.replace(lanes[1], grammar_mask=None)]
     prefill.pack(Submission(unconstrained, 3), 0, staging)
     assert masks[1].tolist() == [-1] * 10 and masks[0].tolist() == [77] * 10
     # Another graph of the same frame staging a mask in row 0: the next unconstrained row 0 is padded.
-    decode.pack(Submission([dataclasses.replace(lanes[1], positions=[5], cache_slots=[9], tokens=[20])], 4), 0, staging)
+    moved = msgspec.structs.replace(lanes[1], positions=[5], cache_slots=[9], tokens=[20])
+    decode.pack(Submission([moved], 4), 0, staging)
     assert masks[0].tolist() == MASK.tolist()
     prefill.pack(Submission(unconstrained, 5), 0, staging)
     assert masks[0].tolist() == [-1] * 10 and masks[2].tolist() == [77] * 10
