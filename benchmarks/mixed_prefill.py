@@ -151,18 +151,19 @@ def _tagged(put: Any, index: int, event: Any) -> None:
     put((index, event))
 
 
-def wait(streams: Sequence[Stream], timeout_s: float, *, tokens: Sequence[int] | None = None) -> None:
-    """Until every stream finished (or, with ``tokens``, holds that many tokens, one count a stream); raises on
-    a failure or a timeout."""
+def wait(streams: Sequence[Stream], timeout_s: float, *, tokens: int | None = None, after_ns: int = -1) -> None:
+    """Until every stream finished (or, with ``tokens``, holds that many tokens stamped after ``after_ns``);
+    raises on a failure or a timeout. (Counting stamps, not tokens read: the thread that reads the events
+    may lag behind the rounds that stamped them.)"""
     deadline = time.monotonic() + timeout_s
-    targets: list[int | None] = [None] * len(streams) if tokens is None else list(tokens)
     while time.monotonic() < deadline:
         failed = [s.error for s in streams if s.error]
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
         if all(
-            s.done.is_set() or (target is not None and len(s.stamps_ns) >= target)
-            for s, target in zip(streams, targets, strict=True)
+            s.done.is_set()
+            or (tokens is not None and len(s.stamps_ns) >= tokens and s.stamps_ns[-tokens] > after_ns)
+            for s in streams
         ):
             return
         time.sleep(0.0005)
@@ -229,9 +230,9 @@ def measure_chunk(spec: gpu_decode.CoreSpec, public_key: Path, setup: Setup, chu
             engine, gpu_decode._requests("decode", setup.batch, setup.prompt, setup.decode_tokens, vocab, rng)
         )
         # every decoder decoding (all prompts computed), then as many steady tokens again before the prompt
-        wait(decoders, setup.timeout_s, tokens=[setup.settle_tokens] * len(decoders))
+        wait(decoders, setup.timeout_s, tokens=setup.settle_tokens)
         settled = clock.now_ns()
-        wait(decoders, setup.timeout_s, tokens=[len(s.stamps_ns) + setup.settle_tokens for s in decoders])
+        wait(decoders, setup.timeout_s, tokens=setup.settle_tokens, after_ns=settled)
         (request,) = gpu_decode._requests("long", 1, setup.long, 2, vocab, rng)
         seen = len(clock.records)
         submitted = clock.now_ns()
