@@ -615,11 +615,13 @@ class StreamResult:
     stamps_ns: list[int] = field(default_factory=list)
     finish: str = ""
     error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set once the stream's last event (finished, refused or failed) is recorded."""
 
 
-def collect(engine: Any, requests: Sequence[Any], timeout_s: float) -> list[StreamResult]:
-    """Submit ``requests`` to ``engine`` and read every stream's tokens and timestamps, in request order;
-    raises TimeoutError when they do not all finish in time.
+def record_streams(engine: Any, requests: Sequence[Any]) -> tuple[list[StreamResult], threading.Thread]:
+    """Submit ``requests`` to ``engine``; one thread records every stream's tokens and timestamps, in request
+    order, as they are published (returned started: it ends once every stream has ended).
 
     Every stream's events go to one queue that one thread empties as they are published, as a server
     reading all its streams at once would. Reading the streams one after another instead leaves the later
@@ -651,18 +653,27 @@ def collect(engine: Any, requests: Sequence[Any], timeout_s: float) -> list[Stre
                 result.stamps_ns.append(event.timestamp_ns)
             elif isinstance(event, Finished):
                 result.finish = event.reason
+                result.done.set()
                 left -= 1
             elif isinstance(event, AdmissionRejected | ExecutionFailed):
                 result.error = f"{type(event).__name__}: {event.message}"
+                result.done.set()
                 left -= 1
 
     worker = threading.Thread(target=drain, name="gpu-decode-collect", daemon=True)
     worker.start()
+    return results, worker
+
+
+def collect(engine: Any, requests: Sequence[Any], timeout_s: float) -> list[StreamResult]:
+    """Submit ``requests`` to ``engine`` and read every stream's tokens and timestamps, in request order
+    (:func:`record_streams`); raises TimeoutError when they do not all finish in time."""
+    results, worker = record_streams(engine, requests)
     deadline = time.monotonic() + timeout_s
     while worker.is_alive() and time.monotonic() < deadline:
         worker.join(0.2)
     if worker.is_alive():
-        raise TimeoutError(f"{len(streams)} requests did not finish within {timeout_s:.0f} s")
+        raise TimeoutError(f"{len(results)} requests did not finish within {timeout_s:.0f} s")
     failed = [r.error for r in results if r.error]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed: {failed[0]}")

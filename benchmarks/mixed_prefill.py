@@ -38,17 +38,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
-import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -111,44 +108,14 @@ def core_spec(setup: Setup, directory: Path, signing_key: Path) -> gpu_decode.Co
     return gpu_decode.CoreSpec(setup.shape, str(path), (*arguments, "--sign-key", str(signing_key)))
 
 
-@dataclass
-class Stream:
-    stamps_ns: list[int] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str = ""
+Stream = gpu_decode.StreamResult
+"""One request's recorded tokens and stamps (``gpu_decode.record_streams``)."""
 
 
 def submit(engine: Any, requests: Sequence[Any]) -> list[Stream]:
     """Submit ``requests``; one thread records every stream's token timestamps as they are published."""
-    from helios_core.runtime.messages import AdmissionRejected, ExecutionFailed, Finished, RoundTokens, TokenEvent
-
-    published: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-    handles = [engine.submit(request) for request in requests]
-    streams = [Stream() for _ in handles]
-    for index, handle in enumerate(handles):
-        engine.redirect(handle, functools.partial(_tagged, published.put, index))
-
-    def drain() -> None:
-        left = len(streams)
-        while left:
-            index, event = published.get()
-            stream = streams[index]
-            if isinstance(event, RoundTokens):
-                event = event.event(handles[index].request_id)
-            if isinstance(event, TokenEvent):
-                stream.stamps_ns.append(event.timestamp_ns)
-            elif isinstance(event, Finished | AdmissionRejected | ExecutionFailed):
-                if not isinstance(event, Finished):
-                    stream.error = f"{type(event).__name__}: {event.message}"
-                stream.done.set()
-                left -= 1
-
-    threading.Thread(target=drain, name="mixed-prefill-collect", daemon=True).start()
+    streams, _ = gpu_decode.record_streams(engine, requests)
     return streams
-
-
-def _tagged(put: Any, index: int, event: Any) -> None:
-    put((index, event))
 
 
 def wait(streams: Sequence[Stream], timeout_s: float, *, tokens: int | None = None, after_ns: int = -1) -> None:
@@ -161,8 +128,7 @@ def wait(streams: Sequence[Stream], timeout_s: float, *, tokens: int | None = No
         if failed:
             raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
         if all(
-            s.done.is_set()
-            or (tokens is not None and len(s.stamps_ns) >= tokens and s.stamps_ns[-tokens] > after_ns)
+            s.done.is_set() or (tokens is not None and len(s.stamps_ns) >= tokens and s.stamps_ns[-tokens] > after_ns)
             for s in streams
         ):
             return

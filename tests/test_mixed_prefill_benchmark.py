@@ -21,8 +21,8 @@ def test_the_step_comes_before_the_prompt_and_the_gaps_overlapping_its_computati
     benchmark = load_benchmark()
     ms = 1_000_000
     # the prompt is submitted at 10 ms and its first token comes at 20 ms
-    first = benchmark.Stream([0, 2 * ms, 4 * ms, 6 * ms, 8 * ms, 9 * ms, 15 * ms, 21 * ms, 23 * ms])
-    second = benchmark.Stream([1 * ms, 3 * ms, 5 * ms, 7 * ms, 9 * ms, 12 * ms, 18 * ms, 20 * ms])
+    first = benchmark.Stream(stamps_ns=[0, 2 * ms, 4 * ms, 6 * ms, 8 * ms, 9 * ms, 15 * ms, 21 * ms, 23 * ms])
+    second = benchmark.Stream(stamps_ns=[1 * ms, 3 * ms, 5 * ms, 7 * ms, 9 * ms, 12 * ms, 18 * ms, 20 * ms])
     figures = benchmark.stall([first, second], 3 * ms, 10 * ms, 20 * ms)
     # steady gaps (from 3 ms, ending by 10 ms): 4->6, 6->8, 8->9 and 3->5, 5->7, 7->9: 2, 2, 1, 2, 2, 2 ms
     assert figures["step_ms"] == 2.0
@@ -36,7 +36,7 @@ def test_the_step_comes_before_the_prompt_and_the_gaps_overlapping_its_computati
 def test_no_gap_before_the_prompt_is_an_error() -> None:
     benchmark = load_benchmark()
     with pytest.raises(RuntimeError, match="no decode gaps"):
-        benchmark.stall([benchmark.Stream([5, 50])], 0, 1, 100)
+        benchmark.stall([benchmark.Stream(stamps_ns=[5, 50])], 0, 1, 100)
 
 
 @pytest.mark.parametrize(
