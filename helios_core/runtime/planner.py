@@ -96,6 +96,52 @@ class _Phases:
 
 
 @dataclass(eq=False, slots=True)
+class _MixedDecode:
+    """The decode lanes of a mixed round as columns, in lane order (each one token at its consumed endpoint,
+    fed from the host)."""
+
+    members: list[RequestState]
+    slots: npt.NDArray[np.int64]
+    consumed: npt.NDArray[np.int64]
+    cache_slots: npt.NDArray[np.int64]
+    tokens: npt.NDArray[np.int64]
+    """The pending token at each consumed endpoint."""
+    generations: npt.NDArray[np.int64]
+    generated: npt.NDArray[np.int64]
+    """Tokens each request has generated (its sampling step)."""
+    limits: npt.NDArray[np.int64]
+    """Output tokens each request may still generate."""
+    masks: list[npt.NDArray[np.int32] | None]
+
+    def expectations(self) -> list[LaneExpectation]:
+        return [
+            LaneExpectation(generation, at + 1, True, state.top)
+            for state, generation, at in zip(
+                self.members, self.generations.tolist(), self.consumed.tolist(), strict=True
+            )
+        ]
+
+
+@dataclass(eq=False, slots=True)
+class _PromptLanes:
+    """A prefill or mixed round's lanes within one set of limits: its members in lane order (a mixed round's
+    decode lanes first, as columns), the prompt lanes, every lane's expectation, the tokens, patches and
+    features taken."""
+
+    members: list[RequestState]
+    decoding: _MixedDecode | None
+    lanes: list[Lane]
+    """The prompt lanes (after the decode lanes)."""
+    expectations: list[LaneExpectation]
+    used: int
+    images: tuple[int, int]
+
+    @property
+    def decoding_count(self) -> int:
+        return len(self.decoding.members) if self.decoding is not None else 0
+
+
+@dataclass(eq=False, slots=True)
 class _Cohort:
     """The requests of a decode round, oldest first, with their per-request columns (read-only)."""
 
@@ -357,12 +403,13 @@ class RoundPlanner:
         variants = self.mixed if mixed else self.prefills
         fallback: tuple[RoundPlan, bool] | None = None
         for limits in _targets(variants):
-            members, lanes, expectations, used, images = self._prefill_lanes(prefill, decode, mixed, limits)
-            graph = _fitting(variants, rows=len(lanes), tokens=used, patches=images[0], features=images[1])
+            prompt = self._prefill_lanes(prefill, decode, mixed, limits)
+            patches, features = prompt.images
+            graph = _fitting(variants, rows=len(prompt.members), tokens=prompt.used, patches=patches, features=features)
             if graph is None:
                 continue
-            computed = used > sum(1 for lane in lanes if mixed and not lane.mixed_prefill)
-            result = (self.lanes_plan(graph, members, lanes, expectations), computed)
+            computed = prompt.used > prompt.decoding_count
+            result = (self._prompt_plan(graph, prompt), computed)
             if computed:
                 return result
             fallback = fallback or result
@@ -372,19 +419,18 @@ class RoundPlanner:
 
     def _prefill_lanes(
         self, prefill: list[RequestState], decode: list[RequestState], mixed: bool, limits: _Limits
-    ) -> tuple[list[RequestState], list[Lane], list[LaneExpectation], int, tuple[int, int]]:
+    ) -> _PromptLanes:
         """The lanes of a prefill round within ``limits``: with ``mixed``, every decode-ready request's
         pending token first, then prefill chunks FCFS (each cut before an image span it would split or whose
         image no longer fits); with the tokens, patches and features they take."""
         table, residency = self.table, self.residency
         budget, rows = limits.tokens, limits.rows
-        members: list[RequestState] = []
         lanes: list[Lane] = []
-        expectations: list[LaneExpectation] = []
         taken: set[int] = set()
-        if mixed:
-            members, lanes, expectations = self._mixed_decode_lanes(decode[: max(rows - 1, 0)], budget - 1, taken)
-        used = len(lanes)
+        decoding = self._mixed_decode(decode[: max(rows - 1, 0)], budget - 1, taken) if mixed else None
+        members = list(decoding.members) if decoding is not None else []
+        expectations = decoding.expectations() if decoding is not None else []
+        used = len(members)
         patches = features = 0
         for state in prefill:
             if state.slot < 0 or int(table.phase[state.slot]) != Phase.PREFILL:
@@ -410,63 +456,162 @@ class RoundPlanner:
             members.append(state)
             expectations.append(self._expect(state, consumed + chunk, last))
             used += chunk
-        return members, lanes, expectations, used, (patches, features)
+        return _PromptLanes(members, decoding, lanes, expectations, used, (patches, features))
 
-    def _mixed_decode_lanes(
-        self, decode: list[RequestState], limit: int, taken: set[int]
-    ) -> tuple[list[RequestState], list[Lane], list[LaneExpectation]]:
+    def _prompt_plan(self, graph: PreparedGraph, prompt: _PromptLanes) -> RoundPlan:
+        """The round of ``prompt``'s lanes on ``graph``. A mixed round without images is one :class:`LaneBatch`
+        (its decode lanes' columns, then its prompt lanes'); with images (which a batch does not carry) or
+        without decode lanes, its lanes are :class:`Lane` objects."""
+        decoding = prompt.decoding
+        if decoding is None or not decoding.members:
+            return self.lanes_plan(graph, prompt.members, prompt.lanes, prompt.expectations)
+        if any(lane.images for lane in prompt.lanes):
+            lanes = [*self._decode_lane_objects(decoding), *prompt.lanes]
+            return self.lanes_plan(graph, prompt.members, lanes, prompt.expectations)
+        batch = self._mixed_batch(decoding, prompt.lanes)
+        samples = [*(True for _ in decoding.members), *(lane.sample for lane in prompt.lanes)]
+        constrained = any(
+            sample and state.gate is not None and state.gate.constrained
+            for state, sample in zip(prompt.members, samples, strict=True)
+        )
+        return RoundPlan(
+            graph,
+            tuple(s.request_id for s in prompt.members),
+            batch.page_index,
+            batch,
+            tuple(prompt.expectations),
+            constrained,
+        )
+
+    def _mixed_batch(self, decoding: _MixedDecode, prompt: list[Lane]) -> LaneBatch:
+        """A mixed round's lanes as columns: ``decoding``'s one-token lanes, then the ``prompt`` lanes, with the
+        values their :class:`Lane` objects would stage (their sampling values, like a decode cohort's, read
+        from the slot table's columns)."""
+        table = self.table
+        count = len(decoding.members) + len(prompt)
+
+        def joined(column: npt.NDArray[np.int64], values: Iterable[int]) -> npt.NDArray[np.int64]:
+            result: npt.NDArray[np.int64] = np.concatenate(
+                (column, np.fromiter(values, dtype=np.int64, count=len(prompt)))
+            )
+            return frozen(result)  # type: ignore[no-any-return]
+
+        slots = joined(decoding.slots, (lane.slot for lane in prompt))
+        generations = joined(decoding.generations, (lane.generation for lane in prompt))
+        consumed = joined(decoding.consumed, (lane.consumed for lane in prompt))
+        masks = [*decoding.masks, *(lane.grammar_mask for lane in prompt)]
+        ones, zeros = np.ones(len(decoding.members), dtype=np.int64), np.zeros(len(decoding.members), dtype=np.int64)
+        rows = self.member_columns(slots, generations)
+        rows[ct.VALUE_SOURCE_QUERY_LENGTH] = joined(ones, (len(lane.positions) for lane in prompt))
+        rows[ct.VALUE_SOURCE_SAMPLING_DECISION] = joined(ones, (int(lane.sample) for lane in prompt))
+        rows[ct.VALUE_SOURCE_MIXED_PREFILL_ROW] = joined(zeros, (int(lane.mixed_prefill) for lane in prompt))
+        rows[ct.VALUE_SOURCE_CONSTRAINED] = frozen(
+            np.fromiter((mask is not None for mask in masks), dtype=np.int64, count=count)
+        )
+        rows[ct.VALUE_SOURCE_CONSUMED_TOKEN_ENDPOINT] = consumed
+        rows[ct.VALUE_SOURCE_SAMPLING_STEP] = joined(decoding.generated, (lane.sampling_step for lane in prompt))
+        rows[ct.VALUE_SOURCE_OUTPUT_LIMIT] = joined(decoding.limits, (lane.output_limit for lane in prompt))
+        rows[ct.VALUE_SOURCE_CANDIDATE_GENERATION] = generations
+        rows[ct.VALUE_SOURCE_CANDIDATE_CONSUMED_ENDPOINT] = consumed
+        rows[ct.VALUE_SOURCE_CANDIDATE_COUNT] = rows[ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT] = frozen(
+            np.zeros(count, dtype=np.int64)
+        )
+        pieces = [_token_array(lane.positions) for lane in prompt]
+        fed = frozen(np.concatenate((decoding.tokens, *(_token_array(lane.tokens) for lane in prompt))))
+        tokens: dict[int, Column] = {
+            ct.VALUE_SOURCE_PROMPT_POSITIONS: frozen(np.concatenate((decoding.consumed, *pieces))),
+            ct.VALUE_SOURCE_CACHE_SLOT: frozen(
+                np.concatenate((decoding.cache_slots, *(_token_array(lane.cache_slots) for lane in prompt)))
+            ),
+            ct.VALUE_SOURCE_PROMPT_TOKENS: fed,
+            ct.VALUE_SOURCE_PENDING_TOKEN: fed,
+        }
+        return LaneBatch(
+            count=count,
+            rows=rows,
+            tokens=tokens,
+            page_source=table.page_view,
+            page_index=slots,
+            page_counts=frozen(table.page_count[slots]),
+            grammar_masks=tuple(masks) if any(mask is not None for mask in masks) else None,
+        )
+
+    def _mixed_decode(self, decode: list[RequestState], limit: int, taken: set[int]) -> _MixedDecode:
         """The one-token lanes of the requests of ``decode`` still decoding, in order, up to ``limit`` of them,
         each feeding its completed pending token from the host; a request that cannot have the page of its
-        position ends the list (the residency is marked starved). The same lanes :meth:`lane` makes, read from
-        the slot table as columns once their pages are held (a mixed round carries every decoding request)."""
+        position ends the list (the residency is marked starved). Read from the slot table as columns once
+        their pages are held: a mixed round carries every decoding request."""
         table, residency = self.table, self.residency
-        members: list[RequestState] = []
-        for state in decode:
-            if len(members) >= limit:
-                break
-            slot = state.slot
-            if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
-                continue  # preempted, or marked for a snapshot, while an earlier lane took a page
-            if not residency.ensure_page(state, exclude=taken):
-                residency.starved = True
-                break
-            members.append(state)
-            taken.add(slot)
-        if not members:
-            return [], [], []
+        members: list[RequestState] = decode[: max(limit, 0)]
         slots = slot_array([s.slot for s in members])
-        consumed = table.consumed[slots].astype(np.int64)
+        if slots.shape[0] and (
+            int(slots.min()) < 0
+            or not bool((table.phase[slots] == Phase.DECODE).all())
+            or not bool((table.consumed[slots] // self.page_tokens < table.page_count[slots]).all())
+        ):  # some request is no longer decoding, or needs a page first: request by request
+            members = []
+            for state in decode:
+                if len(members) >= limit:
+                    break
+                slot = state.slot
+                if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
+                    continue  # preempted, or marked for a snapshot, while an earlier lane took a page
+                if not residency.ensure_page(state, exclude=taken):
+                    residency.starved = True
+                    break
+                members.append(state)
+                taken.add(slot)
+            slots = slot_array([s.slot for s in members])
+        else:
+            taken.update(slots.tolist())
+        consumed = frozen(table.consumed[slots].astype(np.int64))
         page, offset = np.divmod(consumed, self.page_tokens)
-        cache_slots = (table.page_starts[slots, page] + offset).tolist()
-        tokens = table.tokens[slots, consumed].tolist()
-        generations = table.generation[slots].tolist()
-        generated = table.generated[slots]
-        steps = generated.tolist()
-        limits = (table.max_tokens[slots] - generated).tolist()
+        generated = table.generated[slots].astype(np.int64)
+        return _MixedDecode(
+            members=members,
+            slots=slots,
+            consumed=consumed,
+            cache_slots=frozen(table.page_starts[slots, page] + offset),
+            tokens=frozen(table.tokens[slots, consumed].astype(np.int64)),
+            generations=frozen(table.generation[slots].astype(np.int64)),
+            generated=frozen(generated),
+            limits=frozen(table.max_tokens[slots].astype(np.int64) - generated),
+            masks=[self._mask(s, s.gate) if s.gate is not None else None for s in members],
+        )
+
+    def _decode_lane_objects(self, decoding: _MixedDecode) -> list[Lane]:
+        """``decoding``'s lanes as the :class:`Lane` objects :meth:`lane` makes (a mixed round with images)."""
         per_request = self.state_rows_per_request
-        lanes: list[Lane] = []
-        expectations: list[LaneExpectation] = []
-        for index, (state, at) in enumerate(zip(members, consumed.tolist(), strict=True)):
-            slot, gate = state.slot, state.gate
-            lanes.append(
-                Lane(
-                    slot=slot,
-                    generation=generations[index],
-                    state_row=slot * per_request,
-                    positions=range(at, at + 1),
-                    cache_slots=cache_slots[index : index + 1],
-                    page_table=table.page_list(slot),
-                    tokens=tokens[index : index + 1],
-                    sample=True,
-                    sampling=state.sampling,
-                    sampling_step=steps[index],
-                    grammar_mask=self._mask(state, gate) if gate is not None else None,
-                    consumed=at,
-                    output_limit=limits[index],
-                )
+        table = self.table
+        return [
+            Lane(
+                slot=slot,
+                generation=generation,
+                state_row=slot * per_request,
+                positions=range(at, at + 1),
+                cache_slots=[cache_slot],
+                page_table=table.page_list(slot),
+                tokens=[token],
+                sample=True,
+                sampling=state.sampling,
+                sampling_step=step,
+                grammar_mask=mask,
+                consumed=at,
+                output_limit=limit,
             )
-            expectations.append(LaneExpectation(generations[index], at + 1, True, state.top))
-        return members, lanes, expectations
+            for state, slot, generation, at, cache_slot, token, step, limit, mask in zip(
+                decoding.members,
+                decoding.slots.tolist(),
+                decoding.generations.tolist(),
+                decoding.consumed.tolist(),
+                decoding.cache_slots.tolist(),
+                decoding.tokens.tolist(),
+                decoding.generated.tolist(),
+                decoding.limits.tolist(),
+                decoding.masks,
+                strict=True,
+            )
+        ]
 
     def _resume_round(self, resume: list[RequestState]) -> RoundPlan:
         """Chunks of the known tokens of resuming requests (FCFS, within the largest RESUME extent): the
@@ -773,6 +918,13 @@ def prompt_histogram(prompt: npt.NDArray[np.integer[Any]], width: int) -> npt.ND
     histogram = np.zeros(width, dtype=np.uint8)
     histogram[ids[inside]] = np.minimum(counts[inside], 255)
     return histogram
+
+
+def _token_array(values: Sequence[int]) -> npt.NDArray[np.int64]:
+    """A lane's per-token values (a range, a list or an array) as an int64 array."""
+    if isinstance(values, range):
+        return np.arange(values.start, values.stop, values.step, dtype=np.int64)
+    return np.asarray(values, dtype=np.int64)
 
 
 def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from ignition.build import build_core
 from ignition.recipes.llama import Capacities
@@ -21,7 +22,10 @@ from helios_core.contract import LoadOptions, PreparedContract, select
 from helios_core.errors import StartupError
 from helios_core.loading import open_core
 from helios_core.runtime.completion import ExpectationBatch, LaneResult, LaneResults
+from helios_core.runtime.gates import GateOutcome
+from helios_core.runtime.messages import PreparedRequest, SamplingParams
 from helios_core.runtime.native_model import NativeModel
+from helios_core.runtime.packing import GraphPacker, Lane, LaneBatch, Submission
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.plan import RoundPlan
 from helios_core.runtime.scheduler import Scheduler
@@ -30,6 +34,7 @@ from helios_core.runtime.stats import SchedulerStats
 from helios_core.wire import contract_pb2 as ct
 
 from .engine_harness import SignedCore, assert_each_finishes_at_length, build_signed_core, prompt_of, run, submit_all
+from .packing_harness import poisoned_staging
 
 NAMESPACE = "tests/prefill-chunk"
 CAPS = Capacities(
@@ -141,9 +146,7 @@ def decode_all(scheduler: Scheduler) -> None:
             return
 
 
-def request(request_id: str, length: int, max_tokens: int):  # type: ignore[no-untyped-def]
-    from helios_core.runtime.messages import PreparedRequest, SamplingParams
-
+def request(request_id: str, length: int, max_tokens: int) -> PreparedRequest:
     return PreparedRequest(request_id, prompt_of(len(request_id), length), max_tokens, SamplingParams(0.0))
 
 
@@ -225,3 +228,102 @@ def test_run_options_carry_the_chunk_to_the_load_options(tmp_path: Path) -> None
     assert resolve_options({"core": core}, environ={"HELIOS_PREFILL_CHUNK": "128"}).prefill_chunk == 128
     with pytest.raises(StartupError, match=re.escape("prefill-chunk (from $HELIOS_PREFILL_CHUNK) must be an integer")):
         resolve_options({"core": core}, environ={"HELIOS_PREFILL_CHUNK": "many"})
+
+
+# -- mixed rounds as columns -----------------------------------------------------------------------------
+
+
+class MaskGate:
+    """A host gate that constrains every token to ``mask``, presents no text and never stops its request."""
+
+    constrained = True
+    holds_rounds = True
+    plain = False
+
+    def __init__(self, mask: np.ndarray) -> None:
+        self._mask = mask
+
+    def mask(self) -> np.ndarray:
+        return self._mask
+
+    def text(self, token: int) -> str:
+        return ""
+
+    def observe(self, token: int) -> GateOutcome:
+        return GateOutcome(pieces=[(token, "")])
+
+    def finish(self) -> list[tuple[int, str]]:
+        return []
+
+
+def sampled(request_id: str, length: int, max_tokens: int, sampling: SamplingParams) -> PreparedRequest:
+    return PreparedRequest(request_id, prompt_of(len(request_id) + length, length), max_tokens, sampling)
+
+
+VARIED = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=11),
+    SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5, seed=3),
+)
+
+
+def lanes_one_by_one(scheduler: Scheduler, plan: RoundPlan) -> list[Lane]:
+    """``plan``'s lanes as the planner builds a lane on its own: each decode lane at its request's consumed
+    endpoint, each prompt lane over the positions the plan gave it."""
+    planner = scheduler.planner
+    states = {s.request_id: s for s in scheduler.running}
+    lanes = []
+    for request_id, lane in zip(plan.request_ids, plan.lane_list(), strict=True):
+        state = states[request_id]
+        positions = range(lane.positions[0], lane.positions[-1] + 1)
+        if lane.mixed_prefill:
+            lanes.append(planner.lane(state, positions, sample=lane.sample, mixed_prefill=True))
+        else:
+            consumed = int(scheduler.table.consumed[state.slot])
+            assert list(positions) == [consumed]
+            lanes.append(planner.lane(state, range(consumed, consumed + 1), sample=True))
+    return lanes
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+@pytest.mark.parametrize("constrained", [False, True])
+def test_a_mixed_rounds_columns_stage_exactly_what_its_lanes_stage(
+    core: SignedCore, contract: PreparedContract, chunk: int | None, constrained: bool
+) -> None:
+    """Every mixed round is planned as one LaneBatch; packed round after round on one packer it stages the
+    bytes that the same lanes built one by one (``RoundPlanner.lane``) stage on another, page tables
+    remembered between rounds included."""
+    options = {} if chunk is None else {"prefill_chunk": chunk}
+    scheduler = make_scheduler(core, contract, **options)
+    words = contract.mask_words
+    if constrained:  # the second decoder and the long prompt sample under a grammar mask
+        masks = {"d1": np.full(words, 0x0F0F0F0F, dtype=np.int32), "long": np.full(words, 0x00FF00FF, dtype=np.int32)}
+        scheduler.make_gate = lambda request: (
+            MaskGate(masks[request.request_id]) if request.request_id in masks else None
+        )
+    for index, sampling in enumerate(VARIED):
+        assert scheduler.add(sampled(f"d{index}", 5 + 2 * index, 60, sampling)) is None
+    decode_all(scheduler)
+    assert scheduler.add(sampled("long", 30, 3, SamplingParams(temperature=0.5, top_k=7, seed=5))) is None
+    by_batch, by_lanes = poisoned_staging(contract), poisoned_staging(contract)
+    packers = {}
+    mixed = 0
+    for _ in range(40):
+        plan = scheduler.next_round()
+        assert plan is not None
+        if plan.graph.operation == ct.OPERATION_MIXED:
+            mixed += 1
+            assert isinstance(plan.lanes, LaneBatch)
+            assert plan.constrained is constrained
+            if plan.graph.name not in packers:
+                packers[plan.graph.name] = (GraphPacker(plan.graph, by_batch), GraphPacker(plan.graph, by_lanes))
+            batch_packer, lane_packer = packers[plan.graph.name]
+            batch_packer.pack(Submission(plan.lanes, mixed), 0, by_batch)
+            lane_packer.pack(Submission(lanes_one_by_one(scheduler, plan), mixed), 0, by_lanes)
+            for name in by_batch:
+                assert by_batch[name].tobytes() == by_lanes[name].tobytes(), (plan.graph.name, mixed, name)
+        complete(scheduler, plan)
+        if not any(s.request_id == "long" for s in scheduler.running):
+            break
+    # 30 prompt tokens beside three decoders: 29 then 1 on the 32-token program, or 5 a round on the 8-token one
+    assert mixed == (2 if chunk is None else 6)

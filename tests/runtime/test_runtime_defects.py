@@ -257,15 +257,18 @@ def test_a_mixed_round_packs_one_on_its_prefill_row(start_fixture: Callable[...,
     assert round_ is not None
     assert round_.graph.operation == ct.OPERATION_MIXED
     assert round_.request_ids == ("a", "b", "c")  # decode lanes first
-    assert isinstance(round_.lanes, tuple)
-    assert [lane.mixed_prefill for lane in round_.lanes] == [False, False, True]
+    assert [lane.mixed_prefill for lane in round_.lane_list()] == [False, False, True]
 
     contract = running.model.contract
     graph = _with_mixed_prefill_row(round_.graph, "constrained")
-    staging = {
-        name: np.full(tuple(entry.shape), 77, dtype=NUMPY_DTYPES[entry.dtype])
-        for name, entry in contract.transport.items()
-    }
-    GraphPacker(graph, staging).pack(Submission(round_.lanes, 1), 0, staging)
-    assert staging["constrained"].tolist() == [0, 0, 1, 0]  # row 2 is the prefill lane; the tail is padding
-    assert staging["query_length"].tolist() == [1, 1, 5, 0]
+    staged = []
+    for lanes in (round_.lanes, round_.lane_list()):  # the round's columns, and the same lanes as objects
+        staging = {
+            name: np.full(tuple(entry.shape), 77, dtype=NUMPY_DTYPES[entry.dtype])
+            for name, entry in contract.transport.items()
+        }
+        GraphPacker(graph, staging).pack(Submission(lanes, 1), 0, staging)
+        assert staging["constrained"].tolist() == [0, 0, 1, 0]  # row 2 is the prefill lane; the tail is padding
+        assert staging["query_length"].tolist() == [1, 1, 5, 0]
+        staged.append({name: array.tobytes() for name, array in staging.items()})
+    assert staged[0] == staged[1]
