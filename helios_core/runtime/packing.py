@@ -321,11 +321,18 @@ _SHORT_PIECE = 64
 """Per-token values of up to this many entries are gathered element by element; longer arrays whole."""
 
 
+def token_array(values: _TokenValues) -> npt.NDArray[np.int64]:
+    """A lane's per-token values (a range, a list or an array) as an int64 array."""
+    if isinstance(values, range):
+        return np.arange(values.start, values.stop, values.step, dtype=np.int64)
+    return np.asarray(values, dtype=np.int64)
+
+
 def _concatenated(pieces: Sequence[_TokenValues], total: int) -> npt.NDArray[np.int64]:
     """The lanes' per-token values as one int64 array of ``total`` entries: one pass over the values when
     every piece is short or not an array (a decode lane's one value, a chunk's range), else by pieces."""
     if any(isinstance(piece, np.ndarray) and len(piece) > _SHORT_PIECE for piece in pieces):
-        return np.concatenate([np.asarray(_token_values(piece, 0), dtype=np.int64) for piece in pieces])
+        return np.concatenate([token_array(piece) for piece in pieces])
     return np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=total)
 
 

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -52,7 +53,7 @@ from helios_core.contract import PreparedContract, PreparedGraph, Selection
 from helios_core.runtime.completion import ExpectationBatch, LaneExpectation
 from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import PromptImage
-from helios_core.runtime.packing import Column, Lane, LaneBatch, LaneImage
+from helios_core.runtime.packing import Column, Lane, LaneBatch, LaneImage, token_array
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
 from helios_core.runtime.residency import Residency
 from helios_core.runtime.slots import Phase, RequestState
@@ -433,7 +434,7 @@ class RoundPlanner:
         used = len(members)
         patches = features = 0
         for state in prefill:
-            if state.slot < 0 or int(table.phase[state.slot]) != Phase.PREFILL:
+            if state.slot < 0 or table.phase_of(state.slot) != Phase.PREFILL:
                 continue  # preempted (or marked for a snapshot) to make room for a decode lane above
             if len(members) >= rows or used >= budget:
                 break
@@ -516,12 +517,12 @@ class RoundPlanner:
         rows[ct.VALUE_SOURCE_CANDIDATE_COUNT] = rows[ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT] = frozen(
             np.zeros(count, dtype=np.int64)
         )
-        pieces = [_token_array(lane.positions) for lane in prompt]
-        fed = frozen(np.concatenate((decoding.tokens, *(_token_array(lane.tokens) for lane in prompt))))
+        pieces = [token_array(lane.positions) for lane in prompt]
+        fed = frozen(np.concatenate((decoding.tokens, *(token_array(lane.tokens) for lane in prompt))))
         tokens: dict[int, Column] = {
             ct.VALUE_SOURCE_PROMPT_POSITIONS: frozen(np.concatenate((decoding.consumed, *pieces))),
             ct.VALUE_SOURCE_CACHE_SLOT: frozen(
-                np.concatenate((decoding.cache_slots, *(_token_array(lane.cache_slots) for lane in prompt)))
+                np.concatenate((decoding.cache_slots, *(token_array(lane.cache_slots) for lane in prompt)))
             ),
             ct.VALUE_SOURCE_PROMPT_TOKENS: fed,
             ct.VALUE_SOURCE_PENDING_TOKEN: fed,
@@ -554,7 +555,7 @@ class RoundPlanner:
                 if len(members) >= limit:
                     break
                 slot = state.slot
-                if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
+                if slot < 0 or table.phase_of(slot) != Phase.DECODE:
                     continue  # preempted, or marked for a snapshot, while an earlier lane took a page
                 if not residency.ensure_page(state, exclude=taken):
                     residency.starved = True
@@ -580,37 +581,11 @@ class RoundPlanner:
         )
 
     def _decode_lane_objects(self, decoding: _MixedDecode) -> list[Lane]:
-        """``decoding``'s lanes as the :class:`Lane` objects :meth:`lane` makes (a mixed round with images)."""
-        per_request = self.state_rows_per_request
-        table = self.table
+        """``decoding``'s lanes as :class:`Lane` objects (a mixed round with images, which a batch cannot
+        carry): each built by :meth:`lane`, with the grammar mask the columns already hold."""
         return [
-            Lane(
-                slot=slot,
-                generation=generation,
-                state_row=slot * per_request,
-                positions=range(at, at + 1),
-                cache_slots=[cache_slot],
-                page_table=table.page_list(slot),
-                tokens=[token],
-                sample=True,
-                sampling=state.sampling,
-                sampling_step=step,
-                grammar_mask=mask,
-                consumed=at,
-                output_limit=limit,
-            )
-            for state, slot, generation, at, cache_slot, token, step, limit, mask in zip(
-                decoding.members,
-                decoding.slots.tolist(),
-                decoding.generations.tolist(),
-                decoding.consumed.tolist(),
-                decoding.cache_slots.tolist(),
-                decoding.tokens.tolist(),
-                decoding.generated.tolist(),
-                decoding.limits.tolist(),
-                decoding.masks,
-                strict=True,
-            )
+            msgspec.structs.replace(self.lane(state, range(at, at + 1), sample=False), sample=True, grammar_mask=mask)
+            for state, at, mask in zip(decoding.members, decoding.consumed.tolist(), decoding.masks, strict=True)
         ]
 
     def _resume_round(self, resume: list[RequestState]) -> RoundPlan:
@@ -694,7 +669,7 @@ class RoundPlanner:
             served = True
             for state in cohort.members:
                 slot = state.slot
-                if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
+                if slot < 0 or table.phase_of(slot) != Phase.DECODE:
                     continue  # preempted while an earlier member took a page
                 if table.consumed[slot] // page_tokens < table.page_count[slot] or residency.ensure_page(
                     state, exclude=taken
@@ -918,13 +893,6 @@ def prompt_histogram(prompt: npt.NDArray[np.integer[Any]], width: int) -> npt.ND
     histogram = np.zeros(width, dtype=np.uint8)
     histogram[ids[inside]] = np.minimum(counts[inside], 255)
     return histogram
-
-
-def _token_array(values: Sequence[int]) -> npt.NDArray[np.int64]:
-    """A lane's per-token values (a range, a list or an array) as an int64 array."""
-    if isinstance(values, range):
-        return np.arange(values.start, values.stop, values.step, dtype=np.int64)
-    return np.asarray(values, dtype=np.int64)
 
 
 def _least(values: npt.NDArray[np.signedinteger[Any]]) -> int:

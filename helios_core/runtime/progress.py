@@ -159,7 +159,7 @@ class RoundCompletion:
     def _state(self, slot: int, generation: int) -> RequestState | None:
         """The request of a plan's lane, unless it has ended (or left the slot) since the plan."""
         table = self.table
-        if table.generation[slot] != generation or int(table.phase[slot]) == Phase.ENDED:
+        if table.generation[slot] != generation or table.phase_of(slot) == Phase.ENDED:
             return None
         return table.requests[slot]
 
@@ -200,7 +200,7 @@ class RoundCompletion:
                 table.set_phase(slot, Phase.RESUME if resumes else Phase.PREFILL)
                 continue
             if operation == ct.OPERATION_SNAPSHOT:
-                if int(table.phase[slot]) == Phase.CHECKPOINT:  # validated: published, and it prefills on
+                if table.phase_of(slot) == Phase.CHECKPOINT:  # validated: published, and it prefills on
                     residency.publish_checkpoint(state)
                 else:
                     residency.leave_after_snapshot(state)
@@ -226,16 +226,16 @@ class RoundCompletion:
                     state.scores_sent = True
                     events.append(PromptScores(state.request_id, state.scores[: state.prompt_len - 1]))
             if not expectation.samples:
-                if int(table.phase[slot]) == Phase.PREFILL and expectation.consumed >= table.target[slot]:
+                if table.phase_of(slot) == Phase.PREFILL and expectation.consumed >= table.target[slot]:
                     # the snapshot's prefix pages are computed, or prefill reached a continued assistant message
                     table.set_phase(slot, Phase.RESTORE if state.snapshot_row >= 0 else Phase.RESUME)
-                elif residency.checkpoints is not None and int(table.phase[slot]) == Phase.PREFILL:
+                elif residency.checkpoints is not None and table.phase_of(slot) == Phase.PREFILL:
                     residency.take_checkpoint(state)  # at a page boundary: its SNAPSHOT round comes next
                 continue
             token = result.token_id
             stamp = time.monotonic_ns() - self.clock_origin_ns if state.observe else -1
             table.append(slot, token)
-            if int(table.phase[slot]) != Phase.DECODE:
+            if table.phase_of(slot) != Phase.DECODE:
                 table.set_phase(slot, Phase.DECODE)  # the last prompt chunk sampled: the token is pending
             outcome = None
             if state.gate is not None:
@@ -617,9 +617,9 @@ class RoundCompletion:
         host stop ended to ``gate_stops`` (their requests end after the round's pages are published)."""
         token_ids, logprobs, errors, tops = results.token_ids, results.logprobs, results.errors, results.tops
         origin, plain, observe = self.clock_origin_ns, lanes.plain, lanes.observe
-        phase = self.table.phase
+        table = self.table
         for index, (state, text) in enumerate(zip(lanes.states, lanes.texts, strict=True)):
-            if check_ended and (state.slot < 0 or int(phase[state.slot]) == Phase.ENDED):
+            if check_ended and (state.slot < 0 or table.phase_of(state.slot) == Phase.ENDED):
                 skipped.add(index)
                 continue
             if errors and index in errors:

@@ -529,7 +529,7 @@ class Residency:
                 continue
             others = [s for s in self.running if s is not state and s.slot not in exclude]
             victims = [s for s in others if s.arrival > state.arrival] or others
-            victims = [s for s in victims if int(table.phase[s.slot]) not in _LEAVING]
+            victims = [s for s in victims if table.phase_of(s.slot) not in _LEAVING]
             if not victims:
                 return False
             victim = max(victims, key=lambda s: s.arrival)
@@ -652,7 +652,7 @@ class Residency:
         if slot < 0:
             return
         if slot in self.in_flight:
-            if int(self.table.phase[slot]) != Phase.ENDED:
+            if self.table.phase_of(slot) != Phase.ENDED:
                 self.table.set_phase(slot, Phase.ENDED)
                 self.fenced.append(state)
         else:

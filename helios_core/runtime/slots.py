@@ -244,6 +244,11 @@ class SlotTable:
         self.membership += 1
         return pages
 
+    def phase_of(self, slot: int) -> int:
+        """``slot``'s phase as a Python int, to compare with a :class:`Phase` member (comparing the numpy
+        scalar itself makes numpy probe the enum class for array protocols first: microseconds a lane)."""
+        return int(self.phase[slot])
+
     def set_phase(self, slot: int, phase: Phase) -> None:
         self.phase[slot] = phase
         self.membership += 1

@@ -351,7 +351,7 @@ class SpeculativePlanner:
         page_tokens = self.page_tokens
         for state, candidates, along in zip(members, proposals, masks, strict=True):
             slot = state.slot
-            if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
+            if slot < 0 or table.phase_of(slot) != Phase.DECODE:
                 continue  # preempted while an earlier member took a page
             if not residency.ensure_page(state, exclude=taken):
                 residency.starved = True
@@ -413,7 +413,7 @@ class SpeculativePlanner:
         page_tokens = self.page_tokens
         for state in members:
             slot = state.slot
-            if slot < 0 or int(table.phase[slot]) != Phase.DECODE:
+            if slot < 0 or table.phase_of(slot) != Phase.DECODE:
                 continue
             if not residency.ensure_page(state, exclude=taken):
                 residency.starved = True

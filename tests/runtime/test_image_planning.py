@@ -43,31 +43,34 @@ def verified() -> Iterator[VerifiedCore]:
     core.close()
 
 
-def vision_contract(contract: PreparedContract) -> PreparedContract:
-    """``contract`` with an image tensor bound by ``prefill_p16`` and 6 feature slots a request."""
+def vision_contract(contract: PreparedContract, imaging: Sequence[str] = ("prefill_p16",)) -> PreparedContract:
+    """``contract`` with an image tensor bound by the ``imaging`` programs and 6 feature slots a request."""
     model = ct.ModelContract()
     model.CopyFrom(contract.model)
     model.vision.feature_slots = 6
     model.vision.patches_per_feature = 2
     model.vision.patch_capacities.append(PATCHES)
-    graph = contract.graphs["prefill_p16"]
-    graph_contract = ct.GraphContract()
-    graph_contract.CopyFrom(graph.contract)
-    graph_contract.bindings.add(
-        destination="patches", source=ct.VALUE_SOURCE_IMAGE_TENSOR, indexing=ct.INDEXING_SCALAR, image_output="patches"
-    )
-    imaging = dataclasses.replace(graph, contract=graph_contract, patch_capacity=PATCHES, feature_capacity=4)
+    graphs = dict(contract.graphs)
+    for name in imaging:
+        graph_contract = ct.GraphContract()
+        graph_contract.CopyFrom(graphs[name].contract)
+        graph_contract.bindings.add(
+            destination="patches",
+            source=ct.VALUE_SOURCE_IMAGE_TENSOR,
+            indexing=ct.INDEXING_SCALAR,
+            image_output="patches",
+        )
+        graphs[name] = dataclasses.replace(
+            graphs[name], contract=graph_contract, patch_capacity=PATCHES, feature_capacity=4
+        )
     entry = mf.TransportEntry(name="patches", dtype=mf.DTYPE_F32, shape=[PATCHES, WIDTH])
-    return dataclasses.replace(
-        contract,
-        model=model,
-        graphs={**contract.graphs, "prefill_p16": imaging},
-        transport={**contract.transport, "patches": entry},
-    )
+    return dataclasses.replace(contract, model=model, graphs=graphs, transport={**contract.transport, "patches": entry})
 
 
-def make_scheduler(verified: VerifiedCore, *, images: bool = True, **options: Any) -> Scheduler:
-    contract = vision_contract(verified.contract) if images else verified.contract
+def make_scheduler(
+    verified: VerifiedCore, *, images: bool = True, imaging: Sequence[str] = ("prefill_p16",), **options: Any
+) -> Scheduler:
+    contract = vision_contract(verified.contract, imaging) if images else verified.contract
     load = LoadOptions(**options)
     selection = select(verified.contract, load)
     model = NativeModel.load(verified.core, verified.contract, selection, backend="null", cache_pages=load.cache_pages)
@@ -161,6 +164,25 @@ def test_a_mixed_round_without_image_programs_does_not_starve_an_image(verified:
     complete(scheduler, round_)
     after = next_round(scheduler)
     assert after.graph.operation == ct.OPERATION_DECODE and len(after) == 2
+
+
+def test_a_mixed_round_that_carries_an_image_keeps_lane_objects(verified: VerifiedCore) -> None:
+    """A batch carries no images: a mixed round with one has its decode lanes as the planner builds a lane."""
+    scheduler = make_scheduler(verified, imaging=("prefill_p16", "mixed_p16"))
+    assert scheduler.add(request("text", 5, [], max_tokens=8)) is None
+    complete(scheduler, next_round(scheduler))
+    complete(scheduler, next_round(scheduler))  # text prefilled: it decodes from now on
+    assert scheduler.add(request("pic", 8, [image(0)])) is None
+    complete(scheduler, next_round(scheduler))  # initialize pic
+    round_ = next_round(scheduler)
+    assert (round_.graph.name, list(round_.request_ids), chunks(round_)) == (
+        "mixed_p16",
+        ["text", "pic"],
+        [(5, 6, []), (0, 8, [[1, 2, 3, 4]])],
+    )
+    assert isinstance(round_.lanes, tuple)
+    text = next(s for s in scheduler.running if s.request_id == "text")
+    assert round_.lanes[0] == scheduler.planner.lane(text, range(5, 6), sample=True)
 
 
 @pytest.mark.parametrize(
