@@ -16,6 +16,17 @@ the measured device copy bandwidth). Needs an NVIDIA GPU, Triton and PyTorch:
         [--short 64,128,192,256] [--products tf32x3,ieee] [--compile-only]
 
 ``--compile-only`` only compiles every candidate into the kernel cache (no GPU).
+
+``--chunk TOKENS`` times a prompt chunk instead: one row's ``TOKENS`` consecutive tokens from position 0
+(a prefill program's attention, which lowers to query tiles), for the lowering's tile configuration and
+each of ``--tile-configs`` (``tTnNwWsS``: ``BLOCK_T`` tokens a tile, ``BLOCK_N`` positions a block, warps,
+stages), in a chain of one launch per layer, beside PyTorch's causal ``scaled_dot_product_attention`` on
+bfloat16 queries, keys and values (one call a layer) and the rate of the products a causal chunk needs
+(``4 * heads * head_dim * TOKENS * (TOKENS + 1) / 2`` operations; the kernels run each product twice, see
+``attention.py``):
+
+    python benchmarks/attention_splits.py --shapes 1b,8b --chunk 512 --cache-dtype bf16 \
+        --tile-configs t16n64w8s2,t32n64w8s3
 """
 
 from __future__ import annotations
@@ -30,7 +41,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 
 import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
-from ignition.kernels.attention import SHORT_POSITIONS, TF32X3_PRODUCTS, attention_launches  # noqa: E402
+from ignition.kernels.attention import (  # noqa: E402
+    SHORT_POSITIONS,
+    TF32X3_PRODUCTS,
+    attention_launches,
+    tile_kernel_config,
+)
 from ignition.kernels.lowering import LoweringContext, cdiv  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
 from projection_tiles import chain_us, declare, torch_us  # noqa: E402
@@ -48,20 +64,22 @@ MAX_LAYERS = 1024
 
 
 def _manifest(
-    rows: int, heads: int, kv_heads: int, head_dim: int, plane_dtype: int = mf.DTYPE_F32
+    rows: int, heads: int, kv_heads: int, head_dim: int, plane_dtype: int = mf.DTYPE_F32, table_rows: int = 0
 ) -> tuple[mf.ExecutionManifest, mf.Node]:
+    """One ``paged_attention`` node of ``rows`` tokens over ``table_rows`` page-table rows (default: one a token)."""
     width = SPAN // PAGE_TOKENS
+    table_rows = table_rows or rows
     manifest = mf.ExecutionManifest()
     program = manifest.programs.add(name="bench")
     node = program.nodes.add(name="attention")
     node.op.name, node.op.version = "paged_attention", 1
-    planes = (rows * width, PAGE_TOKENS, kv_heads, head_dim)
+    planes = (table_rows * width, PAGE_TOKENS, kv_heads, head_dim)
     buffers = [
         ("q", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
         ("out", mf.DTYPE_F32, (rows, heads, head_dim), mf.BUFFER_ROLE_SCRATCH),
         ("k_plane", plane_dtype, planes, mf.BUFFER_ROLE_CACHE_PLANE),
         ("v_plane", plane_dtype, planes, mf.BUFFER_ROLE_CACHE_PLANE),
-        ("page_table", mf.DTYPE_I32, (rows, width), mf.BUFFER_ROLE_TRANSPORT),
+        ("page_table", mf.DTYPE_I32, (table_rows, width), mf.BUFFER_ROLE_TRANSPORT),
         ("token_row", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_TRANSPORT),
         ("token_position", mf.DTYPE_I32, (rows,), mf.BUFFER_ROLE_TRANSPORT),
     ]
@@ -84,6 +102,111 @@ def _lowered(
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
     (launch,) = attention_launches(ctx, node, short_positions=short, tf32x3=tf32x3, split_config=split_config)
     return manifest, next(iter(ctx.modules.values())).data, launch
+
+
+def _chunk_lowered(
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    plane_dtype: int,
+    tile_config: tuple[int, int, int, int] | None,
+) -> tuple[mf.ExecutionManifest, bytes, mf.KernelLaunch]:
+    """The manifest, module and launch of one prompt chunk's attention (``tokens`` tokens of one row)."""
+    manifest, node = _manifest(tokens, heads, kv_heads, head_dim, plane_dtype, table_rows=1)
+    ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
+    (launch,) = attention_launches(ctx, node, tile_config=tile_config)
+    return manifest, next(iter(ctx.modules.values())).data, launch
+
+
+def _tile_config(text: str) -> tuple[int, int, int, int]:
+    """``tTnNwWsS`` -> ``(T, N, W, S)``."""
+    try:
+        block_t, rest = text.removeprefix("t").split("n")
+        block_n, rest = rest.split("w")
+        warps, stages = rest.split("s")
+        return int(block_t), int(block_n), int(warps), int(stages)
+    except ValueError as error:
+        raise SystemExit(f"--tile-configs: {text!r} is not tBLOCK_TnBLOCK_NwWARPSsSTAGES") from error
+
+
+def _chunk_main(args: argparse.Namespace) -> int:
+    """``--chunk``: one prompt chunk's attention for each tile configuration (module docstring)."""
+    tokens = int(args.chunk)
+    if not 64 <= tokens <= SPAN:
+        raise SystemExit(f"--chunk must be 64 to {SPAN} tokens")
+    configs: list[tuple[int, int, int, int] | None] = [None]
+    configs += [_tile_config(text) for text in args.tile_configs.split(",") if text]
+    bf16 = args.cache_dtype == "bf16"
+    plane_dtype, itemsize = (mf.DTYPE_BF16, 2) if bf16 else (mf.DTYPE_F32, 4)
+    shapes = args.shapes.split(",")
+    if args.compile_only:
+        for shape_name in shapes:
+            s = SHAPES[shape_name]
+            for config in configs:
+                _chunk_lowered(tokens, s.heads, s.kv_heads, s.head_dim, plane_dtype, config)
+        return 0
+    import torch
+
+    cuda = Context(0)
+    width = SPAN // PAGE_TOKENS
+    print(f"prompt chunk of {tokens} tokens from position 0; cache planes {args.cache_dtype}")
+    print("shape config (T,N,warps,stages)   graph us  TFLOP/s  torch us  torch TFLOP/s")
+    for shape_name in shapes:
+        s = SHAPES[shape_name]
+        operations = 4 * s.heads * s.head_dim * tokens * (tokens + 1) / 2
+        plane_bytes = width * PAGE_TOKENS * s.kv_heads * s.head_dim * itemsize
+        count = min(64, max(16, cdiv(COLD_BYTES, 2 * plane_bytes)))
+        rng = np.random.default_rng(0)
+        pointers: dict[str, int] = {}
+        q_bytes = tokens * s.heads * s.head_dim * 4
+        for name, nbytes in (("q", q_bytes), ("out", q_bytes), ("page_table", width * 4)):
+            pointers[name] = cuda.alloc(nbytes)
+        pointers["token_row"], pointers["token_position"] = cuda.alloc(tokens * 4), cuda.alloc(tokens * 4)
+        cuda.upload(pointers["q"], rng.standard_normal(q_bytes // 4).astype(np.float32))
+        cuda.upload(pointers["page_table"], rng.permutation(width).astype(np.int32))
+        cuda.upload(pointers["token_row"], np.zeros(tokens, dtype=np.int32))
+        cuda.upload(pointers["token_position"], np.arange(tokens, dtype=np.int32))
+        planes = []
+        for _ in range(count):
+            pair = (cuda.alloc(plane_bytes), cuda.alloc(plane_bytes))
+            for plane in pair:
+                cuda.memset(plane, plane_bytes, 0x3C)  # every value 0.0115 (f32 and bf16): timing only
+            planes.append(pair)
+        for config in configs:
+            _, module_data, launch = _chunk_lowered(tokens, s.heads, s.kv_heads, s.head_dim, plane_dtype, config)
+            function = cuda.function(cuda.load_module(module_data), launch.symbol, launch.shared_bytes)
+            packs = [
+                pack_params(launch.params, {**pointers, "k_plane": k_plane, "v_plane": v_plane})
+                for k_plane, v_plane in planes
+            ]
+            us = chain_us(cuda, [(function, launch, pack) for pack in packs], repeats=20)
+            label = "* " + "t{}n{}w{}s{}".format(*tile_kernel_config(s.heads // s.kv_heads, s.head_dim))
+            label = label if config is None else "  t{}n{}w{}s{}".format(*config)
+            print(f"{shape_name:<5} {label:<26} {us:>9.2f} {operations / us / 1e6:>8.1f}", flush=True)
+        q = torch.randn(1, s.heads, tokens, s.head_dim, device="cuda", dtype=torch.bfloat16)
+        kv = [
+            (
+                torch.randn(1, s.kv_heads, tokens, s.head_dim, device="cuda", dtype=torch.bfloat16),
+                torch.randn(1, s.kv_heads, tokens, s.head_dim, device="cuda", dtype=torch.bfloat16),
+            )
+            for _ in range(count)
+        ]
+
+        def step(q: Any = q, kv: Any = kv) -> None:
+            for keys, values in kv:
+                torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+
+        reference = torch_us(step, count)
+        print(f"{shape_name:<5} {'torch sdpa (causal, bf16)':<26} {'':>9} {'':>8} {reference:>9.2f} "
+              f"{operations / reference / 1e6:>13.1f}", flush=True)  # fmt: skip
+        for pointer in pointers.values():
+            cuda.free(pointer)
+        for pair in planes:
+            for plane in pair:
+                cuda.free(plane)
+    cuda.close()
+    return 0
 
 
 def _config(text: str) -> tuple[int, int, int]:
@@ -182,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dtype", choices=("f32", "bf16"), default="f32", help="the cache planes' type")
     parser.add_argument("--compile-only", action="store_true", help="compile the candidates, measure nothing")
+    parser.add_argument("--chunk", type=int, help="time one prompt chunk of this many tokens instead (docstring)")
+    parser.add_argument("--tile-configs", default="", help="tile-kernel candidates tTnNwWsS (with --chunk)")
     args = parser.parse_args(argv)
+    if args.chunk:
+        return _chunk_main(args)
     contexts = [int(c) for c in args.contexts.split(",")]
     if max(contexts) > SPAN:
         raise SystemExit(f"contexts must be at most {SPAN}")

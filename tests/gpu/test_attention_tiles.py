@@ -90,9 +90,10 @@ def test_prompt_chunks_attend_as_query_tiles(
     # straddling tiles, with padding tokens between and after them
     chunks = [(0, 0, 37), (2, 100, 5), (1, 0, 1), (-1, 0, 3), (3, 17, 90), (2, 105, 30), (-1, 0, 10)]
     arrays = _arrays(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, table_rows=4, window=window)
-    tile_tokens = 64 // (1 << (heads // kv_heads - 1).bit_length())  # query rows / the padded group
+    query_rows = 64 if head_dim <= 64 else 32
+    tile_tokens = query_rows // (1 << (heads // kv_heads - 1).bit_length())  # query rows / the padded group
     tiles = -(-arrays["q"].shape[0] // tile_tokens)
-    _check(cuda_context, arrays, window, "attention_tile_kernel", [tiles, kv_heads, 1])
+    _check(cuda_context, arrays, window, "attention_tile_kernel", [kv_heads, tiles, 1])
 
 
 @pytest.mark.parametrize("window", [0, 100])

@@ -333,7 +333,9 @@ def test_paged_attention_short_and_split_contexts(
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize(
     ("tokens", "heads", "kv_heads", "head_dim", "scaled"),
-    [(1, 32, 8, 64, True), (64, 9, 3, 64, False), (5, 32, 8, 128, True)],
+    # one token; 64 tokens of 12 heads, four a program; 5 and 37 tokens of 40 rotated heads of 128, two a
+    # program, the last program's second token past the end
+    [(1, 32, 8, 64, True), (64, 9, 3, 64, False), (5, 32, 8, 128, True), (37, 32, 8, 128, False)],
 )
 def test_rope_kv_cache_write(
     cuda_context: Context, style: str, tokens: int, heads: int, kv_heads: int, head_dim: int, scaled: bool

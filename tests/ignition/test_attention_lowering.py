@@ -36,8 +36,8 @@ def _attention(tokens: int, table_rows: int) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize(
     ("tokens", "table_rows", "symbol", "grid"),
     [
-        (512, 256, "attention_tile_kernel", (32, KV_HEADS, 1)),  # a prompt chunk: 16 tokens x 4 heads a tile
-        (TILE_MIN_TOKENS, 8, "attention_tile_kernel", (4, KV_HEADS, 1)),
+        (512, 256, "attention_tile_kernel", (KV_HEADS, 32, 1)),  # a prompt chunk: 16 tokens x 4 heads a tile
+        (TILE_MIN_TOKENS, 8, "attention_tile_kernel", (KV_HEADS, 4, 1)),
         # too few tokens to tile, enough for wide splits
         (TILE_MIN_TOKENS - 1, 8, "attention_split_kernel", (63, KV_HEADS, 1024 // WIDE_SPLIT_POSITIONS)),
         (64, 64, "attention_split_kernel", (64, KV_HEADS, 1024 // WIDE_SPLIT_POSITIONS)),  # wide decode
@@ -55,6 +55,29 @@ def test_the_attention_kernel_follows_the_node_shape(
     assert launch.programmatic_wait
     (module,) = context.modules.values()
     assert module.data[:4] == b"\x7fELF"  # a cubin
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "tokens_a_tile"), [(32, 8, 64, 16), (32, 8, 128, 8), (9, 3, 16, 16)]
+)
+def test_prompt_tiles_hold_half_the_query_rows_for_heads_over_64(
+    heads: int, kv_heads: int, head_dim: int, tokens_a_tile: int
+) -> None:
+    tokens = 512
+    arrays = {
+        "q": np.zeros((tokens, heads, head_dim), np.float32),
+        "k_plane": np.zeros((40, PAGE_TOKENS, kv_heads, head_dim), np.float32),
+        "v_plane": np.zeros((40, PAGE_TOKENS, kv_heads, head_dim), np.float32),
+        "page_table": np.zeros((4, TABLE_PAGES), np.int32),
+        "token_row": np.zeros(tokens, np.int32),
+        "token_position": np.arange(tokens, dtype=np.int32),
+        "out": np.zeros((tokens, heads, head_dim), np.float32),
+    }
+    _context, (launch,) = lower("paged_attention", arrays, {"scale": 0.125})
+    assert launch.symbol == "attention_tile_kernel"
+    # KV heads first, then the tiles (run last first); four warps
+    assert tuple(launch.grid) == (kv_heads, tokens // tokens_a_tile, 1)
+    assert tuple(launch.block) == (128, 1, 1)
 
 
 @pytest.mark.parametrize(

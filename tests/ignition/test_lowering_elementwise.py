@@ -419,6 +419,8 @@ def test_attention_input_of_a_prefill_chunk_projects_through_descriptors_then_ro
     assert packed.buffer == "workspace.packed_qkv" and launches[1].params[2].buffer == packed.buffer
     assert launched_constants[1]["DESCRIPTORS"] is True
     assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [512 * 3072]
+    # 40 rotated heads (padded to 64) of 32 pairs: four tokens a program
+    assert launched_constants[2]["BLOCK_T"] == 4 and list(launches[2].grid) == [128, 1, 1]
 
 
 def test_attention_input_of_4096_inputs_streams_the_projection_then_rotates() -> None:
@@ -428,6 +430,7 @@ def test_attention_input_of_4096_inputs_streams_the_projection_then_rotates() ->
     assert [launch.symbol for launch in launches] == ["streaming_projection_kernel", "rope_cache_kernel"]
     assert list(launches[0].grid) == [min(48 * 128 // 2, 8 * 132), 1, 1]  # two rows a tile, 8 programs an SM
     assert launches[0].params[2].buffer == launches[1].params[0].buffer == "workspace.packed_qkv"
+    assert list(launches[1].grid) == [1, 1, 1]  # the one token in one program
 
 
 @pytest.mark.parametrize(

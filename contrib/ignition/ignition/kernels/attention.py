@@ -104,8 +104,8 @@ TILE_MIN_TOKENS = 64
 proposals) runs as query tiles (:func:`attention_tile_kernel`) rather than per token."""
 
 TILE_QUERY_ROWS = 64
-"""Query rows of one tile: consecutive tokens times the KV head's query group (padded to a power of
-two)."""
+"""Query rows of one tile for heads of up to 64 values: consecutive tokens times the KV head's query group
+(padded to a power of two). Heads of more values take half as many (:func:`tile_kernel_config`)."""
 
 SHORT_POSITIONS = 64
 """Contexts of at most this many positions are attended by one program per (token, KV head), unsplit.
@@ -380,8 +380,10 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
     ``lowest .. position``, so the keys and values of a prompt chunk's positions are read once per
     tile rather than once per token. Padding tokens (negative row) get zero output.
     """
-    block = tl.program_id(0)
-    kv = tl.program_id(1)
+    # KV heads vary fastest and the tiles run last first: a prompt's later tokens attend the most positions,
+    # so the longest programs start first and the short ones fill in behind them.
+    kv = tl.program_id(0)
+    block = tl.num_programs(1) - 1 - tl.program_id(1)
     M: tl.constexpr = BLOCK_T * GROUP_P2
     lanes = tl.arange(0, M)
     token = block * BLOCK_T + lanes // GROUP_P2
@@ -416,10 +418,14 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
         running_max = tl.full([M], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([M], dtype=tl.float32)
         acc = tl.zeros([M, D_P], dtype=tl.float32)
+        table_row = table_ptr + current * TABLE_WIDTH
+        leading = first + tl.arange(0, BLOCK_N)
+        page = tl.load(table_row + leading // PAGE_TOKENS, mask=leading <= last, other=0)
         for start in range(first, last + 1, BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)
             ok = offs <= last
-            page = tl.load(table_ptr + current * TABLE_WIDTH + offs // PAGE_TOKENS, mask=ok, other=0)
+            following = offs + BLOCK_N  # the next block's pages, loaded ahead
+            next_page = tl.load(table_row + following // PAGE_TOKENS, mask=following <= last, other=0)
             slot = page.to(tl.int64) * PAGE_TOKENS + (offs % PAGE_TOKENS)
             kv_address = (slot * KV_HEADS + kv)[:, None] * D + dims[None, :]
             kv_ok = ok[:, None] & dim_ok[None, :]
@@ -433,6 +439,7 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
             running_max, running_sum, acc = _online_softmax(
                 running_max, running_sum, acc, scores, values, TF32X3, BF16_PLANES
             )
+            page = next_page
         total = tl.where(running_sum > 0.0, running_sum, 1.0)
         result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
         tl.store(out_ptr + addresses, result, mask=(mine & valid)[:, None] & dim_ok[None, :])
@@ -454,6 +461,7 @@ def attention_launches(
     split_positions: int | None = None,
     tiled: bool | None = None,
     split_config: tuple[int, int, int] | None = None,
+    tile_config: tuple[int, int, int, int] | None = None,
 ) -> list[mf.KernelLaunch]:
     """The launch of one ``paged_attention`` node; ``short_positions`` (default :data:`SHORT_POSITIONS`)
     is the longest context one program per (token, KV head) attends unsplit, ``tf32x3`` (default
@@ -461,7 +469,9 @@ def attention_launches(
     split (default :data:`SPLIT_POSITIONS`, :data:`WIDE_SPLIT_POSITIONS` for a wide launch), ``tiled``
     whether the query tiles of :func:`attention_tile_kernel` run instead (default: when the node has at
     least :data:`TILE_MIN_TOKENS` tokens and two a page-table row, as a prompt chunk has), ``split_config``
-    the split kernel's ``(num_warps, num_stages, BLOCK_N)`` (default :func:`split_kernel_config`)."""
+    the split kernel's ``(num_warps, num_stages, BLOCK_N)`` (default :func:`split_kernel_config`),
+    ``tile_config`` the tile kernel's ``(BLOCK_T, BLOCK_N, num_warps, num_stages)`` (default
+    :func:`tile_kernel_config`)."""
     short = SHORT_POSITIONS if short_positions is None else short_positions
     q, out = ctx.need(node, "q"), ctx.need(node, "out")
     k_plane, v_plane = ctx.need(node, "k_plane"), ctx.need(node, "v_plane")
@@ -516,11 +526,11 @@ def attention_launches(
     if tiled is None:
         tiled = tokens >= max(TILE_MIN_TOKENS, 2 * table_shape[0])
     if tiled:
-        block_t = max(1, TILE_QUERY_ROWS // next_power_of_two(group))
+        block_t, block_n, warps, stages = tile_config or tile_kernel_config(group, head_dim)
         arguments = {**pointers, "out_ptr": ctx.pointer(out), "scale": ctx.f32(scale)}
-        constants |= {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": 64 if head_dim <= 64 else 32}
-        grid = (cdiv(tokens, block_t), kv_heads)
-        return [ctx.launch(attention_tile_kernel, arguments, constants, grid, num_warps=8, num_stages=2)]
+        constants |= {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": block_n}
+        grid = (kv_heads, cdiv(tokens, block_t))
+        return [ctx.launch(attention_tile_kernel, arguments, constants, grid, num_warps=warps, num_stages=stages)]
     span = width * page_tokens
     reach = min(span, window) if window else span  # the most positions one token attends
     if split_positions is None:
@@ -555,6 +565,19 @@ def attention_launches(
         attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=warps, num_stages=stages
     )
     return [launch]
+
+
+def tile_kernel_config(group: int, head_dim: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_N, num_warps, num_stages)`` of the tile kernel: ``TILE_QUERY_ROWS`` query rows (tokens
+    times the group padded to a power of two; half as many for heads over 64 values), blocks of 64 positions,
+    four warps, three stages. Measured on an H200 (``benchmarks/attention_splits.py --chunk 512``,
+    docs/benchmarks.md), a 512-token chunk a layer: the 1B shape 23.4 us (32.0 with the eight warps and, for
+    heads over 64 values, 32-position blocks taken before), the 8B shape 31.8 us (51.4 before). Tiles of 128
+    query rows on eight warps ran level for the 1B shape (22.7 us) and are not taken: the fewer tokens a tile
+    has, the shorter the walk of a tile whose tokens belong to several rows (decode lanes beside a prompt
+    chunk), which attends one row after another."""
+    rows = TILE_QUERY_ROWS if head_dim <= 64 else TILE_QUERY_ROWS // 2
+    return max(1, rows // next_power_of_two(group)), 64, 4, 3
 
 
 def split_kernel_config(split: int, head_dim: int) -> tuple[int, int, int]:
@@ -595,6 +618,8 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
     low_bits,
     high_bits,
     original_bits,
+    TOKENS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     ROTATED_P2: tl.constexpr,
@@ -603,51 +628,63 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
     SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """``BLOCK_T`` consecutive tokens a program, as ``[tokens, heads, pairs]`` tensors: the float64 angles,
+    cosines and sines of all of them at once rather than one token's after another's."""
     # Inverse frequencies, angles, cos and sin in float64 (the ``*_bits`` are float64 bit patterns),
     # the rotation in float32, as the reference computes them.
     pairs = tl.arange(0, D // 2)
     inv_freq = inverse_frequencies(pairs, D, log2_theta_bits, factor_bits, low_bits, high_bits, original_bits, SCALED)
-    token = tl.program_id(0)
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < TOKENS
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    angle = tl.load(position_ptr + token).to(tl.float64) * inv_freq
-    cos = tl.cos(angle).to(tl.float32)
-    sin = tl.sin(angle).to(tl.float32)
-    slot = tl.load(slot_ptr + token)
-    heads = tl.arange(0, ROTATED_P2)
-    rotated = HEADS + KV_HEADS
-    ok = heads < rotated
+    position = tl.load(position_ptr + tokens, mask=token_ok, other=0)
+    angle = position.to(tl.float64)[:, None] * inv_freq[None, :]  # [BLOCK_T, D / 2]
+    cos = tl.cos(angle).to(tl.float32)[:, None, :]
+    sin = tl.sin(angle).to(tl.float32)[:, None, :]
+    slot = tl.load(slot_ptr + tokens, mask=token_ok, other=-1)[:, None, None]
+    heads = tl.arange(0, ROTATED_P2)[None, :, None]
+    rows = tokens.to(tl.int64)[:, None, None]
+    ok = token_ok[:, None, None] & (heads < HEADS + KV_HEADS)
     width = (HEADS + 2 * KV_HEADS) * D
-    base = qkv_ptr + token * width + heads[:, None] * D
+    base = qkv_ptr + rows * width + heads * D
     if HALF_PAIRS:
-        first_index = pairs
-        second_index = pairs + D // 2
+        first_index = pairs[None, None, :]
+        second_index = pairs[None, None, :] + D // 2
     else:
-        first_index = 2 * pairs
-        second_index = 2 * pairs + 1
-    first = tl.load(base + first_index[None, :], mask=ok[:, None], other=0.0)
-    second = tl.load(base + second_index[None, :], mask=ok[:, None], other=0.0)
-    out_first = first * cos[None, :] - second * sin[None, :]
-    out_second = first * sin[None, :] + second * cos[None, :]
-    is_q = heads < HEADS
-    q_base = q_ptr + token * HEADS * D + heads[:, None] * D
-    tl.store(q_base + first_index[None, :], out_first, mask=is_q[:, None])
-    tl.store(q_base + second_index[None, :], out_second, mask=is_q[:, None])
-    if slot >= 0:
-        is_k = ok & (heads >= HEADS)
-        k_base = k_ptr + (slot * KV_HEADS + (heads - HEADS))[:, None] * D
-        tl.store(k_base + first_index[None, :], out_first, mask=is_k[:, None])
-        tl.store(k_base + second_index[None, :], out_second, mask=is_k[:, None])
-        kv_heads = tl.arange(0, ROTATED_P2)
-        v_ok = kv_heads < KV_HEADS
-        dims = tl.arange(0, D)
-        values = tl.load(
-            qkv_ptr + token * width + (HEADS + KV_HEADS + kv_heads)[:, None] * D + dims[None, :],
-            mask=v_ok[:, None],
-            other=0.0,
-        )
-        tl.store(v_ptr + (slot * KV_HEADS + kv_heads)[:, None] * D + dims[None, :], values, mask=v_ok[:, None])
+        first_index = 2 * pairs[None, None, :]
+        second_index = 2 * pairs[None, None, :] + 1
+    first = tl.load(base + first_index, mask=ok, other=0.0)
+    second = tl.load(base + second_index, mask=ok, other=0.0)
+    out_first = first * cos - second * sin
+    out_second = first * sin + second * cos
+    is_q = ok & (heads < HEADS)
+    q_base = q_ptr + rows * (HEADS * D) + heads * D
+    tl.store(q_base + first_index, out_first, mask=is_q)
+    tl.store(q_base + second_index, out_second, mask=is_q)
+    # a negative slot writes no cache
+    is_k = ok & (heads >= HEADS) & (slot >= 0)
+    k_base = k_ptr + (slot * KV_HEADS + (heads - HEADS)) * D
+    tl.store(k_base + first_index, out_first, mask=is_k)
+    tl.store(k_base + second_index, out_second, mask=is_k)
+    kv_heads = tl.arange(0, ROTATED_P2)[None, :, None]
+    dims = tl.arange(0, D)[None, None, :]
+    v_ok = token_ok[:, None, None] & (kv_heads < KV_HEADS) & (slot >= 0)
+    values = tl.load(qkv_ptr + rows * width + (HEADS + KV_HEADS + kv_heads) * D + dims, mask=v_ok, other=0.0)
+    tl.store(v_ptr + (slot * KV_HEADS + kv_heads) * D + dims, values, mask=v_ok)
+
+
+ROPE_ELEMENTS = 8192
+"""Rotated values (tokens x heads padded to a power of two x pairs) one ``rope_kv_cache_write`` program
+takes (see :func:`rope_tokens`)."""
+
+
+def rope_tokens(tokens: int, rotated_heads: int, head_dim: int) -> int:
+    """Tokens one ``rope_kv_cache_write`` program rotates: as many as keep its tensors within
+    ``ROPE_ELEMENTS`` values (a power of two, at least one, at most the node's tokens rounded up to one)."""
+    per_token = next_power_of_two(rotated_heads) * max(1, head_dim // 2)
+    return max(1, min(next_power_of_two(tokens), ROPE_ELEMENTS // per_token))
 
 
 def _rope_cache_geometry(ctx: LoweringContext, node: mf.Node, packed_width: int) -> tuple[int, int, int, int]:
@@ -691,6 +728,7 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
         raise ctx.fail("qkv must be float32")
     style = ctx.attribute(node, "style", "")
     frequencies, scaled = frequency_args(ctx, node)
+    block_t = rope_tokens(tokens, heads + kv_heads, head_dim)
     launch = ctx.launch(
         rope_cache_kernel,
         {
@@ -703,6 +741,8 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
             **frequencies,
         },
         {
+            "TOKENS": tokens,
+            "BLOCK_T": block_t,
             "HEADS": heads,
             "KV_HEADS": kv_heads,
             "ROTATED_P2": next_power_of_two(heads + kv_heads),
@@ -710,8 +750,8 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
             "HALF_PAIRS": style == "half",
             "SCALED": scaled,
         },
-        (tokens,),
-        num_warps=4,
+        (cdiv(tokens, block_t),),
+        num_warps=8 if block_t > 1 else 4,
         num_stages=1,
     )
     return [launch]
