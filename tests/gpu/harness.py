@@ -87,15 +87,18 @@ def lower(
     weights: Sequence[str] = (),
     alias: Mapping[str, str] | None = None,
     written: Sequence[str] = (),
+    operation: int = 0,
 ) -> tuple[LoweringContext, list[mf.KernelLaunch]]:
     """The launches the operator's lowering makes for this node.
 
     ``alias`` binds an argument to another argument's buffer (``{"out": "x"}``: an in-place update);
-    ``written`` names buffers an earlier node of the program would write (not settled for this one).
+    ``written`` names buffers an earlier node of the program would write (not settled for this one);
+    ``operation`` is the program's (``contract_pb2.Operation``).
     """
     load_kernel_modules()
     manifest, node = one_node_manifest(op, arrays, attributes or {}, weights, alias=alias)
-    context = LoweringContext(manifest, "sm_90a", program="test", node=op, written=set(written))
+    manifest.programs[0].operation = operation  # type: ignore[assignment]
+    context = LoweringContext(manifest, "sm_90a", program="test", node=op, written=set(written), operation=operation)
     return context, LOWERINGS[(op, 1)](context, node)
 
 
@@ -110,14 +113,17 @@ def run_node(
     repeat: int = 1,
     reset: Sequence[str] = (),
     written: Sequence[str] = (),
+    operation: int = 0,
 ) -> dict[str, np.ndarray]:
     """Run the node on the GPU ``repeat`` times (uploading the ``reset`` arrays again before each
     time); returns every array as the device left it.
 
     Buffers the lowering adds (workspaces) are allocated too, zeroed as the backend allocates them;
-    ``alias`` and ``written`` as for :func:`lower`.
+    ``alias``, ``written`` and ``operation`` as for :func:`lower`.
     """
-    context, launches = lower(op, arrays, attributes, weights=weights, alias=alias, written=written)
+    context, launches = lower(
+        op, arrays, attributes, weights=weights, alias=alias, written=written, operation=operation
+    )
     addresses: dict[str, int] = {}
     try:
         for decl in context.manifest.buffers:

@@ -4,7 +4,8 @@ A ``paged_attention`` node with at least 64 tokens and two tokens a page-table r
 packed one after another, as a prefill program packs them) lowers to query tiles: consecutive tokens
 times a KV head's query group in one program, attending each cache row of the tile in turn. A node with
 one token a row and enough rows to give every multiprocessor two programs (decode at 64 rows and more)
-lowers to 256-position splits. Both agree with the reference to float32 rounding, for query groups of
+lowers to 256-position splits. In a mixed program the tokens alone in their row (decode lanes) take a split
+launch beside the tiles. All agree with the reference to float32 rounding, for query groups of
 1, 3 and 4 heads, head sizes 16, 64 and 128, with and without a window, with padding tokens and chunks
 that straddle tiles; pages no token may read hold NaN and never reach an output.
 """
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from helios_core.backends.cuda_driver import Context
+from helios_core.wire import contract_pb2 as ct
 
 from .harness import lower, reference_node, run_node
 
@@ -65,14 +67,24 @@ def _arrays(
     }
 
 
-def _check(cuda_context: Context, arrays: dict[str, np.ndarray], window: int, kernel: str, grid: list[int]) -> None:
+def _check(
+    cuda_context: Context,
+    arrays: dict[str, np.ndarray],
+    window: int,
+    kernel: str,
+    grid: list[int],
+    *,
+    operation: int = 0,
+    kernels: tuple[str, ...] = (),
+) -> None:
+    """The node lowers to ``kernel`` on ``grid`` (then ``kernels``), and agrees with the reference."""
     attributes: dict[str, float | int] = {"scale": 1.0 / np.sqrt(arrays["q"].shape[2])}
     if window:
         attributes["window"] = window
-    _context, launches = lower("paged_attention", arrays, attributes)
-    assert [launch.module.split(".")[1] for launch in launches] == [kernel]
+    _context, launches = lower("paged_attention", arrays, attributes, operation=operation)
+    assert [launch.module.split(".")[1] for launch in launches] == [kernel, *kernels]
     assert list(launches[0].grid) == grid
-    got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=2)["out"]
+    got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=2, operation=operation)["out"]
     want = reference_node("paged_attention", arrays, attributes)["out"]
     assert np.isfinite(got).all()
     padding = arrays["token_row"] < 0
@@ -94,6 +106,31 @@ def test_prompt_chunks_attend_as_query_tiles(
     tile_tokens = query_rows // (1 << (heads // kv_heads - 1).bit_length())  # query rows / the padded group
     tiles = -(-arrays["q"].shape[0] // tile_tokens)
     _check(cuda_context, arrays, window, "attention_tile_kernel", [kv_heads, tiles, 1])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 64), (32, 8, 128), (9, 3, 16)])
+@pytest.mark.parametrize("window", [0, 40])
+def test_a_mixed_rounds_decode_lanes_attend_beside_its_prompt_chunks(
+    cuda_context: Context, heads: int, kv_heads: int, head_dim: int, window: int
+) -> None:
+    """In a mixed program the tokens alone in their row (decode lanes, a one-token chunk) take the split kernel
+    and the rest the tiles: every token attends once, as the reference."""
+    rng = np.random.default_rng(heads + head_dim + window)
+    decode = [(row, int(rng.integers(1, 600)), 1) for row in range(4, 44)]  # 40 decode lanes, contexts up to 600
+    chunks = [*decode, (0, 0, 70), (1, 30, 1), (2, 7, 33), (3, 200, 2), (-1, 0, 5)]
+    arrays = _arrays(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, table_rows=44, window=window)
+    query_rows = 64 if head_dim <= 64 else 32
+    tile_tokens = query_rows // (1 << (heads // kv_heads - 1).bit_length())
+    tiles = -(-arrays["q"].shape[0] // tile_tokens)
+    _check(
+        cuda_context,
+        arrays,
+        window,
+        "attention_tile_kernel",
+        [kv_heads, tiles, 1],
+        operation=ct.OPERATION_MIXED,
+        kernels=("attention_split_kernel",),
+    )
 
 
 @pytest.mark.parametrize("window", [0, 100])

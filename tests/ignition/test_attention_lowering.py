@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 
 from ignition.kernels.attention import TILE_MIN_TOKENS, WIDE_SPLIT_POSITIONS
 
+from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from tests.gpu.harness import bf16_bits, lower
 
@@ -55,6 +56,29 @@ def test_the_attention_kernel_follows_the_node_shape(
     assert launch.programmatic_wait
     (module,) = context.modules.values()
     assert module.data[:4] == b"\x7fELF"  # a cubin
+
+
+@pytest.mark.parametrize(
+    ("operation", "symbols"),
+    [
+        (ct.OPERATION_PREFILL, ["attention_tile_kernel"]),
+        (ct.OPERATION_MIXED, ["attention_tile_kernel", "attention_split_kernel"]),
+    ],
+)
+def test_a_mixed_programs_decode_lanes_take_the_split_kernel_beside_the_tiles(
+    operation: int, symbols: list[str], launched_constants: list[dict[str, object]]
+) -> None:
+    # 64 decode lanes and a 128-token prompt chunk: 192 tokens over 65 page-table rows
+    _context, launches = lower("paged_attention", _attention(192, 65), {"scale": 0.125}, operation=operation)
+    assert [launch.symbol for launch in launches] == symbols
+    mixed = operation == ct.OPERATION_MIXED
+    assert launched_constants[0]["SKIP_ALONE"] is mixed
+    assert tuple(launches[0].grid) == (KV_HEADS, 192 // 16, 1)
+    if mixed:
+        # every token a program per KV head and 256-position split (192 x 8 programs: a wide launch)
+        assert launched_constants[1]["ALONE_ONLY"] is True
+        assert tuple(launches[1].grid) == (192, KV_HEADS, 1024 // WIDE_SPLIT_POSITIONS)
+        assert all(launch.programmatic_wait for launch in launches)
 
 
 @pytest.mark.parametrize(

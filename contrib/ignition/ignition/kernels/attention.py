@@ -31,7 +31,14 @@ row is negative (padding) get zero output. When the rows, positions and page tab
 earlier node of the program writes them, see ``lowering.py``), a program reads them and its first
 block's pages before ``gdc_wait``; each block loads the next block's pages ahead.
 
-``rope_kv_cache_write`` gives each packed token one program: it splits the token's packed
+A node of at least ``TILE_MIN_TOKENS`` tokens and two a page-table row (prompt chunks) runs as query tiles
+(:func:`attention_tile_kernel`): a tile's tokens attend their rows one row after another, reading a row's keys
+and values once for all of its tokens. In a mixed program (operation ``MIXED``: decode lanes beside prompt
+chunks) the tokens alone in their row among their neighbours (the decode lanes) are left out of the tiles and
+attended by a split launch right after them (``ALONE_ONLY``), each by its own programs, instead of a tile
+walking its decode lanes' rows in turn.
+
+``rope_kv_cache_write`` gives each program a few consecutive tokens (:func:`rope_tokens`): it splits a token's packed
 ``[q | k | v]`` projection, rotates the query and key heads (both pair layouts; inverse frequencies
 with optional frequency-band scaling, angles, cos and sin in float64 as the reference, the rotation
 in float32), writes the
@@ -59,10 +66,13 @@ Prefill chunks whose projection takes tensor descriptors, and one or two rows of
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import triton
 import triton.language as tl
 
+from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.elementwise import rmsnorm_blocks, rmsnorm_row
 from ignition.kernels.linear import (
@@ -75,7 +85,7 @@ from ignition.kernels.linear import (
     rotary_tiles,
     staged_input,
 )
-from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
+from ignition.kernels.lowering import KernelArg, LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 SPLIT_POSITIONS = 64
@@ -188,6 +198,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
     BF16_PLANES: tl.constexpr,
     WINDOW: tl.constexpr,
     SETTLED: tl.constexpr,
+    ALONE_ONLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -197,10 +208,12 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
         row, active, start, stop, page = _split_extent(
             table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, SHORT, BLOCK_N, WINDOW
         )
-        # An idle split exits without waiting: split 0 of every token is active and waits, so this
-        # launch still completes only after its predecessor did.
+        if ALONE_ONLY:
+            active = tl.where(_alone(row_ptr, token, row, tl.num_programs(0)), active, 0)
+        # An idle split exits without waiting: split 0 of every token waits, so this launch still
+        # completes only after its predecessor did.
         if USE_PDL:  # noqa: SIM102 (a compile-time constant and a tensor do not combine with ``and``)
-            if split < active:
+            if (split < active) | (split == 0):
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
     else:
@@ -210,6 +223,8 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
         row, active, start, stop, page = _split_extent(
             table_ptr, row_ptr, position_ptr, token, split, PAGE_TOKENS, TABLE_WIDTH, SPLIT, SHORT, BLOCK_N, WINDOW
         )
+        if ALONE_ONLY:
+            active = tl.where(_alone(row_ptr, token, row, tl.num_programs(0)), active, 0)
     if split < active:
         heads = tl.arange(0, HEADS_M)  # the group's query heads, padded to a matrix-product tile
         head_ok = heads < GROUP
@@ -263,6 +278,15 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
                     SPLITS_P2,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _alone(row_ptr, token, row, tokens):  # type: ignore[no-untyped-def]
+    """Whether ``token`` (of ``tokens``, its row ``row``) is the only one of its row among its neighbours: a
+    decode lane beside prompt chunks, whose tokens lie one after another. Padding (a negative row) is not."""
+    before = tl.load(row_ptr + token - 1, mask=(token > 0) & (token - 1 < tokens), other=-2)
+    after = tl.load(row_ptr + token + 1, mask=token + 1 < tokens, other=-2)
+    return (row >= 0) & (before != row) & (after != row)
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -370,6 +394,7 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
     BF16_PLANES: tl.constexpr,
     WINDOW: tl.constexpr,
     SETTLED: tl.constexpr,
+    SKIP_ALONE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Attention of ``BLOCK_T`` consecutive tokens and one KV head's query group in one program.
@@ -378,7 +403,9 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
     tokens in turn: for the lowest row not yet done, every token of that row attends the positions
     from the lowest first position to the highest position among them, each masked to its own
     ``lowest .. position``, so the keys and values of a prompt chunk's positions are read once per
-    tile rather than once per token. Padding tokens (negative row) get zero output.
+    tile rather than once per token. Padding tokens (negative row) get zero output. With ``SKIP_ALONE`` a
+    token alone in its row among its neighbours (:func:`_alone`) is left to the split kernel's launch
+    beside this one.
     """
     # KV heads vary fastest and the tiles run last first: a prompt's later tokens attend the most positions,
     # so the longest programs start first and the short ones fill in behind them.
@@ -409,6 +436,8 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
     padding = (valid & (rows < 0))[:, None] & dim_ok[None, :]
     tl.store(out_ptr + addresses, tl.zeros([M, D_P], dtype=tl.float32), mask=padding)
     done = rows < 0
+    if SKIP_ALONE:
+        done = done | (valid & _alone(row_ptr, token, rows, TOKENS))
     none = 2147483647
     current = tl.min(tl.where(done, none, rows), axis=0)
     while current != none:
@@ -525,46 +554,89 @@ def attention_launches(
     }
     if tiled is None:
         tiled = tokens >= max(TILE_MIN_TOKENS, 2 * table_shape[0])
+    span = width * page_tokens
+    split_launch = _SplitLaunch(
+        out=out,
+        scale=scale,
+        tokens=tokens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        reach=min(span, window) if window else span,  # the most positions one token attends
+        short=short,
+        split_positions=split_positions,
+        split_config=split_config,
+    )
     if tiled:
         block_t, block_n, warps, stages = tile_config or tile_kernel_config(group, head_dim)
         arguments = {**pointers, "out_ptr": ctx.pointer(out), "scale": ctx.f32(scale)}
-        constants |= {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": block_n}
+        # A mixed program's decode lanes (one token of a row each) go to the split kernel: a tile of them
+        # would attend their rows one after another.
+        mixed = ctx.operation == ct.OPERATION_MIXED
+        tile_constants = constants | {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": block_n, "SKIP_ALONE": mixed}
         grid = (kv_heads, cdiv(tokens, block_t))
-        return [ctx.launch(attention_tile_kernel, arguments, constants, grid, num_warps=warps, num_stages=stages)]
-    span = width * page_tokens
-    reach = min(span, window) if window else span  # the most positions one token attends
-    if split_positions is None:
-        wide = tokens * kv_heads >= 2 * MULTIPROCESSORS
-        split_positions = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
-    split = min(split_positions, next_power_of_two(reach))
-    splits = cdiv(reach, split)
-    max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
-    sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
-    acc_ws = ctx.workspace("attention_acc", mf.DTYPE_F32, tokens * heads * splits * head_dim)
-    # zero at allocation; every launch leaves each counter at zero again
-    count_ws = ctx.workspace("attention_splits_done", mf.DTYPE_I32, tokens * kv_heads)
-    arguments = {
-        **pointers,
-        "max_ws": ctx.pointer(max_ws),
-        "sum_ws": ctx.pointer(sum_ws),
-        "acc_ws": ctx.pointer(acc_ws),
-        "count_ws": ctx.pointer(count_ws),
-        "out_ptr": ctx.pointer(out),
-        "scale": ctx.f32(scale),
-    }
-    constants |= {
-        "SPLITS": splits,
-        "SPLITS_P2": next_power_of_two(splits),
-        "SPLIT": split,
-        "SHORT": max(split, min(short, reach)),
-        "HEADS_M": max(16, next_power_of_two(group)),
-    }
-    warps, stages, block_n = split_config or split_kernel_config(split, head_dim)
-    constants["BLOCK_N"] = block_n
-    launch = ctx.launch(
-        attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=warps, num_stages=stages
-    )
-    return [launch]
+        tile = ctx.launch(attention_tile_kernel, arguments, tile_constants, grid, num_warps=warps, num_stages=stages)
+        if not mixed:
+            return [tile]
+        return [tile, split_launch.launch(ctx, pointers, constants, alone_only=True)]
+    return [split_launch.launch(ctx, pointers, constants, alone_only=False)]
+
+
+@dataclass(frozen=True)
+class _SplitLaunch:
+    """What the split kernel's launch of one node needs beside the pointers and constants it shares with the
+    tile kernel's."""
+
+    out: mf.BufferView
+    scale: float
+    tokens: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    reach: int
+    """The most positions one token attends (the page-table row's span, or the window)."""
+    short: int
+    split_positions: int | None
+    split_config: tuple[int, int, int] | None
+
+    def launch(
+        self, ctx: LoweringContext, pointers: dict[str, KernelArg], shared: dict[str, Any], *, alone_only: bool
+    ) -> mf.KernelLaunch:
+        """The launch; with ``alone_only`` only the tokens alone in their row among their neighbours attend
+        (a tile launch beside it takes the others)."""
+        tokens, heads, kv_heads, head_dim, reach = self.tokens, self.heads, self.kv_heads, self.head_dim, self.reach
+        split_positions, short, group = self.split_positions, self.short, heads // kv_heads
+        if split_positions is None:
+            wide = tokens * kv_heads >= 2 * MULTIPROCESSORS
+            split_positions = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
+        split = min(split_positions, next_power_of_two(reach))
+        splits = cdiv(reach, split)
+        max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
+        sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
+        acc_ws = ctx.workspace("attention_acc", mf.DTYPE_F32, tokens * heads * splits * head_dim)
+        # zero at allocation; every launch leaves each counter at zero again
+        count_ws = ctx.workspace("attention_splits_done", mf.DTYPE_I32, tokens * kv_heads)
+        arguments = {
+            **pointers,
+            "max_ws": ctx.pointer(max_ws),
+            "sum_ws": ctx.pointer(sum_ws),
+            "acc_ws": ctx.pointer(acc_ws),
+            "count_ws": ctx.pointer(count_ws),
+            "out_ptr": ctx.pointer(self.out),
+            "scale": ctx.f32(self.scale),
+        }
+        constants = shared | {
+            "SPLITS": splits,
+            "SPLITS_P2": next_power_of_two(splits),
+            "SPLIT": split,
+            "SHORT": max(split, min(short, reach)),
+            "HEADS_M": max(16, next_power_of_two(group)),
+        }
+        warps, stages, block_n = self.split_config or split_kernel_config(split, head_dim)
+        constants |= {"BLOCK_N": block_n, "ALONE_ONLY": alone_only}
+        return ctx.launch(
+            attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=warps, num_stages=stages
+        )
 
 
 def tile_kernel_config(group: int, head_dim: int) -> tuple[int, int, int, int]:

@@ -95,6 +95,8 @@ class LoweringContext:
     modules: dict[str, ModuleResource] = field(default_factory=dict)
     program: str = ""
     node: str = ""
+    operation: int = 0
+    """The current program's operation (``contract_pb2.Operation``; 0 where it declares none)."""
     written: set[str] = field(default_factory=set)
     """Buffers the nodes of the current program lowered so far may write."""
 
@@ -322,6 +324,7 @@ def lower_manifest(manifest: mf.ExecutionManifest, target: str) -> list[ModuleRe
 def _lower_programs(context: LoweringContext, manifest: mf.ExecutionManifest, target: str) -> None:
     for program in list(manifest.programs) + list(manifest.tuning_programs):
         context.program = program.name
+        context.operation = int(program.operation)
         context.written = set()
         for node in program.nodes:
             context.node = node.name
