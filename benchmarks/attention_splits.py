@@ -92,30 +92,22 @@ def _lowered(
     heads: int,
     kv_heads: int,
     head_dim: int,
-    short: int,
-    tf32x3: bool,
+    short: int | None = None,
+    tf32x3: bool | None = None,
     plane_dtype: int = mf.DTYPE_F32,
     split_config: tuple[int, int, int] | None = None,
+    *,
+    table_rows: int = 0,
+    tile_config: tuple[int, int, int, int] | None = None,
 ) -> tuple[mf.ExecutionManifest, bytes, mf.KernelLaunch]:
-    """The manifest (with its workspaces), the compiled module and the launch of one attention node."""
-    manifest, node = _manifest(rows, heads, kv_heads, head_dim, plane_dtype)
+    """The manifest (with its workspaces), the compiled module and the launch of one attention node of
+    ``rows`` tokens over ``table_rows`` page-table rows (default: one a token; one row's prompt chunk lowers to
+    query tiles)."""
+    manifest, node = _manifest(rows, heads, kv_heads, head_dim, plane_dtype, table_rows)
     ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
-    (launch,) = attention_launches(ctx, node, short_positions=short, tf32x3=tf32x3, split_config=split_config)
-    return manifest, next(iter(ctx.modules.values())).data, launch
-
-
-def _chunk_lowered(
-    tokens: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    plane_dtype: int,
-    tile_config: tuple[int, int, int, int] | None,
-) -> tuple[mf.ExecutionManifest, bytes, mf.KernelLaunch]:
-    """The manifest, module and launch of one prompt chunk's attention (``tokens`` tokens of one row)."""
-    manifest, node = _manifest(tokens, heads, kv_heads, head_dim, plane_dtype, table_rows=1)
-    ctx = LoweringContext(manifest, "sm_90a", program="bench", node="attention")
-    (launch,) = attention_launches(ctx, node, tile_config=tile_config)
+    (launch,) = attention_launches(
+        ctx, node, short_positions=short, tf32x3=tf32x3, split_config=split_config, tile_config=tile_config
+    )
     return manifest, next(iter(ctx.modules.values())).data, launch
 
 
@@ -144,7 +136,9 @@ def _chunk_main(args: argparse.Namespace) -> int:
         for shape_name in shapes:
             s = SHAPES[shape_name]
             for config in configs:
-                _chunk_lowered(tokens, s.heads, s.kv_heads, s.head_dim, plane_dtype, config)
+                _lowered(
+                    tokens, s.heads, s.kv_heads, s.head_dim, plane_dtype=plane_dtype, table_rows=1, tile_config=config
+                )
         return 0
     import torch
 
@@ -174,7 +168,9 @@ def _chunk_main(args: argparse.Namespace) -> int:
                 cuda.memset(plane, plane_bytes, 0x3C)  # every value 0.0115 (f32 and bf16): timing only
             planes.append(pair)
         for config in configs:
-            _, module_data, launch = _chunk_lowered(tokens, s.heads, s.kv_heads, s.head_dim, plane_dtype, config)
+            _, module_data, launch = _lowered(
+                tokens, s.heads, s.kv_heads, s.head_dim, plane_dtype=plane_dtype, table_rows=1, tile_config=config
+            )
             function = cuda.function(cuda.load_module(module_data), launch.symbol, launch.shared_bytes)
             packs = [
                 pack_params(launch.params, {**pointers, "k_plane": k_plane, "v_plane": v_plane})

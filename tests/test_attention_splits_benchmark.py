@@ -38,9 +38,10 @@ def test_a_compile_only_run_lowers_every_candidate_to_query_tiles() -> None:
     benchmark = load_benchmark()
     assert benchmark.main(["--shapes", "tiny", "--chunk", "64", "--tile-configs", "t8n32w4s2", "--compile-only"]) == 0
     shape = benchmark.SHAPES["tiny"]
-    _, module, launch = benchmark._chunk_lowered(
-        64, shape.heads, shape.kv_heads, shape.head_dim, benchmark.mf.DTYPE_BF16, (8, 32, 4, 2)
-    )
+    _, module, launch = benchmark._lowered(
+        64, shape.heads, shape.kv_heads, shape.head_dim, plane_dtype=benchmark.mf.DTYPE_BF16, table_rows=1,
+        tile_config=(8, 32, 4, 2),
+    )  # fmt: skip
     assert module[:4] == b"\x7fELF"  # a cubin
     assert launch.symbol == "attention_tile_kernel"
     # KV heads first, then 64 / 8 tiles; four warps

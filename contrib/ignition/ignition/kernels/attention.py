@@ -66,8 +66,6 @@ Prefill chunks whose projection takes tensor descriptors, and one or two rows of
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import triton
 import triton.language as tl
@@ -85,7 +83,7 @@ from ignition.kernels.linear import (
     rotary_tiles,
     staged_input,
 )
-from ignition.kernels.lowering import KernelArg, LoweringContext, cdiv, lowering, next_power_of_two
+from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
 
 SPLIT_POSITIONS = 64
@@ -555,61 +553,16 @@ def attention_launches(
     if tiled is None:
         tiled = tokens >= max(TILE_MIN_TOKENS, 2 * table_shape[0])
     span = width * page_tokens
-    split_launch = _SplitLaunch(
-        out=out,
-        scale=scale,
-        tokens=tokens,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        reach=min(span, window) if window else span,  # the most positions one token attends
-        short=short,
-        split_positions=split_positions,
-        split_config=split_config,
-    )
-    if tiled:
-        block_t, block_n, warps, stages = tile_config or tile_kernel_config(group, head_dim)
-        arguments = {**pointers, "out_ptr": ctx.pointer(out), "scale": ctx.f32(scale)}
-        # A mixed program's decode lanes (one token of a row each) go to the split kernel: a tile of them
-        # would attend their rows one after another.
-        mixed = ctx.operation == ct.OPERATION_MIXED
-        tile_constants = constants | {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": block_n, "SKIP_ALONE": mixed}
-        grid = (kv_heads, cdiv(tokens, block_t))
-        tile = ctx.launch(attention_tile_kernel, arguments, tile_constants, grid, num_warps=warps, num_stages=stages)
-        if not mixed:
-            return [tile]
-        return [tile, split_launch.launch(ctx, pointers, constants, alone_only=True)]
-    return [split_launch.launch(ctx, pointers, constants, alone_only=False)]
+    reach = min(span, window) if window else span  # the most positions one token attends
 
-
-@dataclass(frozen=True)
-class _SplitLaunch:
-    """What the split kernel's launch of one node needs beside the pointers and constants it shares with the
-    tile kernel's."""
-
-    out: mf.BufferView
-    scale: float
-    tokens: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    reach: int
-    """The most positions one token attends (the page-table row's span, or the window)."""
-    short: int
-    split_positions: int | None
-    split_config: tuple[int, int, int] | None
-
-    def launch(
-        self, ctx: LoweringContext, pointers: dict[str, KernelArg], shared: dict[str, Any], *, alone_only: bool
-    ) -> mf.KernelLaunch:
-        """The launch; with ``alone_only`` only the tokens alone in their row among their neighbours attend
-        (a tile launch beside it takes the others)."""
-        tokens, heads, kv_heads, head_dim, reach = self.tokens, self.heads, self.kv_heads, self.head_dim, self.reach
-        split_positions, short, group = self.split_positions, self.short, heads // kv_heads
-        if split_positions is None:
+    def split_launch(alone_only: bool) -> mf.KernelLaunch:
+        """The split kernel's launch; with ``alone_only`` only the tokens alone in their row among their
+        neighbours attend (the tile launch before it takes the others)."""
+        positions_a_split = split_positions
+        if positions_a_split is None:
             wide = tokens * kv_heads >= 2 * MULTIPROCESSORS
-            split_positions = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
-        split = min(split_positions, next_power_of_two(reach))
+            positions_a_split = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
+        split = min(positions_a_split, next_power_of_two(reach))
         splits = cdiv(reach, split)
         max_ws = ctx.workspace("attention_max", mf.DTYPE_F32, tokens * heads * splits)
         sum_ws = ctx.workspace("attention_sum", mf.DTYPE_F32, tokens * heads * splits)
@@ -622,21 +575,33 @@ class _SplitLaunch:
             "sum_ws": ctx.pointer(sum_ws),
             "acc_ws": ctx.pointer(acc_ws),
             "count_ws": ctx.pointer(count_ws),
-            "out_ptr": ctx.pointer(self.out),
-            "scale": ctx.f32(self.scale),
+            "out_ptr": ctx.pointer(out),
+            "scale": ctx.f32(scale),
         }
-        constants = shared | {
+        warps, stages, block_n = split_config or split_kernel_config(split, head_dim)
+        split_constants = constants | {
             "SPLITS": splits,
             "SPLITS_P2": next_power_of_two(splits),
             "SPLIT": split,
             "SHORT": max(split, min(short, reach)),
             "HEADS_M": max(16, next_power_of_two(group)),
+            "BLOCK_N": block_n,
+            "ALONE_ONLY": alone_only,
         }
-        warps, stages, block_n = self.split_config or split_kernel_config(split, head_dim)
-        constants |= {"BLOCK_N": block_n, "ALONE_ONLY": alone_only}
-        return ctx.launch(
-            attention_split_kernel, arguments, constants, (tokens, kv_heads, splits), num_warps=warps, num_stages=stages
-        )
+        grid = (tokens, kv_heads, splits)
+        return ctx.launch(attention_split_kernel, arguments, split_constants, grid, num_warps=warps, num_stages=stages)
+
+    if not tiled:
+        return [split_launch(alone_only=False)]
+    block_t, block_n, warps, stages = tile_config or tile_kernel_config(group, head_dim)
+    arguments = {**pointers, "out_ptr": ctx.pointer(out), "scale": ctx.f32(scale)}
+    # A mixed program's decode lanes (one token of a row each) go to the split kernel: a tile of them would
+    # attend their rows one after another.
+    mixed = ctx.operation == ct.OPERATION_MIXED
+    tile_constants = constants | {"TOKENS": tokens, "BLOCK_T": block_t, "BLOCK_N": block_n, "SKIP_ALONE": mixed}
+    grid = (kv_heads, cdiv(tokens, block_t))
+    tile = ctx.launch(attention_tile_kernel, arguments, tile_constants, grid, num_warps=warps, num_stages=stages)
+    return [tile, split_launch(alone_only=True)] if mixed else [tile]
 
 
 def tile_kernel_config(group: int, head_dim: int) -> tuple[int, int, int, int]:
