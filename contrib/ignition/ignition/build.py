@@ -14,6 +14,7 @@ in resources of that rank and one weight catalog a rank.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from helios_core.container.writer import ResourceInput, write_core
 from helios_core.contract import EXPORTED_CONTRACT_VERSION, prepare_contract
+from helios_core.errors import ContractError
 from helios_core.wire import container_pb2 as cb
 from helios_core.wire import contract_pb2 as ct
 from ignition import __version__ as toolkit_version
@@ -376,7 +378,10 @@ def validate_and_write(
     """Validate an assembled core with the serving runtime's own contract rules, then sign and write it
     with the builder's weight catalogs; the rebuild manifest (a new one when None) records this
     toolkit's version."""
-    prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
+    try:
+        prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
+    except ContractError as error:
+        raise ContractError(shortened_contract_error(str(error))) from error
     rebuild = rebuild or cb.RebuildManifest()
     rebuild.toolkit_version = toolkit_version
     write_core(
@@ -393,6 +398,31 @@ def validate_and_write(
         weight_catalogs=builder.weight_catalogs(),
         progress=progress,
     )
+
+
+CONTRACT_PROBLEMS_SHOWN = 3
+"""The contract problems a build error lists; the rest are counted."""
+
+CONTRACT_ERROR_CHARS = 1000
+"""The longest contract error line a build prints (one problem can name many buffers)."""
+
+_PROBLEM_LISTING = re.compile(r"invalid contract \((\d+) problems\): (.*)", re.DOTALL)
+
+
+def shortened_contract_error(message: str) -> str:
+    """A contract error of Helios' ``prepare_contract`` cut to one line of at most
+    :data:`CONTRACT_ERROR_CHARS` characters: its first :data:`CONTRACT_PROBLEMS_SHOWN` problems and the
+    count of the others (a wrong capacity can give a problem for every buffer and program)."""
+    listing = _PROBLEM_LISTING.fullmatch(message)
+    if listing is not None:
+        count, problems = int(listing.group(1)), listing.group(2).split("; ")
+        if len(problems) > CONTRACT_PROBLEMS_SHOWN:
+            shown = "; ".join(problems[:CONTRACT_PROBLEMS_SHOWN])
+            message = f"invalid contract ({count} problems): {shown}; and {count - CONTRACT_PROBLEMS_SHOWN} more"
+    message = " ".join(message.split())
+    if len(message) > CONTRACT_ERROR_CHARS:
+        message = message[: CONTRACT_ERROR_CHARS - 3] + "..."
+    return message
 
 
 def _as_resource_message(resource: ResourceInput) -> cb.ExecutableResource:

@@ -1,7 +1,9 @@
 """The ``ignition`` command line: build cores from recipes.
 
-Owns argument parsing, key handling for signing and the progress display.
-Errors print one line and exit non-zero.
+Owns argument parsing, the checks of every option before any key is made or
+weight read (numbers, names, the namespace, the options a recipe does not take,
+the output path), key handling for signing and the progress display. Errors
+print one line and exit non-zero.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +35,12 @@ if TYPE_CHECKING:
     from helios_core.wire.contract_pb2 import ServingContract
 
 RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
+
+DEFAULT_SHAPE = "tiny"
+"""The ``--shape`` of the synthetic recipes when none is given."""
+
+CONTRACT_FIELD_MAX = 2**32 - 1
+"""The largest value of a capacity the serving contract stores (32-bit fields)."""
 
 
 class ProgressBar:
@@ -66,15 +76,35 @@ def _int_tuple(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ignition import __version__
+
     parser = argparse.ArgumentParser(prog="ignition", description="Build signed Helios cores from recipes.")
+    parser.add_argument("--version", action="version", version=f"ignition {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build a core from a recipe")
     build.add_argument("recipe", choices=RECIPES)
-    build.add_argument("--out", type=Path, required=True, help="core file to write")
-    build.add_argument("--shape", default="tiny", help="synthetic shape name (llama-synthetic)")
-    build.add_argument("--seed", type=int, default=0, help="weight seed (llama-synthetic)")
+    build.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="core file to write (a regular file or a new path; written through a symbolic link to its target)",
+    )
+    build.add_argument(
+        "--shape",
+        help=f"synthetic shape name (default {DEFAULT_SHAPE}; llama-synthetic, recurrent-synthetic, latent-synthetic, "
+        "vision-synthetic)",
+    )
+    build.add_argument(
+        "--seed",
+        type=int,
+        help="weight seed (default 0; llama-synthetic, recurrent-synthetic, latent-synthetic, vision-synthetic)",
+    )
     build.add_argument("--sign-key", type=Path, help="Ed25519 private key PEM; a new key is made if omitted")
-    build.add_argument("--namespace", default="local/unreviewed", help="publisher namespace to sign")
+    build.add_argument(
+        "--namespace",
+        default="local/unreviewed",
+        help="publisher namespace to sign (printable, not empty, no leading or trailing whitespace)",
+    )
     build.add_argument("--format", dest="layout", choices=("payload", "logical-v6", "logical-v4"), default="payload")
     build.add_argument("--core-key", type=Path, help="AES-256 core key file (logical-v4)")
     build.add_argument("--targets", default="reference", help="comma-separated targets (reference, sm_90a)")
@@ -91,12 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--page-tokens", type=int, default=16)
     build.add_argument("--cache-pages", type=int, default=256, help="working-set cache pages")
     build.add_argument("--context", type=int, default=512, help="context tokens per request")
-    build.add_argument("--extra-special", default="", help="comma-separated extra special tokens (llama-synthetic)")
+    build.add_argument(
+        "--extra-special",
+        help="comma-separated extra special tokens, each a new token (llama-synthetic)",
+    )
     build.add_argument(
         "--tool-syntax",
         choices=TOOL_SYNTAXES,
         default="none",
-        help="tool-call syntax (llama-synthetic: any; smollm2-135m-instruct: none or json-tags)",
+        help=(
+            "tool-call syntax (llama-synthetic: any; smollm2-135m-instruct and vision-synthetic: none or "
+            "json-tags; recurrent-synthetic and latent-synthetic: none)"
+        ),
     )
     build.add_argument(
         "--speculative",
@@ -193,6 +229,10 @@ def run_build(args: argparse.Namespace) -> int:
     from helios_core.container.keys import generate_keys, load_core_key, load_private_key
 
     progress = ProgressBar(enabled=not args.quiet and sys.stderr.isatty())
+    _check_numbers(args)
+    _check_recipe_options(args)
+    _check_namespace(args.namespace)
+    targets = _names("--targets", args.targets, "target")
     widths: tuple[int, ...] = ()
     if args.speculative is not None:
         if args.draft_tokens is None:
@@ -232,7 +272,6 @@ def run_build(args: argparse.Namespace) -> int:
             "--engram cannot be combined with --speculative: speculative programs read a device-owned pending "
             "token, and the host hashes every input id"
         )
-    targets = tuple(t for t in args.targets.split(",") if t)
     from ignition.build import check_speculative_targets, check_window
 
     check_speculative_targets(caps, targets)  # before reading any weights
@@ -253,6 +292,15 @@ def run_build(args: argparse.Namespace) -> int:
             f"--tool-syntax {args.tool_syntax} is not available for smollm2-135m-instruct "
             f"(choose {' or '.join(SMOLLM2_TOOL_SYNTAXES)})"
         )
+    extra: tuple[str, ...] = ()
+    if args.recipe == "llama-synthetic" and args.extra_special is not None:
+        from ignition.recipes.synthetic import check_extra_special
+
+        extra = _names("--extra-special", args.extra_special, "token")
+        try:
+            check_extra_special(extra, args.tool_syntax)
+        except ValueError as error:
+            raise HeliosError(str(error)) from error
     if args.recipe == "llama-synthetic" and args.draft_layers is not None:
         from ignition.recipes.synthetic import SHAPES
 
@@ -261,6 +309,7 @@ def run_build(args: argparse.Namespace) -> int:
             raise HeliosError(
                 f"--draft-layers must lie in [1, {shape.layers}] (the target's layers), got {args.draft_layers}"
             )
+    out = _output_path(args.out)
     if args.sign_key is None:
         key_dir = args.out.with_name(args.out.name + ".keys")
         if (key_dir / "signing.pem").exists():
@@ -277,13 +326,12 @@ def run_build(args: argparse.Namespace) -> int:
         raise HeliosError("--format logical-v4 needs --core-key (make one with `helios keys generate`)")
 
     if args.recipe in ("recurrent-synthetic", "latent-synthetic"):
-        return _build_recurrent(args, caps, targets, signing_key, core_key, progress)
+        return _build_recurrent(args, out, caps, targets, signing_key, core_key, progress)
     if args.recipe == "vision-synthetic":
-        return _build_vision(args, caps, targets, signing_key, core_key, progress)
+        return _build_vision(args, out, caps, targets, signing_key, core_key, progress)
     if args.recipe == "llama-synthetic":
         from ignition.recipes.synthetic import synthetic_declaration
 
-        extra = tuple(t for t in args.extra_special.split(",") if t)
         model = synthetic_declaration(args.shape, seed=args.seed, extra_special=extra, tool_syntax=args.tool_syntax)
     else:
         from ignition.recipes.smollm2 import smollm2_declaration
@@ -295,7 +343,7 @@ def run_build(args: argparse.Namespace) -> int:
     started = time.monotonic()
     serving = build_core(
         model,
-        args.out,
+        out,
         caps=caps,
         signing_key=signing_key,
         namespace=args.namespace,
@@ -308,6 +356,118 @@ def run_build(args: argparse.Namespace) -> int:
     )
     _report_written(args, serving, started)
     return 0
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, before anything else, a number no build can use, naming its option: a capacity below 1,
+    a negative seed, and any extent past what the serving contract's 32-bit fields hold (the options
+    with rules of their own, such as ``--window`` or ``--draft-tokens``, are checked where those rules
+    are)."""
+    for option, value in (
+        ("--max-rows", args.max_rows),
+        ("--page-tokens", args.page_tokens),
+        ("--cache-pages", args.cache_pages),
+        ("--context", args.context),
+    ):
+        if value < 1:
+            raise HeliosError(f"{option} must be a positive integer, got {value}")
+    if args.seed is not None and args.seed < 0:
+        raise HeliosError(f"--seed must be a non-negative integer, got {args.seed}")
+    bounded: list[tuple[str, int | None]] = [
+        ("--max-rows", args.max_rows),
+        ("--page-tokens", args.page_tokens),
+        ("--cache-pages", args.cache_pages),
+        ("--context", args.context),
+        ("--prefill-tokens", max(args.prefill_tokens)),
+        ("--decode-rows", max(args.decode_rows or (1,))),
+        ("--draft-tokens", args.draft_tokens),
+        ("--draft-layers", args.draft_layers),
+        ("--window", args.window),
+        ("--tokens-per-record", args.tokens_per_record),
+        ("--page-offset", args.page_offset),
+        ("--tensor-parallel", args.tensor_parallel),
+    ]
+    for option, bound in bounded:
+        if bound is not None and bound > CONTRACT_FIELD_MAX:
+            raise HeliosError(f"{option} must be at most {CONTRACT_FIELD_MAX}, got {bound}")
+
+
+def _check_recipe_options(args: argparse.Namespace) -> None:
+    """Refuse the synthetic recipes' options for ``smollm2-135m-instruct`` (its shape, weights and tokenizer
+    come from its GGUF), then give the synthetic recipes their default shape and seed."""
+    if args.recipe == "smollm2-135m-instruct":
+        _refuse_options(
+            args.recipe,
+            ("--shape", args.shape is not None),
+            ("--seed", args.seed is not None),
+            ("--extra-special", args.extra_special is not None),
+        )
+    if args.shape is None:
+        args.shape = DEFAULT_SHAPE
+    if args.seed is None:
+        args.seed = 0
+
+
+def _check_namespace(namespace: str) -> None:
+    """Refuse a publisher namespace an operator could not type back: operators accept a core by passing
+    its namespace, compared exactly (no whitespace trimming), so it must be non-empty printable text
+    without leading or trailing whitespace."""
+    if not namespace:
+        raise HeliosError("--namespace must not be empty")
+    if namespace != namespace.strip():
+        raise HeliosError(f"--namespace must not begin or end with whitespace, got {namespace!r}")
+    if not namespace.isprintable():
+        raise HeliosError(f"--namespace must be printable text, got {namespace!r}")
+
+
+def _names(option: str, text: str, what: str) -> tuple[str, ...]:
+    """The comma-separated names of ``option``, refusing an empty one and one given twice."""
+    names = tuple(text.split(","))
+    if "" in names:
+        raise HeliosError(f"{option} has an empty {what} name in {text!r}")
+    repeated = next((name for index, name in enumerate(names) if name in names[:index]), None)
+    if repeated is not None:
+        raise HeliosError(f"{option} names {repeated!r} twice")
+    return names
+
+
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _output_path(out: Path) -> Path:
+    """The file ``--out`` writes: ``out`` itself, or the file a symbolic link ``out`` leads to (the core is
+    written to a temporary file in that file's directory, then renamed over it).
+
+    Raises:
+        HeliosError: ``out`` (or what it leads to) exists and is not a regular file, its directory does
+            not exist or cannot be written, or its symbolic links loop.
+    """
+    try:
+        target = out.resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symbolic-link loop (Python 3.11)
+        raise HeliosError(f"--out {out} cannot be resolved: {error}") from error
+    named = f"{out} (a link to {target})" if out.is_symlink() else str(out)
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as error:
+        raise HeliosError(f"--out {named} cannot be examined: {error.strerror}") from error
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((kind for test, kind in _FILE_KINDS if test(mode)), "not a regular file")
+        raise HeliosError(f"--out {named} is {kind}; name a core file to write")
+    directory = target.parent
+    if not directory.is_dir():
+        raise HeliosError(f"--out {named}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise HeliosError(f"--out {named}: the directory {directory} is not writable")
+    return target
 
 
 TENSOR_PARALLEL_RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
@@ -362,7 +522,7 @@ def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...])
         ("--speculative", args.speculative is not None),
         ("--window", bool(args.window)),
         ("--tool-syntax", args.tool_syntax != "none"),
-        ("--extra-special", bool(args.extra_special)),
+        ("--extra-special", args.extra_special is not None),
         ("--dtype bf16", args.dtype == "bf16"),
         ("--cache-dtype bf16", args.cache_dtype == "bf16"),
         ("--tokens-per-record", args.recipe != "latent-synthetic" and args.tokens_per_record != 1),
@@ -380,6 +540,7 @@ def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...])
 
 def _build_recurrent(
     args: argparse.Namespace,
+    out: Path,
     caps: Capacities,
     targets: tuple[str, ...],
     signing_key: object,
@@ -407,7 +568,7 @@ def _build_recurrent(
                 build_recurrent_core, recurrent_declaration(args.shape, seed=args.seed), caps=caps
             )
         serving = build(
-            args.out,
+            out,
             signing_key=signing_key,
             namespace=args.namespace,
             layout=args.layout,
@@ -431,7 +592,7 @@ def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: t
         ("--speculative", args.speculative is not None),
         ("--window", bool(args.window)),
         (f"--tool-syntax {args.tool_syntax}", args.tool_syntax not in VISION_TOOL_SYNTAXES),
-        ("--extra-special", bool(args.extra_special)),
+        ("--extra-special", args.extra_special is not None),
     )
     tower = TOWERS.get(args.shape)
     if tower is None:
@@ -445,6 +606,7 @@ def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: t
 
 def _build_vision(
     args: argparse.Namespace,
+    out: Path,
     caps: Capacities,
     targets: tuple[str, ...],
     signing_key: object,
@@ -464,7 +626,7 @@ def _build_vision(
             vision_declaration(
                 args.shape, layout=args.image_layout or "tiles", seed=args.seed, tool_syntax=args.tool_syntax
             ),
-            args.out,
+            out,
             caps=caps,
             signing_key=signing_key,
             namespace=args.namespace,

@@ -130,6 +130,14 @@ class Capacities:
     def __post_init__(self) -> None:
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {', '.join(CACHE_DTYPES)}, got {self.cache_dtype!r}")
+        for name in ("max_rows", "page_tokens", "cache_pages", "context"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"Capacities.{name} must be at least 1, got {value}")
+        for name in ("prefill_tokens", "decode_rows"):
+            values = getattr(self, name)
+            if not values or min(values) < 1:
+                raise ValueError(f"Capacities.{name} must be positive extents, got {values}")
 
     @property
     def self_drafting(self) -> bool:

@@ -22,7 +22,7 @@ sequential stream and its first tensors (:func:`seeded_normal`,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -285,36 +285,99 @@ CHATML_JSON_TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nCall a tool by replying "
     '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>. Tools:\n'
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
-    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] }}}'
-    "</tool_call>{% endfor %}{% else %}{{ message['content'] or '' }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] + '\\n' }}{{ message['content'] or '' }}"
+    "{%- for call in message.get('tool_calls') or [] %}{% set arguments = call['function']['arguments'] %}"
+    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": '
+    "{{ arguments if arguments is string else arguments | tojson }}}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-"""ChatML with tools in a system message and JSON-tag tool calls in assistant messages."""
+"""ChatML with tools in a system message and JSON-tag tool calls in assistant messages: every message is
+``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``, an assistant message's calls following its text as
+``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>`` (ARGS as given when it is a string, else as
+JSON). The newline after the role is written by the expression, since the ``{%-`` of the tag after it
+strips the whitespace before that tag."""
+
+_ATTRIBUTE_MACRO = (
+    "{%- macro attribute(text) %}"
+    "{{ text | replace('&', '&amp;') | replace('\"', '&quot;') | replace('<', '&lt;') | replace('>', '&gt;') }}"
+    "{% endmacro %}"
+)
+"""Jinja macro ``attribute(text)``: ``text`` as a double-quoted attribute value, with ``& " < >`` written as
+the entities the element parsers unescape (names the call grammars write hold none of them)."""
+
+_ARGUMENTS_CHECK = (
+    "{%- set arguments = call['function']['arguments'] %}"
+    "{%- if arguments is not mapping %}"
+    "{{ raise_exception('the arguments of a tool call in this tool syntax must be a JSON object') }}"
+    "{% endif %}"
+)
+"""Jinja statements setting ``arguments`` to the call's arguments; anything but an object is refused, since
+the tool syntax writes one element per argument."""
+
+_VALUE = "{{ value if value is string else value | tojson }}"
+"""Jinja expression of an argument value: a string verbatim, any other value as compact JSON (``tojson``
+writes ``", "`` and ``": "``, as the call grammars do)."""
 
 RECIPIENT_HEADER_TEMPLATE = (
-    "{%- if tools %}<|start|>system<|message|>Call a tool in a frame to=functions.NAME. Tools:\n"
+    _ATTRIBUTE_MACRO + "{%- if tools %}<|start|>system<|message|>Call a tool in a frame to=functions.NAME. Tools:\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>{% endif %}"
     "{%- for message in messages %}"
-    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
-    "<|start|>assistant to=functions.{{ call['function']['name'] }}<|message|><atem:function_calls>\n"
-    '<atem:invoke name="{{ call["function"]["name"] }}">\n{{ call["function"]["arguments"] }}\n'
-    "</atem:invoke>\n</atem:function_calls><|eom|>{% endfor %}"
+    "{%- if message.get('tool_calls') %}"
+    "{%- if message['content'] %}<|start|>assistant<|message|>{{ message['content'] }}<|end|>{% endif %}"
+    "{%- for call in message['tool_calls'] %}" + _ARGUMENTS_CHECK + "<|start|>assistant to=functions."
+    "{{ call['function']['name'] }}<|message|><atem:function_calls>{{ '\\n' }}"
+    "<atem:invoke name=\"{{ attribute(call['function']['name']) }}\">{{ '\\n' }}"
+    "{%- for key, value in arguments.items() %}"
+    '<atem:parameter name="{{ attribute(key) }}">' + _VALUE + "</atem:parameter>{{ '\\n' }}"
+    "{%- else %}{{ '\\n' }}{% endfor %}"
+    "</atem:invoke>{{ '\\n' }}</atem:function_calls><|eom|>{% endfor %}"
     "{%- elif message['role'] == 'tool' %}<|start|>functions to=assistant<|message|>{{ message['content'] }}<|end|>"
     "{%- else %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] or '' }}<|end|>{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
-"""Recipient-header frames; the generation prompt leaves the assistant header open."""
+"""Recipient-header frames ``<|start|>ROLE<|message|>CONTENT<|end|>``; the generation prompt leaves the
+assistant header open. An assistant message with tool calls is its text in a frame of its own (when it has
+any), then one frame per call, as the model writes a call::
+
+    <|start|>assistant to=functions.NAME<|message|><atem:function_calls>
+    <atem:invoke name="NAME">
+    <atem:parameter name="KEY">VALUE</atem:parameter>
+    </atem:invoke>
+    </atem:function_calls><|eom|>
+
+with one parameter line per argument (an empty line for none), a string value verbatim and any other value
+as compact JSON. Tool results are ``<|start|>functions to=assistant<|message|>RESULT<|end|>``."""
 
 XTML_TEMPLATE = (
+    _ATTRIBUTE_MACRO + "{%- macro kind(value) %}"
+    "{% if value is string %}string{% elif value is boolean %}boolean{% elif value is none %}null"
+    "{% elif value is number %}number{% elif value is mapping %}object{% else %}array{% endif %}"
+    "{% endmacro %}"
     '{%- if tools %}<|open|>message role="system"<|sep|>Tools:\n'
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|close|>message<|sep|>{% endif %}"
     "{%- for message in messages %}<|open|>message role=\"{{ message['role'] }}\"<|sep|>"
-    "{{ message['content'] or '' }}<|close|>message<|sep|>{% endfor %}"
+    "{{ message['content'] or '' }}"
+    "{%- if message.get('tool_calls') %}<|open|>tools<|sep|>"
+    "{%- for call in message['tool_calls'] %}" + _ARGUMENTS_CHECK + '<|open|>call tool="'
+    "{{ attribute(call['function']['name']) }}\"<|sep|>"
+    "{%- for key, value in arguments.items() %}"
+    '<|open|>argument key="{{ attribute(key) }}" type="{{ kind(value) }}"<|sep|>'
+    + _VALUE
+    + "<|close|>argument<|sep|>{% endfor %}<|close|>call<|sep|>{% endfor %}<|close|>tools<|sep|>{% endif %}"
+    "<|close|>message<|sep|>{% endfor %}"
     '{%- if add_generation_prompt %}<|open|>message role="assistant"<|sep|><|open|>think<|sep|>{% endif %}'
 )
-"""XTML messages; the generation prompt opens the assistant's XTML think element."""
+"""XTML messages ``<|open|>message role="ROLE"<|sep|>CONTENT<|close|>message<|sep|>``; the generation prompt
+opens the assistant's XTML think element. An assistant message's tool calls follow its text in one tools
+block, as the model writes calls::
+
+    <|open|>tools<|sep|><|open|>call tool="NAME"<|sep|>
+    <|open|>argument key="KEY" type="TYPE"<|sep|>VALUE<|close|>argument<|sep|>
+    <|close|>call<|sep|><|close|>tools<|sep|>
+
+(on one line), with one argument element per argument: a string ``type="string"`` and verbatim; any other
+value compact JSON, typed ``number``, ``boolean``, ``null``, ``object`` or ``array`` by its value."""
 
 TOOL_SYNTAXES = ("none", "json-tags", "recipient-header", "xtml")
 _SYNTAX_SPECIALS = {
@@ -323,6 +386,32 @@ _SYNTAX_SPECIALS = {
     "recipient-header": ("<|start|>", "<|message|>", "<|end|>", "<|eom|>"),
     "xtml": ("<|open|>", "<|close|>", "<|sep|>"),
 }
+
+
+def check_extra_special(extra_special: Sequence[str], tool_syntax: str = "none") -> None:
+    """Refuse ``--extra-special`` tokens that would not be new tokens of the synthetic tokenizer.
+
+    Raises:
+        ValueError: an empty token, one named twice, one of :data:`SPECIAL_TOKENS`, one the tool syntax
+            adds, or one of the 256 byte tokens (which would make that byte a special token, skipped
+            when decoding).
+    """
+    from tokenizers import pre_tokenizers
+
+    byte_tokens = set(pre_tokenizers.ByteLevel.alphabet())
+    seen: set[str] = set()
+    for token in extra_special:
+        if not token:
+            raise ValueError("--extra-special has an empty token name")
+        if token in seen:
+            raise ValueError(f"--extra-special names {token!r} twice")
+        if token in SPECIAL_TOKENS:
+            raise ValueError(f"--extra-special token {token!r} is already a special token of the synthetic tokenizer")
+        if token in _SYNTAX_SPECIALS.get(tool_syntax, ()):
+            raise ValueError(f"--extra-special token {token!r} is already added by --tool-syntax {tool_syntax}")
+        if token in byte_tokens:
+            raise ValueError(f"--extra-special token {token!r} is already a byte token of the synthetic tokenizer")
+        seen.add(token)
 
 
 def json_tags_frontend() -> ct.FrontendContract:
@@ -359,11 +448,17 @@ _SYNTAX_FRONTENDS = {
 def synthetic_declaration(
     shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = (), tool_syntax: str = "none"
 ) -> TextModelDeclaration:
-    """The declaration of a synthetic core of a named shape (optionally with a tool-call syntax)."""
+    """The declaration of a synthetic core of a named shape (optionally with a tool-call syntax).
+
+    Raises:
+        ValueError: an unknown tool syntax or shape, extra special tokens :func:`check_extra_special`
+            refuses, or more tokens than the shape has logits.
+    """
     from ignition.build import TextModelDeclaration
 
     if tool_syntax not in TOOL_SYNTAXES:
         raise ValueError(f"unknown tool syntax {tool_syntax!r}; known: {', '.join(TOOL_SYNTAXES)}")
+    check_extra_special(extra_special, tool_syntax)
     extra_special = (*extra_special, *_SYNTAX_SPECIALS[tool_syntax])
 
     if shape_name not in SHAPES:

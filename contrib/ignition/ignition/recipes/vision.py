@@ -109,15 +109,16 @@ VISION_JSON_TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nCall a tool by replying "
     '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>. Tools:\n'
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{%- if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
-    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": {{ call["function"]["arguments"] }}}'
-    "</tool_call>{% endfor %}"
-    "{%- elif message['content'] is string or not message['content'] %}{{ message['content'] or '' }}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] + '\\n' }}"
+    "{%- if message['content'] is string or not message['content'] %}{{ message['content'] or '' }}"
     "{%- else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|image|>' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% endfor %}{% endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}{% set arguments = call['function']['arguments'] %}"
+    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": '
+    "{{ arguments if arguments is string else arguments | tojson }}}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """The JSON-tag tools template of ``llama-synthetic`` whose content may be a list of text and image parts."""

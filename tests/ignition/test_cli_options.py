@@ -1,0 +1,296 @@
+"""``ignition build``'s checks of its options: the output path, numbers, names, the namespace and the
+options a recipe does not take, each refused with one line naming the option before anything is made."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from ignition.build import CONTRACT_ERROR_CHARS, assemble, shortened_contract_error, validate_and_write
+from ignition.cli import build_parser
+from ignition.cli import main as ignition_main
+from ignition.recipes.llama import Capacities
+from ignition.recipes.synthetic import synthetic_declaration
+
+from helios_core.container.keys import generate_keys, load_private_key
+from helios_core.errors import ContractError
+
+RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
+SYNTHETIC_RECIPES = ("llama-synthetic", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
+
+
+@pytest.fixture(scope="module")
+def signing_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A signing key outside every test's own folder, so a test can require its folder to stay empty."""
+    return generate_keys(tmp_path_factory.mktemp("keys") / "keys")["signing"]
+
+
+def _build(out: Path | str, *extra: str, recipe: str = "llama-synthetic", key: Path | None = None) -> int:
+    argv = ["build", recipe, "--out", str(out), "--quiet", *extra]
+    if key is not None:
+        argv += ["--sign-key", str(key)]
+    return ignition_main(argv)
+
+
+def _refused(capsys: pytest.CaptureFixture[str], code: int, message: str) -> None:
+    assert code == 1
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"ignition: error: {message}\n")
+
+
+# --out
+
+
+def test_a_fifo_out_is_refused_and_left_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path
+) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    _refused(capsys, _build(fifo, key=signing_key), f"--out {fifo} is a FIFO; name a core file to write")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["fifo"]
+
+
+def test_a_directory_out_is_refused_naming_the_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path
+) -> None:
+    folder = tmp_path / "cores"
+    folder.mkdir()
+    _refused(capsys, _build(folder, key=signing_key), f"--out {folder} is a directory; name a core file to write")
+    assert list(folder.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["cores"]
+
+
+def test_a_link_to_a_fifo_is_refused_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path
+) -> None:
+    fifo, link = tmp_path / "fifo", tmp_path / "link.core"
+    os.mkfifo(fifo)
+    link.symlink_to(fifo)
+    _refused(
+        capsys, _build(link, key=signing_key), f"--out {link} (a link to {fifo}) is a FIFO; name a core file to write"
+    )
+    assert link.is_symlink() and stat.S_ISFIFO(fifo.lstat().st_mode)
+
+
+def test_an_out_in_a_missing_directory_is_refused_before_any_key_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "missing" / "x.core"
+    _refused(capsys, _build(out), f"--out {out}: the directory {tmp_path / 'missing'} does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_link_loop_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.symlink_to(second)
+    second.symlink_to(first)
+    assert _build(first, key=signing_key) == 1
+    assert re.fullmatch(rf"ignition: error: --out {first} cannot be resolved: .*\n", capsys.readouterr().err)
+
+
+def test_a_core_is_written_through_a_link_to_its_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path
+) -> None:
+    direct, target, link = tmp_path / "direct.core", tmp_path / "store" / "target.core", tmp_path / "link.core"
+    target.parent.mkdir()
+    target.write_bytes(b"an older core")
+    link.symlink_to(target)
+    assert _build(direct, key=signing_key) == 0
+    assert _build(link, key=signing_key) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith(f"wrote {link} (")
+    assert link.is_symlink() and link.readlink() == target
+    assert target.read_bytes() == direct.read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["target.core"]  # the temporary file is gone
+
+
+def test_a_dangling_link_makes_its_target(tmp_path: Path, signing_key: Path) -> None:
+    target, link = tmp_path / "new.core", tmp_path / "link.core"
+    link.symlink_to(target.name)
+    assert _build(link, key=signing_key) == 0
+    assert link.is_symlink() and target.is_file() and not target.is_symlink()
+
+
+# numbers
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_page_tokens_zero_is_refused_for_every_recipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recipe: str
+) -> None:
+    code = _build(tmp_path / "x.core", "--page-tokens", "0", recipe=recipe)
+    _refused(capsys, code, "--page-tokens must be a positive integer, got 0")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "message"),
+    [
+        ("llama-synthetic", ["--context", "-5"], "--context must be a positive integer, got -5"),
+        ("llama-synthetic", ["--context", "0"], "--context must be a positive integer, got 0"),
+        ("llama-synthetic", ["--cache-pages", "-1"], "--cache-pages must be a positive integer, got -1"),
+        ("llama-synthetic", ["--cache-pages", "0"], "--cache-pages must be a positive integer, got 0"),
+        ("smollm2-135m-instruct", ["--cache-pages", "0"], "--cache-pages must be a positive integer, got 0"),
+        ("recurrent-synthetic", ["--cache-pages", "0"], "--cache-pages must be a positive integer, got 0"),
+        ("llama-synthetic", ["--page-tokens", "-4"], "--page-tokens must be a positive integer, got -4"),
+        ("llama-synthetic", ["--max-rows", "0"], "--max-rows must be a positive integer, got 0"),
+        ("latent-synthetic", ["--max-rows", "-3"], "--max-rows must be a positive integer, got -3"),
+        ("llama-synthetic", ["--seed", "-1"], "--seed must be a non-negative integer, got -1"),
+        ("vision-synthetic", ["--seed", "-1"], "--seed must be a non-negative integer, got -1"),
+        (
+            "llama-synthetic",
+            ["--cache-pages", "100000000000"],
+            "--cache-pages must be at most 4294967295, got 100000000000",
+        ),
+        ("llama-synthetic", ["--window", "4294967296"], "--window must be at most 4294967295, got 4294967296"),
+        (
+            "llama-synthetic",
+            ["--prefill-tokens", "16,4294967296"],
+            "--prefill-tokens must be at most 4294967295, got 4294967296",
+        ),
+    ],
+)
+def test_a_bad_number_is_refused_naming_its_option_before_any_key_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recipe: str, extra: list[str], message: str
+) -> None:
+    _refused(capsys, _build(tmp_path / "x.core", *extra, recipe=recipe), message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_capacities_refuse_an_empty_page() -> None:
+    with pytest.raises(ValueError, match=r"^Capacities\.page_tokens must be at least 1, got 0$"):
+        Capacities(page_tokens=0)
+    with pytest.raises(ValueError, match=r"^Capacities\.decode_rows must be positive extents, got \(\)$"):
+        Capacities(decode_rows=())
+
+
+# contract errors
+
+
+def test_a_long_contract_error_names_three_problems_and_counts_the_rest() -> None:
+    problems = "; ".join(f"problem {index}" for index in range(1, 44))
+    assert shortened_contract_error(f"invalid contract (43 problems): {problems}") == (
+        "invalid contract (43 problems): problem 1; problem 2; problem 3; and 40 more"
+    )
+    assert shortened_contract_error("invalid contract (2 problems): a; b") == "invalid contract (2 problems): a; b"
+    assert shortened_contract_error("invalid contract: one") == "invalid contract: one"
+    long = shortened_contract_error("invalid contract: " + "x" * 5000)
+    assert len(long) == CONTRACT_ERROR_CHARS and long.endswith("...")
+
+
+def test_validation_raises_the_shortened_error(tmp_path: Path, signing_key: Path) -> None:
+    caps = Capacities(max_rows=2, prefill_tokens=(16,), decode_rows=(1, 2), page_tokens=4, cache_pages=32, context=64)
+    serving, builder, resources = assemble(synthetic_declaration("tiny"), caps)
+    builder.manifest.ClearField("transport")  # every binding then names a missing entry
+    out = tmp_path / "broken.core"
+    with pytest.raises(ContractError) as raised:
+        validate_and_write(
+            out, serving, builder, resources, signing_key=load_private_key(signing_key), namespace="tests/broken",
+            layout="payload", core_key=None, description="",
+        )  # fmt: skip
+    message = str(raised.value)
+    listing = re.fullmatch(r"invalid contract \((\d+) problems\): [^\n]*; and (\d+) more", message)
+    assert listing is not None and int(listing.group(2)) == int(listing.group(1)) - 3 > 100
+    assert len(message) <= CONTRACT_ERROR_CHARS
+    assert len(str(raised.value.__cause__)) > 10_000  # what Helios' own check listed
+    assert list(tmp_path.iterdir()) == []
+
+
+# names, the namespace and options a recipe does not take
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "message"),
+    [
+        ("smollm2-135m-instruct", ["--shape", "tiny"], "smollm2-135m-instruct does not take --shape"),
+        (
+            "smollm2-135m-instruct",
+            ["--seed", "0", "--extra-special", "<x>"],
+            "smollm2-135m-instruct does not take --seed, --extra-special",
+        ),
+        ("smollm2-135m-instruct", ["--extra-special", ""], "smollm2-135m-instruct does not take --extra-special"),
+        ("recurrent-synthetic", ["--extra-special", ""], "recurrent-synthetic does not take --extra-special"),
+        ("vision-synthetic", ["--extra-special", ""], "vision-synthetic does not take --extra-special"),
+        (
+            "llama-synthetic",
+            ["--extra-special", "<|im_end|>"],
+            "--extra-special token '<|im_end|>' is already a special token of the synthetic tokenizer",
+        ),
+        ("llama-synthetic", ["--extra-special", ","], "--extra-special has an empty token name in ','"),
+        ("llama-synthetic", ["--extra-special", ""], "--extra-special has an empty token name in ''"),
+        ("llama-synthetic", ["--extra-special", "<a>,,<b>"], "--extra-special has an empty token name in '<a>,,<b>'"),
+        ("llama-synthetic", ["--extra-special", "<a>,<a>"], "--extra-special names '<a>' twice"),
+        (
+            "llama-synthetic",
+            ["--extra-special", "a"],
+            "--extra-special token 'a' is already a byte token of the synthetic tokenizer",
+        ),
+        (
+            "llama-synthetic",
+            ["--extra-special", "<tool_call>", "--tool-syntax", "json-tags"],
+            "--extra-special token '<tool_call>' is already added by --tool-syntax json-tags",
+        ),
+        ("llama-synthetic", ["--targets", ""], "--targets has an empty target name in ''"),
+        ("llama-synthetic", ["--targets", "reference,"], "--targets has an empty target name in 'reference,'"),
+        ("recurrent-synthetic", ["--targets", ",reference"], "--targets has an empty target name in ',reference'"),
+        ("llama-synthetic", ["--targets", "reference,reference"], "--targets names 'reference' twice"),
+        ("llama-synthetic", ["--namespace", ""], "--namespace must not be empty"),
+        (
+            "llama-synthetic",
+            ["--namespace", " weird ns "],
+            "--namespace must not begin or end with whitespace, got ' weird ns '",
+        ),
+        (
+            "vision-synthetic",
+            ["--namespace", "acme/tiny\n"],
+            "--namespace must not begin or end with whitespace, got 'acme/tiny\\n'",
+        ),
+        ("llama-synthetic", ["--namespace", "acme\tx"], "--namespace must be printable text, got 'acme\\tx'"),
+        ("vision-synthetic", ["--tool-syntax", "xtml"], "vision-synthetic does not take --tool-syntax xtml"),
+        (
+            "vision-synthetic",
+            ["--tool-syntax", "recipient-header"],
+            "vision-synthetic does not take --tool-syntax recipient-header",
+        ),
+    ],
+)
+def test_a_name_or_option_the_recipe_cannot_use_is_refused_before_any_key_is_made(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recipe: str, extra: list[str], message: str
+) -> None:
+    _refused(capsys, _build(tmp_path / "x.core", *extra, recipe=recipe), message)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [
+        ("llama-synthetic", ["--extra-special", "<a>,<b>", "--namespace", "acme tiny"]),
+        ("vision-synthetic", ["--tool-syntax", "json-tags", "--seed", "3"]),
+        ("recurrent-synthetic", ["--shape", "small", "--seed", "2"]),
+    ],
+)
+def test_the_options_a_recipe_takes_still_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path, recipe: str, extra: Sequence[str]
+) -> None:
+    out = tmp_path / "x.core"
+    assert _build(out, *extra, recipe=recipe, key=signing_key) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out} (")
+
+
+def test_extra_special_tokens_are_new_tokens_in_order() -> None:
+    model = synthetic_declaration("tiny", extra_special=("<a>", "<b>"), tool_syntax="json-tags")
+    assert model.sampled_size == 263  # 256 bytes, 3 special tokens, <a>, <b>, <tool_call>, </tool_call>
+    with pytest.raises(ValueError, match=r"^--extra-special names '<a>' twice$"):
+        synthetic_declaration("tiny", extra_special=("<a>", "<a>"))
+
+
+@pytest.mark.parametrize("option", ["--shape", "--seed"])
+def test_the_help_names_the_recipes_that_take_shape_and_seed(option: str) -> None:
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    (action,) = [a for a in commands.choices["build"]._actions if option in a.option_strings]
+    help_text = action.help or ""
+    assert [recipe for recipe in RECIPES if recipe in help_text] == list(SYNTHETIC_RECIPES)
