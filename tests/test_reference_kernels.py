@@ -645,8 +645,46 @@ def test_sample_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="NaN"):
         rk.sample(np.full((2, 8), np.nan, np.float32), **_params(2, 8))
     mask = np.zeros((2, 1), np.int32)
-    with pytest.raises(ValueError, match="no sampleable"):
+    with pytest.raises(ValueError, match="row 1 has no sampleable id after masking"):
         rk.sample(logits, allowed_mask=mask, constrained=np.array([0, 1], np.uint8), **_params(2, 8))
+
+
+def test_a_row_its_mask_leaves_nothing_samples_no_id_and_the_others_sample_as_alone() -> None:
+    rng = _rng(29)
+    logits = _randn(rng, 3, 40)
+    mask = np.zeros((3, 2), np.int32)
+    mask[0, 0] = 0b1010  # row 0 may take ids 1 and 3; row 1 nothing; row 2 is unconstrained
+    constrained = np.array([1, 1, 0], np.uint8)
+    for temperature in (0.0, 0.8):
+        params = _params(3, 40, temperature=temperature)
+        res = rk.sample(logits, top_n=3, allowed_mask=mask, constrained=constrained, allow_empty_rows=True, **params)
+        assert res.ids[1] == -1 and res.logprobs[1] == 0.0
+        assert res.top_ids[1].tolist() == [-1, -1, -1] and res.top_logprobs[1].tolist() == [0.0, 0.0, 0.0]
+        for row in (0, 2):
+            alone = _params(1, 40, temperature=temperature)
+            alone.update(seed=params["seed"][row : row + 1], step=params["step"][row : row + 1])
+            single = rk.sample(
+                logits[row : row + 1], top_n=3, allowed_mask=mask[row : row + 1],
+                constrained=constrained[row : row + 1], **alone,
+            )  # fmt: skip
+            assert res.ids[row] == single.ids[0] and res.logprobs[row] == single.logprobs[0]
+            assert res.top_ids[row].tolist() == single.top_ids[0].tolist()
+        assert res.ids[0] in (1, 3)
+
+
+def test_an_extreme_repetition_penalty_saturates_instead_of_overflowing() -> None:
+    logits = np.array([[5.0, -5.0, 1.0, -np.inf]], np.float32)
+    present = np.array([[1, 1, 0, 1]], np.uint8)
+    counts = np.zeros((1, 4), np.int32)
+    largest = float(np.finfo(np.float32).max)
+    low, high = np.float32(1.1754944e-38), np.float32(3.4e38)
+    tiny = rk.apply_penalties(logits, np.array([low]), np.array([0.0]), np.array([0.0]), present, counts)
+    assert tiny.tolist() == [[largest, float(np.float32(-5.0) * low), 1.0, -np.inf]]  # 5 / low overflows
+    huge = rk.apply_penalties(logits, np.array([high]), np.array([0.0]), np.array([0.0]), present, counts)
+    assert huge.tolist() == [[float(np.float32(5.0) / high), -largest, 1.0, -np.inf]]  # -5 * high overflows
+    params = _params(1, 4, temperature=0.7, repetition_penalty=1.1754944e-38)
+    params.update(prompt_presence=present, output_counts=counts)
+    assert rk.sample(logits, **params).ids.tolist() == [0]  # the saturated logit dominates; no failure
 
 
 def test_update_output_counts() -> None:

@@ -741,7 +741,7 @@ class CudaBackend:
             planes.append((shared.address, nbytes, offset))
             offset = _align(offset + nbytes, STAGING_ALIGNMENT)
         if not snapshot_rows:
-            raise ValueError("the core has no snapshot rows to copy")
+            raise ValueError("the core has no snapshot rows to copy (its prefix reuse keeps no checkpoints)")
         context = self._ctx
         context.bind()
         self._host_snapshots = context.host_alloc(count * offset)

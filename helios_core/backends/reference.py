@@ -413,6 +413,7 @@ def _sample(n: _Node) -> Step:
             allowed_mask=None if mask is None else mask[which],
             constrained=None if constrained is None else constrained.reshape(-1)[which],
             top_n=top_n,
+            allow_empty_rows=True,  # a row the grammar leaves nothing fails its request, not the round
         )
         ids[which] = result.ids
         if logprob_flat is not None:
@@ -421,7 +422,8 @@ def _sample(n: _Node) -> Step:
             top_ids[which, :top_n] = result.top_ids
         if top_logprobs is not None:
             top_logprobs[which, :top_n] = result.top_logprobs
-        np.add.at(counts, (state, result.ids.astype(np.int64)), 1)
+        sampled = result.ids >= 0  # a row the mask left nothing samples no id and counts none
+        np.add.at(counts, (state[sampled], result.ids[sampled].astype(np.int64)), 1)
 
     return step
 
@@ -1244,7 +1246,7 @@ class ReferenceBackend:
         if count <= 0 or rows <= 0 or self._host_snapshot_count:
             raise ValueError(f"host checkpoint slots are reserved once, a positive count and rows; got {count}, {rows}")
         if not self._snapshot_rows:
-            raise ValueError("the core has no snapshot rows to copy")
+            raise ValueError("the core has no snapshot rows to copy (its prefix reuse keeps no checkpoints)")
         self._host_snapshots = {
             name: np.zeros((count, rows, *self._shared[name].shape[1:]), dtype=self._shared[name].dtype)
             for name in self._snapshot_planes

@@ -103,6 +103,10 @@ RopeStyle = Literal["interleaved", "half"]
 # ----------------------------------------------------------------------------------------------
 
 
+_FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
+"""Where a penalised logit saturates."""
+
+
 def _fail(message: str) -> NoReturn:
     raise ValueError(message)
 
@@ -1103,7 +1107,8 @@ def apply_penalties(
     Args:
         logits: ``[R, V]`` float.
         repetition_penalty: ``[R]`` float > 0 (1 = off). Hugging Face semantics on every id present
-            in the prompt or the output: a positive logit is divided by it, others multiplied.
+            in the prompt or the output: a positive logit is divided by it, others multiplied; a
+            finite result beyond float32's range saturates at its largest finite value (signed).
         frequency_penalty, presence_penalty: ``[R]`` float (0 = off). OpenAI semantics on output
             counts only: ``logit -= frequency * count``, then ``logit -= presence * (count > 0)``.
         prompt_presence: ``[R, V]`` uint8/bool, nonzero where the id occurs in the prompt.
@@ -1134,7 +1139,9 @@ def apply_penalties(
     counts_sub = counts_arr[touched]
     in_output = counts_sub > 0
     rep_col = rep[touched, None]
-    penalised = np.where(sub > 0, sub / rep_col, sub * rep_col)
+    with np.errstate(over="ignore"):  # an extreme penalty saturates at the largest finite float32
+        scaled = np.where(sub > 0, sub / rep_col, sub * rep_col)
+    penalised = np.where(np.isfinite(sub), np.clip(scaled, -_FLOAT32_MAX, _FLOAT32_MAX), sub)
     sub = np.where(((presence_arr[touched] != 0) | in_output) & (rep_col != np.float32(1.0)), penalised, sub)
     sub = sub - freq[touched, None] * counts_sub.astype(np.float32)
     sub = sub - pres[touched, None] * in_output.astype(np.float32)
@@ -1363,9 +1370,11 @@ def _processed_logits(
     vocab_limit: int,
     allowed_mask: AnyArray | None,
     constrained: AnyArray | None,
+    allow_empty_rows: bool = False,
 ) -> F32:
     """Steps 0-2 of :func:`sample`: the vocabulary limit, the penalties (repetition, frequency,
-    presence) and the grammar mask; raises when a row is left without a finite logit."""
+    presence) and the grammar mask; raises when a row is left without a finite logit, unless
+    ``allow_empty_rows`` (then such a row is all ``-inf``)."""
     limited = l32.copy()
     limited[:, vocab_limit:] = -np.inf
     processed = apply_penalties(limited, *penalties, prompt_presence, output_counts)
@@ -1374,7 +1383,7 @@ def _processed_logits(
     if allowed_mask is not None and constrained is not None:
         processed = apply_grammar_mask(processed, allowed_mask, constrained)
     finite = np.isfinite(processed.max(axis=1))
-    if not finite.all():
+    if not finite.all() and not allow_empty_rows:
         _fail(f"sample: row {int(np.flatnonzero(~finite)[0])} has no sampleable id after masking")
     return processed
 
@@ -1409,6 +1418,7 @@ def sample(
     allowed_mask: AnyArray | None = None,
     constrained: AnyArray | None = None,
     top_n: int = 0,
+    allow_empty_rows: bool = False,
 ) -> SampleResult:
     """Per-request seeded sampling: one token id per row of logits.
 
@@ -1436,7 +1446,9 @@ def sample(
     0. ids ``>= vocab_limit`` get ``-inf``;
     1. penalties (repetition, then frequency, then presence; float32);
     2. grammar mask (``-inf`` where disallowed on constrained rows). A row left without a finite
-       logit raises ``ValueError``.
+       logit raises ``ValueError``; with ``allow_empty_rows`` it samples nothing instead: its id is
+       -1, its logprob 0, its top ids -1 and top logprobs 0, and the other rows sample as they
+       would without it (the GPU kernel's behaviour; the request of that row alone fails).
     3. Reported log-probabilities: ``log_softmax`` of these penalised, masked logits *before*
        temperature and truncation (what OpenAI-compatible servers report as the model's
        distribution), float64 then rounded to float32. ``logprobs`` is the entry of the sampled
@@ -1473,13 +1485,18 @@ def sample(
         vocab_limit=vocab_limit,
         allowed_mask=allowed_mask,
         constrained=constrained,
+        allow_empty_rows=allow_empty_rows,
     )
-    raw_logprobs = log_softmax(processed)  # [R, V]
+    empty = ~np.isfinite(processed.max(axis=1))  # rows the mask left nothing: id -1, logprob 0
+    raw_logprobs = log_softmax(np.where(empty[:, None], np.float32(0.0), processed))  # [R, V]
 
-    ids = np.empty(rows, dtype=np.int32)
-    top_ids = np.empty((rows, top_n), dtype=np.int32)
-    top_logprobs = np.empty((rows, top_n), dtype=np.float32)
+    ids = np.full(rows, -1, dtype=np.int32)
+    top_ids = np.full((rows, top_n), -1, dtype=np.int32)
+    top_logprobs = np.zeros((rows, top_n), dtype=np.float32)
+    logprobs = np.zeros(rows, dtype=np.float32)
     for r in range(rows):
+        if empty[r]:
+            continue
         row = processed[r]
         if temps[r] == 0.0:
             ids[r] = int(np.argmax(row))
@@ -1489,7 +1506,7 @@ def sample(
             best = _top_n(raw_logprobs[r], top_n)
             top_ids[r] = best
             top_logprobs[r] = raw_logprobs[r, best]
-    logprobs = raw_logprobs[np.arange(rows), ids].astype(np.float32)
+        logprobs[r] = raw_logprobs[r, ids[r]]
     return SampleResult(ids=ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
@@ -1618,8 +1635,12 @@ _VERIFY_SETTINGS: frozenset[str] = frozenset(
     name
     for name, parameter in inspect.signature(sample).parameters.items()
     if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    and name not in ("prompt_presence", "output_counts", "step", "vocab_limit", "allowed_mask", "constrained", "top_n")
-)
+    and name
+    not in (
+        "prompt_presence", "output_counts", "step", "vocab_limit", "allowed_mask", "constrained", "top_n",
+        "allow_empty_rows",
+    )
+)  # fmt: skip
 """The per-lane settings :func:`sample_verify` passes through to :func:`sample` (and the seed)."""
 
 

@@ -75,6 +75,26 @@ _START = re.compile(r"(?m)^start(?=[ \t]*:)")
 _RESERVED = re.compile(r"(?im)^(helios_\w*|answer)[ \t]*:")
 
 
+def _unspellable_specials(tokenizer_json: str) -> str:
+    """The tokenizer JSON llguidance reads, with each special added token's content replaced by a spelling no
+    text contains (a private-use character around its id). llguidance tokenizes the text a grammar forces
+    with this tokenizer: with the real spellings, text that spells a special token (a schema's
+    ``"<|im_end|>"`` enum value, a tool named so) would tokenize as that control token, which the grammar
+    then refuses; so the text stays text, written with ordinary tokens. Grammars name special tokens by
+    id (``<[2]>``), never by spelling, so nothing else changes."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    for entry in data.get("added_tokens") or ():
+        if entry.get("special"):
+            spelling = f"\ue000{entry['id']}\ue000"
+            if isinstance(vocab, dict) and vocab.get(entry["content"]) == entry["id"]:
+                del vocab[entry["content"]]  # the model's own entry for the token keeps its id
+                vocab[spelling] = entry["id"]
+            entry["content"] = spelling
+    return json.dumps(data, ensure_ascii=False)
+
+
 class GrammarError(HeliosError):
     """A sampled token the request's grammar does not allow, or a matcher in an error state.
 
@@ -169,7 +189,7 @@ class GrammarCompiler:
         mask_words = (logits_width + 31) // 32
         n_vocab = max(int(tokenizer.get_vocab_size(with_added_tokens=True)), logits_width)
         llg_words = (n_vocab + 31) // 32
-        plain = Tokenizer.from_str(tokenizer.to_str())
+        plain = Tokenizer.from_str(_unspellable_specials(tokenizer.to_str()))
         plain.no_padding()
         plain.no_truncation()
         try:
@@ -491,5 +511,12 @@ class GrammarMatcher:
 
 
 def _first_line(message: str) -> str:
-    """llguidance errors append a multi-line parser dump; keep the human-readable first line."""
-    return message.strip().splitlines()[0] if message.strip() else "unknown llguidance error"
+    """llguidance errors append a multi-line parser dump; keep the human-readable first line, completed by
+    the dump's ``error: ...`` line where the first one only introduces it (``regex parse error:``)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "unknown llguidance error"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if lines[0].endswith(":") and detail is not None:
+        return f"{lines[0]} {detail.removeprefix('error:').strip()}"
+    return lines[0]

@@ -542,8 +542,19 @@ def _lane_problem(
     if emitted != expected_emitted:
         return f"emitted {emitted} tokens, expected {expected_emitted}"
     if lane.samples and not 0 <= token < sampled_size:
-        return f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
+        return _outside_problem(token, sampled_size)
     return None
+
+
+NO_SAMPLEABLE_ID = -1
+"""The id a sampler writes for a row its grammar mask and penalties left without a sampleable id."""
+
+
+def _outside_problem(token: int, sampled_size: int) -> str:
+    """Why a sampled id outside the vocabulary fails its lane (the sampler's "nothing to sample" named)."""
+    if token == NO_SAMPLEABLE_ID:
+        return "no id could be sampled: the request's grammar or penalties left every id impossible"
+    return f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
 
 
 def _read_speculative(
@@ -595,7 +606,7 @@ def _read_speculative(
             tokens = [int(token) for token in ids[index, : int(emitted[index])]]
             outside = [token for token in tokens if not 0 <= token < sampled_size]
             if outside:
-                problem = f"sampled id {outside[0]} lies outside the vocabulary [0, {sampled_size})"
+                problem = _outside_problem(outside[0], sampled_size)
         if problem is not None:
             results.append(CompletionError(f"lane {index}: {problem}"))
             continue
@@ -682,11 +693,8 @@ def _read_speculative_batch(
             )
             if problem is None:
                 listed = ids[index, : int(emitted[index])].tolist()
-                problem = next(
-                    f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
-                    for token in listed
-                    if not 0 <= token < sampled_size
-                )
+                stray = next(int(token) for token in listed if not 0 <= token < sampled_size)
+                problem = _outside_problem(stray, sampled_size)
             errors[index] = CompletionError(f"lane {index}: {problem}")
     logprobs = logprob_rows[:count].astype(np.float64) if logprob_rows is not None else None
     return SpeculativeResults(ids.copy(), logprobs, emitted.copy(), accepted.copy(), offers.copy(), errors)

@@ -95,6 +95,10 @@ def test_a_speculative_record_yields_every_emitted_token_per_lane() -> None:
         ((1, 2, 1, 3, 13, [5, 6, 7]), "emitted 3 tokens after accepting 1 drafts (expected 2)"),
         ((1, 2, 1, 2, 11, [5, 6]), "consumed endpoint 11, expected 12"),
         ((1, 2, 1, 2, 12, [5, 100]), "sampled id 100 lies outside the vocabulary [0, 100)"),
+        (
+            (1, 2, 1, 2, 12, [5, -1]),
+            "no id could be sampled: the request's grammar or penalties left every id impossible",
+        ),
     ],
 )
 def test_a_speculative_lane_that_breaks_a_rule_fails_alone(

@@ -199,3 +199,26 @@ def test_a_schema_that_fails_in_the_worker_ends_only_its_stream(
     assert error["error"]["message"].startswith("structured output failed: grammar rejected token id ")
     assert error["error"]["message"].endswith(LEXER)
     assert healthy == alone
+
+
+@pytest.mark.parametrize("penalty", [1.1754944e-38, 3.4028235e38])
+def test_a_repetition_penalty_at_either_end_of_its_range_fails_nothing(
+    served: Served, alone: list[tuple[str, list[int]]], penalty: float
+) -> None:
+    healthy, response = _beside(served, {"repetition_penalty": penalty, "temperature": 0.7, "seed": 3})
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert events[-1] == (None, "[DONE]")
+    finish = [data["choices"][0]["finish_reason"] for _, data in events[:-1] if data["choices"]][-1]
+    assert finish in ("length", "stop")
+    assert healthy == alone
+
+
+@pytest.mark.parametrize("spelled", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+def test_a_schema_whose_text_spells_a_special_token_is_written_as_text(
+    served: Served, alone: list[tuple[str, list[int]]], spelled: str
+) -> None:
+    healthy, response = _beside(served, {"temperature": 0, "stream": False, **_schema({"enum": [spelled]})})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == f'"{spelled}"'
+    assert healthy == alone

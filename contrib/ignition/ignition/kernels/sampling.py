@@ -569,6 +569,9 @@ def _processed(
         produced = count > 0
         if rep != 1.0:
             scaled = tl.where(lg > 0.0, tl.math.div_rn(lg, rep), lg * rep)
+            # an extreme penalty saturates at the largest finite float32 (a masked -inf stays -inf)
+            saturated = tl.minimum(tl.maximum(scaled, -3.4028234663852886e38), 3.4028234663852886e38)
+            scaled = tl.where(lg > float("-inf"), saturated, lg)
             lg = tl.where((seen != 0) | produced, scaled, lg)
         # the product is rounded to float32 before the subtraction (no fused multiply-add)
         lg = lg - (freq.to(tl.float64) * count.to(tl.float64)).to(tl.float32)
