@@ -99,7 +99,7 @@ def invoke_call(
         flag = "true" if schema_type(schema) in STRING_TYPES else "false"
         attribute = f' string="{flag}"' if typed else ""
         head = json.dumps(f'<{parameter_tag} name="{key}"{attribute}>', ensure_ascii=False)
-        return f'{head} {value} {json.dumps(f"</{parameter_tag}>", ensure_ascii=False)} "\\n"'
+        return f'{head} {value} "\\n"'  # the value ends with its closing tag (value_closer)
 
     def call(name: str, parameters: str) -> str:
         head = json.dumps(f'<{invoke_tag} name="{name}">', ensure_ascii=False)
@@ -107,7 +107,14 @@ def invoke_call(
         empty = '"\\n"'  # no parameters: an empty line
         return f'"\\n" {head} "\\n" {parameters or empty} {close} "\\n"'
 
-    return tag_call_rules(request, terminators=terminators, parameter=parameter, call=call, quoted_keys=True)
+    return tag_call_rules(
+        request,
+        terminators=terminators,
+        parameter=parameter,
+        call=call,
+        quoted_keys=True,
+        value_closer=f"</{parameter_tag}>",
+    )
 
 
 def dsml_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:

@@ -70,20 +70,33 @@ def tag_parameters(parameters: Mapping[str, Any], where: str) -> list[tuple[str,
     return out
 
 
-def value_rule(rule: str, schema: Mapping[str, Any], terminators: Sequence[str], rules: list[str], where: str) -> str:
+def value_rule(
+    rule: str,
+    schema: Mapping[str, Any],
+    terminators: Sequence[str],
+    rules: list[str],
+    where: str,
+    closer: str = "",
+) -> str:
     """A Lark expression for one argument value, appending the rules it needs to ``rules``.
 
     ``rule`` names the value's rule (its upper-case form names a verbatim value's lexeme);
     ``terminators`` are the marker texts a verbatim value must never spell. The expression is
     ``""`` when the only value is empty text.
+
+    ``closer`` is plain text that directly follows the value in the call (``</parameter>``), which the
+    expression then includes: a verbatim value's lexeme ends with it. The lexer never splits a lexeme it
+    has extended, so a value lexeme followed by a separate text closer would take the closer's first
+    bytes (``Paris</parameter``, a valid value) and then refuse its last one.
     """
+    tail = f" {json.dumps(closer, ensure_ascii=False)}" if closer else ""
     if schema_type(schema) not in STRING_TYPES:
         try:
             text = json.dumps({**schema, "x-guidance": COMPACT_JSON})
         except (ValueError, TypeError) as exc:
             raise ToolGrammarError(f"{where}: {exc}") from exc
         rules.append(f"{rule}: %json {text}")
-        return rule
+        return rule + tail
     string = _string_schema(schema, where)
     forbidden = "|".join(regex_literal(text) for text in terminators)
     literals = string.get("enum", [string["const"]] if "const" in string else None)
@@ -94,14 +107,14 @@ def value_rule(rule: str, schema: Mapping[str, Any], terminators: Sequence[str],
             raise ToolGrammarError(f"{where}: an enum value spells a marker of this core's tool syntax")
         spelled = [json.dumps(v, ensure_ascii=False) for v in dict.fromkeys(literals) if v]
         if not spelled:
-            return ""
+            return tail.strip()
         rules.append(f"{rule}: " + " | ".join(spelled))
-        return f"{rule}?" if "" in literals else rule
+        return (f"{rule}?" if "" in literals else rule) + tail
     low, high = string.get("minLength", 0), string.get("maxLength")
     if not isinstance(low, int) or not (high is None or isinstance(high, int)) or low < 0:
         raise ToolGrammarError(f"{where}: minLength and maxLength must be non-negative integers")
     if high == 0:
-        return ""
+        return tail.strip()
     lexeme = rule.upper()
     parts = [
         f"/(?s:.{{{max(low, 1)},{'' if high is None else high}}})/",
@@ -113,8 +126,12 @@ def value_rule(rule: str, schema: Mapping[str, Any], terminators: Sequence[str],
         if not isinstance(pattern, str):
             raise ToolGrammarError(f"{where}: pattern must be a string")
         parts.append(f"/{_pattern_regex(pattern)}/")
+    empty = low == 0 and (pattern is None or _matches_empty(pattern))
+    if closer:
+        rules.append(f"{lexeme}: (" + " & ".join(parts) + ")" + tail)
+        return f"({lexeme} |{tail})" if empty else lexeme
     rules.append(f"{lexeme}: " + " & ".join(parts))
-    return f"{lexeme}?" if low == 0 and (pattern is None or _matches_empty(pattern)) else lexeme
+    return f"{lexeme}?" if empty else lexeme
 
 
 def tag_call_rules(
@@ -124,6 +141,7 @@ def tag_call_rules(
     parameter: Callable[[str, Mapping[str, Any], str], str],
     call: Callable[[str, str], str],
     quoted_keys: bool = False,
+    value_closer: str = "",
 ) -> tuple[list[tuple[int, str]], list[str]]:
     """(index and name of each callable tool, rules): rule ``call_INDEX`` is one call of that tool.
 
@@ -131,7 +149,8 @@ def tag_call_rules(
     ``call(name, parameters)`` writes a call around its parameter rules (required ones in schema
     order, optional ones may be skipped, in the same order). ``terminators``: the marker texts no
     verbatim value nor parameter name may spell; ``quoted_keys``: names are written in a quoted
-    attribute (no ``"`` nor ``&``).
+    attribute (no ``"`` nor ``&``); ``value_closer``: plain text that directly follows every value, which
+    the value expression ``parameter`` receives then already ends with (see :func:`value_rule`).
 
     Raises:
         ToolGrammarError: a name, parameter name or schema this syntax cannot write.
@@ -148,7 +167,7 @@ def tag_call_rules(
             if not PARAMETER_KEY.fullmatch(key) or unquotable or any(text in key for text in terminators):
                 raise ToolGrammarError(f"{where}: parameter name {key!r} cannot be written in this core's tool syntax")
             rule = f"p_{index}_{number}"
-            value = value_rule(f"{rule}_v", schema, terminators, rules, f"{where}: parameter {key!r}")
+            value = value_rule(f"{rule}_v", schema, terminators, rules, f"{where}: parameter {key!r}", value_closer)
             rules.append(f"{rule}: {parameter(key, schema, value)}")
             items.append(rule if required else f"{rule}?")
         rules.append(f"call_{index}: {call(name, ' '.join(items))}")

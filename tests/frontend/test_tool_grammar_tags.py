@@ -281,3 +281,45 @@ def test_atem_open_header_starts_at_the_recipient_suffix() -> None:
 def test_atem_needs_its_recipient_header_frames() -> None:
     with pytest.raises(PromptError, match="not supported for this core's tool syntax"):
         ToolCallFormat.from_syntax(TOOLS, None, recipient_header().tool_syntax)
+
+
+SAY = {"type": "object", "properties": {"text": {"type": "string"}, "loud": {"type": "boolean"}}, "required": ["text"]}
+"""A string argument bounded by nothing but its closing tag."""
+
+
+def _accepts(compiler: GrammarCompiler, fmt: ToolCallFormat, tokens: list[int], sampled: int = SAMPLED) -> bool:
+    matcher = compiler.compile(fmt).matcher()
+    for token in tokens:
+        choices = grammar_walks.allowed(matcher.mask(), sampled)
+        assert token in choices, f"token {token} refused after {tokens[: tokens.index(token)]}"
+        matcher.advance(token)
+    return matcher.finished
+
+
+@pytest.mark.parametrize("value", ["Paris", "a < b", "</x>", "x</dsml", "Ende"])
+def test_a_dsml_string_value_closes_at_its_closing_tag(compiler: GrammarCompiler, tokenizer: Any, value: str) -> None:
+    mark = DSML_MARK
+    fmt = ToolCallFormat.from_syntax([("say", SAY)], "say", dsml().tool_syntax)
+    text = (
+        f'\n\n<{mark}function_calls>\n<{mark}invoke name="say">\n<{mark}parameter name="text" string="true">'
+        f"{value}</{mark}parameter>\n</{mark}invoke>\n</{mark}function_calls>"
+    )
+    assert _accepts(compiler, fmt, tokenizer.encode(text, add_special_tokens=False).ids)
+    harness = FrontendHarness(tokenizer, dsml(), tools=[ToolSpec("say", SAY)])
+    result = harness.run_text(text)
+    assert [(call.name, json.loads(call.arguments)) for call in result.output.tool_calls] == [("say", {"text": value})]
+
+
+def test_an_atem_string_value_closes_at_its_closing_tag() -> None:
+    tok = byte_level_tokenizer([*SPECIAL, "<|eos|>"])
+    eos = tok.token_to_id("<|eos|>")
+    frontend = recipient_header()
+    header = frontend.reasoning_syntax.recipient_header
+    fmt = ToolCallFormat.from_syntax([("say", SAY)], "say", frontend.tool_syntax, header)
+    compiler = GrammarCompiler(tok, sampled_size=eos + 1, logits_width=WIDTH, eos_token_ids=[eos])
+    text = (
+        '<|start|>assistant to=functions.say<|message|><atem:function_calls>\n<atem:invoke name="say">\n'
+        '<atem:parameter name="text">Paris</atem:parameter>\n<atem:parameter name="loud">true</atem:parameter>\n'
+        "</atem:invoke>\n</atem:function_calls><|eom|>"
+    )
+    assert _accepts(compiler, fmt, tok.encode(text, add_special_tokens=False).ids, eos + 1)
