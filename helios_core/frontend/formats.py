@@ -67,7 +67,7 @@ _FORMAT_KEYS: dict[str, frozenset[str]] = {
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 _ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 _TOOL_CALL = "tool_call"
-_UNSUPPORTED = "tool_choice 'required' is not supported for this core's tool syntax"
+_UNSUPPORTED = "tool_choice {choice} is not supported for this core's tool syntax"
 _ENVELOPE = "helios_envelope"  # internal key of the prepared JSON: the reasoning envelope to admit
 _FRAMES = "helios_frames"  # internal key of the prepared JSON: the answer frames to keep
 # the built-in tool parser that reads each ToolSyntax family field (for callers holding only a syntax)
@@ -210,12 +210,13 @@ class ToolCallFormat:
         if grammar is None:
             provider = installed_host().grammar("tool_grammar", frontend.tool_parser) if frontend.tool_parser else None
             grammar = provider.factory if provider is not None else None
+        unsupported = _UNSUPPORTED.format(choice="'required'" if choice is None else f"naming function {choice!r}")
         if grammar is None:
-            raise ToolChoiceError(_UNSUPPORTED)
+            raise ToolChoiceError(unsupported)
         pairs = tuple((name, schema) for name, schema in tools)
         fragment = grammar(ToolGrammarRequest(pairs, choice, frontend, open_header))
         if fragment is None:
-            raise ToolChoiceError(_UNSUPPORTED)
+            raise ToolChoiceError(unsupported)
         if not isinstance(fragment, GrammarFragment):
             raise TypeError(f"a tool grammar must return a GrammarFragment or None, not {type(fragment).__name__}")
         return cls(tools=pairs, choice=choice, grammar=fragment)

@@ -29,7 +29,7 @@ from litestar.openapi import OpenAPIConfig
 
 from helios_core.runtime.startup import RunningModel
 from helios_core.server.errors import NotReady, exception_handlers
-from helios_core.server.metrics import CONTENT_TYPE
+from helios_core.server.metrics import MEDIA_TYPE
 from helios_core.server.openapi import (
     ChatOperation,
     ChatRenderOperation,
@@ -110,6 +110,13 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return _service(request).models()
 
 
+@get(
+    "/v1/models/{model:str}", operation_class=ProbeOperation, summary="One served model name or alias (404 otherwise)"
+)
+async def retrieve_model(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    return _service(request).model(request.path_params["model"])
+
+
 @get("/health", operation_class=ServerOperation, summary="Liveness: 200 while the model worker runs")
 async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     service: ChatService | None = request.app.state.get(SERVICE_KEY)
@@ -123,9 +130,9 @@ async def ready(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return _service(request).ready()
 
 
-@get("/metrics", operation_class=ServerOperation, summary="Prometheus metrics", media_type=CONTENT_TYPE)
+@get("/metrics", operation_class=ServerOperation, summary="Prometheus metrics", media_type=MEDIA_TYPE)
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    return Response(_service(request).metrics.exposition(), media_type=CONTENT_TYPE)
+    return Response(_service(request).metrics.exposition(), media_type=MEDIA_TYPE)
 
 
 def create_app(
@@ -150,6 +157,7 @@ def create_pending_app(readiness: Readiness) -> Litestar:
             render_chat,
             render_completion,
             list_models,
+            retrieve_model,
             health,
             ready,
             metrics,

@@ -244,7 +244,11 @@ def _http_handler(request: Request[Any, Any, Any], exc: HTTPException) -> Respon
     kind = "invalid_request_error" if exc.status_code < 500 else "execution_error"
     if exc.status_code >= 500:
         log_failure(request_id, exc)
-    body = {"error": {"message": exc.detail, "type": kind, "param": None, "code": exc.status_code}}
+    message = exc.detail
+    limit = getattr(request.app, "request_max_body_size", None)
+    if exc.status_code == 413 and limit:
+        message = f"the request body is larger than this server's limit of {limit} bytes"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": exc.status_code}}
     return Response(body, status_code=exc.status_code, headers={**(exc.headers or {}), **_id_header(request_id)})
 
 

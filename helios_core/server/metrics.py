@@ -41,6 +41,7 @@ from helios_core.server.server_tally import ServerTally
 __all__ = [
     "CONTENT_TYPE",
     "HELIOS_LOAD_NAMES",
+    "MEDIA_TYPE",
     "VLLM_LOAD_NAMES",
     "EngineCollector",
     "HttpProcessCounters",
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The exposition's content type, as served."""
+
+MEDIA_TYPE = "text/plain; version=0.0.4"
+"""What the route declares: Litestar appends ``; charset=utf-8`` to a ``text/`` media type itself."""
 
 
 def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:

@@ -362,6 +362,14 @@ def _template_message(message: Message, index: int, shield: ClientTextShield) ->
             "content": _text(message.content, shield),
             "tool_call_id": shield.shield_value(message.tool_call_id),
         }
+    for field in ("audio", "function_call"):
+        if getattr(message, field) is not None:
+            raise InvalidRequest(
+                f"messages[{index}].{field} is not supported by this server (send earlier calls as tool_calls)"
+                if field == "function_call"
+                else f"messages[{index}].audio is not supported by this server",
+                "messages",
+            )
     out: dict[str, Any] = {"role": "assistant", "content": _text(message.content, shield)}
     if message.reasoning_content is not None:
         out["reasoning_content"] = shield.shield(message.reasoning_content)
@@ -438,12 +446,22 @@ def _first_mask(grammar: Grammar, field: str) -> None:
         raise InvalidRequest(f"{field}: the schema cannot be enforced: {exc}", field) from exc
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A function name the OpenAI API accepts (and every tool syntax can write)."""
+
+
 def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[ToolSpec, ...]]:
     if not request.tools or request.tool_choice == "none":
         return [], ()
     if not frontend.supports_tools:
         raise InvalidRequest("this model does not support tools", "tools")
     names = [tool.function.name for tool in request.tools]
+    for index, name in enumerate(names):
+        if not TOOL_NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"tools[{index}].function.name {name[:80]!r} must be 1 to 64 characters of a-z, A-Z, 0-9, _ or -",
+                "tools",
+            )
     if len(set(names)) != len(names):
         raise InvalidRequest("tools must have distinct function names", "tools")
     rendered = []
@@ -626,9 +644,10 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     if response_format is not None:
         frames = _recipient_frames(frontend, tool_specs, envelope)
         # an invalid schema is a 400 now, and so is one whose matcher cannot compute its first mask
-        grammar = frontend.grammar_compiler.compile(
-            response_format, reasoning=reasoning, initially_reasoning=initially, frames=frames
-        )
+        with _naming_field("response_format"):
+            grammar = frontend.grammar_compiler.compile(
+                response_format, reasoning=reasoning, initially_reasoning=initially, frames=frames
+            )
         _first_mask(grammar, "response_format")
         format_text = prepared_format_json(
             request.response_format or {}, reasoning, initially_reasoning=initially, frames=frames
@@ -637,7 +656,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         if string_stops:
             raise InvalidRequest("stop cannot be combined with tool_choice 'required' or a named function", "stop")
         # an invalid tool schema is a 400 now, and so is one whose matcher cannot compute its first mask
-        grammar = frontend.grammar_compiler.compile(tool_format, reasoning=reasoning, initially_reasoning=initially)
+        with _naming_field("tools"):
+            grammar = frontend.grammar_compiler.compile(tool_format, reasoning=reasoning, initially_reasoning=initially)
         _first_mask(grammar, "tools")
         format_text = prepared_format_json(json.loads(tool_format.to_json()), reasoning, initially_reasoning=initially)
 

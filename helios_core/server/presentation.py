@@ -353,21 +353,22 @@ class Presenter(_EventPresenter):
         if delta.content:
             out["content"] = delta.content
         if delta.tool_calls:
-            calls = []
+            calls: dict[int, dict[str, Any]] = {}  # one entry a call in a chunk, its pieces' arguments joined
             for piece in delta.tool_calls:
-                if piece.index not in self._calls_started and piece.id is not None:
+                entry = calls.get(piece.index)
+                if entry is not None:
+                    entry["function"]["arguments"] += piece.arguments
+                elif piece.index not in self._calls_started and piece.id is not None:
                     self._calls_started.add(piece.index)
-                    calls.append(
-                        {
-                            "index": piece.index,
-                            "id": piece.id,
-                            "type": "function",
-                            "function": {"name": piece.name, "arguments": piece.arguments},
-                        }
-                    )
+                    calls[piece.index] = {
+                        "index": piece.index,
+                        "id": piece.id,
+                        "type": "function",
+                        "function": {"name": piece.name, "arguments": piece.arguments},
+                    }
                 else:
-                    calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
-            out["tool_calls"] = calls
+                    calls[piece.index] = {"index": piece.index, "function": {"arguments": piece.arguments}}
+            out["tool_calls"] = list(calls.values())
         return out
 
 

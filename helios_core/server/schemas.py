@@ -119,6 +119,13 @@ class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant", forbid
     tool_calls: list[ToolCallMessage] | None = None
     reasoning_content: str | None = None
     refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    """Citations OpenAI attaches to a returned message; accepted when a client sends the message back, and
+    not rendered."""
+    audio: dict[str, Any] | None = None
+    """An earlier audio answer's reference; only null is accepted (this server keeps no audio)."""
+    function_call: FunctionCall | None = None
+    """The legacy single function call; only null is accepted (earlier calls travel in ``tool_calls``)."""
 
 
 class ToolMessage(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=True, frozen=True):

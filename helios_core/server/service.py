@@ -181,15 +181,20 @@ class ChatService:
 
     # -- endpoints --------------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
+        """``GET /v1/models``: the served name and every alias."""
         self.readiness.check()
         created = int(time.time())
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "helios", "root": self.served_name}
-                for name in (self.served_name, *self.aliases)
-            ],
-        }
+        return {"object": "list", "data": [self._model(name, created) for name in (self.served_name, *self.aliases)]}
+
+    def model(self, name: str) -> dict[str, Any]:
+        """``GET /v1/models/{name}``: one served name or alias, else 404 naming it."""
+        self.readiness.check()
+        if name != self.served_name and name not in self.aliases:
+            raise UnknownModel(f"model {name!r} is not served here; GET /v1/models lists the served names")
+        return self._model(name, int(time.time()))
+
+    def _model(self, name: str, created: int) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "helios", "root": self.served_name}
 
     def health(self) -> Response[dict[str, Any]]:
         """``GET /health``: liveness. 200 while the model worker thread runs, 503 once it stopped or the

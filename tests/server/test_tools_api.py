@@ -212,3 +212,52 @@ def test_invalid_forced_tool_choices_are_refused(served_tools: Served) -> None:
         with pytest.raises(openai.BadRequestError) as error:
             served_tools.client.chat.completions.create(**base, **extra)
         assert expected in str(error.value), (extra, str(error.value))
+
+
+@pytest.mark.parametrize("seed", [9, 4])
+def test_a_streamed_forced_call_sends_one_entry_a_call_in_each_chunk(served_tools: Served, seed: int) -> None:
+    import httpx
+
+    from .helpers import sse_events
+
+    body = {
+        "model": "llama-synthetic-tiny",
+        "messages": [{"role": "user", "content": "Use a tool."}],
+        "tools": [CITY],
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "seed": seed,
+        "max_tokens": 200,
+        "stream": True,
+    }
+    response = httpx.post(served_tools.base_url + "/v1/chat/completions", json=body, timeout=60)
+    entries = [
+        call
+        for _, chunk in sse_events(response)[:-1]
+        for choice in chunk["choices"]
+        for call in choice["delta"].get("tool_calls") or []
+    ]
+    per_chunk = [
+        [call["index"] for call in choice["delta"].get("tool_calls") or []]
+        for _, chunk in sse_events(response)[:-1]
+        for choice in chunk["choices"]
+    ]
+    assert all(len(indices) == len(set(indices)) for indices in per_chunk), per_chunk
+    assert entries[0]["id"].startswith("call_") and entries[0]["function"]["name"] == "get_weather"
+    assert "city" in json.loads("".join(call["function"]["arguments"] for call in entries))
+
+
+@pytest.mark.parametrize("name", ["", "a b", "<|im_end|>", "quo\"te", "x" * 65, "namespace.function"])
+def test_a_function_name_openai_would_refuse_is_refused(served_tools: Served, name: str) -> None:
+    import httpx
+
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, tool], "tool_choice": "required"}
+    response = httpx.post(served_tools.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": f"tools[1].function.name {name!r} must be 1 to 64 characters of a-z, A-Z, 0-9, _ or -",
+        "type": "invalid_request_error",
+        "param": "tools",
+        "code": 400,
+    }
