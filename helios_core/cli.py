@@ -219,11 +219,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _read_messages(source: str) -> list[dict[str, Any]]:
-    text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    where = "standard input" if source == "-" else repr(source)
     try:
-        data = json.loads(text)
+        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+    except OSError as exc:
+        raise HeliosError(f"cannot read --messages from {where}: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise HeliosError(f"--messages from {where} is not UTF-8 text: {exc}") from exc
     except ValueError as exc:
         raise HeliosError(f"--messages is not JSON: {exc}") from exc
+    except RecursionError:
+        raise HeliosError(f"--messages from {where} nests its JSON too deeply") from None
     if isinstance(data, dict):
         data = data.get("messages")
     if not isinstance(data, list) or not all(isinstance(m, dict) and "role" in m for m in data):
@@ -232,35 +240,36 @@ def _read_messages(source: str) -> list[dict[str, Any]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import msgspec
+
     from helios_core.contract import LoadOptions
-    from helios_core.frontend.bootstrap import resolve_sampling
     from helios_core.loading import TrustSettings
-    from helios_core.runtime.messages import PreparedRequest
     from helios_core.runtime.startup import start
+    from helios_core.server.errors import validation_error
+    from helios_core.server.preparation import Frontend, prepare
+    from helios_core.server.schemas import decode_request
 
     messages = _read_messages(args.messages)
+    body: dict[str, Any] = {"messages": messages, "seed": args.seed}
+    for name, value in (("max_tokens", args.max_tokens), ("temperature", args.temperature), ("top_p", args.top_p)):
+        if value is not None:
+            body[name] = value
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    try:
+        chat = decode_request(json.dumps(body).encode("utf-8"))
+    except msgspec.DecodeError as exc:
+        raise HeliosError(f"--messages: {validation_error(exc)}") from None
     settings = TrustSettings.resolve(args.trust_key, args.accept, args.core_key)
     options = LoadOptions(max_active=1, cache_pages=args.cache_pages, ranks=args.ranks)
     running = start(args.core, settings, options, backend=args.backend)
     try:
         bootstrap = running.bootstrap
-        prompt = bootstrap.encode_prompt(messages)
-        explicit = {"temperature": args.temperature, "top_p": args.top_p}
-        sampling = resolve_sampling(
-            bootstrap.sampling_defaults, explicit, seed=args.seed, limits=bootstrap.sampling_limits
-        )
-        context = running.verified.contract.serving.context_tokens
-        max_tokens = args.max_tokens
-        if max_tokens is None:  # the core's default output limit, within what the context leaves
-            max_tokens = max(min(bootstrap.max_output_tokens, context - len(prompt)), 1)
-        request = PreparedRequest(
-            request_id="generate-1",
-            prompt_ids=prompt,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            ignore_eos=args.ignore_eos,
-        )
-        result = running.engine.generate(request)
+        # the preparation a served chat request takes: the core's plugins resolved as `helios run` resolves
+        # them, images decoded and expanded, sampling and the output limit checked
+        prepared = prepare(Frontend(running), chat, "generate-1")
+        prompt = prepared.request.prompt_ids
+        result = running.engine.generate(prepared.request)
     finally:
         running.close()
     text = bootstrap.decode(result.token_ids)
@@ -412,7 +421,9 @@ def _add_run_command(sub: Any) -> None:
 def cmd_keys_generate(args: argparse.Namespace) -> int:
     from helios_core.container.keys import generate_keys, key_id, load_public_key
 
-    paths = generate_keys(args.out)
+    if not args.out.strip():
+        raise HeliosError("--out must name a directory, not an empty string")
+    paths = generate_keys(Path(args.out))
     public = load_public_key(paths["public"])
     for role, path in paths.items():
         print(f"{role:<8} {path}")
@@ -424,7 +435,10 @@ def cmd_keys_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
     parser = argparse.ArgumentParser(prog="helios", description="Serve prepared LLM cores.")
+    parser.add_argument("--version", action="version", version=f"helios {version('helios')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     verify = sub.add_parser("verify", help="verify a core's signature, acceptance, resources and contract")
@@ -468,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="key management")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     keys_generate = keys_sub.add_parser("generate", help="generate a signing key pair and a core key")
-    keys_generate.add_argument("--out", type=Path, required=True, help="directory to write the keys into")
+    keys_generate.add_argument("--out", required=True, metavar="DIR", help="directory to write the keys into")
     keys_generate.set_defaults(handler=cmd_keys_generate)
     return parser
 
@@ -488,6 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:
         return _fail(command, "interrupted", EXIT_ERROR)
+    except OSError as exc:  # a path the operator named cannot be read or written
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        return _fail(command, f"{where}{exc.strerror or exc}")
     except Exception as exc:  # the operator never sees a traceback
         return _fail(command, f"internal error ({type(exc).__name__}: {exc}); please report it", EXIT_INTERNAL)
 

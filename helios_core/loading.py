@@ -23,6 +23,9 @@ from helios_core.errors import TrustError
 TRUST_KEYS_ENV = "HELIOS_TRUST_KEYS"
 """Environment variable listing trusted publisher key files, separated by os.pathsep."""
 
+TRUST_KEY_ENV = "HELIOS_TRUST_KEY"
+"""The same list under the name ``helios run`` derives from its ``--trust-key`` option."""
+
 ACCEPT_ENV = "HELIOS_ACCEPT"
 """Environment variable holding the operator's acceptance string."""
 
@@ -44,8 +47,8 @@ class TrustSettings:
     ) -> TrustSettings:
         """Explicit options first, then the environment."""
         keys = tuple(trust_keys)
-        if not keys:
-            listed = os.environ.get(TRUST_KEYS_ENV, "")
+        if not keys:  # HELIOS_TRUST_KEY, the name helios run's option gives it, means the same
+            listed = os.environ.get(TRUST_KEYS_ENV) or os.environ.get(TRUST_KEY_ENV, "")
             keys = tuple(Path(p) for p in listed.split(os.pathsep) if p)
         if acceptance is None:
             acceptance = os.environ.get(ACCEPT_ENV)

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helios_core.container.frames import Layout
-from helios_core.container.reader import CoreFile, _parse_signed_body, _read_core_body, _select_body
+from helios_core.container.reader import (
+    CoreFile,
+    _parse_signed_body,
+    _read_core_body,
+    _select_body,
+    open_regular_file,
+)
 from helios_core.wire import container_pb2, contract_pb2, manifest_pb2
 
 
@@ -51,13 +57,13 @@ def describe_verified(core: CoreFile) -> CoreDescription:
 
 def read_unverified(path: Path) -> CoreDescription:
     """Parse a core's description WITHOUT checking its signature (inspection only, never serving)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular_file(path, "core file")
     try:
         core_body, _, _ = _read_core_body(fd, Path(path))
     finally:
         os.close(fd)
     layout, envelope = _select_body(core_body)
-    body = _parse_signed_body(envelope.signed_bytes, layout)
+    body = _parse_signed_body(envelope.signed_bytes, layout, verified=False)
     return CoreDescription(
         path=Path(path),
         verified=False,

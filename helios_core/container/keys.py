@@ -51,11 +51,22 @@ def key_id(public_key: Ed25519PublicKey) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+KEY_FILE_MAX_NBYTES = 64 * 1024
+"""The most a key file may hold (a PEM key is a few hundred bytes, a core key 32 or 65): a path to
+something endless (``/dev/zero``) is refused after this much, not read until memory runs out."""
+
+
 def _read_key_file(path: StrPath, what: str) -> bytes:
     try:
-        return Path(path).read_bytes()
+        with open(path, "rb") as handle:
+            data = handle.read(KEY_FILE_MAX_NBYTES + 1)
     except OSError as exc:
         raise TrustError(f"cannot read the {what} file {os.fspath(path)!r}: {exc.strerror or exc}") from exc
+    if len(data) > KEY_FILE_MAX_NBYTES:
+        raise TrustError(
+            f"the {what} file {os.fspath(path)!r} holds more than {KEY_FILE_MAX_NBYTES} bytes; it is not a key file"
+        )
+    return data
 
 
 def load_private_key(path: StrPath) -> Ed25519PrivateKey:
@@ -139,7 +150,12 @@ def generate_keys(out_dir: StrPath) -> dict[str, Path]:
         ),
         "core": ((os.urandom(CORE_KEY_NBYTES).hex() + "\n").encode("ascii"), 0o600),
     }
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise HeliosError(f"cannot write keys into {str(directory)!r}: it exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HeliosError(f"cannot create the key directory {str(directory)!r}: {exc.strerror or exc}") from exc
     for name, path in paths.items():
         data, mode = contents[name]
         try:

@@ -126,10 +126,7 @@ class CoreFile:
         path = Path(path)
         if core_key is not None:
             check_core_key(core_key)
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except OSError as exc:
-            raise CoreFormatError(f"cannot open core file {str(path)!r}: {exc.strerror or exc}") from exc
+        fd = open_regular_file(path, "core file")
         try:
             core_body, header_end, file_nbytes = _read_core_body(fd, path)
             layout, envelope = _select_body(core_body)
@@ -304,6 +301,24 @@ class CoreFile:
         )
 
 
+def open_regular_file(path: Path, what: str, hint: str = "") -> int:
+    """A read-only descriptor of the regular file ``path``, or a CoreFormatError naming ``what`` and why it
+    cannot be read (missing, unreadable, a directory, a FIFO or device: opened without blocking, then
+    refused, so a FIFO never hangs the reader)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CoreFormatError(f"cannot open {what} {str(path)!r}: {exc.strerror or exc}{hint}") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise CoreFormatError(f"cannot open {what} {str(path)!r}: it is {kind}{hint}")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return fd
+
+
 class _OpenedSource:
     """The verified stored bytes of one resource, with its sibling file open while in use."""
 
@@ -317,13 +332,9 @@ class _OpenedSource:
         fd = self._core._fd
         if location.file:
             sibling = self._core.path.with_name(location.file)
-            try:
-                fd = self._sibling_fd = os.open(sibling, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            except OSError as exc:
-                raise CoreFormatError(
-                    f"cannot open sibling file {str(sibling)!r} of resource {self._resource.id!r}: "
-                    f"{exc.strerror or exc}; keep sibling files next to the core"
-                ) from exc
+            fd = self._sibling_fd = open_regular_file(
+                sibling, f"sibling file of resource {self._resource.id!r}", hint="; keep sibling files next to the core"
+            )
         if fd is None:
             raise CoreFormatError(f"core file {str(self._core.path)!r} is closed")
         return StoredChunkReader(
@@ -405,14 +416,19 @@ def _select_body(core_body: container_pb2.CoreBody) -> tuple[Layout, container_p
     raise CoreFormatError("the CoreBody has neither a payload nor a protected index; the file is damaged")
 
 
-def _parse_signed_body(signed_bytes: bytes, layout: Layout) -> SignedBody:
+def _parse_signed_body(signed_bytes: bytes, layout: Layout, *, verified: bool = True) -> SignedBody:
+    """The signed description; ``verified`` says its signature was checked, so a body that does not parse
+    was signed that way (the publisher's fault) rather than, possibly, damaged after signing."""
     body: SignedBody = container_pb2.DeploymentBody() if layout == "payload" else container_pb2.ModelIndex()
     try:
         body.ParseFromString(signed_bytes)
     except DecodeError as exc:
-        raise CoreFormatError(
-            f"the signed {type(body).__name__} does not parse ({exc}); the publisher wrote a malformed core"
-        ) from exc
+        cause = (
+            "the publisher wrote a malformed core"
+            if verified
+            else "its signature was not checked, so it may have been damaged after signing (pass --trust-key to check)"
+        )
+        raise CoreFormatError(f"the signed {type(body).__name__} does not parse ({exc}); {cause}") from exc
     if body.layout != SIGNED_LAYOUTS[layout]:
         raise CoreFormatError(
             f"the signed description was written for layout {body.layout} but is stored as a {layout} core; "

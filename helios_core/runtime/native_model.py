@@ -371,6 +371,8 @@ def choose_ranks(contract: PreparedContract, ranks: int | None) -> int:
     """The ranks to run: the core's count (``ranks`` None), or ``ranks`` when it equals it."""
     if ranks is None:
         return contract.ranks
+    if ranks < 1:
+        raise StartupError(f"--ranks must be at least 1, not {ranks}")
     if ranks != contract.ranks:
         raise StartupError(
             f"--ranks {ranks} does not match the core, which is built for {contract.ranks} tensor-parallel "
@@ -470,7 +472,7 @@ def _reserve_host_pages(executor: Backend, count: int, page_bytes: int) -> None:
         executor.reserve_host_pages(count)
     except (HeliosError, MemoryError, ValueError) as exc:
         raise StartupError(
-            f"cannot reserve {count} host pages of {page_bytes} bytes for --offload-pages: {type(exc).__name__}: {exc}"
+            f"cannot reserve {count} host pages of {page_bytes} bytes for --offload-pages: {_reservation_failure(exc)}"
         ) from exc
 
 
@@ -480,8 +482,13 @@ def _reserve_host_snapshots(executor: Backend, count: int, rows: int) -> None:
         executor.reserve_host_snapshots(count, rows)
     except (HeliosError, MemoryError, ValueError) as exc:
         raise StartupError(
-            f"cannot reserve {count} host checkpoint slots for --offload-checkpoints: {type(exc).__name__}: {exc}"
+            f"cannot reserve {count} host checkpoint slots for --offload-checkpoints: {_reservation_failure(exc)}"
         ) from exc
+
+
+def _reservation_failure(exc: BaseException) -> str:
+    """Why a host reservation failed: the backend's reason, or the allocation failure by its name."""
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, MemoryError) else str(exc)
 
 
 class NativeModel:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -109,8 +110,11 @@ _DRAIN_POLL_SECONDS = 0.02
 FLUSH_SECONDS = 1.0
 """After the drain period: time for the dropped responses' terminal events to reach their readers."""
 
+MAX_PORT = 65535
+"""The highest TCP port (``--port 0`` lets the system choose one, which the readiness line then names)."""
+
 LISTEN_BACKLOG = 2048
-"""Pending connections the listening socket of several HTTP processes queues (uvicorn's own default)."""
+"""Pending connections the listening socket queues (uvicorn's own default)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,8 @@ def _config_values(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise StartupError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise StartupError(f"config file {path} is not UTF-8 text: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise StartupError(f"config file {path} is not TOML: {exc}") from exc
     known = {f.name for f in fields(RunOptions)}
@@ -292,11 +298,11 @@ def resolve_options(
         if value is not None and value != () and value != [] and value is not False:
             values[name] = tuple(value) if isinstance(value, list) else value
     if "shutdown_timeout" in values:  # an explicit value is checked as the others are
-        values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "shutdown-timeout")
+        values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "--shutdown-timeout")
     if values.get("image_fetch_timeout") is not None:
-        values["image_fetch_timeout"] = _seconds(values["image_fetch_timeout"], "image-fetch-timeout")
+        values["image_fetch_timeout"] = _seconds(values["image_fetch_timeout"], "--image-fetch-timeout")
     if values.get("rank_join_timeout") is not None:
-        values["rank_join_timeout"] = _seconds(values["rank_join_timeout"], "rank-join-timeout")
+        values["rank_join_timeout"] = _seconds(values["rank_join_timeout"], "--rank-join-timeout")
     if values.get("core") is None:
         raise StartupError("no core given: pass --core PATH (or set core in --config, or $HELIOS_CORE)")
     return RunOptions(**values)
@@ -316,6 +322,12 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
 
     if options.core is None:
         raise StartupError("no core given: pass --core PATH")
+    core = options.core
+    if not 0 <= options.port <= MAX_PORT:
+        raise StartupError(f"--port must be between 0 and {MAX_PORT}, not {options.port}")
+    for name in (options.served_name, *options.alias):
+        if name is not None and not name.strip():
+            raise StartupError("--served-name and --alias must name the model, not be empty")
     http_processes = _http_processes(options)
     trust = TrustSettings.resolve(options.trust_key, options.accept, options.core_key)
     options.image_limits()  # an image limit out of range fails before the server listens
@@ -347,17 +359,17 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         rank_peers=rank_peers,
     )
     kv_config = parse_kv_events_config(options.kv_events_config) if options.kv_events_config else None
-    listener = _listen(options.host, options.port) if http_processes > 1 else None
+    listener = _listen(options.host, options.port)
+    if options.port == 0:  # the port the system chose is the one every line and topic names
+        options = dataclasses.replace(options, port=listener.getsockname()[1])
     launch: WorkerLaunch | None = None
     group: HttpProcesses | None = None
     try:
         if options.worker_process:
             from helios_core.server.worker_process import launch_worker_process
 
-            launch = launch_worker_process(
-                options.core, trust, load, backend=options.backend, http_processes=http_processes
-            )
-        if listener is not None and launch is not None:
+            launch = launch_worker_process(core, trust, load, backend=options.backend, http_processes=http_processes)
+        if http_processes > 1 and launch is not None:
             from helios_core.server.http_processes import HttpProcesses
 
             group = HttpProcesses(options, trust, load, listener, launch.peers, on_lost=serving_lost)
@@ -377,8 +389,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         finally:
             if launch is not None:
                 launch.stop()
-            if listener is not None:
-                listener.close()
+            listener.close()
         raise
     try:
         config = uvicorn_config(app, options)
@@ -402,12 +413,12 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         if lost:  # lost before the server was built
             server.should_exit = True
         with _quiet_after_shutdown(), _server_log():
-            if listener is None:
-                server.run()
-            else:
-                server.run(sockets=[listener])
+            server.run(sockets=[listener])
         if server.started:
-            loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
+            if server.forced_by is not None and not loader.finished.is_set():
+                _end_at_once(server.forced_by)  # a second signal during loading: no waiting for the load step
+            with _second_signal_ends_at_once():
+                loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
     finally:
         # the other HTTP processes exit first (what their stop logs keeps the server's line format), then the
         # worker process stops
@@ -417,8 +428,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
             finally:
                 if group is not None:
                     group.close()
-                if listener is not None:
-                    listener.close()
+                listener.close()
     if loader.failure is not None:
         raise loader.failure  # the loading error itself: the one line and exit status of a failed start
     if group is not None and group.startup_failure is not None:
@@ -457,13 +467,18 @@ def _http_processes(options: RunOptions) -> int:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The listening socket every HTTP process accepts on (bound once, here), or a StartupError naming the
-    address and why."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
+    """The listening socket every HTTP process accepts on (bound once, here, at the first address ``host``
+    resolves to), or a StartupError naming the address and why."""
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as exc:  # a name that does not resolve
+        raise StartupError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from None
+    listener = socket.socket(family, kind, protocol)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
+        listener.bind(address)
         listener.listen(LISTEN_BACKLOG)
     except OSError as exc:
         listener.close()
@@ -723,6 +738,8 @@ def draining_server(
     class DrainingServer(uvicorn.Server):
         startup_failure: HeliosError | None = None
         """Why the warm-up failed (the server then stopped), or None."""
+        forced_by: int | None = None
+        """The second signal, which forced the close, or None."""
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
@@ -760,6 +777,7 @@ def draining_server(
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if self.should_exit:  # a second signal: close everything now
                 self.force_exit = True
+                self.forced_by = sig
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -820,6 +838,34 @@ def draining_server(
                     transport.abort()
 
     return DrainingServer(config)
+
+
+def _end_at_once(sig: int) -> None:
+    """End ``helios run`` now, as a second signal during loading asks: SIGINT as an interruption (the CLI's
+    ``interrupted`` line, exit 1), SIGTERM by its default action."""
+    if sig == signal.SIGTERM:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _second_signal_ends_at_once() -> Iterator[None]:
+    """While the load step that a first signal interrupted ends, SIGINT and SIGTERM end the process at once
+    (whatever handlers the process inherited: a shell's background job starts with SIGINT ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum: int, frame: FrameType | None) -> None:
+        _end_at_once(signum)
+
+    previous = {sig: signal.signal(sig, end) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -160,3 +162,134 @@ def test_a_prefill_chunk_below_every_prefill_program_exits_1_with_one_line() -> 
     assert result.stderr.strip().splitlines() == [
         "helios run: error: --prefill-chunk 8 leaves no prefill program: the core's smallest computes 16 tokens"
     ]
+
+
+def _run_once(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    trust = ("--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE)
+    return subprocess.run(
+        _helios("--core", str(CORE), *trust, "--backend", "reference", *args),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--port", "70000"), "--port must be between 0 and 65535, not 70000"),
+        (("--port", "-1"), "--port must be between 0 and 65535, not -1"),
+        (("--served-name", ""), "--served-name and --alias must name the model, not be empty"),
+        (("--alias", " "), "--served-name and --alias must name the model, not be empty"),
+        (("--ranks", "0"), "--ranks must be at least 1, not 0"),
+        (("--host", "no.such.host.invalid"), "could not listen on no.such.host.invalid:8000: "),
+    ],
+)
+def test_an_address_or_name_that_cannot_serve_exits_1_with_one_line(args: tuple[str, ...], message: str) -> None:
+    result = _run_once(*args)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"helios run: error: {message}"), line
+
+
+@pytest.mark.parametrize("worker_process", [False, True])
+def test_a_taken_port_exits_1_naming_the_address(worker_process: bool) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = _run_once("--port", str(port), *(("--worker-process",) if worker_process else ()))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"helios run: error: could not listen on 127.0.0.1:{port}: Address already in use"
+    ]
+
+
+def test_port_0_serves_on_the_port_the_system_chose_and_names_it() -> None:
+    trust = ("--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE)
+    command = _helios("--core", str(CORE), *trust, "--port", "0", "--backend", "reference")
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        match = READY.match(process.stderr.readline().strip())
+        assert match is not None
+        port = int(match["url"].rsplit(":", 1)[1])
+        assert port != 0
+        assert httpx.get(f"{match['url']}/v1/models", timeout=10).json()["data"][0]["id"] == "llama-synthetic-tiny"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=8) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+class _StartedServer:
+    """A stand-in for the uvicorn server: it started, served nothing, and ended (the core never loaded)."""
+
+    started = True
+    startup_failure = None
+
+    def __init__(self, forced_by: int | None, then: object = None) -> None:
+        self.forced_by = forced_by
+        self._then = then
+
+    def run(self, sockets: object = None) -> None:
+        if callable(self._then):
+            self._then()
+
+
+def _watchdog(action: Any) -> threading.Timer:
+    timer = threading.Timer(6.0, action)
+    timer.daemon = True
+    return timer
+
+
+def _run_options() -> object:
+    from helios_core.server.serve import RunOptions
+
+    return RunOptions(
+        core=CORE, trust_key=(KEYS / "signing.pub.pem",), accept=NAMESPACE, backend="reference", port=0
+    )
+
+
+def test_a_second_signal_while_the_core_loads_interrupts_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from helios_core.server import serve as serve_module
+
+    def server(*args: object, warm_up: Any, **kwargs: object) -> _StartedServer:
+        # a watchdog: were the second signal not acted on, the load step "ends" later and serve returns
+        return _StartedServer(signal.SIGINT, _watchdog(warm_up.__self__.finished.set).start)
+
+    monkeypatch.setattr(serve_module, "draining_server", server)
+    with pytest.raises(KeyboardInterrupt):
+        serve_module.serve(_run_options(), announce=lambda line: None)  # type: ignore[arg-type]
+
+
+def test_a_signal_while_the_interrupted_load_ends_interrupts_whatever_the_inherited_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from helios_core.server import serve as serve_module
+
+    def server(*args: object, warm_up: Any, **kwargs: object) -> _StartedServer:
+        def signal_soon() -> None:
+            threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+            # a watchdog: were the signal ignored, the load step "ends" later and serve returns
+            _watchdog(warm_up.__self__.finished.set).start()
+
+        return _StartedServer(None, signal_soon)
+
+    monkeypatch.setattr(serve_module, "draining_server", server)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job starts
+    try:
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            serve_module.serve(_run_options(), announce=lambda line: None)  # type: ignore[arg-type]
+        assert time.monotonic() - started < 5
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -396,7 +396,7 @@ def test_a_worker_process_the_load_step_never_took_is_stopped(core: BuiltCore, m
         started = False
         startup_failure = None
 
-        def run(self) -> None:
+        def run(self, sockets: object = None) -> None:
             running.extend(_spawned_workers())
 
     monkeypatch.setattr(serve_module, "draining_server", lambda *args, **kwargs: NotListening())
