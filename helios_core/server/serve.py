@@ -853,34 +853,35 @@ def _end_at_once(sig: int) -> None:
 def _second_signal_ends_at_once() -> Iterator[None]:
     """While the load step that a first signal interrupted ends, SIGINT and SIGTERM end the process at once
     (whatever handlers the process inherited: a shell's background job starts with SIGINT ignored)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def end(signum: int, frame: FrameType | None) -> None:
         _end_at_once(signum)
 
-    previous = {sig: signal.signal(sig, end) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _handling_shutdown_signals(end):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
 def _quiet_after_shutdown() -> Iterator[None]:
     """uvicorn handles SIGINT/SIGTERM (graceful shutdown) and re-raises the signal afterwards to the
     handler it found; that handler is a no-op here, so a requested shutdown exits 0."""
+    with _handling_shutdown_signals(_ignore_signal):
+        yield
+
+
+@contextlib.contextmanager
+def _handling_shutdown_signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``handler`` within the block, then to what handled them before (only the
+    main thread may set handlers: elsewhere the block runs with them as they are)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, former in previous.items():
+            signal.signal(sig, former)
 
 
 def _ignore_signal(signum: int, frame: FrameType | None) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +214,7 @@ def test_port_0_serves_on_the_port_the_system_chose_and_names_it() -> None:
     trust = ("--trust-key", str(KEYS / "signing.pub.pem"), "--accept", NAMESPACE)
     command = _helios("--core", str(CORE), *trust, "--port", "0", "--backend", "reference")
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
+    with _stopped_at_the_end(process):
         assert process.stderr is not None
         match = READY.match(process.stderr.readline().strip())
         assert match is not None
@@ -221,6 +223,13 @@ def test_port_0_serves_on_the_port_the_system_chose_and_names_it() -> None:
         assert httpx.get(f"{match['url']}/v1/models", timeout=10).json()["data"][0]["id"] == "llama-synthetic-tiny"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=8) == 0
+
+
+@contextlib.contextmanager
+def _stopped_at_the_end(process: subprocess.Popen[str]) -> Iterator[None]:
+    """Kill ``process`` after the block if it is still running (a failed assertion left it serving)."""
+    try:
+        yield
     finally:
         if process.poll() is None:
             process.kill()
