@@ -491,7 +491,8 @@ def scan_tagged_section(grammar: TagGrammar, text: str, final: bool) -> SectionS
     """Scan an element-style section (text after its opener); a pure, monotone function.
 
     Malformed-output rules: whitespace between elements is ignored; a value without its closer
-    ends at the next parameter, call closer or section closer; a call without its closer ends at
+    ends at the next parameter, call closer or section closer, or, at the end of the output, where the
+    output was cut off, without the first characters of a closer it was cut off in; a call without its closer ends at
     the section closer; a call header that is not a valid name (or holds a newline) invalidates the
     section when it is the first call and ends the section's calls otherwise; stray text between
     elements is skipped."""
@@ -553,8 +554,9 @@ def scan_tagged_section(grammar: TagGrammar, text: str, final: bool) -> SectionS
             terminators = [g.param_close, g.param_open, g.call_close, g.section_close]
             value_end = _next_marker(text, value_at, terminators)
             if value_end < 0:
-                if final:
-                    value, closed, pos = text[value_at:], True, len(text)
+                if final:  # output cut off: the value ends where it was cut, before any part of a closer
+                    hold = partial_suffix_length(text[value_at:], terminators)
+                    value, closed, pos = text[value_at : len(text) - hold], True, len(text)
                 else:
                     hold = partial_suffix_length(text[value_at:], terminators)
                     value, closed = text[value_at : len(text) - hold], False

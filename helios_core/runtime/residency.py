@@ -217,6 +217,12 @@ class Residency:
         # a prompt that alone fills the context cannot be fixed by a smaller output limit
         field = "messages" if prompt >= self.context else "max_tokens"
         total = prompt + request.max_tokens
+        if prompt >= self.context:
+            return (
+                f"prompt ({prompt} tokens) does not fit the core's context of {self.context} tokens: it leaves no "
+                "room for an output token",
+                field,
+            )
         if total > self.context:
             return (
                 f"prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the core's context of "

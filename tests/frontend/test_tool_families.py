@@ -62,6 +62,13 @@ FUNCTION_TAG_CASES: list[tuple[str, str, str | None, str | None, list[tuple[str,
         [("get_weather", {"city": "Dal"})],
     ),
     (
+        "a value cut off inside its closer keeps the value alone",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nDallas\n</parameter>\n<parameter=days>\n3\n</param",
+        None,
+        None,
+        [("get_weather", W)],
+    ),
+    (
         "reasoning mentions tool markup as text",
         "<think>I could write <function=search> or a <tool_call text.</think>Answer.",
         "I could write <function=search> or a <tool_call text.",

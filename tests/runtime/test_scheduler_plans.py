@@ -217,8 +217,7 @@ def test_requests_queue_in_order_and_are_admitted_up_to_max_active(make_schedule
         (
             prompt_of(64),
             1,
-            "prompt (64 tokens) plus max_tokens (1) exceeds the core's context of 64 tokens; "
-            "at most 0 output tokens fit this prompt",
+            "prompt (64 tokens) does not fit the core's context of 64 tokens: it leaves no room for an output token",
             "messages",
         ),
     ],
