@@ -214,24 +214,22 @@ class Residency:
             return "max_tokens must be positive", "max_tokens"
         if request.prompt_logprobs and not self.scored_prefill:
             return "prompt logprobs are not supported by this core (no scored prefill programs)", "prompt_logprobs"
-        # a prompt that alone fills the context cannot be fixed by a smaller output limit
-        field = "messages" if prompt >= self.context else "max_tokens"
-        total = prompt + request.max_tokens
-        if prompt >= self.context:
+        if prompt >= self.context:  # a smaller output limit cannot fix this one
             return (
                 f"prompt ({prompt} tokens) does not fit the core's context of {self.context} tokens: it leaves no "
                 "room for an output token",
-                field,
+                "messages",
             )
+        total = prompt + request.max_tokens
         if total > self.context:
             return (
                 f"prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the core's context of "
-                f"{self.context} tokens; at most {max(self.context - prompt, 0)} output tokens fit this prompt",
-                field,
+                f"{self.context} tokens; at most {self.context - prompt} output tokens fit this prompt",
+                "max_tokens",
             )
         limit = min(self.pages_per_row, self.allocator.total_pages)
         if self.pages_for(total) > limit:
-            return f"the request needs {self.pages_for(total)} cache pages; at most {limit} fit", field
+            return f"the request needs {self.pages_for(total)} cache pages; at most {limit} fit", "max_tokens"
         if request.images:
             return self.image_programs.problem(request, self.resumable)
         return None

@@ -78,6 +78,7 @@ from helios_core.plugin_api import (
 )
 from helios_core.plugins.host import PluginHost, SelectedFrontend
 from helios_core.plugins.images import DecodedImage, ImageInputError
+from helios_core.plugins.tag_grammar import FUNCTION_NAME
 from helios_core.runtime.messages import PreparedRequest, PromptImage, SamplingParams
 from helios_core.runtime.startup import RunningModel
 from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
@@ -362,14 +363,13 @@ def _template_message(message: Message, index: int, shield: ClientTextShield) ->
             "content": _text(message.content, shield),
             "tool_call_id": shield.shield_value(message.tool_call_id),
         }
-    for field in ("audio", "function_call"):
-        if getattr(message, field) is not None:
-            raise InvalidRequest(
-                f"messages[{index}].{field} is not supported by this server (send earlier calls as tool_calls)"
-                if field == "function_call"
-                else f"messages[{index}].audio is not supported by this server",
-                "messages",
-            )
+    if message.audio is not None:
+        raise InvalidRequest(f"messages[{index}].audio is not supported by this server", "messages")
+    if message.function_call is not None:
+        raise InvalidRequest(
+            f"messages[{index}].function_call is not supported by this server (send earlier calls as tool_calls)",
+            "messages",
+        )
     out: dict[str, Any] = {"role": "assistant", "content": _text(message.content, shield)}
     if message.reasoning_content is not None:
         out["reasoning_content"] = shield.shield(message.reasoning_content)
@@ -446,10 +446,6 @@ def _first_mask(grammar: Grammar, field: str) -> None:
         raise InvalidRequest(f"{field}: the schema cannot be enforced: {exc}", field) from exc
 
 
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-"""A function name the OpenAI API accepts (and every tool syntax can write)."""
-
-
 def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[ToolSpec, ...]]:
     if not request.tools or request.tool_choice == "none":
         return [], ()
@@ -457,7 +453,7 @@ def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dic
         raise InvalidRequest("this model does not support tools", "tools")
     names = [tool.function.name for tool in request.tools]
     for index, name in enumerate(names):
-        if not TOOL_NAME.fullmatch(name):
+        if not FUNCTION_NAME.fullmatch(name):  # the names OpenAI accepts, which every tool syntax can write
             raise InvalidRequest(
                 f"tools[{index}].function.name {name[:80]!r} must be 1 to 64 characters of a-z, A-Z, 0-9, _ or -",
                 "tools",

@@ -417,7 +417,9 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         if server.started:
             if server.forced_by is not None and not loader.finished.is_set():
                 _end_at_once(server.forced_by)  # a second signal during loading: no waiting for the load step
-            with _second_signal_ends_at_once():
+            # while that load step ends, SIGINT and SIGTERM end the process at once, whatever handlers it
+            # inherited (a shell's background job starts with SIGINT ignored)
+            with _handling_shutdown_signals(_end_at_once):
                 loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
     finally:
         # the other HTTP processes exit first (what their stop logs keeps the server's line format), then the
@@ -840,25 +842,13 @@ def draining_server(
     return DrainingServer(config)
 
 
-def _end_at_once(sig: int) -> None:
+def _end_at_once(sig: int, frame: FrameType | None = None) -> None:
     """End ``helios run`` now, as a second signal during loading asks: SIGINT as an interruption (the CLI's
-    ``interrupted`` line, exit 1), SIGTERM by its default action."""
+    ``interrupted`` line, exit 1), SIGTERM by its default action (a signal handler itself)."""
     if sig == signal.SIGTERM:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
     raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _second_signal_ends_at_once() -> Iterator[None]:
-    """While the load step that a first signal interrupted ends, SIGINT and SIGTERM end the process at once
-    (whatever handlers the process inherited: a shell's background job starts with SIGINT ignored)."""
-
-    def end(signum: int, frame: FrameType | None) -> None:
-        _end_at_once(signum)
-
-    with _handling_shutdown_signals(end):
-        yield
 
 
 @contextlib.contextmanager

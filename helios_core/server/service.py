@@ -189,9 +189,13 @@ class ChatService:
     def model(self, name: str) -> dict[str, Any]:
         """``GET /v1/models/{name}``: one served name or alias, else 404 naming it."""
         self.readiness.check()
-        if name != self.served_name and name not in self.aliases:
-            raise UnknownModel(f"model {name!r} is not served here; GET /v1/models lists the served names")
+        self._check_served(name)
         return self._model(name, int(time.time()))
+
+    def _check_served(self, name: str) -> None:
+        """404 (UnknownModel) unless ``name`` is the served name or an alias."""
+        if name not in self.names:
+            raise UnknownModel(f"model {name!r} is not served here; GET /v1/models lists the served names")
 
     def _model(self, name: str, created: int) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "helios", "root": self.served_name}
@@ -283,8 +287,8 @@ class ChatService:
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise validation_error(exc) from exc
         ingress_ns = self._now_ns()
-        if decoded.model is not None and decoded.model not in self.names:
-            raise UnknownModel(f"model {decoded.model!r} is not served here; GET /v1/models lists the served names")
+        if decoded.model is not None:
+            self._check_served(decoded.model)
         return decoded, ingress_ns, self.admission.admit(), request_id
 
     async def _generate(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> Response[Any]:

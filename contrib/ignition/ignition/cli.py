@@ -363,21 +363,19 @@ def _check_numbers(args: argparse.Namespace) -> None:
     a negative seed, and any extent past what the serving contract's 32-bit fields hold (the options
     with rules of their own, such as ``--window`` or ``--draft-tokens``, are checked where those rules
     are)."""
-    for option, value in (
+    capacities = [
         ("--max-rows", args.max_rows),
         ("--page-tokens", args.page_tokens),
         ("--cache-pages", args.cache_pages),
         ("--context", args.context),
-    ):
+    ]
+    for option, value in capacities:
         if value < 1:
             raise HeliosError(f"{option} must be a positive integer, got {value}")
     if args.seed is not None and args.seed < 0:
         raise HeliosError(f"--seed must be a non-negative integer, got {args.seed}")
     bounded: list[tuple[str, int | None]] = [
-        ("--max-rows", args.max_rows),
-        ("--page-tokens", args.page_tokens),
-        ("--cache-pages", args.cache_pages),
-        ("--context", args.context),
+        *capacities,
         ("--prefill-tokens", max(args.prefill_tokens)),
         ("--decode-rows", max(args.decode_rows or (1,))),
         ("--draft-tokens", args.draft_tokens),
