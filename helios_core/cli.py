@@ -435,10 +435,11 @@ def cmd_keys_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
+    import helios_core
 
     parser = argparse.ArgumentParser(prog="helios", description="Serve prepared LLM cores.")
-    parser.add_argument("--version", action="version", version=f"helios {version('helios')}")
+    # the package's own version, not the installed distribution's: a source tree on PYTHONPATH has none
+    parser.add_argument("--version", action="version", version=f"helios {helios_core.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     verify = sub.add_parser("verify", help="verify a core's signature, acceptance, resources and contract")

@@ -335,6 +335,36 @@ def test_verify_checks_its_grammar_inputs() -> None:
     assert np.array_equal(plan.counts, before)
 
 
+def test_a_position_the_grammar_leaves_nothing_ends_its_lane_alone_with_allow_empty_rows() -> None:
+    """Lane 0 copies its plain tokens, so it reaches position 1, whose mask allows nothing: that position's id
+    is -1 and the lane ends there (accepted 1, emitted 2, pending -1, only position 0's token counted). Lane 1,
+    unconstrained, verifies exactly as it does with no masks at all."""
+    plan = Round(0.0, offers=(2, 1))
+    candidates = np.zeros((plan.lanes, plan.capacity), np.int32)
+    candidates[0, :2] = plan.plain[0][:2]
+    masks = np.full((plan.logits.shape[0], 1), -1, np.int32)
+    masks[plan.starts[0] + 1] = 0  # lane 0's position 1: nothing allowed
+    flags = np.array([1, 0], np.uint8)
+    unmasked_counts = plan.counts.copy()
+    unmasked = _verify_kernel(plan, candidate_ids=candidates, output_counts=unmasked_counts)
+    counts = plan.counts.copy()
+    result = _verify_kernel(
+        plan, candidate_ids=candidates, output_counts=counts, allowed_mask=masks, constrained=flags,
+        allow_empty_rows=True,
+    )  # fmt: skip
+    assert result.ids[0].tolist() == [plan.plain[0][0], -1, -1, -1, -1]
+    assert (int(result.accepted[0]), int(result.emitted[0]), int(result.pending[0])) == (1, 2, -1)
+    assert float(result.logprobs[0, 1]) == 0.0
+    row = int(plan.rows[0])
+    want = plan.counts[row].copy()
+    want[plan.plain[0][0]] += 1
+    assert np.array_equal(counts[row], want)
+    for field in ("ids", "logprobs", "accepted", "emitted", "pending"):
+        assert np.array_equal(getattr(result, field)[1], getattr(unmasked, field)[1]), field
+    other = int(plan.rows[1])
+    assert np.array_equal(counts[other], unmasked_counts[other])
+
+
 def _verify_kernel(plan: Round, **overrides: Any) -> rk.VerifyResult:
     arguments: dict[str, Any] = {
         "query_length": plan.query_length,

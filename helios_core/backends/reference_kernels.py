@@ -1659,6 +1659,7 @@ def sample_verify(
     width: int,
     allowed_mask: AnyArray | None = None,
     constrained: AnyArray | None = None,
+    allow_empty_rows: bool = False,
 ) -> VerifyResult:
     """Sample each lane's packed positions in order, accepting copied candidates while they match.
 
@@ -1679,6 +1680,10 @@ def sample_verify(
         allowed_mask: ``[P, words]`` int32 grammar bitmasks, one per packed row (as :func:`sample`
             takes them); position ``j`` of lane ``r`` samples with row ``start_r + j``.
         constrained: ``[B]`` flags: the masks apply to the lanes where set (both or neither given).
+        allow_empty_rows: a position left without a sampleable id (its mask allows nothing) ends its
+            lane instead of raising: that position's id is -1 (logprob 0, nothing counted), ``accepted``
+            the position, ``emitted`` one more, ``pending`` -1; the other lanes verify as they would
+            without it (as :func:`sample`'s ``allow_empty_rows``).
     Returns:
         :class:`VerifyResult`.
 
@@ -1766,10 +1771,13 @@ def sample_verify(
                     vocab_limit=vocab_limit,
                     allowed_mask=masks[here : here + 1] if grammar and masks is not None else None,
                     constrained=np.ones(1, dtype=np.uint8) if grammar else None,
+                    allow_empty_rows=allow_empty_rows,
                 )
                 token = int(drawn.ids[0])
                 ids[lane, position] = token
                 logprobs[lane, position] = drawn.logprobs[0]
+                if token < 0:  # nothing sampleable here (allow_empty_rows): the lane ends on it
+                    break
                 counts[row, token] += 1
                 if position == offers or token != int(candidates[lane, position]):
                     break

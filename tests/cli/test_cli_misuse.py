@@ -190,3 +190,29 @@ def test_both_tools_print_their_version(capsys: pytest.CaptureFixture[str]) -> N
             entry(["--version"])
         assert exited.value.code == 0
         assert capsys.readouterr().out == f"{name} {version}\n"
+
+
+def test_helios_starts_from_a_source_tree_without_package_metadata(tmp_path: Path) -> None:
+    """``python -m helios_core.cli`` with the repository on ``PYTHONPATH`` and no installed distribution (as
+    on a machine that runs the checkout itself) parses its arguments: the version is the package's own."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as metadata\n"
+        "real = metadata.distribution\n"
+        "def hidden(name):\n"
+        "    if name == 'helios':\n"
+        "        raise metadata.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "metadata.distribution = hidden\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
+    for arguments, expected in ((["--version"], "helios "), (["inspect", str(tmp_path / "missing.core")], "")):
+        done = subprocess.run(
+            [sys.executable, "-m", "helios_core.cli", *arguments], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert "Traceback" not in done.stderr, done.stderr
+        assert done.stdout.startswith(expected)
+    assert done.returncode == 1  # the missing core, named on one line

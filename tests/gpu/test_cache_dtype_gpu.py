@@ -116,3 +116,34 @@ def test_attention_over_bf16_planes_matches_the_reference(cuda_context: Context,
     got = run_node(cuda_context, "paged_attention", arrays, attributes)["out"]
     want = reference_node("paged_attention", arrays, attributes)["out"]
     assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize(("tokens", "head_dim"), [(64, 64), (64, 128), (256, 64), (256, 128)])
+def test_wide_decode_attention_over_bf16_planes_matches_the_reference(
+    cuda_context: Context, tokens: int, head_dim: int
+) -> None:
+    """A decode node wide enough for 256-position splits on two warps a program (``split_kernel_config``):
+    one token a row, contexts inside one split, across split boundaries (merged) and at the table's end,
+    with padding tokens."""
+    rng = np.random.default_rng(tokens + head_dim)
+    heads, kv_heads, page_tokens, width, pages = 32, 8, 16, 64, 96
+    table = rng.integers(0, pages, (tokens, width)).astype(np.int32)  # rows may share pages: reads only
+    token_row = np.arange(tokens, dtype=np.int32)
+    token_row[[5, tokens - 1]] = -1  # padding
+    token_position = rng.integers(0, width * page_tokens, tokens).astype(np.int32)
+    token_position[:6] = [0, 96, 255, 256, 600, width * page_tokens - 1]
+    arrays = {
+        "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
+        "k_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
+        "v_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
+        "page_table": table,
+        "token_row": token_row,
+        "token_position": token_position,
+        "out": np.full((tokens, heads, head_dim), np.nan, dtype=np.float32),
+    }
+    attributes = {"scale": head_dim**-0.5}
+    got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=2, reset=["out"])["out"]
+    want = reference_node("paged_attention", arrays, attributes)["out"]
+    assert np.isfinite(got).all()
+    assert relative_error(got, want) < 1e-5
+    assert (got[token_row < 0] == 0).all()

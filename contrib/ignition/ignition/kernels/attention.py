@@ -558,9 +558,9 @@ def attention_launches(
     def split_launch(alone_only: bool) -> mf.KernelLaunch:
         """The split kernel's launch; with ``alone_only`` only the tokens alone in their row among their
         neighbours attend (the tile launch before it takes the others)."""
+        wide = tokens * kv_heads >= 2 * MULTIPROCESSORS
         positions_a_split = split_positions
         if positions_a_split is None:
-            wide = tokens * kv_heads >= 2 * MULTIPROCESSORS
             positions_a_split = WIDE_SPLIT_POSITIONS if wide else SPLIT_POSITIONS
         split = min(positions_a_split, next_power_of_two(reach))
         splits = cdiv(reach, split)
@@ -578,7 +578,7 @@ def attention_launches(
             "out_ptr": ctx.pointer(out),
             "scale": ctx.f32(scale),
         }
-        warps, stages, block_n = split_config or split_kernel_config(split, head_dim)
+        warps, stages, block_n = split_config or split_kernel_config(split, head_dim, wide=wide)
         split_constants = constants | {
             "SPLITS": splits,
             "SPLITS_P2": next_power_of_two(splits),
@@ -617,10 +617,16 @@ def tile_kernel_config(group: int, head_dim: int) -> tuple[int, int, int, int]:
     return max(1, rows // next_power_of_two(group)), 64, 4, 3
 
 
-def split_kernel_config(split: int, head_dim: int) -> tuple[int, int, int]:
-    """``(num_warps, num_stages, BLOCK_N)`` of the split kernel: 4 warps, two stages, blocks of up to 64
-    positions (32 for heads over 64), at least 16 and at most the split."""
-    return 4, 2, max(16, min(split, 64 if head_dim <= 64 else 32))
+def split_kernel_config(split: int, head_dim: int, *, wide: bool = False) -> tuple[int, int, int]:
+    """``(num_warps, num_stages, BLOCK_N)`` of the split kernel: two stages, blocks of up to 64 positions (32
+    for heads over 64), at least 16 and at most the split; four warps, two for a ``wide`` launch (tokens and KV
+    heads giving every multiprocessor at least two programs before any split). Measured on an H200
+    (``benchmarks/attention_splits.py --rows 64,256 --cache-dtype bf16``, docs/benchmarks.md), a wide launch's
+    programs are short walks that many programs run side by side: two warps each took the 8B shape at 64 rows
+    from 12.0 / 17.8 / 49.2 us a layer (contexts 96 / 160 / 512) to 10.6 / 15.0 / 42.9, the 1B shape at 256 rows
+    from 26.1 / 35.3 / 93.9 to 23.8 / 32.8 / 86.8, and left the 1B shape at 64 rows (8.3 / 11.4 / 28.6 against
+    8.6 / 11.5 / 27.0) and the 8B shape at 256 rows (36.8 / 55.5 / 162.6 against 38.3 / 54.9 / 163.2) level."""
+    return 2 if wide else 4, 2, max(16, min(split, 64 if head_dim <= 64 else 32))
 
 
 CACHE_PLANE_DTYPES = (mf.DTYPE_F32, mf.DTYPE_BF16)
