@@ -90,6 +90,28 @@ def test_rope_cache_write_rounds_to_the_reference_bits(cuda_context: Context) ->
     assert not np.array_equal(want["k_plane"], arrays["k_plane"])
 
 
+def _attention_inputs(
+    rng: np.random.Generator,
+    heads: tuple[int, int, int],
+    planes: tuple[int, int],
+    table: np.ndarray,
+    token_row: np.ndarray,
+    token_position: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """A ``paged_attention`` node's inputs but ``out``: random queries (``heads`` = query heads, KV heads, head
+    size) and random bfloat16 planes of ``planes`` = (pages, page tokens), over the given table and tokens."""
+    query_heads, kv_heads, head_dim = heads
+    pages, page_tokens = planes
+    return {
+        "q": rng.standard_normal((token_row.size, query_heads, head_dim)).astype(np.float32),
+        "k_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
+        "v_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
+        "page_table": table,
+        "token_row": token_row,
+        "token_position": token_position,
+    }
+
+
 @pytest.mark.parametrize("tokens", [3, 96], ids=["decode", "tiles"])
 def test_attention_over_bf16_planes_matches_the_reference(cuda_context: Context, tokens: int) -> None:
     rng = np.random.default_rng(tokens)
@@ -103,15 +125,8 @@ def test_attention_over_bf16_planes_matches_the_reference(cuda_context: Context,
     else:
         token_row = np.arange(tokens, dtype=np.int32)
         token_position = np.array([5, 70, 200], dtype=np.int32)
-    arrays = {
-        "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
-        "k_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
-        "v_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
-        "page_table": table,
-        "token_row": token_row,
-        "token_position": token_position,
-        "out": np.zeros((tokens, heads, head_dim), dtype=np.float32),
-    }
+    arrays = _attention_inputs(rng, (heads, kv_heads, head_dim), (pages, page_tokens), table, token_row, token_position)
+    arrays["out"] = np.zeros((tokens, heads, head_dim), dtype=np.float32)
     attributes = {"scale": 0.125}
     got = run_node(cuda_context, "paged_attention", arrays, attributes)["out"]
     want = reference_node("paged_attention", arrays, attributes)["out"]
@@ -132,15 +147,8 @@ def test_wide_decode_attention_over_bf16_planes_matches_the_reference(
     token_row[[5, tokens - 1]] = -1  # padding
     token_position = rng.integers(0, width * page_tokens, tokens).astype(np.int32)
     token_position[:6] = [0, 96, 255, 256, 600, width * page_tokens - 1]
-    arrays = {
-        "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
-        "k_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
-        "v_plane": _bf16(rng, (pages, page_tokens, kv_heads, head_dim)),
-        "page_table": table,
-        "token_row": token_row,
-        "token_position": token_position,
-        "out": np.full((tokens, heads, head_dim), np.nan, dtype=np.float32),
-    }
+    arrays = _attention_inputs(rng, (heads, kv_heads, head_dim), (pages, page_tokens), table, token_row, token_position)
+    arrays["out"] = np.full((tokens, heads, head_dim), np.nan, dtype=np.float32)
     attributes = {"scale": head_dim**-0.5}
     got = run_node(cuda_context, "paged_attention", arrays, attributes, repeat=2, reset=["out"])["out"]
     want = reference_node("paged_attention", arrays, attributes)["out"]
