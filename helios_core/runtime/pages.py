@@ -239,8 +239,8 @@ class PageAllocator:
     def match_prefix(self, tokens: Sequence[int], max_tokens: int, images: Sequence[PromptImage] = ()) -> PrefixMatch:
         """The longest run of published complete pages equal to ``tokens[:max_tokens]``'s prefix, on the
         device or (:data:`HOST_RESIDENT`) in the host tier. ``images``: the prompt's images (their digests
-        are part of the keys of the pages holding their spans)."""
-        self.stats.prefix_queries += 1
+        are part of the keys of the pages holding their spans). A lookup counts in the statistics only
+        when a request is admitted with it (:meth:`count_reuse`)."""
         pages: list[int] = []
         hashes: list[bytes] = []
         previous: bytes | None = None
@@ -296,9 +296,15 @@ class PageAllocator:
                 self._hash_of[page] = key
                 pages[index] = page
             match = PrefixMatch(tuple(pages), match.hashes, match.tokens)
-        self.stats.prefix_hit_pages += len(match.pages)
-        self.stats.reused_tokens += match.tokens
         return match
+
+    def count_reuse(self, claimed: PrefixMatch, reused_tokens: int) -> None:
+        """Count one prefix lookup that admitted its request: the pages it claimed and the prompt tokens it
+        reused (a checkpoint's tokens included). A lookup whose request could not be admitted yet (its claim
+        released, the lookup repeated next round) is not counted, so every reused token counts once."""
+        self.stats.prefix_queries += 1
+        self.stats.prefix_hit_pages += len(claimed.pages)
+        self.stats.reused_tokens += reused_tokens
 
     def publish(
         self, page: int, key: bytes, *, parent: bytes | None = None, tokens: Sequence[int] | None = None

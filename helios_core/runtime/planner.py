@@ -326,7 +326,7 @@ class RoundPlanner:
             sampling_step=int(table.generated[slot]),
             grammar_mask=self._mask(state, gate) if sample and gate is not None else None,
             score_targets=score_targets,
-            prompt_histogram=self._histogram(slot, state.prompt_len) if histogram else None,
+            prompt_histogram=self._histogram(slot, table.length(slot)) if histogram else None,
             consumed=int(table.consumed[slot]) if consumed is None else consumed,
             output_limit=int(table.max_tokens[slot]) - int(table.generated[slot]),
             mixed_prefill=mixed_prefill,
@@ -336,8 +336,11 @@ class RoundPlanner:
             images=images,
         )
 
-    def _histogram(self, slot: int, prompt_len: int) -> npt.NDArray[np.uint8]:
-        return prompt_histogram(self.table.tokens[slot, :prompt_len], self.histogram_width)
+    def _histogram(self, slot: int, known: int) -> npt.NDArray[np.uint8]:
+        """The presence histogram ``initialize`` writes: the prompt's ids and, for a request recomputed after
+        preemption, the ids it generated before (the repetition penalty reads presence in the prompt or the
+        output; the output counts themselves start at zero again)."""
+        return prompt_histogram(self.table.tokens[slot, :known], self.histogram_width)
 
     def _expect(
         self, state: RequestState, consumed: int, samples: bool, scores: tuple[int, int] = (0, 0)

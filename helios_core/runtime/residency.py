@@ -287,8 +287,9 @@ class Residency:
             if restoring is not None and self.checkpoints is not None:
                 self.checkpoints.claim(restoring)  # pinned until its restore round copied it
                 state.restoring = restoring
-                self.allocator.stats.reused_tokens += restoring.endpoint - match.tokens
                 reused = restoring.endpoint
+            if not state.scoring:
+                self.allocator.count_reuse(claimed, reused)
             if state.reused_tokens < 0:
                 state.reused_tokens = reused
             if state.snapshot_row < 0:
@@ -362,7 +363,8 @@ class Residency:
                 limit = cut.start
             match, keys = _NO_MATCH, self._prompt_keys(tokens, limit, state.request.images)
         any_presence = state.sampling.repetition_penalty == 1.0  # prompt presence is read by that penalty only
-        presence = frozenset(tokens[: state.prompt_len]) if keys and not any_presence else frozenset()
+        known = state.prompt_len + state.generated  # a recomputed request's presence holds its output too
+        presence = frozenset(tokens[:known]) if keys and not any_presence else frozenset()
 
         def usable(checkpoint: Checkpoint) -> bool:
             return any_presence or checkpoint.presence == presence
@@ -427,8 +429,9 @@ class Residency:
         and its sampling state rows hold what a checkpoint may copy, mark it for a checkpoint there (its
         SNAPSHOT round comes next; it keeps its slot). The snapshot row is a free one or, with none free,
         that of the least recently used checkpoint of the same chain (a shorter prefix of its tokens,
-        dropped), or, with a host tier, of any chain (it moves to the host tier); with none, no checkpoint
-        is taken."""
+        dropped), or else that of the least recently used checkpoint of any chain (moved to the host tier
+        when there is one, else dropped: a cache that the first prefixes filled keeps taking new ones); with
+        every checkpoint pinned, no checkpoint is taken."""
         checkpoints, table, slot = self.checkpoints, self.table, state.slot
         if checkpoints is None or state.presence is None or state.snapshot_row >= 0:
             return
@@ -441,8 +444,8 @@ class Residency:
         if not self.free_snapshot_rows:
             chain = frozenset(table.hashes[slot][: endpoint // self.page_tokens])
             row = checkpoints.evict(lambda checkpoint: checkpoint.key in chain, offload=False)
-            if row is None and checkpoints.host is not None:
-                row = checkpoints.evict()  # another prefix's: it moves to the host tier
+            if row is None:
+                row = checkpoints.evict()  # another prefix's: to the host tier when there is one
             if row is None:
                 return
             self.free_snapshot_rows.append(row)
@@ -462,8 +465,9 @@ class Residency:
 
     def initialized(self, state: RequestState) -> bool:
         """``state``'s sampling state rows were initialized from its prompt (a core with checkpoints): they
-        hold its prompt's presence and no output counts. True when a checkpoint is restored next."""
-        state.presence = frozenset(self.table.token_list(state.slot, 0, state.prompt_len))
+        hold its prompt's presence (and that of the tokens it generated before, when it is recomputed after
+        preemption) and no output counts. True when a checkpoint is restored next."""
+        state.presence = frozenset(self.table.token_list(state.slot, 0, self.table.length(state.slot)))
         if state.restoring is None:
             return False
         self.table.set_phase(state.slot, Phase.RESTORE)

@@ -93,6 +93,7 @@ class Admission:
         """Hold times (seconds) of the latest released permits."""
         self.held_here = 0
         """Permits this process holds (the server's ``in_use`` unless the bound is shared)."""
+        self._refused_here = 0
         self._ended_here = 0
         self._ended_lock = threading.Lock()
         self._shared: ServerTally | None = None
@@ -116,11 +117,19 @@ class Admission:
         delivered."""
         return self._ended_here if self._shared is None else self._shared.ended()
 
+    @property
+    def refused(self) -> int:
+        """Requests refused (over the whole server) because every permit was held: the 429s."""
+        return self._refused_here if self._shared is None else self._shared.refused()
+
     def admit(self) -> Permit:
-        """Take a permit now, or raise IngressFull."""
+        """Take a permit now, or raise IngressFull (counted in :attr:`refused`)."""
         shared = self._shared
         full = self.held_here >= self.capacity if shared is None else not shared.take_permit(self.capacity)
         if full:
+            self._refused_here += 1
+            if shared is not None:
+                shared.add_refused()
             raise IngressFull(
                 f"the server holds its limit of {self.capacity} requests (queue_capacity + max_active); retry later",
                 self.retry_after_ms(),

@@ -39,7 +39,6 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from helios_core.errors import HeliosError, PromptError
-from helios_core.runtime.messages import AdmissionRejected
 
 __all__ = [
     "REQUEST_ID_STATE",
@@ -115,11 +114,6 @@ class AdmissionRefused(HeliosError):
         self.permanent = permanent
         self.retry_after_ms: int | None = None
         """When a transient refusal may pass (set by the server from its admission estimate)."""
-
-    @classmethod
-    def of(cls, event: AdmissionRejected) -> AdmissionRefused:
-        """The error of the model worker's rejection event."""
-        return cls(event.message, event.param, permanent=event.permanent)
 
 
 class RequestCancelled(HeliosError):

@@ -157,9 +157,9 @@ def _read_data_url(url: str, limits: ImageLimits, index: int | None) -> tuple[by
     params = [param.strip().lower() for param in header["params"].split(";")[1:]]
     expected = MEDIA_TYPES.get(media_type)
     if expected is None:
-        shown = repr(media_type[:64]) if media_type else "none"
+        shown = f"'s media type {media_type[:64]!r} is not supported" if media_type else " names no media type"
         raise ImageInputError(
-            f"the image data URL's media type {shown} is not supported "
+            f"the image data URL{shown} "
             "(image/png, image/jpeg, image/webp or image/gif)",
             index=index,
         )
@@ -191,8 +191,12 @@ def _fetch(url: str, limits: ImageLimits, index: int | None) -> bytes:
         location = _fetch_once(current, limits, deadline, index)
         if isinstance(location, bytes):
             return location
-        target = urllib.parse.urljoin(current, location)
-        if urllib.parse.urlsplit(target).scheme.lower() not in ("http", "https"):
+        try:
+            target = urllib.parse.urljoin(current, location)
+            scheme = urllib.parse.urlsplit(target).scheme.lower()
+        except ValueError:
+            raise ImageInputError("the image URL redirects to a URL that is not valid", index=index) from None
+        if scheme not in ("http", "https"):
             raise ImageInputError("the image URL redirects to a URL that is not http(s)", index=index)
         current = target
     raise ImageInputError(f"the image URL redirects more than {MAX_REDIRECTS} times", index=index)
@@ -200,8 +204,12 @@ def _fetch(url: str, limits: ImageLimits, index: int | None) -> bytes:
 
 def _fetch_once(url: str, limits: ImageLimits, deadline: float, index: int | None) -> bytes | str:
     """The body of one GET of ``url``, or the ``Location`` of its redirect, by ``deadline``."""
-    parts = urllib.parse.urlsplit(url)
-    if not parts.hostname:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+    except ValueError:  # an unclosed IPv6 bracket, say
+        raise ImageInputError("the image URL is not a valid URL", index=index) from None
+    if not host:
         raise ImageInputError("the image URL names no host", index=index)
     try:
         port = parts.port
@@ -214,7 +222,10 @@ def _fetch_once(url: str, limits: ImageLimits, deadline: float, index: int | Non
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise _timed_out(limits, index)
-    connection = connection_type(parts.hostname, port, timeout=remaining)
+    try:
+        connection = connection_type(host, port, timeout=remaining)
+    except (http.client.HTTPException, ValueError) as exc:  # a host with spaces or a zone index: InvalidURL
+        raise ImageInputError(f"the image URL is not valid: {exc}", index=index) from None
     watchdog: _Watchdog | None = None
     try:
         try:

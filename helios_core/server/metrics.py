@@ -153,6 +153,10 @@ class OutputFailures:
         return sum(self.counts().values())
 
 
+def _none() -> int:
+    return 0
+
+
 class EngineCollector(Collector):
     """Collects every metric family from one statistics snapshot per scrape."""
 
@@ -163,9 +167,11 @@ class EngineCollector(Collector):
         output_failures: OutputFailures | None = None,
         load: Callable[[], LoadReading] | None = None,
         vllm_metrics: bool = False,
+        refused: Callable[[], int] | None = None,
     ) -> None:
         self._statistics = statistics
         self._admitted = admitted
+        self._refused = refused if refused is not None else _none
         self._load = load
         self._vllm_metrics = vllm_metrics
         self._output_failures = output_failures if output_failures is not None else OutputFailures()
@@ -192,7 +198,11 @@ class EngineCollector(Collector):
         s = self._statistics()
         yield _counter("helios_requests_received", "Requests the model worker queued.", s.received)
         yield _counter("helios_requests_admitted", "Requests admitted to a model slot.", s.admitted)
-        yield _counter("helios_requests_rejected", "Requests rejected at admission (outside capacities).", s.rejected)
+        yield _counter(
+            "helios_requests_rejected",
+            "Requests rejected at admission: outside the capacities, or refused with 429 at the server's bound.",
+            s.rejected + self._refused(),
+        )
         yield _counter(
             "helios_requests_failed",
             "Requests failed by execution or output errors.",
@@ -372,11 +382,14 @@ class MetricsExporter:
         load: Callable[[], LoadReading] | None = None,
         *,
         vllm_metrics: bool = False,
+        refused: Callable[[], int] | None = None,
     ) -> None:
         self.output_failures = OutputFailures()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
-            EngineCollector(statistics, admitted, self.output_failures, load=load, vllm_metrics=vllm_metrics)
+            EngineCollector(
+                statistics, admitted, self.output_failures, load=load, vllm_metrics=vllm_metrics, refused=refused
+            )
         )
 
     def exposition(self) -> bytes:

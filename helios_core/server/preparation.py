@@ -124,6 +124,11 @@ class Frontend:
         self.boundaries = PrefixBoundaries.of(running.bootstrap.frontend)
         """The core's prefix-boundary rules: with any, chat prompts carry their message layout."""
         self.logprobs_top_n, self.supports_prompt_logprobs = _logprob_capabilities(running)
+        self.scores_images = any(
+            graph.operation == ct.OPERATION_SCORED_PREFILL and graph.takes_images
+            for graph in running.model.selection.graphs.values()
+        )
+        """Whether a scored prefill program takes images (prompt logprobs of a prompt with images)."""
         envelope = self.selected.reasoning_envelope
         self.reasoning = envelope_reasoning(
             running.bootstrap.frontend, envelope.factory if envelope is not None else _no_reasoning_envelope
@@ -206,6 +211,9 @@ class Prepared:
     """A completion's echoed prompt text (presented before the generated text), None without echo."""
     prompt_field: str = "messages"
     """The request field the prompt comes from: an admission rejection naming the prompt names it."""
+    output_limit_field: str = "max_tokens"
+    """The request field the output limit comes from (``max_completion_tokens`` where a chat request sent
+    it): an admission rejection naming the output limit names it."""
 
     def pipeline(self, frontend: Frontend) -> OutputPipeline:
         """A fresh output pipeline (reasoning and tool parsers) for this request."""
@@ -624,6 +632,12 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     layout = _expanded_layout(layout, prompt_images)
     sampling = _sampling(frontend, request)
     top_logprobs, prompt_logprobs = _logprob_settings(frontend, request)
+    if prompt_logprobs and images and not frontend.scores_images:
+        raise InvalidRequest(
+            "prompt_logprobs are not supported for a prompt with images by this core: its scored prefill "
+            "programs take no images",
+            "prompt_logprobs",
+        )
 
     with _naming_field("stop", "stop_token_ids", "stop_token_sequences"):
         string_stops = parse_string_stops(request.stop)
@@ -687,6 +701,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         return_token_timestamps=observe_times,
         logprobs=top_logprobs >= 0,
         prompt_logprobs=prompt_logprobs,
+        output_limit_field="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
     )
 
 

@@ -246,14 +246,16 @@ def _convert(name: str, value: Any, source: str) -> Any:
     raise StartupError(f"{where} must be an integer, not {value!r}")
 
 
-def _seconds(value: Any, where: str) -> float:
-    """A non-negative, finite number of seconds (a number or its string)."""
+def _seconds(value: Any, where: str, *, positive: bool = False) -> float:
+    """A finite number of seconds (a number or its string), at least 0, or above 0 when ``positive``."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise StartupError(f"{where} must be a number of seconds, not {value!r}")
     try:
         seconds = float(value)
     except ValueError:
         raise StartupError(f"{where} must be a number of seconds, not {value!r}") from None
+    if positive and not (math.isfinite(seconds) and seconds > 0):
+        raise StartupError(f"{where} must be a positive, finite number of seconds, not {value!r}")
     if not math.isfinite(seconds) or seconds < 0:
         raise StartupError(f"{where} must be a finite number of seconds of at least 0, not {value!r}")
     return seconds
@@ -300,7 +302,9 @@ def resolve_options(
     if "shutdown_timeout" in values:  # an explicit value is checked as the others are
         values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "--shutdown-timeout")
     if values.get("image_fetch_timeout") is not None:
-        values["image_fetch_timeout"] = _seconds(values["image_fetch_timeout"], "--image-fetch-timeout")
+        values["image_fetch_timeout"] = _seconds(
+            values["image_fetch_timeout"], "--image-fetch-timeout", positive=True
+        )
     if values.get("rank_join_timeout") is not None:
         values["rank_join_timeout"] = _seconds(values["rank_join_timeout"], "--rank-join-timeout")
     if values.get("core") is None:

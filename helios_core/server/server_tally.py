@@ -3,9 +3,9 @@
 Owns :class:`ServerTally`: one small shared-memory table, a row per HTTP process, of what an HTTP process
 counts itself and the whole server must see as one figure: the admission permits held (the 429 bound is
 ``queue_capacity + max_active`` over all the processes), the permits whose generation ended (the load
-gauges' undelivered responses), the requests each process admitted, and the output failures by the finish
-reason the worker counted (moved from finished to failed in ``/metrics``). Whichever process answers a
-scrape reads every row, so its figures are the server's.
+gauges' undelivered responses), the requests each process admitted and refused (429), and the output
+failures by the finish reason the worker counted (moved from finished to failed in ``/metrics``). Whichever
+process answers a scrape reads every row, so its figures are the server's.
 
 The table is an anonymous memory file (``memfd``, or an unnamed temporary file where there is none) that
 ``helios run`` creates; each other HTTP process receives a duplicate of its descriptor when it is spawned
@@ -37,8 +37,8 @@ __all__ = ["FAILURE_REASONS", "ServerTally", "TallyShare"]
 FAILURE_REASONS: tuple[str, ...] = get_args(FinishReason)
 """The finish reasons an output failure can be moved from (every reason the worker finishes with)."""
 
-_HELD, _ENDED, _ADMITTED = 0, 1, 2
-_FAILED = 3
+_HELD, _ENDED, _ADMITTED, _REFUSED = 0, 1, 2, 3
+_FAILED = 4
 """Column of the first output-failure count (one column per :data:`FAILURE_REASONS` entry)."""
 _COLUMNS = _FAILED + len(FAILURE_REASONS)
 _CELL_BYTES = 8
@@ -154,6 +154,14 @@ class ServerTally:
 
     def return_permit(self) -> None:
         self._add(_HELD, -1)
+
+    def add_refused(self) -> None:
+        """One request this process refused because every permit was held (a 429)."""
+        self._add(_REFUSED, 1)
+
+    def refused(self) -> int:
+        """Requests refused over the whole server because every permit was held."""
+        return self._column(_REFUSED)
 
     def add_ended(self, count: int) -> None:
         """``count`` (1 or -1) more of this process's permits whose generation ended."""

@@ -145,6 +145,7 @@ class ChatService:
             lambda: self.admission.in_use,
             self.load,
             vllm_metrics=settings.vllm_metrics,
+            refused=lambda: self.admission.refused,
         )
         self._origin_ns = running.model.clock_origin_ns
         self._responses: dict[str, EventQueue] = {}
@@ -514,12 +515,17 @@ def _check_content_type(value: str | None) -> None:
 
 
 def _refusal(event: AdmissionRejected, prepared: Prepared, retry_after_ms: int | None = None) -> AdmissionRefused:
-    """The error of the model worker's rejection, naming the request's own prompt field (the worker
-    names the prompt ``messages``; a completion's is ``prompt``), with when a transient one may pass."""
-    refusal = AdmissionRefused.of(event)
+    """The error of the model worker's rejection, naming the request's own prompt and output limit fields
+    (the worker names them ``messages`` and ``max_tokens``; a completion's prompt is ``prompt``, a chat
+    request's limit may be ``max_completion_tokens``), with when a transient one may pass."""
+    message, param = event.message, event.param
+    if param == "messages":
+        param = prepared.prompt_field
+    elif param == "max_tokens" and prepared.output_limit_field != "max_tokens":
+        param = prepared.output_limit_field
+        message = message.replace("plus max_tokens (", f"plus {param} (")
+    refusal = AdmissionRefused(message, param, permanent=event.permanent)
     refusal.retry_after_ms = None if retry_after_ms is None else clamp_retry_after_ms(retry_after_ms)
-    if refusal.param == "messages":
-        refusal.param = prepared.prompt_field
     return refusal
 
 

@@ -112,6 +112,27 @@ def test_a_shared_200_token_prefix_is_restored_from_its_checkpoint(
     assert_pages_released(engine)
 
 
+def test_a_new_prefix_takes_a_row_from_another_chain_once_every_row_is_held(
+    core: SignedCore, started: list[RunningModel]
+) -> None:
+    """Without a host tier the first long prompt's chain holds all four rows; a prompt of another chain
+    still takes checkpoints (its first takes the row of the least recently used checkpoint of any chain,
+    the deeper ones those of its own chain), so the prompt's next turn reuses it."""
+    engine = run(core, started).engine
+    engine.generate(request("first", [*SHARED, 11, 12, 13], 4))
+    index = checkpoints_of(engine)
+    assert index.endpoints() == [160, 176, 192, 200]
+    other = prompt_of(9, 63)  # no page in common with SHARED
+    assert engine.generate(request("other", other, 4)).reused_prompt_tokens == 0
+    assert sorted(index.endpoints()) == [60, 176, 192, 200]  # chunks end at 16, 32, 48 and the cut at 60
+    follow_up = [*other[:60], 8, 9]
+    tokens, end = tokens_and_end(engine, request("follow-up", follow_up, 8))
+    assert isinstance(end, Finished) and end.reused_prompt_tokens == 60
+    assert tokens == oracle_greedy(follow_up, 8)
+    index.check()
+    assert_pages_released(engine)
+
+
 def test_a_prompt_sharing_part_of_a_chain_restores_the_deepest_checkpoint_it_shares(
     core: SignedCore, started: list[RunningModel]
 ) -> None:

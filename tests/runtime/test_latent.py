@@ -20,6 +20,7 @@ from ignition.recipes.llama import Capacities
 from helios_core.backends import reference_kernels as rk
 from helios_core.runtime.messages import Finished
 from helios_core.runtime.startup import RunningModel
+from helios_core.sampling import SamplingParams
 from helios_core.wire import contract_pb2 as ct
 
 from .conftest import FIXTURES
@@ -159,6 +160,22 @@ def test_a_small_cache_completes_every_request_through_preemption(
     assert_each_finishes_at_length(submit_all(engine, prompts, 24), solo)
     assert engine.statistics().preemptions > 0
     assert solo[0] == oracle_greedy(prompts[0], 24)
+    assert_pages_released(engine)
+
+
+def test_a_repetition_penalty_survives_preemption_by_recomputation(
+    core: SignedCore, started: list[RunningModel]
+) -> None:
+    """The latent core has no snapshot programs: a preempted request is recomputed from position 0. Its
+    initialization marks the ids it generated before as present, so a greedy request with a repetition
+    penalty (which reads presence in the prompt or the output) goes on exactly as it would alone."""
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    prompts = [prompt_of(i, 6 + i % 3) for i in range(16)]
+    solo = solo_tokens(run(core, started, max_active=16).engine, prompts, 24, penalised)
+    assert solo != solo_tokens(run(core, started, max_active=16).engine, prompts, 24)  # the penalty matters
+    engine = run(core, started, cache_pages=64, max_active=16).engine
+    assert_each_finishes_at_length(submit_all(engine, prompts, 24, penalised), solo)
+    assert engine.statistics().preemptions > 0
     assert_pages_released(engine)
 
 

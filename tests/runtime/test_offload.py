@@ -122,6 +122,8 @@ def test_an_evicted_published_page_moves_to_host_memory_and_a_prefix_match_resto
     assert [pages.refcount(page) for page in claimed.pages] == [1, 1]
     assert host.used_pages == 0 and host.free_pages == 4
     assert (host.stats.offloaded, host.stats.restored, host.stats.evicted) == (2, 2, 0)
+    assert pages.stats.reused_tokens == 0 and pages.stats.prefix_hit_pages == 0  # counted at admission only
+    pages.count_reuse(claimed, claimed.tokens)
     assert pages.stats.reused_tokens == 4 and pages.stats.prefix_hit_pages == 2
     pages.check()
 

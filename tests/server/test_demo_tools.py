@@ -111,3 +111,12 @@ def test_a_request_beyond_the_context_is_refused_once_without_retries(demo: Serv
         "param": "max_tokens",
         "code": 503,
     }
+    with pytest.raises(openai.InternalServerError) as raised:  # the field the client sent is the one named
+        client.chat.completions.create(model=MODEL, messages=[QUESTION], max_completion_tokens=9000)
+    assert raised.value.body == {
+        "message": "prompt (37 tokens) plus max_completion_tokens (9000) exceeds the core's context of 8192 "
+        "tokens; at most 8155 output tokens fit this prompt",
+        "type": "admission_rejected",
+        "param": "max_completion_tokens",
+        "code": 503,
+    }

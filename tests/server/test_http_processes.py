@@ -251,6 +251,7 @@ def test_admission_holds_exactly_four_requests_over_both_processes(run: Run) -> 
         streams.on_both(LONG)
         while len(streams.readers) < 4:
             streams.open(LONG)
+        rejected = metric_values(served)["helios_requests_rejected_total"]
         for _ in range(6):  # each a fresh connection: whichever process it reaches refuses it
             refused = httpx.post(served + "/v1/chat/completions", json=LONG, timeout=30)
             assert refused.status_code == 429
@@ -260,8 +261,9 @@ def test_admission_holds_exactly_four_requests_over_both_processes(run: Run) -> 
                 "the server holds its limit of 4 requests (queue_capacity + max_active); retry later"
             )
             assert 1 <= int(refused.headers["retry-after"]) <= 60
-        for _ in range(4):  # every process exports the server's figure
+        for _ in range(4):  # every process exports the server's figures
             assert metric_values(served)["helios_http_admitted"] == 4
+            assert metric_values(served)["helios_requests_rejected_total"] == rejected + 6  # the 429s of both
         wait_for(lambda: metric_values(served)["helios_num_requests_running"] == 2)
         wait_for(lambda: metric_values(served)["helios_num_requests_waiting"] == 2)
     # every stream was closed unread: the permits return in both processes

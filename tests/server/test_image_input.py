@@ -155,7 +155,7 @@ def test_the_declared_media_type_must_match_the_data() -> None:
         ),
         (
             "data:;base64,AAAA",
-            "the image data URL's media type none is not supported (image/png, image/jpeg, image/webp or image/gif)",
+            "the image data URL names no media type (image/png, image/jpeg, image/webp or image/gif)",
         ),
         ("data:image/png,rawbytes", "the image data URL must be base64-encoded (data:<media type>;base64,...)"),
         ("data:image/png;base64", "the image data URL is malformed: expected data:<media type>;base64,<data>"),
@@ -288,6 +288,10 @@ class _ImageHandler(BaseHTTPRequestHandler):
             self._headers(302, {"Location": "/cat.png", "Content-Length": "0"})
         elif path == "/to-file":
             self._headers(302, {"Location": "file:///etc/passwd", "Content-Length": "0"})
+        elif path == "/to-unclosed-bracket":
+            self._headers(302, {"Location": "http://[::1/x.png", "Content-Length": "0"})
+        elif path == "/to-spaced-host":
+            self._headers(302, {"Location": "http://a b/x.png", "Content-Length": "0"})
         elif path == "/loop":
             self._headers(302, {"Location": "/loop", "Content-Length": "0"})
         elif path == "/slow":  # a trickle: each byte well within a socket timeout, the whole far beyond
@@ -344,6 +348,20 @@ def test_remote_redirects_stay_on_http(image_server: str) -> None:
     assert _refusal(f"{image_server}/nothing", REMOTE) == "fetching the image URL failed: HTTP status 404"
 
 
+def test_malformed_remote_urls_and_redirect_targets_are_refused(image_server: str) -> None:
+    """URLs the parser or the connection refuses (an unclosed IPv6 bracket, a space in the host, a zone index)
+    are 400s naming the URL, also as a redirect's Location."""
+    assert _refusal("http://[::1/", REMOTE) == "the image URL is not a valid URL"
+    assert _refusal("http://a b/x.png", REMOTE).startswith("the image URL is not valid: URL can't contain control")
+    assert _refusal("http://[fe80::1%25eth0]/a.png", REMOTE).startswith("the image URL is not valid: nonnumeric port")
+    for path in ("/to-unclosed-bracket", "/to-spaced-host"):
+        refusal = _refusal(f"{image_server}{path}", REMOTE)
+        assert refusal in (
+            "the image URL redirects to a URL that is not valid",
+            "the image URL is not valid: URL can't contain control characters. 'a b' (found at least ' ')",
+        ), refusal
+
+
 def test_a_slow_remote_image_times_out(image_server: str) -> None:
     started = time.monotonic()
     limits = ImageLimits(allow_urls=True, fetch_timeout=0.5)
@@ -395,12 +413,19 @@ def test_run_options_give_the_image_limits(tmp_path: Path) -> None:
     [
         ({"image_max_count": 0}, "--image-max-count must be a positive integer, not 0"),
         ({"image_fetch_timeout": 0.0}, "--image-fetch-timeout must be a positive, finite number of seconds, not 0.0"),
+        (
+            {"image_fetch_timeout": "nan"},
+            "--image-fetch-timeout must be a positive, finite number of seconds, not 'nan'",
+        ),
+        (
+            {"image_fetch_timeout": "inf"},
+            "--image-fetch-timeout must be a positive, finite number of seconds, not 'inf'",
+        ),
     ],
 )
 def test_run_options_out_of_range_fail_startup(explicit: dict[str, Any], message: str) -> None:
-    options = resolve_options({"core": Path("x.core"), **explicit}, None, {})
     with pytest.raises(StartupError) as caught:
-        options.image_limits()
+        resolve_options({"core": Path("x.core"), **explicit}, None, {}).image_limits()
     assert str(caught.value) == message
 
 

@@ -23,10 +23,13 @@ def _metrics(served: Served) -> dict[str, float]:
 
 def test_full_ingress_is_429(served: Served) -> None:
     capacity = 4  # queue_capacity 2 + max_active 2
+    rejected = _metrics(served)["helios_requests_rejected_total"]
     with served.slow(0.03), held_requests(served.base_url, capacity) as results:
-        refused = chat(served.base_url, max_tokens=2)
-        assert refused.status_code == 429
-        assert refused.json()["error"]["type"] == "rate_limit_error"
+        for _ in range(3):
+            refused = chat(served.base_url, max_tokens=2)
+            assert refused.status_code == 429
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert _metrics(served)["helios_requests_rejected_total"] == rejected + 3  # each 429 counted once
     assert results == [200] * capacity
     wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
     assert chat(served.base_url, max_tokens=2).status_code == 200

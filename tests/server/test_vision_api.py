@@ -231,6 +231,29 @@ def test_bad_images_on_a_vision_core_are_400s_and_leave_nothing_behind(tiles: Se
     assert reply.choices[0].finish_reason == "length" and len(response_ids(reply)[1]) == GENERATED
 
 
+def test_prompt_logprobs_of_a_prompt_with_an_image_are_a_400_where_no_scored_program_takes_images(
+    tiles: Served,
+) -> None:
+    """The tile core's scored prefill programs take no images: prompt logprobs of an image prompt are a
+    request this core cannot serve (400, ``prompt_logprobs``), as on a core without scored programs; the same
+    request without the image is served."""
+    image = {"type": "image_url", "image_url": {"url": data_url(random_pixels(51, 16, 16))}}
+    response = chat(tiles.base_url, model=MODEL, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Look"}, image]}], max_tokens=2, prompt_logprobs=0)  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": "prompt_logprobs are not supported for a prompt with images by this core: its scored prefill "
+        "programs take no images",
+        "type": "invalid_request_error",
+        "param": "prompt_logprobs",
+        "code": 400,
+    }
+    text_only = chat(tiles.base_url, model=MODEL, messages=[{"role": "user", "content": "Look"}], max_tokens=2,
+                     prompt_logprobs=0)  # fmt: skip
+    assert text_only.status_code == 200, text_only.text
+    assert admitted(tiles.base_url) == 0
+
+
 @pytest.fixture(scope="module")
 def served_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A tiny tiles vision core with JSON-tag tool calls and room for a tools system message and a long

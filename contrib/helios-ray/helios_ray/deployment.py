@@ -44,6 +44,11 @@ _HOP_BY_HOP = frozenset(
      "upgrade", "host", "content-length"}
 )  # fmt: skip
 REPLICA_HEADER = "x-helios-replica"
+REQUEST_ID_HEADER = "x-helios-request-id"
+"""Helios's ``x-request-id`` (the response's id) as the ingress returns it: Ray Serve's proxy writes its own
+``x-request-id`` (its request id: the client's, when the request carried one) on every response."""
+_PROXY_WRITTEN = frozenset({"date", "server", "x-request-id"})
+"""Response headers the HTTP proxy in front of the ingress writes itself: forwarding Helios's would send two."""
 
 
 def _unavailable_body(message: str) -> bytes:
@@ -144,7 +149,10 @@ class HeliosServer:
             return
         streaming = response.headers.get("content-type", "").startswith("text/event-stream")
         try:
-            head = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _HOP_BY_HOP]
+            head = [
+                (k, v) for k, v in response.headers.multi_items() if k.lower() not in _HOP_BY_HOP | _PROXY_WRITTEN
+            ]
+            head += [(REQUEST_ID_HEADER, v) for v in response.headers.get_list("x-request-id")]
             yield {"status": response.status_code, "headers": [*head, (REPLICA_HEADER, self._replica)]}
             async for chunk in response.aiter_raw():
                 yield chunk

@@ -111,6 +111,21 @@ def chat(client: httpx.Client, url: str, prompt: str, *, stream: bool, max_token
         return False, "", f"{type(exc).__name__}: {exc}"
 
 
+def test_responses_carry_each_header_once(served: Served) -> None:
+    """Ray Serve's proxy writes ``date``, ``server`` and ``x-request-id`` itself: the ingress forwards none of
+    Helios's, and Helios's request id (the response's ``id``) arrives as ``x-helios-request-id``."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    response = httpx.post(
+        f"{served.url}/v1/chat/completions", json=body, headers={"x-request-id": "mine-1"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    names = [name.lower() for name, _ in response.headers.multi_items()]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    assert repeated == [], response.headers
+    assert response.headers["x-helios-request-id"] == response.json()["id"]
+    assert response.headers["x-request-id"] == "mine-1"  # Ray Serve keeps the client's request id
+
+
 def test_two_replicas_serve_concurrent_chats_with_prefix_affinity(served: Served) -> None:
     assert len(helios_processes(served.core)) == 2
     prompts = [f"request number {index}: tell me something" for index in range(16)]
