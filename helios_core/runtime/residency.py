@@ -249,6 +249,8 @@ class Residency:
     def admit(self) -> None:
         """Give slots and pages to waiting requests, oldest first, while both last (and no running
         request lacked a page in the last round)."""
+        if not self.running:
+            self.starved = False  # no request runs: none lacks a page, and only admission can free the wait
         if self.deferred and self.waiting and self.free_slots and not self.starved:
             self.publish_deferred()  # every complete page can be matched as a prefix
         while self.waiting and self.free_slots and not self.starved:

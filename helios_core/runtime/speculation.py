@@ -349,6 +349,7 @@ class SpeculativePlanner:
         expectations: list[LaneExpectation] = []
         taken: set[int] = set()
         page_tokens = self.page_tokens
+        residency.starved = False  # this round's: set again when a member finds no page
         for state, candidates, along in zip(members, proposals, masks, strict=True):
             slot = state.slot
             if slot < 0 or table.phase_of(slot) != Phase.DECODE:
@@ -411,6 +412,7 @@ class SpeculativePlanner:
         expectations: list[LaneExpectation] = []
         taken: set[int] = set()
         page_tokens = self.page_tokens
+        residency.starved = False  # this round's: set again when a member finds no page
         for state in members:
             slot = state.slot
             if slot < 0 or table.phase_of(slot) != Phase.DECODE:

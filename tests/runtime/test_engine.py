@@ -204,3 +204,25 @@ def test_the_worker_inbox_carries_typed_messages(
     submitted, cancelled = inbox[0], inbox[1]
     assert isinstance(submitted, Submit) and submitted.request.request_id == "typed"
     assert isinstance(cancelled, Cancel) and cancelled.request_id == "typed"
+
+
+def test_a_starved_mark_left_by_an_earlier_round_never_blocks_admission(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    """The residency's starved mark (a running request lacked a page last round) holds admission back only
+    while some request runs: with none running, nothing can free a page for the waiting ones, so a mark an
+    earlier round left (a speculative round whose lane found no page, then every request finished or was
+    preempted) must not leave requests waiting for good."""
+    running = start_fixture()
+    running.engine.scheduler.residency.starved = True  # the worker is idle: only admission clears it now
+    events: list[object] = []
+    worker = threading.Thread(
+        target=lambda: events.extend(
+            running.engine.submit(PreparedRequest("a", _prompt(running), 3, GREEDY, ignore_eos=True))
+        ),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), "the request was never admitted"
+    assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 3
