@@ -553,13 +553,11 @@ def scan_tagged_section(grammar: TagGrammar, text: str, final: bool) -> SectionS
             value_at = key_end + len(g.param_open_end)
             terminators = [g.param_close, g.param_open, g.call_close, g.section_close]
             value_end = _next_marker(text, value_at, terminators)
-            if value_end < 0:
-                if final:  # output cut off: the value ends where it was cut, before any part of a closer
-                    hold = partial_suffix_length(text[value_at:], terminators)
-                    value, closed, pos = text[value_at : len(text) - hold], True, len(text)
-                else:
-                    hold = partial_suffix_length(text[value_at:], terminators)
-                    value, closed = text[value_at : len(text) - hold], False
+            if value_end < 0:  # the value runs to the end, less the start of a closer it may end in
+                hold = partial_suffix_length(text[value_at:], terminators)
+                value, closed = text[value_at : len(text) - hold], final  # final: cut off, the value ends here
+                if final:
+                    pos = len(text)
             else:
                 value, closed = text[value_at:value_end], True
                 pos = value_end + (len(g.param_close) if text.startswith(g.param_close, value_end) else 0)

@@ -157,12 +157,12 @@ def _read_data_url(url: str, limits: ImageLimits, index: int | None) -> tuple[by
     params = [param.strip().lower() for param in header["params"].split(";")[1:]]
     expected = MEDIA_TYPES.get(media_type)
     if expected is None:
-        shown = f"'s media type {media_type[:64]!r} is not supported" if media_type else " names no media type"
-        raise ImageInputError(
-            f"the image data URL{shown} "
-            "(image/png, image/jpeg, image/webp or image/gif)",
-            index=index,
+        problem = (
+            f"the image data URL's media type {media_type[:64]!r} is not supported"
+            if media_type
+            else "the image data URL names no media type"
         )
+        raise ImageInputError(f"{problem} (image/png, image/jpeg, image/webp or image/gif)", index=index)
     if "base64" not in params:
         raise ImageInputError("the image data URL must be base64-encoded (data:<media type>;base64,...)", index=index)
     encoded = url[header.end() :]

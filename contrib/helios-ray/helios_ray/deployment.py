@@ -49,6 +49,8 @@ REQUEST_ID_HEADER = "x-helios-request-id"
 ``x-request-id`` (its request id: the client's, when the request carried one) on every response."""
 _PROXY_WRITTEN = frozenset({"date", "server", "x-request-id"})
 """Response headers the HTTP proxy in front of the ingress writes itself: forwarding Helios's would send two."""
+_NOT_FORWARDED = _HOP_BY_HOP | _PROXY_WRITTEN
+"""Response headers of Helios the ingress does not pass on."""
 
 
 def _unavailable_body(message: str) -> bytes:
@@ -149,9 +151,7 @@ class HeliosServer:
             return
         streaming = response.headers.get("content-type", "").startswith("text/event-stream")
         try:
-            head = [
-                (k, v) for k, v in response.headers.multi_items() if k.lower() not in _HOP_BY_HOP | _PROXY_WRITTEN
-            ]
+            head = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _NOT_FORWARDED]
             head += [(REQUEST_ID_HEADER, v) for v in response.headers.get_list("x-request-id")]
             yield {"status": response.status_code, "headers": [*head, (REPLICA_HEADER, self._replica)]}
             async for chunk in response.aiter_raw():
