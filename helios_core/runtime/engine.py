@@ -54,7 +54,7 @@ from helios_core.runtime.completion import (
     agree_across_ranks,
     read_lanes,
 )
-from helios_core.runtime.gates import HostGate, StreamText, format_param, needs_gate
+from helios_core.runtime.gates import HostGate, StreamText, ending_ids, format_param, needs_gate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
@@ -198,17 +198,21 @@ class Engine:
         self.grammar_compiler = grammar_compiler
         """Compiles a submitted request's ``response_format`` that comes without its grammar (on the
         submitting thread, never the worker's)."""
-        self.make_text: Callable[[], StreamText] | None = None
+        self.make_text: Callable[[PreparedRequest], StreamText] | None = None
         """The text of a new ungated request's stream (None: events carry no text, as without a tokenizer)."""
         if tokenizer is not None:
             tok = tokenizer
             token_bytes = TokenBytes.from_tokenizer(tokenizer)
 
-            def make_gate(request: PreparedRequest) -> HostGate | None:
-                return HostGate(request, tok, grammar_compiler, token_bytes) if needs_gate(request) else None
+            eos_ids = contract.eos_token_ids
 
-            def make_text() -> StreamText:
-                return StreamText(tok, token_bytes)
+            def make_gate(request: PreparedRequest) -> HostGate | None:
+                if not needs_gate(request):
+                    return None
+                return HostGate(request, tok, grammar_compiler, token_bytes, ending_ids(request, eos_ids))
+
+            def make_text(request: PreparedRequest) -> StreamText:
+                return StreamText(tok, token_bytes, ending_ids(request, eos_ids))
 
             self.make_text = make_text
 
@@ -280,7 +284,7 @@ class Engine:
                 return refused
             request = compiled
         make_text = self.make_text
-        text = make_text() if make_text is not None and not needs_gate(request) else None
+        text = make_text(request) if make_text is not None and not needs_gate(request) else None
         stream = RequestStream(request.request_id, text)
         with self._lock:
             if request.request_id in self._streams:

@@ -9,6 +9,13 @@ grammar mask of the next round (or, for a speculative round, the mask of each po
 proposals, :meth:`HostGate.masks_along`, which leaves the grammar state alone). A request with any
 gate keeps one outstanding round.
 
+A token's piece is presented once all of its text is resolved: a token whose text a string stop holds
+back (it may begin the stop) gets its piece when the stop is ruled out, with the text of the tokens
+after it; when the stop matches, a token keeps the part of its text before the match, and a token
+whose whole text the match swallowed has no piece (so no presentation, no logprob entry), as for
+token stops. The text of an EOS id that ends the request is none: what a stop holds when the model
+ends is released by the gate's finish.
+
 A request with no stops and no structured output needs no gate in the worker (:func:`needs_gate`):
 detokenizing its tokens decides nothing about its next round, so its request stream detokenizes
 them as its reader reads them (:class:`StreamText`), with the same text and pieces a gate gives.
@@ -26,8 +33,10 @@ alone. The scheduler catches it at each call into a gate and fails the request w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +44,7 @@ from tokenizers import Tokenizer
 
 from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
 from helios_core.frontend.formats import ToolCallFormat, parse_prepared_format
+from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
 from helios_core.frontend.structured import Grammar, GrammarCompiler, GrammarError, GrammarMatcher
 from helios_core.runtime.messages import Finished, Piece, PreparedRequest, TokenEvent
 
@@ -58,6 +68,13 @@ def format_param(request: PreparedRequest) -> str:
     return "tools" if isinstance(prepared, ToolCallFormat) else "response_format"
 
 
+def ending_ids(request: PreparedRequest, eos_ids: Iterable[int]) -> frozenset[int]:
+    """The ids that end ``request`` when sampled: the core's EOS ids, none with ``ignore_eos``. Their text
+    is never presented, so a gate or stream gives them none: no stop sees it, and what a stop or the
+    detokenizer holds back is released by the finish that follows, not attached to the EOS token."""
+    return frozenset() if request.ignore_eos else frozenset(int(i) for i in eos_ids)
+
+
 def needs_gate(request: PreparedRequest) -> bool:
     """Whether ``request`` has host work in the worker: stops or a structured-output format. Without
     them a gate would only detokenize, which its stream does instead (:class:`StreamText`)."""
@@ -77,9 +94,12 @@ class StreamText:
     what the detokenizer still holds, exactly as :meth:`HostGate.observe` and :meth:`HostGate.finish`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None, ends: frozenset[int] = frozenset()
+    ) -> None:
+        """``ends``: the request's :func:`ending_ids` (their text is none)."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
-        self.push: Callable[[int], str] = self._detokenizer.push
+        self.push: Callable[[int], str] = _text_of(self._detokenizer.push, ends)
         """The text a token completes."""
 
     def token(self, event: TokenEvent) -> TokenEvent:
@@ -106,6 +126,53 @@ class StreamText:
         )
 
 
+def _text_of(push: Callable[[int], str], ends: frozenset[int]) -> Callable[[int], str]:
+    """``push``, except that an id of ``ends`` has no text and leaves the detokenizer as it was."""
+    if not ends:
+        return push
+
+    def text(token_id: int) -> str:
+        return "" if token_id in ends else push(token_id)
+
+    return text
+
+
+class _HeldTokens:
+    """The tokens whose text has gone to a string stop matcher and is not all released yet, in order,
+    each with how many of its characters were released (:class:`HostGate`)."""
+
+    def __init__(self) -> None:
+        self._tokens: deque[list[Any]] = deque()
+        """``[token id, text, released characters]``; id -1 for the detokenizer's final tail."""
+
+    def add(self, token_id: int, text: str) -> None:
+        self._tokens.append([token_id, text, 0])
+
+    def release(self, count: int) -> list[Piece]:
+        """``count`` more characters of the held text are visible: the pieces of the tokens whose text
+        is now all released, in order."""
+        left = count
+        for entry in self._tokens:
+            if left <= 0:
+                break
+            taken = min(len(entry[1]) - entry[2], left)
+            entry[2] += taken
+            left -= taken
+        pieces: list[Piece] = []
+        tokens = self._tokens
+        while tokens and tokens[0][2] == len(tokens[0][1]):
+            token_id, text, _ = tokens.popleft()
+            pieces.append((token_id, text))
+        return pieces
+
+    def cut(self) -> list[Piece]:
+        """A stop matched after what was released: each token keeps its released text; a token with
+        none was swallowed by the stop and has no piece."""
+        pieces: list[Piece] = [(token_id, text[:released]) for token_id, text, released in self._tokens if released]
+        self._tokens.clear()
+        return pieces
+
+
 @dataclass
 class GateOutcome:
     """What one sampled token released and decided."""
@@ -123,12 +190,13 @@ class HostGate:
         tokenizer: Tokenizer,
         grammar_compiler: GrammarCompiler | None,
         token_bytes: TokenBytes | None = None,
+        ends: frozenset[int] = frozenset(),
     ) -> None:
-        """``grammar_compiler``: the compiler ``request.grammar`` must come from (only checked, never run)."""
-        from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
-
+        """``grammar_compiler``: the compiler ``request.grammar`` must come from (only checked, never run);
+        ``ends``: the request's :func:`ending_ids`."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
         self._string_stops = StringStopMatcher(request.string_stops) if request.string_stops else None
+        self._held = _HeldTokens()
         self._token_stops = TokenStopMatcher(request.token_stops) if request.token_stops else None
         self._grammar: GrammarMatcher | None = None
         grammar = request.grammar
@@ -142,7 +210,8 @@ class HostGate:
             self._grammar = grammar.matcher()
         self.holds_rounds = self._grammar is not None or self._string_stops is not None or self._token_stops is not None
         """Whether this request must keep one outstanding round (host-fed decisions)."""
-        self.text: Callable[[int], str] = self._detokenizer.push
+        self._ends = ends
+        self.text: Callable[[int], str] = _text_of(self._detokenizer.push, ends)
         """What :meth:`observe` presents for a token when the gate is :attr:`plain`: the text it completes."""
 
     @property
@@ -182,27 +251,41 @@ class HostGate:
             released = list(result.released)
             outcome.stopped = result.matched
         for presented in released:
+            if presented in self._ends:
+                # the request ends here: what the stops hold is released by finish, not hidden behind EOS
+                outcome.pieces.append((presented, ""))
+                continue
             text = self._detokenizer.push(presented)
-            if self._string_stops is not None and not outcome.stopped:
-                matched = self._string_stops.feed(text)
-                text = matched.visible
-                outcome.stopped = matched.matched
-            outcome.pieces.append((presented, text))
+            if self._string_stops is None or outcome.stopped:
+                outcome.pieces.append((presented, text))
+                continue
+            self._held.add(presented, text)
+            outcome.stopped = self._match(self._string_stops, text, outcome.pieces)
         return outcome
+
+    def _match(self, stops: StringStopMatcher, text: str, pieces: list[Piece]) -> bool:
+        """Feed ``text`` (last added to the held tokens) to the string ``stops``; add the pieces it
+        resolves to ``pieces`` and say whether a stop matched."""
+        result = stops.feed(text)
+        pieces.extend(self._held.release(len(result.visible)))
+        if result.matched:
+            pieces.extend(self._held.cut())
+        return result.matched
 
     def finish(self) -> list[Piece]:
         """Release what is still buffered at a normal termination (EOS, output limit)."""
         pieces: list[Piece] = []
         if self._token_stops is not None:
             for presented in self._token_stops.flush():
-                pieces.append((presented, self._detokenizer.push(presented)))
+                pieces.append((presented, self.text(presented)))
         tail = self._detokenizer.flush()
-        if self._string_stops is not None:
-            tail = (
-                self._string_stops.feed(tail).visible + self._string_stops.flush()
-                if tail
-                else self._string_stops.flush()
-            )
-        if tail:
+        stops = self._string_stops
+        if stops is not None:
+            if tail:
+                self._held.add(-1, tail)  # text of earlier tokens, not a token of its own
+                if self._match(stops, tail, pieces):
+                    return pieces
+            pieces.extend(self._held.release(len(stops.flush())))
+        elif tail:
             pieces.append((-1, tail))
         return pieces

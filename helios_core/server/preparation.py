@@ -366,11 +366,14 @@ def _template_message(message: Message, index: int, shield: ClientTextShield) ->
     if isinstance(message, UserMessage):
         return {"role": "user", "content": _user_content(message.content, shield)}
     if isinstance(message, ToolMessage):
-        return {
+        result = {
             "role": "tool",
             "content": _text(message.content, shield),
             "tool_call_id": shield.shield_value(message.tool_call_id),
         }
+        if message.name is not None:
+            result["name"] = shield.shield(message.name)
+        return result
     if message.audio is not None:
         raise InvalidRequest(f"messages[{index}].audio is not supported by this server", "messages")
     if message.function_call is not None:

@@ -196,10 +196,10 @@ class Presenter(_EventPresenter):
         if not self._prepared.logprobs:
             return
         for token_id, text in pieces:
-            if token_id < 0:
-                continue  # released tail text of earlier tokens, not a token
+            if token_id < 0 or token_id in self._hidden_ids:
+                continue  # released tail text of earlier tokens, or EOS (text of tokens before it may follow)
             event = self._presented_event(token_id)
-            if event is None or token_id in self._hidden_ids:
+            if event is None:
                 continue
             entry = _logprob_entry(text, event.logprob)
             entry["top_logprobs"] = [_logprob_entry(self._alternative_text(alt), logprob) for alt, logprob in event.top]
@@ -399,9 +399,9 @@ class CompletionPresenter(_EventPresenter):
         """Present ``pieces``: their text (EOS pieces dropped), their logprob positions queued."""
         texts: list[str] = []
         for token_id, text in pieces:
-            event = self._presented_event(token_id) if self._prepared.logprobs and token_id >= 0 else None
             if token_id in self._hidden_ids:
                 continue
+            event = self._presented_event(token_id) if self._prepared.logprobs and token_id >= 0 else None
             if event is not None:
                 self._positions.append(_Position(text, event.logprob, self._top(text, event), self._length))
             texts.append(text)
@@ -534,7 +534,9 @@ def _logprob_entry(text: str, logprob: float) -> dict[str, Any]:
 
 
 def _message(output: ParsedOutput) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": output.content}
+    # OpenAI's content is null beside tool calls only: an empty answer without calls is ""
+    content = output.content if output.content is not None or output.tool_calls else ""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if output.reasoning is not None:
         message["reasoning_content"] = output.reasoning
     if output.tool_calls:

@@ -131,6 +131,8 @@ class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant", forbid
 class ToolMessage(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=True, frozen=True):
     content: Content
     tool_call_id: str
+    name: str | None = None
+    """The called function's name, which some clients send back with its result (passed to the template)."""
 
 
 Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage

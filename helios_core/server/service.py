@@ -148,6 +148,8 @@ class ChatService:
             refused=lambda: self.admission.refused,
         )
         self._origin_ns = running.model.clock_origin_ns
+        self._created = int(time.time())
+        """``created`` of the served models: when this server started."""
         self._responses: dict[str, EventQueue] = {}
         """The event queues of the responses being generated or delivered, by request id."""
         self._drop_message: str | None = None
@@ -184,22 +186,21 @@ class ChatService:
     def models(self) -> dict[str, Any]:
         """``GET /v1/models``: the served name and every alias."""
         self.readiness.check()
-        created = int(time.time())
-        return {"object": "list", "data": [self._model(name, created) for name in (self.served_name, *self.aliases)]}
+        return {"object": "list", "data": [self._model(name) for name in (self.served_name, *self.aliases)]}
 
     def model(self, name: str) -> dict[str, Any]:
         """``GET /v1/models/{name}``: one served name or alias, else 404 naming it."""
         self.readiness.check()
         self._check_served(name)
-        return self._model(name, int(time.time()))
+        return self._model(name)
 
     def _check_served(self, name: str) -> None:
         """404 (UnknownModel) unless ``name`` is the served name or an alias."""
         if name not in self.names:
             raise UnknownModel(f"model {name!r} is not served here; GET /v1/models lists the served names")
 
-    def _model(self, name: str, created: int) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "helios", "root": self.served_name}
+    def _model(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "helios", "root": self.served_name}
 
     def health(self) -> Response[dict[str, Any]]:
         """``GET /health``: liveness. 200 while the model worker thread runs, 503 once it stopped or the

@@ -38,7 +38,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -55,7 +55,7 @@ from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, collect_generation, compile_format
-from helios_core.runtime.gates import StreamText, needs_gate
+from helios_core.runtime.gates import StreamText, ending_ids, needs_gate
 from helios_core.runtime.kv_events import KvEventsConfig
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
@@ -196,6 +196,7 @@ class WorkerProcessEngine:
         tokenizer: Tokenizer,
         grammar_compiler: GrammarCompiler,
         *,
+        eos_token_ids: Sequence[int] = (),
         pending: list[FromWorker] | None = None,
         on_exit: Callable[[str], None] | None = None,
     ) -> None:
@@ -206,7 +207,9 @@ class WorkerProcessEngine:
         self.capacity = selection.queue_capacity + selection.max_active
         self.grammar_compiler = grammar_compiler
         token_bytes = TokenBytes.from_tokenizer(tokenizer)
-        self.make_text: Callable[[], StreamText] = lambda: StreamText(tokenizer, token_bytes)
+        self.make_text: Callable[[PreparedRequest], StreamText] = lambda request: StreamText(
+            tokenizer, token_bytes, ending_ids(request, eos_token_ids)
+        )
         self._encode = msgspec.msgpack.Encoder().encode
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -238,7 +241,7 @@ class WorkerProcessEngine:
                 refused.put(compiled)
                 return refused
             request = compiled
-        stream = RequestStream(request.request_id, None if needs_gate(request) else self.make_text())
+        stream = RequestStream(request.request_id, None if needs_gate(request) else self.make_text(request))
         with self._lock:
             if self._failure is not None:
                 stream.put(ExecutionFailed(request.request_id, self._failure))
@@ -518,6 +521,7 @@ def start_worker_process(
             frontend.selection,
             frontend.bootstrap.tokenizer,
             frontend.grammar_compiler,
+            eos_token_ids=frontend.verified.contract.eos_token_ids,
             pending=pending,
             on_exit=on_exit,
         )
@@ -555,6 +559,7 @@ def connect_worker_process(path: Path, settings: TrustSettings, options: LoadOpt
             frontend.selection,
             frontend.bootstrap.tokenizer,
             frontend.grammar_compiler,
+            eos_token_ids=frontend.verified.contract.eos_token_ids,
             pending=pending,
         )
     except BaseException:
