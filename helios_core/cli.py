@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -239,6 +240,17 @@ def _read_messages(source: str) -> list[dict[str, Any]]:
     return data
 
 
+def _finite_float(text: str) -> float:
+    """A number option of ``generate``: finite (its range is the request field's, checked as a request's)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -457,8 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--core", type=Path, required=True)
     generate.add_argument("--messages", required=True, metavar="FILE|-", help="JSON list of chat messages")
     generate.add_argument("--max-tokens", type=int, help="output limit (default: the core's)")
-    generate.add_argument("--temperature", type=float, help="0 for greedy (default: the core's)")
-    generate.add_argument("--top-p", type=float, help="nucleus mass (default: the core's)")
+    generate.add_argument("--temperature", type=_finite_float, help="0 for greedy (default: the core's)")
+    generate.add_argument("--top-p", type=_finite_float, help="nucleus mass (default: the core's)")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks, checks)")
     generate.add_argument("--json", action="store_true", help="print prompt ids, token ids, text and finish reason")
@@ -503,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:
         return _fail(command, "interrupted", EXIT_ERROR)
+    except MemoryError as exc:
+        return _fail(command, f"not enough memory ({exc or 'an allocation failed'})")
     except OSError as exc:  # a path the operator named cannot be read or written
         where = f"{exc.filename}: " if exc.filename is not None else ""
         return _fail(command, f"{where}{exc.strerror or exc}")

@@ -34,6 +34,7 @@ __all__ = [
     "load_core_key",
     "load_private_key",
     "load_public_key",
+    "load_public_keys",
     "sign_envelope",
     "verify_envelope",
 ]
@@ -85,17 +86,40 @@ def load_private_key(path: StrPath) -> Ed25519PrivateKey:
 
 
 def load_public_key(path: StrPath) -> Ed25519PublicKey:
-    """An Ed25519 public key from a SubjectPublicKeyInfo PEM file."""
+    """An Ed25519 public key from a SubjectPublicKeyInfo PEM file of one key."""
+    keys = load_public_keys(path)
+    if len(keys) != 1:
+        raise TrustError(f"{os.fspath(path)!r} holds {len(keys)} public keys; one was expected")
+    return keys[0]
+
+
+_PEM_BEGIN = b"-----BEGIN "
+
+
+def load_public_keys(path: StrPath) -> list[Ed25519PublicKey]:
+    """Every Ed25519 public key of a PEM file: one SubjectPublicKeyInfo block, or several one after
+    another (a bundle, such as keys concatenated with ``cat``). Every block must be such a key."""
     data = _read_key_file(path, "public key")
-    try:
-        key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError) as exc:
-        raise TrustError(
-            f"{os.fspath(path)!r} is not a PEM public key ({exc}); ask the publisher for their signing.pub.pem"
-        ) from exc
-    if not isinstance(key, Ed25519PublicKey):
-        raise TrustError(f"{os.fspath(path)!r} holds a {type(key).__name__}; Helios trusts Ed25519 keys only")
-    return key
+    starts = []
+    start = data.find(_PEM_BEGIN)
+    while start >= 0:
+        starts.append(start)
+        start = data.find(_PEM_BEGIN, start + 1)
+    starts = starts or [0]
+    blocks = [data[start:end] for start, end in zip(starts, [*starts[1:], len(data)], strict=True)]
+    keys = []
+    for number, block in enumerate(blocks, 1):
+        where = os.fspath(path) if len(blocks) == 1 else f"{os.fspath(path)} (PEM block {number} of {len(blocks)})"
+        try:
+            key = serialization.load_pem_public_key(block)
+        except (ValueError, TypeError) as exc:
+            raise TrustError(
+                f"{where!r} is not a PEM public key ({exc}); ask the publisher for their signing.pub.pem"
+            ) from exc
+        if not isinstance(key, Ed25519PublicKey):
+            raise TrustError(f"{where!r} holds a {type(key).__name__}; Helios trusts Ed25519 keys only")
+        keys.append(key)
+    return keys
 
 
 def load_core_key(path: StrPath) -> bytes:
@@ -177,8 +201,8 @@ class TrustStore:
 
     @classmethod
     def from_paths(cls, paths: Iterable[StrPath]) -> TrustStore:
-        """A store of the public keys in these PEM files."""
-        return cls(load_public_key(path) for path in paths)
+        """A store of the public keys in these PEM files (each one key or a bundle of several)."""
+        return cls(key for path in paths for key in load_public_keys(path))
 
     def add(self, public_key: Ed25519PublicKey) -> str:
         """Trust ``public_key``; returns its key id."""

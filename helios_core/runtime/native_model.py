@@ -172,7 +172,14 @@ def choose_cache_pages(
     wanted = 2 * selection.max_active * per_request
     page_bytes = bytes_per_page(contract)
     if page_bytes:
-        wanted = min(wanted, max(cache_budget(device) // page_bytes, 1))
+        budget = cache_budget(device)
+        if page_bytes > budget:
+            share = "a quarter of the host memory available" if device is None else "the device memory left"
+            raise StartupError(
+                f"one cache page takes {page_bytes} bytes ({contract.model.cache.page_tokens} tokens), more than "
+                f"the {budget} bytes the cache may take ({share})"
+            )
+        wanted = min(wanted, budget // page_bytes)
     if cap is not None:
         if cap <= 0:
             raise StartupError(f"--cache-pages must be positive, not {cap}")

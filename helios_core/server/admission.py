@@ -119,17 +119,22 @@ class Admission:
 
     @property
     def refused(self) -> int:
-        """Requests refused (over the whole server) because every permit was held: the 429s."""
+        """Requests refused (over the whole server) before they reach the model: the 429s (every permit
+        was held) and the permanent 503s of preparation (:meth:`count_refusal`)."""
         return self._refused_here if self._shared is None else self._shared.refused()
+
+    def count_refusal(self) -> None:
+        """Count one request refused before it reaches the model in :attr:`refused`."""
+        self._refused_here += 1
+        if self._shared is not None:
+            self._shared.add_refused()
 
     def admit(self) -> Permit:
         """Take a permit now, or raise IngressFull (counted in :attr:`refused`)."""
         shared = self._shared
         full = self.held_here >= self.capacity if shared is None else not shared.take_permit(self.capacity)
         if full:
-            self._refused_here += 1
-            if shared is not None:
-                shared.add_refused()
+            self.count_refusal()
             raise IngressFull(
                 f"the server holds its limit of {self.capacity} requests (queue_capacity + max_active); retry later",
                 self.retry_after_ms(),

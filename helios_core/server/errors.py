@@ -7,6 +7,7 @@ class the server can see to an HTTP status and an OpenAI-shaped error body:
 error                                           status  ``error.type``
 =============================================  ======  ===========================
 ``InvalidRequest``, ``PromptError``             400     ``invalid_request_error``
+``ClientDisconnected`` (body cut off)           400     ``invalid_request_error``
 ``UnknownModel``                                404     ``not_found_error``
 body over the size limit (Litestar)             413     ``invalid_request_error``
 ``UnsupportedMediaType``                        415     ``invalid_request_error``
@@ -43,6 +44,7 @@ from helios_core.errors import HeliosError, PromptError
 __all__ = [
     "REQUEST_ID_STATE",
     "AdmissionRefused",
+    "ClientDisconnected",
     "ExecutionError",
     "IngressFull",
     "InvalidRequest",
@@ -116,6 +118,11 @@ class AdmissionRefused(HeliosError):
         """When a transient refusal may pass (set by the server from its admission estimate)."""
 
 
+class ClientDisconnected(HeliosError):
+    """The client closed its connection before its request body arrived whole: nothing reaches the model,
+    and the response has no one to reach (a client error, never logged as a failure)."""
+
+
 class RequestCancelled(HeliosError):
     """The model worker cancelled the request before it finished (server shutdown)."""
 
@@ -127,6 +134,7 @@ class ExecutionError(HeliosError):
 _TABLE: tuple[tuple[type[BaseException], int, str], ...] = (
     (InvalidRequest, 400, "invalid_request_error"),
     (PromptError, 400, "invalid_request_error"),
+    (ClientDisconnected, 400, "invalid_request_error"),
     (UnknownModel, 404, "not_found_error"),
     (UnsupportedMediaType, 415, "invalid_request_error"),
     (IngressFull, 429, "rate_limit_error"),

@@ -227,7 +227,10 @@ def _convert(name: str, value: Any, source: str) -> Any:
     if name in ("trust_key", "alias"):
         if isinstance(value, str):
             separator = os.pathsep if name == "trust_key" else ","
-            items = [item.strip() for item in value.split(separator) if item.strip()]
+            items = [item.strip() for item in value.split(separator)]
+            if name == "alias" and not all(items):
+                raise StartupError(f"{where} names an empty alias ({value!r}); none may be empty or blank")
+            items = [item for item in items if item]  # an empty key path entry, as in PATH, names nothing
         elif isinstance(value, list) and all(isinstance(item, str) for item in value):
             items = list(value)
         else:
@@ -276,6 +279,11 @@ def _config_values(path: Path) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in known:
             raise StartupError(f"config file {path}: unknown option {key!r}")
+        if name in values:
+            raise StartupError(
+                f"config file {path}: option {name.replace('_', '-')!r} is set twice (its spellings with - and _ "
+                "name the same option)"
+            )
         values[name] = _convert(name, value, f"config file {path}")
     return values
 
@@ -302,9 +310,7 @@ def resolve_options(
     if "shutdown_timeout" in values:  # an explicit value is checked as the others are
         values["shutdown_timeout"] = _seconds(values["shutdown_timeout"], "--shutdown-timeout")
     if values.get("image_fetch_timeout") is not None:
-        values["image_fetch_timeout"] = _seconds(
-            values["image_fetch_timeout"], "--image-fetch-timeout", positive=True
-        )
+        values["image_fetch_timeout"] = _seconds(values["image_fetch_timeout"], "--image-fetch-timeout", positive=True)
     if values.get("rank_join_timeout") is not None:
         values["rank_join_timeout"] = _seconds(values["rank_join_timeout"], "--rank-join-timeout")
     if values.get("core") is None:
@@ -653,7 +659,7 @@ class _Loader:
                 ended = time.monotonic()
                 phases.append(f"{role.processes.count} HTTP processes ready {others_seconds:.2f} s")
             self.readiness_line = (
-                f"helios run: ready: serving {', '.join(names)} at http://{options.host}:{options.port} "
+                f"helios run: ready: serving {', '.join(names)} at {_url(options.host, options.port)} "
                 f"(startup {ended - self._began:.2f} s: {', '.join(phases)})"
             )
         finally:
@@ -880,3 +886,8 @@ def _handling_shutdown_signals(handler: Callable[[int, FrameType | None], None])
 
 def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     return None
+
+
+def _url(host: str, port: int) -> str:
+    """The base URL of ``host:port`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
+from litestar.exceptions import InternalServerException
 from litestar.response import Stream
 
 from helios_core.errors import StartupError
@@ -61,6 +62,7 @@ from helios_core.server.bridge import EventBridge, EventQueue, Interrupt
 from helios_core.server.errors import (
     REQUEST_ID_STATE,
     AdmissionRefused,
+    ClientDisconnected,
     ExecutionError,
     NotReady,
     RequestCancelled,
@@ -283,7 +285,10 @@ class ChatService:
         request.state[REQUEST_ID_STATE] = request_id
         self.readiness.check()
         _check_content_type(request.headers.get("content-type"))
-        body = await request.body()
+        try:
+            body = await request.body()
+        except InternalServerException as exc:  # Litestar's answer to a disconnect while the body is read
+            raise ClientDisconnected(f"the client disconnected before its request body arrived: {exc.detail}") from exc
         try:
             decoded = endpoint.decode(body)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
@@ -322,9 +327,13 @@ class ChatService:
     ) -> Response[Any]:
         loop = asyncio.get_running_loop()
         async with self.admission.preparation_slot():
-            prepared = await loop.run_in_executor(
-                self._preparation, endpoint.prepare, self.frontend, decoded, request_id
-            )
+            try:
+                prepared = await loop.run_in_executor(
+                    self._preparation, endpoint.prepare, self.frontend, decoded, request_id
+                )
+            except AdmissionRefused:  # outside the capacities, found before the model: a rejection all the same
+                self.admission.count_refusal()
+                raise
         if self._drop_message is not None:
             _LOG.warning("request %s dropped before generation: %s", request_id, self._drop_message)
             raise RequestCancelled(self._drop_message)

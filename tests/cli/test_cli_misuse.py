@@ -216,3 +216,17 @@ def test_helios_starts_from_a_source_tree_without_package_metadata(tmp_path: Pat
         assert "Traceback" not in done.stderr, done.stderr
         assert done.stdout.startswith(expected)
     assert done.returncode == 1  # the missing core, named on one line
+
+
+@pytest.mark.parametrize(("option", "value"), [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
+def test_generate_refuses_a_number_option_that_is_not_finite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    messages = tmp_path / "hi.json"
+    messages.write_text('[{"role": "user", "content": "hi"}]')
+    with pytest.raises(SystemExit) as exit_info:
+        run(_generate(str(messages), option, value), capsys)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: must be a finite number, not '{value}'" in err
+    assert "--messages" not in err.splitlines()[-1]

@@ -226,3 +226,20 @@ def test_console_script_prints_no_traceback(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_a_trust_key_bundle_trusts_each_of_its_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from helios_core.container.keys import generate_keys
+
+    other = generate_keys(tmp_path / "other")
+    publisher = (KEYS / "signing.pub.pem").read_bytes()
+    for order in ([other["public"].read_bytes(), publisher], [publisher, other["public"].read_bytes()]):
+        bundle = tmp_path / "bundle.pem"
+        bundle.write_bytes(b"".join(order))
+        code, out, err = run(verify(FIXTURES / "payload-v3.core", key=bundle), capsys)
+        assert (code, err) == (0, ""), err
+        assert out.startswith("OK ")
+    bundle.write_bytes(publisher + other["signing"].read_bytes())
+    code, _, err = run(verify(FIXTURES / "payload-v3.core", key=bundle), capsys)
+    assert code == 1
+    assert f"'{bundle} (PEM block 2 of 2)' is not a PEM public key" in err

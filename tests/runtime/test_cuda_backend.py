@@ -386,6 +386,10 @@ def test_device_cache_pages_take_ninety_percent_of_what_other_buffers_leave(veri
     assert choose_cache_pages(contract, selection, None, DeviceMemory(reserved + 10**9, reserved)) == 2 * 4 * 16
     with pytest.raises(StartupError, match="cannot hold one request at full context"):
         choose_cache_pages(contract, selection, None, DeviceMemory(reserved + 10 * page, reserved))
+    # a page larger than what the cache may take is refused, whatever --cache-pages asks for
+    for cap in (None, 1):
+        with pytest.raises(StartupError, match=rf"one cache page takes {page} bytes .* more than the 230 bytes"):
+            choose_cache_pages(contract, selection, cap, DeviceMemory(reserved + 256, reserved))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from helios_core.server.schemas import MAX_JSON_DEPTH
 from helios_core.server.serve import draining_server
 
 from .conftest import CORE, KEYS, MODEL, NAMESPACE, Served, free_port
-from .helpers import chat, held_requests, scripted_replies, sse_events, wait_for
+from .helpers import chat, held_requests, metric_values, scripted_replies, sse_events, wait_for
 
 HI = '{"role": "user", "content": "hi"}'
 
@@ -455,3 +456,20 @@ def test_shutdown_ends_running_responses_with_their_terminal_error(caplog: pytes
     lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert sorted(lines) == sorted(f"request {request_id} dropped before it finished: {message}" for request_id in ids)
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_a_body_cut_off_by_a_disconnect_is_no_failure(served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    host, port = served.base_url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body) + 100}\r\n\r\n"
+    ).encode()
+    before = metric_values(served.base_url)
+    with caplog.at_level(logging.INFO), socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(head + body)  # a hundred bytes short of what it declares, then gone
+    time.sleep(0.5)  # the server reads to the disconnect and answers no one
+    after = metric_values(served.base_url)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert after["helios_requests_failed_total"] == before["helios_requests_failed_total"]
+    assert chat(served.base_url, messages=[{"role": "user", "content": "hi"}], max_tokens=2).status_code == 200

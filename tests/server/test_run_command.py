@@ -149,6 +149,13 @@ def test_config_errors_are_startup_errors(tmp_path: Path) -> None:
         resolve_options({"core": Path("x")}, None, {"HELIOS_PORT": "eighty"})
     with pytest.raises(StartupError, match="no core"):
         resolve_options({}, None, {})
+    config.write_text("max-active = 2\nmax_active = 3\n")
+    with pytest.raises(StartupError, match="option 'max-active' is set twice"):
+        resolve_options({"core": Path("x")}, config, {})
+    for aliases in ("a,,b", "a,", " ,a"):
+        with pytest.raises(StartupError, match=r"names an empty alias .*none may be empty or blank"):
+            resolve_options({"core": Path("x")}, None, {"HELIOS_ALIAS": aliases})
+    assert resolve_options({"core": Path("x")}, None, {"HELIOS_ALIAS": " a , b "}).alias == ("a", "b")
 
 
 def test_a_prefill_chunk_below_every_prefill_program_exits_1_with_one_line() -> None:
@@ -302,3 +309,12 @@ def test_a_signal_while_the_interrupted_load_ends_interrupts_whatever_the_inheri
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_the_readiness_url_brackets_an_ipv6_host() -> None:
+    from helios_core.server.serve import _url
+
+    assert _url("::1", 8000) == "http://[::1]:8000"
+    assert _url("fe80::1%eth0", 80) == "http://[fe80::1%eth0]:80"
+    assert _url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert _url("localhost", 8000) == "http://localhost:8000"
