@@ -24,6 +24,7 @@ planes). Needs an NVIDIA GPU, Triton and PyTorch;
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -219,17 +220,35 @@ def _chosen(rows: int, proj: Projection) -> Tiles:
     return swiglu_tiles(chosen, rows, proj.n) if proj.ending == "swiglu" else chosen
 
 
+_TILE_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:/(\d+))?(tma)?(?:p(\d+))?")
+
+
+def parse_tiles(spec: str) -> Tiles:
+    """A tile named as :func:`_label` prints it, spaces and the mark left out: ``256x128x64w8s3/2tma``."""
+    match = _TILE_SPEC.fullmatch(spec.replace(" ", "").lstrip("*"))
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{spec!r} is not a tile such as 128x128x64w8s3/2tma")
+    m, n, k, warps, stages, split, tma, persistent = match.groups()
+    return Tiles(
+        int(m), int(n), int(k), int(warps), int(stages), split=int(split or 1), descriptors=tma is not None,
+        persistent=int(persistent or 0),
+    )  # fmt: skip
+
+
 def _candidates(
     rows: int,
     proj: Projection,
     *,
     descriptors_only: bool = False,
     persistent_only: bool = False,
+    only: Sequence[Tiles] = (),
 ) -> list[Tiles]:
     """``choose_tiles``' choice first, then the candidates of the same row family (only those fed by
     tensor descriptors with ``descriptors_only``, only the persistent ones with ``persistent_only``); no
     tile of more rows than 64 and ``rows`` (half its products would be of rows past the last)."""
     chosen = _chosen(rows, proj)
+    if only:  # the chosen tile and the named ones the projection takes
+        return [t for t in dict.fromkeys((chosen, *only)) if t == chosen or _takes(proj, t)]
     family = 1 if rows <= 2 else 16 if rows <= 16 else 64
     return [
         t
@@ -302,7 +321,7 @@ def _lowered(rows: int, proj: Projection, tiles: Tiles) -> tuple[Any, mf.KernelL
     return ctx.modules[launches[-1].module], launches[-1], workspaces
 
 
-def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str], only: Mapping[str, bool]) -> None:
+def _compile_all(shapes: list[str], rows_list: list[int], projections: list[str], only: Mapping[str, Any]) -> None:
     """Compile every candidate of the selection (``only``: :func:`_candidates`' filters), in parallel
     processes (into the kernel cache)."""
     with planning() as requests:
@@ -458,10 +477,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--persistent-only", action="store_true", help="time the chosen tile and the persistent candidates"
     )
+    parser.add_argument(
+        "--tiles", type=lambda text: [parse_tiles(s) for s in text.split(",")], default=[],
+        help="time only the chosen tile and these (e.g. 256x128x64w8s3/2tma,128x128x64w8s4tma)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     only = {
         "descriptors_only": args.descriptors_only,
         "persistent_only": args.persistent_only,
+        "only": args.tiles,
     }
     _compile_all(args.shapes.split(","), [int(r) for r in args.rows.split(",")], args.projections.split(","), only)
     if args.compile_only:
