@@ -2,8 +2,10 @@
 
 Owns only the command's arguments and output; the main CLI adds it with ``add_plugins_command``.
 One line per plugin entry point: its distribution's name and version, the entry point
-(``name = module``), the status and the identifiers, then any error and conflicts.
-Exit code 0, also when a plugin failed (failures are listed); 1 when two plugins conflict.
+(``name = module``), the status and the identifiers (``(no identifiers declared)`` for a failed
+plugin that declares none), then any error and the conflicts that plugin is part of.
+Exit code 0, also when a plugin failed (failures are listed); 1 when two plugins conflict, whether
+or not a core selects the identifier.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from helios_core.plugins.host import PluginHost
+
+NO_DECLARED_IDENTIFIERS = "(no identifiers declared)"
+"""What a line shows in place of the identifiers of a failed plugin that declares none."""
 
 
 def add_plugins_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,8 +52,8 @@ def _line(entry: dict[str, Any]) -> str:
     identifiers = entry["identifiers"]
     if isinstance(identifiers, dict):
         shown = " ".join(f"{kind}={','.join(map(str, ids))}" for kind, ids in identifiers.items()) or "-"
-    else:
-        shown = identifiers
+    else:  # a failed plugin without identifier declarations
+        shown = NO_DECLARED_IDENTIFIERS
     entry_point = entry["entry_point"] or "(registered in process)"
     line = f"{entry['name']} {entry['version'] or '?'}: {entry_point} [{entry['status']}] {shown}"
     if entry["error"]:

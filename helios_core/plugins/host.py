@@ -17,7 +17,10 @@ Startup, in order:
 2. A plugin that fails to import, to register with pluggy, or raises inside a registration hook,
    registers an identifier outside its range, or declares a ``HELIOS_PLUGIN_API`` version this core
    does not provide (another major, or a newer minor), is isolated: it is recorded ``failed`` with the error,
-   its registrations are discarded, and startup continues. Any ``BaseException`` a plugin raises
+   its registrations are discarded, and startup continues. The built-ins' range is the enum values;
+   every other plugin's (any distribution but ``helios``, and plugins registered in process) is
+   ``THIRD_PARTY_IDENTIFIERS``, so a third-party plugin registering a built-in identifier fails and
+   the built-in keeps serving it. Any ``BaseException`` a plugin raises
    counts (``SystemExit``, ``GeneratorExit``, ``KeyboardInterrupt``, custom subclasses), except the
    ``KeyboardInterrupt`` of an operator's Ctrl-C (SIGINT) arriving while plugins load, which stops
    startup as it would anywhere else. It becomes fatal only when the core
@@ -27,13 +30,20 @@ Startup, in order:
    point at the plugin module; the host reads them without importing anything, so a broken
    plugin's identifiers are known. A failed plugin without declarations is listed with identifiers
    ``"unknown"`` and named in every missing-identifier error.
-3. Two providers of one identifier are a conflict: resolving fails naming both, unless the operator
-   picks one with ``prefer={identifier: "plugin or implementation name"}``.
+3. Two providers of one identifier are a conflict, listed on both plugins' records and in
+   ``conflicts``. Resolving a core that selects that identifier (or whose selected parser's grammar
+   it is) fails naming both, unless the operator picks one with
+   ``prefer={identifier: "plugin or implementation name"}``; cores selecting other identifiers are
+   not affected.
 4. ``resolve`` maps a ``FrontendContract`` to the selected factories (with the grammars registered
    for the selected parsers, if any), refusing zero, missing identifiers and mismatched pairings
    (contract pairings, and a tool parser registered with ``requires=`` another reasoning parser),
    and (given a vocabulary) trial-builds the parsers so unusable syntax data fails at startup
    rather than on a request.
+
+Per request, ``SelectedFrontend.pipeline`` builds the parsers; a factory that raises or returns no
+parser is a ``ParserPluginError`` naming the implementation, and the ``OutputPipeline`` checks every
+parser call the same way (see :mod:`helios_core.plugins.pipeline`).
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ from helios_core.contract.prepared import REQUIRED_TOOL_PARSER, THIRD_PARTY_IDEN
 from helios_core.errors import StartupError
 from helios_core.plugins import frontend_contract as contract
 from helios_core.plugins import hookspecs
-from helios_core.plugins.pipeline import OutputPipeline
+from helios_core.plugins.pipeline import OutputPipeline, ParserPluginError, ParserSource
 from helios_core.plugins.types import (
     CLOSED_ENVELOPE,
     EnvelopeState,
@@ -151,8 +161,16 @@ class Provider:
     name: str
     factory: Callable[..., Any]
     plugin: str
+    """The distribution (or the name a plugin was registered under in process)."""
     requires: int | None = None
     """The reasoning parser a tool parser only works with (``register(..., requires=...)``)."""
+    record_key: str = ""
+    """The key of the registering plugin's record in ``PluginHost.records`` (``distribution:entry
+    point``, or the in-process name): it tells apart the entry points of one distribution."""
+
+    def source(self) -> ParserSource:
+        """This implementation as a ``ParserSource`` (how a ``ParserPluginError`` names it)."""
+        return ParserSource(kind_label(self.kind), self.identifier, self.name, self.plugin)
 
 
 @dataclass
@@ -229,9 +247,31 @@ class SelectedFrontend:
     ) -> OutputPipeline:
         """A fresh output pipeline for one request."""
         context = self.context(vocabulary, tools=tools, envelope=envelope, structured_answer=structured_answer)
-        reasoning: ReasoningParser = self.reasoning_parser.factory(context)
-        tool: ToolParser = self.tool_parser.factory(context)
-        return OutputPipeline(reasoning, tool, structured_answer=structured_answer)
+        reasoning: ReasoningParser = _build_parser(self.reasoning_parser, context)
+        tool: ToolParser = _build_parser(self.tool_parser, context)
+        return OutputPipeline(
+            reasoning,
+            tool,
+            structured_answer=structured_answer,
+            reasoning_source=self.reasoning_parser.source(),
+            tool_source=self.tool_parser.source(),
+        )
+
+
+def _build_parser(provider: Provider, context: ParserContext) -> Any:
+    """One request's parser from ``provider``'s factory: a factory that raises, or returns something
+    without callable ``feed`` and ``finish``, is a ``ParserPluginError`` naming the implementation."""
+    try:
+        parser = provider.factory(context)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a plugin's own failure, SystemExit included: this request's error
+        raise ParserPluginError(f"{provider.source()} failed to build a parser: {_describe_error(exc)}") from exc
+    if not (callable(getattr(parser, "feed", None)) and callable(getattr(parser, "finish", None))):
+        raise ParserPluginError(
+            f"{provider.source()} factory returned {type(parser).__name__}, not a parser with feed() and finish()"
+        )
+    return parser
 
 
 def _normalise(name: str) -> str:
@@ -310,6 +350,8 @@ class PluginHost:
         self.records: dict[str, PluginRecord] = {}
         self.registries: dict[Kind, dict[int, Provider]] = {kind: {} for kind in ALL_KINDS}
         self.conflicts: list[str] = []
+        """Every unresolved clash (two providers of one identifier), selected or not."""
+        self._conflict_of: dict[tuple[Kind, int], str] = {}
         self._candidates: dict[Kind, dict[int, list[Provider]]] = {kind: {} for kind in ALL_KINDS}
         self._started = False
 
@@ -428,23 +470,22 @@ class PluginHost:
 
     def _registrar(self, kind: Kind, plugin: str, into: list[Provider]) -> Callable[..., None]:
         enum = _ENUM_OF[kind]
-        dist = self.records[plugin].name
+        record = self.records[plugin]
+        dist = record.name
 
         def register(identifier: int, factory: Callable[..., Any], *, name: str, requires: int | None = None) -> None:
             if isinstance(identifier, bool) or not isinstance(identifier, int):
                 raise TypeError(f"{kind_label(kind)} identifier must be an int, not {identifier!r}")
-            if identifier <= 0 or (identifier not in enum.values() and identifier not in THIRD_PARTY_IDENTIFIERS):
-                raise ValueError(
-                    f"{kind_label(kind)} identifier {identifier} is neither a built-in value nor in the "
-                    f"third-party range {THIRD_PARTY_IDENTIFIERS.start}-{THIRD_PARTY_IDENTIFIERS.stop - 1}"
-                )
+            problem = _identifier_problem(kind, identifier, enum, builtin=record.builtin, name=str(name))
+            if problem is not None:
+                raise ValueError(problem)
             if not callable(factory):
                 raise TypeError(f"{kind_label(kind)} {identifier}: factory {factory!r} is not callable")
             if requires is not None and (
                 kind != "tool_parser" or isinstance(requires, bool) or not isinstance(requires, int)
             ):
                 raise TypeError(f"{kind_label(kind)} {identifier}: requires= names a reasoning parser of a tool parser")
-            into.append(Provider(kind, identifier, str(name), factory, dist, requires))
+            into.append(Provider(kind, identifier, str(name), factory, dist, requires, plugin))
 
         return register
 
@@ -466,8 +507,10 @@ class PluginHost:
                     f"with prefer={{{identifier}: {providers[0].plugin!r}}}"
                 )
                 self.conflicts.append(message)
-                for record in self.records.values():
-                    if record.name in {p.plugin for p in providers}:
+                self._conflict_of[(kind, identifier)] = message
+                involved = {p.record_key for p in providers}
+                for key, record in self.records.items():
+                    if key in involved:
                         record.conflicts.append(message)
 
     # -- resolution ---------------------------------------------------------------------------
@@ -475,8 +518,6 @@ class PluginHost:
     def resolve(self, frontend: contract.FrontendContract, vocabulary: Vocabulary | None = None) -> SelectedFrontend:
         """The selected implementations of ``frontend``; raises ``StartupError`` naming the problem."""
         self.start()
-        if self.conflicts:
-            raise StartupError("; ".join(self.conflicts))
         chosen: dict[Kind, Provider] = {}
         problems: list[str] = []
         for kind in KINDS:
@@ -485,10 +526,16 @@ class PluginHost:
                 problems.append(f"the core selects no {kind_label(kind)} (identifier 0 never selects)")
                 continue
             provider = self.registries[kind].get(identifier)
-            if provider is None:
+            if (kind, identifier) in self._conflict_of:
+                problems.append(self._conflict_of[(kind, identifier)])
+            elif provider is None:
                 problems.append(self._missing(kind, identifier))
             else:
                 chosen[kind] = provider
+        for grammar_kind in GRAMMAR_KINDS:
+            clash = self._conflict_of.get((grammar_kind, int(getattr(frontend, GRAMMAR_OF[grammar_kind]))))
+            if clash is not None:
+                problems.append(clash)
         problems.extend(self._pairing_problems(frontend, chosen.get("tool_parser")))
         if problems:
             raise StartupError("; ".join(problems))
@@ -506,7 +553,8 @@ class PluginHost:
         return selected
 
     def grammar(self, kind: Kind, identifier: int) -> Provider | None:
-        """The ``tool_grammar`` or ``reasoning_envelope`` registered for the parser ``identifier``."""
+        """The ``tool_grammar`` or ``reasoning_envelope`` registered for the parser ``identifier``
+        (``None`` also when two plugins clash over it: ``resolve`` refuses a core selecting it)."""
         if kind not in GRAMMAR_KINDS:
             raise ValueError(f"{kind!r} is not a grammar kind")
         self.start()
@@ -565,6 +613,26 @@ class PluginHost:
         """One dict per plugin: name, version, entry point, identifiers, status and error."""
         self.start()
         return [record.as_dict() for _, record in sorted(self.records.items())]
+
+
+def _identifier_problem(kind: Kind, identifier: int, enum: Any, *, builtin: bool, name: str) -> str | None:
+    """Why a plugin may not register ``identifier``, or ``None``: the built-in plugins (distribution
+    ``helios``) register the enum's values, every other plugin numbers in ``THIRD_PARTY_IDENTIFIERS``."""
+    label = f"{kind_label(kind)} {identifier} ({name})"
+    third_party = f"{THIRD_PARTY_IDENTIFIERS.start}-{THIRD_PARTY_IDENTIFIERS.stop - 1}"
+    is_enum_value = identifier > 0 and identifier in enum.values()
+    if builtin:
+        if is_enum_value:
+            return None
+        return f"{label} is not a built-in {kind_label(kind)} value; a built-in plugin registers only those"
+    if identifier in THIRD_PARTY_IDENTIFIERS:
+        return None
+    if is_enum_value:
+        return (
+            f"{label} is a built-in identifier, reserved for Helios's built-in plugins; a third-party plugin "
+            f"registers identifiers in the third-party range {third_party}"
+        )
+    return f"{label} is outside the third-party range {third_party} that third-party plugins register in"
 
 
 def _label(enum: Any, value: int) -> str:

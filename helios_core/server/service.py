@@ -338,7 +338,7 @@ class ChatService:
             _LOG.warning("request %s dropped before generation: %s", request_id, self._drop_message)
             raise RequestCancelled(self._drop_message)
         enqueue_ns = self._now_ns()
-        events = self._bridge.attach(self.running.engine.submit(prepared.request), loop, permit.generation_ended)
+        # the presenter (and the output parsers it builds) first: one that fails submits nothing
         presenter = endpoint.presenter(
             prepared,
             self.frontend,
@@ -348,6 +348,7 @@ class ChatService:
             ingress_ns=ingress_ns,
             enqueue_ns=enqueue_ns,
         )
+        events = self._bridge.attach(self.running.engine.submit(prepared.request), loop, permit.generation_ended)
         headers = {"x-request-id": request_id}
         if prepared.stream:
             return Stream(

@@ -1,7 +1,9 @@
-"""The plugin host: in-process third-party identifiers, duplicates and ``prefer``, missing
-identifiers, isolation of a plugin that fails to import (``SystemExit`` and other ``BaseException``s
-included), the allowlist and autoload switches, pairing failures, hook documentation and the
-``helios plugins`` listing (text and ``--json``)."""
+"""The plugin host: in-process third-party identifiers, duplicates and ``prefer`` (fatal only to a
+core that selects the clashing identifier), the reserved identifier ranges (a third-party plugin
+registering a built-in identifier is isolated), missing identifiers, isolation of a plugin that fails
+to import (``SystemExit`` and other ``BaseException``s included), the allowlist and autoload
+switches, pairing failures, hook documentation and the ``helios plugins`` listing (text and
+``--json``)."""
 
 from __future__ import annotations
 
@@ -103,15 +105,113 @@ def test_duplicates_fail_naming_both_unless_preferred() -> None:
     assert host.resolve(third_party()).tool_parser.name == "shadow"
 
 
-def test_a_plugin_duplicating_a_builtin_is_refused() -> None:
-    class Clash:
+class BuiltinClash:
+    """A third-party plugin registering the built-in ``TOOL_PARSER_NONE`` and a third-party parser."""
+
+    def helios_register_tool_parsers(self, register: Register) -> None:
+        register(100005, lambda context: Upper(), name="fine")
+        register(ct.TOOL_PARSER_NONE, lambda context: Upper(), name="clash")
+
+
+RESERVED_ERROR = (
+    "ValueError: tool parser 1 (clash) is a built-in identifier, reserved for Helios's built-in plugins; "
+    "a third-party plugin registers identifiers in the third-party range 100000-199999"
+)
+
+
+def test_a_plugin_registering_a_builtin_identifier_in_process_is_isolated(tokenizer: Any) -> None:
+    host = PluginHost(autoload=False)
+    host.plugin_manager.register(BuiltinClash(), name="clash-dist")
+    selected = host.resolve(base(ct.TOOL_PARSER_NONE))
+    assert (selected.tool_parser.plugin, selected.tool_parser.name) == ("helios", "none")
+    assert host.conflicts == []
+    entry = next(e for e in host.describe() if e["name"] == "clash-dist")
+    assert (entry["status"], entry["error"]) == ("failed", RESERVED_ERROR)
+    assert 100005 not in host.registries["tool_parser"]  # a failed plugin's registrations are dropped
+    harness = FrontendHarness(tokenizer, base(ct.TOOL_PARSER_NONE), plugins=[BuiltinClash()])
+    assert harness.run_text("hello").output.content == "hello"  # the built-in, not the upper-casing clash
+
+
+def test_a_distribution_registering_a_builtin_identifier_is_listed_failed_and_the_builtin_serves() -> None:
+    entry_points = [FakeEntryPoint("clash", "helios_clash", "helios", dist("helios-clash"), plugin=BuiltinClash())]
+    host = PluginHost(entry_points=entry_points, environ={})
+    assert host.resolve(base(ct.TOOL_PARSER_NONE)).tool_parser.plugin == "helios"
+    out = io.StringIO()
+    assert run_plugins_command(argparse.Namespace(json=False), host=host, out=out) == 0  # no clash
+    lines = out.getvalue().splitlines()
+    assert f"helios-clash 1.0: clash = helios_clash [failed] (no identifiers declared) error: {RESERVED_ERROR}" in lines
+    assert not any("conflict" in line for line in lines)
+
+
+def test_a_builtin_plugin_registers_only_builtin_values() -> None:
+    class ThirdPartyNumber:
         def helios_register_tool_parsers(self, register: Register) -> None:
-            register(ct.TOOL_PARSER_NONE, lambda context: Upper(), name="clash")
+            register(100001, lambda context: Upper(), name="numbered")
+
+    entry_points = [FakeEntryPoint("numbered", "helios_numbered", "helios", dist("helios"), plugin=ThirdPartyNumber())]
+    entry = PluginHost(entry_points=entry_points, environ={}).describe()[0]
+    assert (entry["builtin"], entry["status"]) == (True, "failed")
+    assert entry["error"] == (
+        "ValueError: tool parser 100001 (numbered) is not a built-in tool parser value; "
+        "a built-in plugin registers only those"
+    )
+
+
+def _clashing_entry_points() -> list[Any]:
+    return [
+        FakeEntryPoint("upper", "upper", "helios", dist("helios-upper"), plugin=UpperPlugin()),
+        FakeEntryPoint("shadow", "shadow", "helios", dist("helios-shadow"), plugin=ShadowPlugin()),
+    ]
+
+
+def test_a_clash_fails_only_a_core_that_selects_the_identifier() -> None:
+    host = PluginHost(entry_points=_clashing_entry_points(), environ={})
+    assert host.resolve(base(ct.TOOL_PARSER_NONE)).tool_parser.name == "none"
+    assert host.resolve(function_tags()).tool_parser.name == "function-tags"
+    with pytest.raises(StartupError, match=r"tool parser 100001 is provided by both 'helios-shadow' .* 'helios-upper'"):
+        host.resolve(third_party(100001))
+    assert run_plugins_command(argparse.Namespace(json=False), host=host, out=io.StringIO()) == 1  # still listed
+
+
+def test_a_grammar_clash_fails_only_a_core_selecting_its_parser() -> None:
+    class Grammar:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def helios_register_tool_grammars(self, register: Register) -> None:
+            register(100001, lambda request: None, name=self.name)
 
     host = PluginHost(autoload=False)
-    host.plugin_manager.register(Clash(), name="clash-dist")
-    with pytest.raises(StartupError, match="tool parser 1 is provided by both"):
-        host.resolve(base(ct.TOOL_PARSER_NONE))
+    host.plugin_manager.register(UpperPlugin(), name="upper-dist")
+    host.plugin_manager.register(Grammar("grammar-a"), name="grammar-a-dist")
+    host.plugin_manager.register(Grammar("grammar-b"), name="grammar-b-dist")
+    assert host.resolve(base(ct.TOOL_PARSER_NONE)).tool_grammar is None
+    with pytest.raises(StartupError, match=r"^tool grammar 100001 is provided by both 'grammar-a-dist'"):
+        host.resolve(third_party(100001))
+
+
+def test_a_clash_between_builtins_is_listed_on_the_lines_of_the_two_plugins_only() -> None:
+    class NoneAgain:
+        def helios_register_tool_parsers(self, register: Register) -> None:
+            register(ct.TOOL_PARSER_NONE, lambda context: Upper(), name="none-again")
+
+    builtin = dist("helios")
+    entry_points = [
+        FakeEntryPoint(
+            "none", "helios_plugins.none", "helios", builtin, plugin=importlib.import_module("helios_plugins.none")
+        ),
+        FakeEntryPoint("none_again", "none_again", "helios", builtin, plugin=NoneAgain()),
+        FakeEntryPoint("upper", "upper", "helios", dist("helios-upper"), plugin=UpperPlugin()),
+    ]
+    host = PluginHost(entry_points=entry_points, environ={})
+    out = io.StringIO()
+    assert run_plugins_command(argparse.Namespace(json=False), host=host, out=out) == 1
+    conflict = "conflict: tool parser 1 is provided by both 'helios' (none) and 'helios' (none-again)"
+    lines = {line.split(" [")[0]: line for line in out.getvalue().splitlines()}
+    assert conflict in lines["helios 1.0: none = helios_plugins.none"]
+    assert conflict in lines["helios 1.0: none_again = none_again"]
+    assert "conflict" not in lines["helios-upper 1.0: upper = upper"]
+    assert host.resolve(third_party(100001)).tool_parser.name == "upper"  # the clash is not selected
 
 
 def _broken_entry_points() -> list[Any]:
@@ -318,10 +418,15 @@ def test_a_plugin_raising_a_base_exception_at_import_is_isolated(failing_modules
     assert run_plugins_command(argparse.Namespace(json=False), host=host, out=out) == 0
     lines = out.getvalue().splitlines()
     assert (
-        "helios-exit-plugin 1.0: helios_exit = helios_exit_plugin [failed] unknown error: SystemExit: exits on import"
+        "helios-exit-plugin 1.0: helios_exit = helios_exit_plugin [failed] (no identifiers declared) "
+        "error: SystemExit: exits on import"
     ) in lines
     assert (
-        "helios-abort-plugin 1.0: helios_abort = helios_abort_plugin [failed] unknown "
+        "helios-exit-code-plugin 1.0: helios_exit_code = helios_exit_code_plugin [failed] (no identifiers declared) "
+        "error: SystemExit: 3"
+    ) in lines
+    assert (
+        "helios-abort-plugin 1.0: helios_abort = helios_abort_plugin [failed] (no identifiers declared) "
         "error: PluginAbort: stops everything"
     ) in lines
 

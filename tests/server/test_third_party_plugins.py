@@ -5,10 +5,13 @@ Both distributions live in ``contrib/`` and are installed by the README's test c
 ``contrib/broken-plugin``: fails at import on purpose, declaring 100002). The example's grammar
 serves ``tool_choice`` ``"required"`` and named functions through the grammar hook: the random-weight
 model generates under it (nothing scripted), and the example's parser reads the one call back.
+A parser returning wrong types, or raising, ends only its request with an ``execution_error`` naming
+the parser, and nothing of the bad output reaches the client.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import os
@@ -24,10 +27,11 @@ from ignition.recipes.synthetic import synthetic_declaration
 from helios_core.container.keys import generate_keys, load_private_key
 from helios_core.errors import StartupError
 from helios_core.loading import TrustSettings
+from helios_core.plugin_api import OutputDelta
 from helios_core.plugins.host import describe_plugins
 
 from .conftest import Served, serve_fixture
-from .helpers import scripted_replies
+from .helpers import chat, scripted_replies, sse_events
 
 NAMESPACE = "helios-tests/third-party"
 EXAMPLE_IDENTIFIER = 100_001
@@ -155,3 +159,43 @@ def test_a_core_selecting_the_broken_identifier_fails_startup_naming_it(
         ),
     ):
         pass
+
+
+EXAMPLE_PARSER = f"tool parser {EXAMPLE_IDENTIFIER} (bracket-calls from helios-example-plugin)"
+
+
+def _wrong_content(self: Any, text: str) -> list[OutputDelta]:
+    return [OutputDelta(content=123)]  # type: ignore[arg-type]
+
+
+def _raising(self: Any, text: str) -> list[OutputDelta]:
+    raise LookupError("parser state lost")
+
+
+@pytest.mark.parametrize(
+    ("feed", "problem"),
+    [
+        (_wrong_content, "returned an OutputDelta from feed() whose content is int, not str or None"),
+        (_raising, "failed in feed(): LookupError: parser state lost"),
+    ],
+)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_parser_plugin_failure_ends_only_its_request_naming_the_parser(
+    served_third_party: Served, monkeypatch: pytest.MonkeyPatch, feed: Any, problem: str, stream: bool
+) -> None:
+    parser_class = importlib.import_module("helios_example_plugin").BracketCallParser
+    with monkeypatch.context() as patch:
+        patch.setattr(parser_class, "feed", feed)
+        with scripted_replies(served_third_party.running) as say:
+            say("Some answer text.")
+            response = chat(served_third_party.base_url, max_tokens=16, stream=stream)
+    expected = f"output handling failed: ParserPluginError: {EXAMPLE_PARSER} {problem}"
+    if stream:
+        events = sse_events(response)
+        assert '"content":123' not in response.text.replace(" ", "")
+        name, data = events[-1]
+        assert name == "error" and data["error"] == {**data["error"], "type": "execution_error", "message": expected}
+    else:
+        assert response.status_code == 500
+        assert response.json()["error"]["message"] == expected
+    assert chat(served_third_party.base_url, max_tokens=4).status_code == 200  # later requests are served

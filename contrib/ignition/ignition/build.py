@@ -377,27 +377,41 @@ def validate_and_write(
 ) -> None:
     """Validate an assembled core with the serving runtime's own contract rules, then sign and write it
     with the builder's weight catalogs; the rebuild manifest (a new one when None) records this
-    toolkit's version."""
+    toolkit's version.
+
+    Raises:
+        ContractError: the contract fails Helios' checks (:func:`shortened_contract_error`).
+        CoreWriteError: the core's files cannot be written.
+    """
     try:
         prepare_contract(serving, builder.manifest, [_as_resource_message(r) for r in resources])
     except ContractError as error:
         raise ContractError(shortened_contract_error(str(error))) from error
     rebuild = rebuild or cb.RebuildManifest()
     rebuild.toolkit_version = toolkit_version
-    write_core(
-        out,
-        namespace=namespace,
-        contract=serving,
-        execution=builder.manifest,
-        resources=resources,
-        signing_key=signing_key,
-        layout=layout,
-        core_key=core_key,
-        description=description,
-        rebuild=rebuild,
-        weight_catalogs=builder.weight_catalogs(),
-        progress=progress,
-    )
+    try:
+        write_core(
+            out,
+            namespace=namespace,
+            contract=serving,
+            execution=builder.manifest,
+            resources=resources,
+            signing_key=signing_key,
+            layout=layout,
+            core_key=core_key,
+            description=description,
+            rebuild=rebuild,
+            weight_catalogs=builder.weight_catalogs(),
+            progress=progress,
+        )
+    except OSError as error:
+        raise CoreWriteError(error.errno, error.strerror or str(error), str(out)) from error
+
+
+class CoreWriteError(OSError):
+    """Writing a core failed: ``filename`` is the core being written and ``strerror`` the reason. The
+    error it replaces, its cause, may name the hidden temporary file the writer failed on, or no file
+    at all (a full disk)."""
 
 
 CONTRACT_PROBLEMS_SHOWN = 3

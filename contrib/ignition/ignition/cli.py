@@ -2,8 +2,9 @@
 
 Owns argument parsing, the checks of every option before any key is made or
 weight read (numbers, names, the namespace, the options a recipe does not take,
-the output path), key handling for signing and the progress display. Errors
-print one line and exit non-zero.
+the third-party parser identifiers, the output path), key handling for signing
+and the progress display. Errors, an interrupt (Ctrl-C) included, print one
+line and exit non-zero.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import functools
 import os
 import stat
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from helios_core.contract import THIRD_PARTY_IDENTIFIERS
+from helios_core.contract.prepared import REQUIRED_TOOL_PARSER
 from helios_core.errors import HeliosError
+from helios_core.wire import contract_pb2 as ct
 from ignition.recipes.llama import (
     CACHE_DTYPES,
     DRAFT_SAMPLING_KINDS,
@@ -32,6 +37,8 @@ from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
 from ignition.recipes.synthetic import TOOL_SYNTAXES
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from helios_core.wire.contract_pb2 import ServingContract
 
 RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
@@ -41,6 +48,12 @@ DEFAULT_SHAPE = "tiny"
 
 CONTRACT_FIELD_MAX = 2**32 - 1
 """The largest value of a capacity the serving contract stores (32-bit fields)."""
+
+EXIT_ERROR = 1
+"""The exit status of a refused option, a failed build and an interrupt (argparse's usage errors exit 2)."""
+
+_THIRD_PARTY_RANGE = f"{THIRD_PARTY_IDENTIFIERS.start}-{THIRD_PARTY_IDENTIFIERS.stop - 1}"
+"""The plugin identifiers reserved for third-party implementations, as the options' messages write them."""
 
 
 class ProgressBar:
@@ -66,12 +79,20 @@ class ProgressBar:
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
+    """An integer-list option's value: comma-separated, distinct positive integers. An argparse type, so
+    argparse refuses anything else as a usage error naming the option (``argument --prefill-tokens: ...``)."""
+    parts = text.split(",")
+    if "" in parts:
+        raise argparse.ArgumentTypeError(f"empty entry in {text!r}; expected comma-separated positive integers")
     try:
-        values = tuple(int(part) for part in text.split(",") if part)
+        values = tuple(int(part) for part in parts)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or any(v <= 0 for v in values):
+    if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+    if repeated is not None:
+        raise argparse.ArgumentTypeError(f"{repeated} is given twice in {text!r}")
     return values
 
 
@@ -195,6 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     build.add_argument(
+        "--tool-parser",
+        metavar="ID",
+        help=(
+            f"a third-party tool parser id in {_THIRD_PARTY_RANGE} the core selects instead of the one "
+            "--tool-syntax selects (the tokens, template and syntax data stay those of --tool-syntax)"
+        ),
+    )
+    build.add_argument(
+        "--reasoning-parser",
+        metavar="ID",
+        help=(
+            f"a third-party reasoning parser id in {_THIRD_PARTY_RANGE} the core selects instead of the one "
+            "--tool-syntax selects (none unless recipient-header or xtml)"
+        ),
+    )
+    build.add_argument(
         "--tensor-parallel",
         type=int,
         metavar="N",
@@ -309,6 +346,7 @@ def run_build(args: argparse.Namespace) -> int:
             raise HeliosError(
                 f"--draft-layers must lie in [1, {shape.layers}] (the target's layers), got {args.draft_layers}"
             )
+    parsers = _plugin_parsers(args)
     out = _output_path(args.out)
     if args.sign_key is None:
         key_dir = args.out.with_name(args.out.name + ".keys")
@@ -325,10 +363,55 @@ def run_build(args: argparse.Namespace) -> int:
     if args.layout == "logical-v4" and core_key is None:
         raise HeliosError("--format logical-v4 needs --core-key (make one with `helios keys generate`)")
 
-    if args.recipe in ("recurrent-synthetic", "latent-synthetic"):
-        return _build_recurrent(args, out, caps, targets, signing_key, core_key, progress)
-    if args.recipe == "vision-synthetic":
-        return _build_vision(args, out, caps, targets, signing_key, core_key, progress)
+    from ignition.build import CoreWriteError
+
+    recipe = RecipeBuild(args, out, caps, targets, parsers, signing_key, core_key, progress)
+    try:
+        if args.recipe in ("recurrent-synthetic", "latent-synthetic"):
+            return _build_recurrent(recipe)
+        if args.recipe == "vision-synthetic":
+            return _build_vision(recipe)
+        return _build_llama(recipe, extra)
+    except CoreWriteError as error:  # named for --out, not for the writer's hidden temporary file
+        raise HeliosError(f"--out {_out_name(args.out, out)} cannot be written: {error.strerror}") from error
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeBuild:
+    """What building a recipe's core takes once every option is checked: the options, the file ``--out``
+    writes, the capacities, targets and third-party parsers, the keys and the progress display."""
+
+    args: argparse.Namespace
+    out: Path
+    caps: Capacities
+    targets: tuple[str, ...]
+    parsers: PluginParsers
+    signing_key: Ed25519PrivateKey
+    core_key: bytes | None
+    progress: ProgressBar
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginParsers:
+    """The third-party parsers ``--tool-parser`` and ``--reasoning-parser`` select (None: the one
+    ``--tool-syntax`` selects)."""
+
+    tool_parser: int | None = None
+    reasoning_parser: int | None = None
+
+    def frontend(self, frontend: ct.FrontendContract | None) -> ct.FrontendContract | None:
+        """The recipe's ``frontend`` (None: no tool or reasoning syntax) with these parsers selected; the
+        recipe's own when none is."""
+        if self.tool_parser is None and self.reasoning_parser is None:
+            return frontend
+        from ignition.preparation.frontend import with_parsers
+
+        return with_parsers(frontend, tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser)
+
+
+def _build_llama(recipe: RecipeBuild, extra: tuple[str, ...]) -> int:
+    """``ignition build llama-synthetic`` or ``smollm2-135m-instruct``."""
+    args, progress = recipe.args, recipe.progress
     if args.recipe == "llama-synthetic":
         from ignition.recipes.synthetic import synthetic_declaration
 
@@ -337,20 +420,21 @@ def run_build(args: argparse.Namespace) -> int:
         from ignition.recipes.smollm2 import smollm2_declaration
 
         model = smollm2_declaration(progress=progress, tool_syntax=args.tool_syntax)
+    model.frontend = recipe.parsers.frontend(model.frontend)
 
     from ignition.build import build_core
 
     started = time.monotonic()
     serving = build_core(
         model,
-        out,
-        caps=caps,
-        signing_key=signing_key,
+        recipe.out,
+        caps=recipe.caps,
+        signing_key=recipe.signing_key,
         namespace=args.namespace,
         layout=args.layout,
-        core_key=core_key,
+        core_key=recipe.core_key,
         bf16=args.dtype == "bf16",
-        targets=targets,
+        targets=recipe.targets,
         progress=progress,
         tensor_parallel=args.tensor_parallel or 0,
     )
@@ -360,7 +444,8 @@ def run_build(args: argparse.Namespace) -> int:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """Refuse, before anything else, a number no build can use, naming its option: a capacity below 1,
-    a negative seed, and any extent past what the serving contract's 32-bit fields hold (the options
+    a page of more tokens than the context (its cache planes would hold tokens no request has), a
+    negative seed, and any extent past what the serving contract's 32-bit fields hold (the options
     with rules of their own, such as ``--window`` or ``--draft-tokens``, are checked where those rules
     are)."""
     capacities = [
@@ -372,6 +457,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for option, value in capacities:
         if value < 1:
             raise HeliosError(f"{option} must be a positive integer, got {value}")
+    if args.page_tokens > args.context:
+        raise HeliosError(
+            f"--page-tokens must be at most --context {args.context} (a page holds tokens of one request), "
+            f"got {args.page_tokens}"
+        )
     if args.seed is not None and args.seed < 0:
         raise HeliosError(f"--seed must be a non-negative integer, got {args.seed}")
     bounded: list[tuple[str, int | None]] = [
@@ -440,7 +530,9 @@ _FILE_KINDS = (
 
 def _output_path(out: Path) -> Path:
     """The file ``--out`` writes: ``out`` itself, or the file a symbolic link ``out`` leads to (the core is
-    written to a temporary file in that file's directory, then renamed over it).
+    written to a temporary file in that file's directory, then renamed over it). The directory is tried
+    with a file made and removed at once, so a directory no one may write (``/proc``, ``/sys``, a
+    read-only mount, which even root cannot) is refused before any key is made.
 
     Raises:
         HeliosError: ``out`` (or what it leads to) exists and is not a regular file, its directory does
@@ -450,7 +542,7 @@ def _output_path(out: Path) -> Path:
         target = out.resolve()
     except (OSError, RuntimeError) as error:  # RuntimeError: a symbolic-link loop (Python 3.11)
         raise HeliosError(f"--out {out} cannot be resolved: {error}") from error
-    named = f"{out} (a link to {target})" if out.is_symlink() else str(out)
+    named = _out_name(out, target)
     try:
         mode = target.stat().st_mode
     except FileNotFoundError:
@@ -465,7 +557,65 @@ def _output_path(out: Path) -> Path:
         raise HeliosError(f"--out {named}: the directory {directory} does not exist")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise HeliosError(f"--out {named}: the directory {directory} is not writable")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=directory)
+    except OSError as error:
+        raise HeliosError(
+            f"--out {named}: the directory {directory} cannot be written: {error.strerror or error}"
+        ) from error
+    os.close(handle)
+    os.unlink(probe)
     return target
+
+
+def _out_name(out: Path, target: Path) -> str:
+    """``--out`` as its messages name it: the path given, and the file it leads to when it is a link."""
+    return f"{out} (a link to {target})" if out.is_symlink() else str(out)
+
+
+def _plugin_identifier(option: str, text: str | None, kind: str) -> int | None:
+    """The third-party ``kind`` identifier ``option`` gives (None when it is not given).
+
+    Raises:
+        HeliosError: the text is not an integer in the third-party range.
+    """
+    if text is None:
+        return None
+    try:
+        identifier = int(text)
+    except ValueError:
+        identifier = 0
+    if identifier not in THIRD_PARTY_IDENTIFIERS:
+        raise HeliosError(f"{option} must be a third-party {kind} id in {_THIRD_PARTY_RANGE}, got {text!r}")
+    return identifier
+
+
+def _plugin_parsers(args: argparse.Namespace) -> PluginParsers:
+    """The third-party parsers ``--tool-parser`` and ``--reasoning-parser`` select, checked before any key
+    or weight is touched: identifiers in the third-party range, and never one of a pair of parsers that
+    share frames without the other (the reasoning and tool parsers of ``--tool-syntax recipient-header``
+    and ``xtml``: the contract requires that reasoning parser's tool parser).
+
+    Raises:
+        HeliosError: an identifier outside the range, or one parser of such a pair replaced alone.
+    """
+    parsers = PluginParsers(
+        tool_parser=_plugin_identifier("--tool-parser", args.tool_parser, "tool parser"),
+        reasoning_parser=_plugin_identifier("--reasoning-parser", args.reasoning_parser, "reasoning parser"),
+    )
+    if (parsers.tool_parser is None) == (parsers.reasoning_parser is None):
+        return parsers  # both replaced, or neither: no pair is split
+    from ignition.recipes.synthetic import tool_syntax_frontend
+
+    frontend = tool_syntax_frontend(args.tool_syntax)
+    if frontend is not None and REQUIRED_TOOL_PARSER.get(frontend.reasoning_parser) == frontend.tool_parser:
+        raise HeliosError(
+            f"--tool-syntax {args.tool_syntax} pairs the reasoning parser "
+            f"{ct.ReasoningParser.Name(frontend.reasoning_parser)} with the tool parser "
+            f"{ct.ToolParser.Name(frontend.tool_parser)} (they share frames); give both --tool-parser and "
+            "--reasoning-parser, or neither"
+        )
+    return parsers
 
 
 TENSOR_PARALLEL_RECIPES = ("llama-synthetic", "smollm2-135m-instruct")
@@ -536,43 +686,33 @@ def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...])
         check_recurrent_targets(targets)
 
 
-def _build_recurrent(
-    args: argparse.Namespace,
-    out: Path,
-    caps: Capacities,
-    targets: tuple[str, ...],
-    signing_key: object,
-    core_key: bytes | None,
-    progress: ProgressBar,
-) -> int:
+def _build_recurrent(recipe: RecipeBuild) -> int:
     """``ignition build recurrent-synthetic`` or ``latent-synthetic`` (options checked by
     :func:`_check_recurrent_options`)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     from ignition.recipes.latent import build_latent_core, latent_declaration
     from ignition.recipes.recurrent import build_recurrent_core, recurrent_declaration
 
-    if not isinstance(signing_key, Ed25519PrivateKey):
-        raise HeliosError("the signing key must be an Ed25519 private key")
+    args = recipe.args
     started = time.monotonic()
     try:
         if args.recipe == "latent-synthetic":
-            model = latent_declaration(
+            latent = latent_declaration(
                 args.shape, seed=args.seed, tokens_per_record=args.tokens_per_record, page_offset=args.page_offset
             )
-            build = functools.partial(build_latent_core, model, caps=dataclasses.replace(caps, snapshots=0))
+            latent = dataclasses.replace(latent, frontend=recipe.parsers.frontend(latent.frontend))
+            build = functools.partial(build_latent_core, latent, caps=dataclasses.replace(recipe.caps, snapshots=0))
         else:
-            build = functools.partial(
-                build_recurrent_core, recurrent_declaration(args.shape, seed=args.seed), caps=caps
-            )
+            recurrent = recurrent_declaration(args.shape, seed=args.seed)
+            recurrent = dataclasses.replace(recurrent, frontend=recipe.parsers.frontend(recurrent.frontend))
+            build = functools.partial(build_recurrent_core, recurrent, caps=recipe.caps)
         serving = build(
-            out,
-            signing_key=signing_key,
+            recipe.out,
+            signing_key=recipe.signing_key,
             namespace=args.namespace,
             layout=args.layout,
-            core_key=core_key,
-            targets=targets,
-            progress=progress,
+            core_key=recipe.core_key,
+            targets=recipe.targets,
+            progress=recipe.progress,
         )
     except ValueError as error:
         raise HeliosError(str(error)) from error
@@ -602,37 +742,28 @@ def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: t
         raise HeliosError(str(error)) from error
 
 
-def _build_vision(
-    args: argparse.Namespace,
-    out: Path,
-    caps: Capacities,
-    targets: tuple[str, ...],
-    signing_key: object,
-    core_key: bytes | None,
-    progress: ProgressBar,
-) -> int:
+def _build_vision(recipe: RecipeBuild) -> int:
     """``ignition build vision-synthetic`` (options checked by :func:`_check_vision_options`)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     from ignition.recipes.vision import build_vision_core, vision_declaration
 
-    if not isinstance(signing_key, Ed25519PrivateKey):
-        raise HeliosError("the signing key must be an Ed25519 private key")
+    args = recipe.args
     started = time.monotonic()
     try:
+        model = vision_declaration(
+            args.shape, layout=args.image_layout or "tiles", seed=args.seed, tool_syntax=args.tool_syntax
+        )
+        model = dataclasses.replace(model, tool_frontend=recipe.parsers.frontend(model.tool_frontend))
         serving = build_vision_core(
-            vision_declaration(
-                args.shape, layout=args.image_layout or "tiles", seed=args.seed, tool_syntax=args.tool_syntax
-            ),
-            out,
-            caps=caps,
-            signing_key=signing_key,
+            model,
+            recipe.out,
+            caps=recipe.caps,
+            signing_key=recipe.signing_key,
             namespace=args.namespace,
             layout=args.layout,
-            core_key=core_key,
+            core_key=recipe.core_key,
             bf16=args.dtype == "bf16",
-            targets=targets,
-            progress=progress,
+            targets=recipe.targets,
+            progress=recipe.progress,
         )
     except ValueError as error:
         raise HeliosError(str(error)) from error
@@ -656,7 +787,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_build(args)
     except (HeliosError, ValueError, OSError) as exc:
         print(f"ignition: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+    except KeyboardInterrupt:  # Ctrl-C: the writer has removed its temporary file, no core is left half-written
+        print("ignition: error: interrupted", file=sys.stderr)
+        return EXIT_ERROR
     return 2
 
 

@@ -1,10 +1,10 @@
 """Reusable frontend declarations: the syntax data of each built-in tool and reasoning family.
 
 Owns the FrontendContract presets a recipe picks from, with the markers of the formats as published
-(overridable per recipe). They are syntax data only: Helios selects parsers by the enum identifiers
-and never by a model's name, and the contract's validation checks every pairing rule (a reasoning
-terminal marker equals the tool opener; XTML think needs the XTML tool parser; recipient-header
-reasoning needs ATEM).
+(overridable per recipe), and the selection of other parsers (third-party plugins) over a preset.
+They are syntax data only: Helios selects parsers by the enum identifiers and never by a model's
+name, and the contract's validation checks every pairing rule (a reasoning terminal marker equals
+the tool opener; XTML think needs the XTML tool parser; recipient-header reasoning needs ATEM).
 """
 
 from __future__ import annotations
@@ -22,6 +22,22 @@ def plain(tool_parser: int = ct.TOOL_PARSER_NONE) -> ct.FrontendContract:
         image_preparation=ct.IMAGE_PREPARATION_NONE,
         image_layout=ct.IMAGE_LAYOUT_NONE,
     )
+
+
+def with_parsers(
+    frontend: ct.FrontendContract | None, *, tool_parser: int | None = None, reasoning_parser: int | None = None
+) -> ct.FrontendContract:
+    """A copy of ``frontend`` (None: :func:`plain`) that selects ``tool_parser`` and ``reasoning_parser``
+    (a third-party plugin's identifiers, say) where given. Its syntax data stays, for the selected
+    implementations to read; the contract's validation still checks the pairing rules."""
+    selected = plain()
+    if frontend is not None:
+        selected.CopyFrom(frontend)
+    if tool_parser is not None:
+        selected.tool_parser = tool_parser  # type: ignore[assignment]
+    if reasoning_parser is not None:
+        selected.reasoning_parser = reasoning_parser  # type: ignore[assignment]
+    return selected
 
 
 def with_think_tags(

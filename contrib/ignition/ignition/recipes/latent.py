@@ -272,6 +272,8 @@ class LatentDeclaration:
     page_offset: int = 0
     max_output_tokens: int = 512
     description: str = ""
+    frontend: ct.FrontendContract | None = None
+    """The frontend the core declares: its tool and reasoning parsers (None: neither; never image inputs)."""
 
 
 def latent_declaration(
@@ -357,7 +359,7 @@ def assemble_latent(
             pages_per_row=caps.pages_per_row,
         )
     contract_model.graphs.extend(graphs)
-    contract_model.frontend.CopyFrom(default_frontend())
+    contract_model.frontend.CopyFrom(model.frontend or default_frontend())
     contract_model.state_views.extend(decl.state_views(writer.text_caps))
     serving = serving_contract(
         model.served_name,

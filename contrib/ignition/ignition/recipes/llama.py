@@ -134,6 +134,8 @@ class Capacities:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"Capacities.{name} must be at least 1, got {value}")
+        if self.page_tokens > self.context:
+            raise ValueError(f"Capacities.page_tokens must be at most context {self.context}, got {self.page_tokens}")
         for name in ("prefill_tokens", "decode_rows"):
             values = getattr(self, name)
             if not values or min(values) < 1:

@@ -375,6 +375,8 @@ class RecurrentDeclaration:
     eos_token_ids: Sequence[int]
     max_output_tokens: int = 512
     description: str = ""
+    frontend: ct.FrontendContract | None = None
+    """The frontend the core declares: its tool and reasoning parsers (None: neither; never image inputs)."""
 
 
 def recurrent_declaration(shape_name: str, *, seed: int = 0) -> RecurrentDeclaration:
@@ -434,7 +436,7 @@ def assemble_recurrent(
         continuation = contract_model.cache.regions.add(name="continuation", kind=ct.HISTORY_KIND_CONTINUATION)
         continuation.planes.extend(row.buffer for row in writer.continuation)
     contract_model.graphs.extend(graphs)
-    contract_model.frontend.CopyFrom(default_frontend())
+    contract_model.frontend.CopyFrom(model.frontend or default_frontend())
     contract_model.state_views.extend(writer.state_views())
     serving = serving_contract(
         model.served_name,

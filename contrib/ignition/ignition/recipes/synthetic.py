@@ -445,6 +445,20 @@ _SYNTAX_FRONTENDS = {
 }
 
 
+def tool_syntax_frontend(tool_syntax: str) -> ct.FrontendContract | None:
+    """The frontend a synthetic core of ``tool_syntax`` declares (None for ``none``: no tool or reasoning
+    syntax).
+
+    Raises:
+        ValueError: an unknown tool syntax.
+    """
+    if tool_syntax not in TOOL_SYNTAXES:
+        raise ValueError(f"unknown tool syntax {tool_syntax!r}; known: {', '.join(TOOL_SYNTAXES)}")
+    if tool_syntax not in _SYNTAX_FRONTENDS:
+        return None
+    return _SYNTAX_FRONTENDS[tool_syntax][1]()
+
+
 def synthetic_declaration(
     shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = (), tool_syntax: str = "none"
 ) -> TextModelDeclaration:
@@ -465,10 +479,8 @@ def synthetic_declaration(
         raise ValueError(f"unknown synthetic shape {shape_name!r}; known shapes: {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
     tokenizer = byte_level_tokenizer(extra_special)
-    template, frontend = CHATML_TEMPLATE, None
-    if tool_syntax in _SYNTAX_FRONTENDS:
-        template, make_frontend = _SYNTAX_FRONTENDS[tool_syntax]
-        frontend = make_frontend()
+    template = _SYNTAX_FRONTENDS[tool_syntax][0] if tool_syntax in _SYNTAX_FRONTENDS else CHATML_TEMPLATE
+    frontend = tool_syntax_frontend(tool_syntax)
     if tokenizer.vocab_size > shape.vocab:
         raise ValueError(f"shape {shape_name!r} has {shape.vocab} logits, the tokenizer needs {tokenizer.vocab_size}")
     return TextModelDeclaration(
