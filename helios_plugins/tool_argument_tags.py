@@ -112,11 +112,9 @@ class ArgumentTagParser(SectionToolParser):
                 call.params.append(ParamScan(key, text[pos:end], True))
                 pos = end + (len(t.value_close) if text.startswith(t.value_close, end) else 0)
                 continue
-            if final:
-                call.params.append(ParamScan(key, text[pos:], True))
-                return scan
+            # a value cut off keeps none of the first characters of a closer it was cut off in
             hold = partial_suffix_length(text[pos:], terminators)
-            call.params.append(ParamScan(key, text[pos : len(text) - hold], False))
+            call.params.append(ParamScan(key, text[pos : len(text) - hold], final))
             return scan
 
 

@@ -248,7 +248,8 @@ class SectionToolParser:
       parameter name is dropped (the first value wins);
     * at ``finish``: an open section with at least one named call closes every call with what it
       holds (truncated output keeps its calls); an open section without a named call, or a section
-      the scanner marks ``invalid``, is content, opener included.
+      the scanner marks ``invalid``, is content, opener included;
+    * for a request that offers no tools, nothing: its whole text is content.
 
     Because every decision depends only on the text, the result does not depend on chunking."""
 
@@ -266,6 +267,9 @@ class SectionToolParser:
         self._held_space = ""
         self._after_section = False
         self._schemas = {spec.name: spec.parameters for spec in context.tools}
+        self._parses_calls = bool(context.tools)
+        """False for a request that offers no tools (none, or ``tool_choice: "none"``): every markup is
+        content, as OpenAI returns no tool calls where none were offered."""
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -337,9 +341,9 @@ class SectionToolParser:
         out: list[OutputDelta] = []
         while True:
             if self._section is None:
-                found = self.find_outside(self._outside, final)
+                found = self.find_outside(self._outside, final) if self._parses_calls else None
                 if found is None:
-                    hold = 0 if final else self.outside_hold(self._outside)
+                    hold = 0 if final or not self._parses_calls else self.outside_hold(self._outside)
                     self._content(self._outside[: len(self._outside) - hold], out, final=final)
                     self._outside = self._outside[len(self._outside) - hold :]
                     return out

@@ -145,6 +145,13 @@ ARGUMENT_TAG_CASES: list[tuple[str, str, str | None, str | None, list[tuple[str,
         None,
         [("search", {"query": "null"})],
     ),
+    (
+        "a value cut off inside its closer keeps the value alone",
+        "<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>ab</arg_va",
+        None,
+        None,
+        [("search", {"query": "ab"})],
+    ),
     ("unclosed block without a name is content", "Hi <tool_call>", None, "Hi <tool_call>", []),
     (
         "name with spaces is content",
@@ -266,3 +273,18 @@ def test_streamed_fragments_are_incremental_for_strings(tokenizer: Any) -> None:
     fragments = [d.arguments for delta in result.deltas for d in delta.tool_calls]
     assert fragments[0] == "" and len(fragments) > 5
     assert "".join(fragments) == '{"query": "long value"}'
+
+
+@pytest.mark.parametrize(
+    ("family", "call"),
+    [
+        (json_tags, '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'),
+        (function_tags, "<tool_call><function=search><parameter=query>x</parameter></function></tool_call>"),
+        (argument_tags, "<tool_call>search\n<arg_key>query</arg_key><arg_value>x</arg_value></tool_call>"),
+    ],
+    ids=["json-tags", "function-tags", "argument-tags"],
+)
+def test_a_request_offering_no_tools_gets_call_markup_as_content(tokenizer: Any, family: Any, call: str) -> None:
+    text = f"Sure.\n{call}\nDone."
+    check(harness(tokenizer, family(), tools=()), text, None, text, [])
+    check(harness(tokenizer, family()), text, None, "Sure.Done.", [("search", {"query": "x"})])
