@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from helios_core.backends.ranks import DEFAULT_DEADLINE_S, RankError, _combine
-from helios_core.contract.selection import DEFAULT_RANK_JOIN_TIMEOUT_S, ProcessRankSettings
+from helios_core.contract.selection import DEFAULT_RANK_JOIN_TIMEOUT_S, JoinStopped, ProcessRankSettings
 from helios_core.errors import HeliosError, StartupError
 
 if TYPE_CHECKING:
@@ -309,7 +309,13 @@ class Wire:
         """The next message; PeerTimeout past ``deadline_s`` (None: wait as long as the connection lives),
         PeerClosed at the end of the stream, ProtocolError for a malformed frame or one over ``max_bytes``."""
         ends = None if deadline_s is None else time.monotonic() + deadline_s
-        (length,) = struct.unpack(">I", self._exactly(4, ends))
+        head = self._exactly(4, ends)
+        if head == b"HTTP":
+            raise ProtocolError(
+                "the peer answered HTTP, not as a Helios leader or rank (an HTTP --port, not the --rank-listen "
+                "address?)"
+            )
+        (length,) = struct.unpack(">I", head)
         if length > max_bytes:
             raise ProtocolError(f"a frame of {length} bytes is larger than the {max_bytes} accepted")
         body = self._exactly(length, ends)
@@ -424,6 +430,10 @@ def _well_formed(hello: Hello) -> bool:
     )
 
 
+_JOIN_POLL_S = 0.2
+"""How often a leader waiting for rank processes looks whether the server was asked to stop."""
+
+
 def gather_peers(settings: ProcessRankSettings, digest: str, ranks: int) -> dict[int, Wire]:
     """Listen on ``settings``'s address until ranks 1..ranks-1 have joined (authenticated, distinct, same
     core); a StartupError naming the missing ranks once ``join_timeout_s`` passed."""
@@ -443,7 +453,11 @@ def gather_peers(settings: ProcessRankSettings, digest: str, ranks: int) -> dict
                     f"rank process{'es' if ranks - 1 - len(joined) > 1 else ''} {missing} did not join at "
                     f"{settings.address} within {settings.join_timeout_s:g} s (--rank-join-timeout)"
                 )
-            listener.settimeout(remaining)
+            stop = settings.stop_joining
+            if stop is not None and stop.is_set():
+                raise JoinStopped("stopped while waiting for rank processes to join")
+            # short waits while a stop may come: the server stops at once, not at the join deadline
+            listener.settimeout(remaining if stop is None else min(remaining, _JOIN_POLL_S))
             try:
                 connection, address = listener.accept()
             except TimeoutError:

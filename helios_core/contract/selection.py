@@ -14,6 +14,7 @@ resume and scored prefill) of at most N tokens, so that no round computes more.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -31,6 +32,10 @@ DEFAULT_RANK_JOIN_TIMEOUT_S = 60.0
 """``--rank-join-timeout``: how long the leader waits for every rank process to join."""
 
 
+class JoinStopped(StartupError):
+    """The server was asked to stop while its leader waited for rank processes to join (not a failure)."""
+
+
 @dataclass(frozen=True)
 class ProcessRankSettings:
     """Where a leader listens for its rank processes (``helios run --rank-listen``), the secret they share, and
@@ -44,6 +49,9 @@ class ProcessRankSettings:
     """A round's (and one collective's) deadline for every peer (the thread ranks' deadline)."""
     on_lost: Callable[[HeliosError], None] | None = None
     """Called once, on a thread of its own, when a peer disconnects or misses a deadline: serving must end."""
+    stop_joining: threading.Event | None = None
+    """Set when the server stops before every rank joined: the leader stops waiting at once
+    (:class:`JoinStopped`)."""
 
     @property
     def address(self) -> str:

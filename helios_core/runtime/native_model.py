@@ -57,6 +57,7 @@ from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.errors import HeliosError, StartupError
 from helios_core.runtime.engram import EngramStaging, load_engram
 from helios_core.runtime.packing import GraphPacker, PageTableMemory
+from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
 if TYPE_CHECKING:
@@ -493,6 +494,17 @@ def _reserve_host_snapshots(executor: Backend, count: int, rows: int) -> None:
         ) from exc
 
 
+def _check_offload_use(contract: PreparedContract, offload_checkpoints: int) -> None:
+    """A StartupError for host checkpoint slots the core can never use: only a core with a recurrent
+    history reuses prefixes through checkpoints."""
+    recurrent = any(region.kind == ct.HISTORY_KIND_RECURRENT for region in contract.model.cache.regions)
+    if offload_checkpoints and not recurrent:
+        raise StartupError(
+            f"--offload-checkpoints {offload_checkpoints}: the core keeps no prefix checkpoints (it has no recurrent "
+            "history; its prefixes are reused through cache pages, which --offload-pages moves to host memory)"
+        )
+
+
 def _reservation_failure(exc: BaseException) -> str:
     """Why a host reservation failed: the backend's reason, or the allocation failure by its name."""
     return f"{type(exc).__name__}: {exc}" if isinstance(exc, MemoryError) else str(exc)
@@ -566,6 +578,7 @@ class NativeModel:
             raise StartupError(f"--offload-pages must not be negative, not {offload_pages}")
         if offload_checkpoints < 0:
             raise StartupError(f"--offload-checkpoints must not be negative, not {offload_checkpoints}")
+        _check_offload_use(contract, offload_checkpoints)
         rank_count = choose_ranks(contract, ranks)
         backend = resolve_backend(backend, contract)
         check_runtime_support(

@@ -352,7 +352,9 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         for server in servers:
             server.should_exit = True  # uvicorn's main loop notices within a tenth of a second
 
-    rank_peers = _rank_peers(options, serving_lost)
+    stop_joining = threading.Event()
+    """Set when serving stops while the core loads: a leader waiting for its rank processes stops waiting."""
+    rank_peers = _rank_peers(options, serving_lost, stop_joining)
     load = LoadOptions(
         max_active=options.max_active,
         queue_capacity=options.queue_capacity,
@@ -429,6 +431,7 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
                 _end_at_once(server.forced_by)  # a second signal during loading: no waiting for the load step
             # while that load step ends, SIGINT and SIGTERM end the process at once, whatever handlers it
             # inherited (a shell's background job starts with SIGINT ignored)
+            stop_joining.set()  # a leader still waiting for rank processes stops now
             with _handling_shutdown_signals(_end_at_once):
                 loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
     finally:
@@ -441,7 +444,9 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
                 if group is not None:
                     group.close()
                 listener.close()
-    if loader.failure is not None:
+    from helios_core.contract.selection import JoinStopped
+
+    if loader.failure is not None and not isinstance(loader.failure, JoinStopped):
         raise loader.failure  # the loading error itself: the one line and exit status of a failed start
     if group is not None and group.startup_failure is not None:
         raise group.startup_failure  # another HTTP process could not start
@@ -498,7 +503,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _rank_peers(options: RunOptions, on_lost: Callable[[HeliosError], None]) -> ProcessRankSettings | None:
+def _rank_peers(
+    options: RunOptions, on_lost: Callable[[HeliosError], None], stop_joining: threading.Event | None = None
+) -> ProcessRankSettings | None:
     """The rank-process settings of ``--rank-listen`` (None without it); bad settings fail before listening."""
     from helios_core.backends.rank_processes import DEFAULT_JOIN_TIMEOUT_S, parse_address, read_secret_file
     from helios_core.contract.selection import ProcessRankSettings
@@ -516,7 +523,9 @@ def _rank_peers(options: RunOptions, on_lost: Callable[[HeliosError], None]) -> 
         raise StartupError(f"--rank-join-timeout must be positive, not {join_timeout:g}")
     host, port = parse_address(options.rank_listen, "--rank-listen")
     secret = read_secret_file(options.rank_secret_file)
-    return ProcessRankSettings(host, port, secret, join_timeout_s=join_timeout, on_lost=on_lost)
+    return ProcessRankSettings(
+        host, port, secret, join_timeout_s=join_timeout, on_lost=on_lost, stop_joining=stop_joining
+    )
 
 
 class _Loader:

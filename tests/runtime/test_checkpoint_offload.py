@@ -121,11 +121,12 @@ def test_a_negative_host_checkpoint_count_is_refused_at_startup(start_fixture: C
         start_fixture("recurrent-tiny", offload_checkpoints=-1)
 
 
-def test_a_core_without_snapshot_rows_refuses_a_checkpoint_host_tier(
-    start_fixture: Callable[..., RunningModel],
+@pytest.mark.parametrize("core", ["payload-v3", "sliding-window", "latent-tiny"])
+def test_a_core_without_a_recurrent_history_refuses_a_checkpoint_host_tier(
+    start_fixture: Callable[..., RunningModel], core: str
 ) -> None:
-    with pytest.raises(StartupError, match=r"cannot reserve 2 host checkpoint slots .*no snapshot rows"):
-        start_fixture("payload-v3", offload_checkpoints=2)
+    with pytest.raises(StartupError, match=r"--offload-checkpoints 2: the core keeps no prefix checkpoints"):
+        start_fixture(core, offload_checkpoints=2)
 
 
 # -- the store ------------------------------------------------------------------------------------------

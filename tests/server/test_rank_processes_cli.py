@@ -133,6 +133,28 @@ def test_a_rank_without_the_secret_is_refused_the_right_one_serves_and_its_death
     )
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_leader_waits_for_its_ranks_stops_it_at_once(
+    tmp_path: Path, processes: list[Process], signum: int
+) -> None:
+    port = free_port()
+    waiting = leader(port, free_port(), secret_file(tmp_path))  # no rank process ever joins
+    processes.append(waiting)
+    ends = time.monotonic() + DEADLINE_S
+    while time.monotonic() < ends:  # listening (and loading) once /ready answers
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 503:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    time.sleep(1.0)  # the load step reaches the wait for the rank processes
+    signalled = time.monotonic()
+    waiting.popen.send_signal(signum)
+    assert waiting.finish() == 0, waiting.lines
+    assert time.monotonic() - signalled < DEADLINE_S / 3  # not at the join deadline
+    assert not [line for line in waiting.lines if "error" in line], waiting.lines
+
+
 def test_the_leaders_death_ends_its_rank_process_with_a_clear_error(tmp_path: Path, processes: list[Process]) -> None:
     port, rank_port = free_port(), free_port()
     secret = secret_file(tmp_path)
@@ -202,6 +224,31 @@ def test_rank_refuses_a_core_of_one_rank_a_rank_outside_the_core_and_an_open_sec
         f"helios rank: error: --rank-secret-file {open_secret} is accessible by group or others (mode 0640); it must "
         f"be private to its owner: chmod 600 {open_secret}\n"
     )
+
+
+def test_a_rank_joining_an_http_port_is_told_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_http() -> None:  # what a web server says to bytes that are no HTTP request
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(4096)
+            connection.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+
+    web = threading.Thread(target=answer_http, daemon=True)
+    web.start()
+    try:
+        arguments = ["--join", f"127.0.0.1:{port}", "--rank", "1", "--rank-secret-file", str(secret_file(tmp_path))]
+        assert main(["rank", "--core", str(TP2), *TRUST, *arguments, "--rank-join-timeout", "10"]) == 1
+    finally:
+        web.join(DEADLINE_S)
+        server.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "the peer answered HTTP, not as a Helios leader or rank" in err, err
 
 
 def test_rank_options_come_from_the_environment_and_the_config_file(tmp_path: Path) -> None:
