@@ -112,3 +112,13 @@ def served() -> Iterator[Served]:
     """The fixture core with two model slots and two queue places (four admission permits)."""
     with serve_fixture(ServerSettings(aliases=("tiny",)), max_active=2, queue_capacity=2) as value:
         yield value
+
+
+@pytest.fixture(scope="module")
+def smol(smol_core: tuple[Path, Path]) -> Iterator[Served]:
+    """The SmolLM2 core of the session (``tests/conftest.py``) served on loopback, for a module's tests."""
+    from tests.conftest import SMOL_NAMESPACE
+
+    core, public_key = smol_core
+    with serve_fixture(core=core, trust=TrustSettings((public_key,), SMOL_NAMESPACE, None)) as served:
+        yield served

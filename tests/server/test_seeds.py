@@ -15,18 +15,13 @@ square) is below 1e-40: a false failure does not happen in practice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from helios_core.loading import TrustSettings
-from tests.conftest import SMOL_NAMESPACE
-
-from .conftest import Served, serve_fixture
+from .conftest import Served
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +29,6 @@ PROMPT = [{"role": "user", "content": "Write a list of ten random words."}]
 TOKENS = 24
 TIMEOUT_S = 300.0
 """Generous: the reference backend shares two cores with the rest of the suite."""
-
-
-@pytest.fixture(scope="module")
-def smol(smol_core: tuple[Path, Path]) -> Iterator[Served]:
-    core, public_key = smol_core
-    with serve_fixture(core=core, trust=TrustSettings((public_key,), SMOL_NAMESPACE, None)) as served:
-        yield served
 
 
 def _answer(served: Served, **sampling: Any) -> str:

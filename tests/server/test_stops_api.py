@@ -8,17 +8,12 @@ text before it, and the tokens it swallows whole have no logprob entry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from helios_core.loading import TrustSettings
-from tests.conftest import SMOL_NAMESPACE
-
-from .conftest import Served, serve_fixture
+from .conftest import Served
 from .helpers import sse_events
 
 pytestmark = pytest.mark.slow
@@ -27,13 +22,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 ANSWER = "The capital of France is Paris."
 TIMEOUT_S = 300.0
 """Generous: the reference backend shares two cores with the rest of the suite."""
-
-
-@pytest.fixture(scope="module")
-def smol(smol_core: tuple[Path, Path]) -> Iterator[Served]:
-    core, public_key = smol_core
-    with serve_fixture(core=core, trust=TrustSettings((public_key,), SMOL_NAMESPACE, None)) as served:
-        yield served
 
 
 def _post(served: Served, path: str, body: dict[str, Any]) -> httpx.Response:
