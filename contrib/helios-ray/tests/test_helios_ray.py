@@ -6,6 +6,7 @@ own requests and is replaced. Runs under ``tox -e ray``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -214,10 +215,13 @@ def test_a_killed_helios_process_fails_only_its_replicas_requests_and_is_replace
     serving: set[str] = set()
     deadline = time.monotonic() + 60
     with httpx.Client() as client, ThreadPoolExecutor(4) as pool:
-        while len(serving) < 2 and time.monotonic() < deadline:
-            after = list(
-                pool.map(lambda i: chat(client, served.url, f"after the kill {i}", stream=i % 2 == 0), range(8))
-            )
+        for attempt in itertools.count():
+            if len(serving) >= 2 or time.monotonic() >= deadline:
+                break
+            # new prompts each attempt: their affinity keys spread over the replicas anew (the same eight
+            # keys could all favour one replica for good)
+            prompts = [(f"after the kill, attempt {attempt}, request {i}", i % 2 == 0) for i in range(8)]
+            after = list(pool.map(lambda item: chat(client, served.url, item[0], stream=item[1]), prompts))
             assert [ok for ok, _, _ in after] == [True] * 8, after
             serving |= {replica for _, replica, _ in after}
     assert len(serving) == 2
