@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -222,6 +223,11 @@ def test_models_and_health(served: Served) -> None:
     models = served.client.models.list()
     assert [m.id for m in models.data] == [MODEL, "tiny"]
     import httpx
+
+    time.sleep(1.1)  # a creation time read from the clock at each call would move on
+    later = served.client.models.list()
+    assert {m.created for m in [*models.data, *later.data]} == {models.data[0].created}
+    assert served.client.models.retrieve("tiny").created == models.data[0].created
 
     health = httpx.get(served.base_url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"

@@ -111,6 +111,20 @@ def test_a_tool_result_turn_renders_and_answers(served_tools: Served, script: Ca
     assert not reply.choices[0].message.tool_calls
 
 
+def test_a_tool_result_may_name_its_function(served_tools: Served, script: Callable[[str], None]) -> None:
+    script("It is sunny in Paris.")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"sky": "clear"}'},
+    ]
+    reply = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny", messages=messages, tools=[WEATHER]
+    )
+    assert reply.choices[0].message.content == "It is sunny in Paris."
+
+
 def test_tool_choice_none_answers_in_text(served_tools: Served, script: Callable[[str], None]) -> None:
     script("plain answer")
     reply = served_tools.client.chat.completions.create(
