@@ -204,7 +204,7 @@ class Engine:
             tok = tokenizer
             token_bytes = TokenBytes.from_tokenizer(tokenizer)
 
-            eos_ids = contract.eos_token_ids
+            eos_ids = frozenset(contract.eos_token_ids)
 
             def make_gate(request: PreparedRequest) -> HostGate | None:
                 if not needs_gate(request):

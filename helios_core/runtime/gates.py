@@ -34,7 +34,7 @@ alone. The scheduler catches it at each call into a gate and fails the request w
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,11 +68,12 @@ def format_param(request: PreparedRequest) -> str:
     return "tools" if isinstance(prepared, ToolCallFormat) else "response_format"
 
 
-def ending_ids(request: PreparedRequest, eos_ids: Iterable[int]) -> frozenset[int]:
-    """The ids that end ``request`` when sampled: the core's EOS ids, none with ``ignore_eos``. Their text
-    is never presented, so a gate or stream gives them none: no stop sees it, and what a stop or the
-    detokenizer holds back is released by the finish that follows, not attached to the EOS token."""
-    return frozenset() if request.ignore_eos else frozenset(int(i) for i in eos_ids)
+def ending_ids(request: PreparedRequest, eos_ids: frozenset[int]) -> frozenset[int]:
+    """The ids that end ``request`` when sampled: the core's EOS ids (built once by the caller), none with
+    ``ignore_eos``. Their text is never presented, so a gate or stream gives them none: no stop sees it,
+    and what a stop or the detokenizer holds back is released by the finish that follows, not attached
+    to the EOS token."""
+    return frozenset() if request.ignore_eos else eos_ids
 
 
 def needs_gate(request: PreparedRequest) -> bool:

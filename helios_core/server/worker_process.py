@@ -207,8 +207,9 @@ class WorkerProcessEngine:
         self.capacity = selection.queue_capacity + selection.max_active
         self.grammar_compiler = grammar_compiler
         token_bytes = TokenBytes.from_tokenizer(tokenizer)
+        eos_ids = frozenset(eos_token_ids)
         self.make_text: Callable[[PreparedRequest], StreamText] = lambda request: StreamText(
-            tokenizer, token_bytes, ending_ids(request, eos_token_ids)
+            tokenizer, token_bytes, ending_ids(request, eos_ids)
         )
         self._encode = msgspec.msgpack.Encoder().encode
         self._send_lock = threading.Lock()

@@ -37,7 +37,7 @@ def _request(stops: list[str], *, ignore_eos: bool = False) -> PreparedRequest:
 
 
 def _gate(request: PreparedRequest, table: TokenBytes | None) -> HostGate:
-    return HostGate(request, TOKENIZER, None, table, ending_ids(request, [END]))
+    return HostGate(request, TOKENIZER, None, table, ending_ids(request, frozenset({END})))
 
 
 def _run(gate: HostGate, tokens: list[int]) -> tuple[list[list[Piece]], bool]:
@@ -114,7 +114,7 @@ def test_an_incomplete_character_before_the_end_is_released_alike_with_and_witho
 ) -> None:
     request = _request(["zzz"])
     gate = _gate(request, table)
-    stream = StreamText(TOKENIZER, table, ending_ids(request, [END]))
+    stream = StreamText(TOKENIZER, table, ending_ids(request, frozenset({END})))
     gated, plain = [], []
     for token in [THE, E_FIRST, END]:
         gated.extend(gate.observe(token).pieces)
