@@ -190,19 +190,23 @@ class Bootstrap:
         tools: Sequence[Any] | None = None,
         input_chars: int | None = None,
         add_generation_prompt: bool = True,
+        client_variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render a conversation, with the generation prompt appended unless ``add_generation_prompt``
         is false (the template's own variable of that name), within ``render_limits``.
 
         ``input_chars``: characters of client text the conversation holds (it scales the output
-        limit); counted here when not given. Every render failure raises PromptError."""
+        limit); counted here when not given. ``client_variables``: a request's own template variables
+        (``chat_template_kwargs``), over the core's; they never replace the names this method sets
+        (:data:`RENDER_VARIABLES`). Every render failure raises PromptError."""
         special = self.frontend.template_tokens
         if input_chars is None:
             counter = ClientTextShield(None)
-            counter.shield_value([list(messages), list(tools or [])])
+            counter.shield_value([list(messages), list(tools or []), dict(client_variables or {})])
             input_chars = counter.input_chars
         variables = {
             **self.template_variables,
+            **(client_variables or {}),
             "messages": list(messages),
             "tools": list(tools) if tools else None,
             "add_generation_prompt": add_generation_prompt,
@@ -233,6 +237,10 @@ class Bootstrap:
         """Text of ``ids`` with special tokens skipped."""
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
+
+
+RENDER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+"""The template variables :meth:`Bootstrap.render` sets itself."""
 
 
 def compile_chat_template(source: str) -> Template:

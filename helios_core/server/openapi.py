@@ -214,6 +214,9 @@ _DESCRIPTIONS = {
     "the conversation without the template's generation prompt.",
     "continue_final_message": "vLLM-style; true continues the final message, which must be an assistant message "
     "with content (its rendering is left open). Not with add_generation_prompt: true.",
+    "chat_template_kwargs": "vLLM-style; extra chat-template variables over the core's own (such as "
+    '{"enable_thinking": false}). Not messages, tools, add_generation_prompt, bos_token, eos_token or a '
+    "template function's name.",
 }
 
 

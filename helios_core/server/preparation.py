@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +54,13 @@ import msgspec
 
 from helios_core.contract import PrefixBoundaries, PromptLayout, PromptMessage
 from helios_core.errors import PromptError
-from helios_core.frontend.bootstrap import Bootstrap, SamplingError, resolve_sampling, resolved_settings
+from helios_core.frontend.bootstrap import (
+    RENDER_VARIABLES,
+    Bootstrap,
+    SamplingError,
+    resolve_sampling,
+    resolved_settings,
+)
 from helios_core.frontend.detokenizer import IncrementalDetokenizer
 from helios_core.frontend.formats import (
     AnswerFrames,
@@ -617,19 +623,21 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     shield = frontend.bootstrap.encoder.shield()
     messages = [_template_message(message, index, shield) for index, message in enumerate(request.messages)]
     shielded_tools = shield.shield_value(template_tools) if template_tools else None
+    variables = _client_template_variables(frontend, request, shield)
     continuing = _continues_final_message(request)
     rendered = frontend.bootstrap.render(
         messages,
         tools=shielded_tools,
         input_chars=shield.input_chars,
         add_generation_prompt=request.add_generation_prompt is not False and not continuing,
+        client_variables=variables,
     )
     content_start = -1
     if continuing:
-        rendered, content_start = _open_final_message(frontend, messages, shielded_tools, rendered, shield)
+        rendered, content_start = _open_final_message(frontend, messages, shielded_tools, variables, rendered, shield)
     prompt_ids = _encode(frontend, rendered, shield)
     layout = _prompt_layout(
-        frontend, messages, shielded_tools, rendered, prompt_ids, shield, content_start=content_start
+        frontend, messages, shielded_tools, variables, rendered, prompt_ids, shield, content_start=content_start
     )
     prompt_ids, prompt_images = _expand_images(frontend, prompt_ids, images, [where for where, _ in image_parts])
     layout = _expanded_layout(layout, prompt_images)
@@ -722,10 +730,31 @@ def _continues_final_message(request: ChatCompletionRequest) -> bool:
     return True
 
 
+def _client_template_variables(
+    frontend: Frontend, request: ChatCompletionRequest, shield: ClientTextShield
+) -> dict[str, Any] | None:
+    """The request's ``chat_template_kwargs``, shielded as client text (their strings stay plain text);
+    None when absent or empty. A name the renderer sets itself or a template global is a 400."""
+    if not request.chat_template_kwargs:
+        return None
+    reserved = RENDER_VARIABLES | frontend.bootstrap.template.globals.keys()
+    taken = sorted(name for name in request.chat_template_kwargs if name in reserved)
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server sets "
+            f"{'it' if len(taken) == 1 else 'them'} (use the request's own fields for messages, tools and "
+            "add_generation_prompt)",
+            "chat_template_kwargs",
+        )
+    shielded: dict[str, Any] = shield.shield_value(dict(request.chat_template_kwargs))
+    return shielded
+
+
 def _open_final_message(
     frontend: Frontend,
     messages: list[dict[str, Any]],
     tools: Any,
+    variables: Mapping[str, Any] | None,
     rendered: str,
     shield: ClientTextShield,
 ) -> tuple[str, int]:
@@ -747,6 +776,7 @@ def _open_final_message(
         tools=tools,
         input_chars=shield.input_chars,
         add_generation_prompt=False,
+        client_variables=variables,
     )
     start = probe.find(marker)
     if start >= 0 and probe.count(marker) == 1 and rendered.startswith(probe[:start]):
@@ -774,6 +804,7 @@ def _prompt_layout(
     frontend: Frontend,
     messages: list[dict[str, Any]],
     tools: Any,
+    variables: Mapping[str, Any] | None,
     rendered: str,
     prompt_ids: list[int],
     shield: ClientTextShield,
@@ -802,7 +833,11 @@ def _prompt_layout(
         if not frontend.boundaries.allows(role, flags):
             continue  # no rule allows a cut after it: its end is never needed
         prefix = frontend.bootstrap.render(
-            messages[: index + 1], tools=tools, input_chars=shield.input_chars, add_generation_prompt=False
+            messages[: index + 1],
+            tools=tools,
+            input_chars=shield.input_chars,
+            add_generation_prompt=False,
+            client_variables=variables,
         )
         if rendered.startswith(prefix):  # else its rendering depends on later messages: no boundary there
             ends.append((role, len(prefix)))

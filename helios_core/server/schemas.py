@@ -216,6 +216,9 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     continue_final_message: bool | None = None
     """vLLM-style: true leaves the final message, which must be the assistant's, open so generation
     continues its content; not with ``add_generation_prompt: true``."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM-style: extra variables for the chat template (``{"enable_thinking": false}``), over the core's
+    own template variables; names the server sets itself are refused."""
 
 
 class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
