@@ -69,6 +69,22 @@ GENERATING_OPERATIONS: Final = frozenset(
 )
 """Operations that sample a token and therefore produce the pending token."""
 
+REQUIRED_OPERATIONS: Final = (ct.OPERATION_INITIALIZE, ct.OPERATION_PREFILL, ct.OPERATION_DECODE)
+"""Operations every core has a program of: the scheduler runs ``initialize`` as the first round of every
+admitted request (it resets the request's state rows: sampling state, prompt histogram, recurrent
+state), then prefills its prompt and decodes (``docs/runtime-design.md``, Scheduling)."""
+
+INPUT_ID_SOURCES: Final = frozenset(
+    {
+        ct.VALUE_SOURCE_PROMPT_TOKENS,
+        ct.VALUE_SOURCE_SCORED_PREFILL_TARGETS,
+        ct.VALUE_SOURCE_PENDING_TOKEN,
+        ct.VALUE_SOURCE_CANDIDATE_IDS,
+    }
+)
+"""Sources whose values are ids of a request's tokens, each anywhere in the input vocabulary (prompt ids,
+the completed pending token, proposals copied from the history)."""
+
 FLOAT_SOURCES: Final = frozenset(
     {
         ct.VALUE_SOURCE_TEMPERATURE,
@@ -120,6 +136,16 @@ IMAGE_OPERATIONS: Final = frozenset(
 LENGTH_SOURCES: Final = frozenset({ct.VALUE_SOURCE_QUERY_LENGTH, ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT})
 
 PAGED_HISTORY_KINDS: Final = frozenset({ct.HISTORY_KIND_PAGED_KV, ct.HISTORY_KIND_PAGED_LATENT})
+
+PAGED_PLANE_KINDS: Final[Mapping[int, str]] = MappingProxyType(
+    {
+        ct.HISTORY_KIND_PAGED_KV: "paged-kv",
+        ct.HISTORY_KIND_PAGED_LATENT: "paged-latent",
+        ct.HISTORY_KIND_SLIDING_WINDOW: "sliding-window",
+    }
+)
+"""History kinds whose planes are paged (``[CACHE_PAGES, records a page, ...]``), each with the name its
+plane messages use."""
 
 
 def _tool_families() -> Mapping[int, str | None]:
@@ -739,17 +765,24 @@ def _check_record_geometry(region: ct.HistoryRegion, page_tokens: int, problems:
 
 
 def _check_plane_records(region: ct.HistoryRegion, plane: mf.BufferDecl, page_tokens: int, problems: _Problems) -> None:
-    """A paged-latent plane is ``[CACHE_PAGES, page_tokens / tokens_per_record, ...]``: one record per
-    ``tokens_per_record`` tokens of each page."""
+    """A paged plane (paged key/value, paged latent, or a sliding window's key/value) is
+    ``[CACHE_PAGES, page_tokens / tokens_per_record, ...]``: one record per ``tokens_per_record`` tokens of
+    each page (one a token for uncompressed planes). The kernels take the page size from this dimension
+    while the runtime computes cache slots from ``page_tokens``, so the two must agree."""
     ratio = region.tokens_per_record
-    if region.kind != ct.HISTORY_KIND_PAGED_LATENT or ratio < 1 or page_tokens % ratio:
+    kind = PAGED_PLANE_KINDS.get(region.kind)
+    if kind is None or ratio < 1 or page_tokens <= 0 or page_tokens % ratio:
         return
     records = page_tokens // ratio
     if len(plane.shape) < 2 or plane.shape[1].size != records:
         found = plane.shape[1].size if len(plane.shape) >= 2 else "none"
+        if ratio == 1:
+            expected = f"{records} tokens a page (page_tokens {page_tokens})"
+        else:
+            expected = f"{records} records a page (page_tokens {page_tokens} / tokens_per_record {ratio})"
         problems.add(
-            f"cache plane {plane.name!r} of paged-latent region {region.name!r}: its second dimension must be "
-            f"{records} records a page (page_tokens {page_tokens} / tokens_per_record {ratio}), not {found}"
+            f"cache plane {plane.name!r} of {kind} region {region.name!r}: its second dimension must be "
+            f"{expected}, not {found}"
         )
 
 
@@ -1172,6 +1205,69 @@ def _check_attention_windows(model: ct.ModelContract, execution: mf.ExecutionMan
                 )
 
 
+def _check_input_embedding(
+    model: ct.ModelContract,
+    execution: mf.ExecutionManifest,
+    buffers: Mapping[str, mf.BufferDecl],
+    transport: Mapping[str, mf.TransportEntry],
+    problems: _Problems,
+) -> None:
+    """Every id of the input vocabulary (image sentinels included: a legacy completion's prompt ids reach
+    the model unexpanded) has a row in each embedding table that a program gathers input ids from: an
+    ``embedding`` node whose ``ids`` is a transport entry its graph binds with an input-id source
+    (:data:`INPUT_ID_SOURCES`). Reported once per table."""
+    size = model.input_vocabulary.size
+    if size <= 0:
+        return
+    graphs = {g.name: g for g in model.graphs}
+    reported: set[str] = set()
+    for program in execution.programs:
+        graph = graphs.get(program.name)
+        if graph is None:
+            continue
+        sources = {b.destination: b.source for b in graph.bindings}
+        for node in program.nodes:
+            if node.op.name != "embedding":
+                continue
+            args = {a.name: a.view for a in node.args}
+            table, ids = args.get("table"), args.get("ids")
+            if table is None or ids is None or table.buffer in reported:
+                continue
+            source = sources.get(ids.buffer)
+            if source not in INPUT_ID_SOURCES or ids.buffer not in transport:
+                continue
+            rows = _table_rows(table, buffers, transport)
+            if rows is not None and rows < size:
+                reported.add(table.buffer)
+                label = _enum_name(ct.ValueSource, source).removeprefix("VALUE_SOURCE_")
+                problems.add(
+                    f"input_vocabulary.size {size} exceeds the {rows} rows of embedding table {table.buffer!r}: "
+                    f"program {program.name!r} node {node.name!r} embeds input ids ({label} in {ids.buffer!r}), "
+                    f"so an id in [{rows}, {size}) would fail the gather"
+                )
+
+
+def _table_rows(
+    view: mf.BufferView, buffers: Mapping[str, mf.BufferDecl], transport: Mapping[str, mf.TransportEntry]
+) -> int | None:
+    """The rows of the ``[V, H]`` table an argument view reads, or None when its declaration does not fix
+    them (a symbolic leading dimension, a view that is not two-dimensional: the operator refuses those)."""
+    decl = buffers.get(view.buffer)
+    if decl is not None and decl.shape and decl.shape[0].symbol != mf.DIM_SYMBOL_UNSPECIFIED:
+        return None
+    if view.shape:
+        return int(view.shape[0]) if len(view.shape) == 2 else None
+    if view.element_offset:
+        return None
+    if decl is not None:
+        declared = _dims(decl.shape)
+    elif view.buffer in transport:
+        declared = [int(d) for d in transport[view.buffer].shape]
+    else:
+        return None
+    return declared[0] if len(declared) == 2 else None
+
+
 def _check_launches(
     where: str,
     node: mf.Node,
@@ -1237,7 +1333,7 @@ def _check_serving(serving: ct.ServingContract, graphs: Sequence[PreparedGraph],
     by_operation: dict[int, list[PreparedGraph]] = {}
     for graph in graphs:
         by_operation.setdefault(graph.operation, []).append(graph)
-    for required in (ct.OPERATION_PREFILL, ct.OPERATION_DECODE):
+    for required in REQUIRED_OPERATIONS:
         if required not in by_operation:
             problems.add(f"missing graph variant: no {operation_name(required)} program")
     decode_capacity = max((g.extents.batch_capacity for g in by_operation.get(ct.OPERATION_DECODE, [])), default=0)
@@ -1318,6 +1414,7 @@ def prepare_contract(
     _check_tuning(list(model.graphs), model, execution, buffers, transport, views, problems)
     _check_programs(execution, buffers, transport, problems)
     _check_attention_windows(model, execution, problems)
+    _check_input_embedding(model, execution, buffers, transport, problems)
     _check_serving(serving, list(prepared_graphs.values()), problems)
     problems.raise_if_any()
     return PreparedContract(

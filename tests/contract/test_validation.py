@@ -165,6 +165,44 @@ def test_input_vocabulary_size_must_be_positive(parts) -> None:
     rejects(parts, "input_vocabulary.size must be positive")
 
 
+def test_input_vocabulary_must_fit_the_embedding_table(parts) -> None:
+    # tok_embd has 320 rows; an id in [320, 321) would reach the gather and fail the request.
+    parts.model.input_vocabulary.size = 320
+    parts.prepare()  # the positive control: every input id has a row
+    parts.model.input_vocabulary.size = 321
+    message = rejects(
+        parts,
+        "input_vocabulary.size 321 exceeds the 320 rows of embedding table 'tok_embd': program 'prefill_p16' "
+        "node 'embedding' embeds input ids (PROMPT_TOKENS in 'input_ids'), so an id in [320, 321) would fail "
+        "the gather",
+    )
+    assert message.count("embedding table") == 1  # once per table, not once per program
+
+
+def test_input_vocabulary_is_checked_against_the_rows_a_view_reads(parts) -> None:
+    # Not tied to a tensor name: the rows are those of the table argument's view, whatever its buffer.
+    for program in ("prefill_p16", "mixed_p16", "resume_p16", "scored_prefill_p16"):
+        parts.arg(program, "embedding", "table").view.shape[:] = [258, 32]
+    rejects(parts, "input_vocabulary.size 259 exceeds the 258 rows of embedding table 'tok_embd'")
+
+
+def test_input_vocabulary_is_checked_for_host_fed_pending_tokens(parts) -> None:
+    # A decode program that embeds a host-owned pending token (PENDING_TOKEN) gathers input ids too.
+    graph = parts.graph("decode_b4")
+    graph.pending_token.binding_destination = "input_ids"
+    graph.bindings.add(destination="input_ids", source=ct.VALUE_SOURCE_PENDING_TOKEN, indexing=ct.INDEXING_PACKED_TOKEN)
+    arg = parts.arg("decode_b4", "embedding", "ids")
+    arg.view.buffer = "input_ids"
+    arg.view.shape[:] = [4]
+    parts.prepare()
+    parts.arg("decode_b4", "embedding", "table").view.shape[:] = [200, 32]
+    rejects(
+        parts,
+        "input_vocabulary.size 259 exceeds the 200 rows of embedding table 'tok_embd': program 'decode_b4' node "
+        "'embedding' embeds input ids (PENDING_TOKEN in 'input_ids')",
+    )
+
+
 def test_image_sentinel_outside_input_vocabulary(parts) -> None:
     parts.model.input_vocabulary.image_sentinel_ids.append(259)
     rejects(parts, "input_vocabulary: image sentinel 259 lies outside [0, 259)")
@@ -498,6 +536,43 @@ def test_cache_plane_leading_dimension_is_pages(parts) -> None:
     rejects(parts, "cache plane 'cache.k0': its leading dimension must be CACHE_PAGES")
 
 
+def test_paged_kv_planes_hold_page_tokens_positions_a_page(parts) -> None:
+    # The fixture's planes are [CACHE_PAGES, 4, kvh, hd]; the kernels take the page size from that
+    # dimension while packing computes cache slots from page_tokens.
+    parts.model.cache.page_tokens = 8
+    message = rejects(
+        parts,
+        "cache plane 'cache.k0' of paged-kv region 'kv': its second dimension must be 8 tokens a page "
+        "(page_tokens 8), not 4",
+    )
+    for plane in ("cache.k1", "cache.v0", "cache.v1"):
+        assert f"cache plane {plane!r} of paged-kv region 'kv'" in message
+
+
+def test_one_paged_kv_plane_of_another_page_size_is_named(parts) -> None:
+    parts.buffer("cache.v1").shape[1].size = 8  # larger, so the programs' views of it still fit
+    message = rejects(
+        parts,
+        "cache plane 'cache.v1' of paged-kv region 'kv': its second dimension must be 4 tokens a page "
+        "(page_tokens 4), not 8",
+    )
+    assert message.startswith("invalid contract: ")  # that plane alone
+
+
+def test_sliding_window_planes_hold_page_tokens_positions_a_page(parts) -> None:
+    region = parts.region("kv")
+    region.kind = ct.HISTORY_KIND_SLIDING_WINDOW
+    region.window_tokens = 16
+    _window_attention(parts, 16)
+    parts.prepare()  # the positive control: planes of page_tokens positions
+    parts.model.cache.page_tokens = 2
+    rejects(
+        parts,
+        "cache plane 'cache.k0' of sliding-window region 'kv': its second dimension must be 2 tokens a page "
+        "(page_tokens 2), not 4",
+    )
+
+
 def test_paged_region_names_no_planes(parts) -> None:
     del parts.region("kv").planes[:]
     rejects(parts, "history region 'kv' names no planes")
@@ -574,6 +649,14 @@ def test_graph_depends_on_unknown_resource(parts) -> None:
 def test_missing_prefill_variant(parts) -> None:
     parts.remove_graph("prefill_p16")
     rejects(parts, "missing graph variant: no prefill program")
+
+
+def test_missing_initialize_variant(parts) -> None:
+    # Every admitted request's first round is `initialize` (it resets the request's state rows); a core
+    # without one used to pass validation and fail startup's warm-up with an internal scheduler error.
+    parts.remove_graph("initialize")
+    message = rejects(parts, "missing graph variant: no initialize program")
+    assert message == "invalid contract: missing graph variant: no initialize program"
 
 
 def test_missing_decode_variant(parts) -> None:

@@ -253,3 +253,38 @@ def test_image_sources_validate_with_an_image_layout(parts) -> None:
     parts.model.frontend.image_layout = ct.IMAGE_LAYOUT_NONE
     parts.model.frontend.image_preparation = ct.IMAGE_PREPARATION_NONE
     rejects(parts, "graph 'prefill_p16' binding 'feature_slot': image sources need a selected image layout")
+
+
+def test_image_sentinels_need_embedding_rows(parts) -> None:
+    # A legacy completion's prompt ids reach the model unexpanded, image sentinels included, so the
+    # token embedding table holds a row for every input id: a sentinel is no exception.
+    make_vision(parts)
+    parts.prepare()  # sentinel 263 has a row of tok_embd's 320
+    parts.model.input_vocabulary.size = 321
+    parts.model.input_vocabulary.image_sentinel_ids[:] = [320]
+    rejects(
+        parts,
+        "input_vocabulary.size 321 exceeds the 320 rows of embedding table 'tok_embd': program 'prefill_p16' "
+        "node 'embedding' embeds input ids (PROMPT_TOKENS in 'input_ids'), so an id in [320, 321) would fail "
+        "the gather",
+    )
+
+
+def test_embeddings_of_image_tensors_are_not_held_to_the_input_vocabulary(parts) -> None:
+    # A vision tower's position tables (rows of patch rows or columns) are embedding nodes too; their ids
+    # are image tensors, not input ids, so their few rows are fine.
+    make_vision(parts)
+    node = parts.program("prefill_p16").nodes.add(name="vision.row_embed")
+    node.op.name = "embedding"
+    node.op.version = 1
+    node.args.add(name="table", view=mf.BufferView(buffer="tok_embd", shape=[4, 32]))
+    node.args.add(name="ids", view=mf.BufferView(buffer="patch_rows", shape=[PATCHES]))
+    node.args.add(name="out", view=mf.BufferView(buffer="scratch.h", shape=[PATCHES, 32]))
+    parts.prepare()
+    node.args[1].view.buffer = "input_ids"  # the same four rows gathering prompt ids
+    rejects(
+        parts,
+        f"input_vocabulary.size {VOCABULARY} exceeds the 4 rows of embedding table 'tok_embd': program "
+        "'prefill_p16' node 'vision.row_embed' embeds input ids (PROMPT_TOKENS in 'input_ids'), so an id in "
+        f"[4, {VOCABULARY}) would fail the gather",
+    )
