@@ -372,6 +372,6 @@ def _prepared_format(value: object) -> ResponseFormat | ToolCallFormat | None:
 
 
 def _reject_unknown(where: str, value: Mapping[Any, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(str(key) for key in value if key not in allowed)
+    unknown = sorted(str(key) for key, item in value.items() if key not in allowed and item is not None)
     if unknown:
         raise PromptError(f"{where}: unknown field(s) {', '.join(repr(k) for k in unknown)}")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,7 @@ from helios_core.frontend.formats import (
     ToolCallFormat,
     read_prepared_format,
 )
-from helios_core.plugins.grammar import ANSWER_RULE, GrammarFragment
+from helios_core.plugins.grammar import ANSWER_RULE, COMPACT_JSON, GrammarFragment
 from helios_core.plugins.tag_grammar import regex_literal
 from helios_core.wire import contract_pb2 as ct
 
@@ -283,7 +283,10 @@ class GrammarCompiler:
         if isinstance(fmt, ToolCallFormat):
             where = "tools" if fmt.choice is None else f"tools ({fmt.choice})"
             rules = self._fragment_rules(fmt.grammar, _CALL_RULE, where)
-            return self._compile_lark(rules, _CALL_RULE, where, reasoning, initially_reasoning)
+            try:
+                return self._compile_lark(rules, _CALL_RULE, where, reasoning, initially_reasoning)
+            except PromptError as exc:
+                raise self._tool_schema_error(fmt) or exc from None
         where = "response_format.json_schema.schema" if fmt.kind == "json_schema" else "response_format"
         if frames is not None:
             rules = [*self._fragment_rules(frames.grammar, _FRAMES_RULE, where), self._answer_rule(fmt, where)]
@@ -293,7 +296,7 @@ class GrammarCompiler:
             return cached
         if reasoning is None:
             try:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(fmt.schema))
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(bounded_whitespace(fmt.schema))
             except (ValueError, TypeError) as exc:
                 raise PromptError(f"{where}: {exc}") from exc
             compiled = self._matcher_grammar(grammar, where)
@@ -308,9 +311,26 @@ class GrammarCompiler:
     def _answer_rule(fmt: ResponseFormat, where: str) -> str:
         """``answer: %json SCHEMA``."""
         try:
-            return f"{ANSWER_RULE}: %json {json.dumps(dict(fmt.schema))}"
+            return f"{ANSWER_RULE}: %json {json.dumps(bounded_whitespace(fmt.schema))}"
         except (ValueError, TypeError) as exc:
             raise PromptError(f"{where}: {exc}") from exc
+
+    def _tool_schema_error(self, fmt: ToolCallFormat) -> PromptError | None:
+        """The refusal naming the first callable function whose parameters schema does not compile on its
+        own, or None when each does (the call grammar failed for another reason)."""
+        for name, schema in fmt.tools:
+            if fmt.choice is not None and name != fmt.choice:
+                continue
+            where = f"tools: function {name!r} parameters"
+            try:
+                self._matcher_grammar(
+                    llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": dict(COMPACT_JSON)}), where
+                )
+            except (ValueError, TypeError) as exc:
+                return PromptError(f"{where}: {_first_line(str(exc))}")
+            except PromptError as exc:
+                return exc
+        return None
 
     def _fragment_rules(self, fragment: GrammarFragment, entry: str, where: str) -> list[str]:
         """``fragment`` with its ``start`` renamed ``entry``, and a rule for each of its markers.
@@ -508,6 +528,20 @@ class GrammarMatcher:
         if not self._matcher.is_accepting():
             return False
         return bool(np.array_equal(self.mask(), self._geometry.eos))
+
+
+ANSWER_WHITESPACE: Mapping[str, Any] = {"whitespace_flexible": True, "whitespace_pattern": r"(\r?\n)?[ \t]{0,32}"}
+"""The whitespace a constrained answer's JSON may hold between two of its tokens: at most one line break and
+32 spaces or tabs (compact and pretty-printed JSON both fit), so a sampler cannot fill the output with
+whitespace (llguidance's default admits any amount)."""
+
+
+def bounded_whitespace(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``schema`` with :data:`ANSWER_WHITESPACE` under its ``x-guidance`` key, unless the schema sets
+    llguidance's options itself (its own ``x-guidance`` is used as it is)."""
+    if "x-guidance" in schema:
+        return dict(schema)
+    return {**schema, "x-guidance": dict(ANSWER_WHITESPACE)}
 
 
 def _first_line(message: str) -> str:

@@ -477,6 +477,14 @@ def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dic
             )
     if len(set(names)) != len(names):
         raise InvalidRequest("tools must have distinct function names", "tools")
+    for index, tool in enumerate(request.tools):
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise InvalidRequest(
+                f"tools[{index}].function.parameters must be a JSON schema of type 'object' (a function's "
+                f"arguments are an object), not {json.dumps(kind)[:80]}",
+                "tools",
+            )
     rendered = []
     specs = []
     for tool in request.tools:

@@ -403,7 +403,8 @@ class CompletionPresenter(_EventPresenter):
                 continue
             event = self._presented_event(token_id) if self._prepared.logprobs and token_id >= 0 else None
             if event is not None:
-                self._positions.append(_Position(text, event.logprob, self._top(text, event), self._length))
+                position = _Position(text, _reported(event.logprob), self._top(text, event), self._length)
+                self._positions.append(position)
             texts.append(text)
             self._length += len(text)
         joined = "".join(texts)
@@ -413,8 +414,8 @@ class CompletionPresenter(_EventPresenter):
     def _top(self, text: str, event: TokenEvent) -> dict[str, float]:
         top: dict[str, float] = {}
         for alternative, logprob in event.top:
-            top.setdefault(self._alternative_text(alternative), logprob)
-        top.setdefault(text, event.logprob)
+            top.setdefault(self._alternative_text(alternative), _reported(logprob))
+        top.setdefault(text, _reported(event.logprob))
         return top
 
     def _prompt_positions(self) -> list[_Position]:
@@ -529,8 +530,18 @@ def _legacy_logprobs(positions: list[_Position]) -> dict[str, Any]:
     }
 
 
+LOGPROB_FLOOR = -9999.0
+"""The logprob reported for an id the distribution rules out (a grammar-masked alternative: -inf), so
+every reported logprob is a JSON number, as vLLM reports it."""
+
+
+def _reported(logprob: float) -> float:
+    """``logprob`` as reported: at least :data:`LOGPROB_FLOOR`."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _logprob_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _reported(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _message(output: ParsedOutput) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from helios_core.errors import ContractError
 from helios_core.frontend.bootstrap import PromptError
 from helios_core.frontend.formats import ResponseFormat, parse_response_format
 from helios_core.frontend.structured import GrammarCompiler, GrammarError, GrammarMatcher
+from helios_core.wire import contract_pb2 as ct
 
 SAMPLED = 259  # 256 byte tokens + <|endoftext|>, <|im_start|>, <|im_end|>
 WIDTH = 320
@@ -354,3 +355,42 @@ def test_json_object_grammar_is_compiled_once(compiler: GrammarCompiler) -> None
     fmt = parse_response_format({"type": "json_object"})
     assert fmt is not None
     assert compiler.compile(fmt) is compiler.compile(fmt)
+
+
+# --- whitespace between an answer's tokens -----------------------------------------------------------
+
+
+def accepts(matcher: GrammarMatcher, text: str) -> bool:
+    """Whether the matcher takes every byte of ``text`` in turn."""
+    for byte in text.encode():
+        try:
+            matcher.advance(byte)
+        except GrammarError:
+            return False
+    return True
+
+
+PRETTY = '{\n  "kind": "alpha",\n  "count": 1,\n  "tags": [\n    "a"\n  ]\n}'
+COMPACT = '{"kind":"alpha","count":1,"tags":["a"]}'
+SPACED = '{"kind": "alpha", "count": 1, "tags": ["a"]}'
+
+
+@pytest.mark.parametrize("reasoning", [None, ct.ReasoningSyntax(open="<think>", close="</think>")])
+def test_an_answer_holds_compact_or_pretty_json_but_no_free_whitespace(
+    compiler: GrammarCompiler, reasoning: ct.ReasoningSyntax | None
+) -> None:
+    grammar = compiler.compile(schema_format(), reasoning=reasoning)
+    for text in (PRETTY, COMPACT, SPACED, "{" + " " * 32 + '"kind"', '{\r\n\t"kind"'):
+        assert accepts(grammar.matcher(), text), text
+    for text in ("{\n\n", "{" + " " * 33, '{"kind"\n\n', '{"kind":' + "\t" * 33, "{\n \n"):
+        assert not accepts(grammar.matcher(), text), text
+    any_object = parse_response_format({"type": "json_object"})
+    assert any_object is not None
+    assert not accepts(compiler.compile(any_object, reasoning=reasoning).matcher(), "{" + "\n" * 2)
+
+
+def test_a_schema_with_its_own_llguidance_options_keeps_them(compiler: GrammarCompiler) -> None:
+    flexible = compiler.compile(schema_format({"type": "object", "x-guidance": {}}))
+    assert accepts(flexible.matcher(), "{" + "\n" * 40 + "}")  # llguidance's own default: any whitespace
+    compact = compiler.compile(schema_format({"type": "object", "x-guidance": {"whitespace_flexible": False}}))
+    assert not accepts(compact.matcher(), "{ ")
