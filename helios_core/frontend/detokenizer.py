@@ -3,8 +3,9 @@
 Owns turning a growing list of token ids into text pieces without re-decoding the whole output per
 token and without ever emitting half of a UTF-8 character: a byte-level token that ends inside a
 multi-byte character yields "" until the character completes. Special tokens are decoded as their
-text (reasoning and tool envelopes are matched and parsed before presentation); whether a client
-sees them is the output pipeline's decision.
+text (reasoning and tool envelopes are matched and parsed before presentation); which of them have no
+text in a request's output (:func:`hidden_special_ids`: those no output syntax spells) is decided
+here once per engine and applied by the request's gate or stream.
 
 Two paths give the same text. For a tokenizer whose decoder is the plain byte-level one, decoding is
 the concatenation of each token's bytes, read as UTF-8 with invalid sequences replaced:
@@ -17,9 +18,15 @@ other tokenizer decodes a short window of recent ids twice per token through the
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 from tokenizers import Tokenizer, decoders
+
+from helios_core.wire import contract_pb2 as ct
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 6
@@ -157,3 +164,45 @@ class IncrementalDetokenizer:
         full_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=False)
         self._read_offset = len(self._ids)
         return full_text[len(prefix_text) :]
+
+
+def hidden_special_ids(tokenizer: Tokenizer, syntax_texts: Iterable[str]) -> frozenset[int]:
+    """The ids of ``tokenizer``'s special tokens whose text no output syntax spells: the tokens a client
+    does not see in generated text (vLLM's ``skip_special_tokens``). A special token inside one of
+    ``syntax_texts`` (a tool-call opener, a reasoning delimiter, a frame control) keeps its text, since
+    the output parsers read it."""
+    texts = [text for text in syntax_texts if text]
+    return frozenset(
+        token_id
+        for token_id, token in tokenizer.get_added_tokens_decoder().items()
+        if token.special and not any(token.content in text for text in texts)
+    )
+
+
+def output_syntax_texts(frontend: ct.FrontendContract) -> list[str]:
+    """Every text the core's output syntax declares: each string of its tool syntax and reasoning syntax
+    (recipient-header frames included) and each string of its plugin parameters (a third-party parser's
+    markers)."""
+    texts: list[str] = []
+    messages: list[Message] = [frontend.tool_syntax, frontend.reasoning_syntax]
+    while messages:
+        for descriptor, value in messages.pop().ListFields():
+            repeated = isinstance(value, Sequence) and not isinstance(value, str)
+            if descriptor.type == FieldDescriptor.TYPE_STRING:
+                texts.extend(value if repeated else [value])
+            elif descriptor.type == FieldDescriptor.TYPE_MESSAGE:
+                messages.extend(value if repeated else [value])
+    if frontend.plugin_parameters_json:
+        try:
+            values: list[Any] = [json.loads(frontend.plugin_parameters_json)]
+        except ValueError:  # validation refuses such a core; nothing to add
+            values = []
+        while values:
+            value = values.pop()
+            if isinstance(value, str):
+                texts.append(value)
+            elif isinstance(value, dict):
+                values.extend([*value.keys(), *value.values()])
+            elif isinstance(value, list):
+                values.extend(value)
+    return texts

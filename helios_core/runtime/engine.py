@@ -44,7 +44,7 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.errors import HeliosError
-from helios_core.frontend.detokenizer import TokenBytes
+from helios_core.frontend.detokenizer import TokenBytes, hidden_special_ids, output_syntax_texts
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.checkpoints import CheckpointIndex
 from helios_core.runtime.completion import (
@@ -54,7 +54,7 @@ from helios_core.runtime.completion import (
     agree_across_ranks,
     read_lanes,
 )
-from helios_core.runtime.gates import HostGate, StreamText, ending_ids, format_param, needs_gate
+from helios_core.runtime.gates import HostGate, StreamText, TextlessIds, format_param, needs_gate
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
     AdmissionRejected,
@@ -204,15 +204,19 @@ class Engine:
             tok = tokenizer
             token_bytes = TokenBytes.from_tokenizer(tokenizer)
 
-            eos_ids = frozenset(contract.eos_token_ids)
+            textless = TextlessIds(
+                frozenset(contract.eos_token_ids),
+                hidden_special_ids(tokenizer, output_syntax_texts(contract.model.frontend)),
+            )
 
             def make_gate(request: PreparedRequest) -> HostGate | None:
                 if not needs_gate(request):
                     return None
-                return HostGate(request, tok, grammar_compiler, token_bytes, ending_ids(request, eos_ids))
+                ends, silent = textless.of(request)
+                return HostGate(request, tok, grammar_compiler, token_bytes, ends, silent)
 
             def make_text(request: PreparedRequest) -> StreamText:
-                return StreamText(tok, token_bytes, ending_ids(request, eos_ids))
+                return StreamText(tok, token_bytes, textless.of(request)[1])
 
             self.make_text = make_text
 

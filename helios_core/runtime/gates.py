@@ -76,6 +76,22 @@ def ending_ids(request: PreparedRequest, eos_ids: frozenset[int]) -> frozenset[i
     return frozenset() if request.ignore_eos else eos_ids
 
 
+@dataclass(frozen=True)
+class TextlessIds:
+    """The ids a request's generated text leaves out, built once per engine: the core's EOS ids and the
+    special tokens no output syntax spells (:func:`~helios_core.frontend.detokenizer.hidden_special_ids`)."""
+
+    eos: frozenset[int] = frozenset()
+    hidden: frozenset[int] = frozenset()
+
+    def of(self, request: PreparedRequest) -> tuple[frozenset[int], frozenset[int]]:
+        """(``request``'s :func:`ending_ids`, every id whose text it leaves out: those, and the hidden special
+        tokens unless it asked for them with ``skip_special_tokens: false``)."""
+        ends = ending_ids(request, self.eos)
+        silent = ends | self.hidden if request.skip_special_tokens else ends
+        return ends, silent
+
+
 def needs_gate(request: PreparedRequest) -> bool:
     """Whether ``request`` has host work in the worker: stops or a structured-output format. Without
     them a gate would only detokenize, which its stream does instead (:class:`StreamText`)."""
@@ -96,11 +112,11 @@ class StreamText:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None, ends: frozenset[int] = frozenset()
+        self, tokenizer: Tokenizer, token_bytes: TokenBytes | None = None, silent: frozenset[int] = frozenset()
     ) -> None:
-        """``ends``: the request's :func:`ending_ids` (their text is none)."""
+        """``silent``: the ids whose text is none (the second of :meth:`TextlessIds.of`)."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
-        self.push: Callable[[int], str] = _text_of(self._detokenizer.push, ends)
+        self.push: Callable[[int], str] = _text_of(self._detokenizer.push, silent)
         """The text a token completes."""
 
     def token(self, event: TokenEvent) -> TokenEvent:
@@ -127,13 +143,13 @@ class StreamText:
         )
 
 
-def _text_of(push: Callable[[int], str], ends: frozenset[int]) -> Callable[[int], str]:
-    """``push``, except that an id of ``ends`` has no text and leaves the detokenizer as it was."""
-    if not ends:
+def _text_of(push: Callable[[int], str], silent: frozenset[int]) -> Callable[[int], str]:
+    """``push``, except that an id of ``silent`` has no text and leaves the detokenizer as it was."""
+    if not silent:
         return push
 
     def text(token_id: int) -> str:
-        return "" if token_id in ends else push(token_id)
+        return "" if token_id in silent else push(token_id)
 
     return text
 
@@ -161,15 +177,32 @@ class _HeldTokens:
             left -= taken
         pieces: list[Piece] = []
         tokens = self._tokens
-        while tokens and tokens[0][2] == len(tokens[0][1]):
-            token_id, text, _ = tokens.popleft()
-            pieces.append((token_id, text))
+        while tokens:
+            # tokens without text (the first bytes of a character split across tokens) go with the next
+            # token that has text: its text is theirs too
+            ahead = 0
+            while ahead < len(tokens) and not tokens[ahead][1]:
+                ahead += 1
+            if ahead == len(tokens) or tokens[ahead][2] < len(tokens[ahead][1]):
+                break
+            for _ in range(ahead + 1):
+                token_id, text, _ = tokens.popleft()
+                pieces.append((token_id, text))
+        return pieces
+
+    def drain(self) -> list[Piece]:
+        """The tokens still held once every character is released (textless ones at the end)."""
+        pieces: list[Piece] = [(token_id, text) for token_id, text, _ in self._tokens]
+        self._tokens.clear()
         return pieces
 
     def cut(self) -> list[Piece]:
         """A stop matched after what was released: each token keeps its released text; a token with
-        none was swallowed by the stop and has no piece."""
-        pieces: list[Piece] = [(token_id, text[:released]) for token_id, text, released in self._tokens if released]
+        none was swallowed by the stop and has no piece, and so was a token without text whose next
+        token with text was swallowed."""
+        entries = list(self._tokens)
+        last = max((index for index, entry in enumerate(entries) if entry[2]), default=-1)
+        pieces: list[Piece] = [(token_id, text[:released]) for token_id, text, released in entries[: last + 1]]
         self._tokens.clear()
         return pieces
 
@@ -192,9 +225,11 @@ class HostGate:
         grammar_compiler: GrammarCompiler | None,
         token_bytes: TokenBytes | None = None,
         ends: frozenset[int] = frozenset(),
+        silent: frozenset[int] = frozenset(),
     ) -> None:
         """``grammar_compiler``: the compiler ``request.grammar`` must come from (only checked, never run);
-        ``ends``: the request's :func:`ending_ids`."""
+        ``ends``: the request's :func:`ending_ids`; ``silent``: every id whose text is none (``ends``
+        included: :meth:`TextlessIds.of`)."""
         self._detokenizer = IncrementalDetokenizer(tokenizer, token_bytes)
         self._string_stops = StringStopMatcher(request.string_stops) if request.string_stops else None
         self._held = _HeldTokens()
@@ -212,7 +247,7 @@ class HostGate:
         self.holds_rounds = self._grammar is not None or self._string_stops is not None or self._token_stops is not None
         """Whether this request must keep one outstanding round (host-fed decisions)."""
         self._ends = ends
-        self.text: Callable[[int], str] = _text_of(self._detokenizer.push, ends)
+        self.text: Callable[[int], str] = _text_of(self._detokenizer.push, silent | ends)
         """What :meth:`observe` presents for a token when the gate is :attr:`plain`: the text it completes."""
 
     @property
@@ -256,7 +291,7 @@ class HostGate:
                 # the request ends here: what the stops hold is released by finish, not hidden behind EOS
                 outcome.pieces.append((presented, ""))
                 continue
-            text = self._detokenizer.push(presented)
+            text = self.text(presented)
             if self._string_stops is None or outcome.stopped:
                 outcome.pieces.append((presented, text))
                 continue
@@ -287,6 +322,7 @@ class HostGate:
                 if self._match(stops, tail, pieces):
                     return pieces
             pieces.extend(self._held.release(len(stops.flush())))
+            pieces.extend(self._held.drain())
         elif tail:
             pieces.append((-1, tail))
         return pieces

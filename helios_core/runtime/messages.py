@@ -81,6 +81,8 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     max_tokens: int
     sampling: SamplingParams
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """Generated special tokens that are no part of the core's output syntax have no text (vLLM-style)."""
     string_stops: list[str] = []
     """Validated string stops (at most four)."""
     token_stops: list[list[int]] = []

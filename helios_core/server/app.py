@@ -111,10 +111,11 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get(
-    "/v1/models/{model:str}", operation_class=ProbeOperation, summary="One served model name or alias (404 otherwise)"
+    "/v1/models/{model:path}", operation_class=ProbeOperation, summary="One served model name or alias (404 otherwise)"
 )
 async def retrieve_model(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return _service(request).model(request.path_params["model"])
+    # a path parameter, so a name holding "/" (an "org/model" alias) is one name; its own leading "/" is dropped
+    return _service(request).model(str(request.path_params["model"]).removeprefix("/"))
 
 
 @get("/health", operation_class=ServerOperation, summary="Liveness: 200 while the model worker runs")

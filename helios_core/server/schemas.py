@@ -216,6 +216,8 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     continue_final_message: bool | None = None
     """vLLM-style: true leaves the final message, which must be the assistant's, open so generation
     continues its content; not with ``add_generation_prompt: true``."""
+    skip_special_tokens: bool | None = None
+    """vLLM-style: false presents generated special tokens that no output syntax spells (absent: true)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM-style: extra variables for the chat template (``{"enable_thinking": false}``), over the core's
     own template variables; names the server sets itself are refused."""
@@ -243,6 +245,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    """vLLM-style: false presents generated special tokens that no output syntax spells (absent: true)."""
     # output shape
     stream: bool | None = None
     stream_options: StreamOptions | None = None

@@ -51,11 +51,11 @@ from tokenizers import Tokenizer
 from helios_core.contract import LoadOptions, PreparedContract, Selection, select
 from helios_core.errors import HeliosError, StartupError
 from helios_core.frontend.bootstrap import Bootstrap
-from helios_core.frontend.detokenizer import TokenBytes
+from helios_core.frontend.detokenizer import TokenBytes, hidden_special_ids, output_syntax_texts
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, collect_generation, compile_format
-from helios_core.runtime.gates import StreamText, ending_ids, needs_gate
+from helios_core.runtime.gates import StreamText, TextlessIds, needs_gate
 from helios_core.runtime.kv_events import KvEventsConfig
 from helios_core.runtime.messages import (
     TERMINAL_EVENTS,
@@ -197,6 +197,7 @@ class WorkerProcessEngine:
         grammar_compiler: GrammarCompiler,
         *,
         eos_token_ids: Sequence[int] = (),
+        hidden_ids: frozenset[int] = frozenset(),
         pending: list[FromWorker] | None = None,
         on_exit: Callable[[str], None] | None = None,
     ) -> None:
@@ -207,9 +208,9 @@ class WorkerProcessEngine:
         self.capacity = selection.queue_capacity + selection.max_active
         self.grammar_compiler = grammar_compiler
         token_bytes = TokenBytes.from_tokenizer(tokenizer)
-        eos_ids = frozenset(eos_token_ids)
+        textless = TextlessIds(frozenset(eos_token_ids), hidden_ids)
         self.make_text: Callable[[PreparedRequest], StreamText] = lambda request: StreamText(
-            tokenizer, token_bytes, ending_ids(request, eos_ids)
+            tokenizer, token_bytes, textless.of(request)[1]
         )
         self._encode = msgspec.msgpack.Encoder().encode
         self._send_lock = threading.Lock()
@@ -453,6 +454,11 @@ class _Frontend:
     selection: Selection
     grammar_compiler: GrammarCompiler
 
+    @property
+    def hidden_ids(self) -> frozenset[int]:
+        """The special tokens generated text leaves out (the worker's engine computes the same set)."""
+        return hidden_special_ids(self.bootstrap.tokenizer, output_syntax_texts(self.verified.contract.model.frontend))
+
 
 def _open_frontend(path: Path, settings: TrustSettings, options: LoadOptions) -> _Frontend:
     """Open and verify the core here, and build its frontend, selection and structured-output compiler (the
@@ -523,6 +529,7 @@ def start_worker_process(
             frontend.bootstrap.tokenizer,
             frontend.grammar_compiler,
             eos_token_ids=frontend.verified.contract.eos_token_ids,
+            hidden_ids=frontend.hidden_ids,
             pending=pending,
             on_exit=on_exit,
         )
@@ -561,6 +568,7 @@ def connect_worker_process(path: Path, settings: TrustSettings, options: LoadOpt
             frontend.bootstrap.tokenizer,
             frontend.grammar_compiler,
             eos_token_ids=frontend.verified.contract.eos_token_ids,
+            hidden_ids=frontend.hidden_ids,
             pending=pending,
         )
     except BaseException:

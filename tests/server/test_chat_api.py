@@ -8,7 +8,8 @@ import time
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, Served
+from helios_core.server.app import ServerSettings
+from tests.server.conftest import MODEL, Served, serve_fixture
 from tests.server.helpers import chat, sse_events
 
 HI = [{"role": "user", "content": "hi"}]
@@ -217,6 +218,21 @@ def test_unknown_model_is_404(served: Served) -> None:
 def test_alias_is_served(served: Served) -> None:
     out = served.client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)
     assert out.model == "tiny"
+
+
+def test_a_name_holding_a_slash_is_retrieved_whole() -> None:
+    import httpx
+
+    with serve_fixture(ServerSettings(aliases=("org/tiny-model",))) as served:
+        assert served.client.models.retrieve("org/tiny-model").id == "org/tiny-model"
+        encoded = httpx.get(served.base_url + "/v1/models/org%2Ftiny-model")
+        assert encoded.status_code == 200 and encoded.json()["id"] == "org/tiny-model"
+        assert served.client.models.retrieve(MODEL).id == MODEL
+        missing = httpx.get(served.base_url + "/v1/models/org/other")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["message"] == (
+            "model 'org/other' is not served here; GET /v1/models lists the served names"
+        )
 
 
 def test_models_and_health(served: Served) -> None:
