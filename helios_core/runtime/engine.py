@@ -348,6 +348,8 @@ class Engine:
                 self._publish(self.scheduler.cancel_all())
                 self._publish([self._cancelled_before_admission(request) for request in self._backlog])
                 self._backlog.clear()
+                with self._lock:  # the last statistics count what the stop cancelled
+                    self._snapshot = self._take_snapshot()
                 return
             try:
                 self._step()
@@ -594,6 +596,7 @@ class Engine:
             preemptions=stats.preemptions,
             snapshots=stats.snapshots,
             restores=stats.restores,
+            snapshots_discarded=stats.snapshots_discarded,
             pipelined_rounds=stats.pipelined_rounds,
             finished=dict(stats.finished),
             rounds=dict(stats.rounds),

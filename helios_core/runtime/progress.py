@@ -209,11 +209,9 @@ class RoundCompletion:
                 residency.restored_checkpoint(state)
                 continue
             if operation == ct.OPERATION_RESTORE:
-                residency.free_snapshot_rows.append(state.snapshot_row)
-                state.snapshot_row = -1
+                residency.restored_snapshot(state)
                 table.consumed[slot] = state.snapshot_endpoint
                 table.set_phase(slot, self._after_restore(slot, state.snapshot_endpoint))
-                self.stats.restores += 1
                 continue
             if operation == ct.OPERATION_SPECULATIVE:
                 self._apply_speculative(state, expectation, result, plan.graph.extents.token_capacity, events)

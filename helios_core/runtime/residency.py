@@ -8,7 +8,9 @@ prefix-boundary rules allow, never inside an image span; page keys carry image d
 reservation with
 preemption of younger requests (:meth:`Residency.ensure_page`), a snapshot mark, preemption,
 finishing and failing (:meth:`Residency.end`, fenced while a follow-up round of the request is in
-flight), cancellation, page publication into the prefix index, and, with a sliding-window history,
+flight), cancellation (every way a request leaves, running or waiting, goes through
+:meth:`Residency.retire`, which releases each thing it holds once: a preempted request waiting for
+readmission gives its snapshot row back), page publication into the prefix index, and, with a sliding-window history,
 the release of pages no later round attends (:meth:`Residency.release_outside_window`), and, for a core
 whose recurrent history no page holds, published prefix checkpoints: taken at page boundaries of a
 prefilling request (:meth:`Residency.take_checkpoint`), published once their snapshot round validated
@@ -629,11 +631,12 @@ class Residency:
 
     # -- leaving -------------------------------------------------------------------------------------
     def retire(self, state: RequestState, *, requeue: bool = False, keep_snapshot: bool = False) -> None:
-        """Release a request's pages, slot and (unless kept) snapshot row; no round of it is in flight.
-        With ``requeue`` its tokens move back to it and it waits at the front of the queue."""
-        if not keep_snapshot and state.snapshot_row >= 0:
-            self.free_snapshot_rows.append(state.snapshot_row)
-            state.snapshot_row = -1
+        """Release what a request holds: its pages, slot and (unless kept) snapshot row, with its place in the
+        queue when it waits (a preempted request that leaves before its readmission); no round of it is in
+        flight. With ``requeue`` its tokens move back to it and it waits at the front of the queue. Each
+        holding is released once (its field is reset), so retiring a request again releases nothing."""
+        if not keep_snapshot:
+            self._drop_snapshot(state)
         if self.checkpoints is not None:
             if state.checkpoint_row >= 0:  # its checkpoint's snapshot round failed or never ran: not published
                 self.free_snapshot_rows.append(self.checkpoints.abandon(state.checkpoint_key))
@@ -644,6 +647,8 @@ class Residency:
             state.presence = None  # its next slot's sampling state rows are initialized or restored again
         if state in self.running:
             self.running.remove(state)
+        elif not requeue and state in self.waiting:
+            self.waiting.remove(state)
         slot = state.slot
         if slot >= 0:
             if slot in self.deferred:
@@ -657,9 +662,11 @@ class Residency:
             self.waiting.appendleft(state)
 
     def end(self, state: RequestState) -> None:
-        """Release a finished or failed request now, or after the fence of its in-flight follow-up round."""
+        """Release a finished or failed request now, or after the fence of its in-flight follow-up round (a
+        waiting request leaves the queue now, with the snapshot row it holds)."""
         slot = state.slot
         if slot < 0:
+            self.retire(state)
             return
         if slot in self.in_flight:
             if self.table.phase_of(slot) != Phase.ENDED:
@@ -690,6 +697,26 @@ class Residency:
         self.stats.preemptions += 1
         self.stats.snapshots += 1
 
+    def restored_snapshot(self, state: RequestState) -> None:
+        """The RESTORE round copied ``state``'s snapshot back: its snapshot row is free again."""
+        if state.snapshot_row < 0:
+            raise RuntimeError("a snapshot restore was applied to a request without a snapshot")
+        self.free_snapshot_rows.append(state.snapshot_row)
+        state.snapshot_row = -1
+        self.stats.restores += 1
+
+    def _drop_snapshot(self, state: RequestState) -> None:
+        """Free ``state``'s snapshot row without restoring it (the request leaves: cancelled, failed, ended at
+        shutdown; or its snapshot round never committed). A committed snapshot dropped this way is counted
+        as discarded."""
+        row = state.snapshot_row
+        if row < 0:
+            return
+        if state.slot < 0 or self.table.phase_of(state.slot) != Phase.SNAPSHOT:
+            self.stats.snapshots_discarded += 1  # committed (only a SNAPSHOT-phase mark is not yet)
+        self.free_snapshot_rows.append(row)
+        state.snapshot_row = -1
+
     # -- outcomes ------------------------------------------------------------------------------------
     def generated(self, state: RequestState) -> int:
         return int(self.table.generated[state.slot]) if state.slot >= 0 else state.generated
@@ -715,15 +742,13 @@ class Residency:
         )
 
     def take_cancelled(self) -> list[Event]:
-        """Finish every cancelled request (nothing is in flight between rounds)."""
+        """Finish every cancelled request, waiting or running, releasing what it holds (a preempted request
+        waiting for readmission its snapshot row; nothing is in flight between rounds)."""
         if not self.cancels:
             return []
         self.cancels = False
         events: list[Event] = []
-        for state in [s for s in self.waiting if s.cancelled]:
-            self.waiting.remove(state)
-            events.append(self.finished(state, "cancelled"))
-        for state in [s for s in self.running if s.cancelled]:
+        for state in [s for s in self.requests() if s.cancelled]:
             self.retire(state)
             events.append(self.finished(state, "cancelled"))
         return events
@@ -736,13 +761,11 @@ class Residency:
         return self.take_cancelled()
 
     def fail_all(self, message: str) -> list[Event]:
-        """Fail every queued and running request (after an internal error)."""
-        events = [self.fail(state, message) for state in list(self.running)]
-        while self.waiting:
-            state = self.waiting.popleft()
-            self.stats.failed += 1
-            events.append(ExecutionFailed(state.request_id, message))
-        return events
+        """Fail every queued and running request (after an internal error), releasing what each holds (a
+        running request's after the fence of its in-flight round); a running request that already ended
+        (waiting for that fence) is not failed again."""
+        leaving = [state for state in self.running if self.table.phase_of(state.slot) != Phase.ENDED]
+        return [self.fail(state, message) for state in [*leaving, *self.waiting]]
 
 
 @dataclass(frozen=True)

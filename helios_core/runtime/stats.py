@@ -33,6 +33,9 @@ class SchedulerStats:
     preemptions: int = 0
     snapshots: int = 0
     restores: int = 0
+    snapshots_discarded: int = 0
+    """Committed snapshots whose rows were freed unrestored: their request left (cancelled, failed, stopped)
+    while it waited for readmission or for its restore."""
     pipelined_rounds: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     rounds: dict[str, int] = field(default_factory=dict)
@@ -138,3 +141,6 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Host checkpoints copied back into a snapshot row for a prompt sharing their prefix."""
     offload_evicted_checkpoints: int = 0
     """Checkpoints that left the host tier to make room (least recently used first)."""
+    snapshots_discarded: int = 0
+    """Committed snapshots freed without a restore (their request left while it waited for readmission or for
+    its restore): ``snapshots − restores − snapshots_discarded`` requests hold a snapshot now."""

@@ -212,6 +212,11 @@ class EngineCollector(Collector):
         yield _counter("helios_snapshots_published", "Snapshots committed at exact token endpoints.", s.snapshots)
         yield _counter("helios_snapshots_restored", "Snapshots restored into private writable pages.", s.restores)
         yield _counter(
+            "helios_snapshots_discarded",
+            "Committed snapshots freed unrestored because their request left first.",
+            s.snapshots_discarded,
+        )
+        yield _counter(
             "helios_pipelined_rounds",
             "Decode rounds launched on the second frame before the first was read.",
             s.pipelined_rounds,

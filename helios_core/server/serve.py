@@ -23,7 +23,12 @@ process exits (a second signal ends the process at once). On SIGINT/SIGTERM once
   one line, and its request is cancelled in the model worker; the listening socket closes;
 * connections still open :data:`FLUSH_SECONDS` later (a reader that takes nothing more) are closed
   without further output, quietly; uvicorn's own cancellation is only a backstop after that;
-* a second signal during all this closes every connection at once;
+* a second signal during all this drops what still runs at once (each dropped response's one log line
+  says a second signal ended the drain, and after how many seconds), closes every connection and shuts
+  the app's lifespan down (uvicorn skips that on a forced close; left to the event loop's end, it would
+  be reported as a failed shutdown with a traceback); a signal that comes after this process's own
+  drain ended, while other HTTP processes still drain, makes them close theirs at once, and the process
+  exits 0;
 * then the model worker stops and the core is closed; with ``--kv-events-config`` the KV-cache event
   publisher (attached to the page allocator before the warm-up) then sends its last ``AllBlocksCleared``.
 
@@ -403,47 +408,52 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
                 launch.stop()
             listener.close()
         raise
-    try:
-        config = uvicorn_config(app, options)
+    signals = _ClosingSignals()
+    """SIGINT and SIGTERM outside uvicorn's own handling, from here to the end of the close."""
+    with _handling_shutdown_signals(signals):
+        try:
+            config = uvicorn_config(app, options)
 
-        def on_ready() -> None:
-            readiness.mark_ready()
-            announce(loader.readiness_line)
+            def on_ready() -> None:
+                readiness.mark_ready()
+                signals.served = True
+                announce(loader.readiness_line)
 
-        server = draining_server(
-            config,
-            loader.drop_responses,
-            drain_seconds=options.shutdown_timeout,
-            on_started=on_ready,
-            warm_up=loader.load_and_warm_up,
-            in_flight=loader.in_flight,
-            readiness=readiness,
-            on_shutdown=None if group is None else group.drain,
-            on_force=None if group is None else group.force,
-        )
-        servers.append(server)
-        if lost:  # lost before the server was built
-            server.should_exit = True
-        with _quiet_after_shutdown(), _server_log():
-            server.run(sockets=[listener])
-        if server.started:
-            if server.forced_by is not None and not loader.finished.is_set():
-                _end_at_once(server.forced_by)  # a second signal during loading: no waiting for the load step
-            # while that load step ends, SIGINT and SIGTERM end the process at once, whatever handlers it
-            # inherited (a shell's background job starts with SIGINT ignored)
-            stop_joining.set()  # a leader still waiting for rank processes stops now
-            with _handling_shutdown_signals(_end_at_once):
-                loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
-    finally:
-        # the other HTTP processes exit first (what their stop logs keeps the server's line format), then the
-        # worker process stops
-        with _server_log() if group is not None else contextlib.nullcontext():
-            try:
-                loader.close()
-            finally:
-                if group is not None:
-                    group.close()
-                listener.close()
+            server = draining_server(
+                config,
+                loader.drop_responses,
+                drain_seconds=options.shutdown_timeout,
+                on_started=on_ready,
+                warm_up=loader.load_and_warm_up,
+                in_flight=loader.in_flight,
+                readiness=readiness,
+                on_shutdown=None if group is None else group.drain,
+                on_force=None if group is None else group.force,
+            )
+            servers.append(server)
+            if lost:  # lost before the server was built
+                server.should_exit = True
+            with _server_log():
+                server.run(sockets=[listener])
+            signals.stopped(None if group is None else group.force)
+            if server.started:
+                if server.forced_by is not None and not loader.finished.is_set():
+                    _end_at_once(server.forced_by)  # a second signal during loading: no waiting for the load step
+                # while that load step ends, SIGINT and SIGTERM end the process at once, whatever handlers it
+                # inherited (a shell's background job starts with SIGINT ignored)
+                stop_joining.set()  # a leader still waiting for rank processes stops now
+                with _handling_shutdown_signals(_end_at_once):
+                    loader.finished.wait()  # a signal during loading: the load step ends, then its model is closed
+        finally:
+            # the other HTTP processes exit first (what their stop logs keeps the server's line format), then the
+            # worker process stops
+            with _server_log() if group is not None else contextlib.nullcontext():
+                try:
+                    loader.close()
+                finally:
+                    if group is not None:
+                        group.close()
+                    listener.close()
     from helios_core.contract.selection import JoinStopped
 
     if loader.failure is not None and not isinstance(loader.failure, JoinStopped):
@@ -746,7 +756,8 @@ def draining_server(
     failed, stops the server and is kept as ``startup_failure``. With ``in_flight`` (how
     many admitted requests are still held) shutdown first marks ``readiness`` draining and waits, still
     listening, until none is held or ``drain_seconds`` passed; without it shutdown stops accepting at
-    once and drops after ``drain_seconds``. A second signal closes every connection at once.
+    once and drops after ``drain_seconds``. A second signal drops what still runs with a message that says
+    so (and after how long) and closes every connection at once; the lifespan is still shut down.
     ``config.timeout_graceful_shutdown`` is replaced by the periods. ``on_shutdown`` runs on the event loop
     as shutdown begins and ``on_force`` once a second signal forced the close (``helios run`` passes the
     word on to its other HTTP processes). With ``signals`` off the server leaves SIGINT and SIGTERM alone
@@ -761,6 +772,8 @@ def draining_server(
         """Why the warm-up failed (the server then stopped), or None."""
         forced_by: int | None = None
         """The second signal, which forced the close, or None."""
+        _dropped: bool = False
+        """The running responses were dropped (the drain period ended, or a second signal forced the close)."""
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets=sockets)
@@ -812,7 +825,7 @@ def draining_server(
         async def shutdown(self, sockets: Any = None) -> None:
             loop = asyncio.get_running_loop()
             drop_after = drain_seconds
-            forcing = loop.create_task(self._close_when_forced())
+            forcing = loop.create_task(self._close_when_forced(loop.time()))
             if on_shutdown is not None:
                 on_shutdown()
             try:
@@ -834,20 +847,41 @@ def draining_server(
                 finally:
                     for timer in timers:
                         timer.cancel()
+                if self.force_exit:
+                    await self._end_lifespan()
             finally:
                 forcing.cancel()
 
-        async def _close_when_forced(self) -> None:
+        async def _end_lifespan(self) -> None:
+            """Shut the app's lifespan down after a forced close, which uvicorn skips (it would wait for the
+            app): its shutdown hooks only close what is left (:func:`~helios_core.server.app.create_pending_app`),
+            so it is given a flush period. Left running, the lifespan would be cancelled as the event loop
+            closes, and the app would report that cancellation as a failed shutdown, with a traceback."""
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.lifespan.shutdown(), flush_seconds)
+
+        async def _close_when_forced(self, began: float) -> None:
+            """Once a second signal forced the close: drop what still runs, saying so, and close every connection."""
+            loop = asyncio.get_running_loop()
             while not self.force_exit:
                 await asyncio.sleep(_DRAIN_POLL_SECONDS)
             if on_force is not None:
                 on_force()
-            self._drop()
+            self._drop(
+                f"the server shut down: a second signal ended the drain after {loop.time() - began:.1f} s of its "
+                f"{drain_seconds:g} s period"
+            )
             self._close()
 
-        def _drop(self) -> None:
+        def _drop(self, message: str | None = None) -> None:
+            """End every running response with its terminal error, once: the first reason stands (a forced
+            close's, or the drain period's by default)."""
+            if self._dropped:
+                return
+            self._dropped = True
             drop_responses(
-                f"the server shut down: the response was still running after the {drain_seconds:g} s drain period"
+                message
+                or f"the server shut down: the response was still running after the {drain_seconds:g} s drain period"
             )
 
         def _close(self) -> None:
@@ -870,12 +904,43 @@ def _end_at_once(sig: int, frame: FrameType | None = None) -> None:
     raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
-def _quiet_after_shutdown() -> Iterator[None]:
-    """uvicorn handles SIGINT/SIGTERM (graceful shutdown) and re-raises the signal afterwards to the
-    handler it found; that handler is a no-op here, so a requested shutdown exits 0."""
-    with _handling_shutdown_signals(_ignore_signal):
-        yield
+class _ClosingSignals:
+    """What SIGINT and SIGTERM do in ``helios run`` outside uvicorn's own handling, from before the server
+    runs to the end of the close.
+
+    While the server runs uvicorn handles them (a drain, then a forced close) and as it stops re-raises the
+    signals it handled to this handler, which ignores them, so a requested shutdown exits 0. Once the
+    server stopped (:meth:`stopped`), a signal while the rest closes is:
+
+    * after a server that was ready (:attr:`served`), a second signal of its shutdown: with other HTTP
+      processes, which may still be draining their own requests after this one's ended, it makes them close
+      their connections at once (``force``, on a thread of its own: never inside the code it interrupts),
+      and ``helios run`` exits 0 as soon as they did; alone it is ignored (what is left to close, the model
+      worker and the core, takes no drain) and the process exits 0 as it would have;
+    * after a stop while the core loaded (or a start that failed), the end of the process at once
+      (:func:`_end_at_once`), as before.
+    """
+
+    def __init__(self) -> None:
+        self.served = False
+        """The server turned ready before it stopped."""
+        self._force: Callable[[], None] | None = None
+        self._stopped = False
+
+    def stopped(self, force: Callable[[], None] | None) -> None:
+        """The server stopped; ``force`` makes the other HTTP processes close their connections now (None
+        without them)."""
+        self._force = force
+        self._stopped = True
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not self._stopped:
+            return  # uvicorn re-raising a signal it handled
+        if not self.served:
+            _end_at_once(signum, frame)
+        force = self._force
+        if force is not None:
+            threading.Thread(target=force, name="helios-force-close", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -891,10 +956,6 @@ def _handling_shutdown_signals(handler: Callable[[int, FrameType | None], None])
     finally:
         for sig, former in previous.items():
             signal.signal(sig, former)
-
-
-def _ignore_signal(signum: int, frame: FrameType | None) -> None:
-    return None
 
 
 def _url(host: str, port: int) -> str:

@@ -257,14 +257,19 @@ class ChatService:
     async def render(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> dict[str, Any]:
         """The prompt token ids generation would prefill for this body: the endpoint's own decoding and
         preparation run (the same errors as generating), under an admission permit and a preparation
-        slot, and nothing is submitted."""
+        slot, and nothing is submitted. A request refused there (outside the capacities: the permanent 503)
+        counts as rejected, as generation's does, and as a 429 of :meth:`_admit` does on either."""
         decoded, _, permit, request_id = await self._admit(request, endpoint)
         try:
             loop = asyncio.get_running_loop()
             async with self.admission.preparation_slot():
-                prepared = await loop.run_in_executor(
-                    self._preparation, endpoint.prepare, self.frontend, decoded, request_id
-                )
+                try:
+                    prepared = await loop.run_in_executor(
+                        self._preparation, endpoint.prepare, self.frontend, decoded, request_id
+                    )
+                except AdmissionRefused:
+                    self.admission.count_refusal()
+                    raise
         finally:
             permit.release()
         prompt_ids = list(prepared.request.prompt_ids)
