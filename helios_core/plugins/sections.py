@@ -268,8 +268,9 @@ class SectionToolParser:
         self._after_section = False
         self._schemas = {spec.name: spec.parameters for spec in context.tools}
         self._parses_calls = bool(context.tools)
-        """False for a request that offers no tools (none, or ``tool_choice: "none"``): every markup is
-        content, as OpenAI returns no tool calls where none were offered."""
+        """False for a request that offers no tools (none, or ``tool_choice: "none"``): call markup is
+        content, as OpenAI returns no tool calls where none were offered; framing markup the syntax drops
+        outside its call sections (XTML's message and response tags) is dropped all the same."""
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -341,9 +342,9 @@ class SectionToolParser:
         out: list[OutputDelta] = []
         while True:
             if self._section is None:
-                found = self.find_outside(self._outside, final) if self._parses_calls else None
+                found = self.find_outside(self._outside, final)
                 if found is None:
-                    hold = 0 if final or not self._parses_calls else self.outside_hold(self._outside)
+                    hold = 0 if final else self.outside_hold(self._outside)
                     self._content(self._outside[: len(self._outside) - hold], out, final=final)
                     self._outside = self._outside[len(self._outside) - hold :]
                     return out
@@ -356,6 +357,15 @@ class SectionToolParser:
                 self._outside = "" if opens else self._outside[end:]
                 continue
             scan = self.scan_section(self._section, final)
+            if not self._parses_calls:
+                # no tools were offered: the whole section, opener to close, is content as written
+                if scan.end is None and not scan.invalid and not final:
+                    return out
+                cut = len(self._section) if scan.end is None else scan.end
+                self._content(self._section_opener + self._section[:cut], out, final=False)
+                self._outside = self._section[cut:]
+                self._section = None
+                continue
             if scan.invalid and not self._progress:
                 self._reject_section()
                 continue

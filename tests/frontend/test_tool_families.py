@@ -288,3 +288,12 @@ def test_a_request_offering_no_tools_gets_call_markup_as_content(tokenizer: Any,
     text = f"Sure.\n{call}\nDone."
     check(harness(tokenizer, family(), tools=()), text, None, text, [])
     check(harness(tokenizer, family()), text, None, "Sure.Done.", [("search", {"query": "x"})])
+
+
+def test_xtml_framing_is_dropped_when_no_tools_are_offered(tokenizer: Any) -> None:
+    framed = (
+        f"{OPEN}think{SEP}Plan.{CLOSE}think{SEP}{OPEN}response{SEP}Answer.{CLOSE}response{SEP}{CLOSE}message{SEP}"
+    )
+    check(harness(tokenizer, xtml(), tools=()), framed, "Plan.", "Answer.", [])
+    call = f'{OPEN}tools{SEP}{OPEN}call tool="search"{SEP}{CLOSE}call{SEP}{CLOSE}tools{SEP}'
+    check(harness(tokenizer, xtml(), tools=()), f"Hi.{call}{CLOSE}message{SEP}", None, f"Hi.{call}", [])
