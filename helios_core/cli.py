@@ -500,9 +500,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that arguments no parser recognised are a usage error of the
+    (sub)command they were given to (``helios verify: error: unrecognized arguments: ...``), not of the
+    top-level program."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand parser ``args`` went through."""
+    while True:
+        chosen = None
+        for action in parser._actions:  # argparse keeps its subcommand parsers in a private action
+            if isinstance(action, argparse._SubParsersAction):
+                name = getattr(args, action.dest or "", None)
+                chosen = action.choices.get(name) if isinstance(name, str) else None
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     command = args.command
     try:

@@ -230,3 +230,28 @@ def test_generate_refuses_a_number_option_that_is_not_finite(
     err = capsys.readouterr().err
     assert f"argument {option}: must be a finite number, not '{value}'" in err
     assert "--messages" not in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("tool", "argv", "prog"),
+    [
+        ("helios", ["verify", "x.core", "--bogus"], "helios verify"),
+        ("helios", ["inspect", "x.core", "--json", "--bogus", "extra"], "helios inspect"),
+        ("helios", ["run", "--core", "x.core", "--bogus"], "helios run"),
+        ("helios", ["keys", "generate", "--out", "k", "--bogus"], "helios keys generate"),
+        ("ignition", ["build", "llama-synthetic", "--out", "x.core", "--bogus"], "ignition build"),
+    ],
+)
+def test_an_unknown_option_is_a_usage_error_of_its_subcommand(
+    tool: str, argv: list[str], prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ignition.cli import main as ignition_main
+
+    entry = main if tool == "helios" else ignition_main
+    with pytest.raises(SystemExit) as exited:
+        entry(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} ")
+    unknown = " ".join(argv[argv.index("--bogus") :])
+    assert err.endswith(f"\n{prog}: error: unrecognized arguments: {unknown}\n")

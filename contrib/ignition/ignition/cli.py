@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from helios_core.cli import parse_command_line
 from helios_core.contract import THIRD_PARTY_IDENTIFIERS
 from helios_core.contract.prepared import REQUIRED_TOOL_PARSER
 from helios_core.errors import HeliosError
@@ -781,7 +782,7 @@ def _report_written(args: argparse.Namespace, serving: ServingContract, started:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         if args.command == "build":
             return run_build(args)
