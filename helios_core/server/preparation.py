@@ -388,8 +388,9 @@ def _template_message(message: Message, index: int, shield: ClientTextShield) ->
             "messages",
         )
     out: dict[str, Any] = {"role": "assistant", "content": _text(message.content, shield)}
-    if message.reasoning_content is not None:
-        out["reasoning_content"] = shield.shield(message.reasoning_content)
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = shield.shield(reasoning)
     if message.tool_calls:
         out["tool_calls"] = [
             {
@@ -670,6 +671,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     format_text = None
     grammar: Grammar | None = None  # compiled here, once: the worker only instantiates its matcher
     reasoning, initially = frontend.reasoning, envelope.initially_reasoning
+    if reasoning is not None and reasoning.close and rendered.rstrip().endswith(reasoning.close.rstrip()):
+        reasoning = None  # the prompt closed reasoning (a template's thinking switched off): the answer comes at once
     if response_format is not None:
         frames = _recipient_frames(frontend, tool_specs, envelope)
         # an invalid schema is a 400 now, and so is one whose matcher cannot compute its first mask

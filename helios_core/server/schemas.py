@@ -118,6 +118,9 @@ class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant", forbid
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    """The same reasoning under the name newer vLLM releases use; ``reasoning_content`` wins when both are
+    sent."""
     refusal: str | None = None
     annotations: list[dict[str, Any]] | None = None
     """Citations OpenAI attaches to a returned message; accepted when a client sends the message back, and
