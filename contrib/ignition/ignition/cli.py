@@ -35,7 +35,7 @@ from ignition.recipes.llama import (
     speculative_widths,
 )
 from ignition.recipes.smollm2 import TOOL_SYNTAXES as SMOLLM2_TOOL_SYNTAXES
-from ignition.recipes.synthetic import TOOL_SYNTAXES
+from ignition.recipes.synthetic import OWN_REASONING_SYNTAXES, REASONING_KINDS, TOOL_SYNTAXES
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -157,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     build.add_argument(
+        "--reasoning",
+        choices=REASONING_KINDS,
+        default="none",
+        help=(
+            "reasoning syntax (llama-synthetic with --tool-syntax none or json-tags: think-tags adds <think> and "
+            "</think> tokens, think-tag reasoning and a template with an enable_thinking switch; "
+            f"{' and '.join(OWN_REASONING_SYNTAXES)} carry their own reasoning; the other recipes: none)"
+        ),
+    )
+    build.add_argument(
         "--speculative",
         choices=SPECULATION_KINDS,
         help=(
@@ -229,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help=(
             f"a third-party reasoning parser id in {_THIRD_PARTY_RANGE} the core selects instead of the one "
-            "--tool-syntax selects (none unless recipient-header or xtml)"
+            "--tool-syntax or --reasoning selects (none unless recipient-header, xtml or --reasoning think-tags)"
         ),
     )
     build.add_argument(
@@ -331,12 +341,14 @@ def run_build(args: argparse.Namespace) -> int:
             f"(choose {' or '.join(SMOLLM2_TOOL_SYNTAXES)})"
         )
     extra: tuple[str, ...] = ()
-    if args.recipe == "llama-synthetic" and args.extra_special is not None:
-        from ignition.recipes.synthetic import check_extra_special
+    if args.recipe == "llama-synthetic":
+        from ignition.recipes.synthetic import check_extra_special, check_reasoning
 
-        extra = _names("--extra-special", args.extra_special, "token")
+        if args.extra_special is not None:
+            extra = _names("--extra-special", args.extra_special, "token")
         try:
-            check_extra_special(extra, args.tool_syntax)
+            check_reasoning(args.reasoning, args.tool_syntax)
+            check_extra_special(extra, args.tool_syntax, args.reasoning)
         except ValueError as error:
             raise HeliosError(str(error)) from error
     if args.recipe == "llama-synthetic" and args.draft_layers is not None:
@@ -416,7 +428,9 @@ def _build_llama(recipe: RecipeBuild, extra: tuple[str, ...]) -> int:
     if args.recipe == "llama-synthetic":
         from ignition.recipes.synthetic import synthetic_declaration
 
-        model = synthetic_declaration(args.shape, seed=args.seed, extra_special=extra, tool_syntax=args.tool_syntax)
+        model = synthetic_declaration(
+            args.shape, seed=args.seed, extra_special=extra, tool_syntax=args.tool_syntax, reasoning=args.reasoning
+        )
     else:
         from ignition.recipes.smollm2 import smollm2_declaration
 
@@ -482,14 +496,15 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_recipe_options(args: argparse.Namespace) -> None:
-    """Refuse the synthetic recipes' options for ``smollm2-135m-instruct`` (its shape, weights and tokenizer
-    come from its GGUF), then give the synthetic recipes their default shape and seed."""
+    """Refuse the synthetic recipes' options for ``smollm2-135m-instruct`` (its shape, weights, tokenizer
+    and template come from its GGUF), then give the synthetic recipes their default shape and seed."""
     if args.recipe == "smollm2-135m-instruct":
         _refuse_options(
             args.recipe,
             ("--shape", args.shape is not None),
             ("--seed", args.seed is not None),
             ("--extra-special", args.extra_special is not None),
+            (f"--reasoning {args.reasoning}", args.reasoning != "none"),
         )
     if args.shape is None:
         args.shape = DEFAULT_SHAPE
@@ -672,6 +687,7 @@ def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...])
         ("--window", bool(args.window)),
         ("--tool-syntax", args.tool_syntax != "none"),
         ("--extra-special", args.extra_special is not None),
+        (f"--reasoning {args.reasoning}", args.reasoning != "none"),
         ("--dtype bf16", args.dtype == "bf16"),
         ("--cache-dtype bf16", args.cache_dtype == "bf16"),
         ("--tokens-per-record", args.recipe != "latent-synthetic" and args.tokens_per_record != 1),
@@ -732,6 +748,7 @@ def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: t
         ("--window", bool(args.window)),
         (f"--tool-syntax {args.tool_syntax}", args.tool_syntax not in VISION_TOOL_SYNTAXES),
         ("--extra-special", args.extra_special is not None),
+        (f"--reasoning {args.reasoning}", args.reasoning != "none"),
     )
     tower = TOWERS.get(args.shape)
     if tower is None:

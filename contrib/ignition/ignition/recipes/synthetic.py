@@ -281,22 +281,64 @@ class PeriodicWeights(Mapping[str, npt.NDArray[np.float32]]):
         return len(self._recipes)
 
 
-CHATML_JSON_TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nCall a tool by replying "
-    '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>. Tools:\n'
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message['role'] + '\\n' }}{{ message['content'] or '' }}"
-    "{%- for call in message.get('tool_calls') or [] %}{% set arguments = call['function']['arguments'] %}"
-    '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": '
-    "{{ arguments if arguments is string else arguments | tojson }}}</tool_call>{% endfor %}"
-    "<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+"""The think-tag reasoning delimiters ``--reasoning think-tags`` adds as special tokens."""
+
+_ASSISTANT_REASONING = (
+    "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "<think>{{ message['reasoning_content'] }}</think>{% endif %}"
 )
+"""Jinja statements writing an assistant message's ``reasoning_content`` (when it has any) as
+``<think>REASONING</think>``, before its content."""
+
+_THINKING_SWITCH = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+"""Jinja statements, after the generation prompt: an empty, closed reasoning block when the template variable
+``enable_thinking`` is given and false (a request's ``chat_template_kwargs``); nothing otherwise, so thinking
+is on by default and the model may open ``<think>`` itself."""
+
+
+def _json_tools_template(reasoning: str = "", generation_prompt: str = "") -> str:
+    """The JSON-tools ChatML template, with ``reasoning`` (Jinja) between each message's role line and its
+    content, and ``generation_prompt`` (Jinja) after the assistant opener of the generation prompt."""
+    return (
+        "{%- if tools %}<|im_start|>system\nCall a tool by replying "
+        '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>. Tools:\n'
+        "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+        "{%- for message in messages %}<|im_start|>{{ message['role'] + '\\n' }}"
+        + reasoning
+        + "{{ message['content'] or '' }}"
+        "{%- for call in message.get('tool_calls') or [] %}{% set arguments = call['function']['arguments'] %}"
+        '<tool_call>{"name": {{ call["function"]["name"] | tojson }}, "arguments": '
+        "{{ arguments if arguments is string else arguments | tojson }}}</tool_call>{% endfor %}"
+        "<|im_end|>\n{% endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n" + generation_prompt + "{% endif %}"
+    )
+
+
+CHATML_JSON_TOOLS_TEMPLATE = _json_tools_template()
 """ChatML with tools in a system message and JSON-tag tool calls in assistant messages: every message is
 ``<|im_start|>ROLE\\nCONTENT<|im_end|>\\n``, an assistant message's calls following its text as
 ``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>`` (ARGS as given when it is a string, else as
 JSON). The newline after the role is written by the expression, since the ``{%-`` of the tag after it
 strips the whitespace before that tag."""
+
+CHATML_THINK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    + _ASSISTANT_REASONING
+    + "{{ (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}" + _THINKING_SWITCH + "{% endif %}"
+)
+"""ChatML (:data:`CHATML_TEMPLATE`) with think-tag reasoning: an assistant message's ``reasoning_content``
+is written as ``<think>REASONING</think>`` before its content, and the generation prompt
+``<|im_start|>assistant\\n`` is followed by ``<think>\\n\\n</think>\\n\\n`` when the template variable
+``enable_thinking`` is given and false."""
+
+CHATML_JSON_TOOLS_THINK_TEMPLATE = _json_tools_template(_ASSISTANT_REASONING, _THINKING_SWITCH)
+""":data:`CHATML_JSON_TOOLS_TEMPLATE` with think-tag reasoning, written as :data:`CHATML_THINK_TEMPLATE`
+writes it (an assistant message's reasoning before its content and tool calls)."""
 
 _ATTRIBUTE_MACRO = (
     "{%- macro attribute(text) %}"
@@ -387,14 +429,38 @@ _SYNTAX_SPECIALS = {
     "xtml": ("<|open|>", "<|close|>", "<|sep|>"),
 }
 
+REASONING_KINDS = ("none", "think-tags")
+"""The reasoning a synthetic core may add to its tool syntax (``--reasoning``)."""
 
-def check_extra_special(extra_special: Sequence[str], tool_syntax: str = "none") -> None:
+OWN_REASONING_SYNTAXES = ("recipient-header", "xtml")
+"""The tool syntaxes that carry their own reasoning: they take no ``--reasoning`` but ``none``."""
+
+_REASONING_SPECIALS = {"none": (), "think-tags": (THINK_OPEN, THINK_CLOSE)}
+
+
+def check_reasoning(reasoning: str, tool_syntax: str = "none") -> None:
+    """Refuse an unknown reasoning, and think-tag reasoning for a tool syntax that carries its own.
+
+    Raises:
+        ValueError: ``reasoning`` is not one of :data:`REASONING_KINDS`, or is not ``none`` while
+            ``tool_syntax`` is one of :data:`OWN_REASONING_SYNTAXES`.
+    """
+    if reasoning not in REASONING_KINDS:
+        raise ValueError(f"unknown reasoning {reasoning!r}; known: {', '.join(REASONING_KINDS)}")
+    if reasoning != "none" and tool_syntax in OWN_REASONING_SYNTAXES:
+        raise ValueError(
+            f"--reasoning {reasoning} cannot be combined with --tool-syntax {tool_syntax}: that tool syntax "
+            "carries its own reasoning"
+        )
+
+
+def check_extra_special(extra_special: Sequence[str], tool_syntax: str = "none", reasoning: str = "none") -> None:
     """Refuse ``--extra-special`` tokens that would not be new tokens of the synthetic tokenizer.
 
     Raises:
         ValueError: an empty token, one named twice, one of :data:`SPECIAL_TOKENS`, one the tool syntax
-            adds, or one of the 256 byte tokens (which would make that byte a special token, skipped
-            when decoding).
+            or the reasoning adds, or one of the 256 byte tokens (which would make that byte a special
+            token, skipped when decoding).
     """
     from tokenizers import pre_tokenizers
 
@@ -409,9 +475,19 @@ def check_extra_special(extra_special: Sequence[str], tool_syntax: str = "none")
             raise ValueError(f"--extra-special token {token!r} is already a special token of the synthetic tokenizer")
         if token in _SYNTAX_SPECIALS.get(tool_syntax, ()):
             raise ValueError(f"--extra-special token {token!r} is already added by --tool-syntax {tool_syntax}")
+        if token in _REASONING_SPECIALS.get(reasoning, ()):
+            raise ValueError(f"--extra-special token {token!r} is already added by --reasoning {reasoning}")
         if token in byte_tokens:
             raise ValueError(f"--extra-special token {token!r} is already a byte token of the synthetic tokenizer")
         seen.add(token)
+
+
+def chatml_frontend() -> ct.FrontendContract:
+    """No tool syntax, with ChatML boundaries (the frontend think-tag reasoning is added to without tools)."""
+    frontend = frontend_declarations.plain()
+    frontend.template_tokens.message_end = "<|im_end|>"
+    frontend.template_tokens.assistant_open = "<|im_start|>assistant\n"
+    return frontend
 
 
 def json_tags_frontend() -> ct.FrontendContract:
@@ -459,28 +535,55 @@ def tool_syntax_frontend(tool_syntax: str) -> ct.FrontendContract | None:
     return _SYNTAX_FRONTENDS[tool_syntax][1]()
 
 
-def synthetic_declaration(
-    shape_name: str, *, seed: int = 0, extra_special: tuple[str, ...] = (), tool_syntax: str = "none"
-) -> TextModelDeclaration:
-    """The declaration of a synthetic core of a named shape (optionally with a tool-call syntax).
+_THINK_TEMPLATES = {"none": CHATML_THINK_TEMPLATE, "json-tags": CHATML_JSON_TOOLS_THINK_TEMPLATE}
+
+
+def synthetic_frontend(tool_syntax: str, reasoning: str = "none") -> tuple[str, ct.FrontendContract | None]:
+    """The chat template and frontend (None: no tool or reasoning syntax) of a synthetic core of
+    ``tool_syntax`` and ``reasoning``. Think-tag reasoning is not terminal: a tool-call opener inside
+    reasoning is reasoning text, and the model closes ``</think>`` before it calls.
 
     Raises:
-        ValueError: an unknown tool syntax or shape, extra special tokens :func:`check_extra_special`
-            refuses, or more tokens than the shape has logits.
+        ValueError: an unknown tool syntax, or a reasoning :func:`check_reasoning` refuses.
+    """
+    frontend = tool_syntax_frontend(tool_syntax)
+    check_reasoning(reasoning, tool_syntax)
+    if reasoning == "none":
+        template = _SYNTAX_FRONTENDS[tool_syntax][0] if tool_syntax in _SYNTAX_FRONTENDS else CHATML_TEMPLATE
+        return template, frontend
+    thinking = frontend_declarations.with_think_tags(
+        frontend if frontend is not None else chatml_frontend(), open_tag=THINK_OPEN, close_tag=THINK_CLOSE
+    )
+    return _THINK_TEMPLATES[tool_syntax], thinking
+
+
+def synthetic_declaration(
+    shape_name: str,
+    *,
+    seed: int = 0,
+    extra_special: tuple[str, ...] = (),
+    tool_syntax: str = "none",
+    reasoning: str = "none",
+) -> TextModelDeclaration:
+    """The declaration of a synthetic core of a named shape (optionally with a tool-call syntax, and with
+    think-tag reasoning: ``reasoning="think-tags"`` adds ``<think>`` and ``</think>`` as special tokens after
+    the tool syntax's, think-tag reasoning and a template with a thinking switch).
+
+    Raises:
+        ValueError: an unknown tool syntax, reasoning or shape, a reasoning :func:`check_reasoning` refuses,
+            extra special tokens :func:`check_extra_special` refuses, or more tokens than the shape has
+            logits.
     """
     from ignition.build import TextModelDeclaration
 
-    if tool_syntax not in TOOL_SYNTAXES:
-        raise ValueError(f"unknown tool syntax {tool_syntax!r}; known: {', '.join(TOOL_SYNTAXES)}")
-    check_extra_special(extra_special, tool_syntax)
-    extra_special = (*extra_special, *_SYNTAX_SPECIALS[tool_syntax])
+    template, frontend = synthetic_frontend(tool_syntax, reasoning)
+    check_extra_special(extra_special, tool_syntax, reasoning)
+    extra_special = (*extra_special, *_SYNTAX_SPECIALS[tool_syntax], *_REASONING_SPECIALS[reasoning])
 
     if shape_name not in SHAPES:
         raise ValueError(f"unknown synthetic shape {shape_name!r}; known shapes: {', '.join(SHAPES)}")
     shape = SHAPES[shape_name]
     tokenizer = byte_level_tokenizer(extra_special)
-    template = _SYNTAX_FRONTENDS[tool_syntax][0] if tool_syntax in _SYNTAX_FRONTENDS else CHATML_TEMPLATE
-    frontend = tool_syntax_frontend(tool_syntax)
     if tokenizer.vocab_size > shape.vocab:
         raise ValueError(f"shape {shape_name!r} has {shape.vocab} logits, the tokenizer needs {tokenizer.vocab_size}")
     return TextModelDeclaration(
