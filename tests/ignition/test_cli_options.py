@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from ignition.build import CONTRACT_ERROR_CHARS, assemble, shortened_contract_error, validate_and_write
 from ignition.cli import build_parser
-from ignition.cli import main as ignition_main
 from ignition.recipes.llama import Capacities
 from ignition.recipes.synthetic import synthetic_declaration
 
@@ -26,6 +25,8 @@ from helios_core.container.keys import TrustStore, generate_keys, load_private_k
 from helios_core.container.reader import CoreFile
 from helios_core.errors import ContractError
 from helios_core.wire import contract_pb2 as ct
+from tests.ignition.cli_helpers import build as _build
+from tests.ignition.cli_helpers import refused as _refused
 
 RECIPES = ("llama-synthetic", "smollm2-135m-instruct", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
 SYNTHETIC_RECIPES = ("llama-synthetic", "recurrent-synthetic", "latent-synthetic", "vision-synthetic")
@@ -40,19 +41,6 @@ def key_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def signing_key(key_paths: dict[str, Path]) -> Path:
     return key_paths["signing"]
-
-
-def _build(out: Path | str, *extra: str, recipe: str = "llama-synthetic", key: Path | None = None) -> int:
-    argv = ["build", recipe, "--out", str(out), "--quiet", *extra]
-    if key is not None:
-        argv += ["--sign-key", str(key)]
-    return ignition_main(argv)
-
-
-def _refused(capsys: pytest.CaptureFixture[str], code: int, message: str) -> None:
-    assert code == 1
-    captured = capsys.readouterr()
-    assert (captured.out, captured.err) == ("", f"ignition: error: {message}\n")
 
 
 # --out

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ignition.cli import main as ignition_main
 from ignition.recipes.synthetic import (
     CHATML_JSON_TOOLS_TEMPLATE,
     CHATML_TEMPLATE,
@@ -33,6 +32,8 @@ from helios_core.frontend.bootstrap import Bootstrap, compile_chat_template
 from helios_core.frontend.detokenizer import hidden_special_ids, output_syntax_texts
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.wire import contract_pb2 as ct
+from tests.ignition.cli_helpers import build as _build
+from tests.ignition.cli_helpers import refused as _refused
 from tests.server.conftest import Served, serve_fixture
 from tests.server.helpers import scripted_replies
 
@@ -54,19 +55,6 @@ SYNTAX_TOKENS = {"none": 0, "json-tags": 2}
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return generate_keys(tmp_path_factory.mktemp("keys") / "keys")
-
-
-def _build(out: Path, *extra: str, recipe: str = "llama-synthetic", key: Path | None = None) -> int:
-    argv = ["build", recipe, "--out", str(out), "--quiet", *extra]
-    if key is not None:
-        argv += ["--sign-key", str(key)]
-    return ignition_main(argv)
-
-
-def _refused(capsys: pytest.CaptureFixture[str], code: int, message: str) -> None:
-    assert code == 1
-    captured = capsys.readouterr()
-    assert (captured.out, captured.err) == ("", f"ignition: error: {message}\n")
 
 
 @dataclass(frozen=True)
