@@ -56,14 +56,30 @@ def new_call_id() -> str:
 
 def partial_suffix_length(text: str, markers: Iterable[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``: the
-    part a streaming parser must hold back until the next chunk decides it."""
+    part a streaming parser must hold back until the next chunk decides it.
+
+    A final U+FFFD (the first bytes of a character the output was cut inside, as the detokenizer's
+    final flush writes them) extends such a prefix when the marker's next character is not ASCII: an
+    output cut inside a multi-byte character of a marker (DSML's ``｜``) holds that character's start
+    back with the rest of the marker's prefix."""
+    markers = list(markers)
     best = 0
     for marker in markers:
         for size in range(min(len(marker) - 1, len(text)), best, -1):
             if marker.startswith(text[len(text) - size :]):
                 best = size
                 break
+    if text.endswith(_CUT_CHARACTER):
+        head = text[:-1]
+        for marker in markers:
+            for size in range(min(len(marker) - 1, len(head)), -1, -1):
+                if size + 1 > best and not marker[size].isascii() and marker.startswith(head[len(head) - size :]):
+                    best = size + 1
+                    break
     return best
+
+
+_CUT_CHARACTER = "\ufffd"
 
 
 def dump_json(value: Any) -> str:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from frontend_builders import DSML_MARK, argument_tags, check, dsml, function_tags, harness, json_tags, xtml
+from frontend_builders import DSML_MARK, argument_tags, calls, check, dsml, function_tags, harness, json_tags, xtml
 
 from helios_core.plugin_api import EnvelopeState
+from helios_core.testing import GeneratedPiece
 
 W = {"city": "Dallas", "days": 3}
 
@@ -291,9 +292,21 @@ def test_a_request_offering_no_tools_gets_call_markup_as_content(tokenizer: Any,
 
 
 def test_xtml_framing_is_dropped_when_no_tools_are_offered(tokenizer: Any) -> None:
-    framed = (
-        f"{OPEN}think{SEP}Plan.{CLOSE}think{SEP}{OPEN}response{SEP}Answer.{CLOSE}response{SEP}{CLOSE}message{SEP}"
-    )
+    framed = f"{OPEN}think{SEP}Plan.{CLOSE}think{SEP}{OPEN}response{SEP}Answer.{CLOSE}response{SEP}{CLOSE}message{SEP}"
     check(harness(tokenizer, xtml(), tools=()), framed, "Plan.", "Answer.", [])
     call = f'{OPEN}tools{SEP}{OPEN}call tool="search"{SEP}{CLOSE}call{SEP}{CLOSE}tools{SEP}'
     check(harness(tokenizer, xtml(), tools=()), f"Hi.{call}{CLOSE}message{SEP}", None, f"Hi.{call}", [])
+
+
+def test_a_dsml_value_cut_inside_a_closer_character_keeps_the_value_alone(tokenizer: Any) -> None:
+    """The output ends inside the first multi-byte character of the parameter closer (``</｜``): the
+    detokenizer's final flush writes U+FFFD for its first bytes, which are part of the closer, not the
+    value."""
+    h = harness(tokenizer, dsml())
+    text = f'<{M}function_calls>\n<{M}invoke name="search">\n<{M}parameter name="query" string="true">ab</'
+    pieces = [*h.pieces(h.encode(text)), GeneratedPiece(-1, "\ufffd")]
+    result = h.run_pieces([pieces])
+    assert calls(result) == [("search", {"query": "ab"})]
+    plain = text.removesuffix("</")  # a character cut inside the value itself stays in it
+    result = h.run_pieces([[*h.pieces(h.encode(plain)), GeneratedPiece(-1, "\ufffd")]])
+    assert calls(result) == [("search", {"query": "ab\ufffd"})]
