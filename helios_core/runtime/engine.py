@@ -44,7 +44,7 @@ import numpy.typing as npt
 from tokenizers import Tokenizer
 
 from helios_core.errors import HeliosError
-from helios_core.frontend.detokenizer import TokenBytes, hidden_special_ids, output_syntax_texts
+from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.runtime.checkpoints import CheckpointIndex
 from helios_core.runtime.completion import (
@@ -204,10 +204,7 @@ class Engine:
             tok = tokenizer
             token_bytes = TokenBytes.from_tokenizer(tokenizer)
 
-            textless = TextlessIds(
-                frozenset(contract.eos_token_ids),
-                hidden_special_ids(tokenizer, output_syntax_texts(contract.model.frontend)),
-            )
+            textless = TextlessIds.of_core(tokenizer, contract.eos_token_ids, contract.model.frontend)
 
             def make_gate(request: PreparedRequest) -> HostGate | None:
                 if not needs_gate(request):

@@ -34,7 +34,7 @@ alone. The scheduler catches it at each call into a gate and fails the request w
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,11 +42,17 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Tokenizer
 
-from helios_core.frontend.detokenizer import IncrementalDetokenizer, TokenBytes
+from helios_core.frontend.detokenizer import (
+    IncrementalDetokenizer,
+    TokenBytes,
+    hidden_special_ids,
+    output_syntax_texts,
+)
 from helios_core.frontend.formats import ToolCallFormat, parse_prepared_format
 from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
 from helios_core.frontend.structured import Grammar, GrammarCompiler, GrammarError, GrammarMatcher
 from helios_core.runtime.messages import Finished, Piece, PreparedRequest, TokenEvent
+from helios_core.wire import contract_pb2 as ct
 
 
 def gate_failure(exc: BaseException) -> str:
@@ -83,6 +89,11 @@ class TextlessIds:
 
     eos: frozenset[int] = frozenset()
     hidden: frozenset[int] = frozenset()
+
+    @classmethod
+    def of_core(cls, tokenizer: Tokenizer, eos_token_ids: Iterable[int], frontend: ct.FrontendContract) -> TextlessIds:
+        """The set of a core: its EOS ids and the special tokens its frontend's output syntax does not spell."""
+        return cls(frozenset(eos_token_ids), hidden_special_ids(tokenizer, output_syntax_texts(frontend)))
 
     def of(self, request: PreparedRequest) -> tuple[frozenset[int], frozenset[int]]:
         """(``request``'s :func:`ending_ids`, every id whose text it leaves out: those, and the hidden special

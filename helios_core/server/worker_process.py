@@ -38,7 +38,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -51,7 +51,7 @@ from tokenizers import Tokenizer
 from helios_core.contract import LoadOptions, PreparedContract, Selection, select
 from helios_core.errors import HeliosError, StartupError
 from helios_core.frontend.bootstrap import Bootstrap
-from helios_core.frontend.detokenizer import TokenBytes, hidden_special_ids, output_syntax_texts
+from helios_core.frontend.detokenizer import TokenBytes
 from helios_core.frontend.structured import GrammarCompiler
 from helios_core.loading import TrustSettings, VerifiedCore, open_core
 from helios_core.runtime.engine import Engine, GenerationResult, RequestStream, collect_generation, compile_format
@@ -196,8 +196,7 @@ class WorkerProcessEngine:
         tokenizer: Tokenizer,
         grammar_compiler: GrammarCompiler,
         *,
-        eos_token_ids: Sequence[int] = (),
-        hidden_ids: frozenset[int] = frozenset(),
+        textless: TextlessIds,
         pending: list[FromWorker] | None = None,
         on_exit: Callable[[str], None] | None = None,
     ) -> None:
@@ -208,7 +207,6 @@ class WorkerProcessEngine:
         self.capacity = selection.queue_capacity + selection.max_active
         self.grammar_compiler = grammar_compiler
         token_bytes = TokenBytes.from_tokenizer(tokenizer)
-        textless = TextlessIds(frozenset(eos_token_ids), hidden_ids)
         self.make_text: Callable[[PreparedRequest], StreamText] = lambda request: StreamText(
             tokenizer, token_bytes, textless.of(request)[1]
         )
@@ -455,9 +453,10 @@ class _Frontend:
     grammar_compiler: GrammarCompiler
 
     @property
-    def hidden_ids(self) -> frozenset[int]:
-        """The special tokens generated text leaves out (the worker's engine computes the same set)."""
-        return hidden_special_ids(self.bootstrap.tokenizer, output_syntax_texts(self.verified.contract.model.frontend))
+    def textless(self) -> TextlessIds:
+        """The ids generated text leaves out (the worker's engine builds the same set)."""
+        contract = self.verified.contract
+        return TextlessIds.of_core(self.bootstrap.tokenizer, contract.eos_token_ids, contract.model.frontend)
 
 
 def _open_frontend(path: Path, settings: TrustSettings, options: LoadOptions) -> _Frontend:
@@ -528,8 +527,7 @@ def start_worker_process(
             frontend.selection,
             frontend.bootstrap.tokenizer,
             frontend.grammar_compiler,
-            eos_token_ids=frontend.verified.contract.eos_token_ids,
-            hidden_ids=frontend.hidden_ids,
+            textless=frontend.textless,
             pending=pending,
             on_exit=on_exit,
         )
@@ -567,8 +565,7 @@ def connect_worker_process(path: Path, settings: TrustSettings, options: LoadOpt
             frontend.selection,
             frontend.bootstrap.tokenizer,
             frontend.grammar_compiler,
-            eos_token_ids=frontend.verified.contract.eos_token_ids,
-            hidden_ids=frontend.hidden_ids,
+            textless=frontend.textless,
             pending=pending,
         )
     except BaseException:
