@@ -339,13 +339,13 @@ class Residency:
         )
 
     def _outside_spans(self, match: PrefixMatch, images: Sequence[PromptImage]) -> PrefixMatch:
-        """``match`` cut back to the pages wholly before an image span its end would cut (the span is
-        computed whole, its image packed, in one round)."""
-        cut = inside_span(images, match.tokens)
-        if cut is None:
-            return match
-        keep = cut.start // self.page_tokens
-        return PrefixMatch(match.pages[:keep], match.hashes[:keep], keep * self.page_tokens)
+        """``match`` cut back to the pages wholly before every image span its end would cut (a span is
+        computed whole, its image packed, in one round). A cut to a page boundary can land inside an
+        earlier span (two images on one page), which is cut back again in turn."""
+        while (cut := inside_span(images, match.tokens)) is not None:
+            keep = cut.start // self.page_tokens
+            match = PrefixMatch(match.pages[:keep], match.hashes[:keep], keep * self.page_tokens)
+        return match
 
     def _checkpoint_match(self, state: RequestState) -> tuple[Checkpoint | None, PrefixMatch, list[bytes]]:
         """The deepest published checkpoint ``state``'s tokens share (its last token is always computed; at

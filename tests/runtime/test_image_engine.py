@@ -7,6 +7,7 @@ the packed patches in the program, so the tokens a request generates depend on i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -82,3 +83,38 @@ def test_a_shared_image_prefix_is_reused_and_a_different_image_is_not(
     assert same == first
     assert other_reused == 12  # the pages before the image span only
     assert other != first
+
+
+def _spans_request(request_id: str, seeds: Sequence[int], head: Sequence[int]) -> PreparedRequest:
+    """``head``, one image span a seed, back to back, then 17 text tokens; 6 greedy tokens."""
+    prompt, images = list(head), []
+    for seed in seeds:
+        images.append(tile_image(seed, len(prompt)))
+        prompt += [OPEN, *[FEATURE] * PATCHES, CLOSE]
+    return PreparedRequest(request_id, [*prompt, *range(30, 47)], 6, GREEDY, ignore_eos=True, images=images)
+
+
+def test_a_reused_prefix_cut_back_before_one_span_is_cut_again_before_the_span_it_lands_in(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    """Two images, then a third: the shared pages end inside the second span (its last page holds the first
+    token after it), whose first page boundary lies inside the first span, so the reuse goes back to the
+    page before the first span. The request runs (it used to wait for a chunk that never came, and held up
+    every other request) and generates what it does without any reuse."""
+    head = range(3, 10)  # 7 tokens: spans at 7..25 and 25..43, pages of 4
+    model = start_fixture("vision-tiles")
+    done: list[list[tuple[list[int], int]]] = []
+    worker = threading.Thread(
+        target=lambda: done.append(
+            served(model, [_spans_request("two", (1, 2), head)])
+            + served(model, [_spans_request("three", (1, 2, 3), head)])
+        ),
+        daemon=True,
+    )
+    worker.start()
+    worker.join(120)
+    assert done, "the request reusing the two images' prefix never finished"
+    (_, two_reused), (three, three_reused) = done[0]
+    assert (two_reused, three_reused) == (0, 4)  # the one page before the first span
+    ((alone, _),) = served(start_fixture("vision-tiles"), [_spans_request("alone", (1, 2, 3), head)])
+    assert three == alone
