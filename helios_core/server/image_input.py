@@ -338,6 +338,7 @@ def _rgb(image: Any) -> npt.NDArray[np.uint8]:
     """``[height, width, 3]`` uint8 RGB of a loaded Pillow image; transparency composited over white."""
     from PIL import Image
 
+    image = _eight_bit_grey(image)
     transparent = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
     if transparent:
         rgba = image.convert("RGBA")
@@ -346,6 +347,27 @@ def _rgb(image: Any) -> npt.NDArray[np.uint8]:
     else:
         rgb = image.convert("RGB")
     return np.asarray(rgb, dtype=np.uint8)
+
+
+_WIDE_GREY_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
+"""The Pillow modes a 16-bit greyscale PNG opens in, whose ``convert`` clips values to 0..255 instead of
+scaling them."""
+
+
+def _eight_bit_grey(image: Any) -> Any:
+    """``image`` with 16-bit grey values scaled to 8 bits (0..65535 to 0..255, rounded), its transparent grey
+    value (a PNG's ``tRNS``) as an alpha channel; any other image as it is."""
+    from PIL import Image
+
+    if image.mode not in _WIDE_GREY_MODES:
+        return image
+    values = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
+    grey = ((values * 255 + 32767) // 65535).astype(np.uint8)
+    transparency = image.info.get("transparency")
+    if isinstance(transparency, int):
+        alpha = np.where(values == transparency, 0, 255).astype(np.uint8)
+        return Image.fromarray(np.stack([grey, alpha], axis=-1))
+    return Image.fromarray(grey)
 
 
 def _too_many_pixels(width: int | None, height: int | None, limits: ImageLimits) -> str:

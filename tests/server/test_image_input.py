@@ -132,6 +132,18 @@ def test_transparency_is_composited_over_white() -> None:
     assert pixels[0, 2].tolist() == [127, 127, 127]
 
 
+def test_sixteen_bit_grey_is_scaled_to_eight_bits_not_clipped() -> None:
+    """A 16-bit greyscale PNG's values 0..65535 become 0..255 (rounded), as its 8-bit twin would read; a
+    transparent grey value (``tRNS``) is composited over white like any transparency."""
+    values = np.array([[0, 200, 32896, 65535]], dtype=np.uint16)
+    wide = Image.fromarray(values)  # mode I;16
+    pixels = decode_image_url(_data_url(_encoded(wide, "PNG"), "image/png"), LIMITS).pixels
+    assert pixels[0, :, 0].tolist() == [0, 1, 128, 255]
+    assert np.array_equal(pixels[..., 0], pixels[..., 2])
+    transparent = decode_image_url(_data_url(_encoded(wide, "PNG", transparency=200), "image/png"), LIMITS).pixels
+    assert transparent[0, :, 0].tolist() == [0, 255, 128, 255]
+
+
 def test_an_animated_gif_gives_its_first_frame() -> None:
     frames = [Image.new("RGB", (2, 2), colour) for colour in ((255, 0, 0), (0, 0, 255))]
     buffer = io.BytesIO()
