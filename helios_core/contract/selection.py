@@ -221,12 +221,17 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
                     f"history drafting needs copied-token inputs (CANDIDATE_IDS) in selected graph {graph.name!r}"
                 )
 
-    if options.speculation_payoff and not any(
-        g.operation == ct.OPERATION_SPECULATIVE and g.extents.token_capacity > 1 for g in selected.values()
-    ):
+    wide = [g for g in selected.values() if g.operation == ct.OPERATION_SPECULATIVE and g.extents.token_capacity > 1]
+    if options.speculation_payoff and not wide:
         raise StartupError(
             "the speculation payoff measure needs speculative programs wider than one: a core that speculates "
             "and a speculative width above one"
+        )
+    self_drafting = any(b.source == ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT for g in wide for b in g.contract.bindings)
+    if options.speculation_payoff and not (self_drafting or options.history_drafting):
+        raise StartupError(
+            "the speculation payoff measure needs rounds that speculate: this core's speculative programs verify "
+            "copied proposals, which only --history-drafting makes"
         )
     state_rows = max((g.contract.state_rows_per_request for g in selected.values()), default=0)
     return Selection(

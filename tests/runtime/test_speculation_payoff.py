@@ -280,3 +280,15 @@ def test_served_rounds_follow_the_measured_rates_and_serve_the_output_of_decode(
 def test_the_payoff_measure_needs_speculative_programs(history_core: tuple[Path, TrustSettings]) -> None:  # noqa: F811
     with pytest.raises(StartupError, match="the speculation payoff measure needs speculative programs wider than one"):
         start(*history_core, LoadOptions(speculation_payoff=True, speculative_width=1), backend="null")
+
+
+def test_the_payoff_measure_needs_rounds_that_speculate(history_core: tuple[Path, TrustSettings]) -> None:  # noqa: F811
+    """A core whose speculative programs verify copied proposals speculates only with history drafting: the
+    measure without it is refused instead of measuring nothing."""
+    with pytest.raises(StartupError, match="only --history-drafting makes"):
+        start(*history_core, LoadOptions(speculation_payoff=True), backend="null")
+    model = start(*history_core, LoadOptions(speculation_payoff=True, history_drafting=True), backend="null")
+    try:
+        assert model.engine.scheduler.planner.speculation.payoff is not None
+    finally:
+        model.close()
