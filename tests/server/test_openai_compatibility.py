@@ -29,7 +29,10 @@ def test_a_returned_message_goes_back_as_the_sdk_dumps_it(served: Served) -> Non
     dumped = reply.choices[0].message.model_dump()
     assert {"annotations", "audio", "function_call", "refusal", "tool_calls"} <= set(dumped)
     again = served.client.chat.completions.create(
-        model=MODEL, messages=[*first, dumped, {"role": "user", "content": "b"}], max_tokens=3  # type: ignore[list-item]
+        model=MODEL,
+        messages=[*first, dumped, {"role": "user", "content": "b"}],  # type: ignore[list-item]
+        max_tokens=3,
+        extra_body={"ignore_eos": True},  # sampled at temperature 1: an EOS would end it before the limit
     )
     assert again.choices[0].finish_reason == "length"
     annotated = {**dumped, "annotations": [{"type": "url_citation", "url_citation": {"url": "https://a.example"}}]}
