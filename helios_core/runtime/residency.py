@@ -310,9 +310,11 @@ class Residency:
                 consumed=reused,
                 phase=phase,
             )
-            if self.resumable and 0 <= state.continuation < len(tokens) and not state.scoring:
+            continues = 0 <= state.continuation < len(tokens) and not state.scoring
+            if self.resumable and continues and state.snapshot_row < 0:
                 # prefill stops where the continued assistant message starts (past an image span it would
-                # cut: a span is computed whole); RESUME computes the rest
+                # cut: a span is computed whole); RESUME computes the rest. A snapshotted request prefills
+                # to its snapshot's endpoint instead: the restore, then RESUME, take it on from there
                 target = max(state.continuation, reused)
                 cut = inside_span(state.request.images, target)
                 self.table.target[state.slot] = cut.end if cut is not None else target

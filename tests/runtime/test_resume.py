@@ -95,9 +95,8 @@ class Driver:
             if self.scheduler.idle:
                 return
             plan = self.scheduler.next_round()
-            assert plan is not None
-            if not len(plan):
-                continue  # a round whose lanes all made room for a preemption: planned again
+            if plan is None or not len(plan):
+                continue  # every lane made room for a preemption (a snapshot is planned next): planned again
             name = plan.graph.name
             self.graphs.append(name)
             self.sequence += 1
@@ -198,6 +197,30 @@ def test_a_continuation_whose_prefix_is_reused_resumes_at_once(model: NativeMode
     assert driver.finished["continued"].reused_prompt_tokens == 24
     assert driver.graphs == ["initialize", "resume_p16", *["decode_b1"] * 3]
     assert driver.tokens["continued"] == solo(model, continued)
+
+
+@pytest.mark.parametrize(("length", "continuation", "new"), [(20, 12, 10), (20, 6, 10), (22, 14, 12), (18, 10, 12)])
+def test_continued_messages_preempted_by_a_snapshot_are_restored_where_they_were(
+    model: NativeModel, length: int, continuation: int, new: int
+) -> None:
+    """Two continued assistant messages outgrow the cache while both decode: the younger is snapshotted, and
+    readmitted it prefills its unmatched pages up to the snapshot's endpoint, is restored there and decodes
+    on, with the tokens it has alone. (Its continuation's start used to become the prefill target again: an
+    empty prefill lane when its matched pages reached past it, a restore over uncomputed pages otherwise.)"""
+    old = PreparedRequest("old", prompt(length), new, PENALIZED, ignore_eos=True)
+    young = PreparedRequest("young", prompt(length, start=60), new, PENALIZED, ignore_eos=True)
+    driver = Driver.of(model, pages=12 if length >= 20 else 10)
+    driver.add(old, PromptLayout(continuation=continuation))
+    driver.add(young, PromptLayout(continuation=continuation))
+    driver.run()
+    snapshot = driver.graphs.index("snapshot")
+    assert driver.graphs[snapshot:].count("restore") == 1
+    assert driver.graphs[driver.graphs.index("restore") - 1] == "prefill_p16"  # the unmatched pages first
+    assert "resume_p16" not in driver.graphs[snapshot:]  # it had decoded: restored, it decodes on
+    assert (driver.tokens["old"], driver.tokens["young"]) == (solo(model, old), solo(model, young))
+    stats = driver.scheduler.stats
+    assert (stats.snapshots, stats.restores, stats.preemptions) == (1, 1, 1)
+    assert driver.scheduler.allocator.referenced_pages == 0
 
 
 def test_a_continuation_that_starts_at_the_prompts_end_prefills_as_usual(model: NativeModel) -> None:
