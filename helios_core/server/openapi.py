@@ -252,6 +252,8 @@ _COMPLETION_REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     **{name: _sampling_range(name) for name in SAMPLING_RANGES},
     "logprobs": _narrow("integer", minimum=0),
     "stop": _REFUSALS["stop"],
+    "stop_token_ids": _REFUSALS["stop_token_ids"],
+    "stop_token_sequences": _REFUSALS["stop_token_sequences"],
     "logit_bias": _REFUSALS["logit_bias"],
     "suffix": _null_only,
 }
@@ -260,7 +262,8 @@ _COMPLETION_DESCRIPTIONS = {
     "prompt": "A string (encoded raw, without the chat template), a list of token ids, or a one-element list of "
     "either; several prompts are refused.",
     "logprobs": "Top alternatives per token (legacy form), at most the served core's limit; with echo only 0.",
-    "stop": _DESCRIPTIONS["stop"].replace("; not with token stops or response_format", ""),
+    "stop": _DESCRIPTIONS["stop"].replace(" or response_format", ""),
+    "stop_token_ids": _DESCRIPTIONS["stop_token_ids"],
     "stream_options": _DESCRIPTIONS["stream_options"],
 }
 

@@ -1029,8 +1029,11 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
     prompt_ids, prompt_text = _completion_prompt(frontend, request.prompt)
     sampling = _sampling(frontend, request, _COMPLETION_SAMPLING)
     top_logprobs, scored = _completion_logprobs(frontend, request)
-    with _naming_field("stop"):
+    with _naming_field("stop", "stop_token_ids", "stop_token_sequences"):
         string_stops = parse_string_stops(request.stop)
+        token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
+    with _naming_field("stop"):
+        check_stop_compatibility(string_stops, token_stops, False)
     prepared = PreparedRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -1039,6 +1042,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         ignore_eos=bool(request.ignore_eos),
         skip_special_tokens=request.skip_special_tokens is not False,
         string_stops=list(string_stops),
+        token_stops=[list(sequence) for sequence in token_stops],
         top_logprobs=top_logprobs,
         prompt_logprobs=scored,
     )

@@ -247,6 +247,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     presence_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_token_sequences: list[list[int]] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     """vLLM-style: false presents generated special tokens that no output syntax spells (absent: true)."""

@@ -116,6 +116,27 @@ def test_stop_strings_cut_exactly(served: Served) -> None:
         assert cut.choices[0].finish_reason == "stop"
 
 
+def test_token_stops_end_at_the_matching_ids(served: Served) -> None:
+    """vLLM's ``stop_token_ids`` (and Helios' ``stop_token_sequences``) as for chat: the output ends at the
+    first match, whose ids are not presented, with finish ``stop`` (the rendered chat prompt given raw
+    generates chat's tokens, so chat's ids and text with the same stops are the reference)."""
+    greedy: dict[str, Any] = {"max_tokens": 10, "temperature": 0, **LONG}
+    ids = chat(served.base_url, messages=CHAT_HI, return_token_ids=True, **greedy).json()["choices"][0]["token_ids"]
+    full = completions(served, prompt=RENDERED_HI, **greedy).json()["choices"][0]["text"]
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    for stops in ({"stop_token_ids": [ids[cut]]}, {"stop_token_sequences": [ids[cut : cut + 2]]}):
+        response = completions(served, prompt=RENDERED_HI, **greedy, **stops)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        reference = chat(served.base_url, messages=CHAT_HI, **greedy, **stops).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (reference["message"]["content"], "stop")
+        assert full.startswith(choice["text"]) and len(choice["text"]) < len(full)
+    both = completions(served, prompt="x", stop="a", stop_token_ids=[ids[0]])
+    assert both.status_code == 400 and both.json()["error"]["param"] == "stop"
+    outside = completions(served, prompt="x", stop_token_ids=[10**6])
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "stop_token_ids"
+
+
 def test_greedy_is_deterministic_and_seeds_reproduce(served: Served) -> None:
     greedy = [
         served.client.completions.create(model=MODEL, prompt="Once", max_tokens=8, temperature=0, extra_body=LONG)
