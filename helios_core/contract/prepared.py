@@ -262,6 +262,12 @@ class PreparedGraph:
         return frozenset(b.source for b in self.contract.bindings if b.source in COMPLETION_FED_SOURCES)
 
     @property
+    def drafts_in_graph(self) -> bool:
+        """The graph takes ceilings (SPECULATIVE_PREFIX_LIMIT) and drafts and allocates its prefixes itself,
+        rather than verifying proposals the host copies in (QUERY_LENGTH)."""
+        return self.length_source == ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT
+
+    @property
     def operation_name(self) -> str:
         """Readable operation name (``decode``, ``prefill``...)."""
         return operation_name(self.operation)

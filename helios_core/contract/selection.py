@@ -227,8 +227,7 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
             "the speculation payoff measure needs speculative programs wider than one: a core that speculates "
             "and a speculative width above one"
         )
-    self_drafting = any(b.source == ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT for g in wide for b in g.contract.bindings)
-    if options.speculation_payoff and not (self_drafting or options.history_drafting):
+    if options.speculation_payoff and not (any(g.drafts_in_graph for g in wide) or options.history_drafting):
         raise StartupError(
             "the speculation payoff measure needs rounds that speculate: this core's speculative programs verify "
             "copied proposals, which only --history-drafting makes"

@@ -103,7 +103,7 @@ class SpeculativePlanner:
         """Programs that verify copied proposals, narrowest first (history drafting uses them)."""
         self.drafting = selection.history_drafting and bool(self.speculative)
         self.self_drafting = sorted(
-            (g for g in speculative if _allocates_prefixes(g)),
+            (g for g in speculative if g.drafts_in_graph),
             key=lambda g: (g.extents.token_capacity, g.extents.batch_capacity),
         )
         """Programs that draft in-graph and allocate prefixes within ceilings, narrowest first."""
@@ -506,8 +506,3 @@ def _copies_proposals(graph: PreparedGraph) -> bool:
     """Whether ``graph`` verifies host-copied proposals (binds CANDIDATE_IDS and an exact QUERY_LENGTH)."""
     sources = {binding.source for binding in graph.contract.bindings}
     return ct.VALUE_SOURCE_CANDIDATE_IDS in sources and ct.VALUE_SOURCE_QUERY_LENGTH in sources
-
-
-def _allocates_prefixes(graph: PreparedGraph) -> bool:
-    """Whether ``graph`` takes ceilings (SPECULATIVE_PREFIX_LIMIT) and allocates its prefixes itself."""
-    return any(binding.source == ct.VALUE_SOURCE_SPECULATIVE_PREFIX_LIMIT for binding in graph.contract.bindings)
