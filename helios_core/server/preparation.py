@@ -659,9 +659,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
             "prompt_logprobs",
         )
 
-    with _naming_field("stop", "stop_token_ids", "stop_token_sequences"):
-        string_stops = parse_string_stops(request.stop)
-        token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
+    string_stops, token_stops = _request_stops(frontend, request)
     envelope = frontend.envelope(rendered)
     tool_format = _tool_call_format(frontend, request, tool_specs, envelope)
     with _naming_field("response_format"):
@@ -702,8 +700,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         sampling=sampling,
         ignore_eos=bool(request.ignore_eos),
         skip_special_tokens=request.skip_special_tokens is not False,
-        string_stops=list(string_stops),
-        token_stops=[list(sequence) for sequence in token_stops],
+        string_stops=string_stops,
+        token_stops=token_stops,
         response_format=format_text,
         observe_timestamps=observe_times,
         top_logprobs=top_logprobs,
@@ -1020,6 +1018,16 @@ def _completion_logprobs(frontend: Frontend, request: CompletionRequest) -> tupl
     return request.logprobs, scored
 
 
+def _request_stops(
+    frontend: Frontend, request: ChatCompletionRequest | CompletionRequest
+) -> tuple[list[str], list[list[int]]]:
+    """A request's string stops and token-stop sequences, checked (a 400 naming the stop field at fault)."""
+    with _naming_field("stop", "stop_token_ids", "stop_token_sequences"):
+        string_stops = parse_string_stops(request.stop)
+        token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
+    return list(string_stops), [list(sequence) for sequence in token_stops]
+
+
 def prepare_completion(frontend: Frontend, request: CompletionRequest, request_id: str) -> Prepared:
     """Validate and prepare a legacy completions ``request`` (runs on a preparation thread)."""
     problems = completion_unsupported_fields(request)
@@ -1029,9 +1037,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
     prompt_ids, prompt_text = _completion_prompt(frontend, request.prompt)
     sampling = _sampling(frontend, request, _COMPLETION_SAMPLING)
     top_logprobs, scored = _completion_logprobs(frontend, request)
-    with _naming_field("stop", "stop_token_ids", "stop_token_sequences"):
-        string_stops = parse_string_stops(request.stop)
-        token_stops = parse_token_stops(request.stop_token_ids, request.stop_token_sequences, frontend.sampled_size)
+    string_stops, token_stops = _request_stops(frontend, request)
     with _naming_field("stop"):
         check_stop_compatibility(string_stops, token_stops, False)
     prepared = PreparedRequest(
@@ -1041,8 +1047,8 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         sampling=sampling,
         ignore_eos=bool(request.ignore_eos),
         skip_special_tokens=request.skip_special_tokens is not False,
-        string_stops=list(string_stops),
-        token_stops=[list(sequence) for sequence in token_stops],
+        string_stops=string_stops,
+        token_stops=token_stops,
         top_logprobs=top_logprobs,
         prompt_logprobs=scored,
     )
