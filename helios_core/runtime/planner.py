@@ -23,7 +23,8 @@ phase of every running request:
 each on the smallest captured variant that holds its lanes and tokens. A prompt's image spans are atomic:
 a chunk never ends inside one, and a round carries images only on a variant that binds image sources and
 whose patch and feature capacities hold them all (a mixed round whose variants cannot take the next image
-gives way to a plain prefill round). A page shortage preempts the
+gives way to a plain prefill round); a request first in line whose next chunk no prefill variant takes even
+alone fails (:class:`RequestFault`) rather than holding up the line. A page shortage preempts the
 most recently admitted requests (:meth:`~helios_core.runtime.residency.Residency.ensure_page`).
 
 Decode rounds are planned from the per-slot columns alone: the decode cohort (the decode-ready requests,
@@ -51,7 +52,7 @@ import numpy.typing as npt
 
 from helios_core.contract import PreparedContract, PreparedGraph, Selection
 from helios_core.runtime.completion import ExpectationBatch, LaneExpectation
-from helios_core.runtime.gates import HostGate
+from helios_core.runtime.gates import HostGate, gate_failure
 from helios_core.runtime.messages import PromptImage
 from helios_core.runtime.packing import Column, Lane, LaneBatch, LaneImage, token_array
 from helios_core.runtime.plan import RoundPlan, frozen, slot_array
@@ -73,12 +74,21 @@ _CONSTANT_TOKEN_SOURCES = frozenset(
 """Sources a decode cohort's rounds supply alike: lane rows of tokens, no host tokens, no vectors."""
 
 
-class GateFault(Exception):
-    """A request's host gate raised while a round was planned: that request fails, the round is replanned."""
+class RequestFault(Exception):
+    """One request cannot go on, found while a round was planned: that request fails with ``message``, the
+    round is planned again without it."""
+
+    def __init__(self, state: RequestState, message: str) -> None:
+        super().__init__(message)
+        self.state = state
+        self.message = message
+
+
+class GateFault(RequestFault):
+    """A request's host gate raised while a round was planned."""
 
     def __init__(self, state: RequestState, error: Exception) -> None:
-        super().__init__(str(error))
-        self.state = state
+        super().__init__(state, gate_failure(error))
         self.error = error
 
 
@@ -218,7 +228,7 @@ class RoundPlanner:
 
     # -- choosing the round --------------------------------------------------------------------------
     def plan(self) -> RoundPlan | None:
-        """Admit what fits, then plan the next round (None when nothing runs); raises :class:`GateFault`."""
+        """Admit what fits, then plan the next round (None when nothing runs); raises :class:`RequestFault`."""
         phases = self._phases_now()
         leaving = phases.leaving
         if leaving is not None and self.snapshot is not None:
@@ -392,10 +402,33 @@ class RoundPlanner:
             # The mixed programs cannot take the next prefill chunk (an image span they bind no image
             # sources for, or one beyond their capacities): a plain prefill round computes it, and the
             # decode-ready requests join the next mixed round.
-            plain, plain_computed = self._prefill_plan(prefill, decode, False)
-            if plain_computed:
+            plain, computed = self._prefill_plan(prefill, decode, False)
+            if computed:
                 return plain
+        if not computed:
+            self._check_head_progress(prefill)
         return plan
+
+    def _check_head_progress(self, prefill: list[RequestState]) -> None:
+        """Raise a :class:`RequestFault` for the first request in line when no prefill variant could take its
+        next chunk even alone (nothing left to prefill, or an image span it starts inside or that no variant
+        holds): it would wait forever, and every request behind it with it."""
+        table = self.table
+        head = next((s for s in prefill if s.slot >= 0 and table.phase_of(s.slot) == Phase.PREFILL), None)
+        if head is None:
+            return
+        consumed, target = int(table.consumed[head.slot]), int(table.target[head.slot])
+        for limits in _targets(self.prefills):
+            chunk = min(target - consumed, limits.tokens)
+            if head.request.images:
+                chunk, _, _ = _image_chunk(head.request.images, consumed, chunk, limits.patches, limits.features)
+            if chunk > 0:
+                return
+        raise RequestFault(
+            head,
+            f"the prompt's prefill cannot continue from position {consumed} towards {target}: no captured "
+            "prefill variant takes its next chunk",
+        )
 
     def _prefill_plan(
         self, prefill: list[RequestState], decode: list[RequestState], mixed: bool

@@ -34,12 +34,12 @@ from collections.abc import Set as AbstractSet
 from helios_core.contract import PreparedContract, Selection
 from helios_core.contract.boundaries import PrefixBoundaries, PromptLayout
 from helios_core.runtime.completion import CompletionError, LaneResult
-from helios_core.runtime.gates import HostGate, gate_failure
+from helios_core.runtime.gates import HostGate
 from helios_core.runtime.messages import AdmissionRejected, Event, Outgoing, PreparedRequest
 from helios_core.runtime.offload import HostCheckpointStore
 from helios_core.runtime.pages import PageAllocator
 from helios_core.runtime.plan import RoundPlan
-from helios_core.runtime.planner import GateFault, RoundPlanner
+from helios_core.runtime.planner import RequestFault, RoundPlanner
 from helios_core.runtime.progress import RoundCompletion
 from helios_core.runtime.residency import Residency
 from helios_core.runtime.slots import RequestState, SlotTable
@@ -177,14 +177,15 @@ class Scheduler:
     def next_round(self) -> RoundPlan | None:
         """Admit what fits, then plan the next round (None when there is nothing to run).
 
-        A request whose host gate raises while the round is planned (its grammar mask) fails alone, and
-        the round is planned again without it; its failure waits in :meth:`take_faults`.
+        A request whose host gate raises while the round is planned (its grammar mask), or whose prefill
+        cannot continue, fails alone, and the round is planned again without it; its failure waits in
+        :meth:`take_faults`.
         """
         while True:
             try:
                 return self.planner.plan()
-            except GateFault as fault:
-                self._faults.append(self.residency.fail(fault.state, gate_failure(fault.error)))
+            except RequestFault as fault:
+                self._faults.append(self.residency.fail(fault.state, fault.message))
 
     def take_faults(self) -> list[Event]:
         """The failures of single requests found while planning, to publish (each once)."""

@@ -11,8 +11,10 @@ import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import pytest
 
 from helios_core.runtime.messages import (
+    ExecutionFailed,
     Finished,
     ImageTensor,
     PreparedRequest,
@@ -20,6 +22,8 @@ from helios_core.runtime.messages import (
     SamplingParams,
     TokenEvent,
 )
+from helios_core.runtime.pages import PrefixMatch, inside_span
+from helios_core.runtime.residency import Residency
 from helios_core.runtime.startup import RunningModel
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -118,3 +122,41 @@ def test_a_reused_prefix_cut_back_before_one_span_is_cut_again_before_the_span_i
     assert (two_reused, three_reused) == (0, 4)  # the one page before the first span
     ((alone, _),) = served(start_fixture("vision-tiles"), [_spans_request("alone", (1, 2, 3), head)])
     assert three == alone
+
+
+def test_a_request_whose_prefill_cannot_continue_fails_alone_and_the_others_are_served(
+    start_fixture: Callable[..., RunningModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should a request ever sit at a position no prefill chunk can start from (here: a reuse cut left inside
+    an image span, which the residency no longer makes), it fails with an execution error naming the position
+    (the last page boundary inside the first span),
+    and the text request queued behind it is served; before, both waited forever."""
+
+    def cut_once(self: Residency, match: PrefixMatch, images: Sequence[PromptImage]) -> PrefixMatch:
+        cut = inside_span(images, match.tokens)
+        if cut is None:
+            return match
+        keep = cut.start // self.page_tokens
+        return PrefixMatch(match.pages[:keep], match.hashes[:keep], keep * self.page_tokens)
+
+    monkeypatch.setattr(Residency, "_outside_spans", cut_once)
+    head = range(3, 10)
+    model = start_fixture("vision-tiles")
+    served(model, [_spans_request("two", (1, 2), head)])
+    ends: list[list[object]] = []
+
+    def serve() -> None:
+        streams = [
+            model.engine.submit(_spans_request("three", (1, 2, 3), head)),
+            model.engine.submit(PreparedRequest("text", list(range(3, 40)), 6, GREEDY, ignore_eos=True)),
+        ]
+        ends.append([list(stream)[-1] for stream in streams])
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert ends, "the requests never finished"
+    stuck, text = ends[0]
+    assert isinstance(stuck, ExecutionFailed)
+    assert "prefill cannot continue from position 24 towards 78:" in stuck.message
+    assert isinstance(text, Finished) and text.reason == "length"
