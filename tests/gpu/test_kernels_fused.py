@@ -102,6 +102,9 @@ DESCRIBED = [
     (512, 4096, 4096, Tiles(128, 256, 64, 8, 3, descriptors=True)),
     (64, 2048, 8192, Tiles(64, 128, 64, 4, 4, split=4, descriptors=True)),
     (200, 3072, 2048, Tiles(128, 128, 128, 8, 3, split=3, descriptors=True)),  # a short last split
+    # 256-row tiles (the LM head of a large decode batch): whole, and partial row, column and K tiles
+    (256, 16384, 2048, Tiles(256, 128, 64, 8, 4, descriptors=True)),
+    (200, 1000, 200, Tiles(256, 128, 64, 8, 4, descriptors=True)),
     # persistent programs: more tiles than programs (each program over several), partial tiles
     (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True, persistent=1)),
     (130, 1000, 200, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),
@@ -121,8 +124,9 @@ def test_projection_through_tensor_descriptors(
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: tiles)
     arrays, attributes = _projection_case(np.random.default_rng(rows * 31 + n + k), op, rows, n, k)
     described = op in ("rmsnorm_linear", "silu_mul_linear_add") or linear.stages_float32_inputs(rows, n)
-    if not described and tiles.block_n > linear.POINTER_TILE_COLUMNS:  # float32 inputs: per-thread loads
-        with pytest.raises(LoweringError, match=f"{tiles.block_n} tile needs tensor descriptors"):
+    pointer_tile = tiles.block_n <= linear.POINTER_TILE_COLUMNS and tiles.block_m <= linear.POINTER_TILE_ROWS
+    if not described and not pointer_tile:  # float32 inputs: per-thread loads
+        with pytest.raises(LoweringError, match=f"{tiles.block_m}x{tiles.block_n} tile needs tensor descriptors"):
             lower(op, arrays, attributes, weights=("weight", "norm_weight"))
         return
     if not described and tiles.persistent:
@@ -204,8 +208,10 @@ def test_swiglu_mlp_through_forced_tiles(
     )
     arrays = _mlp_case(np.random.default_rng(rows * 37 + n + k), rows, k, n // 2)
     attributes = {"eps": 1e-5}
-    if tiles.persistent and n % 16:  # activation rows of n / 2 bf16 values: no tensor descriptor serves them
-        with pytest.raises(LoweringError, match="persistent tiles need tensor descriptors"):
+    if n % 16 and (tiles.persistent or tiles.block_m > linear.POINTER_TILE_ROWS):
+        # activation rows of n / 2 bf16 values: no tensor descriptor serves them, and these tiles need one
+        refusal = "persistent tiles" if tiles.persistent else f"a {tiles.block_m}x{tiles.block_n} tile"
+        with pytest.raises(LoweringError, match=f"{refusal} needs? tensor descriptors"):
             lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)
         return
     launches = lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)[1]

@@ -470,7 +470,13 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
         (512, 28672, 4096, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),  # 896 tiles over 4096
         (512, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 512 tiles over 2048 inputs: not persistent
         (512, 6144, 4096, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 192 tiles: not persistent
-        (256, 128256, 4096, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 256 rows: not persistent
+        # vocabulary-wide outputs of 129 to 256 rows: 256-row tiles read each weight tile once
+        (256, 128256, 4096, Tiles(256, 128, 64, 8, 4, descriptors=True)),
+        (256, 128256, 2048, Tiles(256, 128, 64, 8, 4, descriptors=True)),
+        (200, 128256, 2048, Tiles(256, 128, 64, 8, 4, descriptors=True)),
+        (128, 128256, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # one 128-row tile: read once already
+        (512, 128256, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # prefill chunks keep 128-row tiles
+        (256, 49152, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 384 column tiles: under four waves
         (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 256 tiles of 128x128: wide, no split
         (256, 4096, 14336, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # a long reduction: 64 tiles
         (256, 3072, 2048, Tiles(64, 128, 64, 4, 4)),  # 96 narrow tiles: a split would need a second wave
@@ -488,7 +494,8 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
     128x128 ones over 12288 inputs or more) split only within one wave: ``132 // tiles`` parts. Wide
     outputs and prefill chunks whose 128x128 tiles reach two thirds of the multiprocessors take those
     tiles through tensor descriptors; the widest projections of a prefill chunk (four tiles a
-    multiprocessor and more) over 4096 inputs or more take persistent ones."""
+    multiprocessor and more) over 4096 inputs or more take persistent ones, and vocabulary-wide outputs
+    of 129 to 256 rows (four waves of 128-column tiles) 256x128 tiles."""
     assert choose_tiles(rows, n, k) == tiles
 
 
@@ -500,7 +507,9 @@ def test_a_tile_wider_than_per_thread_loads_take_is_refused_without_tensor_descr
     (or their staged norm)."""
     wide = Tiles(128, 256, 64, 8, 3, descriptors=True)
     monkeypatch.setattr(linear, "choose_tiles", lambda *_args, **_kwargs: wide)
-    with pytest.raises(LoweringError, match=r"a 128x256 tile needs tensor descriptors .* at most 128 columns"):
+    with pytest.raises(
+        LoweringError, match=r"a 128x256 tile needs tensor descriptors .* at most 128 rows and 128 columns"
+    ):
         _lower("linear", {"x": f32(512, 256), "weight": f32(512, 256), "out": f32(512, 512)}, weights=("weight",))
     arrays = {"x": f32(512, 256), "weight": bf16(512, 256), "out": f32(512, 512)}
     _context, launches = _lower("linear", arrays, weights=("weight",))
@@ -552,10 +561,13 @@ def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:
     }
 
 
-@pytest.mark.parametrize(("rows", "n", "grid"), [(256, 128256, [2, 1002, 1]), (512, 16384, [4, 128, 1])])
+@pytest.mark.parametrize(
+    ("rows", "n", "grid"), [(512, 128256, [4, 1002, 1]), (512, 16384, [4, 128, 1]), (256, 128256, [1, 1002, 1])]
+)
 def test_the_row_tiles_of_a_column_block_are_the_grids_fastest_dimension(rows: int, n: int, grid: list[int]) -> None:
     """The row tiles sharing a weight block are scheduled side by side (the grid's first dimension), so
-    a weight larger than L2 (the 1B LM head at 256 rows) streams from HBM once, not once per row tile."""
+    a weight larger than L2 (the 1B LM head of a 512-token chunk) streams from HBM once, not once per row
+    tile; at 256 rows that LM head is one 256-row tile a weight block."""
     arrays = {"x": f32(rows, 2048), "weight": bf16(n, 2048), "out": f32(rows, n)}
     context, launches = _lower("linear", arrays, weights=("weight",))
     _stage, launch = launches

@@ -100,6 +100,8 @@ WHOLE_BLOCKS = Tiles(128, 128, 64, 8, 4, descriptors=True)
         (512, 4096, 14336, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1), WHOLE_BLOCKS),
         (256, 4096, 14336, Tiles(128, 128, 64, 8, 3, descriptors=True), WHOLE_BLOCKS),
         (256, 2048, 8192, Tiles(128, 128, 64, 8, 3, descriptors=True), WHOLE_BLOCKS),  # 128 blocks: 97 % of a wave
+        # a vocabulary-wide [gate | up] (4 waves of 128-column tiles) of 256 rows: 256x128 plain tiles
+        (256, 2048, 34000, Tiles(256, 128, 64, 8, 4, descriptors=True), WHOLE_BLOCKS),
         # 48 whole blocks: half as wide (96 programs)
         (512, 576, 1536, Tiles(128, 128, 64, 8, 4, descriptors=True), Tiles(128, 64, 64, 8, 4, descriptors=True)),
         (64, 2048, 8192, Tiles(64, 64, 128, 4, 3), Tiles(64, 32, 128, 4, 3)),  # 64-row tiles: half as wide
@@ -110,7 +112,7 @@ def test_swiglu_tiles_take_whole_128_column_blocks_of_each_half_where_the_plain_
     rows: int, hidden: int, width: int, plain: Tiles, wanted: Tiles
 ) -> None:
     """The [gate | up] projection ending in SwiGLU over the tile the plain projection would take: unsplit
-    128x128 descriptor tiles (persistent or not) become 128x128 blocks of each half with four stages, one
+    128x128 or 256x128 descriptor tiles (persistent or not) become 128x128 blocks of each half with four stages, one
     program a tile, where those make three quarters of a wave (99 of 132 programs) or more; every other
     tile keeps its programs with blocks half as wide."""
     assert choose_tiles(rows, 2 * width, hidden) == plain

@@ -24,7 +24,9 @@ the current one is reduced) where a row of inputs fits in registers, else one pr
 block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles; more rows (prefill, large decode
 batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions, except the narrow outputs
 of up to 256 rows (fewer 128x128 tiles than multiprocessors), which take 64x128 tiles on four warps
-(128x128 ones over a reduction of 12288 inputs or more); each with the reduction split so that about
+(128x128 ones over a reduction of 12288 inputs or more), and the vocabulary-wide outputs of 129 to 256
+rows (the LM head of a large decode batch), which take 256x128 tiles through tensor descriptors so that
+each weight tile is read once; each with the reduction split so that about
 one program a multiprocessor streams the weights (for the narrow tiles: no more programs than one wave;
 for 64-row tiles: up to two programs a multiprocessor where each part keeps four reduction steps).
 
@@ -470,6 +472,12 @@ def choose_tiles(
         # (measured on an H200, docs/benchmarks.md: 207 -> 183 us; level or slower at 256 rows, over
         # 2048 inputs, or with fewer tiles).
         return Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)
+    if describable and 128 < rows <= NARROW_TILE_ROWS and cdiv(n, 128) >= TALL_TILE_WAVES * multiprocessors:
+        # A vocabulary-wide projection of a large decode batch (the LM head at 256 rows): one 256-row tile
+        # reads each weight tile once instead of twice, four stages (measured on an H200 at 256 rows,
+        # docs/benchmarks.md: the 8B LM head 474 -> 445 us in a graph, the 1B one 256 -> 238; slower than
+        # 128x128 tiles on every narrower projection, and with three stages or a split).
+        return Tiles(256, 128, 64, 8, 4, descriptors=True)
     if square_tiles >= multiprocessors:
         # Wide outputs (the [gate|up] projection and the LM head of a large batch, every projection of a
         # long prefill chunk): 128x128 tiles, fed by tensor descriptors where they can serve (measured on
@@ -489,6 +497,10 @@ def choose_tiles(
     return _split_reduction(Tiles(128, 64, 64, 8, 3), rows, n, k, multiprocessors)
 
 
+TALL_TILE_WAVES = 4
+"""Waves of 128-column tiles from which a projection of 129 to 256 rows takes 256-row tiles (see
+:func:`choose_tiles`): only vocabulary-wide outputs (the measured LM heads have 1002 column tiles)."""
+
 PERSISTENT_REDUCTION = 4096
 """Inputs from which a wide projection of a prefill chunk takes persistent tiles (see :func:`choose_tiles`)."""
 
@@ -499,6 +511,10 @@ POINTER_TILE_COLUMNS = 128
 """The widest matrix tile fed by per-thread loads: 128x256 tiles on float32 inputs (224 KB of shared memory)
 gave launches whose results differed from one run to the next on an H200; :func:`choose_tiles` never
 hands out a wider one without tensor descriptors."""
+
+POINTER_TILE_ROWS = 128
+"""The tallest matrix tile fed by per-thread loads: a 256-row tile's float32 inputs alone need 256 KB of
+shared memory over four stages, more than a block may have."""
 
 LONG_REDUCTION = 12288
 """Inputs from which a narrow projection of up to 256 rows takes 128x128 tiles (see :func:`choose_tiles`)."""
@@ -536,7 +552,8 @@ def swiglu_tiles(plain: Tiles, rows: int, n: int, *, multiprocessors: int = MULT
     would have.
     """
     whole_blocks = cdiv(rows, 128) * cdiv(n // 2, 128)
-    unsplit_square = plain.descriptors and plain.block_m == plain.block_n == 128 and plain.split == 1
+    # (a 256x128 plain tile, vocabulary-wide outputs, is as unsplit and as wide)
+    unsplit_square = plain.descriptors and plain.block_m in (128, 256) and plain.block_n == 128 and plain.split == 1
     if unsplit_square and 4 * whole_blocks >= 3 * multiprocessors:
         return Tiles(128, 128, 64, 8, 4, descriptors=True)
     return dataclasses.replace(plain, block_n=max(1, plain.block_n // 2))
@@ -705,10 +722,11 @@ def project(
         args.update(partial_ptr=ctx.pointer(partials), counter_ptr=ctx.pointer(counters), rows=ctx.i32(rows))
         k_split = cdiv(cdiv(k, chosen.block_k), chosen.split) * chosen.block_k
         descriptors = chosen.descriptors and describable  # the staged rows have the weight's type and width
-        if not descriptors and chosen.block_n > POINTER_TILE_COLUMNS:
+        if not descriptors and (chosen.block_n > POINTER_TILE_COLUMNS or chosen.block_m > POINTER_TILE_ROWS):
             raise ctx.fail(
                 f"a {chosen.block_m}x{chosen.block_n} tile needs tensor descriptors (16-bit inputs and weights, "
-                f"16-byte aligned rows); per-thread loads take at most {POINTER_TILE_COLUMNS} columns a tile"
+                f"16-byte aligned rows); per-thread loads take at most {POINTER_TILE_ROWS} rows and "
+                f"{POINTER_TILE_COLUMNS} columns a tile"
             )
         if chosen.persistent:
             if not descriptors or chosen.split > 1:
