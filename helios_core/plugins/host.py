@@ -244,8 +244,9 @@ class SelectedFrontend:
         tools: Sequence[ToolSpec] = (),
         envelope: EnvelopeState = CLOSED_ENVELOPE,
         structured_answer: bool = False,
+        single_call: bool = False,
     ) -> OutputPipeline:
-        """A fresh output pipeline for one request."""
+        """A fresh output pipeline for one request (``single_call``: present its first tool call only)."""
         context = self.context(vocabulary, tools=tools, envelope=envelope, structured_answer=structured_answer)
         reasoning: ReasoningParser = _build_parser(self.reasoning_parser, context)
         tool: ToolParser = _build_parser(self.tool_parser, context)
@@ -253,6 +254,7 @@ class SelectedFrontend:
             reasoning,
             tool,
             structured_answer=structured_answer,
+            single_call=single_call,
             reasoning_source=self.reasoning_parser.source(),
             tool_source=self.tool_parser.source(),
         )

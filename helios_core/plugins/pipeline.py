@@ -84,7 +84,9 @@ class OutputPipeline:
 
     Reasoning deltas pass through; content deltas go through the tool parser, unless the answer is
     a structured (opaque) document; tool-call deltas a paired reasoning parser produces pass
-    through. Deltas are accumulated for ``finish``. ``reasoning_source`` and ``tool_source`` name the
+    through. Deltas are accumulated for ``finish``. With ``single_call`` (a request's
+    ``parallel_tool_calls: false``) only the first tool call the parsers find is presented: the deltas of
+    every later call are dropped, as is their text. ``reasoning_source`` and ``tool_source`` name the
     parsers in a ``ParserPluginError`` (default: the kind and the parser's class name)."""
 
     def __init__(
@@ -93,12 +95,16 @@ class OutputPipeline:
         tools: ToolParser,
         *,
         structured_answer: bool = False,
+        single_call: bool = False,
         reasoning_source: ParserSource | None = None,
         tool_source: ParserSource | None = None,
     ) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._structured = structured_answer
+        self._single_call = single_call
+        self._first_call: int | None = None
+        """The index of the first tool call seen (with ``single_call``, the only one presented)."""
         self._reasoning_source = reasoning_source or ParserSource("reasoning parser", name=type(reasoning).__name__)
         self._tool_source = tool_source or ParserSource("tool parser", name=type(tools).__name__)
         self._reasoning_text: list[str] = []
@@ -160,6 +166,8 @@ class OutputPipeline:
     def _record(self, deltas: list[OutputDelta]) -> list[OutputDelta]:
         merged: list[OutputDelta] = []
         for delta in deltas:
+            if self._single_call and delta.tool_calls:
+                delta = self._first_call_only(delta)
             if delta.reasoning:
                 self._reasoning_text.append(delta.reasoning)
             if delta.content:
@@ -180,6 +188,15 @@ class OutputPipeline:
             else:
                 merged.append(delta)
         return merged
+
+    def _first_call_only(self, delta: OutputDelta) -> OutputDelta:
+        """``delta`` without the pieces of any tool call but the first one seen."""
+        if self._first_call is None:
+            self._first_call = delta.tool_calls[0].index
+        kept = tuple(call for call in delta.tool_calls if call.index == self._first_call)
+        if len(kept) == len(delta.tool_calls):
+            return delta
+        return OutputDelta(reasoning=delta.reasoning, content=delta.content, tool_calls=kept)
 
 
 def _same_kind(a: OutputDelta, b: OutputDelta) -> bool:

@@ -220,11 +220,17 @@ class Prepared:
     output_limit_field: str = "max_tokens"
     """The request field the output limit comes from (``max_completion_tokens`` where a chat request sent
     it): an admission rejection naming the output limit names it."""
+    single_call: bool = False
+    """``parallel_tool_calls: false``: present the first tool call the model makes, drop any after it."""
 
     def pipeline(self, frontend: Frontend) -> OutputPipeline:
         """A fresh output pipeline (reasoning and tool parsers) for this request."""
         return frontend.selected.pipeline(
-            frontend.vocabulary, tools=self.tools, envelope=self.envelope, structured_answer=self.structured
+            frontend.vocabulary,
+            tools=self.tools,
+            envelope=self.envelope,
+            structured_answer=self.structured,
+            single_call=self.single_call,
         )
 
 
@@ -734,6 +740,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         logprobs=top_logprobs >= 0,
         prompt_logprobs=prompt_logprobs,
         output_limit_field="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+        single_call=request.parallel_tool_calls is False,
     )
 
 

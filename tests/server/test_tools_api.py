@@ -261,7 +261,7 @@ def test_a_streamed_forced_call_sends_one_entry_a_call_in_each_chunk(served_tool
     assert "city" in json.loads("".join(call["function"]["arguments"] for call in entries))
 
 
-@pytest.mark.parametrize("name", ["", "a b", "<|im_end|>", "quo\"te", "x" * 65, "namespace.function"])
+@pytest.mark.parametrize("name", ["", "a b", "<|im_end|>", 'quo"te', "x" * 65, "namespace.function"])
 def test_a_function_name_openai_would_refuse_is_refused(served_tools: Served, name: str) -> None:
     import httpx
 
@@ -275,3 +275,53 @@ def test_a_function_name_openai_would_refuse_is_refused(served_tools: Served, na
         "param": "tools",
         "code": 400,
     }
+
+
+TWO_CALLS = CALL + "\n" + CALL.replace("Paris", "Oslo")
+
+
+@pytest.mark.parametrize("parallel", [True, False, None])
+def test_parallel_tool_calls_false_presents_the_first_call_only(
+    served_tools: Served, script: Callable[[str], None], parallel: bool | None
+) -> None:
+    """Two calls in one reply: both reach the client unless the request set ``parallel_tool_calls: false``,
+    which keeps the first (OpenAI's meaning; vLLM drops the calls after the first the same way)."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    script(TWO_CALLS)
+    reply = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny",
+        messages=[{"role": "user", "content": "Paris and Oslo?"}],
+        tools=[WEATHER],
+        **extra,
+    )
+    cities = [json.loads(call.function.arguments)["city"] for call in reply.choices[0].message.tool_calls or []]
+    assert cities == (["Paris"] if parallel is False else ["Paris", "Oslo"])
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.choices[0].message.content is None
+
+
+def test_a_streamed_reply_without_parallel_calls_sends_the_first_call_only(
+    served_tools: Served, script: Callable[[str], None]
+) -> None:
+    script(TWO_CALLS)
+    stream = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny",
+        messages=[{"role": "user", "content": "Paris and Oslo?"}],
+        tools=[WEATHER],
+        parallel_tool_calls=False,
+        stream=True,
+    )
+    indexes, arguments, content, finish = set(), "", "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            indexes.add(call.index)
+            arguments += call.function.arguments or "" if call.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert indexes == {0}
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert content.strip() == ""
+    assert finish == "tool_calls"
