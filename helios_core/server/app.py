@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import HttpMethod, Litestar, Request, Response, post, route
 from litestar.openapi import OpenAPIConfig
 
 from helios_core.runtime.startup import RunningModel
@@ -105,20 +105,30 @@ async def render_completion(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return await _service(request).render_completion(request)
 
 
-@get("/v1/models", operation_class=ProbeOperation, summary="The served model name and its aliases")
+_READ = [HttpMethod.GET, HttpMethod.HEAD]
+"""The methods of the read-only routes: HEAD answers GET's status and headers without the body (uvicorn
+drops it), as RFC 9110 asks of a GET resource, for load balancers and uptime checks that probe with HEAD."""
+
+
+@route("/v1/models", http_method=_READ, operation_class=ProbeOperation, summary="The served model name and its aliases")
 async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return _service(request).models()
 
 
-@get(
-    "/v1/models/{model:path}", operation_class=ProbeOperation, summary="One served model name or alias (404 otherwise)"
+@route(
+    "/v1/models/{model:path}",
+    http_method=_READ,
+    operation_class=ProbeOperation,
+    summary="One served model name or alias (404 otherwise)",
 )
 async def retrieve_model(request: Request[Any, Any, Any]) -> dict[str, Any]:
     # a path parameter, so a name holding "/" (an "org/model" alias) is one name; its own leading "/" is dropped
     return _service(request).model(str(request.path_params["model"]).removeprefix("/"))
 
 
-@get("/health", operation_class=ServerOperation, summary="Liveness: 200 while the model worker runs")
+@route(
+    "/health", http_method=_READ, operation_class=ServerOperation, summary="Liveness: 200 while the model worker runs"
+)
 async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     service: ChatService | None = request.app.state.get(SERVICE_KEY)
     if service is None:
@@ -126,12 +136,19 @@ async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     return service.health()
 
 
-@get("/ready", operation_class=ProbeOperation, summary="Readiness: 200 once warmed up, 503 while starting or draining")
+@route(
+    "/ready",
+    http_method=_READ,
+    operation_class=ProbeOperation,
+    summary="Readiness: 200 once warmed up, 503 while starting or draining",
+)
 async def ready(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return _service(request).ready()
 
 
-@get("/metrics", operation_class=ServerOperation, summary="Prometheus metrics", media_type=MEDIA_TYPE)
+@route(
+    "/metrics", http_method=_READ, operation_class=ServerOperation, summary="Prometheus metrics", media_type=MEDIA_TYPE
+)
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(_service(request).metrics.exposition(), media_type=MEDIA_TYPE)
 

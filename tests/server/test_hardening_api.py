@@ -475,3 +475,20 @@ def test_a_body_cut_off_by_a_disconnect_is_no_failure(served: Served, caplog: py
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert after["helios_requests_failed_total"] == before["helios_requests_failed_total"]
     assert chat(served.base_url, messages=[{"role": "user", "content": "hi"}], max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models", f"/v1/models/{MODEL}"])
+def test_head_on_a_read_route_answers_the_get_headers_without_a_body(served: Served, path: str) -> None:
+    got = httpx.get(served.base_url + path, timeout=10)
+    head = httpx.head(served.base_url + path, timeout=10)
+    assert (head.status_code, got.status_code) == (200, 200)
+    assert head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+    if path != "/metrics":  # the exposition's counters may move between the two requests
+        assert head.headers["content-length"] == got.headers["content-length"] == str(len(got.content))
+
+
+def test_head_on_a_generation_route_is_405(served: Served) -> None:
+    response = httpx.head(served.base_url + "/v1/chat/completions", timeout=10)
+    assert response.status_code == 405
+    assert "POST" in response.headers["allow"] and "HEAD" not in response.headers["allow"]
