@@ -541,7 +541,9 @@ class Engine:
                 self._publish([rejection])
 
     def _cancelled_before_admission(self, request: PreparedRequest) -> Finished:
-        """The end of a request cancelled before the scheduler took it (nothing was generated)."""
+        """The end of a request cancelled before the scheduler took it (nothing was generated): received and
+        finished cancelled, as one the scheduler had queued (every request the worker ends was received)."""
+        self._stats.received += 1
         finished = self._stats.finished
         finished["cancelled"] = finished.get("cancelled", 0) + 1
         return Finished(request.request_id, "cancelled", len(request.prompt_ids), 0)

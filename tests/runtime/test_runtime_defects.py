@@ -193,6 +193,34 @@ def test_a_cancelled_request_no_longer_counts_against_the_engine_bound(
     assert isinstance(list(third)[-1], Finished)
 
 
+def test_a_request_cancelled_in_the_backlog_counts_as_received_and_finished(
+    start_fixture: Callable[..., RunningModel],
+) -> None:
+    """``c`` waits in the worker's backlog behind ``b`` (the pending deque holds one) when both are cancelled:
+    every request the worker ends was received, so in-flight counts (received less finished) never go
+    negative."""
+    running = start_fixture(max_active=1, queue_capacity=1)
+    engine = running.engine
+    held = _HeldWorker(running)
+    prompt = running.bootstrap.encode_prompt(MESSAGES)
+    before = engine.statistics()
+    first = engine.submit(PreparedRequest("a", prompt, 4, GREEDY))
+    assert held.entered.wait(WAIT_S)
+    cancelled = []
+    for request_id in ("b", "c"):
+        cancelled.append(engine.submit(PreparedRequest(request_id, prompt, 4, GREEDY)))
+        engine.cancel(request_id)
+    held.release.set()
+    assert isinstance(list(first)[-1], Finished)
+    assert [list(stream)[-1] for stream in cancelled] == [
+        Finished("b", "cancelled", len(prompt), 0),
+        Finished("c", "cancelled", len(prompt), 0),
+    ]
+    stats = engine.statistics()
+    assert stats.received - before.received == 3
+    assert stats.finished.get("cancelled", 0) - before.finished.get("cancelled", 0) == 2
+
+
 def test_the_scheduler_refuses_a_request_when_its_pending_deque_is_full(
     start_fixture: Callable[..., RunningModel],
 ) -> None:
