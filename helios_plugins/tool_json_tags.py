@@ -4,8 +4,10 @@ Owns the parser configured by ``JsonTagSyntax`` (``call_open``, ``call_close``) 
 ``ToolSyntax.opener``. The body is one JSON object with a string ``name`` and an ``arguments``
 (or ``parameters``) object; arguments given as a JSON string holding an object are decoded; absent
 arguments are ``{}``. A call is emitted whole when its closer arrives (its arguments are written in
-one fragment). A body that is not such an object, or a section without its closer at the end of
-output, is content, markers included.
+one fragment). A body that begins with ``{`` is read as JSON: a ``CALL_CLOSE`` spelled inside one
+of its string literals (escapes honoured) is text of that string, not the end of the call; other
+bodies end at the first ``CALL_CLOSE``. A body that is not such an object, or a section without its
+closer at the end of output, is content, markers included.
 
 Constrained calls (``json_tags_grammar``): ``CALL_OPEN`` (as its token where it is one), the object
 ``{"name": N, "arguments": <N's schema>}`` in compact JSON, ``CALL_CLOSE``.
@@ -14,6 +16,7 @@ Constrained calls (``json_tags_grammar``): ``CALL_OPEN`` (as its token where it 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from helios_core.plugin_api import (
@@ -33,6 +36,56 @@ from helios_core.plugin_api import (
 )
 
 HELIOS_PLUGIN_API = (1, 0)
+
+
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)
+"""The rest of a JSON string literal up to its closing quote (or up to the end of the text, or up to a
+final backslash whose escaped character has not arrived)."""
+
+
+class _BodyEnd:
+    """Where a call body ends in the section text: at the first closer outside the JSON string
+    literals of a body that begins with ``{`` (escapes honoured), else at the first closer.
+
+    The answer depends only on the text. The scanner remembers the last text and the offset up to
+    which nothing can change the answer (and whether that offset is inside a string), so a section
+    that grows piece by piece is scanned once, not once per piece."""
+
+    def __init__(self, close: str) -> None:
+        self._close = close
+        self._outside = re.compile(re.escape(close) + '|"')
+        self._text = ""
+        self._resume = 0
+        self._in_string = False
+
+    def find(self, text: str) -> int:
+        """The offset of the closer that ends the body in ``text`` (``-1``: none yet)."""
+        if not text.startswith(self._text):
+            self._resume, self._in_string = 0, False
+        self._text = text
+        at, in_string = self._resume, self._in_string
+        if at == 0 and not in_string:
+            first = len(text) - len(text.lstrip())
+            if first == len(text) or text[first] != "{":
+                return text.find(self._close)  # not (yet) a JSON body
+            at = first
+        while True:
+            if in_string:
+                rest = _STRING_REST.match(text, at)
+                stop = rest.end() if rest else at
+                if stop == len(text) or text[stop] != '"':
+                    self._resume, self._in_string = stop, True
+                    return -1
+                at, in_string = stop + 1, False
+                continue
+            found = self._outside.search(text, at)
+            if found is None:
+                self._resume, self._in_string = max(at, len(text) - len(self._close) + 1), False
+                return -1
+            if found.group() == self._close:
+                self._resume, self._in_string = at, False
+                return found.start()
+            at, in_string = found.end(), True
 
 
 def _call(body: str) -> CallScan | None:
@@ -59,9 +112,10 @@ class JsonTagParser(SectionToolParser):
             raise StartupError("tool_syntax.json_tags.call_open and .call_close must be declared")
         super().__init__(context, syntax.opener or tags.call_open)
         self._close = tags.call_close
+        self._body_end = _BodyEnd(tags.call_close)
 
     def scan_section(self, text: str, final: bool) -> SectionScan:
-        end = text.find(self._close)
+        end = self._body_end.find(text)
         if end < 0:
             return SectionScan(invalid=final)
         call = _call(text[:end])
