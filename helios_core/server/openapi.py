@@ -256,6 +256,7 @@ _COMPLETION_REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "stop_token_sequences": _REFUSALS["stop_token_sequences"],
     "logit_bias": _REFUSALS["logit_bias"],
     "suffix": _null_only,
+    "prompt_logprobs": _REFUSALS["prompt_logprobs"],
 }
 
 _COMPLETION_DESCRIPTIONS = {
@@ -265,6 +266,7 @@ _COMPLETION_DESCRIPTIONS = {
     "stop": _DESCRIPTIONS["stop"].replace(" or response_format", ""),
     "stop_token_ids": _DESCRIPTIONS["stop_token_ids"],
     "stream_options": _DESCRIPTIONS["stream_options"],
+    "return_token_timestamps": _DESCRIPTIONS["return_token_timestamps"],
 }
 
 

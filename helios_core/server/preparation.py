@@ -222,6 +222,8 @@ class Prepared:
     it): an admission rejection naming the output limit names it."""
     single_call: bool = False
     """``parallel_tool_calls: false``: present the first tool call the model makes, drop any after it."""
+    choice_prompt_logprobs: bool = False
+    """A completion that asked for ``prompt_logprobs``: its choice carries the prompt tokens' logprobs list."""
 
     def pipeline(self, frontend: Frontend) -> OutputPipeline:
         """A fresh output pipeline (reasoning and tool parsers) for this request."""
@@ -1021,19 +1023,23 @@ def prompt_pieces(frontend: Frontend, ids: Sequence[int]) -> list[str]:
 
 
 def _completion_logprobs(frontend: Frontend, request: CompletionRequest) -> tuple[int, bool]:
-    """(top_logprobs for the PreparedRequest, -1 when logprobs are off; whether prompt scores are needed)."""
+    """(top_logprobs for the PreparedRequest, -1 when logprobs are off; whether prompt scores are needed:
+    for echoed logprobs, or for ``prompt_logprobs``)."""
+    asked = request.prompt_logprobs is not None
+    if asked and not frontend.supports_prompt_logprobs:
+        raise InvalidRequest("prompt_logprobs are not supported by this core", "prompt_logprobs")
     if request.logprobs is None:
-        return -1, False
+        return -1, asked
     if frontend.logprobs_top_n is None:
         raise InvalidRequest("logprobs are not supported by this core", "logprobs")
     if request.logprobs > frontend.logprobs_top_n:
         raise InvalidRequest(
             f"logprobs={request.logprobs} exceeds this core's limit of {frontend.logprobs_top_n}", "logprobs"
         )
-    scored = bool(request.echo)
-    if scored and not frontend.supports_prompt_logprobs:
+    echoed = bool(request.echo)
+    if echoed and not frontend.supports_prompt_logprobs:
         raise InvalidRequest("echo with logprobs is not supported by this core (no prompt scoring)", "echo")
-    return request.logprobs, scored
+    return request.logprobs, echoed or asked
 
 
 def _request_stops(
@@ -1067,6 +1073,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         skip_special_tokens=request.skip_special_tokens is not False,
         string_stops=string_stops,
         token_stops=token_stops,
+        observe_timestamps=bool(request.return_token_timestamps),
         top_logprobs=top_logprobs,
         prompt_logprobs=scored,
     )
@@ -1078,10 +1085,11 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         structured=False,
         stream=bool(request.stream),
         include_usage=include_usage,
-        return_token_ids=False,
-        return_token_timestamps=False,
+        return_token_ids=bool(request.return_token_ids),
+        return_token_timestamps=bool(request.return_token_timestamps),
         logprobs=top_logprobs >= 0,
         prompt_logprobs=scored,
         echo=prompt_text if request.echo else None,
         prompt_field="prompt",
+        choice_prompt_logprobs=request.prompt_logprobs is not None,
     )

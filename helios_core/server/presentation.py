@@ -45,7 +45,10 @@ included). Echoed prompt tokens come first: the text each prompt id completes, `
 top dict for the first, then each token's logprob given its prefix (its dict holds only itself).
 In SSE the positions ride on the chunk carrying their text (those whose text is empty on the next
 text chunk, or the terminal chunk); chunks are ``text_completion`` objects and the usage chunk
-(``choices: []``) follows the terminal chunk when ``stream_options.include_usage``.
+(``choices: []``) follows the terminal chunk when ``stream_options.include_usage``. Observation
+(``return_token_ids``, timestamps) takes chat's shapes except that the prompt's ids, and the prompt logprobs
+a completion asks for, ride in the choice (``choices[0].prompt_token_ids``, ``choices[0].prompt_logprobs``;
+SSE: the first chunk's choice), where vLLM's completions put them; a generated id's own chunk has ``text: ""``.
 
 Errors are not presented here: the app raises them (JSON) or turns them into one SSE error event
 through :mod:`helios_core.server.errors`.
@@ -179,6 +182,13 @@ class _EventPresenter:
             "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
         }
 
+    def _performance(self, finished: Finished) -> dict[str, int]:
+        return {
+            "ingress_ns": self._ingress_ns,
+            "enqueue_ns": self._enqueue_ns,
+            "reused_prompt_tokens": finished.reused_prompt_tokens,
+        }
+
 
 class Presenter(_EventPresenter):
     """Turns one chat request's events into its OpenAI response."""
@@ -219,13 +229,6 @@ class Presenter(_EventPresenter):
         if hint == "tool_calls" and ended_by_eos:
             return "tool_calls"
         return "stop"
-
-    def _performance(self, finished: Finished) -> dict[str, int]:
-        return {
-            "ingress_ns": self._ingress_ns,
-            "enqueue_ns": self._enqueue_ns,
-            "reused_prompt_tokens": finished.reused_prompt_tokens,
-        }
 
     # -- JSON -------------------------------------------------------------------------------------
     def collect(self, event: TokenEvent) -> None:
@@ -421,7 +424,7 @@ class CompletionPresenter(_EventPresenter):
     def _prompt_positions(self) -> list[_Position]:
         """The echoed prompt's positions (echo with logprobs only; the scores arrived first)."""
         scores = self._prompt_logprobs
-        if scores is None:
+        if scores is None or self._prepared.echo is None:
             return []
         positions = []
         offset = 0
@@ -452,13 +455,14 @@ class CompletionPresenter(_EventPresenter):
         logprobs = None
         if self._prepared.logprobs:
             logprobs = _legacy_logprobs([*self._prompt_positions(), *self._positions])
-        choice = {
+        choice: dict[str, Any] = {
             "index": 0,
             "text": self._echo + "".join(self._texts),
             "logprobs": logprobs,
             "finish_reason": self._finish_reason(finished),
         }
-        return {
+        choice.update(self._prompt_observation())
+        body: dict[str, Any] = {
             "id": self._id,
             "object": "text_completion",
             "created": self._created,
@@ -466,6 +470,24 @@ class CompletionPresenter(_EventPresenter):
             "choices": [choice],
             "usage": self._usage(finished),
         }
+        prepared = self._prepared
+        if prepared.return_token_ids:
+            choice["token_ids"] = self.token_ids
+            body["reused_prompt_tokens"] = finished.reused_prompt_tokens
+        if prepared.return_token_timestamps:
+            choice["token_timestamps_ns"] = self.timestamps
+            body["performance"] = self._performance(finished)
+        return body
+
+    def _prompt_observation(self) -> dict[str, Any]:
+        """The choice fields about the prompt: ``prompt_token_ids`` (``return_token_ids``) and
+        ``prompt_logprobs`` (asked with ``prompt_logprobs``), as vLLM's completions place them."""
+        fields: dict[str, Any] = {}
+        if self._prepared.return_token_ids:
+            fields["prompt_token_ids"] = list(self._prepared.request.prompt_ids)
+        if self._prepared.choice_prompt_logprobs:
+            fields["prompt_logprobs"] = self._prompt_logprobs
+        return fields
 
     # -- SSE --------------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -486,17 +508,29 @@ class CompletionPresenter(_EventPresenter):
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def first_chunk(self) -> bytes:
-        """The echoed prompt's chunk (with its logprobs when asked); nothing without echo."""
-        if self._prepared.echo is None:
+        """The echoed prompt's chunk (with its logprobs when asked) and the prompt's observation fields;
+        nothing without echo or observation."""
+        observation = self._prompt_observation()
+        if self._prepared.echo is None and not observation:
             return b""
-        logprobs = _legacy_logprobs(self._prompt_positions()) if self._prepared.logprobs else None
-        return self._chunk([self._choice(self._echo, logprobs)])
+        echoed = self._prepared.echo is not None
+        logprobs = _legacy_logprobs(self._prompt_positions()) if self._prepared.logprobs and echoed else None
+        return self._chunk([{**self._choice(self._echo, logprobs), **observation}])
 
     def stream_token(self, event: TokenEvent) -> list[bytes]:
-        """The chunk of one token event's released text (none while nothing is released)."""
+        """The chunks of one token event: its id observation, then its released text (none while nothing is
+        released)."""
         self._observe(event)
+        out: list[bytes] = []
+        if self._prepared.return_token_ids:  # {"text":"",...,"token_ids":[id]} (and its timestamp)
+            observed = b'"text":"","logprobs":null,"finish_reason":null,"token_ids":[%d]' % event.token_id
+            if self._prepared.return_token_timestamps:
+                observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
+            out.append(self._before + observed + self._after)
         text = self._feed(event.pieces)
-        return [self._text_chunk(text)] if text else []
+        if text:
+            out.append(self._text_chunk(text))
+        return out
 
     def _text_chunk(self, text: str) -> bytes:
         """The chunk of released text (and the queued positions): :meth:`_chunk` of its choice, with only
@@ -510,7 +544,16 @@ class CompletionPresenter(_EventPresenter):
         """The last chunks: remaining text, the terminal choice chunk, usage, ``[DONE]``."""
         text = self._feed(finished.pieces)
         out = [self._text_chunk(text)] if text else []
-        out.append(self._chunk([self._choice("", self._take_logprobs(), self._finish_reason(finished))]))
+        prepared = self._prepared
+        extra: dict[str, Any] = {}
+        if prepared.return_token_ids:
+            extra["reused_prompt_tokens"] = finished.reused_prompt_tokens
+            if not prepared.include_usage:
+                extra["usage"] = self._usage(finished)
+        if prepared.return_token_timestamps:
+            extra["performance"] = self._performance(finished)
+        terminal = self._choice("", self._take_logprobs(), self._finish_reason(finished))
+        out.append(self._chunk([terminal], **extra))
         if self._prepared.include_usage:
             out.append(self._chunk([], usage=self._usage(finished)))
         out.append(SSE_DONE)

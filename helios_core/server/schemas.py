@@ -258,6 +258,11 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     logprobs: int | None = None
     """Legacy form: how many top alternatives per token (0: the sampled token's logprob only)."""
     echo: bool | None = None
+    # Helios (and vLLM) extensions, as on chat
+    return_token_ids: bool | None = None
+    return_token_timestamps: bool | None = None
+    prompt_logprobs: int | None = None
+    """0 returns each prompt token's logprob given its prefix (``choices[0].prompt_logprobs``)."""
     # bookkeeping OpenAI accepts and this server ignores
     user: str | None = None
     # documented OpenAI fields this server refuses unless neutral
@@ -407,17 +412,7 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
             problems.append(("top_logprobs", "top_logprobs requires logprobs=true"))
         elif request.top_logprobs < 0:
             problems.append(("top_logprobs", f"top_logprobs must be >= 0, not {request.top_logprobs}"))
-    if request.prompt_logprobs is not None:
-        if request.prompt_logprobs < 0:
-            problems.append(("prompt_logprobs", f"prompt_logprobs must be >= 0, not {request.prompt_logprobs}"))
-        elif request.prompt_logprobs > 0:
-            problems.append(
-                (
-                    "prompt_logprobs",
-                    f"prompt_logprobs={request.prompt_logprobs}: top alternatives for prompt tokens are not supported "
-                    "(use 0 for the prompt tokens' own logprobs)",
-                )
-            )
+    problems.extend(_observation_problems(request))
     if request.logit_bias:
         refuse("logit_bias", "a non-empty logit_bias")
     if request.modalities is not None and request.modalities != ["text"]:
@@ -445,8 +440,6 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
     choice = request.tool_choice
     if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         refuse("tool_choice", f"tool_choice={choice!r} (only 'auto', 'none', 'required' or a named function)")
-    if request.return_token_timestamps and not request.return_token_ids:
-        problems.append(("return_token_timestamps", "return_token_timestamps requires return_token_ids=true"))
     if request.continue_final_message and request.add_generation_prompt:
         problems.append(
             (
@@ -482,4 +475,24 @@ def completion_unsupported_fields(request: CompletionRequest) -> list[tuple[str,
         )
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
+    problems.extend(_observation_problems(request))
+    return problems
+
+
+def _observation_problems(request: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str]]:
+    """(field, message) for the observation extensions' values this server refuses (chat and completions)."""
+    problems: list[tuple[str, str]] = []
+    if request.prompt_logprobs is not None:
+        if request.prompt_logprobs < 0:
+            problems.append(("prompt_logprobs", f"prompt_logprobs must be >= 0, not {request.prompt_logprobs}"))
+        elif request.prompt_logprobs > 0:
+            problems.append(
+                (
+                    "prompt_logprobs",
+                    f"prompt_logprobs={request.prompt_logprobs}: top alternatives for prompt tokens are not supported "
+                    "(use 0 for the prompt tokens' own logprobs)",
+                )
+            )
+    if request.return_token_timestamps and not request.return_token_ids:
+        problems.append(("return_token_timestamps", "return_token_timestamps requires return_token_ids=true"))
     return problems

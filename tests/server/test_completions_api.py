@@ -431,3 +431,70 @@ def test_openapi_lists_the_completions_operation(served: Served) -> None:
     properties = operation["requestBody"]["content"]["application/json"]["schema"]["properties"]
     assert {"prompt", "max_tokens", "logprobs", "echo", "stream", "stop", "top_k", "ignore_eos"} <= set(properties)
     assert properties["suffix"]["type"] == "null"
+
+
+# -- observation: token ids, timestamps, prompt logprobs ---------------------------------------------
+def test_return_token_ids_reports_the_prompt_and_generated_ids_as_chat_does(served: Served) -> None:
+    """A raw completion of the rendered chat prompt and the chat request observe the same ids: the prompt's
+    in the choice (where vLLM's completions put them), the generated ones beside the text."""
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    completion = completions(served, prompt=RENDERED_HI, **body).json()
+    reply = chat(served.base_url, messages=CHAT_HI, **body).json()
+    (choice,) = completion["choices"]
+    assert choice["prompt_token_ids"] == reply["prompt_token_ids"] == prompt_ids(served, RENDERED_HI)
+    assert choice["token_ids"] == reply["choices"][0]["token_ids"]
+    assert len(choice["token_ids"]) == completion["usage"]["completion_tokens"] == 6
+    assert choice["text"] == served.running.bootstrap.tokenizer.decode(choice["token_ids"])
+    assert completion["reused_prompt_tokens"] == completion["usage"]["prompt_tokens_details"]["cached_tokens"]
+    plain = completions(served, prompt=RENDERED_HI, max_tokens=6, temperature=0, ignore_eos=True).json()
+    assert "prompt_token_ids" not in plain["choices"][0] and "token_ids" not in plain["choices"][0]
+
+
+def test_a_stream_observes_the_prompt_first_and_one_id_a_chunk(served: Served) -> None:
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = completions(served, **body).json()["choices"][0]
+    events = [data for name, data in sse_events(completions(served, stream=True, return_token_timestamps=True, **body))]
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert chunks[0]["choices"][0]["text"] == ""
+    observed = [chunk["choices"][0] for chunk in chunks if "token_ids" in chunk["choices"][0]]
+    assert [choice["token_ids"][0] for choice in observed] == whole["token_ids"]
+    assert all(choice["text"] == "" and len(choice["token_timestamps_ns"]) == 1 for choice in observed)
+    times = [choice["token_timestamps_ns"][0] for choice in observed]
+    assert times == sorted(times)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == whole["text"]
+    terminal = chunks[-1]
+    assert terminal["choices"][0]["finish_reason"] == "length"
+    assert terminal["usage"]["completion_tokens"] == 5
+    assert set(terminal["performance"]) == {"ingress_ns", "enqueue_ns", "reused_prompt_tokens"}
+
+
+def test_prompt_logprobs_score_the_prompt_as_chat_does(served: Served) -> None:
+    completion = completions(served, prompt=RENDERED_HI, max_tokens=2, prompt_logprobs=0).json()
+    reply = chat(served.base_url, messages=CHAT_HI, max_tokens=2, prompt_logprobs=0).json()
+    scores = completion["choices"][0]["prompt_logprobs"]
+    assert len(scores) == completion["usage"]["prompt_tokens"]
+    assert scores[0] is None and all(isinstance(score, float) and score <= 0 for score in scores[1:])
+    assert scores == pytest.approx(reply["prompt_logprobs"])
+    assert completion["choices"][0]["logprobs"] is None  # generated logprobs only when asked
+    stream = [
+        data
+        for _, data in sse_events(completions(served, prompt=RENDERED_HI, max_tokens=2, prompt_logprobs=0, stream=True))
+    ]
+    assert stream[0]["choices"][0]["prompt_logprobs"] == pytest.approx(scores)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"return_token_timestamps": True}, "return_token_timestamps", "requires return_token_ids=true"),
+        ({"prompt_logprobs": 2}, "prompt_logprobs", "top alternatives for prompt tokens are not supported"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs", "prompt_logprobs must be >= 0"),
+    ],
+)
+def test_observation_refusals(served: Served, body: dict[str, Any], param: str, words: str) -> None:
+    response = completions(served, prompt="x", max_tokens=2, **body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+    assert words in response.json()["error"]["message"]
