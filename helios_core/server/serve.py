@@ -50,7 +50,9 @@ each did it turns ready itself and prints its one readiness line. A signal here 
 (each drains its own admitted requests for at most ``--shutdown-timeout``), waits for the others to
 exit, then stops the worker; a second signal closes every connection in every process. Another HTTP
 process that dies makes the run stop as on SIGTERM and fail with ``serving stopped: HTTP process K (pid
-P) exited unexpectedly (...)``.
+P) exited unexpectedly (...)``. So does a model worker process that dies (``--worker-process``, any number
+of HTTP processes): its open requests end with the exit's message, the run logs ``the model worker process
+exited unexpectedly (...); the server stops`` and fails with ``serving stopped: ...``.
 
 An app driven without a drain callback (``draining_server`` without ``in_flight``) keeps the older
 order: stop accepting at once, drop after the drain period.
@@ -102,6 +104,9 @@ __all__ = [
     "resolve_options",
     "serve",
 ]
+
+_LOG = logging.getLogger("helios_core.server")
+"""The server's log (its lines reach stderr while serving, :func:`_server_log`)."""
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 """``--shutdown-timeout``: the longest drain of admitted requests after SIGTERM before they are dropped."""
@@ -398,7 +403,9 @@ def serve(options: RunOptions, announce: Callable[[str], None]) -> None:
         readiness.starting("the core is loading")
         app = create_pending_app(readiness)
         role = None if group is None else group.role()
-        loader = _Loader(options, trust, load, kv_config, readiness, app, began=began, launch=launch, role=role)
+        loader = _Loader(
+            options, trust, load, kv_config, readiness, app, began=began, launch=launch, role=role, on_lost=serving_lost
+        )
     except BaseException:
         try:
             if group is not None:
@@ -582,8 +589,11 @@ class _Loader:
         began: float,
         launch: WorkerLaunch | None = None,
         role: HttpRole | None = None,
+        on_lost: Callable[[HeliosError], None] | None = None,
     ) -> None:
         self._options = options
+        self._on_lost = on_lost
+        """Told when serving cannot go on (the model worker process died): serving stops and the run fails."""
         self._trust = trust
         self._load = load
         self._kv_config = kv_config
@@ -603,6 +613,18 @@ class _Loader:
         """With ``--worker-process``: the worker process already started, until the load step takes it."""
         self._role = role
         """With ``--http-processes`` N > 1: this process's place among the HTTP processes."""
+
+    def _worker_exited(self, message: str) -> None:
+        """The model worker process exited unexpectedly (its proxy's receiver thread): every other HTTP process
+        learns it, the run logs it and stops serving, and fails with it, so that a supervisor restarts the
+        replica (the open requests end with ``message`` as the proxy fails them)."""
+        role = self._role
+        if role is not None and role.processes is not None:
+            role.processes.relay_worker_exit(message)
+        error = StartupError(message)
+        _LOG.error("%s; the server stops", error)
+        if self._on_lost is not None:
+            self._on_lost(error)
 
     def load_and_warm_up(self) -> None:
         """On the startup thread: load, install the service, warm up. Raises what failed."""
@@ -626,9 +648,13 @@ class _Loader:
                     launched, self._launch = self._launch, None  # start_worker_process owns it from here
                     if launched is not None:
                         loading = launched.started
-                    relay = None if role is None or role.processes is None else role.processes.relay_worker_exit
                     self.running = start_worker_process(
-                        core, self._trust, self._load, backend=options.backend, launched=launched, on_exit=relay
+                        core,
+                        self._trust,
+                        self._load,
+                        backend=options.backend,
+                        launched=launched,
+                        on_exit=self._worker_exited,
                     )
                 else:
                     self.running = start(core, self._trust, self._load, backend=options.backend)
