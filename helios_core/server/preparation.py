@@ -618,21 +618,10 @@ def _max_tokens(frontend: Frontend, request: ChatCompletionRequest, prompt_token
 
 
 def _output_limit(frontend: Frontend, explicit: int | None, field: str, prompt_tokens: int) -> int:
-    """The request's output limit: ``explicit`` (positive, else 400 naming ``field``; with the prompt within the
-    context, else the worker's permanent 503, found here so a stream is refused before it opens) or the
-    default."""
+    """The request's output limit: ``explicit`` (positive, else 400 naming ``field``) or the default."""
     if explicit is not None:
         if explicit <= 0:
             raise InvalidRequest(f"{field} must be positive, not {explicit}", field)
-        context = frontend.context_tokens
-        # (a prompt that fills the context is refused when it is encoded)
-        if prompt_tokens < context < prompt_tokens + explicit:
-            raise AdmissionRefused(
-                f"prompt ({prompt_tokens} tokens) plus {field} ({explicit}) exceeds the core's context of "
-                f"{context} tokens; at most {context - prompt_tokens} output tokens fit this prompt",
-                field,
-                permanent=True,
-            )
         return explicit
     # The core default within what the context leaves; a prompt that fills the context keeps one
     # token so the worker's admission check (503) reports the overflow.

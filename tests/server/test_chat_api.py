@@ -199,17 +199,15 @@ def test_context_overflow_is_503(served: Served) -> None:
     assert body["error"]["type"] == "admission_rejected"
 
 
-def test_context_overflow_stream_is_refused_before_the_stream_opens(served: Served) -> None:
-    """Found when the request is prepared, as for a JSON response: no 200 and error event, so the SDK's
-    ``create`` raises the status error at once."""
+def test_context_overflow_stream_is_an_error_event(served: Served) -> None:
     response = chat(served.base_url, max_tokens=60, stream=True)
-    assert response.status_code == 503
-    assert response.headers["content-type"].startswith("application/json")
-    assert response.headers["x-should-retry"] == "false"
-    assert response.json()["error"]["type"] == "admission_rejected"
-    assert response.json()["error"]["param"] == "max_tokens"
-    with pytest.raises(openai.InternalServerError, match="exceeds the core's context"):
-        served.client.chat.completions.create(model=MODEL, messages=HI, max_tokens=60, stream=True)
+    assert response.status_code == 200
+    events = sse_events(response)
+    assert events[-1][0] == "error"
+    assert events[-1][1]["error"]["type"] == "admission_rejected"
+    assert (None, "[DONE]") not in events
+    with pytest.raises(openai.APIError, match="exceeds the core's context"):
+        list(served.client.chat.completions.create(model=MODEL, messages=HI, max_tokens=60, stream=True))
 
 
 def test_unknown_model_is_404(served: Served) -> None:

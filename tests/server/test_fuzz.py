@@ -43,8 +43,8 @@ from tests.server.helpers import build_synthetic_core  # noqa: E402
 
 CHAT = ("/v1/chat/completions", "POST")
 MODELS = ("/v1/models", "GET")
-# A prompt plus max_tokens beyond the core's context is refused as ``admission_rejected`` (the spec's
-# admission rejection, 503 by errors.py's table), not as a 400; allowed here, reported separately.
+# A prompt plus max_tokens beyond the core's context is refused by the model worker as
+# ``admission_rejected`` (503 by errors.py's table), not as a 400; allowed here, reported separately.
 DOCUMENTED_503 = ("admission_rejected",)
 EXAMPLES = int(os.environ.get("HELIOS_FUZZ_EXAMPLES") or 100)
 """Cases per fuzz test (``tox -e fuzz`` sets 1000)."""
