@@ -473,7 +473,12 @@ def _first_mask(grammar: Grammar, field: str) -> None:
 
 
 def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[ToolSpec, ...]]:
-    if not request.tools or request.tool_choice == "none":
+    """The tools as the chat template sees them, and the specs calls are parsed against. With ``tool_choice:
+    "none"`` the tools stay in the prompt (as OpenAI and vLLM keep them: the prompt, and its cached prefix,
+    are those of the same conversation with tools) but no call is parsed; a core without a tool syntax
+    ignores them then."""
+    none = request.tool_choice == "none"
+    if not request.tools or (none and not frontend.supports_tools):
         return [], ()
     if not frontend.supports_tools:
         raise InvalidRequest("this model does not support tools", "tools")
@@ -502,7 +507,7 @@ def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dic
             function["description"] = tool.function.description
         rendered.append({"type": "function", "function": function})
         specs.append(ToolSpec(tool.function.name, tool.function.parameters or {}))
-    return rendered, tuple(specs)
+    return rendered, () if none else tuple(specs)
 
 
 def _forced_tool(request: ChatCompletionRequest) -> tuple[bool, str | None]:

@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from .conftest import Served, serve_fixture
@@ -325,3 +326,32 @@ def test_a_streamed_reply_without_parallel_calls_sends_the_first_call_only(
     assert json.loads(arguments) == {"city": "Paris"}
     assert content.strip() == ""
     assert finish == "tool_calls"
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_parses_no_call(
+    served_tools: Served, script: Callable[[str], None]
+) -> None:
+    """The prompt is the one ``auto`` renders (tools in the template, as OpenAI and vLLM keep them), so a
+    conversation that turns tools off for one turn keeps its cached prefix; call markup is content."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    rendered = {
+        choice: httpx.post(
+            served_tools.base_url + "/v1/chat/completions/render",
+            json={"messages": messages, "tools": [WEATHER], "tool_choice": choice},
+            timeout=30,
+        ).json()["prompt_token_ids"]
+        for choice in ("auto", "none")
+    }
+    plain = httpx.post(
+        served_tools.base_url + "/v1/chat/completions/render", json={"messages": messages}, timeout=30
+    ).json()["prompt_token_ids"]
+    assert rendered["none"] == rendered["auto"]
+    assert len(rendered["none"]) > len(plain)
+    script(CALL)
+    reply = served_tools.client.chat.completions.create(
+        model="llama-synthetic-tiny", messages=messages, tools=[WEATHER], tool_choice="none"
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content == CALL
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(rendered["auto"])
