@@ -35,7 +35,9 @@ being answered (a stream of any length) is not timed, a body timer stops once th
 and a refusal due while an earlier request on the connection is still being answered waits (reading
 paused) until that answer has been written. A time limit is also not enforced while the server itself is
 not reading the connection (flow control, a pipelined request waiting) or while the socket holds bytes
-not yet read.
+not yet read. A request the HTTP parser cannot read (a malformed request line or header, conflicting
+framing) is refused the same way, with ``400`` and the same JSON error, where uvicorn answers plain
+text.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
 
 class KeepAliveHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose keep-alive timeout closes only an idle connection and which
-    refuses a request whose head is too large (431) or that is not sent in time (408)."""
+    refuses a request whose head is too large (431), that is not sent in time (408) or that cannot be parsed
+    (400), each with a JSON error."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -173,8 +176,8 @@ class KeepAliveHttpProtocol(HttpToolsProtocol):
                 piece, data = data[:size], data[size:]
             in_head, heads = not self._in_body, self._heads_completed
             super().data_received(piece)
-            if self.transport.is_closing() or self.transport.get_protocol() is not self:
-                return  # answered 400 or upgraded
+            if self._refusal is not None or self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # refused (a request the parser cannot read: 400), or upgraded
             if self._head_in_progress and in_head and heads == self._heads_completed:
                 # The whole slice is head (a head that began after another ended within the same slice
                 # or read is counted from the next one: the limit may be passed by that much, never
@@ -263,6 +266,16 @@ class KeepAliveHttpProtocol(HttpToolsProtocol):
         cycle.disconnected = True  # the app's receive() answers http.disconnect, its send() is dropped
         cycle.message_event.set()
         self._refusal = (408, f"the request body stalled: no byte arrived for {self.body_timeout:g} s")
+        self._send_refusal()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes the HTTP parser cannot read (``msg``: its plain-text reason): the JSON
+        error every other refusal has, after any response still in progress on the connection."""
+        self._cancel_request_timer()
+        self._refusal = (400, "the HTTP request could not be parsed (malformed request line, headers or framing)")
+        if self._busy():
+            self.flow.pause_reading()
+            return
         self._send_refusal()
 
     def _refuse_head_too_large(self) -> None:

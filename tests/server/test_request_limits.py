@@ -196,3 +196,28 @@ def test_a_stream_is_never_cut_and_a_refusal_behind_it_waits_for_its_end(
             writer.close()
 
     run(loop_name, test)
+
+
+@pytest.mark.parametrize("loop_name", LOOPS)
+@pytest.mark.parametrize(
+    "malformed",
+    [
+        b"NOT AN HTTP REQUEST\r\n\r\n",
+        b"POST /x HTTP/1.1\r\nHost: test\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\nabc",
+        b"GET /x HTTP/1.1\r\nHost: test\r\nBad Header\r\n\r\n",
+    ],
+    ids=["request-line", "conflicting-framing", "header-line"],
+)
+def test_a_request_the_parser_cannot_read_is_answered_400_in_json(loop_name: str, malformed: bytes) -> None:
+    async def test() -> None:
+        async with serving(App(), LONG_TIMEOUT_S) as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(malformed)
+            error = await read_refusal(reader, b"400 Bad Request")
+            assert error["message"].startswith("the HTTP request could not be parsed")
+            writer.close()
+            other_reader, other_writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await exchange(other_reader, other_writer, "/fine") == b"/fine"
+            other_writer.close()
+
+    run(loop_name, test)
