@@ -237,6 +237,10 @@ class Engine:
         """Ids of cancelled requests whose terminal event is not published yet (they count no more)."""
         self._refused = 0
         """Submissions :meth:`submit` refused at the bound (counted as rejected in the statistics)."""
+        self._submitted_ns: dict[str, int] = {}
+        """When each registered request was submitted (monotonic ns), until its terminal event: its latency."""
+        self._awaiting_first: set[str] = set()
+        """Registered requests whose first token is not published yet (their time to first token)."""
         self._backlog: deque[PreparedRequest] = deque()
         """Submissions taken from the inbox that wait for room in the scheduler's pending deque (the
         ingress channel's tail: the deque never holds more than ``queue_capacity``)."""
@@ -301,6 +305,8 @@ class Engine:
                 )
                 return stream
             self._streams[request.request_id] = stream
+            self._submitted_ns[request.request_id] = time.monotonic_ns()
+            self._awaiting_first.add(request.request_id)
         self._inbox.put(Submit(request))
         return stream
 
@@ -551,18 +557,48 @@ class Engine:
     def _publish(self, events: Sequence[Outgoing]) -> None:
         if not events:
             return
-        streams = self._streams
+        streams, awaiting = self._streams, self._awaiting_first
         with self._lock:  # once for the round's events (a stream's put never blocks)
+            now_ns = time.monotonic_ns()
             for event in events:
                 if isinstance(event, RoundTokens):
+                    if awaiting:
+                        self._first_tokens(awaiting.intersection(event.lanes), now_ns)
                     self._put_round(event)
                     continue
-                stream = streams.get(event.request_id)
+                request_id = event.request_id
+                if type(event) is TokenEvent:
+                    if request_id in awaiting:
+                        self._first_tokens((request_id,), now_ns)
+                elif isinstance(event, TERMINAL_EVENTS):
+                    self._ended(event, now_ns)
+                stream = streams.get(request_id)
                 if stream is not None:
                     if type(event) is not TokenEvent and isinstance(event, TERMINAL_EVENTS):
-                        del streams[event.request_id]
-                        self._released.discard(event.request_id)
+                        del streams[request_id]
+                        self._released.discard(request_id)
                     stream.put(event)
+
+    def _first_tokens(self, request_ids: Iterable[str], now_ns: int) -> None:
+        """Record the time to first token of ``request_ids``, whose first token is published now."""
+        histogram, submitted, awaiting = self._stats.time_to_first_token, self._submitted_ns, self._awaiting_first
+        for request_id in request_ids:
+            awaiting.discard(request_id)
+            started = submitted.get(request_id)
+            if started is not None:
+                histogram.observe((now_ns - started) / 1e9)
+
+    def _ended(self, event: Event, now_ns: int) -> None:
+        """A request's terminal event is published now: its token counts and, finished, its latency."""
+        request_id = event.request_id
+        self._awaiting_first.discard(request_id)
+        started = self._submitted_ns.pop(request_id, None)
+        if isinstance(event, Finished):
+            stats = self._stats
+            stats.prompt_tokens += event.prompt_tokens
+            stats.generation_tokens += event.completion_tokens
+            if started is not None and event.reason != "cancelled":
+                stats.request_latency.observe((now_ns - started) / 1e9)
 
     def redirect(self, stream: RequestStream, put: Callable[[Outgoing], None]) -> None:
         """Deliver ``stream``'s events to ``put`` from now on (a consumer in another process, say),
@@ -622,6 +658,12 @@ class Engine:
             offered_by_position=dict(stats.offered_by_position),
             accepted_by_position=dict(stats.accepted_by_position),
             speculation_stretches=dict(stats.speculation_stretches),
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            time_to_first_token_counts=list(stats.time_to_first_token.counts),
+            time_to_first_token_sum_s=stats.time_to_first_token.sum_s,
+            request_latency_counts=list(stats.request_latency.counts),
+            request_latency_sum_s=stats.request_latency.sum_s,
             **_host_tier_statistics(pages.host),
             **_checkpoint_statistics(scheduler.residency.checkpoints),
         )

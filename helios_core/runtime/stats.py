@@ -1,7 +1,8 @@
 """Native statistics of the model worker, as plain objects the server exports as metrics.
 
-Owns the counters the scheduler and engine increment (request lifecycle, rounds and graph
-launches, mixed grammar steps, constrained in-flight frames) and the snapshot type that joins them
+Owns the counters the scheduler and engine increment (request lifecycle, token counts and the
+time-to-first-token and request-latency histograms, rounds and graph launches, mixed grammar steps,
+constrained in-flight frames) and the snapshot type that joins them
 with the page allocator's counters (and its host tier's) and the current gauges (a frozen msgspec
 struct: the worker takes one after every round). Labels are program names, operations and finish
 reasons only: never request identifiers, prompt text or token ids.
@@ -9,6 +10,7 @@ reasons only: never request identifiers, prompt text or token ids.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -20,6 +22,37 @@ CountKey = TypeVar("CountKey", str, int)
 def _add(counts: dict[CountKey, int], key: CountKey, amount: int = 1) -> None:
     """Add ``amount`` to the count of ``key`` (a key not counted yet starts at 0)."""
     counts[key] = counts.get(key, 0) + amount
+
+
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the time-to-first-token histogram's buckets (vLLM's, so dashboards line up)."""
+
+E2E_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the request-latency histogram's buckets (vLLM's)."""
+
+
+@dataclass
+class LatencyHistogram:
+    """Observed durations in fixed buckets: ``counts[i]`` holds the observations of at most ``bounds[i]``
+    seconds and more than the bound before it; the last count the ones above every bound."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum_s += seconds
 
 
 @dataclass
@@ -55,6 +88,14 @@ class SchedulerStats:
     speculation_stretches: dict[str, int] = field(default_factory=dict)
     """With ``--speculation-payoff``: stretches of rounds chosen after a measurement, by kind ("speculate",
     "decode")."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the requests that ended (finished or cancelled; counted at their end)."""
+    generation_tokens: int = 0
+    """Tokens those requests generated (their ``completion_tokens``)."""
+    time_to_first_token: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(TTFT_BUCKETS_S))
+    """From a request's submission to the engine to its first token's publication."""
+    request_latency: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(E2E_BUCKETS_S))
+    """From a request's submission to its end, for requests that finished (not cancelled or failed)."""
 
     def count_speculation(self, width: int, offered: int, accepted: int, emitted: int) -> None:
         """One speculative lane of a program of width ``width``: ``offered`` proposals, ``accepted`` of them (a prefix),
@@ -144,3 +185,11 @@ class StatsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     snapshots_discarded: int = 0
     """Committed snapshots freed without a restore (their request left while it waited for readmission or for
     its restore): ``snapshots − restores − snapshots_discarded`` requests hold a snapshot now."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    time_to_first_token_counts: list[int] = []
+    """Per bucket of :data:`TTFT_BUCKETS_S` (and one above the last), not cumulative."""
+    time_to_first_token_sum_s: float = 0.0
+    request_latency_counts: list[int] = []
+    """Per bucket of :data:`E2E_BUCKETS_S` (and one above the last), not cumulative."""
+    request_latency_sum_s: float = 0.0
