@@ -182,6 +182,27 @@ class _EventPresenter:
             "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
         }
 
+    def _terminal_observation(self, finished: Finished) -> dict[str, Any]:
+        """The top-level fields an observed stream's terminal chunk adds: ``reused_prompt_tokens`` and the usage
+        (unless a usage chunk follows) with ``return_token_ids``, ``performance`` with timestamps."""
+        prepared = self._prepared
+        extra: dict[str, Any] = {}
+        if prepared.return_token_ids:
+            extra["reused_prompt_tokens"] = finished.reused_prompt_tokens
+            if not prepared.include_usage:
+                extra["usage"] = self._usage(finished)
+        if prepared.return_token_timestamps:
+            extra["performance"] = self._performance(finished)
+        return extra
+
+    def _observed_chunk(self, event: TokenEvent, empty_choice: bytes) -> bytes:
+        """The chunk observing one generated id: the choice's ``empty_choice`` fields, ``token_ids`` and, when
+        timed, ``token_timestamps_ns``."""
+        observed = empty_choice + b',"token_ids":[%d]' % event.token_id
+        if self._prepared.return_token_timestamps:
+            observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
+        return self._before + observed + self._after
+
     def _performance(self, finished: Finished) -> dict[str, int]:
         return {
             "ingress_ns": self._ingress_ns,
@@ -305,10 +326,7 @@ class Presenter(_EventPresenter):
         self._observe(event)
         out: list[bytes] = []
         if self._prepared.return_token_ids:  # {"delta":{},...,"token_ids":[id]} (and its timestamp)
-            observed = b'"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[%d]' % event.token_id
-            if self._prepared.return_token_timestamps:
-                observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
-            out.append(self._before + observed + self._after)
+            out.append(self._observed_chunk(event, b'"delta":{},"logprobs":null,"finish_reason":null'))
         self._present_logprobs(event.pieces)
         out.extend(self._delta_chunks(self._pipeline.feed(self._pieces(event.pieces))))
         return out
@@ -320,13 +338,7 @@ class Presenter(_EventPresenter):
         result = self._pipeline.finish()
         out = self._delta_chunks([*deltas, *result.deltas])
         prepared = self._prepared
-        extra: dict[str, Any] = {}
-        if prepared.return_token_ids:
-            extra["reused_prompt_tokens"] = finished.reused_prompt_tokens
-            if not prepared.include_usage:
-                extra["usage"] = self._usage(finished)
-        if prepared.return_token_timestamps:
-            extra["performance"] = self._performance(finished)
+        extra = self._terminal_observation(finished)
         terminal = self._choice({}, self._finish_reason(finished, result.finish_hint))
         terminal["logprobs"] = self._choice_logprobs()  # entries no delta carried
         out.append(sse_data(self._chunk([terminal], **extra)))
@@ -523,10 +535,7 @@ class CompletionPresenter(_EventPresenter):
         self._observe(event)
         out: list[bytes] = []
         if self._prepared.return_token_ids:  # {"text":"",...,"token_ids":[id]} (and its timestamp)
-            observed = b'"text":"","logprobs":null,"finish_reason":null,"token_ids":[%d]' % event.token_id
-            if self._prepared.return_token_timestamps:
-                observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
-            out.append(self._before + observed + self._after)
+            out.append(self._observed_chunk(event, b'"text":"","logprobs":null,"finish_reason":null'))
         text = self._feed(event.pieces)
         if text:
             out.append(self._text_chunk(text))
@@ -544,14 +553,7 @@ class CompletionPresenter(_EventPresenter):
         """The last chunks: remaining text, the terminal choice chunk, usage, ``[DONE]``."""
         text = self._feed(finished.pieces)
         out = [self._text_chunk(text)] if text else []
-        prepared = self._prepared
-        extra: dict[str, Any] = {}
-        if prepared.return_token_ids:
-            extra["reused_prompt_tokens"] = finished.reused_prompt_tokens
-            if not prepared.include_usage:
-                extra["usage"] = self._usage(finished)
-        if prepared.return_token_timestamps:
-            extra["performance"] = self._performance(finished)
+        extra = self._terminal_observation(finished)
         terminal = self._choice("", self._take_logprobs(), self._finish_reason(finished))
         out.append(self._chunk([terminal], **extra))
         if self._prepared.include_usage:
