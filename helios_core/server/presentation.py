@@ -105,6 +105,10 @@ _CHAT_TAIL = b'},"logprobs":null,"finish_reason":null'
 class _EventPresenter:
     """What every response's presenter shares: observed tokens, logprob matching, usage."""
 
+    _before: bytes
+    _after: bytes
+    """A one-choice SSE chunk's constant bytes around its choice fields (set by ``_start``: :meth:`_chunk_frame`)."""
+
     def __init__(
         self,
         prepared: Prepared,
@@ -181,6 +185,17 @@ class _EventPresenter:
             "total_tokens": finished.prompt_tokens + finished.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
         }
+
+    def _observe_generated(self, body: dict[str, Any], choice: dict[str, Any], finished: Finished) -> None:
+        """A JSON response's observation of its generation: ``choice`` takes the generated ids (and their
+        timestamps), ``body`` the reused prompt tokens (and ``performance``)."""
+        prepared = self._prepared
+        if prepared.return_token_ids:
+            choice["token_ids"] = self.token_ids
+            body["reused_prompt_tokens"] = finished.reused_prompt_tokens
+        if prepared.return_token_timestamps:
+            choice["token_timestamps_ns"] = self.timestamps
+            body["performance"] = self._performance(finished)
 
     def _terminal_observation(self, finished: Finished) -> dict[str, Any]:
         """The top-level fields an observed stream's terminal chunk adds: ``reused_prompt_tokens`` and the usage
@@ -281,16 +296,11 @@ class Presenter(_EventPresenter):
             "choices": [choice],
             "usage": self._usage(finished),
         }
-        prepared = self._prepared
         if self._prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs
-        if prepared.return_token_ids:
-            body["prompt_token_ids"] = list(prepared.request.prompt_ids)
-            choice["token_ids"] = self.token_ids
-            body["reused_prompt_tokens"] = finished.reused_prompt_tokens
-        if prepared.return_token_timestamps:
-            choice["token_timestamps_ns"] = self.timestamps
-            body["performance"] = self._performance(finished)
+        if self._prepared.return_token_ids:
+            body["prompt_token_ids"] = list(self._prepared.request.prompt_ids)
+        self._observe_generated(body, choice, finished)
         return body
 
     # -- SSE --------------------------------------------------------------------------------------
@@ -482,13 +492,7 @@ class CompletionPresenter(_EventPresenter):
             "choices": [choice],
             "usage": self._usage(finished),
         }
-        prepared = self._prepared
-        if prepared.return_token_ids:
-            choice["token_ids"] = self.token_ids
-            body["reused_prompt_tokens"] = finished.reused_prompt_tokens
-        if prepared.return_token_timestamps:
-            choice["token_timestamps_ns"] = self.timestamps
-            body["performance"] = self._performance(finished)
+        self._observe_generated(body, choice, finished)
         return body
 
     def _prompt_observation(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -67,24 +68,43 @@ def test_a_streamed_tool_call_assembles_to_the_same_call(served_tools: Served, s
         tool_choice="auto",
         stream=True,
     )
-    content, names, ids, arguments, finish = "", [], set(), "", None
+    streamed = _assembled(stream)
+    assert streamed.content.strip() == "Let me check."
+    assert streamed.names == ["get_weather"] and len(streamed.ids) == 1
+    assert json.loads(streamed.arguments) == {"city": "Paris"}
+    assert streamed.finish == "tool_calls"
+
+
+@dataclass
+class _Streamed:
+    """What a streamed reply's chunks add up to."""
+
+    content: str = ""
+    names: list[str] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+    indexes: set[int] = field(default_factory=set)
+    arguments: str = ""
+    """Every call's argument fragments, joined in order."""
+    finish: str | None = None
+
+
+def _assembled(stream: Any) -> _Streamed:
+    streamed = _Streamed()
     for chunk in stream:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
-        content += delta.content or ""
+        streamed.content += delta.content or ""
         for call in delta.tool_calls or []:
+            streamed.indexes.add(call.index)
             if call.id:
-                ids.add(call.id)
+                streamed.ids.add(call.id)
             if call.function and call.function.name:
-                names.append(call.function.name)
+                streamed.names.append(call.function.name)
             if call.function and call.function.arguments:
-                arguments += call.function.arguments
-        finish = chunk.choices[0].finish_reason or finish
-    assert content.strip() == "Let me check."
-    assert names == ["get_weather"] and len(ids) == 1
-    assert json.loads(arguments) == {"city": "Paris"}
-    assert finish == "tool_calls"
+                streamed.arguments += call.function.arguments
+        streamed.finish = chunk.choices[0].finish_reason or streamed.finish
+    return streamed
 
 
 def test_a_tool_result_turn_renders_and_answers(served_tools: Served, script: Callable[[str], None]) -> None:
@@ -312,20 +332,11 @@ def test_a_streamed_reply_without_parallel_calls_sends_the_first_call_only(
         parallel_tool_calls=False,
         stream=True,
     )
-    indexes, arguments, content, finish = set(), "", "", None
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for call in delta.tool_calls or []:
-            indexes.add(call.index)
-            arguments += call.function.arguments or "" if call.function else ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert indexes == {0}
-    assert json.loads(arguments) == {"city": "Paris"}
-    assert content.strip() == ""
-    assert finish == "tool_calls"
+    streamed = _assembled(stream)
+    assert streamed.indexes == {0}
+    assert json.loads(streamed.arguments) == {"city": "Paris"}
+    assert streamed.content.strip() == ""
+    assert streamed.finish == "tool_calls"
 
 
 def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_parses_no_call(
