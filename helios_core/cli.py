@@ -53,7 +53,9 @@ def _trust_arguments(parser: argparse.ArgumentParser) -> None:
         help="trusted publisher public key (repeatable; default: $HELIOS_TRUST_KEYS)",
     )
     parser.add_argument("--accept", metavar="NAMESPACE", help="acceptance string (default: $HELIOS_ACCEPT)")
-    parser.add_argument("--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores")
+    parser.add_argument(
+        "--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores (default: $HELIOS_CORE_KEY)"
+    )
 
 
 def _fmt_bytes(count: int) -> str:
@@ -370,10 +372,16 @@ def _add_run_command(sub: Any) -> None:
         "--rank-join-timeout", type=float, metavar="SECONDS", help="wait for the rank processes (default 60)"
     )
     run.add_argument(
-        "--trust-key", type=Path, action="append", metavar="PEM", help="trusted publisher key (repeatable)"
+        "--trust-key",
+        type=Path,
+        action="append",
+        metavar="PEM",
+        help="trusted publisher key (repeatable; default: $HELIOS_TRUST_KEYS)",
     )
     run.add_argument("--accept", metavar="NAMESPACE", help="acceptance string (the signed publisher namespace)")
-    run.add_argument("--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores")
+    run.add_argument(
+        "--core-key", type=Path, metavar="FILE", help="core key of logical-v4 cores (default: $HELIOS_CORE_KEY)"
+    )
     run.add_argument("--backend", choices=BACKENDS, help=f"execution backend (default auto): {BACKEND_HELP}")
     run.add_argument("--speculative-width", type=int, help="speculative width (default: the widest captured)")
     run.add_argument("--history-drafting", action="store_true", default=None, help="enable history drafting")
@@ -462,7 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a core")
     inspect.add_argument("core", type=Path)
     inspect.add_argument("--json", action="store_true", help="print JSON")
-    inspect.add_argument("--trust-key", type=Path, action="append", default=[], metavar="PEM")
+    inspect.add_argument(
+        "--trust-key",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="trusted publisher key to check the signature with (repeatable; none: the signature is not checked)",
+    )
     inspect.set_defaults(handler=cmd_inspect)
 
     generate = sub.add_parser("generate", help="generate one answer through the engine")

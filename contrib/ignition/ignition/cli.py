@@ -125,24 +125,40 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--namespace",
         default="local/unreviewed",
-        help="publisher namespace to sign (printable, not empty, no leading or trailing whitespace)",
+        help="publisher namespace to sign (printable, not empty, no leading or trailing whitespace; "
+        "default %(default)s)",
     )
-    build.add_argument("--format", dest="layout", choices=("payload", "logical-v6", "logical-v4"), default="payload")
+    build.add_argument(
+        "--format",
+        dest="layout",
+        choices=("payload", "logical-v6", "logical-v4"),
+        default="payload",
+        help="core file layout (default %(default)s)",
+    )
     build.add_argument("--core-key", type=Path, help="AES-256 core key file (logical-v4)")
-    build.add_argument("--targets", default="reference", help="comma-separated targets (reference, sm_90a)")
-    build.add_argument("--dtype", choices=("f32", "bf16"), default="f32", help="weight storage type")
+    build.add_argument(
+        "--targets", default="reference", help="comma-separated targets (reference, sm_90a; default %(default)s)"
+    )
+    build.add_argument(
+        "--dtype", choices=("f32", "bf16"), default="f32", help="weight storage type (default %(default)s)"
+    )
     build.add_argument(
         "--cache-dtype",
         choices=tuple(CACHE_DTYPES),
         default="f32",
-        help="storage type of the key and value cache planes (bf16 halves the bytes attention reads)",
+        help="storage type of the key and value cache planes (bf16 halves the bytes attention reads; "
+        "default %(default)s)",
     )
-    build.add_argument("--max-rows", type=int, default=8, help="captured concurrency (decode rows)")
+    build.add_argument(
+        "--max-rows", type=int, default=8, help="captured concurrency (decode rows; default %(default)s)"
+    )
     build.add_argument("--decode-rows", type=_int_tuple, help="decode variants (default: powers of two)")
-    build.add_argument("--prefill-tokens", type=_int_tuple, default=(16, 64), help="prefill variants (packed tokens)")
-    build.add_argument("--page-tokens", type=int, default=16)
-    build.add_argument("--cache-pages", type=int, default=256, help="working-set cache pages")
-    build.add_argument("--context", type=int, default=512, help="context tokens per request")
+    build.add_argument(
+        "--prefill-tokens", type=_int_tuple, default=(16, 64), help="prefill variants (packed tokens; default 16,64)"
+    )
+    build.add_argument("--page-tokens", type=int, default=16, help="tokens a cache page holds (default %(default)s)")
+    build.add_argument("--cache-pages", type=int, default=256, help="working-set cache pages (default %(default)s)")
+    build.add_argument("--context", type=int, default=512, help="context tokens per request (default %(default)s)")
     build.add_argument(
         "--extra-special",
         help="comma-separated extra special tokens, each a new token (llama-synthetic)",
@@ -204,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--window",
         type=int,
         default=0,
-        help="sliding-window attention: every layer attends to the last N positions (targets reference and sm_90a)",
+        help="sliding-window attention: every layer attends to the last N positions (targets reference and "
+        "sm_90a; default 0: no window)",
     )
     build.add_argument(
         "--tokens-per-record",
