@@ -567,14 +567,14 @@ class Engine:
                     self._put_round(event)
                     continue
                 request_id = event.request_id
-                if type(event) is TokenEvent:
-                    if request_id in awaiting:
-                        self._first_tokens((request_id,), now_ns)
-                elif isinstance(event, TERMINAL_EVENTS):
+                terminal = type(event) is not TokenEvent and isinstance(event, TERMINAL_EVENTS)
+                if terminal:
                     self._ended(event, now_ns)
+                elif request_id in awaiting and type(event) is TokenEvent:
+                    self._first_tokens((request_id,), now_ns)
                 stream = streams.get(request_id)
                 if stream is not None:
-                    if type(event) is not TokenEvent and isinstance(event, TERMINAL_EVENTS):
+                    if terminal:
                         del streams[request_id]
                         self._released.discard(request_id)
                     stream.put(event)

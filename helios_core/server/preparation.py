@@ -190,10 +190,15 @@ def _logprob_settings(frontend: Frontend, request: ChatCompletionRequest) -> tup
             raise InvalidRequest(
                 f"top_logprobs={top} exceeds this core's limit of {frontend.logprobs_top_n}", "top_logprobs"
             )
-    prompt = request.prompt_logprobs is not None
-    if prompt and not frontend.supports_prompt_logprobs:
+    return top, _prompt_logprobs_asked(frontend, request)
+
+
+def _prompt_logprobs_asked(frontend: Frontend, request: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether the request asks for ``prompt_logprobs`` (400 on a core without scored prefill programs)."""
+    asked = request.prompt_logprobs is not None
+    if asked and not frontend.supports_prompt_logprobs:
         raise InvalidRequest("prompt_logprobs are not supported by this core", "prompt_logprobs")
-    return top, prompt
+    return asked
 
 
 @dataclass(frozen=True)
@@ -1019,9 +1024,7 @@ def prompt_pieces(frontend: Frontend, ids: Sequence[int]) -> list[str]:
 def _completion_logprobs(frontend: Frontend, request: CompletionRequest) -> tuple[int, bool]:
     """(top_logprobs for the PreparedRequest, -1 when logprobs are off; whether prompt scores are needed:
     for echoed logprobs, or for ``prompt_logprobs``)."""
-    asked = request.prompt_logprobs is not None
-    if asked and not frontend.supports_prompt_logprobs:
-        raise InvalidRequest("prompt_logprobs are not supported by this core", "prompt_logprobs")
+    asked = _prompt_logprobs_asked(frontend, request)
     if request.logprobs is None:
         return -1, asked
     if frontend.logprobs_top_n is None:
