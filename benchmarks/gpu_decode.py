@@ -1237,6 +1237,7 @@ class TorchLlama:
         from helios_core.backends.reference_kernels import FrequencyBandScaling, rope_inv_freq
 
         self.w, self.s, self.dtype, self.sampled = weights, shape, dtype, sampled
+        self.last_logits: Any = None  # the sampled logits of the last prefill or decode step
         device = weights.embed.device
         cache = (shape.layers, rows, shape.kv_heads, context, shape.head_dim)
         self.k_cache = torch.zeros(cache, dtype=dtype, device=device)
@@ -1276,7 +1277,9 @@ class TorchLlama:
     def _head(self, h: Any) -> Any:
         import torch.nn.functional as F
 
-        return F.linear(self._norm(h, self.w.out_norm), self.w.head)[..., : self.sampled].argmax(dim=-1)
+        logits = F.linear(self._norm(h, self.w.out_norm), self.w.head)[..., : self.sampled]
+        self.last_logits = logits
+        return logits.argmax(dim=-1)
 
     def prefill(self, tokens: Any) -> Any:
         """``tokens`` [B, T] from position 0: fills cache positions [0, T) of rows [0, B); the next token [B]."""
@@ -1398,7 +1401,12 @@ def time_prefill(model: TorchLlama, plan: Plan, vocab: int) -> dict[str, Any]:
 
 
 def greedy_agreement(model: TorchLlama, prompt: Sequence[int], expected: Sequence[int], plan: Plan) -> dict[str, Any]:
-    """Eager greedy tokens for Helios' batch-1 prompt; how many leading tokens agree with Helios'."""
+    """Eager greedy tokens for Helios' batch-1 prompt; how many leading tokens agree with Helios'.
+
+    Besides the free-running comparison, the eager model is fed Helios' own tokens (teacher forcing):
+    at every position where its argmax differs from Helios' token, the gap between the two tokens'
+    eager logits says whether the difference is a near tie that rounding decides or a real one.
+    """
     import torch
 
     count = min(plan.agreement_tokens, len(expected))
@@ -1410,8 +1418,44 @@ def greedy_agreement(model: TorchLlama, prompt: Sequence[int], expected: Sequenc
             token = model.decode(token, position)
             position += 1
             produced.append(int(token.item()))
+        model.prefill(torch.tensor([list(prompt)], device=plan.device))
+        gaps: list[float] = []
+        forced_agreement = 0
+        for index in range(count):
+            logits = model.last_logits.reshape(-1).float()
+            helios_token = int(expected[index])
+            eager_token = int(logits.argmax().item())
+            if eager_token == helios_token:
+                forced_agreement += 1
+            else:
+                gaps.append(float((logits[eager_token] - logits[helios_token]).item()))
+            if index + 1 < count:
+                model.decode(
+                    torch.tensor([helios_token], device=plan.device),
+                    torch.tensor([len(prompt) + index], device=plan.device),
+                )
+        scale = float(model.last_logits.float().std().item())
     leading = next((i for i, (a, b) in enumerate(zip(produced, expected, strict=False)) if a != b), count)
-    return {"compared": count, "leading_agreement": leading, "baseline_tokens": produced}
+    return {
+        "compared": count,
+        "leading_agreement": leading,
+        "baseline_tokens": produced,
+        "forced_agreement": forced_agreement,
+        "forced_logit_gaps": gaps,
+        "logit_std": scale,
+    }
+
+
+def agreement_summary(agreement: Mapping[str, Any]) -> str:
+    """``leading/compared``, and under teacher forcing the agreeing positions and the largest logit gap."""
+    text = f"{agreement['leading_agreement']}/{agreement['compared']}"
+    if "forced_agreement" in agreement:
+        gaps = agreement["forced_logit_gaps"]
+        text += f" (fed Helios' tokens: {agreement['forced_agreement']}/{agreement['compared']}"
+        if gaps:
+            text += f", largest eager logit gap {max(gaps):.4f} against a logit spread of {agreement['logit_std']:.3f}"
+        text += ")"
+    return text
 
 
 def measure_baseline(
@@ -1464,7 +1508,7 @@ def measure_baseline(
         if first.get("token_ids"):
             baseline["agreement"] = greedy_agreement(single, first["prompt_ids"], first["token_ids"], plan)
             agreement = baseline["agreement"]
-            log(f"{spec.shape}: greedy agreement with Helios: {agreement['leading_agreement']}/{agreement['compared']}")
+            log(f"{spec.shape}: greedy agreement with Helios: {agreement_summary(agreement)}")
         del single
     finally:
         del weights
@@ -1724,7 +1768,7 @@ def print_table(report: Report) -> None:
         notes = []
         agreement = entry.get("baseline", {}).get("agreement")
         if agreement:
-            notes.append(f"greedy agreement {agreement['leading_agreement']}/{agreement['compared']}")
+            notes.append(f"greedy agreement {agreement_summary(agreement)}")
         build = entry.get("build", {})
         if build.get("seconds") is not None:
             notes.append(f"build {build['seconds']:.0f} s, {build.get('bytes', 0) / 1e6:.0f} MB")
