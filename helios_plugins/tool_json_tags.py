@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from helios_core.plugin_api import (
@@ -124,6 +125,37 @@ class JsonTagParser(SectionToolParser):
         return SectionScan([call], end=end + len(self._close))
 
 
+_ARGUMENTS_POINTER = "#/properties/arguments"
+"""Where a function's parameters schema sits inside the call schema :func:`json_tags_grammar` writes."""
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, not schemas: a ``$ref`` key inside them is not a reference."""
+
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map names to schemas (a property may be called ``enum`` or ``$ref``)."""
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with each local ``$ref`` (``#`` or ``#/...``, resolved against the parameters schema's
+    root) pointing at the same place under ``base``: the parameters sit inside the call schema, whose root
+    is not theirs (so ``#/$defs/Item``, as Pydantic writes it, becomes ``#/properties/arguments/$defs/Item``)."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):  # names (any word) to schemas
+            out[key] = {name: _rebased(item, base) for name, item in value.items()}
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
 def json_tags_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:
     """One call: ``CALL_OPEN {"name": N, "arguments": ...} CALL_CLOSE`` (``None`` without both markers)."""
     syntax = request.frontend.tool_syntax
@@ -133,7 +165,7 @@ def json_tags_grammar(request: ToolGrammarRequest) -> GrammarFragment | None:
     writer = GrammarWriter()
     alternatives = []
     for index, name, parameters in request.callable_tools():
-        arguments = dict(parameters) if parameters else {"type": "object"}
+        arguments = _rebased(parameters, _ARGUMENTS_POINTER) if parameters else {"type": "object"}
         schema = {
             "type": "object",
             "properties": {"name": {"const": name}, "arguments": arguments},

@@ -73,6 +73,7 @@ _CALL_RULE = "helios_call"  # a tool-call fragment's start, renamed inside a com
 _FRAMES_RULE = "helios_frames"  # an answer-frames fragment's start, renamed likewise
 _START = re.compile(r"(?m)^start(?=[ \t]*:)")
 _RESERVED = re.compile(r"(?im)^(helios_\w*|answer)[ \t]*:")
+_BARE_SCHEMAS = 256  # schemas whose bare grammars a compiler keeps (GrammarCompiler.schema_grammar)
 
 
 def _unspellable_specials(tokenizer_json: str) -> str:
@@ -212,6 +213,8 @@ class GrammarCompiler:
             eos_ids=eos,
         )
         self._any_object: dict[tuple[str, str, str, bool] | None, Grammar] = {}
+        self._bare_schemas: dict[str, Grammar] = {}
+        """:meth:`schema_grammar`'s grammars by schema text (at most ``_BARE_SCHEMAS``)."""
         added = sorted(
             ((token.content, int(index)) for index, token in tokenizer.get_added_tokens_decoder().items()),
             key=lambda item: -len(item[0]),
@@ -305,6 +308,34 @@ class GrammarCompiler:
             compiled = self._compile_lark(rules, ANSWER_RULE, where, reasoning, initially_reasoning)
         if fmt.kind == "json_object":
             self._any_object[key] = compiled  # the same grammar for every request: compile it once
+        return compiled
+
+    def schema_grammar(self, schema: Mapping[str, Any], where: str) -> Grammar:
+        """The grammar of one JSON schema alone: no reasoning envelope, frames or tool syntax around it.
+
+        Where such framing comes first (free reasoning text, a tool block's opener and name), the
+        first masks of the whole grammar never reach the schema; preparation also runs the first steps
+        of this one so that a schema whose matcher fails at once (a ``$ref`` loop) is refused before
+        generation. Kept per distinct schema text (a request's tools are mostly the last one's).
+
+        Raises:
+            PromptError: the schema does not compile on its own.
+        """
+        try:
+            key = json.dumps(schema, sort_keys=True)
+        except (ValueError, TypeError) as exc:
+            raise PromptError(f"{where}: {exc}") from exc
+        cached = self._bare_schemas.get(key)
+        if cached is not None:
+            return cached
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(bounded_whitespace(schema))
+        except (ValueError, TypeError) as exc:
+            raise PromptError(f"{where}: {_first_line(str(exc))}") from exc
+        compiled = self._matcher_grammar(grammar, where)
+        if len(self._bare_schemas) >= _BARE_SCHEMAS:
+            self._bare_schemas.clear()
+        self._bare_schemas[key] = compiled
         return compiled
 
     @staticmethod

@@ -24,6 +24,7 @@ from helios_core.plugins.types import OutputDelta, ParserContext, ToolCallDelta
 __all__ = [
     "STRING_TYPES",
     "CallScan",
+    "JsonNumber",
     "ParamScan",
     "SectionScan",
     "SectionToolParser",
@@ -82,8 +83,56 @@ def partial_suffix_length(text: str, markers: Iterable[str]) -> int:
 _CUT_CHARACTER = "\ufffd"
 
 
+class JsonNumber(float):
+    """A JSON number too large for a float (its float value is infinite), with the text it was written
+    as: :func:`dump_json` writes that text back, so a valid number in a model's arguments stays the
+    same valid JSON number instead of becoming infinity (which JSON cannot hold)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> JsonNumber:
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+    def __reduce__(self) -> tuple[type[JsonNumber], tuple[str]]:
+        return JsonNumber, (self.text,)
+
+
+def _json_float(text: str) -> float:
+    """A JSON number with a fraction or exponent: a float, or a :class:`JsonNumber` beyond float's range."""
+    number = float(text)
+    return number if math.isfinite(number) else JsonNumber(text)
+
+
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
+def json_number_text(text: str) -> JsonNumber | None:
+    """``text`` as a :class:`JsonNumber` when it is a JSON number beyond float's range, else None."""
+    if not _JSON_NUMBER.fullmatch(text) or math.isfinite(float(text)):
+        return None
+    return JsonNumber(text)
+
+
 def dump_json(value: Any) -> str:
-    """JSON text as tool arguments carry it (non-ASCII kept, ``NaN`` refused)."""
+    """JSON text as tool arguments carry it (non-ASCII kept, ``NaN`` refused, a :class:`JsonNumber` as
+    written)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # an out-of-range number kept as written (or a NaN, which stays refused)
+        return _dump_with_numbers(value)
+
+
+def _dump_with_numbers(value: Any) -> str:
+    """:func:`dump_json`'s text, item by item, writing each :class:`JsonNumber` as its text."""
+    if isinstance(value, JsonNumber):
+        return value.text
+    if isinstance(value, dict):
+        items = (f"{json.dumps(str(key), ensure_ascii=False)}: {_dump_with_numbers(v)}" for key, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_dump_with_numbers(item) for item in value) + "]"
     return json.dumps(value, ensure_ascii=False, allow_nan=False)
 
 
@@ -92,9 +141,10 @@ def _refuse_constant(name: str) -> Any:
 
 
 def decode_json_value(text: str) -> tuple[bool, Any]:
-    """``(True, value)`` when ``text`` is one strict JSON value, else ``(False, None)``."""
+    """``(True, value)`` when ``text`` is one strict JSON value, else ``(False, None)``. A number beyond
+    float's range is a :class:`JsonNumber` (its text kept for :func:`dump_json`)."""
     try:
-        return True, json.loads(text, parse_constant=_refuse_constant)
+        return True, json.loads(text, parse_constant=_refuse_constant, parse_float=_json_float)
     except (ValueError, RecursionError):
         return False, None
 
@@ -174,8 +224,9 @@ def coerce_text(raw: str, schema: Mapping[str, Any] | None, *, undeclared: Liter
             number = float(text)
         except ValueError:
             return raw
-        if not math.isfinite(number):
-            return raw
+        if not math.isfinite(number):  # a JSON number beyond float's range keeps its text; "inf" stays text
+            written = json_number_text(text)
+            return raw if written is None else written
         return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
     if kind in ("boolean", "bool", "binary"):
         return text.lower() == "true"

@@ -82,6 +82,7 @@ from helios_core.plugin_api import (
     ToolGrammarError,
     ToolSpec,
 )
+from helios_core.plugins.grammar import COMPACT_JSON
 from helios_core.plugins.host import PluginHost, SelectedFrontend
 from helios_core.plugins.images import DecodedImage, ImageInputError
 from helios_core.plugins.tag_grammar import FUNCTION_NAME
@@ -457,7 +458,7 @@ def _sampling(
     return settings
 
 
-def _first_mask(grammar: Grammar, field: str) -> None:
+def _first_mask(grammar: Grammar, field: str, subject: str | None = None) -> None:
     """Run ``grammar``'s matcher over its first token, as the worker will: compute the first mask, take
     the lowest id it allows and compute the next mask. A schema that compiles but whose matcher fails at
     once (a self-referencing ``$ref``, a ``$defs`` loop, a ``pattern`` its lexer cannot build, a mask that
@@ -474,7 +475,28 @@ def _first_mask(grammar: Grammar, field: str) -> None:
             matcher.advance(word * 32 + (bits & -bits).bit_length() - 1)
             matcher.mask()
     except GrammarError as exc:
-        raise InvalidRequest(f"{field}: the schema cannot be enforced: {exc}", field) from exc
+        raise InvalidRequest(f"{subject or field}: the schema cannot be enforced: {exc}", field) from exc
+
+
+_NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+"""The parameters of a function declared without ``parameters``: none, as OpenAI defines it (a forced call's
+arguments are ``{}``)."""
+
+
+def _first_parameter_masks(frontend: Frontend, fmt: ToolCallFormat) -> None:
+    """:func:`_first_mask` over each callable function's parameters schema on its own: a forced call's
+    grammar reaches the arguments only after the call's opener and name, so a schema whose matcher fails
+    at once would otherwise fail the request mid-generation. A schema that compiles only inside the tool
+    syntax's own grammar (not as plain JSON) is left to it."""
+    for name, schema in fmt.tools:
+        if fmt.choice is not None and name != fmt.choice:
+            continue
+        where = f"tools: function {name!r} parameters"
+        try:
+            bare = frontend.grammar_compiler.schema_grammar({**schema, "x-guidance": dict(COMPACT_JSON)}, where)
+        except PromptError:
+            continue
+        _first_mask(bare, "tools", where)
 
 
 def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[ToolSpec, ...]]:
@@ -511,7 +533,8 @@ def _tools(frontend: Frontend, request: ChatCompletionRequest) -> tuple[list[dic
         if tool.function.description is not None:
             function["description"] = tool.function.description
         rendered.append({"type": "function", "function": function})
-        specs.append(ToolSpec(tool.function.name, tool.function.parameters or {}))
+        parameters = tool.function.parameters
+        specs.append(ToolSpec(tool.function.name, _NO_PARAMETERS if parameters is None else parameters))
     return rendered, () if none else tuple(specs)
 
 
@@ -571,8 +594,8 @@ def _tool_call_format(
         raise InvalidRequest(
             f"tool_choice names function {name!r}, which is not among the request's tools", "tool_choice"
         )
-    if isinstance(refused, ToolGrammarError):
-        raise refused  # a tool the syntax cannot write: the schema's own 400
+    if isinstance(refused, ToolGrammarError):  # a tool the syntax cannot write: the schema's own 400
+        raise InvalidRequest(str(refused), "tools") from refused
     if fmt is None:
         raise InvalidRequest(str(refused), "tool_choice") from refused
     return fmt
@@ -697,6 +720,10 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
                 response_format, reasoning=reasoning, initially_reasoning=initially, frames=frames
             )
         _first_mask(grammar, "response_format")
+        if reasoning is not None or frames is not None:  # free text first: the answer's schema alone too
+            with _naming_field("response_format"):
+                answer = frontend.grammar_compiler.schema_grammar(response_format.schema, "response_format")
+            _first_mask(answer, "response_format")
         format_text = prepared_format_json(
             request.response_format or {}, reasoning, initially_reasoning=initially, frames=frames
         )
@@ -707,6 +734,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         with _naming_field("tools"):
             grammar = frontend.grammar_compiler.compile(tool_format, reasoning=reasoning, initially_reasoning=initially)
         _first_mask(grammar, "tools")
+        _first_parameter_masks(frontend, tool_format)
         format_text = prepared_format_json(json.loads(tool_format.to_json()), reasoning, initially_reasoning=initially)
 
     observe_ids = bool(request.return_token_ids)
