@@ -27,6 +27,8 @@ Decoding, in order, each step bounded:
 * A data URL's declared media type must match the decoded format (``image/jpg`` is read as
   ``image/jpeg``); a mismatch is refused, since it usually means a client bug.
 * Truncated or corrupt data fails the decode. An animated GIF, PNG or WebP gives its first frame.
+* An image with an EXIF orientation (a camera's JPEG stored sideways) is turned upright, as a viewer
+  shows it.
 * Pixels become RGB: an image with transparency (an alpha channel, or a palette or grey image with
   a transparent colour) is composited over white, so transparent areas read as white, as they
   look on a page; others are converted directly.
@@ -312,11 +314,15 @@ def decode_image_bytes(
             if width * height > limits.max_pixels:
                 raise ImageInputError(_too_many_pixels(width, height, limits), index=index)
             image.load()  # the first frame only; truncated or corrupt data fails here
-            pixels = _rgb(image)
+            upright = _upright(image)
+            if upright is not image:
+                width, height = upright.size
+            pixels = _rgb(upright)
     except ImageInputError:
         raise
-    except Image.DecompressionBombError:
-        raise ImageInputError(_too_many_pixels(None, None, limits), index=index) from None
+    except Image.DecompressionBombError as exc:  # Pillow's bound, past twice its limit: before the header's size
+        counted = re.search(r"\((\d+) pixels\)", str(exc))
+        raise ImageInputError(_too_many_pixels(None, None, limits, counted and int(counted[1])), index=index) from None
     except UnidentifiedImageError:
         raise ImageInputError(
             "the image data is not a PNG, JPEG, WebP or GIF image (or its header is corrupt)", index=index
@@ -370,8 +376,24 @@ def _eight_bit_grey(image: Any) -> Any:
     return Image.fromarray(grey)
 
 
-def _too_many_pixels(width: int | None, height: int | None, limits: ImageLimits) -> str:
-    size = "has too many pixels"
+_EXIF_ORIENTATION = 0x0112
+"""The EXIF tag saying how a camera's stored pixels turn to stand upright (1: as stored; 2 to 8: mirrored
+and rotated)."""
+
+
+def _upright(image: Any) -> Any:
+    """``image`` as a viewer shows it: turned by its EXIF orientation (a phone's JPEG is often stored
+    sideways), or ``image`` itself when it has none."""
+    from PIL import ImageOps
+
+    orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    if orientation not in range(2, 9):
+        return image
+    return ImageOps.exif_transpose(image)
+
+
+def _too_many_pixels(width: int | None, height: int | None, limits: ImageLimits, pixels: int | None = None) -> str:
+    size = "has too many pixels" if pixels is None else f"has {pixels} pixels"
     if width is not None and height is not None:
         size = f"is {width}x{height} = {width * height} pixels"
     return f"the image {size}, more than this server's limit of {limits.max_pixels} pixels per image"
