@@ -177,6 +177,11 @@ def _resource_kind(kind: int) -> str:
         return str(kind)
 
 
+def _signers(key_ids: Sequence[str]) -> str:
+    """The signing keys' ids, shortened, or that the core carries no signature."""
+    return f"keys {', '.join(k[:16] for k in key_ids)}" if key_ids else "no signatures"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     info = describe_core(args.core, args.trust_key)
     if args.json:
@@ -187,7 +192,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     lines = [
         f"core            {info['path']}",
         f"signature       {info['signature']}",
-        f"publisher       {info['publisher_namespace']!r} (keys {', '.join(k[:16] for k in info['signer_key_ids'])})",
+        f"publisher       {info['publisher_namespace']!r} ({_signers(info['signer_key_ids'])})",
         f"versions        payload format {versions['payload_format']} ({versions['layout']}), "
         f"contract v{versions['contract']}, execution ABI {versions['execution_abi']!r}",
         f"served name     {info['served_name']}"
@@ -394,7 +399,7 @@ def _add_run_command(sub: Any) -> None:
     run.add_argument("--served-name", help="model name clients use (default: the core's)")
     run.add_argument("--alias", action="append", metavar="NAME", help="another accepted model name (repeatable)")
     run.add_argument(
-        "--shutdown-timeout", type=float, metavar="SECONDS", help="drain after SIGTERM before dropping (default 30)"
+        "--shutdown-timeout", type=float, metavar="SECONDS", help="drain after SIGTERM before dropping (default 5)"
     )
     run.add_argument(
         "--vllm-metrics",

@@ -1322,6 +1322,20 @@ def _check_view(
         problems.add(f"{where} argument {arg.name!r} reads past the end of {view.buffer!r}")
 
 
+def _check_context_pages(serving: ct.ServingContract, cache: ct.CacheContract, problems: _Problems) -> None:
+    """Each page-table view's row holds a request at the full context: admission refuses a request needing
+    more pages than a row has, so a shorter row would refuse every request the context admits."""
+    if serving.context_tokens <= 0 or cache.page_tokens <= 0:
+        return
+    needed = -(-serving.context_tokens // cache.page_tokens)
+    for view in cache.page_table_views:
+        if 0 < view.pages_per_row < needed:
+            problems.add(
+                f"page-table view {view.buffer!r} holds {view.pages_per_row} pages of {cache.page_tokens} tokens a "
+                f"row, fewer than the {needed} a request at context_tokens {serving.context_tokens} needs"
+            )
+
+
 def _check_serving(serving: ct.ServingContract, graphs: Sequence[PreparedGraph], problems: _Problems) -> None:
     if not serving.served_name:
         problems.add("served_name is empty")
@@ -1422,6 +1436,7 @@ def prepare_contract(
     _check_attention_windows(model, execution, problems)
     _check_input_embedding(model, execution, buffers, transport, problems)
     _check_serving(serving, list(prepared_graphs.values()), problems)
+    _check_context_pages(serving, model.cache, problems)
     problems.raise_if_any()
     return PreparedContract(
         version=model.version,

@@ -218,14 +218,14 @@ class Residency:
             return "prompt logprobs are not supported by this core (no scored prefill programs)", "prompt_logprobs"
         if prompt >= self.context:  # a smaller output limit cannot fix this one
             return (
-                f"prompt ({prompt} tokens) does not fit the core's context of {self.context} tokens: it leaves no "
+                f"prompt ({_tokens(prompt)}) does not fit the core's context of {self.context} tokens: it leaves no "
                 "room for an output token",
                 "messages",
             )
         total = prompt + request.max_tokens
         if total > self.context:
             return (
-                f"prompt ({prompt} tokens) plus max_tokens ({request.max_tokens}) exceeds the core's context of "
+                f"prompt ({_tokens(prompt)}) plus max_tokens ({request.max_tokens}) exceeds the core's context of "
                 f"{self.context} tokens; at most {self.context - prompt} output tokens fit this prompt",
                 "max_tokens",
             )
@@ -924,3 +924,8 @@ def _exact_sampling(params: SamplingParams) -> SamplingParams | tuple[str, str]:
             return f"{parameter.name} {value!r} does not fit the per-request {column} sampling column", parameter.name
         values[parameter.name] = exact
     return SamplingParams(**values)
+
+
+def _tokens(count: int) -> str:
+    """``1 token``, ``5 tokens``."""
+    return f"{count} token" if count == 1 else f"{count} tokens"

@@ -5,8 +5,9 @@ touches them but the ended mark below, under its lock). At most ``queue_capacity
 requests hold a permit at once, counting CPU
 preparation, queued generation and responses awaiting delivery; when none is left a request fails
 immediately with :class:`~helios_core.server.errors.IngressFull` (429). A permit is released when
-the reader releases the response (after the last byte was sent, or the connection dropped), not
-when generation ends, which bounds retained output by admitted requests and their limits. Admitted
+the reader releases the response (after the last byte was sent), not when generation ends, which
+bounds retained output by admitted requests and their limits; for a dropped connection, once the
+model worker ended the request the drop cancels (the service waits for its terminal event). Admitted
 requests then wait asynchronously for one of ``frontend_workers`` preparation slots.
 
 A permit also records when its request's model work ended (the terminal event reached the server's

@@ -22,13 +22,14 @@ failed (:func:`pending_health`).
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from litestar import HttpMethod, Litestar, Request, Response, post, route
 from litestar.openapi import OpenAPIConfig
 
 from helios_core.runtime.startup import RunningModel
-from helios_core.server.errors import NotReady, exception_handlers
+from helios_core.server.errors import REQUEST_ID_STATE, NotReady, exception_handlers
 from helios_core.server.metrics import MEDIA_TYPE
 from helios_core.server.openapi import (
     ChatOperation,
@@ -39,7 +40,7 @@ from helios_core.server.openapi import (
     ServerOperation,
 )
 from helios_core.server.readiness import Phase, Readiness
-from helios_core.server.service import ChatService, ServerSettings
+from helios_core.server.service import CHAT_ID_PREFIX, COMPLETION_ID_PREFIX, ChatService, ServerSettings
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -58,10 +59,13 @@ MAX_BODY_BYTES = 10_000_000
 """The largest request body read (Litestar's ``request_max_body_size``); a larger one is 413."""
 
 
-def _service(request: Request[Any, Any, Any]) -> ChatService:
-    """The app's service; NotReady (503) while the core is still loading."""
+def _service(request: Request[Any, Any, Any], id_prefix: str | None = None) -> ChatService:
+    """The app's service; NotReady (503) while the core is still loading. A generating route names its
+    response id's prefix: its refusal then carries an ``x-request-id`` too, as every answer it gives does."""
     service: ChatService | None = request.app.state.get(SERVICE_KEY)
     if service is None:
+        if id_prefix is not None:
+            request.state[REQUEST_ID_STATE] = f"{id_prefix}{uuid.uuid4().hex}"
         readiness: Readiness = request.app.state[READINESS_KEY]
         readiness.check()  # starting, draining or failed: the state's own refusal
         raise NotReady("the server is not ready yet: the core is loading; retry later")
@@ -72,7 +76,7 @@ def _service(request: Request[Any, Any, Any]) -> ChatService:
     "/v1/chat/completions", status_code=200, operation_class=ChatOperation, summary="Create a chat completion (OpenAI)"
 )
 async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    return await _service(request).chat(request)
+    return await _service(request, CHAT_ID_PREFIX).chat(request)
 
 
 @post(
@@ -82,7 +86,7 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     summary="Create a completion (OpenAI legacy)",
 )
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    return await _service(request).completions(request)
+    return await _service(request, COMPLETION_ID_PREFIX).completions(request)
 
 
 @post(
@@ -92,7 +96,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     summary="The prompt token ids a chat completion would prefill",
 )
 async def render_chat(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return await _service(request).render_chat(request)
+    return await _service(request, CHAT_ID_PREFIX).render_chat(request)
 
 
 @post(
@@ -102,7 +106,7 @@ async def render_chat(request: Request[Any, Any, Any]) -> dict[str, Any]:
     summary="The prompt token ids a completion would prefill",
 )
 async def render_completion(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return await _service(request).render_completion(request)
+    return await _service(request, COMPLETION_ID_PREFIX).render_completion(request)
 
 
 _READ = [HttpMethod.GET, HttpMethod.HEAD]

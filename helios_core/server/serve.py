@@ -108,8 +108,9 @@ __all__ = [
 _LOG = logging.getLogger("helios_core.server")
 """The server's log (its lines reach stderr while serving, :func:`_server_log`)."""
 
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-"""``--shutdown-timeout``: the longest drain of admitted requests after SIGTERM before they are dropped."""
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+"""``--shutdown-timeout``: the longest drain of admitted requests after SIGTERM before they are dropped (the
+serving contract's five seconds; a deployment whose requests run longer gives more, as the manifests do)."""
 
 DRAIN_SECONDS = 5
 """The drain period of :func:`draining_server` when none is given."""

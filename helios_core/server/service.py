@@ -86,7 +86,7 @@ from helios_core.server.schemas import (
 )
 from helios_core.server.worker_process import WorkerProcessEngine
 
-__all__ = ["ChatService", "ServerSettings"]
+__all__ = ["CHAT_ID_PREFIX", "COMPLETION_ID_PREFIX", "ChatService", "ServerSettings"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -118,8 +118,13 @@ class _Endpoint:
     presenter: type[Presenter] | type[CompletionPresenter]
 
 
-_CHAT = _Endpoint("chatcmpl-", decode_request, prepare, Presenter)
-_COMPLETIONS = _Endpoint("cmpl-", decode_completion_request, prepare_completion, CompletionPresenter)
+CHAT_ID_PREFIX = "chatcmpl-"
+"""The prefix of a chat completion's response id (and ``x-request-id``)."""
+COMPLETION_ID_PREFIX = "cmpl-"
+"""The prefix of a legacy completion's response id."""
+
+_CHAT = _Endpoint(CHAT_ID_PREFIX, decode_request, prepare, Presenter)
+_COMPLETIONS = _Endpoint(COMPLETION_ID_PREFIX, decode_completion_request, prepare_completion, CompletionPresenter)
 
 WARM_UP_PROMPT = "Hello"
 """The text whose first token is the warm-up generation's one-token prompt (a prompt shorter than a
@@ -423,6 +428,8 @@ class ChatService:
         finished = False
         reported = False
         """Whether the response already said why it ends early (drop or output failure)."""
+        uncounted_failure = False
+        """An output failure whose terminal event has not arrived yet (counted when it does)."""
         try:
             pending: Event | Interrupt | None = None
             if prepared.prompt_logprobs:  # the first chunk carries the prompt's scores: wait for them
@@ -454,7 +461,10 @@ class ChatService:
                         chunk, finished = self._sse_event(presenter, event, prepared)
                     except Exception as exc:  # presentation failed: the request's output error, as its own event
                         reported = True
-                        self._output_failed(events, terminal)
+                        if terminal is not None:
+                            self._count_output_failure(terminal)
+                        else:
+                            uncounted_failure = True
                         failure = ExecutionError(f"output handling failed: {type(exc).__name__}: {exc}")
                         log_failure(request_id, failure)
                         chunks.append(sse_error(error_body(failure)))
@@ -469,11 +479,15 @@ class ChatService:
                     yield chunks[0] if len(chunks) == 1 else b"".join(chunks)
         finally:
             self._responses.pop(request_id, None)
-            if not finished:
+            if finished:
+                permit.release()
+            else:
                 self.running.engine.cancel(request_id)
                 if self._drop_message is not None and not reported:  # cut while a chunk was being sent
                     _LOG.warning("request %s dropped before it finished: %s", request_id, self._drop_message)
-            permit.release()
+                # the permit holds until the model worker ended the request (the round in flight), as a
+                # JSON response's does: a dropped stream's work still counts against the bound till then
+                self._settle(events, count_failure=uncounted_failure, release=permit.release)
 
     def _output_failed(self, events: EventQueue, terminal: Event | None) -> None:
         """Count an output failure as failed, not as the end the worker counted: at once when its
@@ -481,16 +495,28 @@ class ChatService:
         if terminal is not None:
             self._count_output_failure(terminal)
             return
-        task = asyncio.get_running_loop().create_task(self._settle_output_failure(events))
+        self._settle(events, count_failure=True)
+
+    def _settle(self, events: EventQueue, *, count_failure: bool, release: Callable[[], None] | None = None) -> None:
+        """Once the terminal event of a request the response stopped reading arrives: count it as an output
+        failure (``count_failure``), then ``release`` (also if the server stops first)."""
+        task = asyncio.get_running_loop().create_task(self._settle_after_end(events, count_failure, release))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _settle_output_failure(self, events: EventQueue) -> None:
-        while True:
-            event = await events.get()
-            if isinstance(event, TERMINAL_EVENTS):
-                self._count_output_failure(event)
-                return
+    async def _settle_after_end(
+        self, events: EventQueue, count_failure: bool, release: Callable[[], None] | None
+    ) -> None:
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, TERMINAL_EVENTS):
+                    if count_failure:
+                        self._count_output_failure(event)
+                    return
+        finally:
+            if release is not None:
+                release()
 
     def _count_output_failure(self, terminal: Event) -> None:
         if isinstance(terminal, Finished):  # an ExecutionFailed end is already counted as failed

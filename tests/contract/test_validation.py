@@ -606,6 +606,19 @@ def test_page_table_view_outside_its_entry(parts, offset: int, pages: int, shown
     rejects(parts, f"page-table view 'page_table': pages {shown} exceed its row extent 16")
 
 
+def test_a_context_no_page_table_row_holds_is_inconsistent(parts) -> None:
+    view = parts.model.cache.page_table_views[0]
+    page_tokens = parts.model.cache.page_tokens
+    parts.serving.context_tokens = view.pages_per_row * page_tokens  # a full row: consistent
+    parts.prepare()
+    parts.serving.context_tokens = view.pages_per_row * page_tokens + 1
+    rejects(
+        parts,
+        f"page-table view {view.buffer!r} holds {view.pages_per_row} pages of {page_tokens} tokens a row, fewer than "
+        f"the {view.pages_per_row + 1} a request at context_tokens {view.pages_per_row * page_tokens + 1} needs",
+    )
+
+
 # --------------------------------------------------------------------------- graphs and programs
 
 

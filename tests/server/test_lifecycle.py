@@ -8,6 +8,7 @@ tiny synthetic core with a 1024-token context (about a millisecond per generated
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,7 +228,7 @@ def test_render_refuses_what_generation_refuses(
 
 # -- run options ----------------------------------------------------------------------------------
 def test_shutdown_timeout_option_resolution() -> None:
-    assert resolve_options({"core": Path("x")}, None, {}).shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT == 30
+    assert resolve_options({"core": Path("x")}, None, {}).shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT == 5
     assert resolve_options({"core": Path("x")}, None, {"HELIOS_SHUTDOWN_TIMEOUT": "2.5"}).shutdown_timeout == 2.5
     explicit = resolve_options({"core": Path("x"), "shutdown_timeout": 0.0}, None, {"HELIOS_SHUTDOWN_TIMEOUT": "9"})
     assert explicit.shutdown_timeout == 0.0
@@ -383,7 +384,11 @@ def test_the_port_answers_while_the_core_loads_then_the_server_turns_ready(tmp_p
             ("POST", "/v1/completions/render", {"prompt": "Hello"}),
         ]
         for method, path, payload in routes:
-            _assert_not_ready(httpx.request(method, base + path, json=payload, timeout=5), loading)
+            refused = httpx.request(method, base + path, json=payload, timeout=5)
+            _assert_not_ready(refused, loading)
+            if path.startswith(("/v1/chat/completions", "/v1/completions")):  # every generating route's answer
+                prefix = "chatcmpl-" if path.startswith("/v1/chat") else "cmpl-"
+                assert re.fullmatch(prefix + "[0-9a-f]{32}", refused.headers.get("x-request-id", "")), refused.headers
         assert process.poll() is None
         key.write_bytes((KEYS / "signing.pub.pem").read_bytes())  # the load goes on
         assert process.stderr is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import Served, serve_fixture
@@ -49,6 +50,32 @@ def test_disconnect_cancels(served: Served) -> None:
     stats = served.running.engine.statistics()
     assert stats.active_requests == 0
     assert stats.pages_referenced == 0
+    wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_a_dropped_response_holds_its_permit_until_the_worker_ends_its_request(
+    served: Served, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The permit of a dropped connection returns only once the model worker ended the request: here the
+    cancellation is held back, so the request runs on to its output limit, and its permit with it."""
+    engine = served.running.engine
+    cancelled: list[str] = []
+    monkeypatch.setattr(engine, "cancel", cancelled.append)  # the drop is noticed but does not stop the work
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "ignore_eos": True, "stream": stream}
+    with served.slow(0.03):
+        with httpx.Client(timeout=10) as client:
+            if stream:
+                with client.stream("POST", served.base_url + "/v1/chat/completions", json=body) as response:
+                    lines = response.iter_lines()
+                    assert next(lines).startswith("data: ")
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    client.post(served.base_url + "/v1/chat/completions", json=body, timeout=0.3)
+        wait_for(lambda: bool(cancelled))  # the server saw the drop
+        wait_for(lambda: engine.statistics().active_requests == 1)  # the statistics of a completed round
+        assert _metrics(served)["helios_http_admitted"] == 1  # still generating: still held
+    served.wait_idle()
     wait_for(lambda: _metrics(served)["helios_http_admitted"] == 0)
 
 

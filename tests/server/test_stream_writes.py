@@ -35,6 +35,7 @@ def _service() -> tuple[ChatService, list[str]]:
     service = ChatService.__new__(ChatService)
     service._responses = {}
     service._drop_message = None
+    service._settling = set()
     service.running = SimpleNamespace(engine=SimpleNamespace(cancel=cancelled.append))  # type: ignore[assignment]
     return service, cancelled
 

@@ -115,7 +115,7 @@ class HeliosServer:
         *,
         ready_path: str = "/ready",
         startup_timeout_s: float = 300.0,
-        shutdown_timeout_s: float = 30.0,
+        shutdown_timeout_s: float = 5.0,
     ) -> None:
         self._shutdown_timeout_s = shutdown_timeout_s
         self._ready_path = ready_path
@@ -246,7 +246,7 @@ def build_app(
     max_ongoing_requests: int = 32,
     ready_path: str = "/ready",
     startup_timeout_s: float = 300.0,
-    shutdown_timeout_s: float = 30.0,
+    shutdown_timeout_s: float = 5.0,
     health_check_period_s: float = 5.0,
     health_check_timeout_s: float = 10.0,
     replica_actor_options: dict[str, Any] | None = None,
