@@ -343,14 +343,30 @@ def format_bound(value: float) -> str:
     return f"{value:.8g}"
 
 
-def fresh_seed(limits: SamplingLimits | None = None) -> int:
-    """A seed for a request that names none: uniform over the seeds every seed input of a core with
-    ``limits`` holds (all of [0, 2^64) without limits), from the operating system's random source, so
-    unseeded requests with the same prompt and settings draw independent samples."""
+def _seed_range(limits: SamplingLimits | None) -> tuple[int, int]:
+    """The seeds every seed input of a core with ``limits`` holds (all of [0, 2^64) without limits)."""
     low, high = SEED_RANGE
     bounds = limits.bounds("seed") if limits is not None else None
     if bounds is not None:
         low, high = max(low, int(bounds[0])), min(high, int(bounds[1]))
+    return low, high
+
+
+def fresh_seed(limits: SamplingLimits | None = None) -> int:
+    """A seed for a request that names none: uniform over the seeds every seed input of a core with
+    ``limits`` holds (all of [0, 2^64) without limits), from the operating system's random source, so
+    unseeded requests with the same prompt and settings draw independent samples."""
+    low, high = _seed_range(limits)
     if high < low:  # a core whose seed input holds no seed at all: its own validation refuses any value
         return low
     return low + secrets.randbelow(high - low + 1)
+
+
+def choice_seed(seed: int, index: int, limits: SamplingLimits | None = None) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed`` (``n`` > 1): ``seed + index``, wrapped
+    within the seeds the core's inputs hold, so each choice draws its own samples and the same request
+    gives the same choices again (choice 0 is the request's own seed)."""
+    low, high = _seed_range(limits)
+    if high < low:
+        return seed
+    return low + (seed - low + index) % (high - low + 1)

@@ -45,7 +45,7 @@ from helios_core.frontend.stops import (
     MAX_STRING_STOP_BYTES,
     MAX_STRING_STOPS,
 )
-from helios_core.server.schemas import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
+from helios_core.server.schemas import MAX_CHOICES, MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 
 __all__ = [
     "ChatOperation",
@@ -164,7 +164,7 @@ _TOOL_CHOICE_OBJECT = {
 
 _REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "messages": lambda node: node.update(minItems=1),
-    "n": _narrow("integer", minimum=1, maximum=1),
+    "n": _narrow("integer", minimum=1, maximum=MAX_CHOICES),
     "max_tokens": _narrow("integer", minimum=1),
     "max_completion_tokens": _narrow("integer", minimum=1),
     **{name: _sampling_range(name) for name in SAMPLING_RANGES},
@@ -246,8 +246,8 @@ def chat_request_schema() -> Schema:
 
 _COMPLETION_REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "prompt": _each(_narrow("string", minLength=1), _narrow("array", minItems=1)),
-    "n": _narrow("integer", minimum=1, maximum=1),
-    "best_of": _narrow("integer", minimum=1, maximum=1),
+    "n": _narrow("integer", minimum=1, maximum=MAX_CHOICES),
+    "best_of": _narrow("integer", minimum=1, maximum=MAX_CHOICES),
     "max_tokens": _narrow("integer", minimum=1),
     **{name: _sampling_range(name) for name in SAMPLING_RANGES},
     "logprobs": _narrow("integer", minimum=0),

@@ -88,7 +88,7 @@ from helios_core.plugins.images import DecodedImage, ImageInputError
 from helios_core.plugins.tag_grammar import FUNCTION_NAME
 from helios_core.runtime.messages import PreparedRequest, PromptImage, SamplingParams
 from helios_core.runtime.startup import RunningModel
-from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter
+from helios_core.sampling import SAMPLING_PARAMETERS, SamplingParameter, choice_seed, fresh_seed
 from helios_core.server.errors import AdmissionRefused, InvalidRequest
 from helios_core.server.image_input import ImageLimits, decode_image_url
 from helios_core.server.images import ImageFrontend
@@ -230,6 +230,13 @@ class Prepared:
     """``parallel_tool_calls: false``: present the first tool call the model makes, drop any after it."""
     choice_prompt_logprobs: bool = False
     """A completion that asked for ``prompt_logprobs``: its choice carries the prompt tokens' logprobs list."""
+    choices: tuple[PreparedRequest, ...] = ()
+    """A response of several choices (``n`` > 1): one engine request a choice, ``request`` with the id
+    ``<response id>-<index>`` and the choice's seed (:func:`choice_requests`); empty for one choice."""
+
+    def choice_requests(self) -> tuple[PreparedRequest, ...]:
+        """The engine requests whose events make the response: :attr:`choices`, or ``request`` alone."""
+        return self.choices or (self.request,)
 
     def pipeline(self, frontend: Frontend) -> OutputPipeline:
         """A fresh output pipeline (reasoning and tool parsers) for this request."""
@@ -770,6 +777,29 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         prompt_logprobs=prompt_logprobs,
         output_limit_field="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
         single_call=request.parallel_tool_calls is False,
+        choices=_choices(frontend, prepared, request.n, request.seed),
+    )
+
+
+def _choices(
+    frontend: Frontend, request: PreparedRequest, count: int | None, seed: int | None
+) -> tuple[PreparedRequest, ...]:
+    """The engine requests of ``count`` choices (none for one): ``request`` under the ids
+    ``<id>-0`` .. ``<id>-<count - 1>``, choice ``i`` seeded ``seed + i`` (wrapped within the core's seeds) when
+    the request names a seed, else each with a fresh seed (choice 0 keeps the one preparation drew)."""
+    if count is None or count <= 1:
+        return ()
+    limits = frontend.bootstrap.sampling_limits
+    first = request.sampling.seed
+    seeds = [choice_seed(first, index, limits) if seed is not None else fresh_seed(limits) for index in range(count)]
+    seeds[0] = first
+    return tuple(
+        msgspec.structs.replace(
+            request,
+            request_id=f"{request.request_id}-{index}",
+            sampling=msgspec.structs.replace(request.sampling, seed=choice),
+        )
+        for index, choice in enumerate(seeds)
     )
 
 
@@ -1117,4 +1147,5 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         echo=prompt_text if request.echo else None,
         prompt_field="prompt",
         choice_prompt_logprobs=request.prompt_logprobs is not None,
+        choices=_choices(frontend, prepared, request.n, request.seed),
     )

@@ -119,8 +119,17 @@ class _EventPresenter:
         model: str,
         ingress_ns: int,
         enqueue_ns: int,
+        choice_index: int = 0,
+        closes: bool = True,
     ) -> None:
+        """``choice_index``: the choice this presenter writes (``n`` > 1: one presenter a choice);
+        ``closes``: its stream's last chunks end the response (the usage chunk and ``[DONE]``). With
+        several choices none closes: the service ends the response once every choice finished."""
         self._prepared = prepared
+        self.index = choice_index
+        self._closes = closes
+        self.finished: Finished | None = None
+        """The request's terminal event, once presented (its usage counts in a response of several choices)."""
         self._hidden_ids = frozenset() if prepared.request.ignore_eos else frontend.eos_token_ids
         self._id = response_id
         self._created = created
@@ -143,7 +152,7 @@ class _EventPresenter:
         line). Joined around the choice's fields they are byte for byte :func:`sse_data` of the whole
         chunk, whose key order they keep; only the changing fields are encoded per chunk."""
         header = sse_json({"id": self._id, "object": object_name, "created": self._created, "model": self._model})
-        before = b"data: " + header[:-1] + b',"choices":[{"index":0,'
+        before = b"data: " + header[:-1] + b',"choices":[{"index":%d,' % self.index
         after = b'}],"usage":null}\n\n' if self._prepared.include_usage else b"}]}\n\n"
         return before, after
 
@@ -179,12 +188,8 @@ class _EventPresenter:
         return text
 
     def _usage(self, finished: Finished) -> dict[str, Any]:
-        return {
-            "prompt_tokens": finished.prompt_tokens,
-            "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": finished.reused_prompt_tokens},
-        }
+        self.finished = finished
+        return usage([finished])
 
     def _observe_generated(self, body: dict[str, Any], choice: dict[str, Any], finished: Finished) -> None:
         """A JSON response's observation of its generation: ``choice`` takes the generated ids (and their
@@ -204,7 +209,7 @@ class _EventPresenter:
         extra: dict[str, Any] = {}
         if prepared.return_token_ids:
             extra["reused_prompt_tokens"] = finished.reused_prompt_tokens
-            if not prepared.include_usage:
+            if not prepared.include_usage and self._closes:
                 extra["usage"] = self._usage(finished)
         if prepared.return_token_timestamps:
             extra["performance"] = self._performance(finished)
@@ -217,6 +222,20 @@ class _EventPresenter:
         if self._prepared.return_token_timestamps:
             observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
         return self._before + observed + self._after
+
+    def stream_close(self, presenters: Sequence[_EventPresenter]) -> list[bytes]:
+        """The chunks that end a stream once every choice (``presenters``, each finished) ended: the usage
+        chunk of them all (with ``stream_options.include_usage``, or an observed stream of several choices,
+        whose terminal chunks carry none) and ``[DONE]``."""
+        out: list[bytes] = []
+        if self._prepared.include_usage or (self._prepared.return_token_ids and not self._closes):
+            out.append(self._usage_chunk(usage(_finished(presenters))))
+        out.append(SSE_DONE)
+        return out
+
+    def _usage_chunk(self, totals: dict[str, Any]) -> bytes:
+        """The chunk carrying the response's usage (``choices: []``)."""
+        raise NotImplementedError
 
     def _performance(self, finished: Finished) -> dict[str, int]:
         return {
@@ -283,7 +302,7 @@ class Presenter(_EventPresenter):
         if self._prepared.logprobs and logprobs is None:
             logprobs = {"content": [], "refusal": None}
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "message": message,
             "logprobs": logprobs,
             "finish_reason": self._finish_reason(finished, result.finish_hint),
@@ -318,7 +337,7 @@ class Presenter(_EventPresenter):
         return chunk
 
     def _choice(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         choice.update(extra)
         return choice
 
@@ -347,15 +366,17 @@ class Presenter(_EventPresenter):
         deltas = self._pipeline.feed(self._pieces(finished.pieces))
         result = self._pipeline.finish()
         out = self._delta_chunks([*deltas, *result.deltas])
-        prepared = self._prepared
         extra = self._terminal_observation(finished)
         terminal = self._choice({}, self._finish_reason(finished, result.finish_hint))
         terminal["logprobs"] = self._choice_logprobs()  # entries no delta carried
         out.append(sse_data(self._chunk([terminal], **extra)))
-        if prepared.include_usage:
-            out.append(sse_data(self._chunk([], usage=self._usage(finished))))
-        out.append(SSE_DONE)
+        self.finished = finished
+        if self._closes:
+            out.extend(self.stream_close([self]))
         return out
+
+    def _usage_chunk(self, totals: dict[str, Any]) -> bytes:
+        return sse_data(self._chunk([], usage=totals))
 
     def _delta_chunks(self, deltas: list[OutputDelta]) -> list[bytes]:
         chunks = []
@@ -478,7 +499,7 @@ class CompletionPresenter(_EventPresenter):
         if self._prepared.logprobs:
             logprobs = _legacy_logprobs([*self._prompt_positions(), *self._positions])
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": self.index,
             "text": self._echo + "".join(self._texts),
             "logprobs": logprobs,
             "finish_reason": self._finish_reason(finished),
@@ -519,9 +540,8 @@ class CompletionPresenter(_EventPresenter):
         chunk.update(extra)
         return sse_data(chunk)
 
-    @staticmethod
-    def _choice(text: str, logprobs: dict[str, Any] | None, finish_reason: str | None = None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def _choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None = None) -> dict[str, Any]:
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def first_chunk(self) -> bytes:
         """The echoed prompt's chunk (with its logprobs when asked) and the prompt's observation fields;
@@ -560,14 +580,46 @@ class CompletionPresenter(_EventPresenter):
         extra = self._terminal_observation(finished)
         terminal = self._choice("", self._take_logprobs(), self._finish_reason(finished))
         out.append(self._chunk([terminal], **extra))
-        if self._prepared.include_usage:
-            out.append(self._chunk([], usage=self._usage(finished)))
-        out.append(SSE_DONE)
+        self.finished = finished
+        if self._closes:
+            out.extend(self.stream_close([self]))
         return out
+
+    def _usage_chunk(self, totals: dict[str, Any]) -> bytes:
+        return self._chunk([], usage=totals)
 
 
 ResponsePresenter = Presenter | CompletionPresenter
 """The presenter of any response the service delivers."""
+
+
+def usage(ended: Sequence[Finished]) -> dict[str, Any]:
+    """A response's ``usage`` over its choices' terminal events: the prompt once (and the first choice's
+    reused prompt tokens), the completion tokens of every choice."""
+    first = ended[0]
+    completion = sum(finished.completion_tokens for finished in ended)
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.reused_prompt_tokens},
+    }
+
+
+def _finished(presenters: Sequence[_EventPresenter]) -> list[Finished]:
+    ended = [presenter.finished for presenter in presenters]
+    if any(finished is None for finished in ended):
+        raise ValueError("a response's usage needs every choice's terminal event")
+    return [finished for finished in ended if finished is not None]
+
+
+def merge_choices(bodies: Sequence[dict[str, Any]], presenters: Sequence[ResponsePresenter]) -> dict[str, Any]:
+    """One JSON response of several choices: the first body's fields, every body's choice (in index order),
+    the usage of them all."""
+    merged = dict(bodies[0])
+    merged["choices"] = [choice for body in bodies for choice in body["choices"]]
+    merged["usage"] = usage(_finished(presenters))
+    return merged
 
 
 def _legacy_logprobs(positions: list[_Position]) -> dict[str, Any]:

@@ -275,6 +275,9 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
 
+MAX_CHOICES = 128
+"""The most choices (``n``) one request may ask for, as OpenAI allows."""
+
 MAX_JSON_DEPTH = 64
 """How deep arrays and objects may nest in one request field: the field's own value is level 1, so
 ``"response_format": {"json_schema": {"schema": {...}}}`` is already three levels. A tool call's
@@ -405,8 +408,8 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
     def refuse(field: str, what: str) -> None:
         problems.append((field, f"{field}: {what} is not supported by this server"))
 
-    if request.n is not None and request.n != 1:
-        refuse("n", f"n={request.n} (only one choice per request)")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        problems.append(("n", f"n must lie in [1, {MAX_CHOICES}], not {request.n}"))
     if request.top_logprobs is not None:
         if not request.logprobs:
             problems.append(("top_logprobs", "top_logprobs requires logprobs=true"))
@@ -458,10 +461,10 @@ def completion_unsupported_fields(request: CompletionRequest) -> list[tuple[str,
     def refuse(field: str, what: str) -> None:
         problems.append((field, f"{field}: {what} is not supported by this server"))
 
-    if request.n is not None and request.n != 1:
-        refuse("n", f"n={request.n} (only one choice per request)")
-    if request.best_of is not None and request.best_of != 1:
-        refuse("best_of", f"best_of={request.best_of} (only one candidate per request)")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        problems.append(("n", f"n must lie in [1, {MAX_CHOICES}], not {request.n}"))
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        refuse("best_of", f"best_of={request.best_of} (only as many candidates as choices, n)")
     if request.suffix is not None:
         refuse("suffix", "a suffix (insertion)")
     if request.logit_bias:

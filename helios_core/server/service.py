@@ -8,9 +8,10 @@ metrics and errors are one path.
 Owns the order of the request lifecycle on the server side (docs/index.md, "A request's path") and the objects
 that live as long as the app: admission, the preparation thread pool, the event bridge, the shared
 frontend and the metrics exporter. Per request it decodes the body strictly (``ingress_ns``), takes
-an admission permit (429 when none is left), waits for a preparation slot, prepares on a frontend
-worker thread (400 on an invalid request), submits to the engine (``enqueue_ns``) and then either
-collects a JSON response or streams SSE. The permit is released when the reader releases the
+an admission permit (429 when none is left; one a choice when ``n`` > 1), waits for a preparation slot,
+prepares on a frontend worker thread (400 on an invalid request), submits to the engine (``enqueue_ns``;
+one engine request a choice) and then either collects a JSON response or streams SSE (several choices:
+collected at once and merged, or their streams interleaved and ended once). The permit is released when the reader releases the
 response; a dropped connection cancels the request (``Engine.cancel``). The controllers in
 :mod:`helios_core.server.app` only call into this class.
 
@@ -32,6 +33,7 @@ own preparation produces (the same function as generation, the same errors), wit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -64,6 +66,7 @@ from helios_core.server.errors import (
     AdmissionRefused,
     ClientDisconnected,
     ExecutionError,
+    InvalidRequest,
     NotReady,
     RequestCancelled,
     UnknownModel,
@@ -76,9 +79,16 @@ from helios_core.server.errors import (
 from helios_core.server.image_input import ImageLimits
 from helios_core.server.metrics import LoadReading, MetricsExporter
 from helios_core.server.preparation import Frontend, Prepared, prepare, prepare_completion
-from helios_core.server.presentation import CompletionPresenter, Presenter, ResponsePresenter, sse_error
+from helios_core.server.presentation import (
+    CompletionPresenter,
+    Presenter,
+    ResponsePresenter,
+    merge_choices,
+    sse_error,
+)
 from helios_core.server.readiness import Phase, Readiness
 from helios_core.server.schemas import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     decode_completion_request,
@@ -310,11 +320,28 @@ class ChatService:
 
     async def _generate(self, request: Request[Any, Any, Any], endpoint: _Endpoint) -> Response[Any]:
         decoded, ingress_ns, permit, request_id = await self._admit(request, endpoint)
+        permits = [permit]
         try:
-            return await self._admitted(request, endpoint, decoded, permit, ingress_ns, request_id)
+            self._admit_choices(decoded, permits)
+            return await self._admitted(request, endpoint, decoded, permits, ingress_ns, request_id)
         except BaseException:
-            permit.release()
+            for held in permits:
+                held.release()
             raise
+
+    def _admit_choices(self, decoded: GenerationRequest, permits: list[Permit]) -> None:
+        """One more permit into ``permits`` for each choice past the first (``n`` > 1): each choice is a
+        request of the model's. 429 when the bound has too few left, 400 when ``n`` exceeds the bound itself
+        (an ``n`` outside its range is preparation's 400)."""
+        count = decoded.n or 1
+        if not 1 < count <= MAX_CHOICES:
+            return
+        if count > self.admission.capacity:
+            raise InvalidRequest(
+                f"n ({count}) is more than the {self.admission.capacity} requests this server admits at once", "n"
+            )
+        for _ in range(count - 1):
+            permits.append(self.admission.admit())
 
     def drop_responses(self, message: str) -> int:
         """End every response still running, now: a stream with one terminal ``cancelled`` error event, a
@@ -331,7 +358,7 @@ class ChatService:
         request: Request[Any, Any, Any],
         endpoint: _Endpoint,
         decoded: GenerationRequest,
-        permit: Permit,
+        permits: list[Permit],
         ingress_ns: int,
         request_id: str,
     ) -> Response[Any]:
@@ -348,36 +375,71 @@ class ChatService:
             _LOG.warning("request %s dropped before generation: %s", request_id, self._drop_message)
             raise RequestCancelled(self._drop_message)
         enqueue_ns = self._now_ns()
-        # the presenter (and the output parsers it builds) first: one that fails submits nothing
-        presenter = endpoint.presenter(
-            prepared,
-            self.frontend,
-            response_id=request_id,
-            created=int(time.time()),
-            model=decoded.model or self.served_name,
-            ingress_ns=ingress_ns,
-            enqueue_ns=enqueue_ns,
-        )
-        events = self._bridge.attach(self.running.engine.submit(prepared.request), loop, permit.generation_ended)
+        requests = prepared.choice_requests()
+        several = len(requests) > 1
+        created = int(time.time())
+        # the presenters (and the output parsers they build) first: one that fails submits nothing
+        presenters = [
+            endpoint.presenter(
+                prepared,
+                self.frontend,
+                response_id=request_id,
+                created=created,
+                model=decoded.model or self.served_name,
+                ingress_ns=ingress_ns,
+                enqueue_ns=enqueue_ns,
+                choice_index=index,
+                closes=not several,
+            )
+            for index in range(len(requests))
+        ]
+        choices = [
+            _Choice(
+                dataclasses.replace(prepared, request=choice, choices=()) if several else prepared,
+                presenter,
+                self._bridge.attach(self.running.engine.submit(choice), loop, permit.generation_ended),
+                permit,
+            )
+            for choice, presenter, permit in zip(requests, presenters, permits, strict=True)
+        ]
         headers = {"x-request-id": request_id}
         if prepared.stream:
+            first = choices[0]
             return Stream(
-                self._sse(prepared, presenter, events, permit),
+                self._sse_choices(choices)
+                if several
+                else self._sse(first.prepared, first.presenter, first.events, first.permit),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
             )
-        body = await self._collect(request, prepared, presenter, events)
-        return Response(body, headers=headers, background=BackgroundTask(_release, permit))
+        body = await self._collect(request, choices)
+        return Response(body, headers=headers, background=BackgroundTask(_release, permits))
 
-    async def _collect(
-        self,
-        request: Request[Any, Any, Any],
-        prepared: Prepared,
-        presenter: ResponsePresenter,
-        events: EventQueue,
+    async def _collect(self, request: Request[Any, Any, Any], choices: list[_Choice]) -> dict[str, Any]:
+        """A JSON response: every choice collected at once (the first failure ends the others), merged."""
+        watcher = asyncio.create_task(
+            self._cancel_on_disconnect(request, [choice.prepared.request.request_id for choice in choices])
+        )
+        try:
+            if len(choices) == 1:
+                (only,) = choices
+                return await self._collect_choice(only.prepared, only.presenter, only.events)
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(self._collect_choice(choice.prepared, choice.presenter, choice.events))
+                        for choice in choices
+                    ]
+            except BaseExceptionGroup as failed:  # the first choice's failure is the response's
+                raise failed.exceptions[0] from None
+            return merge_choices([task.result() for task in tasks], [choice.presenter for choice in choices])
+        finally:
+            watcher.cancel()
+
+    async def _collect_choice(
+        self, prepared: Prepared, presenter: ResponsePresenter, events: EventQueue
     ) -> dict[str, Any]:
         request_id = prepared.request.request_id
-        watcher = asyncio.create_task(self._cancel_on_disconnect(request, request_id))
         self._responses[request_id] = events
         finished = False
         try:
@@ -408,20 +470,57 @@ class ChatService:
                     raise ExecutionError(event.message)
                 raise ExecutionError(f"unexpected event {type(event).__name__}")
         finally:
-            watcher.cancel()
             self._responses.pop(request_id, None)
             if not finished:
                 self.running.engine.cancel(request_id)
 
-    async def _cancel_on_disconnect(self, request: Request[Any, Any, Any], request_id: str) -> None:
+    async def _cancel_on_disconnect(self, request: Request[Any, Any, Any], request_ids: list[str]) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                self.running.engine.cancel(request_id)
+                for request_id in request_ids:
+                    self.running.engine.cancel(request_id)
                 return
 
+    async def _sse_choices(self, choices: list[_Choice]) -> AsyncIterator[bytes]:
+        """The stream of a response of several choices: each choice's own stream (:meth:`_sse`, whose
+        presenter does not close it), their chunks sent as they come; once every choice finished, the usage
+        chunk of them all and ``[DONE]``. A choice that ends with an error event ends the response there
+        (the others are cancelled), as a dropped connection ends them all."""
+        merged: asyncio.Queue[tuple[int, bytes | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[bytes]) -> None:
+            try:
+                async for chunk in stream:
+                    merged.put_nowait((index, chunk))
+            finally:
+                merged.put_nowait((index, None))
+
+        pumps = [
+            asyncio.create_task(pump(index, self._sse(choice.prepared, choice.presenter, choice.events, choice.permit)))
+            for index, choice in enumerate(choices)
+        ]
+        try:
+            running = len(pumps)
+            while running:
+                index, chunk = await merged.get()
+                if chunk is not None:
+                    yield chunk
+                    continue
+                running -= 1
+                if choices[index].presenter.finished is None:  # it ended with an error event: so does the response
+                    return
+            yield b"".join(choices[0].presenter.stream_close([choice.presenter for choice in choices]))
+        finally:
+            for task in pumps:
+                task.cancel()
+
     async def _sse(
-        self, prepared: Prepared, presenter: ResponsePresenter, events: EventQueue, permit: Permit
+        self,
+        prepared: Prepared,
+        presenter: ResponsePresenter,
+        events: EventQueue,
+        permit: Permit,
     ) -> AsyncIterator[bytes]:
         request_id = prepared.request.request_id
         self._responses[request_id] = events  # from here on a drop puts an Interrupt on the queue
@@ -571,5 +670,16 @@ def _refusal(event: AdmissionRejected, prepared: Prepared, retry_after_ms: int |
     return refusal
 
 
-def _release(permit: Permit) -> None:
-    permit.release()
+@dataclass(frozen=True)
+class _Choice:
+    """One choice of a response: its prepared request, presenter, event queue and admission permit."""
+
+    prepared: Prepared
+    presenter: ResponsePresenter
+    events: EventQueue
+    permit: Permit
+
+
+def _release(permits: list[Permit]) -> None:
+    for permit in permits:
+        permit.release()

@@ -157,7 +157,7 @@ def test_response_format_json_schema(served: Served) -> None:
         ({"temperature": "hot"}, "temperature"),
         ({"return_token_ids": 1}, "return_token_ids"),
         ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"stop": 3}, "stop"),
         ({"return_token_timestamps": True}, "return_token_timestamps"),
