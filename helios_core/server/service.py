@@ -11,8 +11,8 @@ frontend and the metrics exporter. Per request it decodes the body strictly (``i
 an admission permit (429 when none is left; one a choice when ``n`` > 1), waits for a preparation slot,
 prepares on a frontend worker thread (400 on an invalid request), submits to the engine (``enqueue_ns``;
 one engine request a choice) and then either collects a JSON response or streams SSE (several choices:
-collected at once and merged, or their streams interleaved and ended once). The permit is released when the reader releases the
-response; a dropped connection cancels the request (``Engine.cancel``). The controllers in
+collected at once and merged, or their streams interleaved and ended once). The permit is released
+when the reader releases the response; a dropped connection cancels the request (``Engine.cancel``). The controllers in
 :mod:`helios_core.server.app` only call into this class.
 
 The response id (``chatcmpl-...``, ``cmpl-...`` for legacy completions) is made on arrival, set on
