@@ -98,6 +98,7 @@ def describe_core(path: Path, trust_keys: Sequence[Path]) -> dict[str, Any]:
     from helios_core.container.keys import TrustStore
     from helios_core.container.reader import CoreFile
     from helios_core.contract.prepared import operation_name
+    from helios_core.wire import contract_pb2 as ct
 
     if trust_keys:
         with CoreFile.open(path, TrustStore.from_paths(trust_keys)) as core:
@@ -123,6 +124,15 @@ def describe_core(path: Path, trust_keys: Sequence[Path]) -> dict[str, Any]:
             }
         )
     frontend = json_format.MessageToDict(model.frontend, preserving_proto_field_name=True)
+    images = None
+    if model.frontend.image_layout not in (ct.IMAGE_LAYOUT_NONE, ct.IMAGE_LAYOUT_UNSPECIFIED):
+        vision = model.vision
+        images = {
+            "features_per_image": vision.features_per_window,
+            "features_per_request": vision.feature_slots,
+            "patches_per_feature": vision.patches_per_feature,
+            "patch_capacities": list(vision.patch_capacities),
+        }
     return {
         "path": str(path),
         "signature": signature,
@@ -153,6 +163,7 @@ def describe_core(path: Path, trust_keys: Sequence[Path]) -> dict[str, Any]:
         },
         "eos_token_ids": list(serving.defaults.eos_token_ids),
         "frontend": frontend,
+        "images": images,
         "graphs": graphs,
         "targets": list(description.execution.targets) or ["reference"],
         "resources": [
@@ -205,8 +216,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"eos ids         {info['eos_token_ids']}",
         "frontend        " + ", ".join(f"{k}={v}" for k, v in info["frontend"].items() if isinstance(v, str)),
         f"targets         {', '.join(info['targets'])}",
-        "graphs",
     ]
+    if info["images"] is not None:
+        images = info["images"]
+        lines.append(
+            f"images          up to {images['features_per_image']} features an image, "
+            f"{images['features_per_request']} a request (patches per feature {images['patches_per_feature']}, "
+            f"patch capacities {images['patch_capacities']})"
+        )
+    lines.append("graphs")
     for graph in info["graphs"]:
         lines.append(
             f"  {graph['name']:<22} {graph['operation']:<15} B={graph['batch_capacity']:<4} "

@@ -198,6 +198,9 @@ def select(contract: PreparedContract, options: LoadOptions) -> Selection:
             "load-time selection can only reduce it"
         )
 
+    if width > 1 and declared_widths:  # the rounds use the widest captured width within the request
+        width = max((declared for declared in declared_widths if declared <= width), default=1)
+
     selected: dict[str, PreparedGraph] = {}
     for name, graph in contract.graphs.items():
         if graph.operation == ct.OPERATION_SPECULATIVE and graph.extents.token_capacity > max(width, 1):

@@ -691,6 +691,14 @@ class _Loader:
                 raise
             serving = self.running.verified.contract.serving
             names = dict.fromkeys([options.served_name or serving.served_name, *serving.aliases, *options.alias])
+            width = self.running.model.selection.speculative_width
+            if options.speculative_width is not None and options.speculative_width != width:
+                _LOG.warning(
+                    "--speculative-width %d runs as %d: the widest captured width within it (the core captures %s)",
+                    options.speculative_width,
+                    width,
+                    ", ".join(str(w) for w in sorted(serving.speculative_widths)),
+                )
             attach_service(self._app, service)
             self._readiness.starting("the warm-up generation is running")
             warming = time.monotonic()

@@ -201,6 +201,27 @@ def test_inspect_json_describes_the_core(capsys: pytest.CaptureFixture[str]) -> 
     assert info["frontend"]["tool_parser"] == "TOOL_PARSER_NONE"
 
 
+def test_inspect_names_a_vision_cores_image_capacities(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["inspect", str(FIXTURES / "vision-tiles.core"), "--json"], capsys)
+    assert code == 0
+    assert json.loads(out)["images"] == {
+        "features_per_image": 16,
+        "features_per_request": 64,
+        "patches_per_feature": 1,
+        "patch_capacities": [16, 64],
+    }
+    code, out, _ = run(["inspect", str(FIXTURES / "vision-tiles.core")], capsys)
+    assert code == 0
+    assert (
+        "images          up to 16 features an image, 64 a request (patches per feature 1, patch capacities [16, 64])"
+        in out
+    )
+    code, out, _ = run(["inspect", str(FIXTURES / "payload-v3.core"), "--json"], capsys)
+    assert json.loads(out)["images"] is None  # a text-only core
+    code, out, _ = run(["inspect", str(FIXTURES / "payload-v3.core")], capsys)
+    assert "images " not in out
+
+
 def test_inspect_without_keys_marks_the_signature_unchecked(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["inspect", str(FIXTURES / "abi-label.core")], capsys)
     assert code == 0

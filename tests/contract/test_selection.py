@@ -102,6 +102,13 @@ def test_smaller_speculative_width_drops_wider_programs(parts) -> None:
     assert "decode_b4" in selection.graphs
 
 
+def test_a_width_between_captured_widths_runs_as_the_widest_within_it(parts) -> None:
+    parts.add_speculative(widths=(2, 4))
+    selection = select(parts.prepare(), LoadOptions(speculative_width=3))
+    assert selection.speculative_width == 2
+    assert "speculative_w4" not in selection.graphs
+
+
 def test_speculative_width_above_widest(parts) -> None:
     parts.add_speculative()
     refuses(
