@@ -342,11 +342,12 @@ class Presenter(_EventPresenter):
         return choice
 
     def first_chunk(self) -> bytes:
-        """The opening chunk: the assistant role (and the prompt ids when observed)."""
+        """The opening chunk: the assistant role (and the prompt ids when observed; with several choices,
+        the prompt's fields on the first choice's opening chunk only, as JSON has them once)."""
         extra: dict[str, Any] = {}
-        if self._prepared.return_token_ids:
+        if self._prepared.return_token_ids and self.index == 0:
             extra["prompt_token_ids"] = list(self._prepared.request.prompt_ids)
-        if self._prompt_logprobs is not None:
+        if self._prompt_logprobs is not None and self.index == 0:
             extra["prompt_logprobs"] = self._prompt_logprobs
         return sse_data(self._chunk([self._choice({"role": "assistant", "content": ""})], **extra))
 

@@ -276,6 +276,7 @@ class ChatService:
         counts as rejected, as generation's does, and as a 429 of :meth:`_admit` does on either."""
         decoded, _, permit, request_id = await self._admit(request, endpoint)
         try:
+            self._choice_count(decoded)  # the same refusal as generating
             loop = asyncio.get_running_loop()
             async with self.admission.preparation_slot():
                 try:
@@ -333,15 +334,21 @@ class ChatService:
         """One more permit into ``permits`` for each choice past the first (``n`` > 1): each choice is a
         request of the model's. 429 when the bound has too few left, 400 when ``n`` exceeds the bound itself
         (an ``n`` outside its range is preparation's 400)."""
+        count = self._choice_count(decoded)
+        for _ in range(count - 1):
+            permits.append(self.admission.admit())
+
+    def _choice_count(self, decoded: GenerationRequest) -> int:
+        """The choices ``decoded`` asks for (1 when ``n`` lies outside its range: preparation refuses that);
+        400 when they are more than this server admits at once."""
         count = decoded.n or 1
         if not 1 < count <= MAX_CHOICES:
-            return
+            return 1
         if count > self.admission.capacity:
             raise InvalidRequest(
                 f"n ({count}) is more than the {self.admission.capacity} requests this server admits at once", "n"
             )
-        for _ in range(count - 1):
-            permits.append(self.admission.admit())
+        return count
 
     def drop_responses(self, message: str) -> int:
         """End every response still running, now: a stream with one terminal ``cancelled`` error event, a

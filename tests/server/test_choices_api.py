@@ -202,3 +202,26 @@ def test_a_dropped_stream_of_several_choices_cancels_them_all(served: Served) ->
         wait_for(lambda: served.running.engine.statistics().finished.get("cancelled", 0) == before + 3)
     served.wait_idle()
     wait_for(lambda: admitted(served.base_url) == 0)
+
+
+def test_render_refuses_the_choices_generation_refuses(served: Served) -> None:
+    for path, body in (
+        ("/v1/chat/completions/render", {"messages": HI, "n": 5}),
+        ("/v1/completions/render", {"prompt": "hi", "n": 5}),
+    ):
+        response = httpx.post(served.base_url + path, json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "n"
+        assert httpx.post(served.base_url + path, json={**body, "n": 4}, timeout=30).status_code == 200
+    assert admitted(served.base_url) == 0
+
+
+def test_a_stream_of_several_choices_states_the_prompt_once(served: Served) -> None:
+    body = {"n": 3, "stream": True, "return_token_ids": True, "prompt_logprobs": 0, "messages": HI, "temperature": 0.0}
+    events = sse_events(_post(served, "/v1/chat/completions", **body))
+    assert events[-1] == (None, "[DONE]")
+    carrying = [data for _, data in events[:-1] if "prompt_logprobs" in data or "prompt_token_ids" in data]
+    assert len(carrying) == 1 and carrying[0]["choices"][0]["index"] == 0
+    whole = _ok(_post(served, "/v1/chat/completions", **{**body, "stream": False}))
+    assert carrying[0]["prompt_logprobs"] == whole["prompt_logprobs"]
+    assert carrying[0]["prompt_token_ids"] == whole["prompt_token_ids"]
