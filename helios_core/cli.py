@@ -214,7 +214,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{caps['max_concurrency']}, pages {caps['page_capacity']} x {caps['page_tokens']} tokens, snapshots "
         f"{caps['snapshot_capacity']}, speculative widths {caps['speculative_widths'] or 'none'}",
         f"eos ids         {info['eos_token_ids']}",
-        "frontend        " + ", ".join(f"{k}={v}" for k, v in info["frontend"].items() if isinstance(v, str)),
+        "frontend        " + ", ".join(f"{k}={v}" for k, v in info["frontend"].items() if isinstance(v, (str, int))),
         f"targets         {', '.join(info['targets'])}",
     ]
     if info["images"] is not None:

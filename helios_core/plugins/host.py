@@ -505,8 +505,8 @@ class PluginHost:
                 providers = sorted(providers, key=lambda p: (p.plugin, p.name))
                 names = " and ".join(f"{p.plugin!r} ({p.name})" for p in providers)
                 message = (
-                    f"{kind_label(kind)} {identifier} is provided by both {names}; uninstall one or pick one "
-                    f"with prefer={{{identifier}: {providers[0].plugin!r}}}"
+                    f"{kind_label(kind)} {identifier} is provided by both {names}; uninstall one, or load only "
+                    f"one: {ENV_ALLOWLIST}={providers[0].plugin} (a comma-separated list of the plugins to load)"
                 )
                 self.conflicts.append(message)
                 self._conflict_of[(kind, identifier)] = message

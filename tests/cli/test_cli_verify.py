@@ -222,6 +222,22 @@ def test_inspect_names_a_vision_cores_image_capacities(capsys: pytest.CaptureFix
     assert "images " not in out
 
 
+def test_inspect_names_third_party_selections(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ignition.cli import main as ignition_main
+
+    core = tmp_path / "third-party.core"
+    assert ignition_main(
+        ["build", "llama-synthetic", "--out", str(core), "--quiet", "--tool-syntax", "json-tags",
+         "--tool-parser", "100042", "--reasoning-parser", "100043"]
+    ) == 0  # fmt: skip
+    capsys.readouterr()
+    code, out, _ = run(["inspect", str(core)], capsys)
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("frontend "))
+    assert "tool_parser=100042" in line and "reasoning_parser=100043" in line
+    assert "image_layout=IMAGE_LAYOUT_NONE" in line
+
+
 def test_inspect_without_keys_marks_the_signature_unchecked(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["inspect", str(FIXTURES / "abi-label.core")], capsys)
     assert code == 0

@@ -351,7 +351,7 @@ def test_plugins_command_names_each_distribution_and_entry_point() -> None:
     version = importlib.metadata.version("helios")
     conflict = (
         "conflict: tool parser 100001 is provided by both 'helios-upper' (upper) and 'shadow-dist' (shadow); "
-        "uninstall one or pick one with prefer={100001: 'helios-upper'}"
+        "uninstall one, or load only one: HELIOS_PLUGINS=helios-upper (a comma-separated list of the plugins to load)"
     )
     assert out.getvalue().splitlines() == [
         "helios-broken 1.0: broken = helios_broken [failed] tool_parser=100002 error: ImportError: no module x",

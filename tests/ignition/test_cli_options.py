@@ -46,6 +46,25 @@ def signing_key(key_paths: dict[str, Path]) -> Path:
 # --out
 
 
+def test_a_gpu_target_without_triton_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *rest: None if name == "triton" else found(name, *rest)
+    )
+    out = tmp_path / "gpu.core"
+    _refused(
+        capsys,
+        _build(out, "--targets", "reference,sm_90a"),
+        "--targets sm_90a needs Triton to compile kernels, which is not installed: pip install "
+        "'helios-ignition[gpu]' (or, from a checkout, pip install -e 'contrib/ignition[gpu]')",
+    )
+    assert not out.exists()
+
+
 def test_a_fifo_out_is_refused_and_left_in_place(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], signing_key: Path
 ) -> None:

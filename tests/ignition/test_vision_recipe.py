@@ -342,6 +342,7 @@ def test_the_command_line_builds_the_recipe_and_refuses_what_it_has_no_programs_
     refused = tmp_path / "refused.core"
     for options, error in (
         (["--layout", "7"], "--layout must be tiles, dynamic or a third-party layout id in 100000-199999, got '7'"),
+        (["--layout", ""], "--layout must be tiles, dynamic or a third-party layout id in 100000-199999, got ''"),
         (["--shape", "1b"], "unknown vision shape '1b'; known shapes: tiny, small"),
         (["--window", "4"], "vision-synthetic does not take --window"),
         (["--speculative", "history", "--draft-tokens", "1"], "vision-synthetic does not take --speculative"),

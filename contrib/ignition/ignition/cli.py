@@ -298,6 +298,7 @@ def run_build(args: argparse.Namespace) -> int:
     _check_recipe_options(args)
     _check_namespace(args.namespace)
     targets = _names("--targets", args.targets, "target")
+    _check_compiler(targets)
     widths: tuple[int, ...] = ()
     if args.speculative is not None:
         if args.draft_tokens is None:
@@ -692,6 +693,19 @@ def _refuse_options(recipe: str, *options: tuple[str, bool]) -> None:
         raise HeliosError(f"{recipe} does not take {', '.join(refused)}")
 
 
+def _check_compiler(targets: tuple[str, ...]) -> None:
+    """A GPU target needs Triton to compile its kernels (the ``gpu`` extra): refused now, by name, not when
+    the first kernel is lowered."""
+    import importlib.util
+
+    gpu = [target for target in targets if target != "reference"]
+    if gpu and importlib.util.find_spec("triton") is None:
+        raise HeliosError(
+            f"--targets {','.join(gpu)} needs Triton to compile kernels, which is not installed: "
+            "pip install 'helios-ignition[gpu]' (or, from a checkout, pip install -e 'contrib/ignition[gpu]')"
+        )
+
+
 def _check_recurrent_options(args: argparse.Namespace, targets: tuple[str, ...]) -> None:
     """Refuse, before any key or weight is touched, the options the recurrent and latent recipes do not
     take (the latent recipe: every option it has no programs for)."""
@@ -771,7 +785,7 @@ def _check_vision_options(args: argparse.Namespace, caps: Capacities, targets: t
     if tower is None:
         raise HeliosError(f"unknown vision shape {args.shape!r}; known shapes: {', '.join(TOWERS)}")
     try:
-        image_layout_choice(args.image_layout or "tiles", tower)
+        image_layout_choice("tiles" if args.image_layout is None else args.image_layout, tower)
         check_vision_options(caps, targets)
     except ValueError as error:
         raise HeliosError(str(error)) from error
@@ -785,7 +799,10 @@ def _build_vision(recipe: RecipeBuild) -> int:
     started = time.monotonic()
     try:
         model = vision_declaration(
-            args.shape, layout=args.image_layout or "tiles", seed=args.seed, tool_syntax=args.tool_syntax
+            args.shape,
+            layout="tiles" if args.image_layout is None else args.image_layout,
+            seed=args.seed,
+            tool_syntax=args.tool_syntax,
         )
         model = dataclasses.replace(model, tool_frontend=recipe.parsers.frontend(model.tool_frontend))
         serving = build_vision_core(
