@@ -214,6 +214,8 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool
     return_token_timestamps: bool
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries the usage so far."""
     logprobs: bool = False
     """Present ``choices[0].logprobs`` (the request's ``top_logprobs`` is on ``request``)."""
     prompt_logprobs: bool = False
@@ -764,6 +766,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         images=prompt_images,
     )
     include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
+    continuous_usage = include_usage and bool(request.stream_options and request.stream_options.continuous_usage_stats)
     return Prepared(
         request=prepared,
         tools=tool_specs,
@@ -771,6 +774,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         structured=response_format is not None,
         stream=bool(request.stream),
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         return_token_ids=observe_ids,
         return_token_timestamps=observe_times,
         logprobs=top_logprobs >= 0,
@@ -1133,6 +1137,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         prompt_logprobs=scored,
     )
     include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
+    continuous_usage = include_usage and bool(request.stream_options and request.stream_options.continuous_usage_stats)
     return Prepared(
         request=prepared,
         tools=(),
@@ -1140,6 +1145,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         structured=False,
         stream=bool(request.stream),
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         return_token_ids=bool(request.return_token_ids),
         return_token_timestamps=bool(request.return_token_timestamps),
         logprobs=top_logprobs >= 0,

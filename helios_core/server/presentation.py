@@ -159,6 +159,19 @@ class _EventPresenter:
     def _start(self, prepared: Prepared, frontend: Frontend) -> None:
         """The state a kind of response adds (called last by the constructor)."""
 
+    def _tail(self) -> bytes:
+        """The bytes after a one-choice chunk's choice fields: :meth:`_chunk_frame`'s, or with
+        ``continuous_usage_stats`` the usage so far in place of ``null``."""
+        if not self._prepared.continuous_usage:
+            return self._after
+        return b'}],"usage":' + sse_json(self._running_usage()) + b"}\n\n"
+
+    def _running_usage(self) -> dict[str, int]:
+        """The usage so far (``stream_options.continuous_usage_stats``): the prompt and the tokens observed."""
+        prompt = len(self._prepared.request.prompt_ids)
+        completion = len(self.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     def _pieces(self, pieces: Sequence[Piece]) -> list[GeneratedPiece]:
         return [GeneratedPiece(token_id, text) for token_id, text in pieces if token_id not in self._hidden_ids]
 
@@ -221,7 +234,7 @@ class _EventPresenter:
         observed = empty_choice + b',"token_ids":[%d]' % event.token_id
         if self._prepared.return_token_timestamps:
             observed += b',"token_timestamps_ns":[%d]' % event.timestamp_ns
-        return self._before + observed + self._after
+        return self._before + observed + self._tail()
 
     def stream_close(self, presenters: Sequence[_EventPresenter]) -> list[bytes]:
         """The chunks that end a stream once every choice (``presenters``, each finished) ended: the usage
@@ -332,7 +345,7 @@ class Presenter(_EventPresenter):
             "choices": choices,
         }
         if self._prepared.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._running_usage() if self._prepared.continuous_usage else None
         chunk.update(extra)
         return chunk
 
@@ -385,12 +398,12 @@ class Presenter(_EventPresenter):
             fields = self._delta(delta)
             if not delta.tool_calls and len(fields) == 1 and "content" in fields and not self._logprobs:
                 # the common chunk, a content delta without logprobs: only the text is encoded
-                chunks.append(self._before + _CONTENT + sse_json(delta.content) + _CHAT_TAIL + self._after)
+                chunks.append(self._before + _CONTENT + sse_json(delta.content) + _CHAT_TAIL + self._tail())
                 continue
             logprobs = self._choice_logprobs()
             encoded = _NULL if logprobs is None else sse_json(logprobs)
             body = b'"delta":' + sse_json(fields) + b',"logprobs":' + encoded + b',"finish_reason":null'
-            chunks.append(self._before + body + self._after)
+            chunks.append(self._before + body + self._tail())
         return chunks
 
     def _delta(self, delta: OutputDelta) -> dict[str, Any]:
@@ -537,7 +550,7 @@ class CompletionPresenter(_EventPresenter):
             "choices": choices,
         }
         if self._prepared.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._running_usage() if self._prepared.continuous_usage else None
         chunk.update(extra)
         return sse_data(chunk)
 
@@ -572,7 +585,7 @@ class CompletionPresenter(_EventPresenter):
         logprobs = self._take_logprobs()
         encoded = _NULL if logprobs is None else sse_json(logprobs)
         body = b'"text":' + sse_json(text) + b',"logprobs":' + encoded + b',"finish_reason":null'
-        return self._before + body + self._after
+        return self._before + body + self._tail()
 
     def stream_finish(self, finished: Finished) -> list[bytes]:
         """The last chunks: remaining text, the terminal choice chunk, usage, ``[DONE]``."""

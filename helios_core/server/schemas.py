@@ -156,6 +156,8 @@ class Tool(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = None
+    """vLLM's extension: with ``include_usage``, every chunk carries the usage so far."""
 
 
 class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
