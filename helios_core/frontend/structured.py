@@ -354,11 +354,7 @@ class GrammarCompiler:
                 continue
             where = f"tools: function {name!r} parameters"
             try:
-                self._matcher_grammar(
-                    llguidance.LLMatcher.grammar_from_json_schema({**schema, "x-guidance": dict(COMPACT_JSON)}), where
-                )
-            except (ValueError, TypeError) as exc:
-                return PromptError(f"{where}: {_first_line(str(exc))}")
+                self.schema_grammar({**schema, "x-guidance": dict(COMPACT_JSON)}, where)
             except PromptError as exc:
                 return exc
         return None

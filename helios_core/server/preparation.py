@@ -765,8 +765,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         layout=layout,
         images=prompt_images,
     )
-    include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
-    continuous_usage = include_usage and bool(request.stream_options and request.stream_options.continuous_usage_stats)
+    include_usage, continuous_usage = _usage_options(request)
     return Prepared(
         request=prepared,
         tools=tool_specs,
@@ -783,6 +782,13 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         single_call=request.parallel_tool_calls is False,
         choices=_choices(frontend, prepared, request.n, request.seed),
     )
+
+
+def _usage_options(request: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """``stream_options``' ``include_usage``, and ``continuous_usage_stats`` (which needs it)."""
+    options = request.stream_options
+    include = bool(options is not None and options.include_usage)
+    return include, include and bool(options is not None and options.continuous_usage_stats)
 
 
 def _choices(
@@ -1136,8 +1142,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         top_logprobs=top_logprobs,
         prompt_logprobs=scored,
     )
-    include_usage = bool(request.stream_options is not None and request.stream_options.include_usage)
-    continuous_usage = include_usage and bool(request.stream_options and request.stream_options.continuous_usage_stats)
+    include_usage, continuous_usage = _usage_options(request)
     return Prepared(
         request=prepared,
         tools=(),

@@ -31,6 +31,7 @@ def build_synthetic_core(
     *,
     seed: int = 3,
     tool_syntax: str = "none",
+    reasoning: str = "none",
     context: int = 1024,
     max_rows: int = 2,
     prefill_tokens: tuple[int, ...] = (64, 256),
@@ -52,7 +53,7 @@ def build_synthetic_core(
         context=context, snapshots=0, speculative_widths=speculative_widths,
     )  # fmt: skip
     build_core(
-        synthetic_declaration("tiny", seed=seed, tool_syntax=tool_syntax), core, caps=caps,
+        synthetic_declaration("tiny", seed=seed, tool_syntax=tool_syntax, reasoning=reasoning), core, caps=caps,
         signing_key=load_private_key(keys["signing"]), namespace=namespace,
     )  # fmt: skip
     return BuiltCore(core, keys["public"], TrustSettings((keys["public"],), namespace, None))

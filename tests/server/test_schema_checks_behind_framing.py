@@ -16,14 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from ignition.build import build_core
-from ignition.recipes.llama import Capacities
-from ignition.recipes.synthetic import synthetic_declaration
-
-from helios_core.container.keys import generate_keys, load_private_key
-from helios_core.loading import TrustSettings
 
 from .conftest import Served, serve_fixture
+from .helpers import build_synthetic_core
 
 NAMESPACE = "helios-tests/schema-checks"
 SELF_REFERENCE = {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}
@@ -33,17 +28,8 @@ SYNTAXES = [("json-tags", "think-tags"), ("xtml", "none"), ("recipient-header", 
 
 
 def _serve(tmp: Path, syntax: str, reasoning: str) -> Iterator[Served]:
-    keys = generate_keys(tmp / "keys")
-    core = tmp / f"{syntax}.core"
-    caps = Capacities(
-        max_rows=2, prefill_tokens=(64, 256), decode_rows=(1, 2), page_tokens=16, cache_pages=128, context=1024,
-        snapshots=0,
-    )  # fmt: skip
-    build_core(
-        synthetic_declaration("tiny", seed=5, tool_syntax=syntax, reasoning=reasoning), core, caps=caps,
-        signing_key=load_private_key(keys["signing"]), namespace=NAMESPACE,
-    )  # fmt: skip
-    with serve_fixture(core=core, trust=TrustSettings((keys["public"],), NAMESPACE, None)) as served:
+    built = build_synthetic_core(tmp, NAMESPACE, seed=5, tool_syntax=syntax, reasoning=reasoning)
+    with serve_fixture(core=built.path, trust=built.trust) as served:
         yield served
 
 
