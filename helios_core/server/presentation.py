@@ -201,7 +201,6 @@ class _EventPresenter:
         return text
 
     def _usage(self, finished: Finished) -> dict[str, Any]:
-        self.finished = finished
         return usage([finished])
 
     def _observe_generated(self, body: dict[str, Any], choice: dict[str, Any], finished: Finished) -> None:
@@ -307,6 +306,7 @@ class Presenter(_EventPresenter):
 
     def completion(self, finished: Finished) -> dict[str, Any]:
         """Non-stream: the ``chat.completion`` object after the terminal event."""
+        self.finished = finished
         self._present_logprobs(finished.pieces)
         self._pipeline.feed(self._pieces(finished.pieces))
         result = self._pipeline.finish()
@@ -508,6 +508,7 @@ class CompletionPresenter(_EventPresenter):
 
     def completion(self, finished: Finished) -> dict[str, Any]:
         """Non-stream: the ``text_completion`` object after the terminal event."""
+        self.finished = finished
         self._feed(finished.pieces)
         logprobs = None
         if self._prepared.logprobs:
