@@ -5,7 +5,7 @@ cores built with GPU kernels.
 the node with the operator's registered lowering function, loads the modules, launches every
 launch in order on the context's stream and downloads every array back. ``reference_node`` runs
 the same node through the reference backend's adapter. Arrays are bound as whole buffers, so
-shapes and dtypes come from the arrays: float32 -> F32, uint16 -> BF16 bit patterns, int32 -> I32,
+shapes and dtypes come from the arrays: float32 -> F32, uint16 -> BF16 bit patterns, float16 -> F16, int32 -> I32,
 int64 -> I64, uint8 -> U8, uint64 -> U64.
 
 ``build_gpu_core`` builds a signed tiny synthetic core (``llama-synthetic`` with bf16 weights by default)
@@ -40,6 +40,7 @@ GREEDY = SamplingParams(temperature=0.0)
 WIRE_DTYPES = {
     np.dtype(np.float32): mf.DTYPE_F32,
     np.dtype(np.uint16): mf.DTYPE_BF16,
+    np.dtype(np.float16): mf.DTYPE_F16,
     np.dtype(np.int32): mf.DTYPE_I32,
     np.dtype(np.int64): mf.DTYPE_I64,
     np.dtype(np.uint8): mf.DTYPE_U8,

@@ -21,7 +21,7 @@ from ignition.kernels.linear import Tiles
 from ignition.kernels.lowering import LoweringError
 
 from helios_core.backends.cuda_driver import Context
-from tests.gpu.harness import bf16_bits, lower, reference_node, relative_error, run_node
+from tests.gpu.harness import bf16_bits, bf16_values, lower, reference_node, relative_error, run_node
 
 PROJECTIONS = [
     # rows, N, K
@@ -300,6 +300,44 @@ def test_paged_attention(
     want = reference_node("paged_attention", arrays, attributes)["out"]
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 1e-5 * max(1.0, float(np.abs(want).max()))
+    assert (got[arrays["token_row"] < 0] == 0).all()
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "page_tokens", "width", "rows"), ATTENTION)
+def test_paged_attention_rounds_bf16_output_rows_at_the_store(
+    cuda_context: Context,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_tokens: int,
+    width: int,
+    rows: int,
+) -> None:
+    """bf16 output rows (a bf16 kernel graph's attention): the float32 result rounded to nearest even, as the
+    reference rounds it, from one launch, a merge of splits and query tiles alike; padding rows are zero."""
+    rng = np.random.default_rng(tokens * 7 + heads)
+    pages = rows * width + 3
+    table = rng.permutation(pages)[: rows * width].reshape(rows, width).astype(np.int32)
+    arrays = {
+        "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
+        "k_plane": bf16_bits(rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32)),
+        "v_plane": bf16_bits(rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32)),
+        "page_table": table,
+        "token_row": rng.integers(-1, rows, tokens).astype(np.int32),
+        "token_position": rng.integers(0, width * page_tokens, tokens).astype(np.int32),
+        "out": bf16_bits(np.full((tokens, heads, head_dim), np.nan, dtype=np.float32)),
+    }
+    arrays["token_row"][0] = 0
+    arrays["token_position"][0] = width * page_tokens - 1  # the longest history a row can hold: split
+    attributes = {"scale": head_dim**-0.5}
+    got = bf16_values(run_node(cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"])["out"])
+    want = bf16_values(reference_node("paged_attention", arrays, attributes)["out"])
+    assert np.isfinite(got).all()
+    # the float32 results agree to 1e-5 of the largest (as test_paged_attention checks); rounded to bf16, one
+    # unit (2**-7 of the value) more
+    unit = 2.0**-7 * np.maximum(np.abs(got), np.abs(want))
+    assert (np.abs(got - want) <= unit + 1e-5 * max(1.0, float(np.abs(want).max()))).all()
     assert (got[arrays["token_row"] < 0] == 0).all()
 
 

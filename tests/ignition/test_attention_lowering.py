@@ -2,8 +2,8 @@
 
 Lowered for sm_90a on a machine without a GPU (the real compiler runs): prompt chunks (at least 64
 tokens, two a page-table row) become query tiles, many single-token rows become 256-position splits,
-a few rows keep 64-position splits; a normalised or SwiGLU projection over bf16 weights stages its
-input in bf16, over float32 weights in float32.
+a few rows keep 64-position splits; the output rows may be float32, bf16 or f16; a normalised or
+SwiGLU projection over bf16 weights stages its input in bf16, over float32 weights in float32.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 from ignition.kernels.attention import TILE_MIN_TOKENS, WIDE_SPLIT_POSITIONS
+from ignition.kernels.lowering import LoweringError
 
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
@@ -105,6 +106,28 @@ def test_prompt_tiles_hold_half_the_query_rows_for_heads_over_64(
     # KV heads first, then the tiles (run last first); four warps
     assert tuple(launch.grid) == (kv_heads, tokens // tokens_a_tile, 1)
     assert tuple(launch.block) == (128, 1, 1)
+
+
+@pytest.mark.parametrize("tokens", [8, 512])  # split kernel, query tiles
+@pytest.mark.parametrize("out_type", [np.uint16, np.float16])  # bf16 bit patterns, f16
+def test_attention_writes_its_output_rows_in_a_16_bit_type(tokens: int, out_type: type) -> None:
+    """A bf16 kernel graph's attention writes its rows in bf16 for the output projection: both kernels
+    compile with a 16-bit output pointer, and launch over the same grid as with a float32 one."""
+    arrays = _attention(tokens, tokens if tokens < TILE_MIN_TOKENS else tokens // 2)
+    _context, wide = lower("paged_attention", arrays, {"scale": 0.125})
+    arrays["out"] = arrays["out"].astype(out_type)
+    context, narrow = lower("paged_attention", arrays, {"scale": 0.125})
+    assert [launch.symbol for launch in narrow] == [launch.symbol for launch in wide]
+    assert [tuple(launch.grid) for launch in narrow] == [tuple(launch.grid) for launch in wide]
+    (module,) = context.modules.values()
+    assert module.data[:4] == b"\x7fELF"
+
+
+def test_attention_refuses_an_integer_output_by_name() -> None:
+    arrays = _attention(8, 8)
+    arrays["out"] = arrays["out"].astype(np.int32)
+    with pytest.raises(LoweringError, match="out must be float32, bf16 or f16"):
+        lower("paged_attention", arrays, {"scale": 0.125})
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from helios_core.contract import LoadOptions
 from helios_core.loading import TrustSettings
 from helios_core.runtime.messages import PreparedRequest, SamplingParams, TokenEvent
 from helios_core.runtime.startup import RunningModel, start
+from helios_core.wire import manifest_pb2 as mf
 
 NAMESPACE = "helios-tests/kernel-graph"
 CAPS = Capacities(max_rows=4, prefill_tokens=(8, 32), decode_rows=(1, 2, 4), page_tokens=4, cache_pages=64, context=64)
@@ -99,3 +100,24 @@ def test_kernel_graph_tokens_equal_operator_graph_tokens(both_graphs: tuple[Runn
     got = _run(kernel, prompts, 12)
     assert [len(tokens) for tokens in got] == [12] * 4
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("bf16", "kernel_graph", "dtype"),
+    [(True, True, mf.DTYPE_BF16), (True, False, mf.DTYPE_F32), (False, True, mf.DTYPE_F32)],
+)
+def test_attention_rows_are_bf16_where_a_kernel_graph_projects_them_with_bf16_weights(
+    bf16: bool, kernel_graph: bool, dtype: int
+) -> None:
+    """A bf16 kernel graph's attention writes the rows its output projection reads in bf16 (the projection
+    rounds them to bf16 for its products anyway); operator graphs and float32 weights keep float32 rows."""
+    _serving, builder, _resources = assemble(
+        synthetic_declaration("tiny", seed=3), CAPS, bf16=bf16, kernel_graph=kernel_graph
+    )
+    buffers = {b.name: b for b in builder.manifest.buffers}
+    assert buffers["scratch.attn"].dtype == dtype
+    nodes = [node for program in builder.manifest.programs for node in program.nodes]
+    readers = {node.op.name for node in nodes for a in node.args if a.view.buffer == "scratch.attn" and a.name == "x"}
+    assert readers == ({"linear_add"} if kernel_graph else {"linear"})  # the output projection alone reads them
+    attention = [node for node in nodes if node.op.name == "paged_attention"]
+    assert {a.view.buffer for node in attention for a in node.args if a.name == "out"} == {"scratch.attn"}

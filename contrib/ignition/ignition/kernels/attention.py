@@ -27,7 +27,8 @@ every earlier position) a token attends positions ``lowest = max(position - N + 
 the reference: its splits start at ``lowest`` rather than 0, so the launch needs only the splits ``N``
 positions reach, and no page-table entry or key and value row of a position before ``lowest`` is read
 (pages wholly before a window may already be released and hold another request's tokens). Tokens whose
-row is negative (padding) get zero output. When the rows, positions and page table are settled (no
+row is negative (padding) get zero output. The output rows are float32, or bf16 or f16 rounded to nearest even
+at the store (:data:`OUTPUT_DTYPES`). When the rows, positions and page table are settled (no
 earlier node of the program writes them, see ``lowering.py``), a program reads them and its first
 block's pages before ``gdc_wait``; each block loads the next block's pages ahead.
 
@@ -114,6 +115,10 @@ proposals) runs as query tiles (:func:`attention_tile_kernel`) rather than per t
 TILE_QUERY_ROWS = 64
 """Query rows of one tile for heads of up to 64 values: consecutive tokens times the KV head's query group
 (padded to a power of two). Heads of more values take half as many (:func:`tile_kernel_config`)."""
+
+OUTPUT_DTYPES = (mf.DTYPE_F32, mf.DTYPE_BF16, mf.DTYPE_F16)
+"""Types attention may write its output rows in: float32, or rounded to nearest even at the store (a bf16 kernel
+graph's output projection reads them in its weights' type)."""
 
 SHORT_POSITIONS = 64
 """Contexts of at most this many positions are attended by one program per (token, KV head), unsplit.
@@ -258,7 +263,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]
         if active == 1:  # one split: its sums are the result
             total = tl.where(running_sum > 0.0, running_sum, 1.0)
             result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
-            tl.store(out_ptr + q_rows[:, None] * D + dims[None, :], result, mask=mine)
+            tl.store(out_ptr + q_rows[:, None] * D + dims[None, :], result.to(out_ptr.dtype.element_ty), mask=mine)
         else:
             out_index = q_rows * SPLITS + split
             tl.store(max_ws + out_index, running_max, mask=head_ok)
@@ -364,7 +369,7 @@ def _merge_splits(  # type: ignore[no-untyped-def]
     )  # [GROUP_P2, SPLITS_P2, D]
     merged = tl.sum(partial * factors[:, :, None], axis=1)
     result = tl.where(total[:, None] > 0.0, merged / tl.where(total > 0.0, total, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + rows[:, None] * D + dims[None, :], result, mask=head_ok[:, None])
+    tl.store(out_ptr + rows[:, None] * D + dims[None, :], result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -432,7 +437,7 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
     addresses = q_rows[:, None] * D + dims[None, :]
     q = tl.load(q_ptr + addresses, mask=valid[:, None] & dim_ok[None, :], other=0.0) * scale  # [M, D_P]
     padding = (valid & (rows < 0))[:, None] & dim_ok[None, :]
-    tl.store(out_ptr + addresses, tl.zeros([M, D_P], dtype=tl.float32), mask=padding)
+    tl.store(out_ptr + addresses, tl.zeros([M, D_P], dtype=out_ptr.dtype.element_ty), mask=padding)
     done = rows < 0
     if SKIP_ALONE:
         done = done | (valid & _alone(row_ptr, token, rows, TOKENS))
@@ -469,7 +474,8 @@ def attention_tile_kernel(  # type: ignore[no-untyped-def]
             page = next_page
         total = tl.where(running_sum > 0.0, running_sum, 1.0)
         result = tl.where(running_sum[:, None] > 0.0, acc / total[:, None], 0.0)
-        tl.store(out_ptr + addresses, result, mask=(mine & valid)[:, None] & dim_ok[None, :])
+        stored = (mine & valid)[:, None] & dim_ok[None, :]
+        tl.store(out_ptr + addresses, result.to(out_ptr.dtype.element_ty), mask=stored)
         done = done | mine
         current = tl.min(tl.where(done, none, rows), axis=0)
 
@@ -516,9 +522,10 @@ def attention_launches(
     if len(table_shape) != 2:
         raise ctx.fail("page_table must be [rows, pages]")
     width = table_shape[1]
-    for view, name in ((q, "q"), (out, "out")):
-        if ctx.dtype(view) != mf.DTYPE_F32:
-            raise ctx.fail(f"{name} must be float32")
+    if ctx.dtype(q) != mf.DTYPE_F32:
+        raise ctx.fail("q must be float32")
+    if ctx.dtype(out) not in OUTPUT_DTYPES:
+        raise ctx.fail("out must be float32, bf16 or f16 (rounded to nearest even at the store)")
     _check_plane_dtypes(ctx, k_plane, v_plane)
     for view, name in ((table, "page_table"), (rows, "token_row"), (positions, "token_position")):
         if ctx.dtype(view) != mf.DTYPE_I32:

@@ -476,6 +476,7 @@ class LlamaProgramWriter(TextProgramWriter):
             )
         self.sampled_size = sampled_size
         self.fused = fused
+        self.bf16 = bf16
         self.builder = builder
         self.tensor_parallel = tensor_parallel
         self.model_shape = shape
@@ -721,7 +722,7 @@ class LlamaProgramWriter(TextProgramWriter):
             q=buf("q", [p, s.heads, s.head_dim]),
             k=buf("k", [p, s.kv_heads, s.head_dim]),
             v=buf("v", [p, s.kv_heads, s.head_dim]),
-            attn=buf("attn", [p, s.heads, s.head_dim]),
+            attn=buf("attn", [p, s.heads, s.head_dim], self._attention_output_dtype()),
             o=buf("o", [p, s.hidden]),
             gate=buf("gate", [p, s.ffn]),
             up=buf("up", [p, s.ffn]),
@@ -734,6 +735,13 @@ class LlamaProgramWriter(TextProgramWriter):
             sampled_ids=buf("sampled_ids", [b, 1], mf.DTYPE_I32) if c.widest_speculation > 1 else None,
             sampled_logprob=buf("sampled_logprob", [b, 1]) if c.widest_speculation > 1 else None,
         )
+
+    def _attention_output_dtype(self) -> int:
+        """The type attention writes its rows in: bf16 in a kernel graph over bf16 weights, whose output
+        projection is their only reader and rounds them to bf16 for its tensor-core products anyway (it then
+        reads half the bytes, and no launch rounds them first; the FMA kernels of one or two rows read the
+        same rounded rows); float32 in operator graphs and over float32 weights."""
+        return mf.DTYPE_BF16 if self.fused and self.bf16 else mf.DTYPE_F32
 
     def _declare_speculative_scratch(self) -> _SpeculativeScratch:
         c = self.caps
