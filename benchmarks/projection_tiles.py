@@ -8,7 +8,8 @@ microseconds (launches one after another on a stream, and inside a CUDA graph jo
 programmatic edges as a program runs them), the in-graph weight bandwidth and the bandwidth floor
 (weight bytes over the device copy bandwidth, measured as ``gpu_decode.py`` measures it). Each
 projection is the launch the Llama graph writes: ``[q|k|v]``, ``[gate|up]`` and the LM head
-normalise their input first (``rmsnorm_linear``), the output and down projections add the
+normalise their input first (``rmsnorm_linear``), the output projection reads bf16 rows (attention's
+output in a bf16 kernel graph), the output and down projections add the
 residual, down over the SwiGLU of its packed input; ``swiglu`` is the ``[gate|up]`` projection
 ending in SwiGLU, the first launch of ``rmsnorm_swiglu_mlp_add`` (a candidate's columns are those
 of each half: two accumulators of that width); ``rotary`` is the ``[q|k|v]`` projection as
@@ -139,6 +140,9 @@ class Projection(NamedTuple):
     normed: bool
     ending: str = ""
     heads: tuple[int, int, int] = (0, 0, 0)
+    bf16_input: bool = False
+    """Inputs in bf16 rather than float32: the output projection of a bf16 kernel graph reads attention's
+    bf16 rows."""
 
 
 ROTARY_PAGE_TOKENS = 16
@@ -153,7 +157,12 @@ def _manifest(rows: int, proj: Projection) -> tuple[mf.ExecutionManifest, mf.Nod
     node.op.version = 1
     node.attributes.add(name="eps", float_value=1e-5)
     buffers = [
-        ("x", mf.DTYPE_F32, (rows, 2 * k if proj.gated else k), mf.BUFFER_ROLE_SCRATCH),
+        (
+            "x",
+            mf.DTYPE_BF16 if proj.bf16_input else mf.DTYPE_F32,
+            (rows, 2 * k if proj.gated else k),
+            mf.BUFFER_ROLE_SCRATCH,
+        ),
         ("weight", mf.DTYPE_BF16, (n, k), mf.BUFFER_ROLE_WEIGHTS),
     ]
     if proj.ending == "rotary":
@@ -203,7 +212,7 @@ def _projections(shape_name: str) -> dict[str, Projection]:
     return {
         "qkv": Projection(qkv, s.hidden, False, True),
         "rotary": Projection(qkv, s.hidden, False, True, "rotary", (s.heads, s.kv_heads, s.head_dim)),
-        "o": Projection(s.hidden, s.heads * s.head_dim, False, False),
+        "o": Projection(s.hidden, s.heads * s.head_dim, False, False, bf16_input=True),
         "gate_up": Projection(2 * s.ffn, s.hidden, False, True),
         "swiglu": Projection(2 * s.ffn, s.hidden, False, True, "swiglu"),
         "down": Projection(s.hidden, s.ffn, True, False),
@@ -379,7 +388,8 @@ def _time_ours(cuda: Context, rows: int, proj: Projection, tiles: Tiles, copies:
     out = cuda.alloc(rows * n * 4)
     weights = [cuda.alloc(n * k * 2) for _ in range(copies)]
     rng = np.random.default_rng(0)
-    cuda.upload(x, rng.standard_normal(rows * (2 * k if gated else k)).astype(np.float32))
+    inputs = rng.standard_normal(rows * (2 * k if gated else k)).astype(np.float32)
+    cuda.upload(x, (inputs.view(np.uint32) >> 16).astype(np.uint16) if proj.bf16_input else inputs)
     # one block of random bf16 values repeated over every copy: the copies only keep the weights out of L2
     block = (rng.standard_normal(min(n * k, 1 << 20)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     bits = np.resize(block, n * k)

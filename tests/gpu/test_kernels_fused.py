@@ -264,33 +264,36 @@ ATTENTION = [
 ]
 
 
-@pytest.mark.parametrize("settled", [True, False], ids=["settled", "written-earlier"])
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "page_tokens", "width", "rows"), ATTENTION)
-def test_paged_attention(
-    cuda_context: Context,
-    settled: bool,
-    tokens: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_tokens: int,
-    width: int,
-    rows: int,
-) -> None:
-    rng = np.random.default_rng(tokens * 31 + heads)
+def _attention_arrays(rng: np.random.Generator, shape: tuple[int, ...], *, bf16: bool) -> dict[str, np.ndarray]:
+    """One ``paged_attention`` case of an ``ATTENTION`` shape: random queries, planes and rows (token 0 at the
+    longest history a row holds, so its context is split), the output poisoned with NaN; with ``bf16`` the
+    planes and the output are bf16 bit patterns."""
+    tokens, heads, kv_heads, head_dim, page_tokens, width, rows = shape
+
+    def stored(values: np.ndarray) -> np.ndarray:
+        return bf16_bits(values) if bf16 else values
+
     pages = rows * width + 3
     table = rng.permutation(pages)[: rows * width].reshape(rows, width).astype(np.int32)
     arrays = {
         "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
-        "k_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
-        "v_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
+        "k_plane": stored(rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32)),
+        "v_plane": stored(rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32)),
         "page_table": table,
         "token_row": rng.integers(-1, rows, tokens).astype(np.int32),
         "token_position": rng.integers(0, width * page_tokens, tokens).astype(np.int32),
-        "out": np.full((tokens, heads, head_dim), np.nan, dtype=np.float32),
+        "out": stored(np.full((tokens, heads, head_dim), np.nan, dtype=np.float32)),
     }
     arrays["token_row"][0] = 0
     arrays["token_position"][0] = width * page_tokens - 1  # the longest history a row can hold
+    return arrays
+
+
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "written-earlier"])
+@pytest.mark.parametrize("shape", ATTENTION)
+def test_paged_attention(cuda_context: Context, settled: bool, shape: tuple[int, ...]) -> None:
+    tokens, heads, head_dim = shape[0], shape[1], shape[3]
+    arrays = _attention_arrays(np.random.default_rng(tokens * 31 + heads), shape, bf16=False)
     attributes = {"scale": head_dim**-0.5}
     # three launches over the same workspaces, the output poisoned before each: the last split to
     # finish merges, and leaves the finished-split counters at zero for the next launch
@@ -303,33 +306,12 @@ def test_paged_attention(
     assert (got[arrays["token_row"] < 0] == 0).all()
 
 
-@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "page_tokens", "width", "rows"), ATTENTION)
-def test_paged_attention_rounds_bf16_output_rows_at_the_store(
-    cuda_context: Context,
-    tokens: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    page_tokens: int,
-    width: int,
-    rows: int,
-) -> None:
+@pytest.mark.parametrize("shape", ATTENTION)
+def test_paged_attention_rounds_bf16_output_rows_at_the_store(cuda_context: Context, shape: tuple[int, ...]) -> None:
     """bf16 output rows (a bf16 kernel graph's attention): the float32 result rounded to nearest even, as the
     reference rounds it, from one launch, a merge of splits and query tiles alike; padding rows are zero."""
-    rng = np.random.default_rng(tokens * 7 + heads)
-    pages = rows * width + 3
-    table = rng.permutation(pages)[: rows * width].reshape(rows, width).astype(np.int32)
-    arrays = {
-        "q": rng.standard_normal((tokens, heads, head_dim)).astype(np.float32),
-        "k_plane": bf16_bits(rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32)),
-        "v_plane": bf16_bits(rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32)),
-        "page_table": table,
-        "token_row": rng.integers(-1, rows, tokens).astype(np.int32),
-        "token_position": rng.integers(0, width * page_tokens, tokens).astype(np.int32),
-        "out": bf16_bits(np.full((tokens, heads, head_dim), np.nan, dtype=np.float32)),
-    }
-    arrays["token_row"][0] = 0
-    arrays["token_position"][0] = width * page_tokens - 1  # the longest history a row can hold: split
+    tokens, heads, head_dim = shape[0], shape[1], shape[3]
+    arrays = _attention_arrays(np.random.default_rng(tokens * 7 + heads), shape, bf16=True)
     attributes = {"scale": head_dim**-0.5}
     got = bf16_values(run_node(cuda_context, "paged_attention", arrays, attributes, repeat=3, reset=["out"])["out"])
     want = bf16_values(reference_node("paged_attention", arrays, attributes)["out"])

@@ -183,6 +183,35 @@ def test_a_plain_projection_reads_inputs_of_the_weights_type_and_a_normalised_on
 
 
 @pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles", "split"),
+    [
+        (256, 4096, 4096, (128, 128, True), 2),  # the 8B output projection over bf16 attention rows: 64 tiles
+        (256, 2048, 2048, (64, 128, False), 2),  # the 1B one: 32 such tiles would need four parts
+        (256, 2048, 8192, (64, 128, False), 2),  # the 1B down projection over its bf16 activation, as well
+        (128, 4096, 4096, (64, 128, False), 2),  # 32 such tiles at 128 rows
+        (64, 4096, 4096, (64, 64, False), 4),  # 64 rows keep their 64-row tiles
+    ],
+)
+def test_a_narrow_projection_over_unstaged_bf16_rows_takes_128x128_tiles_where_two_parts_fill_a_wave(
+    launched_constants: list[dict[str, Any]], rows: int, n: int, k: int, tiles: tuple[int, int, bool], split: int
+) -> None:
+    """bf16 input rows that no launch staged (attention's, in a bf16 kernel graph) are read through tensor
+    descriptors in 128x128 tiles split within one wave where at most ``UNSTAGED_SPLIT`` parts fill it (65 to
+    256 rows); otherwise they keep the 64x128 tiles on one warpgroup measured faster there."""
+    arrays = {"x": bf16(rows, k), "weight": bf16(n, k), "residual": f32(rows, n), "out": f32(rows, n)}
+    _, launches = _lower("linear_add", arrays, weights=("weight",))
+    assert [launch.symbol for launch in launches] == ["projection_kernel"]
+    constants = launched_constants[-1]
+    assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["DESCRIPTORS"]) == tiles
+    assert constants["SPLIT"] == split
+    assert list(launches[0].grid) == [rows // tiles[0], n // tiles[1], split]
+    # the same projection over float32 rows (staged from 3 to 64 rows, read as they are above) keeps the
+    # per-thread loads of its 64-row tiles
+    _lower("linear_add", {**arrays, "x": f32(rows, k)}, weights=("weight",))
+    assert (launched_constants[-1]["BLOCK_M"], launched_constants[-1]["DESCRIPTORS"]) == (64, False)
+
+
+@pytest.mark.parametrize(
     ("rows", "staged"), [(2, False), (8, True), (64, True), (65, False), (256, False), (512, True)]
 )
 def test_float32_inputs_are_staged_in_bf16_where_it_was_measured_to_pay(rows: int, staged: bool) -> None:

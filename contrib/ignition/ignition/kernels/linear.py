@@ -24,7 +24,8 @@ the current one is reduced) where a row of inputs fits in registers, else one pr
 block; up to 16 rows get 16-row tiles; up to 64 rows 64-row tiles; more rows (prefill, large decode
 batches) 128-row tiles, which run on Hopper's warpgroup matrix instructions, except the narrow outputs
 of up to 256 rows (fewer 128x128 tiles than multiprocessors), which take 64x128 tiles on four warps
-(128x128 ones over a reduction of 12288 inputs or more), and the vocabulary-wide outputs of 129 to 256
+(128x128 ones over a reduction of 12288 inputs or more, or over 16-bit rows no launch staged where two parts
+of the reduction fill a wave), and the vocabulary-wide outputs of 129 to 256
 rows (the LM head of a large decode batch), which take 256x128 tiles through tensor descriptors so that
 each weight tile is read once; each with the reduction split so that about
 one program a multiprocessor streams the weights (for the narrow tiles: no more programs than one wave;
@@ -445,10 +446,18 @@ MULTIPROCESSORS = 132
 
 
 def choose_tiles(
-    rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS, describable: bool = True
+    rows: int,
+    n: int,
+    k: int,
+    *,
+    multiprocessors: int = MULTIPROCESSORS,
+    describable: bool = True,
+    unstaged: bool = False,
 ) -> Tiles:
     """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring); with ``describable`` False
-    (inputs tensor descriptors cannot serve) the per-thread-load tiles measured for the same shapes."""
+    (inputs tensor descriptors cannot serve) the per-thread-load tiles measured for the same shapes;
+    ``unstaged``: the inputs are read as they are, 16-bit rows no launch before wrote (the output
+    projection over attention's bf16 rows)."""
     if rows <= 2:
         # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
         # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor,
@@ -484,10 +493,13 @@ def choose_tiles(
         # an H200 at 256 and 512 rows, docs/benchmarks.md), no split.
         return _split_reduction(Tiles(128, 128, 64, 8, 3, descriptors=describable), rows, n, k, multiprocessors)
     if rows <= NARROW_TILE_ROWS:
-        if describable and k >= LONG_REDUCTION:
-            # A long reduction over narrow outputs (the 8B down projection): 128x128 tiles on two warpgroups
-            # through tensor descriptors, split within one wave, beat one warpgroup's 64x128 tiles.
-            return _split_within_one_wave(Tiles(128, 128, 64, 8, 4, descriptors=True), rows, n, k, multiprocessors)
+        square = _split_within_one_wave(Tiles(128, 128, 64, 8, 4, descriptors=True), rows, n, k, multiprocessors)
+        if describable and (k >= LONG_REDUCTION or (unstaged and square.split <= UNSTAGED_SPLIT)):
+            # A long reduction over narrow outputs (the 8B down projection), or 16-bit rows read as they are
+            # whose 128x128 tiles need at most two parts to fill a wave (the 8B output projection over
+            # attention's bf16 rows at 256 rows): 128x128 tiles on two warpgroups through tensor descriptors,
+            # split within one wave, beat one warpgroup's 64x128 tiles.
+            return square
         # Narrow outputs of a large decode batch (measured on an H200 at 256 rows, docs/benchmarks.md):
         # 64x128 tiles on four warps, the reduction split only as far as one wave of programs allows.
         return _split_within_one_wave(Tiles(64, 128, 64, 4, 4), rows, n, k, multiprocessors)
@@ -518,6 +530,13 @@ shared memory over four stages, more than a block may have."""
 
 LONG_REDUCTION = 12288
 """Inputs from which a narrow projection of up to 256 rows takes 128x128 tiles (see :func:`choose_tiles`)."""
+
+UNSTAGED_SPLIT = 2
+"""The most parts a narrow projection of up to 256 rows over 16-bit rows no launch staged splits its 128x128
+tiles into (to fill one wave) for it to take them (see :func:`choose_tiles`). Measured on an H100 at 256 rows
+(``benchmarks/projection_tiles.py --projections o``, docs/benchmarks.md): the 8B output projection (64 such
+tiles, two parts) gained 0.17 ms a decode step of 256 rows; the 1B one (32 tiles, four parts) ran 14.6 us
+against 11.2 for 64x128 tiles, and the whole step 0.15 ms slower."""
 
 _MAX_GRID_Y = 65535
 """The most programs of a launch grid's second dimension (CUDA's limit), where the column tiles go."""
@@ -688,7 +707,10 @@ def project(
     cast = cast and stages_float32_inputs(rows, n, multiprocessors)
     prologue_staged = rows > 2 and (norm is not None or gated or cast)
     describable = describes(ctx, weight if prologue_staged else x, weight, k)
-    chosen = tiles or choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
+    unstaged = not prologue_staged and describable
+    chosen = tiles or choose_tiles(
+        rows, n, k, multiprocessors=multiprocessors, describable=describable, unstaged=unstaged
+    )
     if swiglu:
         if not tiles:
             chosen = swiglu_tiles(chosen, rows, n, multiprocessors=multiprocessors)
