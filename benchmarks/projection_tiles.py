@@ -223,7 +223,7 @@ def _projections(shape_name: str) -> dict[str, Projection]:
 def _chosen(rows: int, proj: Projection) -> Tiles:
     """``choose_tiles``' choice as the lowering applies it (a SwiGLU projection's through
     :func:`swiglu_tiles`, a rotating one's through :func:`rotary_tiles`)."""
-    chosen = choose_tiles(rows, proj.n, proj.k)
+    chosen = choose_tiles(rows, proj.n, proj.k, unstaged=proj.bf16_input)
     if proj.ending == "rotary":
         return rotary_tiles(chosen, rows, proj.n, proj.k)
     return swiglu_tiles(chosen, rows, proj.n) if proj.ending == "swiglu" else chosen

@@ -535,7 +535,7 @@ UNSTAGED_SPLIT = 2
 """The most parts a narrow projection of up to 256 rows over 16-bit rows no launch staged splits its 128x128
 tiles into (to fill one wave) for it to take them (see :func:`choose_tiles`). Measured on an H100 at 256 rows
 (``benchmarks/projection_tiles.py --projections o``, docs/benchmarks.md): the 8B output projection (64 such
-tiles, two parts) gained 0.17 ms a decode step of 256 rows; the 1B one (32 tiles, four parts) ran 14.6 us
+tiles, two parts) gained 0.17 ms a decode step of 256 rows; the 1B one (32 tiles, four parts) ran 19.4 us
 against 11.2 for 64x128 tiles, and the whole step 0.15 ms slower."""
 
 _MAX_GRID_Y = 65535
