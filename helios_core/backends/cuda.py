@@ -672,9 +672,7 @@ class CudaBackend:
         if host is not None:
             host[...] = values
         if address is not None:
-            context = self._ctx
-            context.upload(address, values)
-            context.synchronize_context()  # a pageable upload may still be in flight when the call returns
+            self._ctx.upload(address, values)  # returns once the bytes are on the device
 
     # -- the host tier of cache pages -------------------------------------------------------------
     def reserve_host_pages(self, count: int) -> None:
@@ -944,7 +942,7 @@ class CudaBackend:
             self._programs[program.name] = [
                 self._build_graph(program, frame, functions) for frame in range(self._frames_count)
             ]
-        context.synchronize_context()  # uploads and memsets ran on the legacy stream
+        context.synchronize_context()  # nothing of the load left in flight on any stream
         self._run_tuning(execution)
 
     def _load_code(

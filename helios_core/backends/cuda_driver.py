@@ -257,13 +257,18 @@ class Context:
             check(self._cu.cuMemFreeHost(buffer.pointer), "cuMemFreeHost")
 
     def upload(self, pointer: int, data: npt.NDArray[Any] | bytes | bytearray | memoryview) -> None:
-        """Synchronous host-to-device copy of ``data``'s bytes to ``pointer``."""
+        """Synchronous host-to-device copy of ``data``'s bytes to ``pointer``: ordered on the context's stream
+        after the work enqueued there, and returning once the bytes are on the device. (``cuMemcpyHtoD`` from
+        pageable memory returns once the bytes are staged, before they land, on the legacy default stream,
+        which work on the context's non-blocking stream does not wait for: a kernel launched right after
+        could write its results before the copy's bytes overwrite them.)"""
         if isinstance(data, np.ndarray):
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         else:
             raw = np.frombuffer(data, dtype=np.uint8)
         if raw.nbytes:
-            check(self._cu.cuMemcpyHtoD(pointer, raw.ctypes.data, raw.nbytes), "cuMemcpyHtoD")
+            check(self._cu.cuMemcpyHtoDAsync(pointer, raw.ctypes.data, raw.nbytes, self.stream), "cuMemcpyHtoDAsync")
+            check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     def download(self, pointer: int, out: npt.NDArray[Any]) -> None:
         """Synchronous device-to-host copy into the C-contiguous array ``out``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from helios_core.backends import cuda_driver
@@ -31,7 +32,7 @@ class RecordingDriver:
 
 
 def _context(recording: RecordingDriver) -> Context:
-    context = object.__new__(Context)  # no device: only the attributes memset reads
+    context = object.__new__(Context)  # no device: only the attributes memset and upload read
     context._cu = recording
     context.stream = "context-stream"
     return context
@@ -64,3 +65,20 @@ def test_a_failed_memset_raises_naming_the_call(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(CudaError, match="cuMemsetD8Async failed: CUDA_ERROR_INVALID_VALUE"):
         _context(recording).memset(0x7F0000, 16)
     assert [call[0] for call in recording.calls] == ["cuMemsetD8Async"]
+
+
+def test_upload_copies_on_the_context_stream_and_returns_once_the_bytes_landed() -> None:
+    """An upload is ordered on the context's stream after the work enqueued there and waited for: a kernel
+    launched after it reads the bytes, and no kernel before it has its results overwritten once it returns
+    (a plain ``cuMemcpyHtoD`` from pageable memory runs on the legacy stream and may return before its bytes
+    land)."""
+    recording = RecordingDriver()
+    values = np.arange(6, dtype=np.float32)
+    _context(recording).upload(0x7F0000, values)
+    (copy, wait) = recording.calls
+    assert copy[0] == "cuMemcpyHtoDAsync" and copy[1] == 0x7F0000 and copy[3:] == (24, "context-stream")
+    assert copy[2] == values.ctypes.data
+    assert wait == ("cuStreamSynchronize", "context-stream")
+    recording.calls.clear()
+    _context(recording).upload(0x7F0000, b"")
+    assert recording.calls == []
