@@ -51,6 +51,7 @@ from ignition.kernels.lowering import LoweringContext, cdiv  # noqa: E402
 from ignition.recipes.synthetic import SHAPES  # noqa: E402
 
 from helios_core.backends.cuda_driver import Context, pack_params  # noqa: E402
+from helios_core.backends.reference_kernels import float32_to_bf16_bits  # noqa: E402
 from helios_core.wire import manifest_pb2 as mf  # noqa: E402
 
 
@@ -389,9 +390,9 @@ def _time_ours(cuda: Context, rows: int, proj: Projection, tiles: Tiles, copies:
     weights = [cuda.alloc(n * k * 2) for _ in range(copies)]
     rng = np.random.default_rng(0)
     inputs = rng.standard_normal(rows * (2 * k if gated else k)).astype(np.float32)
-    cuda.upload(x, (inputs.view(np.uint32) >> 16).astype(np.uint16) if proj.bf16_input else inputs)
+    cuda.upload(x, float32_to_bf16_bits(inputs) if proj.bf16_input else inputs)
     # one block of random bf16 values repeated over every copy: the copies only keep the weights out of L2
-    block = (rng.standard_normal(min(n * k, 1 << 20)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    block = float32_to_bf16_bits(rng.standard_normal(min(n * k, 1 << 20)))
     bits = np.resize(block, n * k)
     for w in weights:
         cuda.upload(w, bits)
