@@ -271,11 +271,14 @@ class Context:
             check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     def download(self, pointer: int, out: npt.NDArray[Any]) -> None:
-        """Synchronous device-to-host copy into the C-contiguous array ``out``."""
+        """Synchronous device-to-host copy into the C-contiguous array ``out``: ordered on the context's stream
+        after the work enqueued there (a ``cuMemcpyDtoH`` on the legacy default stream would not wait for it),
+        returning once the bytes are in ``out``."""
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("download needs a writable C-contiguous array")
         if out.nbytes:
-            check(self._cu.cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
+            check(self._cu.cuMemcpyDtoHAsync(out.ctypes.data, pointer, out.nbytes, self.stream), "cuMemcpyDtoHAsync")
+            check(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     def copy_to_host_async(self, host_pointer: int, device_pointer: int, nbytes: int) -> None:
         """Device-to-host copy of ``nbytes`` into page-locked host memory, enqueued on the context's stream

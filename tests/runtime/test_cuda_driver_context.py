@@ -32,7 +32,7 @@ class RecordingDriver:
 
 
 def _context(recording: RecordingDriver) -> Context:
-    context = object.__new__(Context)  # no device: only the attributes memset and upload read
+    context = object.__new__(Context)  # no device: only the attributes memset, upload and download read
     context._cu = recording
     context.stream = "context-stream"
     return context
@@ -81,4 +81,27 @@ def test_upload_copies_on_the_context_stream_and_returns_once_the_bytes_landed()
     assert wait == ("cuStreamSynchronize", "context-stream")
     recording.calls.clear()
     _context(recording).upload(0x7F0000, b"")
+    assert recording.calls == []
+
+
+def test_download_copies_on_the_context_stream_and_returns_once_the_bytes_arrived() -> None:
+    """A download is ordered on the context's stream after the work enqueued there and waited for: it reads
+    what a kernel launched before it wrote (a plain ``cuMemcpyDtoH`` runs on the legacy stream, which does
+    not wait for the context's non-blocking stream)."""
+    recording = RecordingDriver()
+    out = np.zeros(5, dtype=np.int64)
+    _context(recording).download(0x7F0000, out)
+    (copy, wait) = recording.calls
+    assert copy == ("cuMemcpyDtoHAsync", out.ctypes.data, 0x7F0000, 40, "context-stream")
+    assert wait == ("cuStreamSynchronize", "context-stream")
+    recording.calls.clear()
+    _context(recording).download(0x7F0000, np.zeros(0, dtype=np.int64))
+    assert recording.calls == []
+
+
+def test_download_refuses_an_array_it_cannot_write_in_place() -> None:
+    recording = RecordingDriver()
+    strided = np.zeros((4, 4), dtype=np.float32)[:, 1]
+    with pytest.raises(ValueError, match="writable C-contiguous"):
+        _context(recording).download(0x7F0000, strided)
     assert recording.calls == []
