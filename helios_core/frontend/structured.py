@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +229,15 @@ class GrammarCompiler:
     def mask_words(self) -> int:
         """Words of every mask this compiler's matchers produce."""
         return self._geometry.mask_words
+
+    def vocabulary_mask(self, excluding: Iterable[int] = ()) -> Mask:
+        """The sampled vocabulary without the ids ``excluding`` (read-only, in the matchers' layout); ids
+        outside the sampled vocabulary are never allowed anyway and are ignored."""
+        g = self._geometry
+        banned = [int(t) for t in excluding if 0 <= int(t) < g.sampled_size]
+        out: Mask = np.bitwise_and(g.keep, ~_bits(banned, g.mask_words)) if banned else g.keep.copy()
+        out.flags.writeable = False
+        return out
 
     @property
     def sampled_size(self) -> int:

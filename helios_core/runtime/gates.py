@@ -16,7 +16,12 @@ whose whole text the match swallowed has no piece (so no presentation, no logpro
 token stops. The text of an EOS id that ends the request is none: what a stop holds when the model
 ends is released by the gate's finish.
 
-A request with no stops and no structured output needs no gate in the worker (:func:`needs_gate`):
+A request's ``min_tokens`` holds back its ending ids and single-id token stops from its first that many
+tokens: they are taken out of the mask of those rounds (with its grammar's, if any; where a grammar
+allows nothing else, only an end, the grammar's mask stands), and no stop is looked for in the text or
+ids of those tokens.
+
+A request with no stops, no structured output and no ``min_tokens`` needs no gate in the worker (:func:`needs_gate`):
 detokenizing its tokens decides nothing about its next round, so its request stream detokenizes
 them as its reader reads them (:class:`StreamText`), with the same text and pieces a gate gives.
 
@@ -50,7 +55,7 @@ from helios_core.frontend.detokenizer import (
 )
 from helios_core.frontend.formats import ToolCallFormat, parse_prepared_format
 from helios_core.frontend.stops import StringStopMatcher, TokenStopMatcher
-from helios_core.frontend.structured import Grammar, GrammarCompiler, GrammarError, GrammarMatcher
+from helios_core.frontend.structured import Grammar, GrammarCompiler, GrammarError, GrammarMatcher, Mask
 from helios_core.runtime.messages import Finished, Piece, PreparedRequest, TokenEvent
 from helios_core.wire import contract_pb2 as ct
 
@@ -63,10 +68,11 @@ def gate_failure(exc: BaseException) -> str:
 
 
 def format_param(request: PreparedRequest) -> str:
-    """The request field a failure of ``request``'s structured-output format belongs to: ``tools`` for a
-    forced tool call (``tool_choice``), else ``response_format``."""
+    """The request field a failure of ``request``'s output constraints belongs to: ``tools`` for a forced
+    tool call (``tool_choice``), ``min_tokens`` for a request whose only constraint that is, else
+    ``response_format``."""
     if request.response_format is None:
-        return "response_format"
+        return "min_tokens" if request.min_tokens > 0 and request.grammar is None else "response_format"
     try:
         prepared = parse_prepared_format(request.response_format)
     except Exception:  # an unreadable format is the response format's fault
@@ -104,14 +110,24 @@ class TextlessIds:
 
 
 def needs_gate(request: PreparedRequest) -> bool:
-    """Whether ``request`` has host work in the worker: stops or a structured-output format. Without
-    them a gate would only detokenize, which its stream does instead (:class:`StreamText`)."""
+    """Whether ``request`` has host work in the worker: stops, a structured-output format or a minimum
+    output length. Without them a gate would only detokenize, which its stream does instead
+    (:class:`StreamText`)."""
     return bool(
         request.string_stops
         or request.token_stops
         or request.response_format is not None
         or request.grammar is not None
+        or request.min_tokens > 0
     )
+
+
+def held_back_ids(request: PreparedRequest, ends: frozenset[int]) -> frozenset[int]:
+    """The ids ``request``'s first ``min_tokens`` tokens may not be: its :func:`ending_ids` ``ends`` and its
+    single-id token stops (``stop_token_ids``); empty without ``min_tokens``."""
+    if request.min_tokens <= 0:
+        return frozenset()
+    return ends | {sequence[0] for sequence in request.token_stops if len(sequence) == 1}
 
 
 class StreamText:
@@ -255,7 +271,25 @@ class HostGate:
             if not isinstance(grammar, Grammar) or not grammar_compiler.owns(grammar):
                 raise ValueError("the request's grammar was not compiled by this engine's grammar compiler")
             self._grammar = grammar.matcher()
-        self.holds_rounds = self._grammar is not None or self._string_stops is not None or self._token_stops is not None
+        self._min_tokens = request.min_tokens
+        self._produced = 0
+        """Tokens observed so far (every sampled token, whether presented or not)."""
+        self._held_back_mask: Mask | None = None
+        """The sampled vocabulary without :func:`held_back_ids`, while fewer than ``min_tokens`` were produced."""
+        self._everything: Mask | None = None
+        """The whole sampled vocabulary (a position past ``min_tokens`` of a request with no grammar)."""
+        held_back = held_back_ids(request, ends)
+        if held_back:
+            if grammar_compiler is None:
+                raise ValueError("min_tokens needs a grammar compiler (the token mask of each round)")
+            self._held_back_mask = grammar_compiler.vocabulary_mask(held_back)
+            self._everything = grammar_compiler.vocabulary_mask()
+        self.holds_rounds = (
+            self._grammar is not None
+            or self._string_stops is not None
+            or self._token_stops is not None
+            or self._held_back_mask is not None
+        )
         """Whether this request must keep one outstanding round (host-fed decisions)."""
         self._ends = ends
         self.text: Callable[[int], str] = _text_of(self._detokenizer.push, silent | ends)
@@ -263,7 +297,26 @@ class HostGate:
 
     @property
     def constrained(self) -> bool:
-        return self._grammar is not None
+        """Whether the next round samples under a mask: a grammar, or ids held back until ``min_tokens``."""
+        return self._grammar is not None or self._holding_back(0)
+
+    def _holding_back(self, ahead: int) -> bool:
+        """Whether the token ``ahead`` positions after the next one is still among the first ``min_tokens``."""
+        return self._held_back_mask is not None and self._produced + ahead < self._min_tokens
+
+    def _with_held_back(self, mask: Mask | None, ahead: int) -> Mask | None:
+        """``mask`` (None: every id) for the token ``ahead`` positions after the next one, the held-back ids
+        taken out while the request is short of ``min_tokens``. Where a grammar leaves nothing else (it
+        allows only an end here), the grammar's mask stands: the output must still parse."""
+        if not self._holding_back(ahead) or self._held_back_mask is None:
+            return mask
+        if mask is None:
+            return self._held_back_mask
+        narrowed: Mask = np.bitwise_and(mask, self._held_back_mask)
+        if not narrowed.any():
+            return mask
+        narrowed.flags.writeable = False
+        return narrowed
 
     @property
     def plain(self) -> bool:
@@ -271,8 +324,9 @@ class HostGate:
         return not self.holds_rounds
 
     def mask(self) -> npt.NDArray[np.int32] | None:
-        """The grammar mask of the next round, or None when unconstrained."""
-        return None if self._grammar is None else self._grammar.mask()
+        """The mask of the next round (the grammar's, without the ids ``min_tokens`` holds back), or None
+        when unconstrained."""
+        return self._with_held_back(None if self._grammar is None else self._grammar.mask(), 0)
 
     def masks_along(self, candidates: Sequence[int]) -> list[npt.NDArray[np.int32]]:
         """The grammar masks of a speculative round offering ``candidates`` after the pending token.
@@ -280,20 +334,40 @@ class HostGate:
         Position ``j`` samples under ``masks[j]``: the mask of the next round after the grammar accepted
         ``candidates[:j]`` (``masks[0]`` is :meth:`mask`). The list stops at the first candidate the
         grammar does not allow there (or an EOS id), so ``len(masks) - 1`` candidates may be offered.
-        Empty when the request has no grammar. The request's grammar state is unchanged: only
-        :meth:`observe` advances it, on the tokens the round emits.
+        Empty when the request is not :attr:`constrained`. While the request is short of ``min_tokens``
+        the masks of those positions leave out the held-back ids, and the list also stops at a candidate
+        held back where it stands. The request's grammar state is unchanged: only :meth:`observe`
+        advances it, on the tokens the round emits.
         """
-        if self._grammar is None:
+        if not self.constrained:
             return []
-        return self._grammar.masks_along(candidates)
+        if self._grammar is not None:
+            along: list[Mask | None] = list(self._grammar.masks_along(candidates))
+        else:
+            along = [None] * (len(candidates) + 1)
+        masks: list[Mask] = []
+        for ahead, mask in enumerate(along):
+            narrowed = self._with_held_back(mask, ahead)
+            if narrowed is None:  # past min_tokens without a grammar: every id
+                narrowed = self._everything
+            if narrowed is None:
+                break
+            masks.append(narrowed)
+            if ahead < len(along) - 1:
+                token = int(candidates[ahead])
+                if not (int(masks[-1][token >> 5]) >> (token & 31)) & 1:
+                    break
+        return masks
 
     def observe(self, token_id: int) -> GateOutcome:
         """Advance every gate by one sampled token."""
         if self._grammar is not None:
             self._grammar.advance(token_id)
+        self._produced += 1
+        stops_apply = self._produced > self._min_tokens  # no stop is looked for in the first min_tokens
         released = [token_id]
         outcome = GateOutcome()
-        if self._token_stops is not None:
+        if self._token_stops is not None and stops_apply:
             result = self._token_stops.feed(token_id)
             released = list(result.released)
             outcome.stopped = result.matched
@@ -303,7 +377,7 @@ class HostGate:
                 outcome.pieces.append((presented, ""))
                 continue
             text = self.text(presented)
-            if self._string_stops is None or outcome.stopped:
+            if self._string_stops is None or outcome.stopped or not stops_apply:
                 outcome.pieces.append((presented, text))
                 continue
             self._held.add(presented, text)

@@ -81,6 +81,9 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     max_tokens: int
     sampling: SamplingParams
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """The first this many output tokens are never an EOS id or a single-id token stop (they are masked out
+    where they would be sampled), and no stop is looked for in them (vLLM-style)."""
     skip_special_tokens: bool = True
     """Generated special tokens that are no part of the core's output syntax have no text (vLLM-style)."""
     string_stops: list[str] = []

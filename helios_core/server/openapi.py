@@ -167,6 +167,7 @@ _REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "n": _narrow("integer", minimum=1, maximum=MAX_CHOICES),
     "max_tokens": _narrow("integer", minimum=1),
     "max_completion_tokens": _narrow("integer", minimum=1),
+    "min_tokens": _narrow("integer", minimum=0),
     **{name: _sampling_range(name) for name in SAMPLING_RANGES},
     "top_logprobs": _narrow("integer", minimum=0),
     "prompt_logprobs": _narrow("integer", minimum=0, maximum=0),
@@ -207,6 +208,8 @@ _REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
 _DESCRIPTIONS = {
     "stop": f"At most {MAX_STRING_STOP_BYTES} UTF-8 bytes in all; not with token stops or response_format.",
     "stop_token_ids": "Vocabulary ids of the served core.",
+    "min_tokens": "vLLM-style; the first this many output tokens are never EOS or a stop_token_ids id, and no stop "
+    "is looked for in them. At most the request's output limit.",
     "top_logprobs": "Requires logprobs: true; at most the served core's limit.",
     "stream_options": "Only with stream: true.",
     "return_token_timestamps": "Requires return_token_ids: true.",

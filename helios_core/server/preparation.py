@@ -670,6 +670,19 @@ def _output_limit(frontend: Frontend, explicit: int | None, field: str, prompt_t
     return max(min(frontend.bootstrap.max_output_tokens, frontend.context_tokens - prompt_tokens), 1)
 
 
+def _min_tokens(requested: int | None, limit: int, limit_field: str | None) -> int:
+    """The request's ``min_tokens`` (0 when absent): at least 0 and at most the output ``limit`` (a 400
+    naming ``min_tokens`` otherwise); ``limit_field`` is the field that set the limit, None for the default."""
+    if requested is None:
+        return 0
+    if requested < 0:
+        raise InvalidRequest(f"min_tokens must be at least 0, not {requested}", "min_tokens")
+    if requested > limit:
+        source = f"{limit_field}={limit}" if limit_field is not None else f"the default output limit of {limit} tokens"
+        raise InvalidRequest(f"min_tokens={requested} exceeds {source}", "min_tokens")
+    return requested
+
+
 def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str) -> Prepared:
     """Validate and prepare ``request`` (runs on a preparation thread)."""
     _check_unsupported(request)
@@ -748,12 +761,21 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
 
     observe_ids = bool(request.return_token_ids)
     observe_times = bool(request.return_token_timestamps)
+    max_tokens = _max_tokens(frontend, request, len(prompt_ids))
+    limit_field = (
+        "max_completion_tokens"
+        if request.max_completion_tokens is not None
+        else "max_tokens"
+        if request.max_tokens is not None
+        else None
+    )
     prepared = PreparedRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
-        max_tokens=_max_tokens(frontend, request, len(prompt_ids)),
+        max_tokens=max_tokens,
         sampling=sampling,
         ignore_eos=bool(request.ignore_eos),
+        min_tokens=_min_tokens(request.min_tokens, max_tokens, limit_field),
         skip_special_tokens=request.skip_special_tokens is not False,
         string_stops=string_stops,
         token_stops=token_stops,
@@ -1129,12 +1151,16 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
     string_stops, token_stops = _request_stops(frontend, request)
     with _naming_field("stop"):
         check_stop_compatibility(string_stops, token_stops, False)
+    max_tokens = _output_limit(frontend, request.max_tokens, "max_tokens", len(prompt_ids))
     prepared = PreparedRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
-        max_tokens=_output_limit(frontend, request.max_tokens, "max_tokens", len(prompt_ids)),
+        max_tokens=max_tokens,
         sampling=sampling,
         ignore_eos=bool(request.ignore_eos),
+        min_tokens=_min_tokens(
+            request.min_tokens, max_tokens, "max_tokens" if request.max_tokens is not None else None
+        ),
         skip_special_tokens=request.skip_special_tokens is not False,
         string_stops=string_stops,
         token_stops=token_stops,

@@ -213,6 +213,9 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     stop_token_ids: list[int] | None = None
     stop_token_sequences: list[list[int]] | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    """vLLM-style: the first this many output tokens are never EOS or a ``stop_token_ids`` id, and no stop
+    is looked for in them; at most the output limit."""
     prompt_logprobs: int | None = None
     """vLLM-style: 0 returns each prompt token's logprob given its prefix; alternatives (> 0) are refused."""
     add_generation_prompt: bool | None = None
@@ -252,6 +255,8 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     stop_token_ids: list[int] | None = None
     stop_token_sequences: list[list[int]] | None = None
     ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    """As on chat."""
     skip_special_tokens: bool | None = None
     """vLLM-style: false presents generated special tokens that no output syntax spells (absent: true)."""
     # output shape

@@ -239,3 +239,33 @@ def test_constrained_requests_speculate_and_serve_the_constrained_decode_output(
     arguments = json.loads(call.removeprefix("<tool_call>").removesuffix("</tool_call>"))
     assert arguments["name"] == "record" and len(arguments["arguments"]) == 4
     assert constrained["offers"] > 0 and constrained["accepted"] > 0  # the constrained lanes speculated
+
+
+def test_min_tokens_requests_speculate_and_serve_their_output_without_speculation(serve: object) -> None:
+    """Lanes short of ``min_tokens`` speculate under the mask of each position (the held-back stop id and
+    the EOS ids left out) and serve exactly the tokens of plain decode."""
+    free = _outputs(serve(), _work(GREEDY))  # type: ignore[operator]
+    stop = free["r0"][2][0]  # type: ignore[index]
+    work = [
+        PreparedRequest(f"m{i}", prompt, 40, GREEDY, min_tokens=12, token_stops=[[stop]])  # type: ignore[arg-type]
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    expected = _outputs(serve(), work)  # type: ignore[operator]
+    drafting = serve(history_drafting=True)  # type: ignore[operator]
+    backend = drafting.engine.model.backend
+    original_run = backend.run
+    constrained_offers = [0]
+
+    def record(program: str, frame: int) -> None:
+        original_run(program, frame)
+        if program.startswith("speculative"):
+            flags = backend.transport(frame)["constrained"].reshape(-1).astype(bool)
+            offers = backend.completion(frame)[mf.COMPLETION_FIELD_OFFERS].reshape(-1)
+            constrained_offers[0] += int(offers[flags].sum())
+
+    backend.run = record  # type: ignore[method-assign]
+    assert _outputs(drafting, work) == expected
+    assert constrained_offers[0] > 0  # lanes short of min_tokens were offered proposals
+    first = [event[0] for event in expected["m0"] if isinstance(event, tuple)]
+    assert first[:2] == [event[0] for event in free["r0"][:2]]  # type: ignore[index]
+    assert stop not in first[:12] and len(first) > 12

@@ -250,3 +250,55 @@ def test_models_and_health(served: Served) -> None:
     schema = httpx.get(served.base_url + "/schema/openapi.json").json()
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert "messages" in body["content"]["application/json"]["schema"]["properties"]
+
+
+def test_min_tokens_holds_back_the_stop_ids_from_the_first_tokens(served: Served) -> None:
+    """vLLM's ``min_tokens``: a ``stop_token_ids`` id is never among the first ``min_tokens`` tokens (it is
+    masked out where it would be sampled), and may end the output after them."""
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    ids = chat(served.base_url, **greedy).json()["choices"][0]["token_ids"]
+    target = ids[1]
+    first = ids.index(target)
+    stopped = chat(served.base_url, **greedy, stop_token_ids=[target]).json()["choices"][0]
+    assert stopped["token_ids"] == ids[: first + 1] and stopped["finish_reason"] == "stop"
+    held = chat(served.base_url, **greedy, stop_token_ids=[target], min_tokens=first + 3).json()["choices"][0]
+    produced = held["token_ids"]
+    assert produced[:first] == ids[:first]  # the same greedy tokens until the held-back id would come
+    assert len(produced) >= first + 3 and target not in produced[: first + 3]
+    if held["finish_reason"] == "stop":  # a later occurrence may end it, past min_tokens
+        assert produced.index(target) == len(produced) - 1
+    else:
+        assert held["finish_reason"] == "length" and len(produced) == 12 and target not in produced
+
+
+def test_min_tokens_holds_back_the_end_of_sequence(served: Served) -> None:
+    """An integer answer may end after any digit: the first ``min_tokens`` tokens are never the EOS id,
+    the answer still parses, and the EOS id may come once they are out."""
+    number = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+    sampled = {"max_tokens": 12, "temperature": 1.0, "return_token_ids": True, "response_format": number}
+    ends = [chat(served.base_url, **sampled, seed=seed).json()["choices"][0]["token_ids"] for seed in range(4)]
+    eos = ends[0][-1]
+    assert min(len(ids) for ids in ends) <= 3 and all(ids[-1] == eos for ids in ends)  # an early end exists
+    for minimum in (3, 6):
+        for seed in range(4):
+            choice = chat(served.base_url, **sampled, seed=seed, min_tokens=minimum).json()["choices"][0]
+            ids = choice["token_ids"]
+            assert len(ids) > minimum and eos not in ids[:minimum], (minimum, seed, ids)
+            assert isinstance(json.loads(choice["message"]["content"]), int)
+            assert choice["finish_reason"] == ("stop" if ids[-1] == eos else "length")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens=5 exceeds max_tokens=4"),
+        ({"max_completion_tokens": 3, "min_tokens": 4}, "min_tokens=4 exceeds max_completion_tokens=3"),
+        ({"min_tokens": 10_000}, "min_tokens=10000 exceeds the default output limit of"),
+        ({"min_tokens": -1}, "min_tokens must be at least 0, not -1"),
+    ],
+)
+def test_min_tokens_beyond_the_output_limit_is_400(served: Served, body: dict[str, int], message: str) -> None:
+    response = chat(served.base_url, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "min_tokens" and error["message"].startswith(message), error

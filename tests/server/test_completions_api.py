@@ -497,3 +497,19 @@ def test_observation_refusals(served: Served, body: dict[str, Any], param: str, 
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
     assert words in response.json()["error"]["message"]
+
+
+def test_min_tokens_as_for_chat(served: Served) -> None:
+    """``min_tokens`` holds a ``stop_token_ids`` id back from the first tokens, as on chat, and is a 400
+    naming it past the output limit."""
+    greedy: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "return_token_ids": True, **LONG}
+    ids = completions(served, prompt=RENDERED_HI, **greedy).json()["choices"][0]["token_ids"]
+    target = ids[1]
+    first = ids.index(target)
+    held = completions(served, prompt=RENDERED_HI, **greedy, stop_token_ids=[target], min_tokens=first + 2)
+    assert held.status_code == 200, held.text
+    produced = held.json()["choices"][0]["token_ids"]
+    assert produced[:first] == ids[:first] and target not in produced[: first + 2] and len(produced) >= first + 2
+    beyond = completions(served, prompt="x", max_tokens=2, min_tokens=3)
+    assert beyond.status_code == 400 and beyond.json()["error"]["param"] == "min_tokens"
+    assert beyond.json()["error"]["message"] == "min_tokens=3 exceeds max_tokens=2"

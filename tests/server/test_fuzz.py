@@ -227,6 +227,7 @@ _FIELDS = (
     "n", "stop", "stream", "stream_options", "response_format", "tools", "tool_choice", "logprobs", "top_logprobs",
     "logit_bias", "stop_token_ids", "stop_token_sequences", "ignore_eos", "return_token_ids",
     "return_token_timestamps", "repetition_penalty", "frequency_penalty", "presence_penalty", "metadata",
+    "min_tokens",
 )  # fmt: skip
 
 

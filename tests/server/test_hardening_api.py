@@ -164,6 +164,7 @@ OUTSIDE_THE_SCHEMA: list[tuple[str, object, str]] = [
     ("n", 0, "minimum"),
     ("max_tokens", 0, "minimum"),
     ("max_completion_tokens", 0, "minimum"),
+    ("min_tokens", -1, "minimum"),
     ("temperature", -0.5, "minimum"),
     ("top_p", 0, "exclusiveMinimum"),
     ("top_p", 1.5, "maximum"),
