@@ -230,12 +230,16 @@ class GrammarCompiler:
         """Words of every mask this compiler's matchers produce."""
         return self._geometry.mask_words
 
-    def vocabulary_mask(self, excluding: Iterable[int] = ()) -> Mask:
-        """The sampled vocabulary without the ids ``excluding`` (read-only, in the matchers' layout); ids
-        outside the sampled vocabulary are never allowed anyway and are ignored."""
+    def vocabulary_mask(self, excluding: Iterable[int] = (), *, only: Iterable[int] | None = None) -> Mask:
+        """The sampled vocabulary (or the ids ``only`` of it) without the ids ``excluding``, read-only, in
+        the matchers' layout; ids outside the sampled vocabulary are never allowed anyway and are ignored."""
         g = self._geometry
+        out: Mask = g.keep.copy()
+        if only is not None:
+            np.bitwise_and(out, _bits([int(t) for t in only if 0 <= int(t) < g.sampled_size], g.mask_words), out=out)
         banned = [int(t) for t in excluding if 0 <= int(t) < g.sampled_size]
-        out: Mask = np.bitwise_and(g.keep, ~_bits(banned, g.mask_words)) if banned else g.keep.copy()
+        if banned:
+            np.bitwise_and(out, ~_bits(banned, g.mask_words), out=out)
         out.flags.writeable = False
         return out
 

@@ -21,7 +21,12 @@ tokens: they are taken out of the mask of those rounds (with its grammar's, if a
 allows nothing else, only an end, the grammar's mask stands), and no stop is looked for in the text or
 ids of those tokens.
 
-A request with no stops, no structured output and no ``min_tokens`` needs no gate in the worker (:func:`needs_gate`):
+A request's ``logit_bias`` (``banned_ids``, ``only_ids``) narrows the mask of every round the same way (a
+narrowing that would leave no id is skipped, so a grammar's output still parses, and an end given 100
+stays allowed under ``min_tokens``).
+
+A request with no stops, no structured output, no ``min_tokens`` and no ``logit_bias`` needs no gate in the
+worker (:func:`needs_gate`):
 detokenizing its tokens decides nothing about its next round, so its request stream detokenizes
 them as its reader reads them (:class:`StreamText`), with the same text and pieces a gate gives.
 
@@ -71,8 +76,12 @@ def format_param(request: PreparedRequest) -> str:
     """The request field a failure of ``request``'s output constraints belongs to: ``tools`` for a forced
     tool call (``tool_choice``), ``min_tokens`` for a request whose only constraint that is, else
     ``response_format``."""
+    if request.response_format is None and request.grammar is None:
+        if request.banned_ids or request.only_ids:
+            return "logit_bias"
+        return "min_tokens" if request.min_tokens > 0 else "response_format"
     if request.response_format is None:
-        return "min_tokens" if request.min_tokens > 0 and request.grammar is None else "response_format"
+        return "response_format"
     try:
         prepared = parse_prepared_format(request.response_format)
     except Exception:  # an unreadable format is the response format's fault
@@ -110,15 +119,17 @@ class TextlessIds:
 
 
 def needs_gate(request: PreparedRequest) -> bool:
-    """Whether ``request`` has host work in the worker: stops, a structured-output format or a minimum
-    output length. Without them a gate would only detokenize, which its stream does instead
-    (:class:`StreamText`)."""
+    """Whether ``request`` has host work in the worker: stops, a structured-output format, a minimum
+    output length or a ``logit_bias``. Without them a gate would only detokenize, which its stream does
+    instead (:class:`StreamText`)."""
     return bool(
         request.string_stops
         or request.token_stops
         or request.response_format is not None
         or request.grammar is not None
         or request.min_tokens > 0
+        or request.banned_ids
+        or request.only_ids
     )
 
 
@@ -276,19 +287,26 @@ class HostGate:
         """Tokens observed so far (every sampled token, whether presented or not)."""
         self._held_back_mask: Mask | None = None
         """The sampled vocabulary without :func:`held_back_ids`, while fewer than ``min_tokens`` were produced."""
+        self._bias_mask: Mask | None = None
+        """The ids ``logit_bias`` leaves (``only_ids``, else the sampled vocabulary, without ``banned_ids``)."""
         self._everything: Mask | None = None
-        """The whole sampled vocabulary (a position past ``min_tokens`` of a request with no grammar)."""
+        """The whole sampled vocabulary (a position of a request with no grammar that nothing else narrows)."""
         held_back = held_back_ids(request, ends)
-        if held_back:
+        if held_back or request.banned_ids or request.only_ids:
             if grammar_compiler is None:
-                raise ValueError("min_tokens needs a grammar compiler (the token mask of each round)")
-            self._held_back_mask = grammar_compiler.vocabulary_mask(held_back)
+                field = "min_tokens" if held_back else "logit_bias"
+                raise ValueError(f"{field} needs a grammar compiler (the token mask of each round)")
             self._everything = grammar_compiler.vocabulary_mask()
+            if held_back:
+                self._held_back_mask = grammar_compiler.vocabulary_mask(held_back)
+            if request.banned_ids or request.only_ids:
+                self._bias_mask = grammar_compiler.vocabulary_mask(request.banned_ids, only=request.only_ids or None)
         self.holds_rounds = (
             self._grammar is not None
             or self._string_stops is not None
             or self._token_stops is not None
             or self._held_back_mask is not None
+            or self._bias_mask is not None
         )
         """Whether this request must keep one outstanding round (host-fed decisions)."""
         self._ends = ends
@@ -297,26 +315,32 @@ class HostGate:
 
     @property
     def constrained(self) -> bool:
-        """Whether the next round samples under a mask: a grammar, or ids held back until ``min_tokens``."""
-        return self._grammar is not None or self._holding_back(0)
+        """Whether the next round samples under a mask: a grammar, ``logit_bias``, or ids held back until
+        ``min_tokens``."""
+        return self._grammar is not None or self._bias_mask is not None or self._holding_back(0)
 
     def _holding_back(self, ahead: int) -> bool:
         """Whether the token ``ahead`` positions after the next one is still among the first ``min_tokens``."""
         return self._held_back_mask is not None and self._produced + ahead < self._min_tokens
 
-    def _with_held_back(self, mask: Mask | None, ahead: int) -> Mask | None:
-        """``mask`` (None: every id) for the token ``ahead`` positions after the next one, the held-back ids
-        taken out while the request is short of ``min_tokens``. Where a grammar leaves nothing else (it
-        allows only an end here), the grammar's mask stands: the output must still parse."""
-        if not self._holding_back(ahead) or self._held_back_mask is None:
-            return mask
-        if mask is None:
-            return self._held_back_mask
-        narrowed: Mask = np.bitwise_and(mask, self._held_back_mask)
-        if not narrowed.any():
-            return mask
-        narrowed.flags.writeable = False
-        return narrowed
+    def _narrowed(self, mask: Mask | None, ahead: int) -> Mask | None:
+        """The grammar's ``mask`` (None: every id) for the token ``ahead`` positions after the next one,
+        narrowed in turn to the ids ``logit_bias`` leaves and, while the request is short of ``min_tokens``,
+        without the held-back ids. A narrowing that would leave no id is skipped: the grammar's output must
+        still parse (where it allows only an end, the end stands), and ``logit_bias`` outranks
+        ``min_tokens`` (an end given 100 stays allowed)."""
+        held_back = self._held_back_mask if self._holding_back(ahead) else None
+        for narrowing in (self._bias_mask, held_back):
+            if narrowing is None:
+                continue
+            if mask is None:
+                mask = narrowing
+                continue
+            both: Mask = np.bitwise_and(mask, narrowing)
+            if both.any():
+                both.flags.writeable = False
+                mask = both
+        return mask
 
     @property
     def plain(self) -> bool:
@@ -324,9 +348,9 @@ class HostGate:
         return not self.holds_rounds
 
     def mask(self) -> npt.NDArray[np.int32] | None:
-        """The mask of the next round (the grammar's, without the ids ``min_tokens`` holds back), or None
+        """The mask of the next round (the grammar's, narrowed by ``logit_bias`` and ``min_tokens``), or None
         when unconstrained."""
-        return self._with_held_back(None if self._grammar is None else self._grammar.mask(), 0)
+        return self._narrowed(None if self._grammar is None else self._grammar.mask(), 0)
 
     def masks_along(self, candidates: Sequence[int]) -> list[npt.NDArray[np.int32]]:
         """The grammar masks of a speculative round offering ``candidates`` after the pending token.
@@ -334,10 +358,10 @@ class HostGate:
         Position ``j`` samples under ``masks[j]``: the mask of the next round after the grammar accepted
         ``candidates[:j]`` (``masks[0]`` is :meth:`mask`). The list stops at the first candidate the
         grammar does not allow there (or an EOS id), so ``len(masks) - 1`` candidates may be offered.
-        Empty when the request is not :attr:`constrained`. While the request is short of ``min_tokens``
-        the masks of those positions leave out the held-back ids, and the list also stops at a candidate
-        held back where it stands. The request's grammar state is unchanged: only :meth:`observe`
-        advances it, on the tokens the round emits.
+        Empty when the request is not :attr:`constrained`. Each position's mask is narrowed as
+        :meth:`mask` is (``logit_bias``; the held-back ids while the request is short of ``min_tokens``
+        there), and the list also stops at a candidate that mask does not allow. The request's grammar
+        state is unchanged: only :meth:`observe` advances it, on the tokens the round emits.
         """
         if not self.constrained:
             return []
@@ -347,8 +371,8 @@ class HostGate:
             along = [None] * (len(candidates) + 1)
         masks: list[Mask] = []
         for ahead, mask in enumerate(along):
-            narrowed = self._with_held_back(mask, ahead)
-            if narrowed is None:  # past min_tokens without a grammar: every id
+            narrowed = self._narrowed(mask, ahead)
+            if narrowed is None:  # past min_tokens without a grammar or logit_bias: every id
                 narrowed = self._everything
             if narrowed is None:
                 break

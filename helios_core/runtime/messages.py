@@ -84,6 +84,10 @@ class PreparedRequest(msgspec.Struct, frozen=True, omit_defaults=True, gc=False)
     min_tokens: int = 0
     """The first this many output tokens are never an EOS id or a single-id token stop (they are masked out
     where they would be sampled), and no stop is looked for in them (vLLM-style)."""
+    banned_ids: list[int] = []
+    """Ids never sampled (``logit_bias`` -100): masked out of every round."""
+    only_ids: list[int] = []
+    """When not empty, the only ids sampled (``logit_bias`` 100): every other id is masked out of every round."""
     skip_special_tokens: bool = True
     """Generated special tokens that are no part of the core's output syntax have no text (vLLM-style)."""
     string_stops: list[str] = []

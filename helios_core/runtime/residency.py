@@ -163,6 +163,13 @@ class Residency:
             unpackable = self.sampling_limits.problem(sampling)
             if unpackable is not None:  # preparation refuses these; a request from elsewhere may still hold one
                 problem = unpackable[1], unpackable[0]
+        if (
+            problem is None
+            and self.make_gate is None
+            and (request.min_tokens > 0 or request.banned_ids or request.only_ids)
+        ):
+            # a round mask needs a gate, which an engine without a tokenizer never makes
+            problem = ("an engine without a tokenizer masks no tokens", format_param(request))
         if problem is None:
             exact = _exact_sampling(sampling)
             if isinstance(exact, tuple):

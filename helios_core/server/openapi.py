@@ -45,7 +45,15 @@ from helios_core.frontend.stops import (
     MAX_STRING_STOP_BYTES,
     MAX_STRING_STOPS,
 )
-from helios_core.server.schemas import MAX_CHOICES, MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
+from helios_core.server.schemas import (
+    LOGIT_BIAS_BAN,
+    LOGIT_BIAS_ONLY,
+    MAX_CHOICES,
+    MAX_JSON_DEPTH,
+    MAX_LOGIT_BIAS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 __all__ = [
     "ChatOperation",
@@ -189,7 +197,12 @@ _REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "store": _narrow("boolean", enum=[False]),
     "service_tier": _narrow("string", enum=["auto", "default"]),
     "modalities": _narrow("array", minItems=1, maxItems=1, items={"enum": ["text"]}),
-    "logit_bias": _narrow("object", maxProperties=0),
+    "logit_bias": _narrow(
+        "object",
+        maxProperties=MAX_LOGIT_BIAS,
+        propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"enum": [int(LOGIT_BIAS_BAN), 0, int(LOGIT_BIAS_ONLY)]},
+    ),
     **{
         name: _null_only
         for name in (
@@ -208,6 +221,8 @@ _REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
 _DESCRIPTIONS = {
     "stop": f"At most {MAX_STRING_STOP_BYTES} UTF-8 bytes in all; not with token stops or response_format.",
     "stop_token_ids": "Vocabulary ids of the served core.",
+    "logit_bias": "Token ids of the served core: -100 never samples the token, 100 samples only among the tokens "
+    "given 100, 0 changes nothing; other values are refused (sampling takes a mask, not an added bias).",
     "min_tokens": "vLLM-style; the first this many output tokens are never EOS or a stop_token_ids id, and no stop "
     "is looked for in them. At most the request's output limit.",
     "top_logprobs": "Requires logprobs: true; at most the served core's limit.",
@@ -258,6 +273,7 @@ _COMPLETION_REFUSALS: dict[str, Callable[[dict[str, Any]], None]] = {
     "stop_token_ids": _REFUSALS["stop_token_ids"],
     "stop_token_sequences": _REFUSALS["stop_token_sequences"],
     "logit_bias": _REFUSALS["logit_bias"],
+    "min_tokens": _REFUSALS["min_tokens"],
     "suffix": _null_only,
     "prompt_logprobs": _REFUSALS["prompt_logprobs"],
 }
@@ -268,6 +284,8 @@ _COMPLETION_DESCRIPTIONS = {
     "logprobs": "Top alternatives per token (legacy form), at most the served core's limit; with echo only 0.",
     "stop": _DESCRIPTIONS["stop"].replace(" or response_format", ""),
     "stop_token_ids": _DESCRIPTIONS["stop_token_ids"],
+    "logit_bias": _DESCRIPTIONS["logit_bias"],
+    "min_tokens": _DESCRIPTIONS["min_tokens"],
     "stream_options": _DESCRIPTIONS["stream_options"],
     "return_token_timestamps": _DESCRIPTIONS["return_token_timestamps"],
 }

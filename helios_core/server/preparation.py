@@ -93,6 +93,9 @@ from helios_core.server.errors import AdmissionRefused, InvalidRequest
 from helios_core.server.image_input import ImageLimits, decode_image_url
 from helios_core.server.images import ImageFrontend
 from helios_core.server.schemas import (
+    LOGIT_BIAS_BAN,
+    LOGIT_BIAS_ONLY,
+    MAX_LOGIT_BIAS,
     AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
@@ -683,6 +686,38 @@ def _min_tokens(requested: int | None, limit: int, limit_field: str | None) -> i
     return requested
 
 
+def _logit_bias(frontend: Frontend, bias: dict[str, float] | None) -> tuple[list[int], list[int]]:
+    """(the ids a request's ``logit_bias`` bans, the ids it samples among alone), each ascending.
+
+    -100 never samples a token and 100 samples only among the tokens given 100, as OpenAI describes the
+    two ends; 0 changes nothing. Sampling takes a mask, not an added bias, so any other value is a 400
+    naming ``logit_bias``, as are keys that are not ids of the core's sampled vocabulary."""
+    if not bias:
+        return [], []
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias names {len(bias)} tokens; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    banned: list[int] = []
+    only: list[int] = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdecimal() else -1
+        if not 0 <= token < frontend.sampled_size:
+            raise InvalidRequest(
+                f"logit_bias key {key!r} is not a token id of this core's vocabulary [0, {frontend.sampled_size})",
+                "logit_bias",
+            )
+        if value == LOGIT_BIAS_BAN:
+            banned.append(token)
+        elif value == LOGIT_BIAS_ONLY:
+            only.append(token)
+        elif value != 0.0:
+            raise InvalidRequest(
+                f"logit_bias value {value!r} for token {token} is not supported: -100 never samples a token, "
+                "100 samples only among the tokens given 100, 0 changes nothing",
+                "logit_bias",
+            )
+    return sorted(banned), sorted(only)
+
+
 def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str) -> Prepared:
     """Validate and prepare ``request`` (runs on a preparation thread)."""
     _check_unsupported(request)
@@ -762,6 +797,7 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
     observe_ids = bool(request.return_token_ids)
     observe_times = bool(request.return_token_timestamps)
     max_tokens = _max_tokens(frontend, request, len(prompt_ids))
+    banned_ids, only_ids = _logit_bias(frontend, request.logit_bias)
     limit_field = (
         "max_completion_tokens"
         if request.max_completion_tokens is not None
@@ -776,6 +812,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
         sampling=sampling,
         ignore_eos=bool(request.ignore_eos),
         min_tokens=_min_tokens(request.min_tokens, max_tokens, limit_field),
+        banned_ids=banned_ids,
+        only_ids=only_ids,
         skip_special_tokens=request.skip_special_tokens is not False,
         string_stops=string_stops,
         token_stops=token_stops,
@@ -1152,6 +1190,7 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
     with _naming_field("stop"):
         check_stop_compatibility(string_stops, token_stops, False)
     max_tokens = _output_limit(frontend, request.max_tokens, "max_tokens", len(prompt_ids))
+    banned_ids, only_ids = _logit_bias(frontend, request.logit_bias)
     prepared = PreparedRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
@@ -1161,6 +1200,8 @@ def prepare_completion(frontend: Frontend, request: CompletionRequest, request_i
         min_tokens=_min_tokens(
             request.min_tokens, max_tokens, "max_tokens" if request.max_tokens is not None else None
         ),
+        banned_ids=banned_ids,
+        only_ids=only_ids,
         skip_special_tokens=request.skip_special_tokens is not False,
         string_stops=string_stops,
         token_stops=token_stops,

@@ -197,8 +197,10 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=T
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # documented OpenAI fields this server refuses unless neutral
     logit_bias: dict[str, float] | None = None
+    """Token id (a decimal string) to bias: -100 never samples the id, 100 samples only among the ids
+    given 100, 0 changes nothing; other values are refused (see ``preparation``)."""
+    # documented OpenAI fields this server refuses unless neutral
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -270,17 +272,27 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     return_token_timestamps: bool | None = None
     prompt_logprobs: int | None = None
     """0 returns each prompt token's logprob given its prefix (``choices[0].prompt_logprobs``)."""
+    logit_bias: dict[str, float] | None = None
+    """As on chat."""
     # bookkeeping OpenAI accepts and this server ignores
     user: str | None = None
     # documented OpenAI fields this server refuses unless neutral
     n: int | None = None
     best_of: int | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 _DECODER = msgspec.json.Decoder(ChatCompletionRequest)
 _COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+
+MAX_LOGIT_BIAS = 1024
+"""The most token ids one ``logit_bias`` may name."""
+
+LOGIT_BIAS_BAN = -100.0
+"""The ``logit_bias`` value that never samples its token."""
+
+LOGIT_BIAS_ONLY = 100.0
+"""The ``logit_bias`` value that samples only among the tokens given it."""
 
 MAX_CHOICES = 128
 """The most choices (``n``) one request may ask for, as OpenAI allows."""
@@ -423,8 +435,6 @@ def unsupported_fields(request: ChatCompletionRequest) -> list[tuple[str, str]]:
         elif request.top_logprobs < 0:
             problems.append(("top_logprobs", f"top_logprobs must be >= 0, not {request.top_logprobs}"))
     problems.extend(_observation_problems(request))
-    if request.logit_bias:
-        refuse("logit_bias", "a non-empty logit_bias")
     if request.modalities is not None and request.modalities != ["text"]:
         refuse("modalities", f"modalities={request.modalities!r} (only ['text'])")
     if request.audio is not None:
@@ -474,8 +484,6 @@ def completion_unsupported_fields(request: CompletionRequest) -> list[tuple[str,
         refuse("best_of", f"best_of={request.best_of} (only as many candidates as choices, n)")
     if request.suffix is not None:
         refuse("suffix", "a suffix (insertion)")
-    if request.logit_bias:
-        refuse("logit_bias", "a non-empty logit_bias")
     if request.logprobs is not None and request.logprobs < 0:
         problems.append(("logprobs", f"logprobs must be >= 0, not {request.logprobs}"))
     if request.echo and request.logprobs is not None and request.logprobs > 0:

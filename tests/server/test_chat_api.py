@@ -302,3 +302,37 @@ def test_min_tokens_beyond_the_output_limit_is_400(served: Served, body: dict[st
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "min_tokens" and error["message"].startswith(message), error
+
+
+def test_logit_bias_minus_100_never_samples_the_token(served: Served) -> None:
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    ids = chat(served.base_url, **greedy).json()["choices"][0]["token_ids"]
+    banned = chat(served.base_url, **greedy, logit_bias={str(ids[0]): -100, str(ids[3]): 0}).json()["choices"][0]
+    assert banned["token_ids"][0] != ids[0] and ids[0] not in banned["token_ids"]
+    neutral = chat(served.base_url, **greedy, logit_bias={str(ids[0]): 0}).json()["choices"][0]
+    assert neutral["token_ids"] == ids  # 0 changes nothing
+
+
+def test_logit_bias_100_samples_only_among_the_tokens_given_100(served: Served) -> None:
+    sampled = {"max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True, "return_token_ids": True}
+    choice = chat(served.base_url, **sampled, logit_bias={"72": 100, "105": 100}).json()["choices"][0]
+    assert len(choice["token_ids"]) == 10 and set(choice["token_ids"]) <= {72, 105}
+    assert choice["message"]["content"] == "".join({72: "H", 105: "i"}[token] for token in choice["token_ids"])
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"72": 5}, "logit_bias value 5.0 for token 72 is not supported: -100 never samples a token"),
+        ({"72": -101}, "logit_bias value -101.0 for token 72 is not supported"),
+        ({"-1": -100}, "logit_bias key '-1' is not a token id of this core's vocabulary [0, "),
+        ({"99999999": -100}, "logit_bias key '99999999' is not a token id"),
+        ({"seven": 100}, "logit_bias key 'seven' is not a token id"),
+        ({str(token): -100 for token in range(1025)}, "logit_bias names 1025 tokens; at most 1024"),
+    ],
+)
+def test_logit_bias_outside_its_two_ends_is_400(served: Served, bias: dict[str, float], message: str) -> None:
+    response = chat(served.base_url, max_tokens=2, logit_bias=bias)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "logit_bias" and error["message"].startswith(message), error

@@ -187,7 +187,7 @@ OUTSIDE_THE_SCHEMA: list[tuple[str, object, str]] = [
     ("store", True, "enum"),
     ("service_tier", "flex", "enum"),
     ("modalities", ["audio"], "enum"),
-    ("logit_bias", {"1": 1.0}, "maxProperties"),
+    ("logit_bias", {"1": 1.0}, "enum"),
     ("audio", {}, "type"),
     ("response_format", {"type": "xml"}, "enum"),
 ]

@@ -1,7 +1,10 @@
-"""``min_tokens`` in a host gate: the ending ids and single-id token stops are masked out of the first
-``min_tokens`` tokens (with the grammar's mask, when there is one, unless the grammar allows nothing
-else), each speculative position gets the mask of where it stands, and no stop is looked for in those
-tokens."""
+"""The masks a request's own fields put on its rounds through its host gate.
+
+``min_tokens``: the ending ids and single-id token stops are masked out of the first ``min_tokens``
+tokens (with the grammar's mask, when there is one, unless the grammar allows nothing else), each
+speculative position gets the mask of where it stands, and no stop is looked for in those tokens.
+``logit_bias``: -100 bans an id from every round, 100 restricts every round to the ids given 100, each
+narrowing skipped where it would leave no id."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import pytest
 
 from helios_core.frontend.formats import parse_response_format
 from helios_core.runtime.gates import HostGate, format_param, held_back_ids, needs_gate
-from helios_core.runtime.messages import PreparedRequest, SamplingParams
+from helios_core.runtime.messages import AdmissionRejected, Finished, PreparedRequest, SamplingParams
 from helios_core.runtime.startup import RunningModel
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -144,3 +147,54 @@ def test_min_tokens_needs_a_grammar_compiler_and_names_its_field(core: _Core) ->
     assert format_param(request) == "min_tokens"
     assert format_param(core.request(0)) == "response_format"
     assert not needs_gate(core.request(0))
+
+
+def test_logit_bias_bans_ids_and_restricts_to_the_ids_given_100(core: _Core) -> None:
+    a, b, c = core.ids["a"], core.ids["b"], core.ids["c"]
+    size = core.compiler.sampled_size
+    banned = core.gate(core.request(0, banned_ids=[a, core.eos]))
+    assert needs_gate(core.request(0, banned_ids=[a])) and banned.holds_rounds and banned.constrained
+    assert _allowed(banned.mask(), size) == set(range(size)) - {a, core.eos}
+    banned.observe(b)
+    assert banned.constrained and _allowed(banned.mask(), size) == set(range(size)) - {a, core.eos}
+    only = core.gate(core.request(0, only_ids=[a, b], banned_ids=[b]))
+    assert _allowed(only.mask(), size) == {a}
+    masks = only.masks_along([a, a, c, a])
+    assert len(masks) == 3 and all(_allowed(mask, size) == {a} for mask in masks)  # c may not be offered
+    assert format_param(core.request(0, only_ids=[a])) == "logit_bias"
+
+
+def test_logit_bias_narrows_a_grammar_unless_nothing_would_be_left(core: _Core) -> None:
+    size = core.compiler.sampled_size
+    digits = [core.ids[d] for d in "0123456789"]
+    number = parse_response_format({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})
+    assert number is not None
+    grammar = core.compiler.compile(number)
+    free = core.gate(core.request(0, grammar=grammar, response_format="{}"))
+    seven = core.gate(core.request(0, grammar=grammar, response_format="{}", only_ids=[core.ids["7"]]))
+    assert _allowed(seven.mask(), size) == {core.ids["7"]}
+    letters = core.gate(core.request(0, grammar=grammar, response_format="{}", only_ids=[core.ids["a"]]))
+    assert np.array_equal(letters.mask(), free.mask())  # no digit given 100: the grammar's mask stands
+    no_digits = core.gate(core.request(0, grammar=grammar, response_format="{}", banned_ids=digits[1:]))
+    assert _allowed(no_digits.mask(), size) == _allowed(free.mask(), size) - set(digits[1:])
+
+
+def test_an_end_given_100_outranks_min_tokens(core: _Core) -> None:
+    gate = core.gate(core.request(4, only_ids=[core.eos]))
+    assert _allowed(gate.mask(), core.compiler.sampled_size) == {core.eos}
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"min_tokens": 2}, "min_tokens"), ({"banned_ids": [5]}, "logit_bias")])
+def test_an_engine_that_makes_no_gates_refuses_a_round_mask(
+    start_fixture: Callable[..., RunningModel], fields: dict[str, Any], param: str
+) -> None:
+    """Without a tokenizer an engine makes no host gates, so it cannot mask a round: such a request is
+    refused, not served without its mask."""
+    running = start_fixture()
+    running.engine.scheduler.make_gate = None
+    events = list(running.engine.submit(PreparedRequest("m", [1, 2], 4, GREEDY, **fields)))
+    assert events == [
+        AdmissionRejected("m", "an engine without a tokenizer masks no tokens", param=param, permanent=True)
+    ]
+    served = list(running.engine.submit(PreparedRequest("p", [1, 2], 4, GREEDY)))
+    assert isinstance(served[-1], Finished) and served[-1].completion_tokens == 4
