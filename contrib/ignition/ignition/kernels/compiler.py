@@ -5,7 +5,9 @@ Owns turning a ``@triton.jit`` function, its parameter types and its compile-tim
 for a named GPU target, and the bytes of global scratch memory each program of a launch needs (Triton's
 device-side tensor descriptors live there). Compilation needs no GPU: Triton's own ``ptxas`` runs on the build machine.
 Results are cached in memory and, when ``IGNITION_KERNEL_CACHE`` names a folder, on disk, keyed by
-the kernel source, the signature, the constants and the target, so a rebuild compiles nothing new.
+the kernel source, the signature, the constants and the target, so a rebuild compiles nothing new. The
+disk cache keeps each Triton version's cubins in a folder of their own (``triton-<version>``), so a
+build never reuses what another version of the compiler made.
 A planning pass (:func:`planning`) records what a lowering would compile without compiling, so
 :func:`precompile` can compile every distinct kernel in parallel processes first.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import json
 import multiprocessing
@@ -64,9 +67,20 @@ class CompiledKernel:
 _MEMORY: dict[str, CompiledKernel] = {}
 
 
+@functools.cache
+def compiler_version() -> str:
+    """The installed Triton's version (``none`` without Triton)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def _cache_dir() -> Path | None:
+    """This compiler version's folder of the disk cache (``$IGNITION_KERNEL_CACHE/triton-<version>``), or None
+    without the variable."""
     folder = os.environ.get("IGNITION_KERNEL_CACHE")
-    return Path(folder) if folder else None
+    return Path(folder) / f"triton-{compiler_version()}" if folder else None
 
 
 def _key(
