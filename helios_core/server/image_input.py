@@ -86,6 +86,8 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "i
 _FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 """The only Pillow decoders ever tried."""
 _CHUNK = 64 * 1024
+_LENGTH_DIGITS = 18
+"""The longest ``Content-Length`` a remote image server's answer is read as a number (more digits: too large)."""
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(?:;[^;,]*)*),", re.IGNORECASE)
 
@@ -242,9 +244,12 @@ def _fetch_once(url: str, limits: ImageLimits, deadline: float, index: int | Non
                 return location
             if response.status != 200:
                 raise ImageInputError(f"fetching the image URL failed: HTTP status {response.status}", index=index)
-            declared = response.getheader("Content-Length")
-            if declared is not None and declared.strip().isdigit() and int(declared) > limits.max_bytes:
-                raise ImageInputError(_too_many_bytes(declared.strip(), limits), index=index)
+            declared = (response.getheader("Content-Length") or "").strip()
+            if declared.isascii() and declared.isdecimal():  # ("²" is a digit that int() refuses)
+                if len(declared) > _LENGTH_DIGITS:  # past int()'s digit limit, and past any image
+                    raise ImageInputError(_too_many_bytes(f"more than {limits.max_bytes}", limits), index=index)
+                if int(declared) > limits.max_bytes:
+                    raise ImageInputError(_too_many_bytes(declared, limits), index=index)
             body = bytearray()
             while chunk := response.read1(_CHUNK):  # what has arrived: the limit is checked as it grows
                 body += chunk

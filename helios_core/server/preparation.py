@@ -699,7 +699,7 @@ def _logit_bias(frontend: Frontend, bias: dict[str, float] | None) -> tuple[list
     banned: list[int] = []
     only: list[int] = []
     for key, value in bias.items():
-        token = int(key) if key.isascii() and key.isdecimal() else -1
+        token = int(key) if key.isascii() and key.isdecimal() and len(key) <= 12 else -1  # no 5000-digit int()
         if not 0 <= token < frontend.sampled_size:
             raise InvalidRequest(
                 f"logit_bias key {key!r} is not a token id of this core's vocabulary [0, {frontend.sampled_size})",

@@ -328,6 +328,7 @@ def test_logit_bias_100_samples_only_among_the_tokens_given_100(served: Served) 
         ({"-1": -100}, "logit_bias key '-1' is not a token id of this core's vocabulary [0, "),
         ({"99999999": -100}, "logit_bias key '99999999' is not a token id"),
         ({"seven": 100}, "logit_bias key 'seven' is not a token id"),
+        ({"9" * 5000: -100}, "logit_bias key '9999"),
         ({str(token): -100 for token in range(1025)}, "logit_bias names 1025 tokens; at most 1024"),
     ],
 )

@@ -342,6 +342,10 @@ class _ImageHandler(BaseHTTPRequestHandler):
                 self.wfile.write(b"\0" * 65536)
         elif path == "/declared-big":
             self._headers(200, {"Content-Length": str(50 * 1024 * 1024)})
+        elif path == "/declared-huge":  # more digits than int() reads
+            self._headers(200, {"Content-Length": "9" * 5000})
+        elif path == "/declared-superscript":  # a digit int() refuses
+            self._headers(200, {"Content-Length": "\u00b2"})
         else:
             self._headers(404, {"Content-Length": "0"})
 
@@ -413,6 +417,11 @@ def test_a_remote_image_beyond_the_byte_limit_is_abandoned(image_server: str) ->
     assert _refusal(f"{image_server}/declared-big", limits) == (
         "the image holds 52428800 bytes, more than this server's limit of 100000 bytes per image"
     )
+    assert _refusal(f"{image_server}/declared-huge", limits) == (
+        "the image holds more than 100000 bytes, more than this server's limit of 100000 bytes per image"
+    )
+    # a length that is no number is no length: the body decides (an empty one here)
+    assert _refusal(f"{image_server}/declared-superscript", limits) == "the image URL answered an empty body"
 
 
 def test_an_unreachable_host_is_a_fetch_failure() -> None:
