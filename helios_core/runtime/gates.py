@@ -74,8 +74,8 @@ def gate_failure(exc: BaseException) -> str:
 
 def format_param(request: PreparedRequest) -> str:
     """The request field a failure of ``request``'s output constraints belongs to: ``tools`` for a forced
-    tool call (``tool_choice``), ``min_tokens`` for a request whose only constraint that is, else
-    ``response_format``."""
+    tool call (``tool_choice``), ``response_format`` for another format; without a format, ``logit_bias``
+    when the request has one, else ``min_tokens`` when it has that, else ``response_format``."""
     if request.response_format is None and request.grammar is None:
         if request.banned_ids or request.only_ids:
             return "logit_bias"
