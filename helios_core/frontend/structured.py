@@ -234,6 +234,8 @@ class GrammarCompiler:
         """The sampled vocabulary (or the ids ``only`` of it) without the ids ``excluding``, read-only, in
         the matchers' layout; ids outside the sampled vocabulary are never allowed anyway and are ignored."""
         g = self._geometry
+        if only is None and not excluding:
+            return g.keep  # read-only already: shared, not copied
         out: Mask = g.keep.copy()
         if only is not None:
             np.bitwise_and(out, _bits([int(t) for t in only if 0 <= int(t) < g.sampled_size], g.mask_words), out=out)

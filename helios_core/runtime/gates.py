@@ -127,10 +127,14 @@ def needs_gate(request: PreparedRequest) -> bool:
         or request.token_stops
         or request.response_format is not None
         or request.grammar is not None
-        or request.min_tokens > 0
-        or request.banned_ids
-        or request.only_ids
+        or masks_rounds(request)
     )
+
+
+def masks_rounds(request: PreparedRequest) -> bool:
+    """Whether ``request``'s own fields (``min_tokens``, ``logit_bias``) may mask its rounds: a host gate's
+    work, whatever its grammar."""
+    return bool(request.min_tokens > 0 or request.banned_ids or request.only_ids)
 
 
 def held_back_ids(request: PreparedRequest, ends: frozenset[int]) -> frozenset[int]:

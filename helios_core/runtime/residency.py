@@ -37,7 +37,7 @@ from helios_core.contract import PreparedContract, PreparedGraph
 from helios_core.contract.boundaries import last_cut
 from helios_core.dtypes import NUMPY_DTYPES
 from helios_core.runtime.checkpoints import ON_HOST, Checkpoint, CheckpointIndex
-from helios_core.runtime.gates import HostGate, format_param, gate_failure
+from helios_core.runtime.gates import HostGate, format_param, gate_failure, masks_rounds
 from helios_core.runtime.messages import (
     AdmissionRejected,
     Event,
@@ -163,11 +163,7 @@ class Residency:
             unpackable = self.sampling_limits.problem(sampling)
             if unpackable is not None:  # preparation refuses these; a request from elsewhere may still hold one
                 problem = unpackable[1], unpackable[0]
-        if (
-            problem is None
-            and self.make_gate is None
-            and (request.min_tokens > 0 or request.banned_ids or request.only_ids)
-        ):
+        if problem is None and self.make_gate is None and masks_rounds(request):
             # a round mask needs a gate, which an engine without a tokenizer never makes
             problem = ("an engine without a tokenizer masks no tokens", format_param(request))
         if problem is None:

@@ -656,10 +656,11 @@ def _recipient_frames(frontend: Frontend, specs: Sequence[ToolSpec], envelope: E
         raise InvalidRequest(str(exc), "response_format") from exc
 
 
-def _max_tokens(frontend: Frontend, request: ChatCompletionRequest, prompt_tokens: int) -> int:
+def _max_tokens(frontend: Frontend, request: ChatCompletionRequest, prompt_tokens: int) -> tuple[int, str | None]:
+    """The chat request's output limit and the field that set it (None: the default)."""
     explicit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-    return _output_limit(frontend, explicit, field, prompt_tokens)
+    return _output_limit(frontend, explicit, field, prompt_tokens), field if explicit is not None else None
 
 
 def _output_limit(frontend: Frontend, explicit: int | None, field: str, prompt_tokens: int) -> int:
@@ -796,15 +797,8 @@ def prepare(frontend: Frontend, request: ChatCompletionRequest, request_id: str)
 
     observe_ids = bool(request.return_token_ids)
     observe_times = bool(request.return_token_timestamps)
-    max_tokens = _max_tokens(frontend, request, len(prompt_ids))
+    max_tokens, limit_field = _max_tokens(frontend, request, len(prompt_ids))
     banned_ids, only_ids = _logit_bias(frontend, request.logit_bias)
-    limit_field = (
-        "max_completion_tokens"
-        if request.max_completion_tokens is not None
-        else "max_tokens"
-        if request.max_tokens is not None
-        else None
-    )
     prepared = PreparedRequest(
         request_id=request_id,
         prompt_ids=prompt_ids,
