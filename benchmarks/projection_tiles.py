@@ -13,9 +13,10 @@ output in a bf16 kernel graph), the output and down projections add the
 residual, down over the SwiGLU of its packed input; ``swiglu`` is the ``[gate|up]`` projection
 ending in SwiGLU, the first launch of ``rmsnorm_swiglu_mlp_add`` (a candidate's columns are those
 of each half: two accumulators of that width); ``rotary`` is the ``[q|k|v]`` projection as
-``rmsnorm_linear_rope_kv_cache_write`` launches it on matrix tiles fed by per-thread loads (each
-tile's columns taken as rotation pairs, rotated and written to the query rows and the bf16 cache
-planes). Needs an NVIDIA GPU, Triton and PyTorch;
+``rmsnorm_linear_rope_kv_cache_write`` launches it on matrix tiles (each tile's columns taken as
+rotation pairs of the half layout, rotated and written to the query rows and the bf16 cache planes),
+``rotary_adjacent`` the same over pairs of adjacent rows (the interleaved layout). Needs an NVIDIA GPU,
+Triton and PyTorch;
 ``--compile-only`` only compiles every candidate into the kernel cache (no GPU):
 
     python benchmarks/projection_tiles.py [--shapes 1b,8b] [--rows 1,8,64,256] [--projections gate_up,lm_head]
@@ -37,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels import load_kernel_modules  # noqa: E402
-from ignition.kernels.attention import MIN_DOT_COLUMNS, rotary_projection  # noqa: E402
+from ignition.kernels.attention import MATRIX_PAIRS, MIN_DOT_COLUMNS, rotary_projection  # noqa: E402
 from ignition.kernels.compiler import planning, precompile  # noqa: E402
 from ignition.kernels.linear import (  # noqa: E402
     POINTER_TILE_COLUMNS,
@@ -144,6 +145,8 @@ class Projection(NamedTuple):
     bf16_input: bool = False
     """Inputs in bf16 rather than float32: the output projection of a bf16 kernel graph reads attention's
     bf16 rows."""
+    rope_style: str = "half"
+    """The rotating projection's pair layout (``"half"`` or ``"interleaved"``)."""
 
 
 ROTARY_PAGE_TOKENS = 16
@@ -170,7 +173,7 @@ def _manifest(rows: int, proj: Projection) -> tuple[mf.ExecutionManifest, mf.Nod
         heads, kv_heads, head_dim = proj.heads
         node.op.name = "rmsnorm_linear_rope_kv_cache_write"
         node.attributes.add(name="theta", float_value=500000.0)
-        node.attributes.add(name="style", string_value="half")
+        node.attributes.add(name="style", string_value=proj.rope_style)
         pages = cdiv(rows, ROTARY_PAGE_TOKENS)
         plane = (pages, ROTARY_PAGE_TOKENS, kv_heads, head_dim)
         buffers += [
@@ -213,6 +216,9 @@ def _projections(shape_name: str) -> dict[str, Projection]:
     return {
         "qkv": Projection(qkv, s.hidden, False, True),
         "rotary": Projection(qkv, s.hidden, False, True, "rotary", (s.heads, s.kv_heads, s.head_dim)),
+        "rotary_adjacent": Projection(
+            qkv, s.hidden, False, True, "rotary", (s.heads, s.kv_heads, s.head_dim), rope_style="interleaved"
+        ),
         "o": Projection(s.hidden, s.heads * s.head_dim, False, False, bf16_input=True),
         "gate_up": Projection(2 * s.ffn, s.hidden, False, True),
         "swiglu": Projection(2 * s.ffn, s.hidden, False, True, "swiglu"),
@@ -226,7 +232,9 @@ def _chosen(rows: int, proj: Projection) -> Tiles:
     :func:`swiglu_tiles`, a rotating one's through :func:`rotary_tiles`)."""
     chosen = choose_tiles(rows, proj.n, proj.k, unstaged=proj.bf16_input)
     if proj.ending == "rotary":
-        return rotary_tiles(chosen, rows, proj.n, proj.k)
+        head_dim, half = proj.heads[2], proj.rope_style == "half"
+        rotary = rotary_tiles(chosen, rows, proj.n, proj.k, describable=not half or (2 * MATRIX_PAIRS) % head_dim == 0)
+        return rotary or chosen  # (None: the plain projection, then the rotation in a launch of its own)
     return swiglu_tiles(chosen, rows, proj.n) if proj.ending == "swiglu" else chosen
 
 
@@ -279,13 +287,16 @@ def _candidates(
 
 def _takes(proj: Projection, tiles: Tiles) -> bool:
     """Whether the lowering of ``proj`` takes ``tiles``: a SwiGLU projection no blocks of 256 columns a half
-    (two such accumulators leave no room), the rotating projection only matrix tiles fed by per-thread
-    loads of at least ``MIN_DOT_COLUMNS`` column pairs."""
+    (two such accumulators leave no room), the rotating projection only matrix tiles of one program a tile
+    and at least ``MIN_DOT_COLUMNS`` column pairs (through tensor descriptors in the half layout: whole heads
+    a tile)."""
     if proj.ending == "swiglu":
         return tiles.block_n <= POINTER_TILE_COLUMNS
     if proj.ending == "rotary":
-        plain_matrix = tiles.block_m > 1 and not (tiles.descriptors or tiles.persistent or tiles.per_sm)
-        return plain_matrix and tiles.block_n // 2 >= MIN_DOT_COLUMNS
+        head_dim, half = proj.heads[2], proj.rope_style == "half"
+        whole_heads = not tiles.descriptors or not half or tiles.block_n % head_dim == 0
+        matrix = tiles.block_m > 1 and not (tiles.persistent or tiles.per_sm)
+        return matrix and whole_heads and tiles.block_n // 2 >= MIN_DOT_COLUMNS
     return True
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from ignition.kernels import compiler, elementwise, linear, load_kernel_modules, rotary
+from ignition.kernels import attention, compiler, elementwise, linear, load_kernel_modules, rotary
 from ignition.kernels.linear import Tiles, choose_tiles
 from ignition.kernels.lowering import LOWERINGS, LoweringContext, LoweringError
 
@@ -398,7 +399,7 @@ def test_attention_input_of_many_tokens_rotates_in_the_projection(
     constants = launched_constants[-1]
     assert (constants["BLOCK_M"], constants["PAIRS"], constants["SPLIT"]) == (block_m, pairs, grid[2])
     assert (constants["HEADS"], constants["KV_HEADS"], constants["D"], constants["K"]) == (heads, kv_heads, head_dim, k)
-    assert constants["HALF_PAIRS"] is False
+    assert constants["HALF_PAIRS"] is False and constants["DESCRIPTORS"] is False
     assert grid[1] == -(-(heads + 2 * kv_heads) * head_dim // 2 // pairs)  # every column pair in a tile
     sizes = {decl.name: int(decl.shape[0].size) for decl in context.manifest.buffers}
     assert "workspace.packed_qkv" not in sizes
@@ -408,19 +409,91 @@ def test_attention_input_of_many_tokens_rotates_in_the_projection(
         assert sizes["workspace.projection_splits_done"] == grid[0] * grid[1]
 
 
-def test_attention_input_of_a_prefill_chunk_projects_through_descriptors_then_rotates(
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "k", "grid"),
+    [
+        (256, 32, 8, 128, 4096, [2, 48, 1]),  # the 8B shape at batch 256: 96 tiles of 128x128, one a head
+        (200, 32, 8, 128, 4096, [2, 48, 1]),  # a partial row tile
+        (160, 32, 32, 64, 2048, [2, 48, 1]),  # as many kv heads as heads, of 64: 96 tiles, two heads a tile
+    ],
+)
+def test_attention_input_rotates_in_a_projection_through_descriptors(
     launched_constants: list[dict[str, Any]],
+    style: str,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    k: int,
+    grid: list[int],
 ) -> None:
-    arrays = _attention_input_arrays(512, 32, 8, 64, 2048)  # 96 of 132 tiles of 128x128: descriptors
-    attributes = {"eps": 1e-5, "theta": 10000.0, "style": "half"}
+    arrays = _attention_input_arrays(tokens, heads, kv_heads, head_dim, k)
+    attributes = {"eps": 1e-5, "theta": 10000.0, "style": style}
     context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
-    assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", "projection_kernel", "rope_cache_kernel"]
-    packed = launches[2].params[0]
-    assert packed.buffer == "workspace.packed_qkv" and launches[1].params[2].buffer == packed.buffer
-    assert launched_constants[1]["DESCRIPTORS"] is True
-    assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [512 * 3072]
-    # 40 rotated heads (padded to 64) of 32 pairs: four tokens a program
-    assert launched_constants[2]["BLOCK_T"] == 4 and list(launches[2].grid) == [128, 1, 1]
+    assert [launch.symbol for launch in launches] == ["rotary_input_kernel", "rotary_projection_kernel"]
+    staged, factors = "workspace.projection_input_bf16", "workspace.rotary_factors"
+    runtime = [staged, "weight", "slots", "q", "k_plane", "v_plane", staged, staged, factors]
+    _check(context, launches[1], [*runtime, (mf.PARAM_KIND_I32, tokens)], grid=grid)
+    constants = launched_constants[-1]
+    assert constants["DESCRIPTORS"] is True and constants["HALF_PAIRS"] is (style == "half")
+    assert (constants["BLOCK_M"], constants["PAIRS"], constants["BLOCK_K"], constants["SPLIT"]) == (128, 64, 64, 1)
+    assert launches[1].block[0] == 8 * 32  # eight warps
+    assert "workspace.packed_qkv" not in {decl.name for decl in context.manifest.buffers}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "head_dim", "k", "style", "forced"),
+    [
+        (512, 32, 8, 64, 2048, "half", None),  # a prefill chunk: 96 of 132 tiles of 128x128 through descriptors
+        (512, 32, 8, 128, 4096, "interleaved", None),
+        (2048, 32, 8, 128, 4096, "interleaved", None),  # a long chunk's persistent tiles (768 tiles of 128x128)
+        # heads of 256 values in the half layout: a 128-column tile is half a head, not consecutive pairs
+        (256, 8, 2, 256, 2048, "half", Tiles(128, 128, 64, 8, 4, descriptors=True)),
+    ],
+)
+def test_attention_input_projects_into_a_workspace_then_rotates_where_its_tiles_do_not_rotate(
+    monkeypatch: pytest.MonkeyPatch,
+    launched_constants: list[dict[str, Any]],
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    k: int,
+    style: str,
+    forced: Tiles | None,
+) -> None:
+    if forced is not None:
+        monkeypatch.setattr(attention, "rotary_tiles", lambda *_args, **_kwargs: forced)
+    arrays = _attention_input_arrays(tokens, heads, kv_heads, head_dim, k)
+    attributes = {"eps": 1e-5, "theta": 1e4, "style": style}
+    context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
+    projection = "persistent_projection_kernel" if tokens == 2048 else "projection_kernel"
+    if forced is None:
+        assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", projection, "rope_cache_kernel"]
+        assert launched_constants[1].get("DESCRIPTORS", True) is True  # (persistent tiles always take them)
+    else:  # these rows' narrow tiles fed by per-thread loads: the plain projection, then the rotation
+        assert [launch.symbol for launch in launches][-2:] == [projection, "rope_cache_kernel"]
+        assert launched_constants[-2]["DESCRIPTORS"] is False
+    packed = launches[-1].params[0]
+    assert packed.buffer == "workspace.packed_qkv" and launches[-2].params[2].buffer == packed.buffer
+    n = (heads + 2 * kv_heads) * head_dim
+    assert [decl.shape[0].size for decl in context.manifest.buffers if decl.name == packed.buffer] == [tokens * n]
+
+
+def test_the_rotating_projection_refuses_descriptor_tiles_of_part_of_a_head() -> None:
+    arrays = _attention_input_arrays(256, 8, 2, 256, 2048)
+    manifest, node = one_node_manifest(
+        "rmsnorm_linear_rope_kv_cache_write", arrays, {"eps": 1e-5, "theta": 1e4, "style": "half"}, ("weight",)
+    )
+    context = LoweringContext(manifest, "sm_90a", program="test", node="node")
+    forced = Tiles(128, 128, 64, 8, 4, descriptors=True)
+    with pytest.raises(LoweringError, match="whole heads of 256 rows a tile"):
+        attention.rotary_projection(context, node, forced, (256, 12 * 256, 2048), (8, 2, 256))
+    with pytest.raises(LoweringError, match="matrix tiles of at least 32 columns, one program a tile"):
+        attention.rotary_projection(
+            context, node, dataclasses.replace(forced, persistent=1), (256, 3072, 2048), (8, 2, 256)
+        )
 
 
 def test_attention_input_of_4096_inputs_streams_the_projection_then_rotates() -> None:
@@ -710,3 +783,21 @@ def test_tiles_without_descriptors_are_those_measured_with_per_thread_loads(
     rows: int, n: int, k: int, tiles: Tiles
 ) -> None:
     assert choose_tiles(rows, n, k, describable=False) == tiles
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "describable", "tiles"),
+    [
+        # the 8B projection at 256 rows: 96 tiles of 128x128 through descriptors, else its 64x128 tiles
+        (256, 6144, 4096, True, Tiles(128, 128, 64, 8, 4, descriptors=True)),
+        (256, 6144, 4096, False, Tiles(64, 128, 64, 4, 4)),
+        (129, 6144, 4096, True, Tiles(128, 128, 64, 8, 4, descriptors=True)),
+        (256, 3072, 2048, True, Tiles(64, 128, 64, 4, 4)),  # the 1B one: 48 square tiles, under half a wave
+        (64, 3072, 2048, True, Tiles(64, 64, 128, 4, 3, split=2)),  # 64 rows: split within one wave
+        (512, 3072, 2048, True, None),  # a prefill chunk's descriptor tiles: projected, then rotated
+        (1, 3072, 2048, True, None),  # streaming rows
+    ],
+)
+def test_rotary_tiles(rows: int, n: int, k: int, describable: bool, tiles: Tiles | None) -> None:
+    plain = choose_tiles(rows, n, k, describable=describable)
+    assert linear.rotary_tiles(plain, rows, n, k, describable=describable) == tiles

@@ -53,15 +53,16 @@ chosen as whole rotation pairs (``PAIRS`` first members and their partners, ``D 
 half layout, adjacent in the interleaved one), so the rotation, the query store and the cache
 writes happen on the program's own sums and the packed ``[q | k | v]`` rows never reach memory.
 Value rows are taken ``2 * PAIRS`` at a time and written to the value plane as they are. At more
-rows, where the projection takes matrix tiles fed by per-thread loads, :func:`rotary_input_kernel`
-stages the norm as ``rmsnorm`` does and writes each row's rotation factors (cos and sin of every
-pair's angle, computed once a row), and :func:`rotary_projection_kernel` computes the projection's
-tiles on the matrix units, each tile's columns as pairs (the first members' weight rows, then the
-partners', in one product whose accumulator the epilogue splits), its reduction split as
-``linear.py``'s (:func:`~ignition.kernels.linear.rotary_tiles`), and rotates and stores in the epilogue: two
-launches, as the norm and the projection were before, and no ``rope_kv_cache_write`` after them.
-Prefill chunks whose projection takes tensor descriptors, and one or two rows of more than
-``FUSED_INPUTS`` inputs, lower to the projection into a workspace, then ``rope_kv_cache_write``.
+rows, where the projection takes matrix tiles (:func:`~ignition.kernels.linear.rotary_tiles`),
+:func:`rotary_input_kernel` stages the norm as ``rmsnorm`` does and writes each row's rotation factors
+(cos and sin of every pair's angle, computed once a row), and :func:`rotary_projection_kernel` computes
+the projection's tiles on the matrix units, each tile's columns as pairs (fed by per-thread loads, the
+first members' weight rows, then the partners'; through tensor descriptors, the tile's consecutive
+weight rows, whole heads in the half layout: value heads pair their rows as the layout pairs a rotated
+head's), its reduction split as ``linear.py``'s, and rotates and stores in the epilogue: two launches,
+as the norm and the projection were before, and no ``rope_kv_cache_write`` after them. Prefill chunks
+whose projection takes tensor descriptors, and one or two rows of more than ``FUSED_INPUTS`` inputs,
+lower to the projection into a workspace, then ``rope_kv_cache_write``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ SPLIT_POSITIONS = 64
 FUSED_INPUTS = 2048
 """The longest input rows the attention input projects, rotates and writes in one launch. Longer
 rows (the 8B shape's 4096) were slower fused than apart on an H200 (docs/benchmarks.md)."""
+
+MATRIX_PAIRS = 64
+"""Column pairs of the rotating projection's matrix tiles of 128 columns (the ones ``choose_tiles`` hands out
+from 65 rows on)."""
 
 MIN_DOT_COLUMNS = 16
 """The fewest columns of a matrix-unit product (``tl.dot``): the rotating projection's column tiles are
@@ -1018,89 +1023,124 @@ def rotary_projection_kernel(  # type: ignore[no-untyped-def]
     SPLIT: tl.constexpr,
     K_SPLIT: tl.constexpr,
     HALF_PAIRS: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """The packed ``[q | k | v]`` projection of a ``BLOCK_M``-row tile of staged inputs on the matrix units,
     rotated and written to the query rows and the cache planes in its epilogue (module docstring).
 
     Column tile ``program_id(1)`` holds ``PAIRS`` column pairs (:func:`_rotary_pairs`: rotation pairs of
-    the query and key heads, however many heads that spans, then pairs of value rows): each reduction step
-    loads the weight rows of the first members, then those of their partners, as one ``2 * PAIRS``-row block
-    and multiplies it with the input tile in one product; the epilogue splits the accumulator into the
-    first members' and the partners' sums, so each pair's sums meet in one thread. With ``SPLIT`` > 1 the
-    reduction is split as ``projection_kernel``'s (``linear.py``): each split stores its partial tile, and
-    the last of a tile to finish adds them in split order, rotates and stores. Each row's cos and sin come
-    from ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a row rather than once a column tile.
+    the query and key heads, however many heads that spans, then pairs of value rows). Fed by per-thread
+    loads, each reduction step loads the weight rows of the first members, then those of their partners,
+    as one ``2 * PAIRS``-row block and multiplies it with the input tile in one product, whose accumulator
+    is then split into the first members' and the partners' sums. With ``DESCRIPTORS`` the copy engine
+    moves the input tile and the tile's ``2 * PAIRS`` consecutive weight rows into shared memory (whole heads
+    in the half layout: ``D`` divides ``2 * PAIRS``), one product a step, and the epilogue takes each
+    pair's two columns out of the accumulator as the layout orders them. Either way each pair's sums meet
+    in one thread. With ``SPLIT`` > 1 the reduction is split as ``projection_kernel``'s (``linear.py``): each
+    split stores its partial sums, and the last of a tile to finish adds them in split order, rotates and
+    stores. Each row's cos and sin come from ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a
+    row rather than once a column tile.
     """
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
     pid_k = tl.program_id(2)
-    column = tl.arange(0, 2 * PAIRS)
-    column_first, column_second, _, _, column_valid = _rotary_pairs(
-        tile * PAIRS + column % PAIRS, HEADS, KV_HEADS, D, HALF_PAIRS
-    )
-    weight_row = tl.where(column < PAIRS, column_first, column_second)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < rows
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BLOCK_M, 2 * PAIRS], dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
-        k_ok = (offs_k < K)[None, :]
-        xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
-        w = tl.load(w_ptr + weight_row[:, None] * K + offs_k[None, :], mask=column_valid[:, None] & k_ok, other=0.0)
-        acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+    if DESCRIPTORS:
+        # Tensor descriptors (written to this program's global scratch, after gdc_wait: see the lowering
+        # module); the copy engine zero-fills rows past the inputs and the weight.
+        x_tiles = tl.make_tensor_descriptor(x_ptr, shape=[rows, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+        # A tile's pairs are the 2 * PAIRS consecutive weight rows from tile * 2 * PAIRS (whole heads in the
+        # half layout, adjacent rows in the interleaved one, see _rotary_pairs): one block a step, one product.
+        w_tiles = tl.make_tensor_descriptor(
+            w_ptr, shape=[(HEADS + 2 * KV_HEADS) * D, K], strides=[K, 1], block_shape=[2 * PAIRS, BLOCK_K]
+        )
+        acc = tl.zeros([BLOCK_M, 2 * PAIRS], dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            xs = x_tiles.load([pid_m * BLOCK_M, pid_k * K_SPLIT + k0])
+            w = w_tiles.load([tile * 2 * PAIRS, pid_k * K_SPLIT + k0])
+            acc = tl.dot(xs, tl.trans(w), acc)
+        if HALF_PAIRS:  # column c: head c // D, its first half or its second, pair c % (D / 2) of that head
+            halves = tl.permute(tl.reshape(acc, [BLOCK_M, 2 * PAIRS // D, 2, D // 2]), (0, 1, 3, 2))
+            acc_first, acc_second = tl.split(halves)
+            acc_first = tl.reshape(acc_first, [BLOCK_M, PAIRS])
+            acc_second = tl.reshape(acc_second, [BLOCK_M, PAIRS])
+        else:  # column c: pair c // 2, its first member or its partner
+            acc_first, acc_second = tl.split(tl.reshape(acc, [BLOCK_M, PAIRS, 2]))
+    else:
+        column = tl.arange(0, 2 * PAIRS)
+        column_first, column_second, _, _, column_valid = _rotary_pairs(
+            tile * PAIRS + column % PAIRS, HEADS, KV_HEADS, D, HALF_PAIRS
+        )
+        weight_row = tl.where(column < PAIRS, column_first, column_second)
+        acc = tl.zeros([BLOCK_M, 2 * PAIRS], dtype=tl.float32)
+        for k0 in range(0, K_SPLIT, BLOCK_K):
+            offs_k = pid_k * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
+            k_ok = (offs_k < K)[None, :]
+            xs = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_ptr + weight_row[:, None] * K + offs_k[None, :], mask=column_valid[:, None] & k_ok, other=0.0)
+            acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+        acc_first, acc_second = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, PAIRS]), (0, 2, 1)))
     last = True
     if SPLIT > 1:
         split_tile = tile * tl.num_programs(0) + pid_m
-        area = BLOCK_M * 2 * PAIRS
-        block = tl.arange(0, BLOCK_M)[:, None] * (2 * PAIRS) + column[None, :]
-        tl.store(partial_ptr + (split_tile * SPLIT + pid_k) * area + block, acc)
+        area = BLOCK_M * PAIRS
+        block = tl.arange(0, BLOCK_M)[:, None] * PAIRS + tl.arange(0, PAIRS)[None, :]
+        own = partial_ptr + (split_tile * SPLIT + pid_k) * (2 * area)
+        tl.store(own + block, acc_first)
+        tl.store(own + area + block, acc_second)
         # every thread's partials are stored before the count (barrier, then a release); the last split
         # reads them after its acquire, past L1
         tl.debug_barrier()
         counter = counter_ptr + split_tile
         last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
         if last:
-            acc = tl.zeros([BLOCK_M, 2 * PAIRS], dtype=tl.float32)
+            acc_first = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
+            acc_second = tl.zeros([BLOCK_M, PAIRS], dtype=tl.float32)
             for split in range(SPLIT):
-                acc += tl.load(partial_ptr + (split_tile * SPLIT + split) * area + block, cache_modifier=".cg")
+                part = partial_ptr + (split_tile * SPLIT + split) * (2 * area)
+                acc_first += tl.load(part + block, cache_modifier=".cg")
+                acc_second += tl.load(part + area + block, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     if last:
         pair = tile * PAIRS + tl.arange(0, PAIRS)
         first, second, within, rotating, valid = _rotary_pairs(pair, HEADS, KV_HEADS, D, HALF_PAIRS)
-        acc_first, acc_second = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, PAIRS]), (0, 2, 1)))
         factors = factor_ptr + offs_m[:, None] * D + within[None, :]
         cos = tl.load(factors, mask=m_ok[:, None], other=1.0)
         sin = tl.load(factors + D // 2, mask=m_ok[:, None], other=0.0)
         slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
         stored = m_ok[:, None] & valid[None, :]
+        q_rows = q_ptr + offs_m[:, None] * (HEADS * D)
+        cached = stored & (slot >= 0)[:, None]
+        slot_base = slot[:, None] * (KV_HEADS * D)
         _store_rotated(
-            acc_first, acc_second, cos, sin, rotating[None, :], first, second, stored,
-            q_ptr + offs_m[:, None] * (HEADS * D), stored & (slot >= 0)[:, None],
-            slot[:, None] * (KV_HEADS * D), k_ptr, v_ptr, HEADS, KV_HEADS, D,
+            acc_first, acc_second, cos, sin, rotating[None, :], first, second, stored, q_rows, cached, slot_base,
+            k_ptr, v_ptr, HEADS, KV_HEADS, D,
         )  # fmt: skip
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
 def _rotary_pairs(pair, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HALF_PAIRS: tl.constexpr):  # type: ignore[no-untyped-def]
     """(first rows, partner rows, index within the head, rotating, valid) of the packed projection's column
-    pairs ``pair``: the rotation pairs of the query and key heads in order, then the value rows, each paired
-    with the row ``KV_HEADS * D / 2`` after it (stored as they are); pairs past the last are not valid."""
+    pairs ``pair``: the rotation pairs of the query and key heads in order, then pairs of value rows (stored
+    as they are); pairs past the last are not valid. Value heads pair their rows as the layout pairs a
+    rotated head's: in the half layout each head's row ``i`` with its row ``i + D / 2``, in the interleaved
+    one every pair two adjacent rows (``2 * pair`` and the row after). Pairs ``P * t`` to ``P * t + P - 1``
+    are then the ``2 * P`` weight rows from ``2 * P * t`` (in the half layout where ``D`` divides
+    ``2 * P``)."""
     rotated = (HEADS + KV_HEADS) * (D // 2)
     rotating = pair < rotated
     within = pair % (D // 2)
     if HALF_PAIRS:
-        rotated_first = (pair // (D // 2)) * D + within
-        rotated_second = rotated_first + D // 2
+        first = (pair // (D // 2)) * D + within
+        second = first + D // 2
     else:
-        rotated_first = (pair // (D // 2)) * D + 2 * within
-        rotated_second = rotated_first + 1
-    value_first = (HEADS + KV_HEADS) * D + (pair - rotated)
-    first = tl.where(rotating, rotated_first, value_first)
-    second = tl.where(rotating, rotated_second, value_first + KV_HEADS * D // 2)
+        first = 2 * pair
+        second = first + 1
     return first, second, within, rotating, pair < rotated + KV_HEADS * D // 2
 
 
@@ -1115,13 +1155,23 @@ def lower_attention_input(
         raise ctx.fail(f"x holds {rows} rows and q {tokens}")
     describable = describes(ctx, weight, weight, k)  # matrix tiles read the norm staged in the weight's type
     tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
-    if tiles.block_m > 1 and not tiles.descriptors and tiles.block_n // 2 >= MIN_DOT_COLUMNS:
-        # Matrix tiles fed by per-thread loads: the norm staged, then the rotating projection.
-        tiles = rotary_tiles(tiles, rows, n, k, multiprocessors=multiprocessors)
-        return rotary_projection(ctx, node, tiles, (rows, n, k), (heads, kv_heads, head_dim))
+    half = ctx.attribute(node, "style") == "half"
+    rotary = rotary_tiles(
+        tiles, rows, n, k, multiprocessors=multiprocessors,
+        describable=rotary_describes(ctx, weight, k, head_dim, MATRIX_PAIRS, half=half),
+    )  # fmt: skip
+    if (
+        rotary is not None
+        and rotary.descriptors
+        and not rotary_describes(ctx, weight, k, head_dim, rotary.block_n // 2, half=half)
+    ):
+        rotary = None  # (tiles of other than MATRIX_PAIRS pairs that descriptors cannot serve)
+    if rotary is not None and rotary.block_n // 2 >= MIN_DOT_COLUMNS:
+        # Matrix tiles: the norm staged, then the rotating projection.
+        return rotary_projection(ctx, node, rotary, (rows, n, k), (heads, kv_heads, head_dim))
     if not tiles.per_sm or next_power_of_two(k) > FUSED_INPUTS:
-        # Tiles through tensor descriptors (prefill chunks), or longer input rows at decode: the projection
-        # into a workspace, then the rope + cache-write kernel reads it.
+        # Tiles through tensor descriptors (prefill chunks, see rotary_tiles), or longer input rows at decode:
+        # the projection into a workspace, then the rope + cache-write kernel reads it.
         staged = ctx.workspace("packed_qkv", mf.DTYPE_F32, rows * n)
         packed = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, n])
         rope = mf.Node(name=node.name)
@@ -1178,6 +1228,15 @@ def lower_attention_input(
     return [launch]
 
 
+def rotary_describes(
+    ctx: LoweringContext, weight: mf.BufferView, k: int, head_dim: int, pairs: int, *, half: bool
+) -> bool:
+    """Whether tensor descriptors can serve the rotating projection's column tiles of ``pairs`` pairs: the
+    projection's conditions (:func:`~ignition.kernels.linear.describes`: 16-bit weights, 16-byte aligned
+    rows), and in the half layout ``head_dim`` dividing ``2 * pairs`` (a tile's weight rows whole heads)."""
+    return describes(ctx, weight, weight, k) and (not half or (2 * pairs) % head_dim == 0)
+
+
 def rotary_projection(
     ctx: LoweringContext,
     node: mf.Node,
@@ -1186,12 +1245,23 @@ def rotary_projection(
     geometry: tuple[int, int, int],
 ) -> list[mf.KernelLaunch]:
     """One :func:`rotary_input_kernel` launch (the staged norm and every row's rotation factors), then one
-    :func:`rotary_projection_kernel` launch over ``tiles`` (matrix tiles fed by per-thread loads), each
-    column tile ``block_n / 2`` column pairs; ``dims`` are the projection's (rows, N, K), ``geometry`` its
-    (heads, kv heads, head dim)."""
+    :func:`rotary_projection_kernel` launch over ``tiles`` (matrix tiles fed by per-thread loads, or through
+    tensor descriptors where :func:`rotary_describes`), each column tile ``block_n / 2`` column pairs;
+    ``dims`` are the projection's (rows, N, K), ``geometry`` its (heads, kv heads, head dim)."""
     x, norm, weight = ctx.need(node, "x"), ctx.need(node, "norm_weight"), ctx.need(node, "weight")
     rows, n, k = dims
     heads, kv_heads, head_dim = geometry
+    half = ctx.attribute(node, "style") == "half"
+    if tiles.block_m <= 1 or tiles.persistent or tiles.per_sm or tiles.block_n // 2 < MIN_DOT_COLUMNS:
+        raise ctx.fail(
+            f"the rotating projection takes matrix tiles of at least {2 * MIN_DOT_COLUMNS} columns, one program "
+            f"a tile, not {tiles}"
+        )
+    if tiles.descriptors and not rotary_describes(ctx, weight, k, head_dim, tiles.block_n // 2, half=half):
+        raise ctx.fail(
+            f"tensor descriptors cannot serve the rotating projection's {tiles.block_n // 2} pairs a tile (16-bit "
+            f"weights, 16-byte aligned rows, and in the half layout whole heads of {head_dim} rows a tile)"
+        )
     staged_view = staged_input(ctx, weight, rows)
     eps = ctx.attribute(node, "eps")
     if not isinstance(eps, int | float) or not float(eps) > 0.0:
@@ -1252,7 +1322,8 @@ def rotary_projection(
             "BLOCK_K": tiles.block_k,
             "SPLIT": tiles.split,
             "K_SPLIT": cdiv(cdiv(k, tiles.block_k), tiles.split) * tiles.block_k,
-            "HALF_PAIRS": ctx.attribute(node, "style") == "half",
+            "HALF_PAIRS": half,
+            "DESCRIPTORS": tiles.descriptors,
         },
         (tiles_m, tiles_n, tiles.split),
         num_warps=tiles.num_warps,

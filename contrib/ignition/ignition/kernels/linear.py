@@ -610,13 +610,33 @@ def _split_reduction(
     return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
 
 
-def rotary_tiles(plain: Tiles, rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
+def rotary_tiles(
+    plain: Tiles, rows: int, n: int, k: int, *, multiprocessors: int = MULTIPROCESSORS, describable: bool = False
+) -> Tiles | None:
     """The tiles of the rotating ``[q | k | v]`` projection (``attention.py``) whose plain projection would
-    take ``plain``: 64-row tiles split into as many parts as fit one wave where that makes two parts or
-    more (the 1B projection of 64 rows, 48 tiles: 8.8 us in two parts against 10.6 in three and 10.1 in
-    four, measured on an H200 with ``benchmarks/projection_tiles.py --projections rotary``, docs/benchmarks.md),
-    else ``plain`` (the 8B one, 96 tiles: two parts, 20.6 us, as ``plain``)."""
-    if plain.block_m != 64 or rows > 64 or plain.descriptors:
+    take ``plain``, or None where the projection does not rotate (the projection into a workspace, then the
+    rotation in a launch of its own); ``describable``: tensor descriptors can serve its 128-column tiles
+    (16-bit weights, aligned rows, whole heads a tile in the half layout: ``attention.rotary_describes``).
+
+    - 64-row tiles fed by per-thread loads are split into as many parts as fit one wave where that makes
+      two parts or more (the 1B projection of 64 rows, 48 tiles: 8.8 us in two parts against 10.6 in
+      three and 10.1 in four, measured on an H200 with ``benchmarks/projection_tiles.py --projections
+      rotary``, docs/benchmarks.md).
+    - Narrow 64x128 tiles of 129 to 256 rows become 128x128 tiles through tensor descriptors, four stages,
+      where ``describable`` and those tiles alone make half a wave or more (the 8B projection at 256 rows,
+      96 tiles: 34.4 us against 36.7 on an H100, the decode step of 256 rows 0.13 ms faster; the 1B one's
+      48 tiles ran 16.0 us against 12.8 and keep theirs).
+    - Matrix tiles that are through tensor descriptors already (prefill chunks), persistent or streaming
+      rows: None. Rotating in a chunk's 128x128 descriptor tiles ran slower than the plain projection
+      by more than the rotation's own launch saves (the 8B chunk of 512 rows: 72.6 us against 49.8 with
+      three stages, 58.3 with four; its prefill 16.6 ms against 16.2).
+    """
+    if plain.block_m <= 1 or plain.persistent or plain.per_sm or plain.descriptors:
+        return None
+    half_a_wave = 2 * cdiv(rows, 128) * cdiv(n, 128) >= multiprocessors
+    if describable and 64 < rows <= NARROW_TILE_ROWS and plain.block_m == 64 and half_a_wave:
+        return Tiles(128, 128, 64, 8, 4, descriptors=True)
+    if plain.block_m != 64 or rows > 64:
         return plain
     one_wave = _split_within_one_wave(dataclasses.replace(plain, split=1), rows, n, k, multiprocessors)
     return one_wave if one_wave.split > 1 else plain
