@@ -418,72 +418,28 @@ def test_rmsnorm_linear_rope_kv_cache_write(
     scaled: bool,
 ) -> None:
     rng = np.random.default_rng(tokens * 31 + heads + head_dim + k)
-    pages, page_tokens = 64, 16
-    slots = rng.permutation(pages * page_tokens)[:tokens].astype(np.int64)
-    if tokens > 1:
-        slots[tokens // 2] = -1
-    n = (heads + 2 * kv_heads) * head_dim
-    arrays = {
-        "x": rng.standard_normal((tokens, k)).astype(np.float32),
-        "norm_weight": rng.uniform(0.5, 1.5, k).astype(np.float32),
-        "weight": bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * k**-0.5),
-        "positions": rng.integers(0, 8192, tokens).astype(np.int32),
-        "slots": slots,
-        "q": np.full((tokens, heads, head_dim), np.nan, dtype=np.float32),
-        "k_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
-        "v_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
-    }
+    arrays = _attention_input_case(rng, (tokens, heads, kv_heads, head_dim, k), tokens // 2 if tokens > 1 else None)
     attributes: dict[str, object] = {"eps": 1e-5, "theta": 500000.0, "style": style}
     if scaled:
         attributes["frequency_band_scaling"] = [32.0, 1.0, 4.0, 8192.0]
     op = "rmsnorm_linear_rope_kv_cache_write"
     written = () if settled else ("positions", "slots")
     got = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"), written=written)
-    want = reference_node(op, arrays, attributes)
-    for name in ("q", "k_plane", "v_plane"):
-        assert np.isfinite(got[name]).all(), name
-        assert relative_error(got[name], want[name]) < 1e-2, name
-    untouched = np.ones(pages * page_tokens, dtype=bool)
-    untouched[slots[slots >= 0]] = False
-    for name in ("k_plane", "v_plane"):  # the slots not written keep their bytes exactly
-        plane = got[name].reshape(pages * page_tokens, -1)
-        assert np.array_equal(plane[untouched], arrays[name].reshape(pages * page_tokens, -1)[untouched]), name
+    _check_attention_input(got, reference_node(op, arrays, attributes), arrays)
 
 
-ROTARY_DESCRIBED = [
-    # style, tokens, heads, kv heads, head dim, K, tiles
-    ("half", 256, 32, 8, 128, 4096, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # the 8B shape at batch 256
-    ("half", 256, 32, 8, 64, 2048, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # two heads a tile, split
-    ("interleaved", 256, 32, 8, 64, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),
-    ("half", 512, 32, 8, 128, 4096, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # a prefill chunk
-    # the 135M shape: 480 pairs, the last of 8 tiles half past them; a partial row tile; 9 steps in 2 splits
-    ("interleaved", 130, 9, 3, 64, 576, Tiles(128, 128, 64, 8, 3, split=2, descriptors=True)),
-    ("half", 200, 4, 2, 16, 128, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # eight heads of 16 a tile
-    ("interleaved", 64, 32, 8, 128, 4096, Tiles(64, 128, 64, 4, 4, split=2, descriptors=True)),  # 64-row tiles
-]
-
-
-@pytest.mark.parametrize(("style", "tokens", "heads", "kv_heads", "head_dim", "k", "tiles"), ROTARY_DESCRIBED)
-def test_rotating_projection_through_tensor_descriptors(
-    cuda_context: Context,
-    monkeypatch: pytest.MonkeyPatch,
-    style: str,
-    tokens: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    k: int,
-    tiles: Tiles,
-) -> None:
-    """Forced descriptor tiles: each tile's consecutive weight rows through the copy engine, the pairs taken
-    out of the accumulator as the layout orders them, rotated and stored (value rows as they are)."""
-    monkeypatch.setattr(attention, "rotary_tiles", lambda *_args, **_kwargs: tiles)
-    rng = np.random.default_rng(tokens * 17 + heads + head_dim + k)
+def _attention_input_case(
+    rng: np.random.Generator, geometry: tuple[int, int, int, int, int], uncached: int | None
+) -> dict[str, np.ndarray]:
+    """Random arrays of one attention input node of (tokens, heads, kv heads, head dim, K), the queries
+    poisoned, 64 pages of 16 slots; token ``uncached``'s slot is -1 (no cache write)."""
+    tokens, heads, kv_heads, head_dim, k = geometry
     pages, page_tokens = 64, 16
     slots = rng.permutation(pages * page_tokens)[:tokens].astype(np.int64)
-    slots[tokens // 3] = -1
+    if uncached is not None:
+        slots[uncached] = -1
     n = (heads + 2 * kv_heads) * head_dim
-    arrays = {
+    return {
         "x": rng.standard_normal((tokens, k)).astype(np.float32),
         "norm_weight": rng.uniform(0.5, 1.5, k).astype(np.float32),
         "weight": bf16_bits(rng.standard_normal((n, k)).astype(np.float32) * k**-0.5),
@@ -493,20 +449,56 @@ def test_rotating_projection_through_tensor_descriptors(
         "k_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
         "v_plane": rng.standard_normal((pages, page_tokens, kv_heads, head_dim)).astype(np.float32),
     }
+
+
+def _check_attention_input(
+    got: dict[str, np.ndarray], want: dict[str, np.ndarray], arrays: dict[str, np.ndarray]
+) -> None:
+    """The queries and the written cache slots within 1e-2 of the reference; the slots not written keep
+    their bytes exactly."""
+    for name in ("q", "k_plane", "v_plane"):
+        assert np.isfinite(got[name]).all(), name
+        assert relative_error(got[name], want[name]) < 1e-2, name
+    slots = arrays["slots"]
+    untouched = np.ones(arrays["k_plane"].shape[0] * arrays["k_plane"].shape[1], dtype=bool)
+    untouched[slots[slots >= 0]] = False
+    for name in ("k_plane", "v_plane"):
+        plane = got[name].reshape(untouched.size, -1)
+        assert np.array_equal(plane[untouched], arrays[name].reshape(untouched.size, -1)[untouched]), name
+
+
+ROTARY_DESCRIBED = [
+    # style, (tokens, heads, kv heads, head dim, K), tiles
+    ("half", (256, 32, 8, 128, 4096), Tiles(128, 128, 64, 8, 4, descriptors=True)),  # the 8B shape at batch 256
+    ("half", (256, 32, 8, 64, 2048), Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # two heads a tile, split
+    ("interleaved", (256, 32, 8, 64, 2048), Tiles(128, 128, 64, 8, 4, descriptors=True)),
+    ("half", (512, 32, 8, 128, 4096), Tiles(128, 128, 64, 8, 4, descriptors=True)),  # a prefill chunk
+    # the 135M shape: 480 pairs, the last of 8 tiles half past them; a partial row tile; 9 steps in 2 splits
+    ("interleaved", (130, 9, 3, 64, 576), Tiles(128, 128, 64, 8, 3, split=2, descriptors=True)),
+    ("half", (200, 4, 2, 16, 128), Tiles(128, 128, 64, 8, 4, descriptors=True)),  # eight heads of 16 a tile
+    ("interleaved", (64, 32, 8, 128, 4096), Tiles(64, 128, 64, 4, 4, split=2, descriptors=True)),  # 64-row tiles
+]
+
+
+@pytest.mark.parametrize(("style", "geometry", "tiles"), ROTARY_DESCRIBED)
+def test_rotating_projection_through_tensor_descriptors(
+    cuda_context: Context,
+    monkeypatch: pytest.MonkeyPatch,
+    style: str,
+    geometry: tuple[int, int, int, int, int],
+    tiles: Tiles,
+) -> None:
+    """Forced descriptor tiles: each tile's consecutive weight rows through the copy engine, the pairs taken
+    out of the accumulator as the layout orders them, rotated and stored (value rows as they are)."""
+    monkeypatch.setattr(attention, "rotary_tiles", lambda *_args, **_kwargs: tiles)
+    tokens, heads, _, head_dim, k = geometry
+    arrays = _attention_input_case(np.random.default_rng(tokens * 17 + heads + head_dim + k), geometry, tokens // 3)
     attributes: dict[str, object] = {"eps": 1e-5, "theta": 500000.0, "style": style}
     op = "rmsnorm_linear_rope_kv_cache_write"
     launches = lower(op, arrays, attributes, weights=("weight", "norm_weight"))[1]
     assert [launch.symbol for launch in launches] == ["rotary_input_kernel", "rotary_projection_kernel"]
     got = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))
-    want = reference_node(op, arrays, attributes)
-    for name in ("q", "k_plane", "v_plane"):
-        assert np.isfinite(got[name]).all(), name
-        assert relative_error(got[name], want[name]) < 1e-2, name
-    untouched = np.ones(pages * page_tokens, dtype=bool)
-    untouched[slots[slots >= 0]] = False
-    for name in ("k_plane", "v_plane"):
-        plane = got[name].reshape(pages * page_tokens, -1)
-        assert np.array_equal(plane[untouched], arrays[name].reshape(pages * page_tokens, -1)[untouched]), name
+    _check_attention_input(got, reference_node(op, arrays, attributes), arrays)
     again = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))
     for name in ("q", "k_plane", "v_plane"):  # the same bits from one launch to the next, splits or not
         assert np.array_equal(again[name], got[name]), name

@@ -411,24 +411,18 @@ def test_attention_input_of_many_tokens_rotates_in_the_projection(
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 @pytest.mark.parametrize(
-    ("tokens", "heads", "kv_heads", "head_dim", "k", "grid"),
+    "geometry",  # tokens, heads, kv heads, head dim, K: each a 2 x 48 grid
     [
-        (256, 32, 8, 128, 4096, [2, 48, 1]),  # the 8B shape at batch 256: 96 tiles of 128x128, one a head
-        (200, 32, 8, 128, 4096, [2, 48, 1]),  # a partial row tile
-        (160, 32, 32, 64, 2048, [2, 48, 1]),  # as many kv heads as heads, of 64: 96 tiles, two heads a tile
+        (256, 32, 8, 128, 4096),  # the 8B shape at batch 256: 96 tiles of 128x128, one a head
+        (200, 32, 8, 128, 4096),  # a partial row tile
+        (160, 32, 32, 64, 2048),  # as many kv heads as heads, of 64: 96 tiles, two heads a tile
     ],
 )
 def test_attention_input_rotates_in_a_projection_through_descriptors(
-    launched_constants: list[dict[str, Any]],
-    style: str,
-    tokens: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    k: int,
-    grid: list[int],
+    launched_constants: list[dict[str, Any]], style: str, geometry: tuple[int, int, int, int, int]
 ) -> None:
-    arrays = _attention_input_arrays(tokens, heads, kv_heads, head_dim, k)
+    tokens, grid = geometry[0], [2, 48, 1]
+    arrays = _attention_input_arrays(*geometry)
     attributes = {"eps": 1e-5, "theta": 10000.0, "style": style}
     context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
     assert [launch.symbol for launch in launches] == ["rotary_input_kernel", "rotary_projection_kernel"]
@@ -443,29 +437,26 @@ def test_attention_input_rotates_in_a_projection_through_descriptors(
 
 
 @pytest.mark.parametrize(
-    ("tokens", "heads", "kv_heads", "head_dim", "k", "style", "forced"),
+    ("geometry", "style", "forced"),  # (tokens, heads, kv heads, head dim, K)
     [
-        (512, 32, 8, 64, 2048, "half", None),  # a prefill chunk: 96 of 132 tiles of 128x128 through descriptors
-        (512, 32, 8, 128, 4096, "interleaved", None),
-        (2048, 32, 8, 128, 4096, "interleaved", None),  # a long chunk's persistent tiles (768 tiles of 128x128)
+        ((512, 32, 8, 64, 2048), "half", None),  # a prefill chunk: 96 of 132 tiles of 128x128 through descriptors
+        ((512, 32, 8, 128, 4096), "interleaved", None),
+        ((2048, 32, 8, 128, 4096), "interleaved", None),  # a long chunk's persistent tiles (768 of 128x128)
         # heads of 256 values in the half layout: a 128-column tile is half a head, not consecutive pairs
-        (256, 8, 2, 256, 2048, "half", Tiles(128, 128, 64, 8, 4, descriptors=True)),
+        ((256, 8, 2, 256, 2048), "half", Tiles(128, 128, 64, 8, 4, descriptors=True)),
     ],
 )
 def test_attention_input_projects_into_a_workspace_then_rotates_where_its_tiles_do_not_rotate(
     monkeypatch: pytest.MonkeyPatch,
     launched_constants: list[dict[str, Any]],
-    tokens: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    k: int,
+    geometry: tuple[int, int, int, int, int],
     style: str,
     forced: Tiles | None,
 ) -> None:
     if forced is not None:
         monkeypatch.setattr(attention, "rotary_tiles", lambda *_args, **_kwargs: forced)
-    arrays = _attention_input_arrays(tokens, heads, kv_heads, head_dim, k)
+    tokens, heads, kv_heads, head_dim, _ = geometry
+    arrays = _attention_input_arrays(*geometry)
     attributes = {"eps": 1e-5, "theta": 1e4, "style": style}
     context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
     projection = "persistent_projection_kernel" if tokens == 2048 else "projection_kernel"
