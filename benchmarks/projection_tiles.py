@@ -38,7 +38,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "contrib" / "ignition")]
 import numpy as np  # noqa: E402
 from gpu_decode import copy_bandwidth  # noqa: E402
 from ignition.kernels import load_kernel_modules  # noqa: E402
-from ignition.kernels.attention import MATRIX_PAIRS, MIN_DOT_COLUMNS, rotary_projection  # noqa: E402
+from ignition.kernels.attention import (  # noqa: E402
+    MATRIX_PAIRS,
+    MIN_DOT_COLUMNS,
+    rotary_projection,
+    whole_heads_a_tile,
+)
 from ignition.kernels.compiler import planning, precompile  # noqa: E402
 from ignition.kernels.linear import (  # noqa: E402
     POINTER_TILE_COLUMNS,
@@ -232,8 +237,8 @@ def _chosen(rows: int, proj: Projection) -> Tiles:
     :func:`swiglu_tiles`, a rotating one's through :func:`rotary_tiles`)."""
     chosen = choose_tiles(rows, proj.n, proj.k, unstaged=proj.bf16_input)
     if proj.ending == "rotary":
-        head_dim, half = proj.heads[2], proj.rope_style == "half"
-        rotary = rotary_tiles(chosen, rows, proj.n, proj.k, describable=not half or (2 * MATRIX_PAIRS) % head_dim == 0)
+        whole = whole_heads_a_tile(MATRIX_PAIRS, proj.heads[2], half=proj.rope_style == "half")
+        rotary = rotary_tiles(chosen, rows, proj.n, proj.k, describable=whole)
         return rotary or chosen  # (None: the plain projection, then the rotation in a launch of its own)
     return swiglu_tiles(chosen, rows, proj.n) if proj.ending == "swiglu" else chosen
 
@@ -293,8 +298,8 @@ def _takes(proj: Projection, tiles: Tiles) -> bool:
     if proj.ending == "swiglu":
         return tiles.block_n <= POINTER_TILE_COLUMNS
     if proj.ending == "rotary":
-        head_dim, half = proj.heads[2], proj.rope_style == "half"
-        whole_heads = not tiles.descriptors or not half or tiles.block_n % head_dim == 0
+        half = proj.rope_style == "half"
+        whole_heads = not tiles.descriptors or whole_heads_a_tile(tiles.block_n // 2, proj.heads[2], half=half)
         matrix = tiles.block_m > 1 and not (tiles.persistent or tiles.per_sm)
         return matrix and whole_heads and tiles.block_n // 2 >= MIN_DOT_COLUMNS
     return True

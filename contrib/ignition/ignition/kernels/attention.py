@@ -1233,8 +1233,14 @@ def rotary_describes(
 ) -> bool:
     """Whether tensor descriptors can serve the rotating projection's column tiles of ``pairs`` pairs: the
     projection's conditions (:func:`~ignition.kernels.linear.describes`: 16-bit weights, 16-byte aligned
-    rows), and in the half layout ``head_dim`` dividing ``2 * pairs`` (a tile's weight rows whole heads)."""
-    return describes(ctx, weight, weight, k) and (not half or (2 * pairs) % head_dim == 0)
+    rows), and :func:`whole_heads_a_tile`."""
+    return describes(ctx, weight, weight, k) and whole_heads_a_tile(pairs, head_dim, half=half)
+
+
+def whole_heads_a_tile(pairs: int, head_dim: int, *, half: bool) -> bool:
+    """Whether a column tile of ``pairs`` pairs is consecutive weight rows, as a descriptor block must be:
+    always in the interleaved layout, in the half layout where ``head_dim`` divides ``2 * pairs``."""
+    return not half or (2 * pairs) % head_dim == 0
 
 
 def rotary_projection(
