@@ -436,6 +436,45 @@ def test_attention_input_rotates_in_a_projection_through_descriptors(
     assert "workspace.packed_qkv" not in {decl.name for decl in context.manifest.buffers}
 
 
+@pytest.mark.kernels  # minutes of Triton compilation: tox -e kernels
+@pytest.mark.parametrize(
+    "geometry",  # tokens, heads, kv heads, head dim, K
+    [
+        (256, 32, 8, 128, 4096),  # 128x128 tiles through tensor descriptors
+        (256, 32, 8, 64, 2048),  # 64x128 tiles fed by per-thread loads
+        (64, 32, 8, 128, 4096),  # 64x64 tiles, the reduction split
+    ],
+)
+def test_the_interleaved_rotating_projection_stores_runs_of_columns_as_the_half_layout_does(
+    monkeypatch: pytest.MonkeyPatch, geometry: tuple[int, int, int, int, int]
+) -> None:
+    """Pairs of adjacent columns stored apart (column ``2 * pair``, then ``2 * pair + 1``) compile to one
+    scalar store a value; the interleaved epilogue must store a row's columns in vectors as the half
+    layout's does (PTX of the same tile in both layouts)."""
+    import triton
+
+    ptx: dict[str, str] = {}
+    original = triton.compile
+
+    def compile_and_keep(src: Any, target: Any = None, options: Any = None) -> Any:
+        compiled = original(src, target=target, options=options)
+        if src.fn.__name__ == "rotary_projection_kernel":
+            ptx[style] = compiled.asm["ptx"]
+        return compiled
+
+    monkeypatch.setattr(triton, "compile", compile_and_keep)
+    monkeypatch.setattr(compiler, "_MEMORY", {})
+    monkeypatch.delenv("IGNITION_KERNEL_CACHE", raising=False)
+    for style in ("half", "interleaved"):
+        attributes = {"eps": 1e-5, "theta": 10000.0, "style": style}
+        _, launches = _lower("rmsnorm_linear_rope_kv_cache_write", _attention_input_arrays(*geometry), attributes)
+        assert launches[-1].symbol == "rotary_projection_kernel"
+    scalar = {style: code.count("st.global.b32 ") + code.count("st.global.b16 ") for style, code in ptx.items()}
+    stores = {style: code.count("st.global") for style, code in ptx.items()}
+    assert stores["interleaved"] <= stores["half"], (stores, scalar)
+    assert scalar["interleaved"] <= scalar["half"], (stores, scalar)
+
+
 @pytest.mark.parametrize(
     ("geometry", "style", "forced"),  # (tokens, heads, kv heads, head dim, K)
     [

@@ -959,6 +959,30 @@ def _store_rotated(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
+def _store_columns(  # type: ignore[no-untyped-def]
+    out,
+    column,
+    rows_ok,
+    q_rows,
+    cached,
+    slot_base,
+    k_ptr,
+    v_ptr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Store a tile of rows' packed ``[q | k | v]`` columns ``column`` (rotated already): the query columns to
+    the rows at ``q_rows`` where ``rows_ok``, the key and value columns to the planes at ``slot_base`` where
+    ``cached``; columns past the value heads are not stored."""
+    is_key = (column >= HEADS * D) & (column < (HEADS + KV_HEADS) * D)
+    is_value = (column >= (HEADS + KV_HEADS) * D) & (column < (HEADS + 2 * KV_HEADS) * D)
+    tl.store(q_rows + column[None, :], out, mask=rows_ok & (column < HEADS * D)[None, :])
+    tl.store(k_ptr + slot_base + (column - HEADS * D)[None, :], out, mask=cached & is_key[None, :])
+    tl.store(v_ptr + slot_base + (column - (HEADS + KV_HEADS) * D)[None, :], out, mask=cached & is_value[None, :])
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
 def _rotation(position_ptr, slot_ptr, offs_r, r_ok, inv_freq):  # type: ignore[no-untyped-def]
     """(cos, sin, slot) of each token: angles, cos and sin in float64, as the reference, then float32."""
     angle = tl.load(position_ptr + offs_r, mask=r_ok, other=0).to(tl.float64)[:, None] * inv_freq[None, :]
@@ -1037,10 +1061,12 @@ def rotary_projection_kernel(  # type: ignore[no-untyped-def]
     moves the input tile and the tile's ``2 * PAIRS`` consecutive weight rows into shared memory (whole heads
     in the half layout: ``D`` divides ``2 * PAIRS``), one product a step, and the epilogue takes each
     pair's two columns out of the accumulator as the layout orders them. Either way each pair's sums meet
-    in one thread. With ``SPLIT`` > 1 the reduction is split as ``projection_kernel``'s (``linear.py``): each
-    split stores its partial sums, and the last of a tile to finish adds them in split order, rotates and
-    stores. Each row's cos and sin come from ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a
-    row rather than once a column tile.
+    in one thread; in the interleaved layout the tile's pairs are its ``2 * PAIRS`` consecutive columns, so
+    the rotated results are joined back in order and stored as runs of columns. With ``SPLIT`` > 1 the
+    reduction is split as ``projection_kernel``'s (``linear.py``): each split stores its partial sums, and
+    the last of a tile to finish adds them in split order, rotates and stores. Each row's cos and sin
+    come from ``factor_ptr`` (:func:`rotary_input_kernel`), computed once a row rather than once a column
+    tile.
     """
     pid_m = tl.program_id(0)
     tile = tl.program_id(1)
@@ -1113,14 +1139,25 @@ def rotary_projection_kernel(  # type: ignore[no-untyped-def]
         cos = tl.load(factors, mask=m_ok[:, None], other=1.0)
         sin = tl.load(factors + D // 2, mask=m_ok[:, None], other=0.0)
         slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1)
-        stored = m_ok[:, None] & valid[None, :]
         q_rows = q_ptr + offs_m[:, None] * (HEADS * D)
-        cached = stored & (slot >= 0)[:, None]
         slot_base = slot[:, None] * (KV_HEADS * D)
-        _store_rotated(
-            acc_first, acc_second, cos, sin, rotating[None, :], first, second, stored, q_rows, cached, slot_base,
-            k_ptr, v_ptr, HEADS, KV_HEADS, D,
-        )  # fmt: skip
+        if HALF_PAIRS:
+            stored = m_ok[:, None] & valid[None, :]
+            cached = stored & (slot >= 0)[:, None]
+            _store_rotated(
+                acc_first, acc_second, cos, sin, rotating[None, :], first, second, stored, q_rows, cached, slot_base,
+                k_ptr, v_ptr, HEADS, KV_HEADS, D,
+            )  # fmt: skip
+        else:
+            # The tile's pairs are its 2 * PAIRS consecutive columns from tile * 2 * PAIRS: each pair's two results
+            # go back side by side and are stored as one run of columns, which the compiler sees as contiguous
+            # only when the columns come from one range (not from 2 * pair and 2 * pair + 1).
+            out_first = tl.where(rotating[None, :], acc_first * cos - acc_second * sin, acc_first)
+            out_second = tl.where(rotating[None, :], acc_first * sin + acc_second * cos, acc_second)
+            out = tl.reshape(tl.join(out_first, out_second), [BLOCK_M, 2 * PAIRS])
+            column = tile * 2 * PAIRS + tl.arange(0, 2 * PAIRS)
+            _store_columns(out, column, m_ok[:, None], q_rows, (slot >= 0)[:, None] & m_ok[:, None], slot_base,
+                           k_ptr, v_ptr, HEADS, KV_HEADS, D)  # fmt: skip
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
