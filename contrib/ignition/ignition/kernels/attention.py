@@ -960,18 +960,9 @@ def _store_rotated(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
 def _store_columns(  # type: ignore[no-untyped-def]
-    out,
-    column,
-    rows_ok,
-    q_rows,
-    cached,
-    slot_base,
-    k_ptr,
-    v_ptr,
-    HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    D: tl.constexpr,
-):
+    out, column, rows_ok, q_rows, cached, slot_base, k_ptr, v_ptr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
     """Store a tile of rows' packed ``[q | k | v]`` columns ``column`` (rotated already): the query columns to
     the rows at ``q_rows`` where ``rows_ok``, the key and value columns to the planes at ``slot_base`` where
     ``cached``; columns past the value heads are not stored."""
