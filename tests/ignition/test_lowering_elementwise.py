@@ -528,6 +528,33 @@ def test_the_rotating_projection_refuses_descriptor_tiles_of_part_of_a_head() ->
         )
 
 
+@pytest.mark.parametrize(
+    ("geometry", "tensors", "block_t"),  # (tokens, heads, kv heads, head dim, K); (query, key/value) heads a tensor
+    [
+        ((512, 32, 8, 128, 4096), (32, 8), 2),  # the 8B prefill chunk: 40 rotated heads, two tokens a program
+        ((512, 32, 8, 64, 2048), (32, 8), 4),
+        ((1, 32, 8, 128, 4096), (32, 8), 1),  # the 8B shape at one row: the streaming projection, then the rope
+        ((2048, 9, 3, 64, 576), (16, 4), 16),  # the 135M shape: 12 rotated heads padded to 16, sixteen tokens
+    ],
+)
+def test_the_rope_and_cache_write_gives_each_kind_of_head_a_tensor_of_its_own_count(
+    launched_constants: list[dict[str, Any]], geometry: tuple[int, int, int, int, int], tensors: tuple[int, int],
+    block_t: int,
+) -> None:  # fmt: skip
+    """Query, key and value heads each in a tensor of their own count padded to a power of two (not the rotated
+    heads' sum padded: 64 rows of which 40, or 8, were used); the tokens a program keep to the rotated heads'
+    budget as before."""
+    tokens, heads, kv_heads, head_dim, _ = geometry
+    attributes = {"eps": 1e-5, "theta": 1e4, "style": "half"}
+    _, launches = _lower("rmsnorm_linear_rope_kv_cache_write", _attention_input_arrays(*geometry), attributes)
+    assert launches[-1].symbol == "rope_cache_kernel"
+    constants = launched_constants[-1]
+    assert (constants["HEADS_P2"], constants["KV_HEADS_P2"]) == tensors
+    assert "ROTATED_P2" not in constants
+    assert constants["BLOCK_T"] == block_t == attention.rope_tokens(tokens, heads + kv_heads, head_dim)
+    assert list(launches[-1].grid) == [-(-tokens // block_t), 1, 1]
+
+
 def test_attention_input_of_4096_inputs_streams_the_projection_then_rotates() -> None:
     arrays = _attention_input_arrays(1, 32, 8, 128, 4096)
     attributes = {"eps": 1e-5, "theta": 1e4, "style": "half"}

@@ -677,14 +677,17 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
     BLOCK_T: tl.constexpr,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
-    ROTATED_P2: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_HEADS_P2: tl.constexpr,
     D: tl.constexpr,
     HALF_PAIRS: tl.constexpr,
     SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """``BLOCK_T`` consecutive tokens a program, as ``[tokens, heads, pairs]`` tensors: the float64 angles,
-    cosines and sines of all of them at once rather than one token's after another's."""
+    cosines and sines of all of them at once rather than one token's after another's; then the query heads,
+    the key heads and the value heads each in a tensor of their own count (padded to a power of two), so no
+    lanes go to the padding of their sum."""
     # Inverse frequencies, angles, cos and sin in float64 (the ``*_bits`` are float64 bit patterns),
     # the rotation in float32, as the reference computes them.
     pairs = tl.arange(0, D // 2)
@@ -699,35 +702,38 @@ def rope_cache_kernel(  # type: ignore[no-untyped-def]
     cos = tl.cos(angle).to(tl.float32)[:, None, :]
     sin = tl.sin(angle).to(tl.float32)[:, None, :]
     slot = tl.load(slot_ptr + tokens, mask=token_ok, other=-1)[:, None, None]
-    heads = tl.arange(0, ROTATED_P2)[None, :, None]
     rows = tokens.to(tl.int64)[:, None, None]
-    ok = token_ok[:, None, None] & (heads < HEADS + KV_HEADS)
-    width = (HEADS + 2 * KV_HEADS) * D
-    base = qkv_ptr + rows * width + heads * D
+    packed = qkv_ptr + rows * ((HEADS + 2 * KV_HEADS) * D)
     if HALF_PAIRS:
         first_index = pairs[None, None, :]
         second_index = pairs[None, None, :] + D // 2
     else:
         first_index = 2 * pairs[None, None, :]
         second_index = 2 * pairs[None, None, :] + 1
-    first = tl.load(base + first_index, mask=ok, other=0.0)
-    second = tl.load(base + second_index, mask=ok, other=0.0)
-    out_first = first * cos - second * sin
-    out_second = first * sin + second * cos
-    is_q = ok & (heads < HEADS)
-    q_base = q_ptr + rows * (HEADS * D) + heads * D
-    tl.store(q_base + first_index, out_first, mask=is_q)
-    tl.store(q_base + second_index, out_second, mask=is_q)
+    heads = tl.arange(0, HEADS_P2)[None, :, None]
+    is_q = token_ok[:, None, None] & (heads < HEADS)
+    q_in = packed + heads * D
+    q_out = q_ptr + rows * (HEADS * D) + heads * D
+    _rotate_pairs(q_in, q_out, first_index, second_index, cos, sin, is_q)
     # a negative slot writes no cache
-    is_k = ok & (heads >= HEADS) & (slot >= 0)
-    k_base = k_ptr + (slot * KV_HEADS + (heads - HEADS)) * D
-    tl.store(k_base + first_index, out_first, mask=is_k)
-    tl.store(k_base + second_index, out_second, mask=is_k)
-    kv_heads = tl.arange(0, ROTATED_P2)[None, :, None]
+    kv_heads = tl.arange(0, KV_HEADS_P2)[None, :, None]
+    is_k = token_ok[:, None, None] & (kv_heads < KV_HEADS) & (slot >= 0)
+    k_in = packed + (HEADS + kv_heads) * D
+    k_out = k_ptr + (slot * KV_HEADS + kv_heads) * D
+    _rotate_pairs(k_in, k_out, first_index, second_index, cos, sin, is_k)
     dims = tl.arange(0, D)[None, None, :]
-    v_ok = token_ok[:, None, None] & (kv_heads < KV_HEADS) & (slot >= 0)
-    values = tl.load(qkv_ptr + rows * width + (HEADS + KV_HEADS + kv_heads) * D + dims, mask=v_ok, other=0.0)
-    tl.store(v_ptr + (slot * KV_HEADS + kv_heads) * D + dims, values, mask=v_ok)
+    values = tl.load(packed + (HEADS + KV_HEADS + kv_heads) * D + dims, mask=is_k, other=0.0)
+    tl.store(v_ptr + (slot * KV_HEADS + kv_heads) * D + dims, values, mask=is_k)
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _rotate_pairs(src, dst, first_index, second_index, cos, sin, ok):  # type: ignore[no-untyped-def]
+    """Rotate the pairs ``(src[first_index], src[second_index])`` by the angles of ``cos`` and ``sin`` into
+    the same places of ``dst`` (rounded to ``dst``'s type at the store) where ``ok``."""
+    first = tl.load(src + first_index, mask=ok, other=0.0)
+    second = tl.load(src + second_index, mask=ok, other=0.0)
+    tl.store(dst + first_index, first * cos - second * sin, mask=ok)
+    tl.store(dst + second_index, first * sin + second * cos, mask=ok)
 
 
 ROPE_ELEMENTS = 8192
@@ -800,7 +806,8 @@ def lower_rope_kv_cache_write(ctx: LoweringContext, node: mf.Node) -> list[mf.Ke
             "BLOCK_T": block_t,
             "HEADS": heads,
             "KV_HEADS": kv_heads,
-            "ROTATED_P2": next_power_of_two(heads + kv_heads),
+            "HEADS_P2": next_power_of_two(heads),
+            "KV_HEADS_P2": next_power_of_two(kv_heads),
             "D": head_dim,
             "HALF_PAIRS": style == "half",
             "SCALED": scaled,
