@@ -951,8 +951,7 @@ def _store_rotated(  # type: ignore[no-untyped-def]
     """Rotate the sums ``a`` (columns ``first``) and ``b`` (their partners ``second``) of a tile of rows when
     ``rotating`` (query and key pairs; value rows are stored as they are), then store the query columns to
     the rows at ``q_rows`` and the key and value columns to the planes at ``slot_base`` where ``cached``."""
-    out_first = tl.where(rotating, a * cos - b * sin, a)
-    out_second = tl.where(rotating, a * sin + b * cos, b)
+    out_first, out_second = _rotated(a, b, cos, sin, rotating)
     is_value = first >= (HEADS + KV_HEADS) * D
     q_mask = rows_ok & (first < HEADS * D)[None, :]
     tl.store(q_rows + first[None, :], out_first, mask=q_mask)
@@ -963,6 +962,12 @@ def _store_rotated(  # type: ignore[no-untyped-def]
     v_mask = cached & is_value[None, :]
     tl.store(v_ptr + slot_base + (first - (HEADS + KV_HEADS) * D)[None, :], out_first, mask=v_mask)
     tl.store(v_ptr + slot_base + (second - (HEADS + KV_HEADS) * D)[None, :], out_second, mask=v_mask)
+
+
+@triton.jit  # type: ignore[misc, untyped-decorator]
+def _rotated(a, b, cos, sin, rotating):  # type: ignore[no-untyped-def]
+    """The pairs ``(a, b)`` rotated by the angles of ``cos`` and ``sin`` where ``rotating``, else as they are."""
+    return tl.where(rotating, a * cos - b * sin, a), tl.where(rotating, a * sin + b * cos, b)
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -1150,8 +1155,7 @@ def rotary_projection_kernel(  # type: ignore[no-untyped-def]
             # The tile's pairs are its 2 * PAIRS consecutive columns from tile * 2 * PAIRS: each pair's two results
             # go back side by side and are stored as one run of columns, which the compiler sees as contiguous
             # only when the columns come from one range (not from 2 * pair and 2 * pair + 1).
-            out_first = tl.where(rotating[None, :], acc_first * cos - acc_second * sin, acc_first)
-            out_second = tl.where(rotating[None, :], acc_first * sin + acc_second * cos, acc_second)
+            out_first, out_second = _rotated(acc_first, acc_second, cos, sin, rotating[None, :])
             out = tl.reshape(tl.join(out_first, out_second), [BLOCK_M, 2 * PAIRS])
             column = tile * 2 * PAIRS + tl.arange(0, 2 * PAIRS)
             _store_columns(out, column, m_ok[:, None], q_rows, (slot >= 0)[:, None] & m_ok[:, None], slot_base,
