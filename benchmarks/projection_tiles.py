@@ -235,7 +235,7 @@ def _projections(shape_name: str) -> dict[str, Projection]:
 def _chosen(rows: int, proj: Projection) -> Tiles:
     """``choose_tiles``' choice as the lowering applies it (a SwiGLU projection's through
     :func:`swiglu_tiles`, a rotating one's through :func:`rotary_tiles`)."""
-    chosen = choose_tiles(rows, proj.n, proj.k, unstaged=proj.bf16_input)
+    chosen = choose_tiles(rows, proj.n, proj.k, unstaged=proj.bf16_input, specialised=not proj.ending)
     if proj.ending == "rotary":
         whole = whole_heads_a_tile(MATRIX_PAIRS, proj.heads[2], half=proj.rope_style == "half")
         rotary = rotary_tiles(chosen, rows, proj.n, proj.k, describable=whole)
@@ -243,18 +243,19 @@ def _chosen(rows: int, proj: Projection) -> Tiles:
     return swiglu_tiles(chosen, rows, proj.n) if proj.ending == "swiglu" else chosen
 
 
-_TILE_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:/(\d+))?(tma)?(?:p(\d+))?")
+_TILE_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:/(\d+))?(tma)?(?:p(\d+))?(ws)?")
 
 
 def parse_tiles(spec: str) -> Tiles:
-    """A tile named as :func:`_label` prints it, spaces and the mark left out: ``256x128x64w8s3/2tma``."""
+    """A tile named as :func:`_label` prints it, spaces and the mark left out: ``256x128x64w8s3/2tma``
+    (``ws``: warp-specialised)."""
     match = _TILE_SPEC.fullmatch(spec.replace(" ", "").lstrip("*"))
     if match is None:
         raise argparse.ArgumentTypeError(f"{spec!r} is not a tile such as 128x128x64w8s3/2tma")
-    m, n, k, warps, stages, split, tma, persistent = match.groups()
+    m, n, k, warps, stages, split, tma, persistent, specialised = match.groups()
     return Tiles(
         int(m), int(n), int(k), int(warps), int(stages), split=int(split or 1), descriptors=tma is not None,
-        persistent=int(persistent or 0),
+        persistent=int(persistent or 0), specialised=specialised is not None,
     )  # fmt: skip
 
 
@@ -300,7 +301,7 @@ def _takes(proj: Projection, tiles: Tiles) -> bool:
     if proj.ending == "rotary":
         half = proj.rope_style == "half"
         whole_heads = not tiles.descriptors or whole_heads_a_tile(tiles.block_n // 2, proj.heads[2], half=half)
-        matrix = tiles.block_m > 1 and not (tiles.persistent or tiles.per_sm)
+        matrix = tiles.block_m > 1 and not (tiles.persistent or tiles.per_sm or tiles.specialised)
         return matrix and whole_heads and tiles.block_n // 2 >= MIN_DOT_COLUMNS
     return True
 
@@ -320,6 +321,7 @@ def _label(tiles: Tiles, chosen: Tiles) -> str:
     split = f" /{tiles.split}" if tiles.split > 1 else ""
     copy = " tma" if tiles.descriptors else ""
     copy += f" p{tiles.persistent}" if tiles.persistent else ""
+    copy += " ws" if tiles.specialised else ""
     return f"{mark}{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}{copy}"
 
 

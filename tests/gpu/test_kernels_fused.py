@@ -109,7 +109,25 @@ DESCRIBED = [
     (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True, persistent=1)),
     (130, 1000, 200, Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1)),
     (512, 3000, 1024, Tiles(128, 64, 64, 4, 3, descriptors=True, persistent=2)),
+    # warp-specialised tiles (a copy warp feeding the stages): whole; partial row, column and K tiles; a
+    # short last split; 256 columns; 64-row tiles split in four
+    pytest.param(256, 16384, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True, specialised=True), id="specialised"),
+    pytest.param(
+        130, 1000, 200, Tiles(128, 128, 64, 8, 4, descriptors=True, specialised=True), id="specialised-partial"
+    ),
+    pytest.param(
+        200, 3072, 2048, Tiles(128, 128, 64, 8, 3, split=3, descriptors=True, specialised=True), id="specialised-split"
+    ),
+    pytest.param(512, 4096, 4096, Tiles(128, 256, 64, 8, 3, descriptors=True, specialised=True), id="specialised-wide"),
+    pytest.param(
+        64, 2048, 8192, Tiles(64, 128, 64, 4, 6, split=4, descriptors=True, specialised=True), id="specialised-64"
+    ),
 ]
+
+
+def _matrix_kernel(tiles: Tiles) -> str:
+    """The kernel a matrix tile of one program a tile launches."""
+    return "specialised_projection_kernel" if tiles.specialised else "projection_kernel"
 
 
 @pytest.mark.parametrize(("rows", "n", "k", "tiles"), DESCRIBED)
@@ -129,8 +147,9 @@ def test_projection_through_tensor_descriptors(
         with pytest.raises(LoweringError, match=f"{tiles.block_m}x{tiles.block_n} tile needs tensor descriptors"):
             lower(op, arrays, attributes, weights=("weight", "norm_weight"))
         return
-    if not described and tiles.persistent:
-        with pytest.raises(LoweringError, match="persistent tiles need tensor descriptors"):
+    if not described and (tiles.persistent or tiles.specialised):
+        refusal = "persistent tiles" if tiles.persistent else "warp-specialised tiles"
+        with pytest.raises(LoweringError, match=f"{refusal} need tensor descriptors"):
             lower(op, arrays, attributes, weights=("weight", "norm_weight"))
         return
     launches = lower(op, arrays, attributes, weights=("weight", "norm_weight"))[1]
@@ -141,7 +160,8 @@ def test_projection_through_tensor_descriptors(
         assert launches[-1].symbol == "persistent_projection_kernel"
         assert list(launches[-1].grid) == [min(tiles_count, 132 * tiles.persistent), 1, 1]
     else:
-        assert launches[-1].symbol == "projection_kernel"
+        assert launches[-1].symbol == _matrix_kernel(tiles)
+        assert list(launches[-1].grid) == [-(-rows // tiles.block_m), -(-n // tiles.block_n), tiles.split]
     assert (launches[-1].params[-2].buffer == "workspace.kernel_scratch") == described
     once = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"))["out"]
     again = run_node(cuda_context, op, arrays, attributes, weights=("weight", "norm_weight"), repeat=3, reset=("out",))
@@ -208,14 +228,16 @@ def test_swiglu_mlp_through_forced_tiles(
     )
     arrays = _mlp_case(np.random.default_rng(rows * 37 + n + k), rows, k, n // 2)
     attributes = {"eps": 1e-5}
-    if n % 16 and (tiles.persistent or tiles.block_m > linear.POINTER_TILE_ROWS):
+    if n % 16 and (tiles.persistent or tiles.specialised or tiles.block_m > linear.POINTER_TILE_ROWS):
         # activation rows of n / 2 bf16 values: no tensor descriptor serves them, and these tiles need one
-        refusal = "persistent tiles" if tiles.persistent else f"a {tiles.block_m}x{tiles.block_n} tile"
+        refusal = f"a {tiles.block_m}x{tiles.block_n} tile"
+        if tiles.persistent or tiles.specialised:
+            refusal = "persistent tiles" if tiles.persistent else "warp-specialised tiles"
         with pytest.raises(LoweringError, match=f"{refusal} needs? tensor descriptors"):
             lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)
         return
     launches = lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)[1]
-    kernel = "persistent_projection_kernel" if tiles.persistent else "projection_kernel"
+    kernel = "persistent_projection_kernel" if tiles.persistent else _matrix_kernel(tiles)
     assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", kernel, kernel]
     once = run_node(cuda_context, "rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)["out"]
     again = run_node(

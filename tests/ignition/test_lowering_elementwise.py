@@ -631,6 +631,39 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
     assert choose_tiles(rows, n, k) == tiles
 
 
+SPECIALISED_64x128 = Tiles(64, 128, 64, 4, 8, descriptors=True, specialised=True)
+"""One unsplit 64x128 tile a program, a copy warp feeding eight stages."""
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        (256, 4096, 4096, SPECIALISED_64x128),  # the 8B output projection of a decode batch of 256: 128 tiles
+        (256, 2048, 2048, SPECIALISED_64x128),  # the 1B one: 64 tiles
+        (256, 2048, 8192, SPECIALISED_64x128),  # the 1B down projection
+        (129, 2048, 2048, SPECIALISED_64x128),
+        (512, 2048, 8192, dataclasses.replace(SPECIALISED_64x128, num_stages=6)),  # prefill chunks: six stages
+        (256, 4096, 14336, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # a long reduction: as before
+        (512, 4096, 4096, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 256 narrow tiles: more than a wave
+        (256, 6144, 4096, Tiles(64, 128, 64, 4, 4)),  # 192 narrow tiles
+        (256, 576, 576, Tiles(64, 128, 64, 4, 4, split=5)),  # 9 steps a tile: too short a reduction
+        (128, 2048, 2048, Tiles(64, 128, 64, 4, 4, split=4)),  # up to 128 rows: as before
+        (1024, 2048, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # more than 512 rows: as before
+    ],
+)
+def test_plain_projections_of_129_to_512_rows_take_warp_specialised_tiles_in_one_wave(
+    rows: int, n: int, k: int, tiles: Tiles
+) -> None:
+    """With ``specialised`` (the plain projection's lowering), 129 to 512 rows whose 64x128 tiles make at most
+    one wave, over 2048 to 12287 inputs, take warp-specialised 64x128 tiles (eight stages up to 256 rows,
+    six above); every other shape keeps the tiles it takes without, and no shape takes them without
+    ``specialised`` or where tensor descriptors cannot serve."""
+    assert choose_tiles(rows, n, k, specialised=True) == tiles
+    if tiles.specialised:
+        assert not choose_tiles(rows, n, k).specialised
+        assert not choose_tiles(rows, n, k, specialised=True, describable=False).specialised
+
+
 def test_a_tile_wider_than_per_thread_loads_take_is_refused_without_tensor_descriptors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -66,10 +66,13 @@ def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
 ) -> None:
     """256 rows: the norm staged in bf16, [gate | up] in 128x128 blocks of each half through tensor
     descriptors (four stages, half the grid of 128x128 tiles over both halves), the activation in bf16,
-    then the down projection over it with the tiles chosen for its shape."""
+    then the down projection over it with the tiles chosen for its shape (warp-specialised 64x128 tiles,
+    eight stages: one wave of them over 8192 inputs)."""
     context, launches = _lower("rmsnorm_swiglu_mlp_add", _mlp(256, 2048, 8192), {"eps": 1e-5}, weights=MLP_WEIGHTS)
     norm, gate_up, down = launches
-    assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", "projection_kernel", "projection_kernel"]
+    assert [launch.symbol for launch in launches] == [
+        "_rmsnorm_kernel", "projection_kernel", "specialised_projection_kernel"
+    ]  # fmt: skip
     assert "workspace.projection_input_bf16" in {p.buffer for p in norm.params}
     assert [p.buffer for p in gate_up.params[:3]] == [
         "workspace.projection_input_bf16", "gate_up_weight", "workspace.swiglu_activation_bf16"
@@ -82,10 +85,11 @@ def test_many_rows_stage_the_norm_then_end_the_gate_up_tiles_in_swiglu_in_bf16(
     )
     assert launched_constants[1]["N"] == 8192 and launched_constants[1]["BLOCK_M"] == 128
     assert [p.buffer for p in down.params[:4]] == ["workspace.swiglu_activation_bf16", "down_weight", "out", "residual"]
-    wanted = choose_tiles(256, 2048, 8192)
-    assert list(down.grid) == [256 // wanted.block_m, 2048 // wanted.block_n, wanted.split]
+    wanted = choose_tiles(256, 2048, 8192, specialised=True)
+    assert wanted == Tiles(64, 128, 64, 4, 8, descriptors=True, specialised=True)
+    assert list(down.grid) == [256 // wanted.block_m, 2048 // wanted.block_n, wanted.split] == [4, 16, 1]
     assert launched_constants[2]["SWIGLU"] is False and launched_constants[2]["RESIDUAL"] is True
-    assert launched_constants[2]["DESCRIPTORS"] is wanted.descriptors
+    assert launched_constants[2]["STAGES"] == 8 and down.block[0] == 32 * (4 + 4)  # a warpgroup holds the copy warp
     assert _workspaces(context)["workspace.swiglu_activation_bf16"] == (mf.DTYPE_BF16, 256 * 8192)
 
 
@@ -174,7 +178,8 @@ def test_malformed_mlps_are_refused_by_name(change: dict[str, np.ndarray], messa
 def test_a_plain_projection_reads_inputs_of_the_weights_type_and_a_normalised_one_does_not() -> None:
     arrays = {"x": bf16(256, 2048), "weight": bf16(2048, 2048), "residual": f32(256, 2048), "out": f32(256, 2048)}
     _, launches = _lower("linear_add", arrays, weights=("weight",))
-    assert [launch.symbol for launch in launches] == ["projection_kernel"]
+    assert [launch.symbol for launch in launches] == ["specialised_projection_kernel"]
+    assert launches[0].params[0].buffer == "x"
     normalised = {"x": bf16(256, 2048), "weight": bf16(2048, 2048), "norm_weight": f32(2048), "out": f32(256, 2048)}
     with pytest.raises(LoweringError, match="x must be float32"):
         _lower("rmsnorm_linear", normalised, {"eps": 1e-5}, weights=("weight", "norm_weight"))
@@ -185,30 +190,40 @@ def test_a_plain_projection_reads_inputs_of_the_weights_type_and_a_normalised_on
 @pytest.mark.parametrize(
     ("rows", "n", "k", "tiles", "split"),
     [
-        (256, 4096, 4096, (128, 128, True), 2),  # the 8B output projection over bf16 attention rows: 64 tiles
-        (256, 2048, 2048, (64, 128, False), 2),  # the 1B one: 32 such tiles would need four parts
-        (256, 2048, 8192, (64, 128, False), 2),  # the 1B down projection over its bf16 activation, as well
+        (256, 4096, 14336, (128, 128, True), 2),  # a long reduction over bf16 rows: 64 tiles, two parts each
         (128, 4096, 4096, (64, 128, False), 2),  # 32 such tiles at 128 rows
         (64, 4096, 4096, (64, 64, False), 4),  # 64 rows keep their 64-row tiles
+        # one wave of warp-specialised 64x128 tiles over 2048 to 12287 inputs (eight stages up to 256 rows)
+        (256, 4096, 4096, (64, 128, "specialised", 8), 1),  # the 8B output projection over bf16 attention rows
+        (256, 2048, 2048, (64, 128, "specialised", 8), 1),  # the 1B one
+        (256, 2048, 8192, (64, 128, "specialised", 8), 1),  # the 1B down projection over its bf16 activation
+        (512, 2048, 2048, (64, 128, "specialised", 6), 1),  # a 512-row chunk of the 1B shape: six stages
+        (512, 4096, 4096, (128, 128, True), 1),  # 256 such tiles at 512 rows: the 128x128 ones
     ],
 )
-def test_a_narrow_projection_over_unstaged_bf16_rows_takes_128x128_tiles_where_two_parts_fill_a_wave(
-    launched_constants: list[dict[str, Any]], rows: int, n: int, k: int, tiles: tuple[int, int, bool], split: int
+def test_a_narrow_projection_over_unstaged_bf16_rows_takes_the_tiles_measured_fastest_there(
+    launched_constants: list[dict[str, Any]], rows: int, n: int, k: int, tiles: tuple[Any, ...], split: int
 ) -> None:
     """bf16 input rows that no launch staged (attention's, in a bf16 kernel graph) are read through tensor
-    descriptors in 128x128 tiles split within one wave where at most ``UNSTAGED_SPLIT`` parts fill it (65 to
-    256 rows); otherwise they keep the 64x128 tiles on one warpgroup measured faster there."""
+    descriptors: in warp-specialised 64x128 tiles where one wave of them covers 129 to 512 rows over 2048 to
+    12287 inputs; else in 128x128 tiles split within one wave where at most ``UNSTAGED_SPLIT`` parts fill it
+    (65 to 256 rows); otherwise they keep the 64x128 tiles on one warpgroup measured faster there."""
     arrays = {"x": bf16(rows, k), "weight": bf16(n, k), "residual": f32(rows, n), "out": f32(rows, n)}
     _, launches = _lower("linear_add", arrays, weights=("weight",))
-    assert [launch.symbol for launch in launches] == ["projection_kernel"]
     constants = launched_constants[-1]
-    assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["DESCRIPTORS"]) == tiles
+    if tiles[2] == "specialised":
+        assert [launch.symbol for launch in launches] == ["specialised_projection_kernel"]
+        assert (constants["BLOCK_M"], constants["BLOCK_N"], "specialised", constants["STAGES"]) == tiles
+    else:
+        assert [launch.symbol for launch in launches] == ["projection_kernel"]
+        assert (constants["BLOCK_M"], constants["BLOCK_N"], constants["DESCRIPTORS"]) == tiles
     assert constants["SPLIT"] == split
     assert list(launches[0].grid) == [rows // tiles[0], n // tiles[1], split]
-    # the same projection over float32 rows (staged from 3 to 64 rows, read as they are above) keeps the
-    # per-thread loads of its 64-row tiles
-    _lower("linear_add", {**arrays, "x": f32(rows, k)}, weights=("weight",))
-    assert (launched_constants[-1]["BLOCK_M"], launched_constants[-1]["DESCRIPTORS"]) == (64, False)
+    if rows <= 256:
+        # the same projection over float32 rows (staged from 3 to 64 rows and over 256, read as they are
+        # above) keeps the per-thread loads of its 64-row tiles
+        _lower("linear_add", {**arrays, "x": f32(rows, k)}, weights=("weight",))
+        assert (launched_constants[-1]["BLOCK_M"], launched_constants[-1]["DESCRIPTORS"]) == (64, False)
 
 
 @pytest.mark.parametrize(

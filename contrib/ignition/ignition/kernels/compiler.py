@@ -121,6 +121,12 @@ def _kernel_source(python: Any) -> str:
     return "".join(_module_source(module) for module in [python.__module__, *others])
 
 
+def _is_gluon(fn: Any) -> bool:
+    """Whether ``fn`` is a Gluon kernel (compiled from its own source type, its warp count a parameter)."""
+    is_gluon = getattr(fn, "is_gluon", None)
+    return bool(is_gluon()) if callable(is_gluon) else False
+
+
 def _request_key(
     fn: Any,
     signature: Mapping[str, str],
@@ -138,6 +144,8 @@ def _request_key(
     names = list(inspect.signature(python).parameters)
     full_signature: dict[str, str] = {}
     for name in names:
+        if name == "num_warps" and _is_gluon(fn):
+            continue  # set from the option below
         if name in constants:
             full_signature[name] = "constexpr"
         elif name in signature:
@@ -213,7 +221,15 @@ def compile_triton(
         )
         _MEMORY[key] = kernel
         return kernel
-    src = ASTSource(fn=fn, signature=full_signature, constexprs=dict(constants), attrs=attrs)
+    if _is_gluon(fn):
+        # A Gluon kernel declares its warp count as a compile-time parameter.
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        gluon_constants = {**constants, "num_warps": num_warps}
+        full_signature["num_warps"] = "constexpr"
+        src = GluonASTSource(fn=fn, signature=full_signature, constexprs=gluon_constants, attrs=attrs)
+    else:
+        src = ASTSource(fn=fn, signature=full_signature, constexprs=dict(constants), attrs=attrs)
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", SUPPORTED_TARGETS[target], 32), options=options)
     except Exception as exc:  # the compiler raises many types; name the kernel

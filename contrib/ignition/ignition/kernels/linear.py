@@ -40,6 +40,8 @@ float32) and rows whose bytes are not a multiple of 16 keep the per-thread loads
 with them. The widest projections of a prefill chunk over a
 long reduction run persistent programs instead (:func:`persistent_projection_kernel`: one a
 multiprocessor, each over every so many tiles, its loop over tiles and reduction steps one pipeline).
+Plain projections of 129 to 512 rows whose 64x128 tiles make one wave over a reduction of 2048 to 12287
+inputs take warp-specialised tiles (:mod:`ignition.kernels.specialised`: a copy warp feeding deep stages).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import triton.language as tl
 
 from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.lowering import ITEMSIZE, LoweringContext, cdiv, lowering, next_power_of_two
+from ignition.kernels.specialised import specialised_projection_kernel
 
 
 @triton.jit  # type: ignore[misc, untyped-decorator]
@@ -439,6 +442,10 @@ class Tiles:
     persistent: int = 0
     """Matrix tiles through tensor descriptors, unsplit: this many programs a multiprocessor, each over
     every so many tiles (:func:`persistent_projection_kernel`); 0: one program a tile."""
+    specialised: bool = False
+    """Matrix tiles through tensor descriptors, one program a tile: a copy warp feeds the stages and the
+    other warps multiply (:func:`ignition.kernels.specialised.specialised_projection_kernel`), ``num_stages``
+    stages."""
 
 
 MULTIPROCESSORS = 132
@@ -453,11 +460,13 @@ def choose_tiles(
     multiprocessors: int = MULTIPROCESSORS,
     describable: bool = True,
     unstaged: bool = False,
+    specialised: bool = False,
 ) -> Tiles:
     """Tiles for ``rows x n`` outputs over ``k`` (see the module docstring); with ``describable`` False
     (inputs tensor descriptors cannot serve) the per-thread-load tiles measured for the same shapes;
     ``unstaged``: the inputs are read as they are, 16-bit rows no launch before wrote (the output
-    projection over attention's bf16 rows)."""
+    projection over attention's bf16 rows); ``specialised``: warp-specialised tiles may serve (the plain
+    projection's lowering; the SwiGLU and rotating projections were measured without them)."""
     if rows <= 2:
         # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
         # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor,
@@ -492,6 +501,17 @@ def choose_tiles(
         # long prefill chunk): 128x128 tiles, fed by tensor descriptors where they can serve (measured on
         # an H200 at 256 and 512 rows, docs/benchmarks.md), no split.
         return _split_reduction(Tiles(128, 128, 64, 8, 3, descriptors=describable), rows, n, k, multiprocessors)
+    one_narrow_wave = cdiv(rows, 64) * cdiv(n, 128) <= multiprocessors
+    reduction = SPECIALISED_REDUCTION <= k < LONG_REDUCTION
+    if specialised and describable and 128 < rows <= SPECIALISED_ROWS and one_narrow_wave and reduction:
+        # Narrow outputs of a large decode batch or a prefill chunk whose 64x128 tiles make at most one
+        # wave, over 2048 to 12287 inputs (the 1B output and down projections at 256 and 512 rows, the 8B
+        # output projection at 256): one unsplit 64x128 tile a program, a copy warp feeding eight stages
+        # (six over more than 256 rows). Measured on an H100 (docs/benchmarks.md), in-graph: the 8B
+        # output projection at 256 rows 29.1 -> 25.9 us, the 1B one 11.2 -> 10.0 and its down projection
+        # 29.9 -> 26.1; at 512 rows 18.7 -> 14.1 and 49.2 -> 37.1. Level or slower: the 8B down
+        # projection (14336 inputs), any of them at 64 rows, wider outputs.
+        return Tiles(64, 128, 64, 4, 8 if rows <= NARROW_TILE_ROWS else 6, descriptors=True, specialised=True)
     if rows <= NARROW_TILE_ROWS:
         square = _split_within_one_wave(Tiles(128, 128, 64, 8, 4, descriptors=True), rows, n, k, multiprocessors)
         if describable and (k >= LONG_REDUCTION or (unstaged and square.split <= UNSTAGED_SPLIT)):
@@ -508,6 +528,15 @@ def choose_tiles(
         return Tiles(128, 128, 64, 8, 4, descriptors=True)
     return _split_reduction(Tiles(128, 64, 64, 8, 3), rows, n, k, multiprocessors)
 
+
+SPECIALISED_ROWS = 512
+"""Rows up to which (from 129) a plain projection may take warp-specialised tiles (see :func:`choose_tiles`)."""
+
+SPECIALISED_REDUCTION = 2048
+"""Inputs from which a plain projection may take warp-specialised tiles: 32 steps of 64 or more a program."""
+
+SPECIALISED_STEP = 64
+"""Inputs a step of a warp-specialised tile: one 128-byte swizzled row of 16-bit values a tile row."""
 
 TALL_TILE_WAVES = 4
 """Waves of 128-column tiles from which a projection of 129 to 256 rows takes 256-row tiles (see
@@ -729,8 +758,9 @@ def project(
     describable = describes(ctx, weight if prologue_staged else x, weight, k)
     unstaged = not prologue_staged and describable
     chosen = tiles or choose_tiles(
-        rows, n, k, multiprocessors=multiprocessors, describable=describable, unstaged=unstaged
-    )
+        rows, n, k, multiprocessors=multiprocessors, describable=describable, unstaged=unstaged,
+        specialised=not swiglu,
+    )  # fmt: skip
     if swiglu:
         if not tiles:
             chosen = swiglu_tiles(chosen, rows, n, multiprocessors=multiprocessors)
@@ -780,10 +810,21 @@ def project(
             kernel, grid = persistent_projection_kernel, (programs,)
             launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
             return [*prologue, launch]
-        constants.update(
-            BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split, DESCRIPTORS=descriptors
-        )
-        kernel, grid = projection_kernel, (tiles_m, tiles_n, chosen.split)
+        constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split)
+        grid = (tiles_m, tiles_n, chosen.split)
+        if chosen.specialised:
+            if not descriptors:
+                raise ctx.fail("warp-specialised tiles need tensor descriptors (16-bit inputs and weights)")
+            if chosen.block_k != SPECIALISED_STEP:
+                raise ctx.fail(f"warp-specialised tiles step {SPECIALISED_STEP} inputs (128-byte swizzled rows)")
+            constants.update(STAGES=chosen.num_stages)
+            launch = ctx.launch(
+                specialised_projection_kernel, args, constants, grid, num_warps=chosen.num_warps,
+                num_stages=chosen.num_stages,
+            )  # fmt: skip
+            return [*prologue, launch]
+        constants.update(DESCRIPTORS=descriptors)
+        kernel = projection_kernel
         launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
         return [*prologue, launch]
     eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
