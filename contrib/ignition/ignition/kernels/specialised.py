@@ -78,6 +78,19 @@ def _multiply_steps(  # type: ignore[no-untyped-def]
 
 
 @gluon.jit  # type: ignore[misc, untyped-decorator]
+def _store_tile(  # type: ignore[no-untyped-def]
+    acc, acc_up, out_ptr, residual_ptr, out_offsets, out_mask, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr
+):
+    """A finished tile's epilogue: ``silu(acc) * acc_up`` with ``SWIGLU`` (as ``silu_mul`` computes it), plus
+    the residual with ``RESIDUAL``, stored."""
+    if SWIGLU:
+        acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+    if RESIDUAL:
+        acc += gl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
+    gl.store(out_ptr + out_offsets, acc, mask=out_mask)
+
+
+@gluon.jit  # type: ignore[misc, untyped-decorator]
 def specialised_projection_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     w_ptr,
@@ -149,11 +162,7 @@ def specialised_projection_kernel(  # type: ignore[no-untyped-def]
     out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
     out_offsets = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT == 1:
-        if SWIGLU:
-            acc = acc / (1.0 + gl.exp(-acc)) * acc_up
-        if RESIDUAL:
-            acc += gl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
-        gl.store(out_ptr + out_offsets, acc, mask=out_mask)
+        _store_tile(acc, acc_up, out_ptr, residual_ptr, out_offsets, out_mask, RESIDUAL, SWIGLU)
     else:
         tile = pid_n * gl.num_programs(0) + pid_m
         area: gl.constexpr = BLOCK_M * BLOCK_N
@@ -174,9 +183,5 @@ def specialised_projection_kernel(  # type: ignore[no-untyped-def]
                 total += gl.load(part + block, cache_modifier=".cg")
                 if SWIGLU:
                     total_up += gl.load(part + area + block, cache_modifier=".cg")
-            if SWIGLU:
-                total = total / (1.0 + gl.exp(-total)) * total_up
-            if RESIDUAL:
-                total += gl.load(residual_ptr + out_offsets, mask=out_mask, other=0.0)
-            gl.store(out_ptr + out_offsets, total, mask=out_mask)
+            _store_tile(total, total_up, out_ptr, residual_ptr, out_offsets, out_mask, RESIDUAL, SWIGLU)
             gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
