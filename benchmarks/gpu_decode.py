@@ -1099,8 +1099,11 @@ def _decode_wave(
     """``batch`` concurrent requests of ``plan.prompt`` prompt and ``plan.tokens`` new tokens, measured."""
     requests = _requests(f"b{batch}", batch, plan.prompt, plan.tokens, vocab, rng)
     clock.records.clear()
-    results = collect(engine, requests, plan.timeout_s)
+    with ClockSamples(plan.device) as clocks:
+        results = collect(engine, requests, plan.timeout_s)
     window = decode_window(results, plan.prompt)
+    if (sampled := clocks.summary()) is not None:
+        window["clock"] = sampled
     window["host"] = host_statistics(clock.records, window["window_begin_ns"], window["window_end_ns"])
     origin = int(clock.origin_ns)  # the window is on the runtime clock, the collections on time.monotonic_ns
     window["host"]["collections"] = COLLECTOR_PAUSES.within(
@@ -1368,19 +1371,23 @@ def time_decode(model: TorchLlama, batch: int, plan: Plan, vocab: int, *, graph:
         for _ in range(plan.baseline_warmup):
             step()
         _synchronize(device)
-        begin = time.perf_counter()
-        for _ in range(plan.baseline_steps):
-            step()
-        _synchronize(device)
-        seconds = time.perf_counter() - begin
+        with ClockSamples(device) as clocks:
+            begin = time.perf_counter()
+            for _ in range(plan.baseline_steps):
+                step()
+            _synchronize(device)
+            seconds = time.perf_counter() - begin
     ms = seconds / plan.baseline_steps * 1000
-    return {
+    figures: dict[str, Any] = {
         "ms_per_step": ms,
         "tokens_per_s": batch / ms * 1000,
         "steps": plan.baseline_steps,
         "mean_context": plan.prompt + plan.baseline_warmup + (plan.baseline_steps - 1) / 2,
         "cache_context": int(model.k_cache.shape[3]),
     }
+    if (sampled := clocks.summary()) is not None:
+        figures["clock"] = sampled
+    return figures
 
 
 def time_prefill(model: TorchLlama, plan: Plan, vocab: int) -> dict[str, Any]:
@@ -1561,6 +1568,60 @@ def matmul_rate(device: str) -> float:
     return 2 * size**3 / statistics.median(times)
 
 
+class ClockSamples:
+    """The GPU's SM clock and board power, sampled by ``nvidia-smi`` every ``interval_ms`` while the context is
+    open: a served step and a baseline are comparable only at like clocks, and sustained work may run at a lower
+    clock than work with idle gaps. Without ``nvidia-smi`` (or off the GPU) it samples nothing and
+    :meth:`summary` is ``None``; it never fails the measurement it surrounds."""
+
+    def __init__(self, device: str, *, interval_ms: int = 50, gpu: int = 0) -> None:
+        self.device, self.interval_ms, self.gpu = device, interval_ms, gpu
+        self._process: subprocess.Popen[str] | None = None
+        self._output = ""
+
+    def __enter__(self) -> ClockSamples:
+        if self.device == "cuda":
+            query = ["--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+            command = ["nvidia-smi", "-i", str(self.gpu), *query, "-lms", str(self.interval_ms)]
+            with contextlib.suppress(OSError):
+                self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            self._output, _ = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            self._output, _ = process.communicate()
+
+    def summary(self) -> dict[str, Any] | None:
+        """Samples taken, the median and lowest SM clock (MHz) and the median power (W) where reported."""
+        clocks, powers = [], []
+        for line in self._output.splitlines():
+            fields = [part.strip() for part in line.split(",")]
+            if len(fields) != 2:
+                continue
+            with contextlib.suppress(ValueError):
+                clock = float(fields[0])
+                clocks.append(clock)
+                with contextlib.suppress(ValueError):
+                    powers.append(float(fields[1]))
+        if not clocks:
+            return None
+        figures: dict[str, Any] = {
+            "samples": len(clocks),
+            "sm_clock_mhz_median": statistics.median(clocks),
+            "sm_clock_mhz_min": min(clocks),
+        }
+        if powers:
+            figures["power_w_median"] = statistics.median(powers)
+        return figures
+
+
 def machine_facts(device: str) -> dict[str, Any]:
     facts: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
     for module in ("torch", "triton", "numpy"):
@@ -1723,6 +1784,23 @@ def table_rows(report: Report) -> list[list[str]]:
     return rows
 
 
+def clock_note(entry: Mapping[str, Any], batches: Sequence[int]) -> str:
+    """The median SM clock (and power) of each batch's Helios wave and graph baseline, where both were sampled:
+    ``SM MHz (W) b256 Helios 1755 (690), graph 1980 (600)``."""
+    parts = []
+    for batch in batches:
+        ours = entry.get("helios", {}).get("decode", {}).get(str(batch), {}).get("clock")
+        graph = entry.get("baseline", {}).get("graph", {}).get(str(batch), {}).get("clock")
+        if ours and graph:
+            parts.append(f"b{batch} Helios {_clock_cell(ours)}, graph {_clock_cell(graph)}")
+    return "SM MHz (W) " + "; ".join(parts) if parts else ""
+
+
+def _clock_cell(clock: Mapping[str, Any]) -> str:
+    power = clock.get("power_w_median")
+    return f"{clock['sm_clock_mhz_median']:.0f}" + (f" ({power:.0f})" if power is not None else "")
+
+
 def print_table(report: Report) -> None:
     data, plan = report.data, report.data["plan"]
     machine, hardware = data.get("machine", {}), data.get("hardware", {})
@@ -1776,6 +1854,8 @@ def print_table(report: Report) -> None:
             notes.append(f"Helios start {entry['helios']['load_s']:.1f} s")
         if entry.get("tp1", {}).get("collectives_per_decode") is not None:
             notes.append(f"tp1: {entry['tp1']['collectives_per_decode']} collectives per decode step")
+        if clocks := clock_note(entry, plan["batches"]):
+            notes.append(clocks)
         for phase, error in entry.get("errors", {}).items():
             notes.append(f"{phase} FAILED: {error.splitlines()[0][:160]}")
         for key, error in entry.get("helios", {}).get("errors", {}).items():

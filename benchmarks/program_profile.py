@@ -5,7 +5,9 @@ active, greedy, a history of ``--position`` tokens per row, and for a program of
 W - 1 of them, so the verification samples every position), then prints per operator the median
 time of its launches run one at a time (each between two events, so a few microseconds of launch
 latency are included), their sum, and the median replay time of the program's CUDA graph with and
-without programmatic dependent launch. With ``--ablate`` it also prints, per operator, what the
+without programmatic dependent launch (each replay timed alone, the device idle before it), and the time a
+replay takes with ``--back-to-back`` of them queued one after another, as a served decode queues its rounds.
+With ``--ablate`` it also prints, per operator, what the
 graph loses when that operator's launches are left out (a graph of the other launches, chained as
 the program chains them): the operator's share of the replay inside the graph, launch gaps
 included (``--by-kernel``: per operator and kernel). The outputs of an ablated graph are meaningless;
@@ -85,6 +87,20 @@ def _median_ms(backend: CudaBackend, action: Callable[[], None], repeats: int) -
         ctx.wait_event(end)
         times.append(ctx.elapsed_ms(start, end))
     return statistics.median(times)
+
+
+def _back_to_back_ms(backend: CudaBackend, program: str, replays: int) -> float:
+    """Milliseconds a replay of ``program``'s graph when ``replays`` of them are queued one after another, as a
+    served decode queues its rounds (the device never idle between them, unlike :func:`_median_ms`'s)."""
+    ctx = backend._ctx
+    start, end = ctx.timing_event(), ctx.timing_event()
+    backend.run(program, 0)  # one untimed replay first
+    ctx.record(start)
+    for _ in range(replays):
+        backend.run(program, 0)
+    ctx.record(end)
+    ctx.wait_event(end)
+    return float(ctx.elapsed_ms(start, end)) / replays
 
 
 def _replay(backend: CudaBackend, program: str) -> Callable[[], None]:
@@ -177,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--position", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument(
+        "--back-to-back", type=int, default=100,
+        help="replays queued one after another for the sustained figure (the device never idle between them)",
+    )  # fmt: skip
+    parser.add_argument(
         "--lanes", type=int, default=0,
         help="lanes to stage (default: the graph's batch capacity); 1: one prompt of all a prompt program's tokens",
     )  # fmt: skip
@@ -207,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(sum(times) for times in by_op.values())
             launches = sum(len(t) for t in by_op.values())
             with_pdl, without = replay[True] * 1000, replay[False] * 1000
+            sustained = _back_to_back_ms(backend, name, args.back_to_back) * 1000
             print(f"\n{name}: {launches} launches, sum of single launches {total * 1000:.1f} us; graph replay "
-                  f"{with_pdl:.1f} us with programmatic launch, {without:.1f} us without")  # fmt: skip
+                  f"{with_pdl:.1f} us with programmatic launch, {without:.1f} us without; {sustained:.1f} us a "
+                  f"replay with {args.back_to_back} queued back to back")  # fmt: skip
             print(f"{'operator':<60} {'launches':>8} {'total us':>10} {'mean us':>9}")
             for op, times in sorted(by_op.items(), key=lambda item: -sum(item[1])):
                 print(f"{op:<60} {len(times):>8} {sum(times) * 1000:>10.1f} {statistics.mean(times) * 1000:>9.1f}")

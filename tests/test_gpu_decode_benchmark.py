@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -106,3 +107,41 @@ def test_the_ranks_table_puts_each_batch_beside_one_rank_the_graph_and_the_all_r
         ["8b", "1", "4.000", "2.500", "0.62", "6.000", "2.40x", "12.5", "64", "32%"],
         ["8b", "8", "5.000", "4.000", "0.80", "-", "-", "-", "64", "-"],
     ]
+
+
+def test_clock_samples_summarise_the_clocks_and_power_nvidia_smi_printed(tmp_path: Any, monkeypatch: Any) -> None:
+    benchmark = load_benchmark()
+    fake = tmp_path / "nvidia-smi"
+    arguments = tmp_path / "arguments"
+    fake.write_text(
+        f"#!/bin/sh\necho \"$@\" > {arguments}\nprintf '1980, 650.50\\n1755, 690.25\\n1770, [N/A]\\nnot a sample\\n'\n"
+        "exec sleep 30\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with benchmark.ClockSamples("cuda", interval_ms=10) as clocks:
+        time.sleep(0.3)
+    assert arguments.read_text().split() == [
+        "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "10"
+    ]  # fmt: skip
+    summary = clocks.summary()
+    # the line without a power reading counts for the clock alone; the line that is no sample not at all
+    expected = {"samples": 3, "sm_clock_mhz_median": 1770.0, "sm_clock_mhz_min": 1755.0, "power_w_median": 670.375}
+    assert summary == expected
+    entry = {
+        "helios": {"decode": {"256": {"clock": summary}, "64": {}}},
+        "baseline": {"graph": {"256": {"clock": {"sm_clock_mhz_median": 1980.0}}, "64": {"clock": summary}}},
+    }
+    assert benchmark.clock_note(entry, [64, 256]) == "SM MHz (W) b256 Helios 1770 (670), graph 1980"
+
+
+def test_clock_samples_take_nothing_off_the_gpu_or_without_nvidia_smi(tmp_path: Any, monkeypatch: Any) -> None:
+    benchmark = load_benchmark()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi there
+    with benchmark.ClockSamples("cuda") as missing:
+        pass
+    with benchmark.ClockSamples("cpu") as off_the_gpu:
+        pass
+    assert missing.summary() is None
+    assert off_the_gpu.summary() is None
+    assert benchmark.clock_note({"helios": {}, "baseline": {}}, [1]) == ""
