@@ -92,15 +92,13 @@ def _median_ms(backend: CudaBackend, action: Callable[[], None], repeats: int) -
 def _back_to_back_ms(backend: CudaBackend, program: str, replays: int) -> float:
     """Milliseconds a replay of ``program``'s graph when ``replays`` of them are queued one after another, as a
     served decode queues its rounds (the device never idle between them, unlike :func:`_median_ms`'s)."""
-    ctx = backend._ctx
-    start, end = ctx.timing_event(), ctx.timing_event()
+
+    def queue_all() -> None:
+        for _ in range(replays):
+            backend.run(program, 0)
+
     backend.run(program, 0)  # one untimed replay first
-    ctx.record(start)
-    for _ in range(replays):
-        backend.run(program, 0)
-    ctx.record(end)
-    ctx.wait_event(end)
-    return float(ctx.elapsed_ms(start, end)) / replays
+    return _median_ms(backend, queue_all, 1) / replays
 
 
 def _replay(backend: CudaBackend, program: str) -> Callable[[], None]:

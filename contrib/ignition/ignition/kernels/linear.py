@@ -811,20 +811,17 @@ def project(
             launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
             return [*prologue, launch]
         constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split)
-        grid = (tiles_m, tiles_n, chosen.split)
         if chosen.specialised:
             if not descriptors:
                 raise ctx.fail("warp-specialised tiles need tensor descriptors (16-bit inputs and weights)")
             if chosen.block_k != SPECIALISED_STEP:
                 raise ctx.fail(f"warp-specialised tiles step {SPECIALISED_STEP} inputs (128-byte swizzled rows)")
+            kernel = specialised_projection_kernel
             constants.update(STAGES=chosen.num_stages)
-            launch = ctx.launch(
-                specialised_projection_kernel, args, constants, grid, num_warps=chosen.num_warps,
-                num_stages=chosen.num_stages,
-            )  # fmt: skip
-            return [*prologue, launch]
-        constants.update(DESCRIPTORS=descriptors)
-        kernel = projection_kernel
+        else:
+            kernel = projection_kernel
+            constants.update(DESCRIPTORS=descriptors)
+        grid = (tiles_m, tiles_n, chosen.split)
         launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
         return [*prologue, launch]
     eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
