@@ -95,6 +95,8 @@ def test_streaming_projection(
     assert relative_error(got["out"], want["out"]) < 1e-2
 
 
+PERSISTENT_SPECIALISED = Tiles(128, 128, 64, 8, 4, descriptors=True, persistent=1, specialised=True)
+
 DESCRIBED = [
     # rows, N, K, tiles
     (256, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),
@@ -122,12 +124,32 @@ DESCRIBED = [
     pytest.param(
         64, 2048, 8192, Tiles(64, 128, 64, 4, 6, split=4, descriptors=True, specialised=True), id="specialised-64"
     ),
+    # persistent warp-specialised programs: 320 partial tiles (160 of 128x256) over 132 programs
+    pytest.param(1000, 5120, 1000, PERSISTENT_SPECIALISED, id="specialised-persistent"),
+    # 128x256 warp-specialised tiles: split in two over partial rows and a partial last step; persistent
+    pytest.param(
+        300,
+        4096,
+        3000,
+        Tiles(128, 256, 64, 8, 4, split=2, descriptors=True, specialised=True),
+        id="specialised-wide-split",
+    ),
+    pytest.param(
+        1000, 5120, 1000, dataclasses.replace(PERSISTENT_SPECIALISED, block_n=256), id="specialised-wide-persistent"
+    ),
+    # 256-row persistent warp-specialised tiles (the LM head of a decode batch of 256): 313 partial tiles
+    pytest.param(
+        200, 40000, 520, dataclasses.replace(PERSISTENT_SPECIALISED, block_m=256), id="specialised-tall-persistent"
+    ),
 ]
 
 
 def _matrix_kernel(tiles: Tiles) -> str:
-    """The kernel a matrix tile of one program a tile launches."""
-    return "specialised_projection_kernel" if tiles.specialised else "projection_kernel"
+    """The kernel a matrix tile launches: warp-specialised (one program a tile or persistent), persistent, or
+    one program a tile."""
+    if tiles.specialised:
+        return "specialised_projection_kernel"
+    return "persistent_projection_kernel" if tiles.persistent else "projection_kernel"
 
 
 @pytest.mark.parametrize(("rows", "n", "k", "tiles"), DESCRIBED)
@@ -157,7 +179,7 @@ def test_projection_through_tensor_descriptors(
         assert launches[0].symbol == ("_rmsnorm_kernel" if op == "rmsnorm_linear" else "stage_rows_kernel")
     if tiles.persistent:
         tiles_count = -(-rows // tiles.block_m) * -(-n // tiles.block_n)
-        assert launches[-1].symbol == "persistent_projection_kernel"
+        assert launches[-1].symbol == _matrix_kernel(tiles)
         assert list(launches[-1].grid) == [min(tiles_count, 132 * tiles.persistent), 1, 1]
     else:
         assert launches[-1].symbol == _matrix_kernel(tiles)
@@ -237,7 +259,7 @@ def test_swiglu_mlp_through_forced_tiles(
             lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)
         return
     launches = lower("rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)[1]
-    kernel = "persistent_projection_kernel" if tiles.persistent else _matrix_kernel(tiles)
+    kernel = _matrix_kernel(tiles)
     assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", kernel, kernel]
     once = run_node(cuda_context, "rmsnorm_swiglu_mlp_add", arrays, attributes, weights=MLP_WEIGHTS)["out"]
     again = run_node(

@@ -478,13 +478,16 @@ def test_the_interleaved_rotating_projection_stores_runs_of_columns_as_the_half_
 
 
 @pytest.mark.parametrize(
-    ("geometry", "style", "forced"),  # (tokens, heads, kv heads, head dim, K)
+    ("geometry", "style", "forced", "projection"),  # (tokens, heads, kv heads, head dim, K)
     [
-        ((512, 32, 8, 64, 2048), "half", None),  # a prefill chunk: 96 of 132 tiles of 128x128 through descriptors
-        ((512, 32, 8, 128, 4096), "interleaved", None),
-        ((2048, 32, 8, 128, 4096), "interleaved", None),  # a long chunk's persistent tiles (768 of 128x128)
+        # a prefill chunk: 96 of 132 tiles of 128x128 through descriptors
+        ((512, 32, 8, 64, 2048), "half", None, "projection_kernel"),
+        # the 8B shape's chunk over 4096 inputs: 96 warp-specialised tiles of 128x256
+        ((512, 32, 8, 128, 4096), "interleaved", None, "specialised_projection_kernel"),
+        # a long chunk's persistent tiles (768 of 128x128)
+        ((2048, 32, 8, 128, 4096), "interleaved", None, "persistent_projection_kernel"),
         # heads of 256 values in the half layout: a 128-column tile is half a head, not consecutive pairs
-        ((256, 8, 2, 256, 2048), "half", Tiles(128, 128, 64, 8, 4, descriptors=True)),
+        ((256, 8, 2, 256, 2048), "half", Tiles(128, 128, 64, 8, 4, descriptors=True), "projection_kernel"),
     ],
 )
 def test_attention_input_projects_into_a_workspace_then_rotates_where_its_tiles_do_not_rotate(
@@ -493,6 +496,7 @@ def test_attention_input_projects_into_a_workspace_then_rotates_where_its_tiles_
     geometry: tuple[int, int, int, int, int],
     style: str,
     forced: Tiles | None,
+    projection: str,
 ) -> None:
     if forced is not None:
         monkeypatch.setattr(attention, "rotary_tiles", lambda *_args, **_kwargs: forced)
@@ -500,7 +504,6 @@ def test_attention_input_projects_into_a_workspace_then_rotates_where_its_tiles_
     arrays = _attention_input_arrays(*geometry)
     attributes = {"eps": 1e-5, "theta": 1e4, "style": style}
     context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
-    projection = "persistent_projection_kernel" if tokens == 2048 else "projection_kernel"
     if forced is None:
         assert [launch.symbol for launch in launches] == ["_rmsnorm_kernel", projection, "rope_cache_kernel"]
         assert launched_constants[1].get("DESCRIPTORS", True) is True  # (persistent tiles always take them)
@@ -644,7 +647,7 @@ SPECIALISED_64x128 = Tiles(64, 128, 64, 4, 8, descriptors=True, specialised=True
         (129, 2048, 2048, SPECIALISED_64x128),
         (512, 2048, 8192, dataclasses.replace(SPECIALISED_64x128, num_stages=6)),  # prefill chunks: six stages
         (256, 4096, 14336, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # a long reduction: as before
-        (512, 4096, 4096, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 256 narrow tiles: more than a wave
+        (512, 3072, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 192 narrow tiles: more than a wave
         (256, 6144, 4096, Tiles(64, 128, 64, 4, 4)),  # 192 narrow tiles
         (256, 576, 576, Tiles(64, 128, 64, 4, 4, split=5)),  # 9 steps a tile: too short a reduction
         (128, 2048, 2048, Tiles(64, 128, 64, 4, 4, split=4)),  # up to 128 rows: as before
@@ -662,6 +665,47 @@ def test_plain_projections_of_129_to_512_rows_take_warp_specialised_tiles_in_one
     if tiles.specialised:
         assert not choose_tiles(rows, n, k).specialised
         assert not choose_tiles(rows, n, k, specialised=True, describable=False).specialised
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        # the 8B shape's 512-row chunk: [q|k|v] (192 square tiles), output (128) and down (128) projections
+        (512, 6144, 4096, Tiles(128, 256, 64, 8, 4, descriptors=True, specialised=True)),
+        (512, 4096, 4096, Tiles(128, 128, 64, 8, 5, descriptors=True, specialised=True)),
+        (512, 4096, 14336, Tiles(128, 128, 64, 8, 5, descriptors=True, specialised=True)),
+        (384, 4096, 4096, Tiles(128, 128, 64, 8, 5, descriptors=True, specialised=True)),  # 96 square tiles
+        (512, 8448, 4096, Tiles(128, 256, 64, 8, 4, descriptors=True, specialised=True)),  # 264: two waves
+        (512, 2816, 4096, Tiles(128, 128, 64, 8, 5, descriptors=True, specialised=True)),  # 88: two thirds
+        (512, 2688, 4096, Tiles(128, 64, 64, 8, 3)),  # 84 square tiles: short of two thirds, as before
+        (512, 8704, 4096, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # 272 square tiles: over two waves
+        (512, 3072, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 2048 inputs: as before
+        (256, 6144, 4096, Tiles(64, 128, 64, 4, 4)),  # a decode batch: as before
+        (1024, 4096, 4096, Tiles(128, 128, 64, 8, 3, descriptors=True)),  # more than 512 rows: as before
+    ],
+)
+def test_prefill_chunks_over_long_reductions_take_warp_specialised_128x128_or_128x256_tiles(
+    rows: int, n: int, k: int, tiles: Tiles
+) -> None:
+    """With ``specialised``, 257 to 512 rows over 4096 or more inputs whose 128x128 tiles make two thirds of a
+    wave to one take warp-specialised 128x128 tiles on five stages, one to two waves 128x256 tiles on four;
+    nothing changes without ``specialised`` or tensor descriptors, or outside those bounds."""
+    assert choose_tiles(rows, n, k, specialised=True) == tiles
+    if tiles.specialised:
+        assert not choose_tiles(rows, n, k).specialised
+        assert not choose_tiles(rows, n, k, specialised=True, describable=False).specialised
+
+
+@pytest.mark.parametrize(("rows", "k"), [(256, 4096), (256, 2048), (129, 2048)])
+def test_a_vocabulary_wide_projection_of_a_large_batch_takes_persistent_warp_specialised_256_row_tiles(
+    rows: int, k: int
+) -> None:
+    """The LM head of 129 to 256 rows: with ``specialised`` its 256x128 tiles run on one persistent
+    warp-specialised program a multiprocessor; without, or without tensor descriptors, as before."""
+    tall = Tiles(256, 128, 64, 8, 4, descriptors=True)
+    assert choose_tiles(rows, 128256, k, specialised=True) == dataclasses.replace(tall, persistent=1, specialised=True)
+    assert choose_tiles(rows, 128256, k) == tall
+    assert not choose_tiles(rows, 128256, k, specialised=True, describable=False).specialised
 
 
 def test_a_tile_wider_than_per_thread_loads_take_is_refused_without_tensor_descriptors(
@@ -727,12 +771,13 @@ def test_a_split_projection_is_one_launch_over_partials_and_counts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("rows", "n", "grid"), [(512, 128256, [4, 1002, 1]), (512, 16384, [4, 128, 1]), (256, 128256, [1, 1002, 1])]
+    ("rows", "n", "grid"), [(512, 128256, [4, 1002, 1]), (512, 16384, [4, 128, 1]), (256, 128256, [132, 1, 1])]
 )
 def test_the_row_tiles_of_a_column_block_are_the_grids_fastest_dimension(rows: int, n: int, grid: list[int]) -> None:
     """The row tiles sharing a weight block are scheduled side by side (the grid's first dimension), so
     a weight larger than L2 (the 1B LM head of a 512-token chunk) streams from HBM once, not once per row
-    tile; at 256 rows that LM head is one 256-row tile a weight block."""
+    tile; at 256 rows that LM head is one 256-row tile a weight block, 1002 tiles over 132 persistent
+    programs that number them the same way (row tile fastest)."""
     arrays = {"x": f32(rows, 2048), "weight": bf16(n, 2048), "out": f32(rows, n)}
     context, launches = _lower("linear", arrays, weights=("weight",))
     _stage, launch = launches

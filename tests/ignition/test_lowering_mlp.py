@@ -198,7 +198,9 @@ def test_a_plain_projection_reads_inputs_of_the_weights_type_and_a_normalised_on
         (256, 2048, 2048, (64, 128, "specialised", 8), 1),  # the 1B one
         (256, 2048, 8192, (64, 128, "specialised", 8), 1),  # the 1B down projection over its bf16 activation
         (512, 2048, 2048, (64, 128, "specialised", 6), 1),  # a 512-row chunk of the 1B shape: six stages
-        (512, 4096, 4096, (128, 128, True), 1),  # 256 such tiles at 512 rows: the 128x128 ones
+        (512, 3072, 2048, (128, 128, True), 1),  # 192 such tiles at 512 rows: the 128x128 ones
+        # a 512-row chunk of the 8B shape over 4096 inputs: warp-specialised 128x128 tiles, five stages
+        (512, 4096, 4096, (128, 128, "specialised", 5), 1),
     ],
 )
 def test_a_narrow_projection_over_unstaged_bf16_rows_takes_the_tiles_measured_fastest_there(

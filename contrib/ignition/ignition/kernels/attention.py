@@ -77,6 +77,7 @@ from helios_core.wire import manifest_pb2 as mf
 from ignition.kernels.elementwise import rmsnorm_blocks, rmsnorm_row
 from ignition.kernels.linear import (
     MULTIPROCESSORS,
+    NARROW_TILE_ROWS,
     Tiles,
     check_projection,
     choose_tiles,
@@ -1193,7 +1194,10 @@ def lower_attention_input(
     if rows != tokens:
         raise ctx.fail(f"x holds {rows} rows and q {tokens}")
     describable = describes(ctx, weight, weight, k)  # matrix tiles read the norm staged in the weight's type
-    tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable)
+    # Prefill chunks (over NARROW_TILE_ROWS rows) project into a workspace with the plain projection's tiles,
+    # warp-specialised ones included; decode batches keep the tiles the rotating kernels take.
+    chunk = rows > NARROW_TILE_ROWS
+    tiles = choose_tiles(rows, n, k, multiprocessors=multiprocessors, describable=describable, specialised=chunk)
     half = ctx.attribute(node, "style") == "half"
     rotary = rotary_tiles(
         tiles, rows, n, k, multiprocessors=multiprocessors,

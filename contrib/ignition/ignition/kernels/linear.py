@@ -41,7 +41,9 @@ with them. The widest projections of a prefill chunk over a
 long reduction run persistent programs instead (:func:`persistent_projection_kernel`: one a
 multiprocessor, each over every so many tiles, its loop over tiles and reduction steps one pipeline).
 Plain projections of 129 to 512 rows whose 64x128 tiles make one wave over a reduction of 2048 to 12287
-inputs take warp-specialised tiles (:mod:`ignition.kernels.specialised`: a copy warp feeding deep stages).
+inputs take warp-specialised tiles (:mod:`ignition.kernels.specialised`: a copy warp feeding deep stages),
+as do a prefill chunk's projections over 4096 or more inputs whose 128x128 tiles make two thirds of a wave
+to two waves (128x128 or 128x256 tiles) and the LM head of 129 to 256 rows (256x128 tiles, persistent).
 """
 
 from __future__ import annotations
@@ -441,11 +443,12 @@ class Tiles:
     copy engine) instead of per-thread loads."""
     persistent: int = 0
     """Matrix tiles through tensor descriptors, unsplit: this many programs a multiprocessor, each over
-    every so many tiles (:func:`persistent_projection_kernel`); 0: one program a tile."""
+    every so many tiles (:func:`persistent_projection_kernel`, or the warp-specialised kernel's persistent
+    grid with ``specialised``); 0: one program a tile."""
     specialised: bool = False
-    """Matrix tiles through tensor descriptors, one program a tile: a copy warp feeds the stages and the
-    other warps multiply (:func:`ignition.kernels.specialised.specialised_projection_kernel`), ``num_stages``
-    stages."""
+    """Matrix tiles through tensor descriptors: a copy warp feeds the stages and the other warps multiply
+    (:func:`ignition.kernels.specialised.specialised_projection_kernel`), ``num_stages`` stages; one program
+    a tile, or ``persistent`` programs a multiprocessor."""
 
 
 MULTIPROCESSORS = 132
@@ -466,7 +469,8 @@ def choose_tiles(
     (inputs tensor descriptors cannot serve) the per-thread-load tiles measured for the same shapes;
     ``unstaged``: the inputs are read as they are, 16-bit rows no launch before wrote (the output
     projection over attention's bf16 rows); ``specialised``: warp-specialised tiles may serve (the plain
-    projection's lowering; the SwiGLU and rotating projections were measured without them)."""
+    projection's lowering and a prefill chunk's rotating projection, which projects with the plain tiles;
+    the SwiGLU projection and a decode batch's rotating projection were measured without them)."""
     if rows <= 2:
         # Weight streaming on the FMA units (measured on an H200, docs/benchmarks.md): rows of at most
         # 2048 inputs go to the streaming kernel, four rows a tile and four programs a multiprocessor,
@@ -494,8 +498,21 @@ def choose_tiles(
         # A vocabulary-wide projection of a large decode batch (the LM head at 256 rows): one 256-row tile
         # reads each weight tile once instead of twice, four stages (measured on an H200 at 256 rows,
         # docs/benchmarks.md: the 8B LM head 474 -> 445 us in a graph, the 1B one 256 -> 238; slower than
-        # 128x128 tiles on every narrower projection, and with three stages or a split).
-        return Tiles(256, 128, 64, 8, 4, descriptors=True)
+        # 128x128 tiles on every narrower projection, and with three stages or a split). Where warp-specialised
+        # tiles may serve, the same tiles on one persistent program a multiprocessor (measured on an H100 at
+        # 256 rows, in-graph: the 1B LM head 273.6 -> 258.6 us, the 8B one 484.6 -> 474.7).
+        return Tiles(256, 128, 64, 8, 4, descriptors=True, persistent=1 if specialised else 0, specialised=specialised)
+    wide_reduction = k >= WIDE_SPECIALISED_REDUCTION
+    if specialised and describable and NARROW_TILE_ROWS < rows <= SPECIALISED_ROWS and wide_reduction:
+        # A prefill chunk's projection over 4096 or more inputs whose 128x128 tiles make two thirds of a wave
+        # to two waves (the 8B [q|k|v], output and down projections at 512 rows): warp-specialised tiles,
+        # 128x256 where those make one wave of the 128x128 ones' one to two. Measured on an H100 at 512 rows
+        # (docs/benchmarks.md), in-graph: the 8B [q|k|v] projection 50.1 -> 46.9 us, its output projection
+        # 35.6 -> 34.0, its down projection 99.5 -> 95.6.
+        if 3 * square_tiles >= 2 * multiprocessors and square_tiles <= multiprocessors:
+            return Tiles(128, 128, 64, 8, 5, descriptors=True, specialised=True)
+        if multiprocessors < square_tiles <= 2 * multiprocessors:
+            return Tiles(128, 256, 64, 8, 4, descriptors=True, specialised=True)
     if square_tiles >= multiprocessors:
         # Wide outputs (the [gate|up] projection and the LM head of a large batch, every projection of a
         # long prefill chunk): 128x128 tiles, fed by tensor descriptors where they can serve (measured on
@@ -534,6 +551,10 @@ SPECIALISED_ROWS = 512
 
 SPECIALISED_REDUCTION = 2048
 """Inputs from which a plain projection may take warp-specialised tiles: 32 steps of 64 or more a program."""
+
+WIDE_SPECIALISED_REDUCTION = 4096
+"""Inputs from which a plain projection of 257 to 512 rows whose 128x128 tiles make two thirds of a wave to
+two waves takes warp-specialised 128x128 or 128x256 tiles (see :func:`choose_tiles`)."""
 
 SPECIALISED_STEP = 64
 """Inputs a step of a warp-specialised tile: one 128-byte swizzled row of 16-bit values a tile row."""
@@ -804,6 +825,7 @@ def project(
             if not descriptors or chosen.split > 1:
                 raise ctx.fail("persistent tiles need tensor descriptors (16-bit inputs and weights) and no split")
             programs = min(tiles_n * tiles_m, chosen.persistent * multiprocessors)
+        if chosen.persistent and not chosen.specialised:
             constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, PROGRAMS=programs)
             del args["partial_ptr"], args["counter_ptr"]
             args["rows"] = ctx.i32(rows)
@@ -821,7 +843,8 @@ def project(
         else:
             kernel = projection_kernel
             constants.update(DESCRIPTORS=descriptors)
-        grid = (tiles_m, tiles_n, chosen.split)
+        # a persistent grid of warp-specialised programs: each over every programs-th tile
+        grid = (programs, 1, 1) if chosen.persistent else (tiles_m, tiles_n, chosen.split)
         launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
         return [*prologue, launch]
     eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0

@@ -36,44 +36,67 @@ def _programmatic_wait():  # type: ignore[no-untyped-def]
 
 @gluon.jit  # type: ignore[misc, untyped-decorator]
 def _copy_steps(  # type: ignore[no-untyped-def]
-    x_tiles, w_tiles, x_stages, w_stages, up_stages, landed, free, off_m, off_n, up_row, k_begin, steps,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr,
+    x_tiles, w_tiles, x_stages, w_stages, up_stages, landed, free, first_tile, tiles, tile_stride, tiles_m,
+    k_begin, steps, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr, SWIGLU: gl.constexpr,
 ):  # fmt: skip
-    """The copy warp: step ``i``'s tiles into stage ``i % STAGES`` once its products have released it."""
+    """The copy warp: over this program's tiles, reduction step ``i`` (counted across its tiles) into stage
+    ``i % STAGES`` once the products of the step before it in that stage have released it."""
     step_bytes: gl.constexpr = x_tiles.block_type.nbytes + w_tiles.block_type.nbytes * (2 if SWIGLU else 1)
-    for i in range(steps):
-        stage = i % STAGES
-        # a fresh barrier counts as released in the phase before its first (parity 1)
-        mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(landed.index(stage), step_bytes)
-        k = k_begin + i * BLOCK_K
-        tma.async_copy_global_to_shared(x_tiles, [off_m, k], landed.index(stage), x_stages.index(stage))
-        tma.async_copy_global_to_shared(w_tiles, [off_n, k], landed.index(stage), w_stages.index(stage))
-        if SWIGLU:
-            tma.async_copy_global_to_shared(w_tiles, [up_row, k], landed.index(stage), up_stages.index(stage))
+    i = 0
+    for tile in range(first_tile, tiles, tile_stride):
+        off_m = (tile % tiles_m) * BLOCK_M
+        off_n = (tile // tiles_m) * BLOCK_N
+        for step in range(steps):
+            stage = i % STAGES
+            # a fresh barrier counts as released in the phase before its first (parity 1)
+            mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(landed.index(stage), step_bytes)
+            k = k_begin + step * BLOCK_K
+            tma.async_copy_global_to_shared(x_tiles, [off_m, k], landed.index(stage), x_stages.index(stage))
+            tma.async_copy_global_to_shared(w_tiles, [off_n, k], landed.index(stage), w_stages.index(stage))
+            if SWIGLU:
+                tma.async_copy_global_to_shared(w_tiles, [N + off_n, k], landed.index(stage), up_stages.index(stage))
+            i += 1
 
 
 @gluon.jit  # type: ignore[misc, untyped-decorator]
 def _multiply_steps(  # type: ignore[no-untyped-def]
-    x_stages, w_stages, up_stages, landed, free, steps,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr, LAYOUT: gl.constexpr,
+    x_stages, w_stages, up_stages, landed, free, first_tile, tiles, tile_stride, tiles_m, steps, rows,
+    out_ptr, residual_ptr, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    SWIGLU: gl.constexpr, RESIDUAL: gl.constexpr, STORE: gl.constexpr, LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    """The product warps: each landed stage into the accumulators (the up block's too with ``SWIGLU``); a
-    stage is released once the products of the step after it are issued and its own have finished."""
+    """The product warps: over this program's tiles, each landed stage into the accumulators (the up block's
+    too with ``SWIGLU``); a stage is released once the products of the step after it are issued and its
+    own have finished, a tile's last stage once its products are done. With ``STORE`` each finished tile
+    is stored here (while the copy warp already fills the stages of the next); the accumulators of the
+    last tile are returned."""
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, LAYOUT)
     acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, LAYOUT)
-    for i in range(steps):
-        stage = i % STAGES
-        mbarrier.wait(landed.index(stage), (i // STAGES) & 1)
-        acc = warpgroup_mma(x_stages.index(stage), w_stages.index(stage).permute((1, 0)), acc, is_async=True)
-        if SWIGLU:
-            up = up_stages.index(stage).permute((1, 0))
-            acc_up = warpgroup_mma(x_stages.index(stage), up, acc_up, is_async=True)
-            acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(free.index((i + STAGES - 1) % STAGES), pred=i > 0)
-    acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+    i = 0
+    for tile in range(first_tile, tiles, tile_stride):
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, LAYOUT)
+        acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, LAYOUT)
+        for step in range(steps):
+            stage = i % STAGES
+            mbarrier.wait(landed.index(stage), (i // STAGES) & 1)
+            acc = warpgroup_mma(x_stages.index(stage), w_stages.index(stage).permute((1, 0)), acc, is_async=True)
+            if SWIGLU:
+                up = up_stages.index(stage).permute((1, 0))
+                acc_up = warpgroup_mma(x_stages.index(stage), up, acc_up, is_async=True)
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(free.index((i + STAGES - 1) % STAGES), pred=step > 0)
+            i += 1
+        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+        mbarrier.arrive(free.index((i + STAGES - 1) % STAGES))
+        if STORE:
+            offs_m = (tile % tiles_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+            offs_n = (tile // tiles_m) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
+            out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+            _store_tile(acc, acc_up, out_ptr, residual_ptr, offs_m[:, None] * N + offs_n[None, :], out_mask,
+                        RESIDUAL, SWIGLU)  # fmt: skip
     return acc, acc_up
 
 
@@ -112,11 +135,17 @@ def specialised_projection_kernel(  # type: ignore[no-untyped-def]
     USE_PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_N`` tile of ``x @ weight.T (+ residual)`` (or, with ``SWIGLU``, of
+    """``BLOCK_M x BLOCK_N`` tiles of ``x @ weight.T (+ residual)`` (or, with ``SWIGLU``, of
     ``silu(x @ gate.T) * (x @ up.T)`` over a ``[gate | up]`` weight of ``2N`` rows) over the reduction steps
     of split ``program_id(2)``; partial tiles, the split order and the epilogue as
     :func:`ignition.kernels.linear.projection_kernel`. Inputs and weights have one 16-bit type; the
-    tensor descriptors live in this program's global scratch, written after the wait on the launch before."""
+    tensor descriptors live in this program's global scratch, written after the wait on the launch before.
+
+    The tiles are numbered row tile fastest, and program ``(p, q)`` of a ``P x Q`` grid takes tiles
+    ``q * P + p`` and every ``P * Q``-th after it: a grid of one program a tile (``cdiv(rows, BLOCK_M) x
+    cdiv(N, BLOCK_N)``, each split a layer of it) computes one tile a program; a grid of ``P x 1`` unsplit
+    programs is persistent, each program over several tiles without filling its pipeline again between
+    them (the copy warp loads the next tile's first stages while the last one's products finish)."""
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     pid_k = gl.program_id(2)
@@ -143,28 +172,31 @@ def specialised_projection_kernel(  # type: ignore[no-untyped-def]
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
     )
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
+    tiles_m = gl.cdiv(rows, BLOCK_M)
+    tiles = tiles_m * gl.cdiv(N, BLOCK_N)
+    first_tile = pid_n * gl.num_programs(0) + pid_m
+    tile_stride = gl.num_programs(0) * gl.num_programs(1)
     k_begin = pid_k * K_SPLIT
     steps = gl.cdiv(gl.minimum(K_SPLIT, K - k_begin), BLOCK_K)
     acc, acc_up = gl.warp_specialize(
         [
-            (_multiply_steps, (x_stages, w_stages, up_stages, landed, free, steps, BLOCK_M, BLOCK_N, STAGES, SWIGLU,
-                               layout)),
-            (_copy_steps, (x_tiles, w_tiles, x_stages, w_stages, up_stages, landed, free, off_m, off_n, N + off_n,
-                           k_begin, steps, BLOCK_K, STAGES, SWIGLU)),
+            (_multiply_steps, (x_stages, w_stages, up_stages, landed, free, first_tile, tiles, tile_stride, tiles_m,
+                               steps, rows, out_ptr, residual_ptr, N, BLOCK_M, BLOCK_N, STAGES, SWIGLU, RESIDUAL,
+                               SPLIT == 1, layout)),
+            (_copy_steps, (x_tiles, w_tiles, x_stages, w_stages, up_stages, landed, free, first_tile, tiles,
+                           tile_stride, tiles_m, k_begin, steps, N, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, SWIGLU)),
         ],
         [1],
         [COPY_WARP_REGISTERS],
     )  # fmt: skip
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
-    out_offsets = offs_m[:, None] * N + offs_n[None, :]
-    if SPLIT == 1:
-        _store_tile(acc, acc_up, out_ptr, residual_ptr, out_offsets, out_mask, RESIDUAL, SWIGLU)
-    else:
-        tile = pid_n * gl.num_programs(0) + pid_m
+    if SPLIT > 1:  # one tile a program; the unsplit tiles were stored as they finished
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+        out_offsets = offs_m[:, None] * N + offs_n[None, :]
+        tile = first_tile
         area: gl.constexpr = BLOCK_M * BLOCK_N
         parts: gl.constexpr = 2 if SWIGLU else 1  # partial tiles a split stores: the gate's and the up's
         block = (offs_m - off_m)[:, None] * BLOCK_N + (offs_n - off_n)[None, :]
