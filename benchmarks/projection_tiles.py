@@ -248,7 +248,7 @@ _TILE_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:/(\d+))?(tma)?(?:p(\d+
 
 def parse_tiles(spec: str) -> Tiles:
     """A tile named as :func:`_label` prints it, spaces and the mark left out: ``256x128x64w8s3/2tma``
-    (``ws``: warp-specialised)."""
+    (``pN``: N persistent programs a multiprocessor; ``ws``: warp-specialised, as ``256x128x64w8s4tmap1ws``)."""
     match = _TILE_SPEC.fullmatch(spec.replace(" ", "").lstrip("*"))
     if match is None:
         raise argparse.ArgumentTypeError(f"{spec!r} is not a tile such as 128x128x64w8s3/2tma")
