@@ -92,12 +92,23 @@ def _multiply_steps(  # type: ignore[no-untyped-def]
         acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
         mbarrier.arrive(free.index((i + STAGES - 1) % STAGES))
         if STORE:
-            offs_m = (tile % tiles_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
-            offs_n = (tile // tiles_m) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
-            out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
-            _store_tile(acc, acc_up, out_ptr, residual_ptr, offs_m[:, None] * N + offs_n[None, :], out_mask,
-                        RESIDUAL, SWIGLU)  # fmt: skip
+            out_offsets, out_mask, _ = _tile_place(tile, tiles_m, rows, N, BLOCK_M, BLOCK_N, LAYOUT)
+            _store_tile(acc, acc_up, out_ptr, residual_ptr, out_offsets, out_mask, RESIDUAL, SWIGLU)
     return acc, acc_up
+
+
+@gluon.jit  # type: ignore[misc, untyped-decorator]
+def _tile_place(  # type: ignore[no-untyped-def]
+    tile, tiles_m, rows, N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr
+):
+    """Where tile ``tile`` (row tile fastest) of the ``rows x N`` output lies: its elements' offsets in the
+    output, which of them are inside it, and their offsets within a ``BLOCK_M x BLOCK_N`` tile."""
+    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    tile_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LAYOUT))
+    offs_m = (tile % tiles_m) * BLOCK_M + tile_rows
+    offs_n = (tile // tiles_m) * BLOCK_N + tile_cols
+    inside = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+    return offs_m[:, None] * N + offs_n[None, :], inside, tile_rows[:, None] * BLOCK_N + tile_cols[None, :]
 
 
 @gluon.jit  # type: ignore[misc, untyped-decorator]
@@ -189,17 +200,11 @@ def specialised_projection_kernel(  # type: ignore[no-untyped-def]
         [1],
         [COPY_WARP_REGISTERS],
     )  # fmt: skip
-    if SPLIT > 1:  # one tile a program; the unsplit tiles were stored as they finished
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        out_mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
-        out_offsets = offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT > 1:  # one tile a program (first_tile: pid_m, pid_n); unsplit tiles were stored as they finished
         tile = first_tile
+        out_offsets, out_mask, block = _tile_place(tile, tiles_m, rows, N, BLOCK_M, BLOCK_N, layout)
         area: gl.constexpr = BLOCK_M * BLOCK_N
         parts: gl.constexpr = 2 if SWIGLU else 1  # partial tiles a split stores: the gate's and the up's
-        block = (offs_m - off_m)[:, None] * BLOCK_N + (offs_n - off_n)[None, :]
         gl.store(partial_ptr + (tile * SPLIT + pid_k) * (parts * area) + block, acc)
         if SWIGLU:
             gl.store(partial_ptr + (tile * SPLIT + pid_k) * (parts * area) + area + block, acc_up)
