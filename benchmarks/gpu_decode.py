@@ -41,9 +41,17 @@ beside the Llama row: ``recurrent`` a ``recurrent-synthetic`` core, ``latent`` a
 ``window`` the shape's ``llama-synthetic`` core built with ``--window`` :data:`WINDOW_TOKENS`. A kind whose
 build fails (a target it has no kernels for) is reported as a failure of that row only.
 
+``--compare-tree DIR`` also builds each shape's core with the Ignition of the source tree at ``DIR`` (another
+checkout: a child process with ``DIR`` and ``DIR/contrib/ignition`` first on its path) and serves it with this
+tree's runtime, measuring the same decode waves and prefill right after this tree's core and before the PyTorch
+baselines, which both share: rows ``<shape> compared`` and, per shape, each figure of this tree over the compared
+tree's. That is a kernel change measured before and after on one lease, at the cost of one build and one
+Helios phase. A compared core is reused from ``--cores`` only while the tree's Ignition sources are unchanged.
+
     python benchmarks/gpu_decode.py [--shapes 135m,1b,8b] [--cores DIR] [--out FILE] [--tensor-parallel-1]
     python benchmarks/gpu_decode.py --shapes 8b --ranks 2          # two GPUs: the ranks table
     python benchmarks/gpu_decode.py --shapes 1b --kinds llama,recurrent,latent,window
+    python benchmarks/gpu_decode.py --shapes 1b --compare-tree ../before   # this tree's kernels beside another's
     python benchmarks/gpu_decode.py --device cpu --shapes tiny    # checks the script without a GPU
 
 Cores build in parallel child processes before any measurement. Compiled kernels are cached in
@@ -60,6 +68,7 @@ import collections
 import contextlib
 import functools
 import gc
+import hashlib
 import itertools
 import json
 import math
@@ -138,6 +147,8 @@ class Plan:
     """N >= 2: also build each shape with ``--tensor-parallel N`` and measure its decode at every batch on N ranks."""
     kinds: tuple[str, ...] = ("llama",)
     """History kinds measured; each but ``llama`` adds a batch-1 decode row per shape."""
+    compare_tree: str = ""
+    """Another source tree whose Ignition also builds each shape's core, measured beside this tree's."""
     cache_dtype: str = "bf16"
     """Storage type of the Llama cores' key and value cache planes (``ignition build --cache-dtype``)."""
 
@@ -183,7 +194,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         ranks=args.ranks,
         kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
         cache_dtype=args.cache_dtype,
+        compare_tree=str(Path(args.compare_tree).resolve()) if args.compare_tree else "",
     )
+    if plan.compare_tree and not (Path(plan.compare_tree) / "contrib" / "ignition" / "ignition" / "cli.py").is_file():
+        raise SystemExit(f"--compare-tree {args.compare_tree}: no contrib/ignition/ignition/cli.py there")
     unknown_kinds = [k for k in plan.kinds if k not in KINDS]
     if unknown_kinds or "llama" not in plan.kinds:
         raise SystemExit(f"--kinds must name llama and any of {', '.join(KINDS[1:])}, got {args.kinds}")
@@ -210,17 +224,34 @@ class CoreSpec:
     """N >= 1: the ``--tensor-parallel N`` twin of the shape's core (its figures go to the shape's ``tpN`` entry)."""
     kind: str = "llama"
     """Another history kind's core of the shape (its figures go to the shape's entry of that kind)."""
+    tree: str = ""
+    """Another source tree whose Ignition builds the shape's core (its figures go to the shape's ``compared``
+    entry); empty: this tree's."""
 
     @property
     def record(self) -> Path:
         return Path(self.path).with_suffix(".args.json")
 
+    def recorded(self) -> list[str]:
+        """What the record beside a built core holds: its build arguments, and for another tree's core a digest
+        of that tree's Ignition sources (so an edited tree builds again)."""
+        return [*self.arguments, *([f"ignition sources {ignition_digest(Path(self.tree))}"] if self.tree else [])]
+
     def reusable(self) -> bool:
         if not Path(self.path).exists() or not self.record.exists():
             return False
         with contextlib.suppress(ValueError, OSError):
-            return tuple(json.loads(self.record.read_text())) == self.arguments
+            return list(json.loads(self.record.read_text())) == self.recorded()
         return False
+
+
+def ignition_digest(tree: Path) -> str:
+    """SHA-256 over the paths and bytes of every Python source of ``tree``'s Ignition package."""
+    digest = hashlib.sha256()
+    package = tree / "contrib" / "ignition" / "ignition"
+    for source in sorted(package.rglob("*.py")):
+        digest.update(str(source.relative_to(package)).encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
 
 
 def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]:
@@ -248,6 +279,11 @@ def core_specs(plan: Plan, directory: Path, signing_key: Path) -> list[CoreSpec]
         for kind in plan.kinds:
             if kind != "llama":
                 specs.append(kind_spec(plan, kind, shape, arguments, path, signing_key))
+        if plan.compare_tree:
+            compared = path.with_name(path.stem + "-compared.core")
+            specs.append(
+                CoreSpec(shape, str(compared), (*arguments, "--sign-key", str(signing_key)), tree=plan.compare_tree)
+            )
     return specs
 
 
@@ -279,31 +315,38 @@ def spec_entry(report: Report, spec: CoreSpec) -> dict[str, Any]:
     if spec.kind != "llama":
         beside: dict[str, Any] = entry.setdefault("kinds", {}).setdefault(spec.kind, {})
         return beside
+    if spec.tree:
+        compared: dict[str, Any] = entry.setdefault("compared", {"tree": spec.tree})
+        return compared
     return entry
 
 
 def spec_phase(spec: CoreSpec, phase: str) -> str:
     if spec.kind != "llama":
         return f"{spec.kind} {phase}"
+    if spec.tree:
+        return f"compared {phase}"
     return f"tp{spec.tensor_parallel} {phase}" if spec.tensor_parallel else phase
 
 
 def build_child(spec_json: str) -> int:
     """The child process that builds one core (``--build-spec``)."""
     fields = json.loads(spec_json)
-    spec = CoreSpec(
-        str(fields["shape"]),
-        str(fields["path"]),
-        tuple(str(a) for a in fields["arguments"]),
-        int(fields.get("tensor_parallel", 0)),
-        str(fields.get("kind", "llama")),
-    )
     from ignition.cli import main as ignition_main
 
-    code = int(ignition_main([*spec.arguments, "--out", spec.path, "--quiet"]))
-    if code == 0:
-        spec.record.write_text(json.dumps(list(spec.arguments)))
-    return code
+    return int(ignition_main([*fields["arguments"], "--out", fields["path"], "--quiet"]))
+
+
+def build_command(spec: CoreSpec) -> tuple[list[str], dict[str, str] | None, Path]:
+    """The child process that builds ``spec``'s core: (command, environment, working folder). Another tree's
+    core is built by that tree's own ``ignition.cli`` (and the ``helios_core`` it imports), first on the path."""
+    if not spec.tree:
+        return [sys.executable, str(Path(__file__).resolve()), "--build-spec", json.dumps(asdict(spec))], None, ROOT
+    tree = Path(spec.tree)
+    path = os.pathsep.join([str(tree), str(tree / "contrib" / "ignition"), os.environ.get("PYTHONPATH", "")])
+    code = "import sys\nfrom ignition.cli import main\nsys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-c", code, *spec.arguments, "--out", spec.path, "--quiet"]
+    return command, {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep)}, tree
 
 
 def keys_in(directory: Path) -> tuple[Path, Path]:
@@ -328,9 +371,11 @@ def build_cores(specs: Sequence[CoreSpec], report: Report) -> None:
             log(f"{spec.shape}: reusing {spec.path}")
             continue
         log_path = Path(spec.path).with_suffix(".build.log")
-        command = [sys.executable, str(Path(__file__).resolve()), "--build-spec", json.dumps(asdict(spec))]
+        command, environment, folder = build_command(spec)
         with log_path.open("w") as sink:
-            child = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            child = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=folder, env=environment
+            )
         running.append((spec, child, log_path, time.monotonic()))
         log(f"{spec.shape}: building {Path(spec.path).name} (pid {child.pid})")
     waiting = list(running)
@@ -354,6 +399,7 @@ def _finish_build(spec: CoreSpec, code: int, log_path: Path, began: float, repor
     text = log_path.read_text(errors="replace")
     entry = spec_entry(report, spec)
     if code == 0 and Path(spec.path).exists():
+        spec.record.write_text(json.dumps(spec.recorded()))
         size = Path(spec.path).stat().st_size
         entry["build"] = {
             "reused": False,
@@ -859,6 +905,7 @@ def measure_helios(
     from helios_core.loading import TrustSettings
     from helios_core.runtime.startup import start
 
+    label = f"{spec.shape} compared" if spec.tree else spec.shape
     pages = wave_cache_pages(plan)
     options = LoadOptions(max_active=plan.max_rows, queue_capacity=plan.max_rows, cache_pages=pages)
     helios: dict[str, Any] = {"backend": plan.backend, "cache_pages": pages, "decode": {}}
@@ -866,7 +913,7 @@ def measure_helios(
     began = time.monotonic()
     running = start(Path(spec.path), TrustSettings((public_key,), NAMESPACE, None), options, backend=plan.backend)
     helios["load_s"] = time.monotonic() - began
-    log(f"{spec.shape}: Helios started on {plan.backend} in {helios['load_s']:.1f} s")
+    log(f"{label}: Helios started on {plan.backend} in {helios['load_s']:.1f} s")
     wedged = False
     try:
         facts = model_facts(running.verified.contract)
@@ -877,12 +924,12 @@ def measure_helios(
         warm = _requests("warm", 1, plan.prompt, 8, vocab, rng) + _requests("warm-p", 1, plan.prefill, 2, vocab, rng)
         collect(engine, warm, plan.timeout_s)
         for batch in plan.batches:
-            with _wave_errors(helios, f"batch {batch}", spec.shape):
+            with _wave_errors(helios, f"batch {batch}", label):
                 helios["decode"][str(batch)] = _decode_wave(engine, clock, batch, plan, vocab, rng)
                 window = helios["decode"][str(batch)]
                 rounds = window["host"]
                 log(
-                    f"{spec.shape}: Helios batch {batch}: {window['ms_per_step']:.3f} ms/step, "
+                    f"{label}: Helios batch {batch}: {window['ms_per_step']:.3f} ms/step, "
                     f"{window['tokens_per_s']:.0f} tok/s, host {rounds.get('host_us_median', -1):.0f} us/round, "
                     f"median round {rounds.get('round_us_median', -1):.0f} us, "
                     f"{rounds.get('slow_round_count', 0)} rounds over 1.5x the median "
@@ -891,7 +938,7 @@ def measure_helios(
                     f"programs {rounds.get('window_programs')}, collections {rounds.get('collections')}"
                 )
             save()
-        with _wave_errors(helios, "prefill", spec.shape):
+        with _wave_errors(helios, "prefill", label):
             ttfts, timelines, phases = [], [], []
             for index in range(plan.prefill_repeats):
                 (request,) = _requests(f"prefill{index}", 1, plan.prefill, 2, vocab, rng)
@@ -910,20 +957,20 @@ def measure_helios(
                 "rounds": timelines,
                 "host_phases": phases,
             }
-            log(f"{spec.shape}: Helios prefill {plan.prefill}: {ttft * 1000:.2f} ms, {plan.prefill / ttft:.0f} tok/s")
+            log(f"{label}: Helios prefill {plan.prefill}: {ttft * 1000:.2f} ms, {plan.prefill / ttft:.0f} tok/s")
             middle = statistics.median_low(ttfts)
             rounds = "; ".join(
                 f"{r['program']} launched {r['launch_ms']:.2f} ({r['run_ms']:.2f} in run), "
                 f"waited {r['wait_begin_ms']:.2f}-{r['wait_end_ms']:.2f}"
                 for r in timelines[ttfts.index(middle)]
             )
-            log(f"{spec.shape}: its rounds, ms after the submission: {rounds}; first token {middle * 1000:.2f}")
+            log(f"{label}: its rounds, ms after the submission: {rounds}; first token {middle * 1000:.2f}")
             worker = ", ".join(
                 f"{p['phase']} {p['begin_ms']:.2f}+{p['ms']:.2f}"
                 for p in phases[ttfts.index(middle)]
                 if p["ms"] >= 0.005
             )
-            log(f"{spec.shape}: its host phases (ms after the submission + ms taken): {worker}")
+            log(f"{label}: its host phases (ms after the submission + ms taken): {worker}")
         stats = engine.statistics()
         helios["launches"] = dict(stats.launches)
         helios["pipelined_rounds"] = stats.pipelined_rounds
@@ -1731,48 +1778,54 @@ def _cell(value: float | None, digits: int = 3) -> str:
 
 
 def table_rows(report: Report) -> list[list[str]]:
-    """One row per (shape, batch) and one prefill row per shape; limits are stored back into the report."""
+    """One row per (shape, batch) and one prefill row per shape (then the same rows of the compared tree's core,
+    if any); limits are stored back into the report."""
     hardware = report.data.get("hardware", {})
     plan = report.data["plan"]
     rows: list[list[str]] = []
     for name, entry in report.data["shapes"].items():
-        helios = entry.get("helios", {})
         baseline = entry.get("baseline", {})
         entry["limits"] = {}
-        for batch in plan["batches"]:
-            key = str(batch)
-            ours = helios.get("decode", {}).get(key, {})
-            eager = baseline.get("eager", {}).get(key, {})
-            graph = baseline.get("graph", {}).get(key, {})
-            context = ours.get("mean_context") or eager.get("mean_context") or plan["prompt"] + plan["tokens"] / 2
-            bound = limits(name, entry, hardware, batch, context)
-            entry["limits"][key] = bound
-            ms = ours.get("ms_per_step")
+        served = [(name, entry.get("helios", {}))]
+        if "helios" in entry.get("compared", {}):
+            served.append((f"{name} compared", entry["compared"]["helios"]))
+        for label, helios in served:
+            for batch in plan["batches"]:
+                key = str(batch)
+                ours = helios.get("decode", {}).get(key, {})
+                eager = baseline.get("eager", {}).get(key, {})
+                graph = baseline.get("graph", {}).get(key, {})
+                context = ours.get("mean_context") or eager.get("mean_context") or plan["prompt"] + plan["tokens"] / 2
+                bound = limits(name, entry, hardware, batch, context)
+                if label == name:
+                    entry["limits"][key] = bound
+                ms = ours.get("ms_per_step")
+                roof = max(bound.get("hbm_ms", 0.0), bound.get("compute_ms", 0.0)) or None
+                twin = entry.get("tp1", {}).get("decode_b1", {}) if batch == 1 and label == name else {}
+                rows.append(
+                    [
+                        label, str(batch), _cell(ms), _cell(ours.get("tokens_per_s"), 0),
+                        _cell(twin.get("ms_per_step")), _cell(eager.get("ms_per_step")),
+                        _cell(graph.get("ms_per_step")), _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
+                        f"{graph['ms_per_step'] / ms:.2f}x" if ms and graph.get("ms_per_step") else "-",
+                        f"{roof / ms:.0%}" if ms and roof else "-",
+                        _cell(ours.get("host", {}).get("host_us_median"), 0),
+                    ]
+                )  # fmt: skip
+            ours, eager = helios.get("prefill", {}), baseline.get("prefill", {})
+            bound = prefill_limits(name, entry, hardware, plan["prefill"])
+            if label == name:
+                entry["limits"]["prefill"] = bound
             roof = max(bound.get("hbm_ms", 0.0), bound.get("compute_ms", 0.0)) or None
-            twin = entry.get("tp1", {}).get("decode_b1", {}) if batch == 1 else {}
+            ms = ours.get("ms")
             rows.append(
                 [
-                    name, str(batch), _cell(ms), _cell(ours.get("tokens_per_s"), 0), _cell(twin.get("ms_per_step")),
-                    _cell(eager.get("ms_per_step")),
-                    _cell(graph.get("ms_per_step")), _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
-                    f"{graph['ms_per_step'] / ms:.2f}x" if ms and graph.get("ms_per_step") else "-",
-                    f"{roof / ms:.0%}" if ms and roof else "-",
-                    _cell(ours.get("host", {}).get("host_us_median"), 0),
+                    label, f"prefill {plan['prefill']}", _cell(ms), _cell(ours.get("tokens_per_s"), 0), "-",
+                    _cell(eager.get("ms")), "-", _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
+                    f"{eager['ms'] / ms:.2f}x vs eager" if ms and eager.get("ms") else "-",
+                    f"{roof / ms:.0%}" if ms and roof else "-", "-",
                 ]
             )  # fmt: skip
-        ours, eager = helios.get("prefill", {}), baseline.get("prefill", {})
-        bound = prefill_limits(name, entry, hardware, plan["prefill"])
-        entry["limits"]["prefill"] = bound
-        roof = max(bound.get("hbm_ms", 0.0), bound.get("compute_ms", 0.0)) or None
-        ms = ours.get("ms")
-        rows.append(
-            [
-                name, f"prefill {plan['prefill']}", _cell(ms), _cell(ours.get("tokens_per_s"), 0), "-",
-                _cell(eager.get("ms")), "-", _cell(bound.get("hbm_ms")), _cell(bound.get("compute_ms")),
-                f"{eager['ms'] / ms:.2f}x vs eager" if ms and eager.get("ms") else "-",
-                f"{roof / ms:.0%}" if ms and roof else "-", "-",
-            ]
-        )  # fmt: skip
         for kind, beside in entry.get("kinds", {}).items():
             window = beside.get("decode_b1", {})
             rows.append(
@@ -1782,6 +1835,23 @@ def table_rows(report: Report) -> list[list[str]]:
                 ]
             )  # fmt: skip
     return rows
+
+
+def compared_note(entry: Mapping[str, Any], plan: Mapping[str, Any]) -> str:
+    """This tree's figures over the compared tree's, where both were measured: ``this tree / compared (DIR): b8
+    0.97, b64 0.95, prefill 1.00`` (below 1: this tree is faster)."""
+    compared = entry.get("compared", {})
+    ours, theirs = entry.get("helios", {}), compared.get("helios", {})
+    parts = []
+    for batch in plan["batches"]:
+        mine = ours.get("decode", {}).get(str(batch), {}).get("ms_per_step")
+        other = theirs.get("decode", {}).get(str(batch), {}).get("ms_per_step")
+        if mine and other:
+            parts.append(f"b{batch} {mine / other:.3f}")
+    mine, other = ours.get("prefill", {}).get("ms"), theirs.get("prefill", {}).get("ms")
+    if mine and other:
+        parts.append(f"prefill {mine / other:.3f}")
+    return f"ms of this tree / the compared tree's ({compared.get('tree')}): " + ", ".join(parts) if parts else ""
 
 
 def clock_note(entry: Mapping[str, Any], batches: Sequence[int]) -> str:
@@ -1835,6 +1905,13 @@ def print_table(report: Report) -> None:
             else ""
         )
         + (
+            " Rows '<shape> compared': the same shape built by the Ignition of "
+            f"{plan['compare_tree']} and served by this tree, measured right after this tree's core (its eager "
+            "and graph figures are the shared baselines)."
+            if plan.get("compare_tree")
+            else ""
+        )
+        + (
             " tp1 ms/step: the same shape built with --tensor-parallel 1 (an all_reduce after every output and down "
             "projection, each a one-rank NCCL call captured at load; one that enqueues no work adds no graph node), "
             "batch 1."
@@ -1856,10 +1933,14 @@ def print_table(report: Report) -> None:
             notes.append(f"tp1: {entry['tp1']['collectives_per_decode']} collectives per decode step")
         if clocks := clock_note(entry, plan["batches"]):
             notes.append(clocks)
+        if against := compared_note(entry, plan):
+            notes.append(against)
         for phase, error in entry.get("errors", {}).items():
             notes.append(f"{phase} FAILED: {error.splitlines()[0][:160]}")
         for key, error in entry.get("helios", {}).get("errors", {}).items():
             notes.append(f"Helios {key} FAILED: {error[:160]}")
+        for key, error in entry.get("compared", {}).get("helios", {}).get("errors", {}).items():
+            notes.append(f"compared Helios {key} FAILED: {error[:160]}")
         for key, error in entry.get("baseline", {}).get("errors", {}).items():
             notes.append(f"PyTorch {key} FAILED: {error[:160]}")
         if notes:
@@ -1968,6 +2049,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="bf16",
         help="storage type of the Llama cores' key and value cache planes (default bf16, as the baseline's)",
     )
+    parser.add_argument(
+        "--compare-tree",
+        help="another checkout whose Ignition also builds each shape's core, measured beside this tree's core",
+    )
     parser.add_argument("--build-spec", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -2027,8 +2112,11 @@ def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
         report.data["hardware"] = {"copy_bytes_per_s": bandwidth, "matmul_flops_per_s": rate}
         log(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write), matmul {rate / 1e12:.1f} TFLOP/s")
     report.save()
+    compared = {spec.shape: spec for spec in specs if spec.tree}
     for spec in specs:
         entry = report.shape(spec.shape)
+        if spec.tree:
+            continue  # measured beside its shape's core, below
         if spec.tensor_parallel or spec.kind != "llama":
             if spec_phase(spec, "build") in entry.get("errors", {}):
                 continue
@@ -2053,12 +2141,20 @@ def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
             entry["model"] = asdict(read_model_facts(spec, public))
         except Exception as exc:  # the phases below report the same failure in their own words
             report.fail(spec.shape, "manifest", f"{type(exc).__name__}: {exc}")
-        for phase, measure in (("helios", measure_helios), ("baseline", measure_baseline)):
+        # the compared tree's core right after this tree's, both before the baselines they share
+        phases: list[tuple[str, CoreSpec, dict[str, Any], Callable[..., None]]] = [
+            ("helios", spec, entry, measure_helios)
+        ]
+        twin = compared.get(spec.shape)
+        if twin is not None and spec_phase(twin, "build") not in entry.get("errors", {}):
+            phases.append((spec_phase(twin, "helios"), twin, spec_entry(report, twin), measure_helios))
+        phases.append(("baseline", spec, entry, measure_baseline))
+        for phase, measured, into, measure in phases:
             if time.monotonic() - STARTED > plan.budget_s:
                 report.fail(spec.shape, phase, f"skipped: past the {plan.budget_s:.0f} s budget")
                 continue
             try:
-                measure(spec, public, plan, entry, report.save)
+                measure(measured, public, plan, into, report.save)
             except (Interrupted, KeyboardInterrupt):
                 raise
             except Exception as exc:  # one failed phase must not hide the others

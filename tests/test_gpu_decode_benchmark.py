@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -145,3 +146,75 @@ def test_clock_samples_take_nothing_off_the_gpu_or_without_nvidia_smi(tmp_path: 
     assert missing.summary() is None
     assert off_the_gpu.summary() is None
     assert benchmark.clock_note({"helios": {}, "baseline": {}}, [1]) == ""
+
+
+def _tree(root: Path, text: str) -> Path:
+    """A source tree holding only an Ignition CLI module of ``text``."""
+    package = root / "contrib" / "ignition" / "ignition"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "cli.py").write_text(text)
+    return root
+
+
+def test_a_compared_tree_builds_its_own_core_with_its_own_ignition_and_rebuilds_when_edited(tmp_path: Path) -> None:
+    benchmark = load_benchmark()
+    tree = _tree(tmp_path / "before", "def main(argv): return 0\n")
+    args = benchmark.parse_args(["--device", "cpu", "--shapes", "tiny", "--compare-tree", str(tree)])
+    plan = benchmark.make_plan(args)
+    cores = tmp_path / "cores"
+    cores.mkdir()
+    plain, compared = benchmark.core_specs(plan, cores, cores / "signing.pem")
+    assert (plain.tree, compared.tree) == ("", str(tree.resolve()))
+    assert compared.arguments == plain.arguments and compared.path.endswith("-compared.core")
+    command, environment, folder = benchmark.build_command(compared)
+    assert folder == tree.resolve() and command[-3:] == ["--out", compared.path, "--quiet"]
+    first, second = environment["PYTHONPATH"].split(os.pathsep)[:2]
+    assert (first, second) == (str(tree.resolve()), str(tree.resolve() / "contrib" / "ignition"))
+    assert benchmark.build_command(plain)[1] is None  # this tree's build child: the script itself
+    # a built core is reused while the tree's Ignition sources are the ones it was built from
+    Path(compared.path).write_bytes(b"core")
+    compared.record.write_text(benchmark.json.dumps(compared.recorded()))
+    assert compared.reusable()
+    _tree(tree, "def main(argv): return 1\n")
+    assert not compared.reusable()
+    with pytest.raises(SystemExit, match=r"no contrib/ignition/ignition/cli\.py"):
+        benchmark.make_plan(benchmark.parse_args(["--device", "cpu", "--compare-tree", str(tmp_path / "cores")]))
+
+
+def test_the_compared_tree_has_rows_beside_the_shared_baselines_and_a_ratio_per_batch() -> None:
+    benchmark = load_benchmark()
+    report = SimpleNamespace(
+        data={
+            "plan": {"batches": [1, 8], "prompt": 16, "tokens": 24, "prefill": 64, "compare_tree": "/src/before"},
+            "hardware": {},
+            "shapes": {
+                "tiny": {
+                    "helios": {
+                        "decode": {"1": {"ms_per_step": 1.5}, "8": {"ms_per_step": 2.0}},
+                        "prefill": {"ms": 4.0, "tokens_per_s": 16000.0},
+                    },
+                    "baseline": {"graph": {"8": {"ms_per_step": 3.0}}, "prefill": {"ms": 8.0}},
+                    "compared": {
+                        "tree": "/src/before",
+                        "helios": {
+                            "decode": {"1": {"ms_per_step": 2.0}, "8": {"ms_per_step": 2.5}},
+                            "prefill": {"ms": 5.0},
+                        },
+                    },
+                }
+            },
+        }
+    )
+    rows = benchmark.table_rows(report)
+    assert [row[:3] for row in rows] == [
+        ["tiny", "1", "1.500"],
+        ["tiny", "8", "2.000"],
+        ["tiny", "prefill 64", "4.000"],
+        ["tiny compared", "1", "2.000"],
+        ["tiny compared", "8", "2.500"],
+        ["tiny compared", "prefill 64", "5.000"],
+    ]
+    assert rows[1][9] == "1.50x" and rows[4][9] == "1.20x"  # both against the one graph baseline
+    assert rows[2][9] == "2.00x vs eager" and rows[5][9] == "1.60x vs eager"
+    note = benchmark.compared_note(report.data["shapes"]["tiny"], report.data["plan"])
+    assert note == "ms of this tree / the compared tree's (/src/before): b1 0.750, b8 0.800, prefill 0.800"
