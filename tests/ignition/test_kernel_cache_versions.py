@@ -1,6 +1,6 @@
 """The disk kernel cache keeps each Triton version's cubins in a folder of their own: a build reads the
 cubins its own compiler version made and never one another version made (at the cache's root, as the
-cache kept them before, or in another version's folder)."""
+cache kept them before, or in another version's folder); an entry appears whole or not at all."""
 
 from __future__ import annotations
 
@@ -57,3 +57,34 @@ def test_a_build_reads_only_its_own_compiler_versions_cubins(tmp_path: Path, mon
     monkeypatch.setattr(compiler, "compiler_version", lambda: "0.0.2")  # a version with no cubin cached
     with pytest.raises(KernelCompileError, match="compiled instead of reading the cache"):
         compile_triton(_double, SIGNATURE, CONSTANTS)
+
+
+def test_an_entry_appears_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IGNITION_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiler, "_MEMORY", {})
+    folder = tmp_path / f"triton-{compiler.compiler_version()}"
+    real_replace = compiler.os.replace
+    renamed: list[str] = []
+
+    def interrupted(src: Any, dst: Any) -> None:  # the writer dies between writing and renaming the metadata
+        if Path(dst).parent != folder:  # the compiler's own caches
+            real_replace(src, dst)
+            return
+        if str(dst).endswith(".json"):
+            raise OSError("interrupted")
+        renamed.append(Path(dst).name)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(compiler.os, "replace", interrupted)
+    with pytest.raises(OSError, match="interrupted"):
+        compile_triton(_double, SIGNATURE, CONSTANTS)
+    # the cubin was published, the metadata that makes it an entry was not, and nothing half written is left
+    assert [p.name for p in folder.iterdir()] == renamed and renamed[0].endswith(".cubin")
+
+    monkeypatch.setattr(compiler.os, "replace", real_replace)
+    monkeypatch.setattr(compiler, "_MEMORY", {})
+    kernel = compile_triton(_double, SIGNATURE, CONSTANTS)  # compiles again rather than reading a partial entry
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [renamed[0].removesuffix(".cubin") + ".cubin", renamed[0].removesuffix(".cubin") + ".json"]
+    assert json.loads((folder / names[1]).read_text())["symbol"] == kernel.symbol
+    assert (folder / names[0]).read_bytes() == kernel.cubin

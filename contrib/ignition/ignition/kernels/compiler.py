@@ -7,7 +7,8 @@ device-side tensor descriptors live there). Compilation needs no GPU: Triton's o
 Results are cached in memory and, when ``IGNITION_KERNEL_CACHE`` names a folder, on disk, keyed by
 the kernel source, the signature, the constants and the target, so a rebuild compiles nothing new. The
 disk cache keeps each Triton version's cubins in a folder of their own (``triton-<version>``), so a
-build never reuses what another version of the compiler made.
+build never reuses what another version of the compiler made, and publishes each entry by renaming a whole
+file onto its name, so processes sharing the folder never read one half written.
 A planning pass (:func:`planning`) records what a lowering would compile without compiling, so
 :func:`precompile` can compile every distinct kernel in parallel processes first.
 
@@ -252,20 +253,30 @@ def compile_triton(
     _MEMORY[key] = kernel
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{key}.cubin").write_bytes(kernel.cubin)
-        (folder / f"{key}.json").write_text(
-            json.dumps(
-                {
-                    "symbol": kernel.symbol,
-                    "num_warps": kernel.num_warps,
-                    "shared_bytes": kernel.shared_bytes,
-                    "scratch_params": kernel.scratch_params,
-                    "global_scratch_bytes": kernel.global_scratch_bytes,
-                    "global_scratch_align": kernel.global_scratch_align,
-                }
-            )
+        _publish(folder / f"{key}.cubin", kernel.cubin)
+        meta_text = json.dumps(
+            {
+                "symbol": kernel.symbol,
+                "num_warps": kernel.num_warps,
+                "shared_bytes": kernel.shared_bytes,
+                "scratch_params": kernel.scratch_params,
+                "global_scratch_bytes": kernel.global_scratch_bytes,
+                "global_scratch_align": kernel.global_scratch_align,
+            }
         )
+        _publish(folder / f"{key}.json", meta_text.encode())  # last: a reader takes the entry once it exists
     return kernel
+
+
+def _publish(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: the bytes go to a file of this process's own and are renamed onto
+    ``path``, so builds sharing one cache folder never read an entry another is still writing."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
