@@ -37,7 +37,7 @@ from helios_core.runtime.startup import RunningModel, start
 from helios_core.wire import contract_pb2 as ct
 from helios_core.wire import manifest_pb2 as mf
 
-from .harness import build_gpu_core, relative_error
+from .harness import build_gpu_core, relative_error, skip_when_compiling_only
 
 NAMESPACE = "helios-tests/gpu-backend"
 GREEDY = SamplingParams(temperature=0.0)
@@ -237,6 +237,7 @@ def test_concurrent_greedy_requests_give_the_reference_tokens(
 
 
 def test_auto_selects_the_gpu_for_a_core_with_its_kernels(gpu_core: tuple[Path, TrustSettings]) -> None:
+    skip_when_compiling_only("choosing the backend")
     running = _start(gpu_core, "auto", max_active=1)
     try:
         assert running.model.manifests().backend == "cuda"

@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .harness import skip_when_compiling_only
+
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "helios-gpu-tests/serve"
 MAX_TOKENS = 16
@@ -59,6 +61,7 @@ def served_core(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def server(served_core: tuple[Path, Path]) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``helios run`` on the CUDA backend, after its readiness line; stopped by the test or at teardown."""
+    skip_when_compiling_only("helios run --backend cuda")
     core, public = served_core
     port = _free_port()
     command = [
