@@ -2,7 +2,7 @@
 # Run a command on the GPU machine with Helios' carried wheels installed; reaches no network.
 #
 # Run from the repository root of the copy on the GPU machine, with .whl/ (tools/gpu_wheels.sh) and,
-# when there is one, build/kernel-cache/ carried along:
+# when there is one, build/kernel-cache/ or its archive build/kernel-cache.tgz (unpacked here) carried along:
 #
 #     tools/gpu_run.sh python3 -m pytest -q tests/gpu
 #     tools/gpu_run.sh python3 benchmarks/gpu_decode.py
@@ -33,6 +33,15 @@ fi
 export PYTHONPATH="$site:$root:$root/contrib/ignition${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export IGNITION_KERNEL_CACHE=${IGNITION_KERNEL_CACHE:-$root/build/kernel-cache}
+# A packed cache carried as build/kernel-cache.tgz is unpacked into the default cache once (again when the
+# archive is newer than the last unpacking).
+archive=$root/build/kernel-cache.tgz
+stamp=$root/build/kernel-cache/.unpacked
+if [[ -f "$archive" && "$IGNITION_KERNEL_CACHE" == "$root/build/kernel-cache" ]] \
+    && [[ ! -e "$stamp" || "$archive" -nt "$stamp" ]]; then
+    tar -xzf "$archive" -C "$root/build" && touch "$stamp" \
+        || echo "gpu_run: unpacking build/kernel-cache.tgz failed" >&2
+fi
 mkdir -p "$IGNITION_KERNEL_CACHE"
 
 if command -v nvidia-smi >/dev/null 2>&1; then
