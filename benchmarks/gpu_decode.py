@@ -414,6 +414,11 @@ def _finish_build(spec: CoreSpec, code: int, log_path: Path, began: float, repor
         report.fail(spec.shape, spec_phase(spec, "build"), f"ignition build exited {code}: {text.strip()[-600:]}")
 
 
+def cached_kernels(folder: Path) -> int:
+    """The cubins in a kernel cache folder: every Triton version's folder of it (``triton-<version>/``)."""
+    return sum(1 for _ in folder.rglob("*.cubin")) if folder.is_dir() else 0
+
+
 def pack_kernel_cache(folder: Path) -> None:
     """``$OUT/kernel-cache.tar.gz`` from the kernel cache, when OUT is set and the archive is small enough."""
     out = os.environ.get("OUT")
@@ -427,8 +432,7 @@ def pack_kernel_cache(folder: Path) -> None:
         target.unlink()
         log(f"kernel cache archive is {size / 1e6:.1f} MB, over what comes back from $OUT; not kept")
     else:
-        kernels = sum(1 for _ in folder.glob("*.cubin"))
-        log(f"kernel cache ({kernels} kernels) packed into {target} ({size / 1e6:.1f} MB)")
+        log(f"kernel cache ({cached_kernels(folder)} kernels) packed into {target} ({size / 1e6:.1f} MB)")
 
 
 # ---------------------------------------------------------------------------------- the core's model
@@ -2097,8 +2101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
     log(f"plan: shapes {','.join(plan.shapes)}, batches {plan.batches}, device {plan.device}, cores in {cores}")
-    cached = len(list(kernel_cache.glob("*.cubin"))) if kernel_cache.is_dir() else 0
-    log(f"kernel cache {kernel_cache}: {cached} kernels")
+    log(f"kernel cache {kernel_cache}: {cached_kernels(kernel_cache)} kernels")
     signing, public = keys_in(cores)
     specs = core_specs(plan, cores, signing)
     report.data["machine"] = machine_facts(plan.device)

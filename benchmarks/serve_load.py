@@ -172,7 +172,7 @@ def shape_core(plan: gpu_decode.Plan, cores: Path, report: Report, max_prompt: i
     signing, public = gpu_decode.keys_in(cores)
     (spec,) = gpu_decode.core_specs(plan, cores, signing)
     kernel_cache = Path(os.environ["IGNITION_KERNEL_CACHE"])
-    kernels_before = sum(1 for _ in kernel_cache.glob("*.cubin"))
+    kernels_before = gpu_decode.cached_kernels(kernel_cache)
     log(f"kernel cache {kernel_cache}: {kernels_before} kernels")
     with tempfile.TemporaryDirectory(prefix="serve-load-build-") as scratch:
         builds = gpu_decode.Report(Path(scratch) / "build.json", plan)
@@ -181,7 +181,7 @@ def shape_core(plan: gpu_decode.Plan, cores: Path, report: Report, max_prompt: i
     report.data["build"] = entry.get("build", {})
     if "build" in entry.get("errors", {}):
         raise RuntimeError(f"building the {shape} core failed: {entry['errors']['build'][-600:]}")
-    if sum(1 for _ in kernel_cache.glob("*.cubin")) != kernels_before:  # carry the new kernels to the next run
+    if gpu_decode.cached_kernels(kernel_cache) != kernels_before:  # carry the new kernels to the next run
         gpu_decode.pack_kernel_cache(kernel_cache)
     # Both the server and the engine get the cache pages gpu_decode.py gives its engine: every client's
     # prompt and output with a page of slack, plus one full-context request.

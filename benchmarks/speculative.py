@@ -483,8 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(plan: Plan, cores: Path, kernel_cache: Path, report: Report) -> None:
     log(f"plan: shapes {','.join(plan.shapes)}, batches {plan.batches}, backend {plan.backend}, cores in {cores}")
-    cached = len(list(kernel_cache.glob("*.cubin"))) if kernel_cache.is_dir() else 0
-    log(f"kernel cache {kernel_cache}: {cached} kernels")
+    log(f"kernel cache {kernel_cache}: {gpu_decode.cached_kernels(kernel_cache)} kernels")
     signing, public = gpu_decode.keys_in(cores)
     specs = core_specs(plan, cores, signing)
     gpu_decode.build_cores(specs, report)

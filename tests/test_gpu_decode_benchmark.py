@@ -218,3 +218,24 @@ def test_the_compared_tree_has_rows_beside_the_shared_baselines_and_a_ratio_per_
     assert rows[2][9] == "2.00x vs eager" and rows[5][9] == "1.60x vs eager"
     note = benchmark.compared_note(report.data["shapes"]["tiny"], report.data["plan"])
     assert note == "ms of this tree / the compared tree's (/src/before): b1 0.750, b8 0.800, prefill 0.800"
+
+
+def test_the_kernel_count_reads_the_cache_as_the_compiler_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+    from ignition.kernels import compiler
+
+    @triton.jit  # type: ignore[misc, untyped-decorator]
+    def _copy(x_ptr, out_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+        offsets = tl.arange(0, N)
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets))
+
+    gpu_decode = load_benchmark()
+    monkeypatch.setenv("IGNITION_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiler, "_MEMORY", {})
+    assert gpu_decode.cached_kernels(tmp_path / "cache") == 0  # no folder yet
+    for width in (16, 32):
+        compiler.compile_triton(_copy, {"x_ptr": "*fp32", "out_ptr": "*fp32"}, {"N": width})
+    assert gpu_decode.cached_kernels(tmp_path / "cache") == 2
