@@ -32,7 +32,7 @@ class CompileOnlyContext:
     closed = False
 
     def __getattr__(self, name: str) -> Any:
-        raise CudaUnavailableError(f"compile only: Context.{name} needs the GPU")
+        raise CudaUnavailableError(f"Context.{name} needs the GPU")
 
     def close(self) -> None:
         pass
