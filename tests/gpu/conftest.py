@@ -29,7 +29,6 @@ class CompileOnlyContext:
     the device raises :class:`CudaUnavailableError` (the test is then reported skipped)."""
 
     architecture = "sm_90a"
-    closed = False
 
     def __getattr__(self, name: str) -> Any:
         raise CudaUnavailableError(f"Context.{name} needs the GPU")
