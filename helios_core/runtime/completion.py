@@ -557,23 +557,14 @@ def _outside_problem(token: int, sampled_size: int) -> str:
     return f"sampled id {token} lies outside the vocabulary [0, {sampled_size})"
 
 
-def _read_speculative(
-    views: RecordViews, lanes: Sequence[LaneExpectation], sampled_size: int, packed_capacity: int = 0
-) -> list[LaneResult | CompletionError]:
-    """The lanes of a speculative round: each lane's offers, accepted drafts and emitted tokens checked
-    against what it was given before any of them is used.
-
-    The round: the lanes' target rows (offers plus their pending tokens) within the program's
-    ``packed_capacity`` P (when given), else the whole round fails. Per lane: the echoed generation; the
-    reserved field -1; offers equal to the proposals the lane was given when the host chose them
-    (copied), else at most its ceiling; accepted at most the
-    offers; emitted exactly accepted + 1; the consumed endpoint the endpoint before the round plus the
-    emitted tokens; the draft cursor -1 (these programs report none); every emitted id inside the
-    sampled vocabulary. A lane that breaks a rule yields its CompletionError; the others are read.
-    """
+def _speculative_fields(
+    views: RecordViews, count: int, packed_capacity: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A speculative record's offers and accepted drafts (flat), sampled ids and logprobs (a row a lane;
+    logprobs ``None`` where the record has none), after the checks of the whole round: both speculative
+    fields present, at least ``count`` lanes in each, and the lanes' target rows within the program's
+    ``packed_capacity`` (when given)."""
     record = views.record
-    count = len(lanes)
-    generations, reserved, cursors, consumed, emitted, _ = views.head(count)
     offers_field = record.get(mf.COMPLETION_FIELD_OFFERS)
     accepted_field = record.get(mf.COMPLETION_FIELD_ACCEPTED_DRAFTS)
     if offers_field is None or accepted_field is None:
@@ -588,6 +579,26 @@ def _read_speculative(
     rows = int(offers[:count].sum()) + count
     if packed_capacity and rows > packed_capacity:  # the program's own allocation overran its P
         raise CompletionError(f"the lanes' offers take {rows} target rows; the program holds {packed_capacity}")
+    return offers, accepted, ids, logprob_rows
+
+
+def _read_speculative(
+    views: RecordViews, lanes: Sequence[LaneExpectation], sampled_size: int, packed_capacity: int = 0
+) -> list[LaneResult | CompletionError]:
+    """The lanes of a speculative round: each lane's offers, accepted drafts and emitted tokens checked
+    against what it was given before any of them is used.
+
+    The round: the lanes' target rows (offers plus their pending tokens) within the program's
+    ``packed_capacity`` P (when given), else the whole round fails. Per lane: the echoed generation; the
+    reserved field -1; offers equal to the proposals the lane was given when the host chose them
+    (copied), else at most its ceiling; accepted at most the
+    offers; emitted exactly accepted + 1; the consumed endpoint the endpoint before the round plus the
+    emitted tokens; the draft cursor -1 (these programs report none); every emitted id inside the
+    sampled vocabulary. A lane that breaks a rule yields its CompletionError; the others are read.
+    """
+    count = len(lanes)
+    generations, reserved, cursors, consumed, emitted, _ = views.head(count)
+    offers, accepted, ids, logprob_rows = _speculative_fields(views, count, packed_capacity)
     results: list[LaneResult | CompletionError] = []
     for index, lane in enumerate(lanes):
         problem = _speculative_problem(
@@ -635,22 +646,8 @@ def _read_speculative_batch(
     a lane that breaks one is examined alone for its first violation and message. A record whose fields
     are shorter than the lanes, or whose ids or logprobs are not integers and floats, is read lane by
     lane (as a list)."""
-    record = views.record
     count = len(lanes)
-    offers_field = record.get(mf.COMPLETION_FIELD_OFFERS)
-    accepted_field = record.get(mf.COMPLETION_FIELD_ACCEPTED_DRAFTS)
-    if offers_field is None or accepted_field is None:
-        raise CompletionError("a speculative program's record has no offers or accepted drafts field")
-    offers_all, accepted_all = offers_field.reshape(-1), accepted_field.reshape(-1)
-    sampled = record[mf.COMPLETION_FIELD_SAMPLED_IDS]
-    ids_all = sampled.reshape(sampled.shape[0], -1)
-    logprob_field = record.get(mf.COMPLETION_FIELD_SAMPLED_LOGPROBS)
-    logprob_rows = logprob_field.reshape(logprob_field.shape[0], -1) if logprob_field is not None else None
-    if min(offers_all.shape[0], accepted_all.shape[0], ids_all.shape[0]) < count:
-        raise CompletionError(f"the record holds fewer than the round's {count} speculative lanes")
-    rows = int(offers_all[:count].sum()) + count
-    if packed_capacity and rows > packed_capacity:  # the program's own allocation overran its P
-        raise CompletionError(f"the lanes' offers take {rows} target rows; the program holds {packed_capacity}")
+    offers_all, accepted_all, ids_all, logprob_rows = _speculative_fields(views, count, packed_capacity)
     if (
         views.lanes < count
         or any(field.dtype.kind not in "iu" for field in (ids_all, offers_all, accepted_all, views.emitted))
