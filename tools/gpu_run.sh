@@ -73,12 +73,12 @@ try:
 except Exception as exc:
     print(f"torch: {type(exc).__name__}: {exc}")
 EOF
-echo "kernel cache: $IGNITION_KERNEL_CACHE ($(find "$IGNITION_KERNEL_CACHE" -name '*.cubin' | wc -l) kernels)"
+before=$(find "$IGNITION_KERNEL_CACHE" -name '*.cubin' | wc -l)
+echo "kernel cache: $IGNITION_KERNEL_CACHE ($before kernels)"
 
 if (( $# == 0 )); then
     exit 0
 fi
-before=$(find "$IGNITION_KERNEL_CACHE" -name '*.cubin' | wc -l)
 "$@"
 status=$?
 after=$(find "$IGNITION_KERNEL_CACHE" -name '*.cubin' | wc -l)
