@@ -357,9 +357,9 @@ def test_attention_input_is_one_launch_at_decode(
         # the 1B shape at 64 rows: 64x64 tiles, 48 column tiles, 16 steps in the 2 splits one wave holds
         # (96 programs; the plain projection's 3 would make 144)
         (64, 32, 8, 64, 2048, [1, 48, 2], 64, 32),
-        # 40 rows, 16 heads of 64 over 2304 inputs: 24 column tiles, 18 steps in the 5 splits one wave
-        # holds (120 programs; the plain projection's 6 would make 144)
-        (40, 16, 4, 64, 2304, [1, 24, 5], 64, 32),
+        # 40 rows, 16 heads of 64 over 2304 inputs: 24 column tiles; one wave holds 5 splits, but a part keeps
+        # 512 inputs or more: 18 steps in 4 splits (96 programs; the plain projection's 6 would make 144)
+        (40, 16, 4, 64, 2304, [1, 24, 4], 64, 32),
         # 256 rows: the narrow 64x128 tiles, 64 pairs (two heads' rotation pairs) a tile: 4 x 24, no split
         (256, 32, 8, 64, 2048, [4, 24, 1], 64, 64),
         # the 8B shape at 64 rows: 64x64 tiles, 32 pairs (half a head of 128), 96 column tiles, 2 splits
@@ -595,9 +595,16 @@ def test_one_or_two_rows_stream_whole_rows_of_up_to_4096_inputs(rows: int, n: in
         (64, 2048, 8192, Tiles(64, 64, 128, 4, 3, split=8)),  # 32 tiles, 64 steps: 256 programs
         (48, 4096, 14336, Tiles(64, 64, 128, 4, 3, split=4)),  # 64 tiles, 112 steps: 256 programs
         (64, 4096, 4096, Tiles(64, 64, 128, 4, 3, split=4)),  # 64 tiles, 32 steps: 256 programs
-        (64, 576, 1536, Tiles(64, 64, 128, 4, 3, split=12)),  # 9 tiles of 12 steps: one a step, as before
+        # a 64-row tile's part keeps 512 inputs or more: the 135M shape's short reductions split less or not at all
+        (64, 576, 1536, Tiles(64, 64, 128, 4, 3, split=3)),  # 9 tiles of 12 steps: three parts of four
+        (64, 576, 576, Tiles(64, 64, 128, 4, 3)),  # 5 steps: not split (five parts of one step before)
+        (40, 3072, 576, Tiles(64, 64, 128, 4, 3)),  # 48 tiles: not split (three parts before)
+        (64, 576, 1024, Tiles(64, 64, 128, 4, 3, split=2)),
         (64, 16384, 2048, Tiles(64, 64, 128, 4, 3)),  # 256 tiles: no split
-        (130, 1000, 200, Tiles(64, 128, 64, 4, 4, split=4)),  # no more splits than reduction steps
+        (130, 1000, 200, Tiles(64, 128, 64, 4, 4)),  # under 512 inputs: not split
+        (130, 1000, 2048, Tiles(64, 128, 64, 4, 4, split=4)),  # 32 steps: four parts within one wave
+        (256, 576, 1536, Tiles(64, 128, 64, 4, 4, split=3)),  # 20 tiles: three parts of 512 inputs
+        (8, 576, 1536, Tiles(16, 64, 128, 4, 4, split=12)),  # 16-row tiles keep parts of one step
         (512, 16384, 2048, Tiles(128, 128, 64, 8, 3, descriptors=True)),
         (512, 2048, 8192, Tiles(128, 64, 64, 8, 3, split=2)),  # prefill chunks keep 128-row tiles
         (512, 3072, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 96 square tiles: at least 2/3 of 132
@@ -625,8 +632,9 @@ def test_matrix_tiles_split_the_reduction_where_the_tiles_leave_multiprocessors_
 ) -> None:
     """About one program a multiprocessor: ``cdiv(132, tiles)`` splits, at most one per reduction step,
     every split but the last the same number of steps (64-row tiles: up to two programs a multiprocessor
-    while each split keeps four steps); the narrow outputs of 65 to 256 rows (64x128 tiles,
-    128x128 ones over 12288 inputs or more) split only within one wave: ``132 // tiles`` parts. Wide
+    while each split keeps four steps, and never a part of fewer than 512 inputs); the narrow outputs of 65
+    to 256 rows (64x128 tiles, 128x128 ones over 12288 inputs or more) split only within one wave:
+    ``132 // tiles`` parts, each of 512 inputs or more. Wide
     outputs and prefill chunks whose 128x128 tiles reach two thirds of the multiprocessors take those
     tiles through tensor descriptors; the widest projections of a prefill chunk (four tiles a
     multiprocessor and more) over 4096 inputs or more take persistent ones, and vocabulary-wide outputs
@@ -649,7 +657,7 @@ SPECIALISED_64x128 = Tiles(64, 128, 64, 4, 8, descriptors=True, specialised=True
         (256, 4096, 14336, Tiles(128, 128, 64, 8, 4, split=2, descriptors=True)),  # a long reduction: as before
         (512, 3072, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # 192 narrow tiles: more than a wave
         (256, 6144, 4096, Tiles(64, 128, 64, 4, 4)),  # 192 narrow tiles
-        (256, 576, 576, Tiles(64, 128, 64, 4, 4, split=5)),  # 9 steps a tile: too short a reduction
+        (256, 576, 576, Tiles(64, 128, 64, 4, 4)),  # 9 steps a tile: too short a reduction, not split
         (128, 2048, 2048, Tiles(64, 128, 64, 4, 4, split=4)),  # up to 128 rows: as before
         (1024, 2048, 2048, Tiles(128, 128, 64, 8, 4, descriptors=True)),  # more than 512 rows: as before
     ],
@@ -931,6 +939,8 @@ def test_tiles_without_descriptors_are_those_measured_with_per_thread_loads(
         (129, 6144, 4096, True, Tiles(128, 128, 64, 8, 4, descriptors=True)),
         (256, 3072, 2048, True, Tiles(64, 128, 64, 4, 4)),  # the 1B one: 48 square tiles, under half a wave
         (64, 3072, 2048, True, Tiles(64, 64, 128, 4, 3, split=2)),  # 64 rows: split within one wave
+        (64, 960, 576, True, Tiles(64, 64, 128, 4, 3)),  # the 135M one: 576 inputs, not split (five parts before)
+        (128, 960, 576, True, Tiles(64, 128, 64, 4, 4)),  # and at 128 rows
         (512, 3072, 2048, True, None),  # a prefill chunk's descriptor tiles: projected, then rotated
         (1, 3072, 2048, True, None),  # streaming rows
     ],

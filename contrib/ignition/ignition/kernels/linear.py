@@ -606,6 +606,17 @@ SPLIT_MIN_STEPS = 4
 """Reduction steps each part of a 64-row tile's split keeps when the split goes past one program a
 multiprocessor (see :func:`_split_reduction`)."""
 
+SPLIT_MIN_INPUTS = 512
+"""Inputs each part of a split 64-row tile's reduction keeps at least (see :func:`_split_reduction` and
+:func:`_split_within_one_wave`): a shorter reduction is not split at all. Measured on an H100
+(``benchmarks/projection_tiles.py --shapes 135m``, docs/benchmarks.md), the 135M shape's projections over
+576 and 1536 inputs ran up to twice as fast with fewer parts (in-graph at 64 rows: the output projection
+4.7 us unsplit against 8.6 in five parts of one step, the down projection 6.2 to 6.4 in two or three parts
+against 13.1 in twelve; at 128 and 256 rows the 64x128 tiles' output projection 6.3 unsplit against 14.9
+and 10.8 in five parts), while every split of the 1B and 8B shapes (2048 inputs and more) keeps its parts.
+Each part's partial tile is 16 KiB at 64 rows, and the last part reads them all back: a part of one or two
+steps does less work than that. 16-row tiles, whose partials are a quarter as large, keep single steps."""
+
 
 def swiglu_tiles(plain: Tiles, rows: int, n: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
     """The tiles of a projection ending in SwiGLU over ``n`` rows of ``[gate | up]`` weights (each program over
@@ -631,10 +642,11 @@ def swiglu_tiles(plain: Tiles, rows: int, n: int, *, multiprocessors: int = MULT
 def _split_within_one_wave(tiles: Tiles, rows: int, n: int, k: int, multiprocessors: int) -> Tiles:
     """``tiles`` with the reduction split into as many parts as keep every program of the launch in one
     wave (at most one program a multiprocessor; no split when the output tiles alone reach half the
-    multiprocessors or more), every part but the last the same whole number of ``block_k`` steps."""
+    multiprocessors or more) and each part ``SPLIT_MIN_INPUTS`` inputs or more, every part but the last
+    the same whole number of ``block_k`` steps."""
     count = cdiv(rows, tiles.block_m) * cdiv(n, tiles.block_n)
     steps = cdiv(k, tiles.block_k)
-    wanted = max(1, min(multiprocessors // count, steps))
+    wanted = max(1, min(multiprocessors // count, steps, k // SPLIT_MIN_INPUTS))
     return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
 
 
@@ -650,12 +662,15 @@ def _split_reduction(
     on an H200 (``benchmarks/projection_tiles.py --rows 64``, docs/benchmarks.md), the 1B down projection
     (32 tiles over 8192 inputs) took 14.6 us in eight parts against 17.0 in five, the 8B one (64 tiles over
     14336) 35.5 in four against 39.1 in three, the 8B output projection 14.1 against 14.9; a partial
-    second program on some multiprocessors (160 or 192 programs) was the slowest of those splits."""
+    second program on some multiprocessors (160 or 192 programs) was the slowest of those splits. A 64-row
+    tile's part also keeps ``SPLIT_MIN_INPUTS`` inputs or more, so reductions shorter than twice that are
+    not split."""
     count = cdiv(rows, tiles.block_m) * cdiv(n, tiles.block_n)
     steps = cdiv(k, tiles.block_k)
     wanted = cdiv(SPLIT_PROGRAMS * multiprocessors, count)
     if two_a_multiprocessor:
         wanted = max(wanted, min(2 * multiprocessors // count, steps // SPLIT_MIN_STEPS))
+        wanted = min(wanted, k // SPLIT_MIN_INPUTS)  # a 64-row tile's part keeps 512 inputs or more
     wanted = max(1, min(wanted, steps))
     return dataclasses.replace(tiles, split=cdiv(steps, cdiv(steps, wanted)))
 
