@@ -4,10 +4,12 @@ they reached counted."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "pytest_shards.py"
@@ -119,3 +121,30 @@ def test_a_selection_that_does_not_collect_names_the_paths(tmp_path: Path) -> No
     assert done.returncode == 1
     assert "pytest_shards: collecting test_broken.py failed" in done.stderr
     assert "no_such_module_here" in done.stderr
+
+
+def _module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pytest_shards", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_shard_gets_its_share_of_the_cores_for_numpy_unless_the_caller_set_it() -> None:
+    shard_environment = _module().shard_environment
+    shared = shard_environment({"PATH": "/bin", "MKL_NUM_THREADS": "3"}, 11, 16)
+    assert shared == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "3"}
+    assert shard_environment({}, 4, 16)["OMP_NUM_THREADS"] == "4"
+    assert shard_environment({}, 3, 2)["OPENBLAS_NUM_THREADS"] == "1"
+
+
+def test_the_shards_run_with_those_thread_counts(tmp_path: Path) -> None:
+    (tmp_path / "test_env.py").write_text(
+        "import os\n\ndef test_threads():\n"
+        "    assert os.environ['OPENBLAS_NUM_THREADS'] == str(max(1, (os.cpu_count() or 1) // 2))\n"
+    )
+    (tmp_path / "test_other.py").write_text("def test_nothing():\n    pass\n")
+    done = _run(tmp_path, "--shards", "64", "test_env.py", "test_other.py")
+    assert done.stdout.splitlines()[1] == "shard 0: 1 tests, exit 0: 1 passed"
+    assert done.returncode == 0

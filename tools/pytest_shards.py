@@ -11,20 +11,23 @@ whose fixtures are built once a module) whose tests run in one more shard of the
         tests/gpu/test_kernels_fused.py tests/gpu/test_kernels_elementwise.py \\
         --serial tests/gpu/test_serve.py tests/gpu/test_vision.py --serial tests/gpu/test_speculative.py
 
-Each shard's whole output goes to ``<logs>/shard-N.log``; what is printed here is each shard's failures
-and summary line, then one line with the totals. The exit status is 0 when every shard passed (or skipped),
-else the first failing shard's status.
+Each shard's numpy gets its share of the host's cores (``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and
+``MKL_NUM_THREADS``, unless set): with a thread a core in every shard, a run on the 16-core GPU machine went
+many times slower. Each shard's whole output goes to ``<logs>/shard-N.log``; what is printed here is each
+shard's failures and summary line, then one line with the totals. The exit status is 0 when every shard
+passed (or skipped), else the first failing shard's status.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
@@ -59,6 +62,19 @@ def deal(ids: Sequence[str], shards: int) -> list[list[str]]:
     for index, node in enumerate(ids):
         hands[index % len(hands)].append(node)
     return [hand for hand in hands if hand]
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""The thread counts of numpy's BLAS libraries, which otherwise start a thread a core in every process."""
+
+
+def shard_environment(environment: Mapping[str, str], shards: int, cores: int) -> dict[str, str]:
+    """``environment`` with each BLAS thread count not already set to the shards' share of the cores (at
+    least one): shards that each start a thread a core leave the host's cores oversubscribed many times."""
+    shared = dict(environment)
+    for name in THREAD_VARIABLES:
+        shared.setdefault(name, str(max(1, cores // max(shards, 1))))
+    return shared
 
 
 def tally(text: str) -> tuple[Counter[str], bool]:
@@ -100,12 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pytest_shards: nothing collected")
         return 5
     args.logs.mkdir(parents=True, exist_ok=True)
+    environment = shard_environment(os.environ, len(hands), os.cpu_count() or 1)
     started = time.perf_counter()
     running = []
     for number, hand in enumerate(hands):
         log = (args.logs / f"shard-{number}.log").open("w")
         command = [sys.executable, "-m", "pytest", *options, *hand]
-        running.append((number, len(hand), log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+        running.append((number, len(hand), log, process))
     print(f"pytest_shards: {sum(len(hand) for hand in hands)} tests in {len(hands)} shards", flush=True)
     deadline = started + args.timeout if args.timeout else None
     status, totals = 0, Counter[str]()

@@ -35,6 +35,9 @@ PROJECTIONS = [
     (16, 49152, 576),
     (64, 16384, 2048),
     (64, 2048, 8192),  # 64-row tiles, eight splits: two programs a multiprocessor
+    (64, 576, 1536),  # the 135M down projection at 64 rows: three parts of 512 inputs
+    (64, 576, 576),  # over 576 inputs: not split, the last step partial
+    (128, 576, 1536),  # 64x128 tiles in three parts
     (130, 1000, 200),
     (256, 6144, 4096),
 ]
@@ -201,6 +204,7 @@ SWIGLU_MLPS = [
     (1, 8192, 512),  # one program per column block over rows of more than 4096 inputs
     (2, 576, 1536),
     (8, 576, 1536),  # 16-row tiles, the reduction split three ways: gate and up partials
+    (64, 576, 1536),  # 64-row tiles: the SwiGLU projection over 576 inputs unsplit, the down one in three parts
     (64, 2048, 8192),
     (130, 200, 500),  # partial row, column and reduction tiles; a gate block past the width reads up rows
     (256, 2048, 8192),  # 128x128 blocks of each half through tensor descriptors, a bf16 activation
@@ -441,12 +445,13 @@ def test_rope_kv_cache_write(
         (1, 32, 8, 128, 4096, False),  # the 8B shape: rows of 4096 inputs, the two launches
         (7, 32, 8, 64, 2048, True),  # more tokens: 16-row tiles rotating in the projection, split reduction
         (64, 32, 8, 64, 2048, False),  # the 1B shape at batch 64: 64-row tiles, two splits (one wave)
-        (40, 16, 4, 64, 2304, True),  # 24 column tiles, 18 steps in five splits, the last of two steps
-        (200, 9, 3, 64, 576, True),  # 64x64 tiles over four row tiles, the last partly past the rows
+        (40, 16, 4, 64, 2304, True),  # 24 column tiles, 18 steps in four splits, the last of three steps
+        (64, 9, 3, 64, 576, False),  # the 135M shape at batch 64: 64-row tiles over 576 inputs, not split
+        (200, 9, 3, 64, 576, True),  # 64x128 tiles over four row tiles, the last partly past the rows
         (64, 32, 8, 128, 4096, True),  # the 8B shape at batch 64: 64 pairs of a head of 128 in two tiles
         (512, 32, 8, 64, 2048, False),  # a prefill chunk: projection through descriptors, then the rotation
         (7, 3, 1, 8, 32, False),  # heads of 8: 20 column pairs of one tile's 32, the rest masked
-        (130, 4, 2, 16, 128, True),  # 64x128 tiles over three row tiles, the reduction in two splits
+        (130, 4, 2, 16, 128, True),  # 64x128 tiles over three row tiles, a reduction of one partial step
     ],
 )
 @pytest.mark.parametrize("settled", [True, False], ids=["settled", "written-earlier"])
