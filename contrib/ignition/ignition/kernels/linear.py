@@ -607,12 +607,12 @@ SPLIT_MIN_STEPS = 4
 multiprocessor (see :func:`_split_reduction`)."""
 
 SPLIT_MIN_INPUTS = 512
-"""Inputs each part of a split 64-row tile's reduction keeps at least (see :func:`_split_reduction` and
-:func:`_split_within_one_wave`): a shorter reduction is not split at all. Measured on an H100
-(``benchmarks/projection_tiles.py --shapes 135m``, docs/benchmarks.md), the 135M shape's projections over
-576 and 1536 inputs ran up to twice as fast with fewer parts (in-graph at 64 rows: the output projection
-4.7 us unsplit against 8.6 in five parts of one step, the down projection 6.2 to 6.4 in two or three parts
-against 13.1 in twelve; at 128 and 256 rows the 64x128 tiles' output projection 6.3 unsplit against 14.9
+"""Inputs each part of a split reduction keeps at least, for 64-row tiles (:func:`_split_reduction`) and for
+every split within one wave (:func:`_split_within_one_wave`): a shorter reduction is not split at all.
+Measured on an H100 (``benchmarks/projection_tiles.py --shapes 135m``, docs/benchmarks.md), the 135M shape's
+projections over 576 and 1536 inputs ran up to twice as fast with fewer parts (in-graph at 64 rows: the
+output projection 4.7 us unsplit against 8.6 in five parts of one step, the down projection 6.2 to 6.4 in two
+or three parts against 13.1 in twelve; at 128 and 256 rows the 64x128 tiles' output projection 6.3 unsplit against 14.9
 and 10.8 in five parts), while every split of the 1B and 8B shapes (2048 inputs and more) keeps its parts.
 Each part's partial tile is 16 KiB at 64 rows, and the last part reads them all back: a part of one or two
 steps does less work than that. 16-row tiles, whose partials are a quarter as large, keep single steps."""
