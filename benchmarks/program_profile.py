@@ -10,11 +10,15 @@ replay takes with ``--back-to-back`` of them queued one after another, as a serv
 With ``--ablate`` it also prints, per operator, what the
 graph loses when that operator's launches are left out (a graph of the other launches, chained as
 the program chains them): the operator's share of the replay inside the graph, launch gaps
-included (``--by-kernel``: per operator and kernel). The outputs of an ablated graph are meaningless;
-only its time is read. Needs an NVIDIA GPU:
+included (``--by-kernel``: per operator and kernel). With ``--edges`` it prints, for each kind of
+programmatic edge (the operator and kernel of the launch before, and of the launch that waits on it
+programmatically), what the replay gains when those edges wait the ordinary way instead (the launch
+starts after the one before has finished): a positive figure means programmatic launch costs there, as
+when the waiting programs take room on the multiprocessors that the launch before still needs. The
+outputs of an ablated graph are meaningless; only its time is read. Needs an NVIDIA GPU:
 
     python benchmarks/program_profile.py CORE --trust-key PUB --accept NS [--programs decode_b1,decode_b64] [--ablate]
-        [--lanes 1 --position 0 --programs prefill_p512]
+        [--lanes 1 --position 0 --programs prefill_p512] [--edges]
 """
 
 from __future__ import annotations
@@ -133,14 +137,18 @@ def _single_launches(
 
 
 def _chain(
-    backend: CudaBackend, functions: Mapping[tuple[str, str], Any], launches: list[mf.KernelLaunch]
+    backend: CudaBackend,
+    functions: Mapping[tuple[str, str], Any],
+    launches: list[mf.KernelLaunch],
+    plain: frozenset[int] = frozenset(),
 ) -> tuple[Any, Any]:
     """(the builder, the instantiated graph) of ``launches`` on frame 0, each after the one before
-    (programmatic edges where the launch waits programmatically), without the program's copies."""
+    (programmatic edges where the launch waits programmatically, except the launches whose indices are in
+    ``plain``), without the program's copies."""
     addresses = backend._frames[0].addresses
     builder = backend._ctx.graph()
     previous: Any = None
-    for launch in launches:
+    for index, launch in enumerate(launches):
         previous = builder.kernel(
             functions[(launch.module, launch.symbol)],
             launch.grid,
@@ -148,9 +156,20 @@ def _chain(
             int(launch.shared_bytes),
             pack_params(launch.params, addresses),
             previous,
-            programmatic=launch.programmatic_wait and previous is not None,
+            programmatic=launch.programmatic_wait and previous is not None and index not in plain,
         )
     return builder, builder.instantiate()
+
+
+def programmatic_edges(groups: list[str], waits: list[bool]) -> dict[str, list[int]]:
+    """The programmatic edges of a chain of launches by kind: ``"<group before> -> <group>"`` to the indices
+    of the launches that wait programmatically on a launch of the first group (``groups[i]`` the group of
+    launch ``i``, ``waits[i]`` whether it waits programmatically; the first launch waits on nothing)."""
+    edges: dict[str, list[int]] = defaultdict(list)
+    for index in range(1, len(groups)):
+        if waits[index]:
+            edges[f"{groups[index - 1]} -> {groups[index]}"].append(index)
+    return dict(edges)
 
 
 def _ablations(
@@ -159,27 +178,44 @@ def _ablations(
     program: mf.ProgramDecl,
     repeats: int,
     by_kernel: bool,
+    *,
+    edges: bool = False,
 ) -> tuple[float, dict[str, tuple[int, float]]]:
     """(replay ms of every launch chained, {operator (or operator and kernel): (launches, ms lost without
-    them)})."""
+    them)}); with ``edges``, {kind of programmatic edge (:func:`programmatic_edges`): (edges, ms gained when
+    those edges wait the ordinary way)}."""
     pairs = target_launches(program, backend.architecture)
+    launches = [launch for _node, launch in pairs]
+    groups = [_group(node, launch, by_kernel) for node, launch in pairs]
+    full = _chain_replay_ms(backend, functions, launches, repeats)
+    found: dict[str, tuple[int, float]] = {}
+    if edges:
+        for kind, indices in programmatic_edges(groups, [launch.programmatic_wait for launch in launches]).items():
+            plain = frozenset(indices)
+            found[kind] = (len(indices), full - _chain_replay_ms(backend, functions, launches, repeats, plain))
+        return full, found
+    for op in dict.fromkeys(groups):
+        kept = [launch for launch, group in zip(launches, groups, strict=True) if group != op]
+        count = len(launches) - len(kept)
+        found[op] = (count, full - _chain_replay_ms(backend, functions, kept, repeats) if kept else full)
+    return full, found
+
+
+def _chain_replay_ms(
+    backend: CudaBackend,
+    functions: Mapping[tuple[str, str], Any],
+    launches: list[mf.KernelLaunch],
+    repeats: int,
+    plain: frozenset[int] = frozenset(),
+) -> float:
+    """Median replay milliseconds of ``launches`` chained (:func:`_chain`)."""
     ctx = backend._ctx
-
-    def replay(launches: list[mf.KernelLaunch]) -> float:
-        builder, executable = _chain(backend, functions, launches)
-        try:
-            return _median_ms(backend, lambda: ctx.launch_graph(executable), repeats)
-        finally:
-            ctx.destroy_graph(executable)
-            builder.destroy()
-
-    full = replay([launch for _node, launch in pairs])
-    lost: dict[str, tuple[int, float]] = {}
-    for op in dict.fromkeys(_group(node, launch, by_kernel) for node, launch in pairs):
-        kept = [launch for node, launch in pairs if _group(node, launch, by_kernel) != op]
-        count = len(pairs) - len(kept)
-        lost[op] = (count, full - replay(kept) if kept else full)
-    return full, lost
+    builder, executable = _chain(backend, functions, launches, plain)
+    try:
+        return _median_ms(backend, lambda: ctx.launch_graph(executable), repeats)
+    finally:
+        ctx.destroy_graph(executable)
+        builder.destroy()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--ablate", action="store_true", help="time the graph without each operator in turn")
     parser.add_argument("--by-kernel", action="store_true", help="one row per operator and kernel, not per operator")
+    parser.add_argument(
+        "--edges", action="store_true",
+        help="time the graph with each kind of programmatic edge waiting the ordinary way in turn",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     verified = open_core(args.core, TrustSettings((args.trust_key,), args.accept, None), check_resources=False)
     contract = verified.contract
@@ -238,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'operator':<60} {'launches':>8} {'us lost':>9} {'us a launch':>11}")
                 for op, (count, ms) in sorted(lost.items(), key=lambda item: -item[1][1]):
                     print(f"{op:<60} {count:>8} {ms * 1000:>9.1f} {ms * 1000 / count:>11.2f}")
+            if args.edges:
+                full, gained = _ablations(backend, functions, programs[name], args.repeats, args.by_kernel, edges=True)
+                print(f"\n{name}: the launches chained alone replay in {full * 1000:.1f} us; with each kind of "
+                      "programmatic edge waiting the ordinary way:")  # fmt: skip
+                print(f"{'edge (launch before -> launch waiting)':<110} {'edges':>6} {'us gained':>10}")
+                for kind, (count, ms) in sorted(gained.items(), key=lambda item: -item[1][1]):
+                    print(f"{kind:<110} {count:>6} {ms * 1000:>10.1f}")
     finally:
         for each in backends.values():
             each.close()

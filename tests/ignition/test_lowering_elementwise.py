@@ -46,10 +46,13 @@ def _check(
     launch: mf.KernelLaunch,
     runtime: Sequence[str | tuple[int, Any]],
     grid: Sequence[int] | None = None,
+    *,
+    programmatic: bool = True,
 ) -> None:
-    """``runtime`` names each address parameter's buffer, or gives a scalar's (kind, value), in order."""
+    """``runtime`` names each address parameter's buffer, or gives a scalar's (kind, value), in order;
+    ``programmatic``: whether the launch waits on the one before programmatically."""
     assert launch.target == "sm_90a"
-    assert launch.programmatic_wait
+    assert launch.programmatic_wait is programmatic
     assert len(launch.grid) == 3 and all(g >= 1 for g in launch.grid)
     assert launch.grid[1] <= 65535 and launch.grid[2] <= 65535
     if grid is not None:
@@ -396,7 +399,8 @@ def test_attention_input_of_many_tokens_rotates_in_the_projection(
     split = grid[2] > 1
     partials = ["workspace.projection_partials", "workspace.projection_splits_done"] if split else [staged] * 2
     runtime = [staged, "weight", "slots", "q", "k_plane", "v_plane", *partials, factors, (mf.PARAM_KIND_I32, tokens)]
-    _check(context, launches[1], runtime, grid=grid)
+    # more than 64 rows wait on their norm the ordinary way (linear.ORDINARY_WAIT_ROWS)
+    _check(context, launches[1], runtime, grid=grid, programmatic=tokens <= 64)
     constants = launched_constants[-1]
     assert (constants["BLOCK_M"], constants["PAIRS"], constants["SPLIT"]) == (block_m, pairs, grid[2])
     assert (constants["HEADS"], constants["KV_HEADS"], constants["D"], constants["K"]) == (heads, kv_heads, head_dim, k)
@@ -429,7 +433,7 @@ def test_attention_input_rotates_in_a_projection_through_descriptors(
     assert [launch.symbol for launch in launches] == ["rotary_input_kernel", "rotary_projection_kernel"]
     staged, factors = "workspace.projection_input_bf16", "workspace.rotary_factors"
     runtime = [staged, "weight", "slots", "q", "k_plane", "v_plane", staged, staged, factors]
-    _check(context, launches[1], [*runtime, (mf.PARAM_KIND_I32, tokens)], grid=grid)
+    _check(context, launches[1], [*runtime, (mf.PARAM_KIND_I32, tokens)], grid=grid, programmatic=False)
     constants = launched_constants[-1]
     assert constants["DESCRIPTORS"] is True and constants["HALF_PAIRS"] is (style == "half")
     assert (constants["BLOCK_M"], constants["PAIRS"], constants["BLOCK_K"], constants["SPLIT"]) == (128, 64, 64, 1)
@@ -749,7 +753,7 @@ def test_persistent_tiles_launch_a_program_a_multiprocessor_over_every_so_many_t
     context, launches = _lower("rmsnorm_linear", arrays, {"eps": 1e-5}, weights=("weight", "norm_weight"))
     launch = launches[-1]
     runtime = ["workspace.projection_input_bf16", "weight", "out", "out", (mf.PARAM_KIND_I32, 256)]
-    _check(context, launch, runtime, grid=[132])  # 256 tiles over 132 programs
+    _check(context, launch, runtime, grid=[132], programmatic=False)  # 256 tiles over 132 programs
     assert launch.symbol == "persistent_projection_kernel"
     small = {"x": f32(130, 256), "weight": bf16(1000, 256), "norm_weight": f32(256), "out": f32(130, 1000)}
     _, launches = _lower("rmsnorm_linear", small, {"eps": 1e-5}, weights=("weight", "norm_weight"))
@@ -790,7 +794,7 @@ def test_the_row_tiles_of_a_column_block_are_the_grids_fastest_dimension(rows: i
     context, launches = _lower("linear", arrays, weights=("weight",))
     _stage, launch = launches
     runtime = ["workspace.projection_input_bf16", "weight", "out", "out", "out", "out", (mf.PARAM_KIND_I32, rows)]
-    _check(context, launch, runtime, grid=grid)
+    _check(context, launch, runtime, grid=grid, programmatic=False)
 
 
 @pytest.mark.parametrize(
@@ -886,7 +890,7 @@ def test_descriptor_tiles_pass_every_program_its_scratch_in_one_workspace() -> N
     kernel = _compiled(launch)
     assert kernel.global_scratch_bytes > 0 and kernel.scratch_params == 2
     runtime = ["workspace.projection_input_bf16", "weight", "out", "out", "out", "out", (mf.PARAM_KIND_I32, 256)]
-    _check(context, launch, runtime, grid=[2, 128])
+    _check(context, launch, runtime, grid=[2, 128], programmatic=False)
     sizes = [int(d.shape[0].size) for d in context.manifest.buffers if d.name == "workspace.kernel_scratch"]
     assert sizes == [2 * 128 * kernel.global_scratch_bytes]
     assert "workspace.projection_input_bf16" in {param.buffer for param in staged.params}
@@ -948,3 +952,16 @@ def test_tiles_without_descriptors_are_those_measured_with_per_thread_loads(
 def test_rotary_tiles(rows: int, n: int, k: int, describable: bool, tiles: Tiles | None) -> None:
     plain = choose_tiles(rows, n, k, describable=describable)
     assert linear.rotary_tiles(plain, rows, n, k, describable=describable) == tiles
+
+
+def test_a_prefill_chunks_attention_input_projects_after_its_norm_the_ordinary_way() -> None:
+    """512 tokens of the 8B shape: the staged norm, the projection into a workspace (waiting on the norm the
+    ordinary way, see ``linear.ORDINARY_WAIT_ROWS``), then the rotation and cache write, which waits on the
+    projection programmatically."""
+    arrays = _attention_input_arrays(512, 32, 8, 128, 4096)
+    attributes = {"eps": 1e-5, "theta": 10000.0, "style": "half"}
+    _context, launches = _lower("rmsnorm_linear_rope_kv_cache_write", arrays, attributes)
+    assert [launch.symbol for launch in launches] == [
+        "_rmsnorm_kernel", "specialised_projection_kernel", "rope_cache_kernel"
+    ]  # fmt: skip
+    assert [launch.programmatic_wait for launch in launches] == [True, False, True]

@@ -85,6 +85,7 @@ from ignition.kernels.linear import (
     project,
     rotary_tiles,
     staged_input,
+    waits_programmatically,
 )
 from ignition.kernels.lowering import LoweringContext, cdiv, lowering, next_power_of_two
 from ignition.kernels.rotary import frequency_args, inverse_frequencies
@@ -1377,5 +1378,6 @@ def rotary_projection(
         (tiles_m, tiles_n, tiles.split),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        programmatic=waits_programmatically(rows, follows_own_launch=True),
     )
     return [stage, launch]

@@ -618,6 +618,27 @@ Each part's partial tile is 16 KiB at 64 rows, and the last part reads them all 
 steps does less work than that. 16-row tiles, whose partials are a quarter as large, keep single steps."""
 
 
+ORDINARY_WAIT_ROWS: int | None = 64
+"""Projections of more rows than this that follow another launch of their own node wait for it the ordinary
+way rather than programmatically: after their staged norm, SwiGLU or rounded rows (:func:`project`), after
+the norm and rotation factors of the rotating projection (:func:`ignition.kernels.attention.rotary_projection`),
+and the down projection after the ``[gate|up]`` projection of its MLP (:func:`lower_rmsnorm_swiglu_mlp_add`).
+Launched programmatically, a projection's programs start as soon as every program of the launch before has
+started, and each then holds its registers and shared memory on a multiprocessor, waiting, while that launch
+still runs there. Measured on an H100 (docs/benchmarks.md): the 1B step of 256 rows replayed 60 us faster with
+the rotating projection waiting on its norm the ordinary way and 58 us faster with the down projection waiting
+on ``[gate|up]`` so (``benchmarks/program_profile.py --edges``); with this rule the served 1B step of 256 rows
+was 3.6 to 4.4 % faster in three runs (2.338 against 2.425 ms in the last), the 8B one 0.9 %, and most
+512-token prefills 2 to 6 %. Applied to the 16- and 64-row tiles too, it made the 135M steps of 8 and 64 rows
+5 to 6 % slower (0.841 against 0.790 ms at 8 rows), so those keep their programmatic waits. ``None`` keeps
+every wait programmatic."""
+
+
+def waits_programmatically(rows: int, follows_own_launch: bool) -> bool:
+    """Whether a projection launch over ``rows`` rows is marked ``programmatic_wait`` (:data:`ORDINARY_WAIT_ROWS`)."""
+    return not (follows_own_launch and ORDINARY_WAIT_ROWS is not None and rows > ORDINARY_WAIT_ROWS)
+
+
 def swiglu_tiles(plain: Tiles, rows: int, n: int, *, multiprocessors: int = MULTIPROCESSORS) -> Tiles:
     """The tiles of a projection ending in SwiGLU over ``n`` rows of ``[gate | up]`` weights (each program over
     the gate and the up block of the same columns) whose plain projection would take ``plain``.
@@ -776,12 +797,15 @@ def project(
     swiglu: bool = False,
     tiles: Tiles | None = None,
     multiprocessors: int = MULTIPROCESSORS,
+    follows_own_launch: bool = False,
 ) -> list[mf.KernelLaunch]:
     """The launches of ``out = residual + prologue(x) @ weight.T`` (module docstring); with ``swiglu``,
     ``out = silu(prologue(x) @ gate.T) * (prologue(x) @ up.T)`` over a ``[gate | up]`` weight, the tiles
     chosen for the whole weight with half as many columns each (one program multiplies its inputs with
     the gate and the up block of the same columns). ``multiprocessors`` sizes the streaming kernel's grid
-    (the H200's 132 by default)."""
+    (the H200's 132 by default). ``follows_own_launch``: another launch of the node comes right before
+    these (projections of many rows after it, or after a staged prologue, wait the ordinary way:
+    :data:`ORDINARY_WAIT_ROWS`)."""
     rows, n, k = check_projection(ctx, x, weight, out, norm=norm, residual=residual, gated=gated, swiglu=swiglu)
     if swiglu and residual is not None:
         raise ctx.fail("a SwiGLU projection adds no residual")
@@ -820,6 +844,7 @@ def project(
     args["residual_ptr"] = ctx.pointer(residual if residual is not None else out)
     if chosen.block_m > 1:
         tiles_n, tiles_m = cdiv(n, chosen.block_n), cdiv(rows, chosen.block_m)
+        programmatic = waits_programmatically(rows, follows_own_launch or bool(prologue))
         if tiles_n > _MAX_GRID_Y:
             raise ctx.fail(f"{n} outputs make {tiles_n} column tiles of {chosen.block_n}; the grid takes {_MAX_GRID_Y}")
         partials, counters = out, out  # never touched without a split
@@ -845,7 +870,10 @@ def project(
             del args["partial_ptr"], args["counter_ptr"]
             args["rows"] = ctx.i32(rows)
             kernel, grid = persistent_projection_kernel, (programs,)
-            launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+            launch = ctx.launch(
+                kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages,
+                programmatic=programmatic,
+            )  # fmt: skip
             return [*prologue, launch]
         constants.update(BLOCK_M=chosen.block_m, BLOCK_K=chosen.block_k, SPLIT=chosen.split, K_SPLIT=k_split)
         if chosen.specialised:
@@ -860,7 +888,10 @@ def project(
             constants.update(DESCRIPTORS=descriptors)
         # a persistent grid of warp-specialised programs: each over every programs-th tile
         grid = (programs, 1, 1) if chosen.persistent else (tiles_m, tiles_n, chosen.split)
-        launch = ctx.launch(kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages)
+        launch = ctx.launch(
+            kernel, args, constants, grid, num_warps=chosen.num_warps, num_stages=chosen.num_stages,
+            programmatic=programmatic,
+        )  # fmt: skip
         return [*prologue, launch]
     eps = float(ctx.attribute(node, "eps", 0.0)) if norm is not None else 0.0
     args.update(norm_ptr=ctx.pointer(norm if norm is not None else x), eps=ctx.f32(eps), rows=ctx.i32(rows))
@@ -1041,5 +1072,7 @@ def lower_rmsnorm_swiglu_mlp_add(ctx: LoweringContext, node: mf.Node) -> list[mf
     staged = ctx.workspace(_ACTIVATION_KEYS[dtype], dtype, rows * width)
     activation = mf.BufferView(buffer=staged.buffer, element_offset=0, shape=[rows, width])
     first = project(ctx, node, x, gate_up, activation, norm=norm, swiglu=True)
-    second = project(ctx, node, activation, down, ctx.need(node, "out"), residual=ctx.need(node, "residual"))
+    second = project(
+        ctx, node, activation, down, ctx.need(node, "out"), residual=ctx.need(node, "residual"), follows_own_launch=True
+    )
     return [*first, *second]

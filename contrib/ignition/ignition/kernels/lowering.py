@@ -18,7 +18,8 @@ Launch conventions every kernel follows:
   program has finished;
 * ``block = (32 * num_warps, 1, 1)``, the compiled shared memory as dynamic shared bytes;
 * a kernel compiled with ``USE_PDL`` calls ``gdc_wait()`` before its first access to any buffer but
-  weights and *settled* buffers, so its launch is marked ``programmatic_wait``. A buffer is settled
+  weights and *settled* buffers, so its launch is marked ``programmatic_wait`` (unless the lowering
+  chose an ordinary wait for it: see ``ORDINARY_WAIT_ROWS`` in :mod:`ignition.kernels.linear`). A buffer is settled
   for a node when no earlier node of its program writes it (:meth:`LoweringContext.settled`): its
   bytes were final before the program's first launch began (host inputs copied in by the graph's
   first node, cache pages of earlier rounds), so reading it early cannot see a stale value.
@@ -218,11 +219,14 @@ class LoweringContext:
         *,
         num_warps: int = 4,
         num_stages: int = 2,
+        programmatic: bool = True,
     ) -> mf.KernelLaunch:
         """Compile ``fn`` (with ``USE_PDL`` set for the target) and describe one launch of it.
 
         ``args`` lists the kernel's runtime parameters in declaration order; ``grid`` has 1 to 3
-        dimensions, each at least 1.
+        dimensions, each at least 1. ``programmatic=False`` marks the launch as waiting the ordinary way
+        (not ``programmatic_wait``): it starts once the launch before has finished, and its ``gdc_wait``
+        returns at once.
         """
         if not 1 <= len(grid) <= 3 or any(int(g) < 1 for g in grid) or any(int(g) >= 2**31 for g in grid):
             raise self.fail(f"grid {list(grid)} must have 1 to 3 positive dimensions")
@@ -244,7 +248,7 @@ class LoweringContext:
             grid=[int(g) for g in grid] + [1] * (3 - len(grid)),
             block=[32 * kernel.num_warps, 1, 1],
             shared_bytes=kernel.shared_bytes,
-            programmatic_wait=True,
+            programmatic_wait=programmatic,
         )
         launch.params.extend(a.param for a in args.values())
         scratch = [mf.LaunchParam(kind=mf.PARAM_KIND_ADDRESS) for _ in range(kernel.scratch_params)]
