@@ -215,7 +215,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 @dataclass(frozen=True)
 class CoreSpec:
-    """One core to build (or reuse when a core with the same arguments is already there)."""
+    """One core to build (or reuse when a core of the same arguments, built by the same Ignition sources, is there)."""
 
     shape: str
     path: str
@@ -233,9 +233,10 @@ class CoreSpec:
         return Path(self.path).with_suffix(".args.json")
 
     def recorded(self) -> list[str]:
-        """What the record beside a built core holds: its build arguments, and for another tree's core a digest
-        of that tree's Ignition sources (so an edited tree builds again)."""
-        return [*self.arguments, *([f"ignition sources {ignition_digest(Path(self.tree))}"] if self.tree else [])]
+        """What the record beside a built core holds: its build arguments and a digest of the Ignition sources of
+        the tree that builds it (this one, or ``tree``), so a core is built again once that tree's lowering,
+        kernels or recipes change rather than reused from an earlier build."""
+        return [*self.arguments, f"ignition sources {ignition_digest(Path(self.tree) if self.tree else ROOT)}"]
 
     def reusable(self) -> bool:
         if not Path(self.path).exists() or not self.record.exists():
@@ -2080,7 +2081,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     with contextlib.ExitStack() as stack:
-        cores = args.cores or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-decode-")))
+        # absolute: another tree's build (--compare-tree) runs in that tree
+        cores = (args.cores or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-decode-")))).resolve()
         cores.mkdir(parents=True, exist_ok=True)
         try:
             run(plan, cores, kernel_cache, report)

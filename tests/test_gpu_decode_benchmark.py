@@ -181,6 +181,28 @@ def test_a_compared_tree_builds_its_own_core_with_its_own_ignition_and_rebuilds_
         benchmark.make_plan(benchmark.parse_args(["--device", "cpu", "--compare-tree", str(tmp_path / "cores")]))
 
 
+def test_this_trees_core_is_built_again_once_its_ignition_sources_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A core built by this tree is reused while this tree's Ignition sources are the ones that built it: a
+    changed lowering (here, a changed module) builds it again instead of measuring the earlier build."""
+    benchmark = load_benchmark()
+    tree = _tree(tmp_path / "this", "def main(argv): return 0\n")
+    monkeypatch.setattr(benchmark, "ROOT", tree)
+    plan = benchmark.make_plan(benchmark.parse_args(["--device", "cpu", "--shapes", "tiny"]))
+    cores = tmp_path / "cores"
+    cores.mkdir()
+    (plain,) = benchmark.core_specs(plan, cores, cores / "signing.pem")
+    assert plain.recorded() == [*plain.arguments, f"ignition sources {benchmark.ignition_digest(tree)}"]
+    Path(plain.path).write_bytes(b"core")
+    plain.record.write_text(benchmark.json.dumps(plain.recorded()))
+    assert plain.reusable()
+    (tree / "contrib" / "ignition" / "ignition" / "lowering.py").write_text("ROWS = 64\n")
+    assert not plain.reusable()
+    plain.record.write_text(benchmark.json.dumps(list(plain.arguments)))  # a record of arguments alone
+    assert not plain.reusable()
+
+
 def test_the_compared_tree_has_rows_beside_the_shared_baselines_and_a_ratio_per_batch() -> None:
     benchmark = load_benchmark()
     report = SimpleNamespace(
