@@ -44,6 +44,11 @@ Plain projections of 129 to 512 rows whose 64x128 tiles make one wave over a red
 inputs take warp-specialised tiles (:mod:`ignition.kernels.specialised`: a copy warp feeding deep stages),
 as do a prefill chunk's projections over 4096 or more inputs whose 128x128 tiles make two thirds of a wave
 to two waves (128x128 or 128x256 tiles) and the LM head of 129 to 256 rows (256x128 tiles, persistent).
+
+Every launch waits on the one before programmatically (its programs may start early and wait inside), except
+a projection of more than 64 rows right after another launch of its own node (its staged inputs, or the
+``[gate|up]`` projection before a down projection), which starts once that launch has finished
+(:data:`ORDINARY_WAIT_ROWS`).
 """
 
 from __future__ import annotations
