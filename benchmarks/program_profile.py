@@ -172,33 +172,54 @@ def programmatic_edges(groups: list[str], waits: list[bool]) -> dict[str, list[i
     return dict(edges)
 
 
+def _timed_chain(
+    backend: CudaBackend,
+    functions: Mapping[tuple[str, str], Any],
+    program: mf.ProgramDecl,
+    repeats: int,
+    by_kernel: bool,
+) -> tuple[list[mf.KernelLaunch], list[str], float]:
+    """(the program's launches for the backend's target, the group of each (:func:`_group`), the replay ms of
+    them all chained)."""
+    pairs = target_launches(program, backend.architecture)
+    launches = [launch for _node, launch in pairs]
+    groups = [_group(node, launch, by_kernel) for node, launch in pairs]
+    return launches, groups, _chain_replay_ms(backend, functions, launches, repeats)
+
+
 def _ablations(
     backend: CudaBackend,
     functions: Mapping[tuple[str, str], Any],
     program: mf.ProgramDecl,
     repeats: int,
     by_kernel: bool,
-    *,
-    edges: bool = False,
 ) -> tuple[float, dict[str, tuple[int, float]]]:
     """(replay ms of every launch chained, {operator (or operator and kernel): (launches, ms lost without
-    them)}); with ``edges``, {kind of programmatic edge (:func:`programmatic_edges`): (edges, ms gained when
-    those edges wait the ordinary way)}."""
-    pairs = target_launches(program, backend.architecture)
-    launches = [launch for _node, launch in pairs]
-    groups = [_group(node, launch, by_kernel) for node, launch in pairs]
-    full = _chain_replay_ms(backend, functions, launches, repeats)
-    found: dict[str, tuple[int, float]] = {}
-    if edges:
-        for kind, indices in programmatic_edges(groups, [launch.programmatic_wait for launch in launches]).items():
-            plain = frozenset(indices)
-            found[kind] = (len(indices), full - _chain_replay_ms(backend, functions, launches, repeats, plain))
-        return full, found
+    them)})."""
+    launches, groups, full = _timed_chain(backend, functions, program, repeats, by_kernel)
+    lost: dict[str, tuple[int, float]] = {}
     for op in dict.fromkeys(groups):
         kept = [launch for launch, group in zip(launches, groups, strict=True) if group != op]
         count = len(launches) - len(kept)
-        found[op] = (count, full - _chain_replay_ms(backend, functions, kept, repeats) if kept else full)
-    return full, found
+        lost[op] = (count, full - _chain_replay_ms(backend, functions, kept, repeats) if kept else full)
+    return full, lost
+
+
+def _edge_gains(
+    backend: CudaBackend,
+    functions: Mapping[tuple[str, str], Any],
+    program: mf.ProgramDecl,
+    repeats: int,
+    by_kernel: bool,
+) -> tuple[float, dict[str, tuple[int, float]]]:
+    """(replay ms of every launch chained, {kind of programmatic edge (:func:`programmatic_edges`): (edges, ms
+    gained when those edges wait the ordinary way)})."""
+    launches, groups, full = _timed_chain(backend, functions, program, repeats, by_kernel)
+    gained: dict[str, tuple[int, float]] = {}
+    for kind, indices in programmatic_edges(groups, [launch.programmatic_wait for launch in launches]).items():
+        plain = frozenset(indices)
+        gained[kind] = (len(indices), full - _chain_replay_ms(backend, functions, launches, repeats, plain))
+    return full, gained
 
 
 def _chain_replay_ms(
@@ -279,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 for op, (count, ms) in sorted(lost.items(), key=lambda item: -item[1][1]):
                     print(f"{op:<60} {count:>8} {ms * 1000:>9.1f} {ms * 1000 / count:>11.2f}")
             if args.edges:
-                full, gained = _ablations(backend, functions, programs[name], args.repeats, args.by_kernel, edges=True)
+                full, gained = _edge_gains(backend, functions, programs[name], args.repeats, args.by_kernel)
                 print(f"\n{name}: the launches chained alone replay in {full * 1000:.1f} us; with each kind of "
                       "programmatic edge waiting the ordinary way:")  # fmt: skip
                 print(f"{'edge (launch before -> launch waiting)':<110} {'edges':>6} {'us gained':>10}")

@@ -92,7 +92,7 @@ def test_ablations_time_the_chain_without_each_group_or_with_each_kind_of_edge_o
     assert [symbols for symbols, _plain in timed[1:]] == [["b", "c", "b", "b"], ["a", "c"], ["a", "b", "b", "b"]]
     assert all(plain == frozenset() for _symbols, plain in timed)
     timed.clear()
-    full, gained = profile._ablations(backend, {}, mf.ProgramDecl(), 3, True, edges=True)
+    full, gained = profile._edge_gains(backend, {}, mf.ProgramDecl(), 3, True)
     assert full == 50.0
     # launch 3 waits the ordinary way already: no edge of its kind; the rest, each kind made ordinary in turn
     assert gained == {"norm:a -> proj:b": (1, -1.0), "proj:b -> attn:c": (1, -1.0), "proj:b -> proj:b": (1, -1.0)}
